@@ -1,0 +1,132 @@
+"""Every default of ember, with a comment on each key.
+
+Other config files start from `get_config()` here and change what they need. Any key can be
+overridden on the command line: `--config.model.num_layers=8`. Values derived from these
+(head_dim, the mesh shape once devices are known, ...) are computed in `ember/config.py`,
+never stored here.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.workdir = "runs/default"  # metrics.jsonl, tensorboard/ and checkpoints/ go here.
+  c.seed = 0  # One seed for init, data order and stochastic-rounding noise.
+  c.steps = 1000  # Number of optimizer steps to train for.
+
+  m = c.model = ml_collections.ConfigDict()
+  m.name = "tiny"  # The preset the shapes came from (informational; set by configs/models/).
+  m.num_layers = 2  # Decoder layers; run under scan, so the compile cost is one layer's.
+  m.d_model = 64  # Residual stream width.
+  m.num_heads = 4  # Query heads; must divide d_model unless head_dim is set.
+  m.num_kv_heads = 2  # Key/value heads (grouped-query attention); must divide num_heads.
+  m.head_dim = 0  # 0 = d_model // num_heads.
+  m.d_ff = 128  # Hidden units of the SwiGLU MLP (and of each expert).
+  m.vocab_size = 256  # 256 for the byte tokenizer; a SentencePiece model sets its own size.
+  m.seq_len = 128  # Tokens per training sequence (packed).
+  m.rope_theta = 10000.0  # Rotary embedding base.
+  m.norm_eps = 1e-5  # RMSNorm epsilon.
+  m.tie_embeddings = False  # Use the token embedding as the LM head.
+  m.param_dtype = "float32"  # Master weights and optimizer state.
+  m.dtype = "bfloat16"  # Activation / compute dtype.
+  m.attention = "auto"  # "auto" (cuDNN flash attention on GPU, XLA elsewhere), "xla", "cudnn".
+  m.init_std = 0.02  # Normal init for embeddings and projections (out projections scaled by depth).
+  # Mixture of experts. num_experts = 0 means every layer is dense.
+  m.num_experts = 0  # Routed experts per MoE layer.
+  m.experts_per_token = 2  # Top-k.
+  m.moe_every = 1  # Every n-th layer is MoE (1 = all); the others are dense.
+  m.shared_expert_d_ff = 0  # Width of an always-on shared expert (0 = none).
+  m.router_softmax_first = False  # False: softmax over the selected k; True: softmax, top-k, renormalise.
+  m.capacity_factor = 0.0  # 0 = dropless; > 0 = drop tokens past capacity_factor * tokens*k/experts.
+  m.load_balance_weight = 0.01  # Switch load-balancing loss weight.
+  m.router_z_weight = 0.001  # Router z-loss weight.
+
+  t = c.train = ml_collections.ConfigDict()
+  t.batch_size = 8  # Global batch, in sequences.
+  t.learning_rate = 3e-3  # Peak learning rate.
+  t.warmup_steps = 50  # Linear warm-up from 0 to the peak.
+  t.decay_steps = 0  # Cosine decay length; 0 = until `steps`.
+  t.min_lr_ratio = 0.1  # Cosine decays to learning_rate * min_lr_ratio.
+  t.b1 = 0.9  # AdamW beta1.
+  t.b2 = 0.95  # AdamW beta2.
+  t.eps = 1e-8  # AdamW epsilon.
+  t.weight_decay = 0.1  # Decoupled weight decay.
+  t.decay_norms_and_embeddings = False  # Apply weight decay to norm scales and embeddings too.
+  t.grad_clip_norm = 1.0  # Clip by global norm; 0 = off.
+  t.loss_chunk_size = 1024  # Tokens per chunk of the chunked cross-entropy (sequence axis); 0 = unchunked.
+  t.z_loss_weight = 0.0  # Weight of the log(Z)^2 auxiliary loss.
+  t.eval_every_steps = 100  # Eval loss every N steps (and after the last); 0 = never.
+  t.eval_batches = 4  # Batches of the held-out split per evaluation.
+  t.profile_start_step = -1  # Profiler trace of steps [start, start + profile_steps) into workdir; -1 = off.
+  t.profile_steps = 3
+
+  q = c.quant = ml_collections.ConfigDict()
+  q.recipe = "bf16"  # bf16 | fp8_delayed | fp8_current | mxfp8 | nvfp4.
+  q.exclude = ("lm_head",)  # fnmatch patterns of projection paths kept in bf16 ("layers.0.*", "lm_head").
+  q.amax_history_len = 1024  # fp8_delayed: amax history length.
+  q.amax_compute_algo = "max"  # fp8_delayed: "max" or "most_recent" of the history.
+  q.margin = 0  # fp8_delayed: scale = fp8_max / amax / 2**margin.
+  q.nvfp4_rht = True  # nvfp4: random Hadamard transform on the wgrad operands.
+  q.nvfp4_stochastic_rounding = True  # nvfp4: stochastic rounding of gradients.
+  q.nvfp4_2d_weights = True  # nvfp4: 16x16 weight tiles (False: 1x16 along the contraction axis).
+  q.rht_seed = 0  # Seed of the fixed random signs of the Hadamard transform.
+
+  r = c.remat = ml_collections.ConfigDict()
+  r.policy = "save_quantized"  # See ember/remat.py for the presets.
+  r.save_names = ()  # policy=custom: checkpoint names to keep on device.
+  r.offload_names = ()  # policy=custom: checkpoint names to move to host memory.
+  r.memory_budget_gb = 0.0  # policy=auto: per-device budget for the compiled peak.
+  r.auto_candidates = ()  # policy=auto: presets to try (empty = all that apply).
+
+  d = c.data = ml_collections.ConfigDict()
+  d.source = "text"  # synthetic | text | array_record | tfds.
+  d.path = ""  # text: glob of files ("" = this interpreter's stdlib *.py); array_record: glob of files.
+  d.tokenizer = "byte"  # "byte" or the path of a SentencePiece .model file.
+  d.eval_fraction = 0.02  # Share of documents held out for eval (by a hash of their name).
+  d.shuffle_buffer = 0  # Unused by the global-shuffle sources; kept for streaming sources.
+  d.tfds_name = ""  # tfds: dataset name, e.g. "lm1b".
+  d.tfds_data_dir = ""  # tfds: data_dir ("" = TFDS default).
+  d.tfds_text_key = "text"  # tfds: the feature holding the text.
+  d.num_threads = 2  # Grain prefetch threads.
+
+  mesh = c.mesh = ml_collections.ConfigDict()
+  mesh.data = 1  # Pure data parallelism (replicated parameters).
+  mesh.fsdp = -1  # Fully-sharded data parallelism (-1 = fill with the remaining devices).
+  mesh.tensor = 1  # Tensor parallelism over heads and MLP hidden units.
+  mesh.expert = 1  # Expert parallelism (MoE).
+  mesh.dcn_data = 1  # Across hosts (slow network): multiplies `data`.
+  mesh.dcn_fsdp = 1  # Across hosts: multiplies `fsdp`.
+  # Logical axis -> mesh axes. Layer code names logical axes only; this table decides the rest.
+  mesh.rules = (
+      ("batch", ("data", "fsdp", "expert")),
+      ("length", None),
+      ("embed", "fsdp"),
+      ("heads", "tensor"),
+      ("kv_heads", "tensor"),
+      ("head_dim", None),
+      ("mlp", "tensor"),
+      ("vocab", "tensor"),
+      ("expert", "expert"),
+      ("layers", None),
+      ("norm", None),
+      ("qkv", None),
+      ("gate", None),
+  )
+
+  ck = c.checkpoint = ml_collections.ConfigDict()
+  ck.every_steps = 500  # Save every N steps (and at the end); 0 = only at the end.
+  ck.keep = 3  # Number of checkpoints kept.
+  ck.async_save = True  # Save in a background thread while training continues.
+  ck.restore_from = ""  # Start a new run from this checkpoint directory (or step directory).
+  ck.params_only = False  # With restore_from: take only the parameters.
+
+  lg = c.log = ml_collections.ConfigDict()
+  lg.every_steps = 10  # Console line, metrics.jsonl and TensorBoard every N steps.
+  lg.tensorboard = True  # Write TensorBoard event files.
+
+  dist = c.distributed = ml_collections.ConfigDict()
+  dist.coordinator_address = ""  # host:port of process 0 ("" = from the environment, or SLURM).
+  dist.num_processes = 0  # 0 = from the environment (EMBER_NUM_PROCESSES) or SLURM.
+  dist.process_id = -1  # -1 = from the environment (EMBER_PROCESS_ID) or SLURM.
+  return c

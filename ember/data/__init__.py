@@ -1,0 +1,22 @@
+"""Input pipeline: document sources, tokenizers, packing and the Grain iterator.
+
+    tok = build_tokenizer(cfg.data)
+    it = make_iterator(cfg.data, seq_len=..., global_batch_size=..., seed=..., split="train")
+    batch = next(it)         # {inputs, targets, segment_ids, positions}: int32 [B/P, L]
+    state = it.get_state()   # JSON-serialisable; it.set_state(state) resumes exactly
+"""
+
+from ember.data.packing import BATCH_KEYS
+from ember.data.pipeline import make_dataset, make_iterator
+from ember.data.sources import DataError
+from ember.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, build_tokenizer
+
+__all__ = [
+    "BATCH_KEYS",
+    "ByteTokenizer",
+    "DataError",
+    "SentencePieceTokenizer",
+    "build_tokenizer",
+    "make_dataset",
+    "make_iterator",
+]

@@ -1,0 +1,69 @@
+"""Chunk token streams into next-token pairs and pack them into fixed-length rows.
+
+A document of n tokens becomes chunks of at most seq_len + 1 tokens that overlap by one,
+so every token after the first is a target exactly once:
+`inputs = chunk[:-1]`, `targets = chunk[1:]`. Chunks are then packed first-fit into rows
+of exactly seq_len by Grain's `FirstFitPackIterDataset`, whose iterator state is a small
+dict (the parent's state at the start of the current packed group), so packing stays
+checkpointable without storing any tokens.
+
+Row layout: `segment_ids` numbers the pieces of a row 1, 2, 3, ... (0 = padding),
+`positions` restart at 0 for each piece, and padding has inputs = targets = 0.
+"""
+
+import dataclasses
+
+import grain
+import numpy as np
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
+
+
+def chunk_document(tokens: np.ndarray, seq_len: int) -> list[dict[str, np.ndarray]]:
+  """(inputs, targets) pairs of at most seq_len tokens; none for a document under 2 tokens."""
+  tokens = np.asarray(tokens, np.int32)
+  return [
+      {"inputs": c[:-1], "targets": c[1:]}
+      for c in (tokens[s:s + seq_len + 1] for s in range(0, len(tokens) - 1, seq_len))
+  ]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkDocument(grain.experimental.FlatMapTransform):
+  """`chunk_document` as a Grain flat-map (the fan-out bound is advisory for iter datasets)."""
+
+  seq_len: int
+  max_fan_out: int = 1 << 20
+
+  def flat_map(self, element):
+    return chunk_document(element, self.seq_len)
+
+
+def _rename(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Grain names the packing features per key; inputs and targets share them here."""
+  return {
+      "inputs": packed["inputs"],
+      "targets": packed["targets"],
+      "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
+      "positions": packed["inputs_positions"].astype(np.int32),
+  }
+
+
+def pack(tokens: grain.IterDataset, *, seq_len: int, num_bins: int, shuffle_window: int,
+         seed: int) -> grain.IterDataset:
+  """Token arrays -> packed rows {inputs, targets, segment_ids, positions}, each [seq_len].
+
+  `shuffle_window` chunks are shuffled together before packing (0 = off): a long file
+  otherwise fills many consecutive rows, and a batch would hold one document.
+  """
+  chunks = grain.experimental.FlatMapIterDataset(tokens, ChunkDocument(seq_len))
+  if shuffle_window > 1:
+    chunks = grain.experimental.WindowShuffleIterDataset(
+        chunks, window_size=shuffle_window, seed=seed)
+  packed = grain.experimental.FirstFitPackIterDataset(
+      chunks,
+      length_struct={"inputs": seq_len, "targets": seq_len},
+      num_packing_bins=num_bins,
+      shuffle_bins=False,
+  )
+  return packed.map(_rename)

@@ -1,0 +1,240 @@
+"""Document sources: each returns a lazy `grain.MapDataset` of one split's documents.
+
+A document is either raw text (`bytes`, tokenized later by the pipeline) or an int32 array
+of token ids (synthetic and pre-tokenized sources). Nothing is read at construction: an
+element is loaded only when the pipeline indexes it, so building an iterator over a
+50 MB corpus costs one directory listing, not one pass over the text.
+
+The eval split is held out by a stable 64-bit hash of each document's *name* (its path
+relative to the glob root, plus the record position for multi-record files), so the split
+does not depend on the seed, the process count, or on which other files are present.
+"""
+
+import glob
+import hashlib
+import os
+import sysconfig
+
+import grain
+import numpy as np
+
+_EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+class DataError(ValueError):
+  """A bad data path or data setting; the message names the config key and the value."""
+
+
+def _first_line(e: Exception) -> str:
+  """Library errors can span lines; the trainer prints exactly one."""
+  return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+# --- The eval/train split ---------------------------------------------------------------
+
+
+def name_hash(name: str) -> int:
+  """A 64-bit hash of a document name that is the same in every process and Python run."""
+  return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+  """splitmix64's finalizer, vectorised: hashes many record positions without a Python loop."""
+  x = np.asarray(x, np.uint64)
+  with np.errstate(over="ignore"):
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  return (x ^ (x >> np.uint64(31))) & _MASK64
+
+
+def split_indices(hashes: np.ndarray, split: str, eval_fraction: float, key: str) -> np.ndarray:
+  """Indices (ascending) of the documents in `split`, chosen by their hashes.
+
+  A document is in eval when its hash, read as a fraction of 2**64, is below
+  `eval_fraction`. At least one document lands on each side, so a tiny corpus still
+  trains and still evaluates.
+  """
+  if split not in ("train", "eval"):
+    raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+  hashes = np.asarray(hashes, np.uint64)
+  if hashes.size < 2:
+    raise DataError(f"{key}: found {hashes.size} document(s); need at least 2 (train and eval)")
+  u = (hashes >> np.uint64(11)).astype(np.float64) / float(2**53)
+  is_eval = u < eval_fraction
+  if not is_eval.any():
+    is_eval[np.argmin(u)] = True
+  if is_eval.all():
+    is_eval[np.argmax(u)] = False
+  return np.flatnonzero(is_eval if split == "eval" else ~is_eval)
+
+
+# --- Files --------------------------------------------------------------------------------
+
+
+def stdlib_root() -> str:
+  return sysconfig.get_paths()["stdlib"]
+
+
+def _stdlib_files() -> list[str]:
+  """Every non-empty *.py of this interpreter's standard library, third-party packages pruned."""
+  files = []
+  for root, dirs, names in os.walk(stdlib_root()):
+    dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS]
+    files.extend(os.path.join(root, n) for n in names if n.endswith(".py"))
+  return files
+
+
+def glob_root(pattern: str) -> str:
+  """The directory part of `pattern` before its first wildcard: names are relative to it."""
+  parts = []
+  for part in pattern.split(os.sep):
+    if glob.has_magic(part):
+      break
+    parts.append(part)
+  root = os.sep.join(parts)
+  if root == pattern:  # No wildcard: a single file (or a directory).
+    root = root if os.path.isdir(root) else os.path.dirname(root)
+  return root or "."
+
+
+def list_files(path: str, key: str = "data.path") -> tuple[list[str], str]:
+  """Sorted non-empty files matching `path` ("" = stdlib), and the root names are relative to.
+
+  A directory means every file below it. Empty files are skipped: they hold no tokens,
+  and a split made only of empty documents would never yield a batch.
+  """
+  if not path:
+    files, root = _stdlib_files(), stdlib_root()
+  else:
+    pattern = os.path.join(path, "**", "*") if os.path.isdir(path) else path
+    files, root = glob.glob(pattern, recursive=True), glob_root(path)
+  files = sorted(f for f in files if os.path.isfile(f) and os.path.getsize(f) > 0)
+  if not files:
+    raise DataError(f"{key}: no non-empty files match {path or stdlib_root()!r}")
+  return files, root
+
+
+def _read_bytes(path: str) -> bytes:
+  with open(path, "rb") as f:
+    return f.read()
+
+
+def text_documents(path: str, split: str, eval_fraction: float) -> grain.MapDataset:
+  """One document per file, as raw bytes (the byte tokenizer keeps them exactly)."""
+  files, root = list_files(path)
+  hashes = [name_hash(os.path.relpath(f, root)) for f in files]
+  keep = split_indices(np.array(hashes, np.uint64), split, eval_fraction, f"data.path={path!r}")
+  return grain.MapDataset.source([files[i] for i in keep]).map(_read_bytes)
+
+
+def array_record_documents(path: str, split: str, eval_fraction: float) -> grain.MapDataset:
+  """One document per record; a record is a document's token ids as little-endian int32."""
+  files, root = list_files(path)
+  try:
+    counts = [len(grain.sources.ArrayRecordDataSource(f)) for f in files]
+    source = grain.sources.ArrayRecordDataSource(files)
+  except Exception as e:  # array_record raises plain RuntimeError/ValueError on bad files.
+    raise DataError(f"data.path: cannot read {path!r} as ArrayRecord files "
+                    f"({_first_line(e)})") from e
+  hashes = np.concatenate([
+      mix64(np.arange(n, dtype=np.uint64) ^ np.uint64(name_hash(os.path.relpath(f, root))))
+      for f, n in zip(files, counts)
+  ])
+  keep = split_indices(hashes, split, eval_fraction, f"data.path={path!r}")
+  return grain.MapDataset.source(keep).map(
+      lambda k: np.frombuffer(source[int(k)], "<i4").astype(np.int32))
+
+
+# --- Synthetic ----------------------------------------------------------------------------
+
+SYNTHETIC_DOCUMENTS = 1 << 20
+
+
+def synthetic_document(seed: int, index: int, vocab_size: int) -> np.ndarray:
+  """A noisy, learnable token stream: an arithmetic progression or a repeated motif.
+
+  Either pattern is predictable from a few earlier tokens of the same document (a model
+  must learn modular addition or copying), and 5% of tokens are replaced by uniform
+  noise, so the loss of a small model falls well below log(vocab_size) but not to zero.
+  """
+  rng = np.random.default_rng((seed, index))
+  n = int(rng.integers(32, 513))
+  t = np.arange(n)
+  if rng.random() < 0.5:
+    start, step = rng.integers(0, vocab_size), rng.integers(1, 9)
+    tokens = (start + step * t) % vocab_size
+  else:
+    motif = rng.integers(0, vocab_size, size=int(rng.integers(2, 17)))
+    tokens = motif[t % motif.size]
+  noise = rng.random(n) < 0.05
+  tokens[noise] = rng.integers(0, vocab_size, size=int(noise.sum()))
+  return tokens.astype(np.int32)
+
+
+def synthetic_documents(seed: int, vocab_size: int, split: str,
+                        eval_fraction: float) -> grain.MapDataset:
+  hashes = mix64(np.arange(SYNTHETIC_DOCUMENTS, dtype=np.uint64))
+  keep = split_indices(hashes, split, eval_fraction, "data.source")
+  return grain.MapDataset.source(keep).map(
+      lambda i: synthetic_document(seed, int(i), vocab_size))
+
+
+# --- TFDS ---------------------------------------------------------------------------------
+
+
+def tfds_documents(name: str, data_dir: str, text_key: str, split: str,
+                   eval_fraction: float) -> grain.MapDataset:
+  """Documents of a TFDS dataset's "train" split, read through its random-access source.
+
+  tensorflow-datasets is an optional extra, imported only here.
+  """
+  if not name:
+    raise DataError("data.tfds_name: must name a TFDS dataset when data.source is 'tfds'")
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise DataError("data.source: 'tfds' needs tensorflow-datasets; install the extra: "
+                    "pip install -e '.[tfds]'") from e
+  try:
+    source = tfds.data_source(name, split="train", data_dir=data_dir or None)
+  except Exception as e:  # TFDS raises many types for a missing or unprepared dataset.
+    raise DataError(f"data.tfds_name: cannot open {name!r} ({_first_line(e)})") from e
+  keep = split_indices(mix64(np.arange(len(source), dtype=np.uint64) ^ np.uint64(name_hash(name))),
+                       split, eval_fraction, "data.tfds_name")
+
+  def load(k):
+    text = source[int(k)][text_key]
+    return text.encode() if isinstance(text, str) else bytes(text)
+
+  return grain.MapDataset.source(keep).map(load)
+
+
+def open_documents(data_cfg, split: str, *, seed: int, vocab_size: int) -> grain.MapDataset:
+  """The documents of `split` for the configured `data.source`."""
+  frac = float(data_cfg.eval_fraction)
+  source = data_cfg.source
+  if source == "synthetic":
+    return synthetic_documents(seed, vocab_size, split, frac)
+  if source == "text":
+    return text_documents(data_cfg.path, split, frac)
+  if source == "array_record":
+    if not data_cfg.path:
+      raise DataError("data.path: array_record needs a glob of .array_record files")
+    return array_record_documents(data_cfg.path, split, frac)
+  if source == "tfds":
+    return tfds_documents(data_cfg.tfds_name, data_cfg.tfds_data_dir, data_cfg.tfds_text_key,
+                          split, frac)
+  raise DataError(f"data.source: unknown source {source!r}; "
+                  "expected synthetic, text, array_record or tfds")
+
+
+def shard(ds: grain.MapDataset, process_index: int, process_count: int) -> grain.MapDataset:
+  """This process's disjoint share; with fewer documents than processes, shares wrap."""
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+  if len(ds) >= process_count:
+    return ds[process_index::process_count]
+  i = process_index % len(ds)
+  return ds[i:i + 1]
+

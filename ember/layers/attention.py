@@ -1,0 +1,76 @@
+"""Grouped-query causal self-attention over packed sequences.
+
+Q, K and V come from one fused projection (kernel [embed, kv_heads, q_per_kv + 2, head_dim]) so a
+quantized recipe quantizes the layer's normed input once, not three times, and tensor parallelism
+shards whole kv groups. The softmax and its two batched matmuls stay in the compute dtype
+(never quantized). Tokens attend only within their own segment (packed documents).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from ember import remat
+from ember.layers.linear import Linear
+from ember.layers.rope import apply_rope
+from ember.parallel.sharding import shard
+
+
+def causal_segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
+  """[B, 1, L, L] True where query i may attend key j: same non-padding segment and j <= i."""
+  same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+  length = segment_ids_BxL.shape[1]
+  causal = jnp.tril(jnp.ones((length, length), bool))
+  return (same & causal)[:, None]
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg, *, path: str, recipe, rngs: nnx.Rngs):
+    m = cfg.model
+    self.num_heads, self.num_kv_heads, self.head_dim = m.num_heads, m.num_kv_heads, m.head_dim
+    self.groups = m.num_heads // m.num_kv_heads
+    self.rope_theta, self.implementation = m.rope_theta, m.attention
+    dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
+    out_std = m.init_std / (2 * m.num_layers) ** 0.5
+    self.qkv = Linear((m.d_model,), (m.num_kv_heads, self.groups + 2, m.head_dim),
+                      ("embed", "kv_heads", "qkv", "head_dim"), name="qkv", path=f"{path}.qkv", recipe=recipe,
+                      init_std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.out = Linear((m.num_heads, m.head_dim), (m.d_model,), ("heads", "head_dim", "embed"), name="out",
+                      path=f"{path}.out", recipe=recipe, init_std=out_std, dtype=dtype, param_dtype=param_dtype,
+                      rngs=rngs)
+
+  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None):
+    b, l, _ = x_BxLxD.shape
+    qkv = self.qkv(x_BxLxD, key)  # [B, L, K, G+2, H]
+    q_BxLxNxH = qkv[:, :, :, : self.groups].reshape(b, l, self.num_heads, self.head_dim)
+    k_BxLxKxH, v_BxLxKxH = qkv[:, :, :, self.groups], qkv[:, :, :, self.groups + 1]
+    q_BxLxNxH = checkpoint_name(shard(q_BxLxNxH, ("batch", "length", "heads", "head_dim")), remat.QUERY)
+    k_BxLxKxH = checkpoint_name(shard(k_BxLxKxH, ("batch", "length", "kv_heads", "head_dim")), remat.KEY)
+    v_BxLxKxH = checkpoint_name(shard(v_BxLxKxH, ("batch", "length", "kv_heads", "head_dim")), remat.VALUE)
+    q_BxLxNxH = apply_rope(q_BxLxNxH, positions_BxL, self.rope_theta)
+    k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope_theta)
+    ctx_BxLxNxH = jax.nn.dot_product_attention(
+        q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask=causal_segment_mask(segment_ids_BxL),
+        implementation=_implementation(self.implementation))
+    ctx_BxLxNxH = checkpoint_name(shard(ctx_BxLxNxH, ("batch", "length", "heads", "head_dim")),
+                                  remat.ATTENTION_CONTEXT)
+    y_BxLxD = self.out(ctx_BxLxNxH, key)
+    return checkpoint_name(shard(y_BxLxD, ("batch", "length", "embed")), remat.OUT_PROJ)
+
+
+def _implementation(choice: str):
+  """`auto`: cuDNN flash attention where JAX can use it (GPU), else XLA; JAX picks when given None."""
+  if choice == "auto":
+    return "cudnn" if jax.default_backend() == "gpu" and _cudnn_ok() else None
+  return choice
+
+
+def _cudnn_ok() -> bool:
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo  # noqa: F401
+    return True
+  except Exception:
+    return False

@@ -1,0 +1,91 @@
+"""Logical axis names -> mesh axes: the one place sharding rules are applied.
+
+Layers name the axes of their parameters (`nnx.Param(..., out_sharding=("embed", "mlp"))`) and of
+their main activations (`shard(x, ("batch", "length", "embed"))`). The rules table in the config
+(`mesh.rules`) maps each logical name to zero, one or several mesh axes. Layer code never
+mentions a mesh: outside `use_rules(...)` every `shard` call is a no-op, so a layer runs unchanged
+on one device, in a test, or inside `shard_map`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, dict] | None] = contextvars.ContextVar("ember_rules", default=None)
+
+
+def rules_dict(rules) -> dict[str, tuple[str, ...]]:
+  """Normalises the config's rules table to {logical: (mesh axes...)}."""
+  out = {}
+  for logical, mesh_axes in rules:
+    if mesh_axes is None:
+      out[logical] = ()
+    elif isinstance(mesh_axes, str):
+      out[logical] = (mesh_axes,)
+    else:
+      out[logical] = tuple(mesh_axes)
+  return out
+
+
+def logical_to_spec(names: Sequence[str | None], rules: dict, mesh: Mesh | None = None) -> P:
+  """PartitionSpec for an array whose axes carry the logical `names`.
+
+  A mesh axis is used at most once per array (the first logical axis that asks for it wins),
+  and axes of size 1 are dropped, so e.g. `("batch", "embed")` with batch -> (data, fsdp) and
+  embed -> fsdp shards the batch over fsdp and leaves embed whole.
+  """
+  used: set[str] = set()
+  spec = []
+  for name in names:
+    axes = []
+    for a in rules.get(name, ()) if name is not None else ():
+      if a in used or (mesh is not None and mesh.shape.get(a, 1) == 1):
+        continue
+      used.add(a)
+      axes.append(a)
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  return P(*spec)
+
+
+def named_sharding(names, mesh: Mesh, rules: dict) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(names, rules, mesh))
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh, rules):
+  """Activates `mesh` and the rules table for `shard` calls traced inside the block."""
+  token = _ACTIVE.set((mesh, rules_dict(rules)))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def active_mesh() -> Mesh | None:
+  active = _ACTIVE.get()
+  return None if active is None else active[0]
+
+
+def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """Constrains activation `x` to the sharding its logical axis `names` map to (no-op outside use_rules)."""
+  active = _ACTIVE.get()
+  if active is None:
+    return x
+  mesh, rules = active
+  if len(names) != x.ndim:
+    raise ValueError(f"shard: {len(names)} logical names {tuple(names)} for an array of rank {x.ndim}")
+  return jax.lax.with_sharding_constraint(x, named_sharding(names, mesh, rules))
+
+
+def tree_shardings(logical_tree, mesh: Mesh, rules) -> object:
+  """Maps a pytree of logical-name tuples (PartitionSpecs of names) to NamedShardings."""
+  rd = rules_dict(rules)
+  return jax.tree.map(lambda names: named_sharding(tuple(names), mesh, rd), logical_tree,
+                      is_leaf=lambda x: isinstance(x, (P, tuple)))

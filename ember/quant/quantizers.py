@@ -1,0 +1,269 @@
+"""Quantizers: one immutable value object per scaling recipe.
+
+Each is a frozen dataclass registered as a pytree (configuration in static
+fields, state such as an amax history in data fields) with one method,
+
+  quantize(x, axis=-1, *, rng=None, reduce_axes=()) -> QuantizedTensor.
+
+A quantizer holds no mesh, device or axis name. Under `jit` with sharded
+inputs a plain `jnp.max` is already global, so nothing is needed; inside
+`shard_map` the caller names the mesh axes to reduce the amax over with
+`reduce_axes` (a `lax.pmax`). Block amaxes are always local: blocks never
+straddle shards as long as shards hold whole blocks.
+
+All arithmetic is float32, in the order written in each docstring; the
+tests' NumPy reference does the same operations in the same order, so the
+comparison is bit for bit. Scale policy shared by every recipe: a zero or
+non-finite amax gives scale 1.0 (so a NaN input stays NaN in E4M3/E5M2 data
+and +-Inf saturates), and a scale is clamped to the float32 max so that a
+tiny amax never makes it Inf (which would turn 0 * scale into NaN).
+"""
+
+import dataclasses
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ember.quant import formats
+from ember.quant.formats import E2M1, E4M3, E5M2, Format
+from ember.quant.tensor import (QuantizedTensor, block_axes, block_broadcast,
+                                block_reduce_max, normalize_axis, static_field)
+
+RECIPES = ("fp8_current", "fp8_delayed", "mxfp8", "nvfp4")
+ROLES = ("weight", "activation", "gradient")
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def tensor_amax(x32: jax.Array, reduce_axes: tuple[str, ...] = ()) -> jax.Array:
+  """max |x| over the whole tensor; NaN if any element is NaN."""
+  amax = jnp.max(jnp.abs(x32))
+  return jax.lax.pmax(amax, tuple(reduce_axes)) if reduce_axes else amax
+
+
+def scale_from_amax(numerator: float, amax: jax.Array, margin: int = 0):
+  """min((numerator / amax) / 2**margin, f32 max); 1.0 for amax 0 / non-finite."""
+  ok = (amax > 0) & jnp.isfinite(amax)
+  scale = jnp.float32(numerator) / jnp.where(ok, amax, 1.0)
+  if margin:
+    scale = scale / jnp.float32(2.0**margin)
+  return jnp.where(ok, jnp.minimum(scale, _F32_MAX), 1.0).astype(jnp.float32)
+
+
+def _per_tensor(x, axis, fmt, scale, amax, recipe) -> QuantizedTensor:
+  """data = cast(x * scale), scale_inv = 1 / scale."""
+  x32 = x.astype(jnp.float32)
+  return QuantizedTensor(
+      data=formats.cast(x32 * scale, fmt),
+      scale_inv=jnp.float32(1.0) / scale,
+      global_scale_inv=jnp.float32(1.0),
+      amax=amax,
+      recipe=recipe,
+      axis=normalize_axis(axis, x.ndim),
+      block=(),
+      dtype=jnp.dtype(x.dtype).name)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling:
+  """Per-tensor current scaling: scale = fmt.max / max|x| of this very tensor."""
+
+  fmt: Format = static_field(E4M3)
+
+  def __post_init__(self):
+    object.__setattr__(self, "fmt", formats.get_format(self.fmt))
+
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=()):
+    del rng  # Round to nearest.
+    amax = tensor_amax(x.astype(jnp.float32), reduce_axes)
+    scale = scale_from_amax(self.fmt.max, amax)
+    return _per_tensor(x, axis, self.fmt, scale, amax, "fp8_current")
+
+
+def update_history(history: jax.Array, amax: jax.Array) -> jax.Array:
+  """Rolls `amax` in at index 0 and drops the oldest (last) entry."""
+  amax = jnp.asarray(amax, history.dtype).reshape(1)
+  return jnp.concatenate([amax, history[:-1]])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+  """Per-tensor delayed scaling from the amaxes of earlier steps.
+
+  scale = (fmt.max / ref) / 2**margin with ref = max(amax_history)
+  ("max") or amax_history[0] ("most_recent"). The current amax is returned on
+  the QuantizedTensor; the caller rolls it in with `update` (or
+  `update_history`) and carries the new quantizer to the next step. Values
+  past the stale amax saturate. A zero history (the start) gives scale 1.0.
+  """
+
+  amax_history: jax.Array
+  fmt: Format = static_field(E4M3)
+  margin: int = static_field(0)
+  compute_algo: str = static_field("max")
+
+  def __post_init__(self):
+    object.__setattr__(self, "fmt", formats.get_format(self.fmt))
+    if self.compute_algo not in ("max", "most_recent"):
+      raise ValueError(f"compute_algo must be 'max' or 'most_recent', "
+                       f"got {self.compute_algo!r}")
+
+  @classmethod
+  def create(cls, history_len=1024, fmt=E4M3, margin=0, compute_algo="max"):
+    return cls(jnp.zeros((history_len,), jnp.float32), fmt, margin, compute_algo)
+
+  @property
+  def scale(self) -> jax.Array:
+    h = self.amax_history
+    ref = jnp.max(h) if self.compute_algo == "max" else h[0]
+    return scale_from_amax(self.fmt.max, ref, self.margin)
+
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=()):
+    del rng  # Round to nearest.
+    amax = tensor_amax(x.astype(jnp.float32), reduce_axes)
+    return _per_tensor(x, axis, self.fmt, self.scale, amax, "fp8_delayed")
+
+  def update(self, amax: jax.Array) -> "DelayedScaling":
+    return dataclasses.replace(
+        self, amax_history=update_history(self.amax_history, amax))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXFP8Scaling:
+  """MXFP8: E4M3 data, one E8M0 power-of-two scale per `block` along `axis`.
+
+  scale = 2**k with k the smallest integer such that block_amax / 2**k <= 448
+  (= ceil(log2(block_amax / 448)) over the reals), found exactly from the
+  frexp exponent of block_amax, never with a float log2. An all-zero block
+  gets 2**-127; a non-finite block amax gets 1.0. data = cast(x * 2**-k),
+  which equals x / 2**k exactly. `axis` must be a multiple of `block` long.
+  """
+
+  block: int = static_field(32)
+
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=()):
+    del rng
+    x32 = x.astype(jnp.float32)
+    axis = normalize_axis(axis, x.ndim)
+    axes, block = (axis,), (self.block,)
+    amax_B = block_reduce_max(jnp.abs(x32), axes, block)
+    # E4M3 max = 448 = 0.875 * 2**9, amax = m * 2**e, m in [0.5, 1):
+    # amax / 2**k <= 448  <=>  k >= e - 9 + (m > 0.875).
+    max_m, max_e = np.frexp(E4M3.max)
+    m, e = jnp.frexp(amax_B)
+    k = e - int(max_e) + (m > max_m).astype(jnp.int32)
+    k = jnp.where(amax_B == 0, -127, k)
+    k = jnp.where(jnp.isfinite(amax_B), jnp.clip(k, -127, 127), 0)
+    # -k <= 127 and k <= 120 for finite float32 amax, so 2**-k is normal.
+    inv_pow2 = block_broadcast(formats.pow2(-k), x.shape, axes, block)
+    amax = jnp.max(amax_B)
+    if reduce_axes:
+      amax = jax.lax.pmax(amax, tuple(reduce_axes))
+    return QuantizedTensor(
+        data=formats.cast(x32 * inv_pow2, E4M3),
+        scale_inv=formats.e8m0_from_exponent(k),
+        global_scale_inv=jnp.float32(1.0),
+        amax=amax,
+        recipe="mxfp8",
+        axis=axis,
+        block=block,
+        dtype=jnp.dtype(x.dtype).name)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Scaling:
+  """NVFP4: E2M1 data, E4M3 block scales, a float32 per-tensor scale.
+
+  In float32, in this order:
+    global_scale = (6 * 448) / global_amax        (1.0 if amax 0/non-finite)
+    block_scale  = cast_e4m3((block_amax / 6) * global_scale)   # RNE, saturating
+    data         = e2m1((x * global_scale) / block_scale)  (0 where block_scale == 0)
+    global_scale_inv = 1 / global_scale
+    dequantized  = (data * block_scale) * global_scale_inv
+  Blocks are 1x16 along `axis`, or with `tile_2d` 16x16 tiles over the last
+  two dims, so one quantized weight serves both W and W.T GEMMs. With
+  `stochastic_rounding` and an `rng` key the E2M1 cast is stochastic
+  (`formats.stochastic_cast`); without a key it rounds to nearest even.
+  A NaN in a block makes its E4M3 block scale NaN: the whole block
+  dequantizes to NaN (E2M1 itself cannot hold NaN; its data there is 0).
+  """
+
+  tile_2d: bool = static_field(False)
+  stochastic_rounding: bool = static_field(False)
+  block: int = static_field(16)
+
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=()):
+    x32 = x.astype(jnp.float32)
+    axis = normalize_axis(axis, x.ndim)
+    block = (self.block,) * (2 if self.tile_2d else 1)
+    axes = block_axes(x.ndim, axis, block)
+    amax = tensor_amax(x32, reduce_axes)
+    global_scale = scale_from_amax(6.0 * E4M3.max, amax)
+    amax_B = block_reduce_max(jnp.abs(x32), axes, block)
+    scale_B = formats.cast((amax_B / 6.0) * global_scale, E4M3)
+    scale = block_broadcast(scale_B.astype(jnp.float32), x.shape, axes, block)
+    y = jnp.where(scale == 0, 0.0, (x32 * global_scale) / scale)
+    if self.stochastic_rounding and rng is not None:
+      data = formats.stochastic_cast(y, E2M1, rng)
+    else:
+      data = formats.cast(y, E2M1)
+    return QuantizedTensor(
+        data=data,
+        scale_inv=scale_B,
+        global_scale_inv=jnp.float32(1.0) / global_scale,
+        amax=amax,
+        recipe="nvfp4",
+        axis=axis,
+        block=block,
+        dtype=jnp.dtype(x.dtype).name)
+
+
+Quantizer = Union[CurrentScaling, DelayedScaling, MXFP8Scaling, NVFP4Scaling]
+
+
+def make_quantizer(recipe: str, role: str, *, nvfp4_2d_weights: bool = True,
+                   nvfp4_stochastic_rounding: bool = True,
+                   amax_history_len: int = 1024, margin: int = 0,
+                   amax_compute_algo: str = "max") -> Quantizer:
+  """The quantizer a (recipe, role) pair uses.
+
+  fp8_*: E4M3 for weights and activations, E5M2 for gradients.
+  mxfp8: E4M3 for every role. nvfp4: 16x16 tiles for weights (unless
+  `nvfp4_2d_weights` is False), 1x16 otherwise; stochastic rounding for
+  gradients. fp8_delayed starts from a zero history of `amax_history_len`.
+  """
+  if role not in ROLES:
+    raise ValueError(f"unknown role {role!r}; valid roles: {', '.join(ROLES)}")
+  fmt = E5M2 if role == "gradient" else E4M3
+  if recipe == "fp8_current":
+    return CurrentScaling(fmt)
+  if recipe == "fp8_delayed":
+    return DelayedScaling.create(amax_history_len, fmt, margin, amax_compute_algo)
+  if recipe == "mxfp8":
+    return MXFP8Scaling()
+  if recipe == "nvfp4":
+    return NVFP4Scaling(
+        tile_2d=role == "weight" and nvfp4_2d_weights,
+        stochastic_rounding=role == "gradient" and nvfp4_stochastic_rounding)
+  raise ValueError(f"unknown quantization recipe {recipe!r}; valid recipes: "
+                   f"{', '.join(RECIPES)} ('bf16' means: do not quantize)")
+
+
+def quantize(x: jax.Array, recipe: str, role: str, axis: int = -1,
+             rng: jax.Array | None = None, *,
+             reduce_axes: tuple[str, ...] = ()) -> QuantizedTensor:
+  """Quantizes `x` with the quantizer of (recipe, role), blocks along `axis`.
+
+  fp8_delayed carries state between steps, so it is refused here: build a
+  `DelayedScaling` (or `make_quantizer`) and carry it instead.
+  """
+  if recipe == "fp8_delayed":
+    raise ValueError("fp8_delayed needs an amax history from earlier steps: "
+                     "use DelayedScaling (make_quantizer) and carry it")
+  q = make_quantizer(recipe, role)
+  return q.quantize(x, axis, rng=rng, reduce_axes=reduce_axes)

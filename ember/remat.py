@@ -1,0 +1,132 @@
+"""Checkpoint names and rematerialisation policy presets: the one place both live.
+
+Layers tag the tensors a backward pass may want with `jax.ad_checkpoint.checkpoint_name`, using
+the constants below (never spelled strings). A policy preset is data: the set of names kept on
+device and the set moved to host memory; everything else is recomputed in the backward pass.
+`jax.checkpoint` wraps one decoder block's body inside the layer scan (see layers/decoder.py), so
+the scan carry (each block's input) is always kept and a policy decides the rest.
+
+Quantized residuals are named `quantized.<projection>.<operand>`; operand is one of
+`QUANTIZED_OPERANDS`: the forward GEMM's operands (`x`, `kernel`), and the copies quantized along
+the backward GEMMs' contraction axes where a block-scaled recipe needs them (`x_t` for wgrad,
+`kernel_t` for dgrad).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+from jax.ad_checkpoint import Offloadable, Recompute, Saveable
+
+# Activations (names follow MaxText's where one exists).
+LAYER_INPUT = "decoder_layer_input"
+QUERY = "query_proj"
+KEY = "key_proj"
+VALUE = "value_proj"
+ATTENTION_CONTEXT = "attention_context"
+OUT_PROJ = "out_proj"
+MLP_WI_0 = "mlpwi_0"
+MLP_WI_1 = "mlpwi_1"
+MLP_WO = "mlpwo"
+MOE_WI_0 = "moe_wi_0"
+MOE_WI_1 = "moe_wi_1"
+MOE_WO = "moe_wo"
+ROUTER_LOGITS = "router_logits"
+
+ACTIVATION_NAMES = (LAYER_INPUT, QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, MLP_WI_0, MLP_WI_1, MLP_WO,
+                    MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS)
+
+# Projections (the `name` of every quantized matmul) and their quantized operands.
+QUANTIZED = "quantized"
+PROJECTIONS = ("qkv", "out", "wi", "wo", "moe_wi", "moe_wo", "shared_wi", "shared_wo", "lm_head")
+QUANTIZED_OPERANDS = ("x", "kernel", "x_t", "kernel_t")
+
+
+def quantized_name(projection: str, operand: str) -> str:
+  """The checkpoint name of one quantized residual, e.g. `quantized.wi.x`."""
+  return f"{QUANTIZED}.{projection}.{operand}"
+
+
+QUANTIZED_NAMES = tuple(quantized_name(p, o) for p in PROJECTIONS for o in QUANTIZED_OPERANDS)
+ALL_NAMES = ACTIVATION_NAMES + QUANTIZED_NAMES
+
+# The projection outputs `minimal` keeps (every projection matmul's output).
+PROJECTION_OUTPUTS = (QUERY, KEY, VALUE, OUT_PROJ, MLP_WI_0, MLP_WI_1, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO,
+                      ROUTER_LOGITS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """What a policy keeps: names saved on device and names offloaded to host; `remat=False` = no checkpoint."""
+  save: tuple[str, ...] = ()
+  offload: tuple[str, ...] = ()
+  remat: bool = True
+
+
+PRESETS: dict[str, Preset] = {
+    "none": Preset(remat=False),
+    "full": Preset(),
+    "minimal": Preset(save=PROJECTION_OUTPUTS),
+    "save_quantized": Preset(save=QUANTIZED_NAMES),
+    "minimal_quantized": Preset(save=PROJECTION_OUTPUTS + QUANTIZED_NAMES),
+    "save_qkv_proj": Preset(save=(QUERY, KEY, VALUE)),
+    "save_dot_except_mlp": Preset(save=(QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, ROUTER_LOGITS)),
+    "minimal_offloaded": Preset(offload=PROJECTION_OUTPUTS),
+    "save_quantized_offloaded": Preset(offload=QUANTIZED_NAMES),
+}
+POLICIES = tuple(PRESETS) + ("custom", "auto")
+
+
+def validate(remat_cfg) -> None:
+  """Raises ConfigError for an unknown preset or an unknown name in a custom list."""
+  from ember.config import ConfigError
+  if remat_cfg.policy not in POLICIES:
+    raise ConfigError(f"config.remat.policy: unknown policy {remat_cfg.policy!r}; choose one of {', '.join(POLICIES)}")
+  for key in ("save_names", "offload_names"):
+    names = tuple(remat_cfg[key])
+    unknown = [n for n in names if n not in ALL_NAMES]
+    if unknown:
+      raise ConfigError(f"config.remat.{key}: unknown checkpoint name {unknown[0]!r}; valid names: {', '.join(ALL_NAMES)}")
+  if remat_cfg.policy == "auto" and remat_cfg.memory_budget_gb <= 0:
+    raise ConfigError("config.remat.memory_budget_gb: policy auto needs a budget > 0 (GB per device)")
+  unknown = [p for p in remat_cfg.auto_candidates if p not in PRESETS]
+  if unknown:
+    raise ConfigError(f"config.remat.auto_candidates: unknown preset {unknown[0]!r}; choose from {', '.join(PRESETS)}")
+
+
+def preset(remat_cfg, name: str | None = None) -> Preset:
+  """The Preset for a config's policy (`custom` reads the lists); `auto` must be resolved first."""
+  name = name or remat_cfg.policy
+  if name == "custom":
+    return Preset(save=tuple(remat_cfg.save_names), offload=tuple(remat_cfg.offload_names))
+  if name == "auto":
+    raise ValueError("remat policy 'auto' must be resolved to a preset before building the model")
+  return PRESETS[name]
+
+
+def jax_policy(p: Preset) -> Callable | None:
+  """A `jax.checkpoint` policy that saves `p.save`, offloads `p.offload` and recomputes the rest."""
+  if not p.remat:
+    return None
+  save, offload = frozenset(p.save), frozenset(p.offload)
+
+  def policy(prim, *_, **params):
+    if prim.name != "name":
+      return Recompute
+    name = params["name"]
+    if name in save:
+      return Saveable
+    if name in offload:
+      return Offloadable(src="device", dst="pinned_host")
+    return Recompute
+
+  return policy
+
+
+def checkpoint(fn: Callable, p: Preset) -> Callable:
+  """Wraps one decoder block's body; `prevent_cse=False` is right (and faster) inside a scan."""
+  if not p.remat:
+    return fn
+  return jax.checkpoint(fn, policy=jax_policy(p), prevent_cse=False)

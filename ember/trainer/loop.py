@@ -1,0 +1,206 @@
+"""The training loop: set up, restore, compile once, step, log, evaluate, checkpoint, stop cleanly.
+
+The device never waits for the host: the jitted step runs ahead asynchronously and metrics are
+fetched once per log interval (that fetch is also where step time is measured). SIGTERM (a
+preemption notice) ends the loop after the current step with a synchronous checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ember import config as config_lib
+from ember import remat
+from ember.data import build_tokenizer, make_iterator
+from ember.parallel import distributed
+from ember.parallel.mesh import make_mesh
+from ember.parallel.sharding import logical_to_spec, rules_dict, use_rules
+from ember.trainer import flops as flops_lib
+from ember.trainer.checkpointing import Checkpointer, CheckpointError
+from ember.trainer.metrics import MetricsWriter, console, progress_line
+from ember.trainer.optimizer import make_optimizer
+from ember.trainer.state import create_train_state, state_shardings
+from ember.trainer.step import eval_step, train_step
+
+__version__ = "0.1.0"
+
+
+class _StopFlag:
+  """Set by SIGTERM; checked between steps."""
+
+  def __init__(self):
+    self.set = False
+    self._previous = None
+
+  def install(self):
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # Not the main thread (e.g. a test harness): no preemption handling.
+      self._previous = None
+
+  def _handle(self, *_):
+    self.set = True
+
+  def uninstall(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def _global_batch(batch: dict, sharding: NamedSharding) -> dict:
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+
+
+def setup(cfg):
+  """Validates and derives the config, builds the mesh; returns (cfg, mesh)."""
+  distributed.initialize(cfg.distributed)
+  num_devices = jax.device_count()
+  config_lib.validate(cfg, num_devices)
+  cfg = config_lib.derive(cfg, num_devices)
+  tokenizer = build_tokenizer(cfg.data) if cfg.data.source != "synthetic" else None
+  if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+    raise config_lib.ConfigError(f"config.model.vocab_size: {cfg.model.vocab_size} is smaller than the "
+                                 f"tokenizer's vocabulary ({tokenizer.vocab_size})")
+  return cfg, make_mesh(cfg.mesh)
+
+
+def data_iterator(cfg, split: str):
+  return make_iterator(cfg.data, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.batch_size, seed=cfg.seed,
+                       split=split, process_index=jax.process_index(), process_count=jax.process_count(),
+                       vocab_size=cfg.model.vocab_size)
+
+
+def resolve_policy(cfg, mesh, tx, schedule) -> remat.Preset:
+  if cfg.remat.policy != "auto":
+    return remat.preset(cfg.remat)
+  from ember.tools.auto_remat import choose  # Compiles candidates: only when asked for.
+  return remat.preset(cfg.remat, choose(cfg, mesh, tx, schedule))
+
+
+def train(cfg) -> dict:
+  """Runs (or resumes) the job the config describes; returns a summary of the final figures."""
+  t_start = time.time()
+  cfg, mesh = setup(cfg)
+  tx, schedule = make_optimizer(cfg.train)
+  rules = rules_dict(cfg.mesh.rules)
+  batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
+  metrics = MetricsWriter(cfg.workdir, tensorboard=cfg.log.tensorboard)
+  stop = _StopFlag()
+  stop.install()
+  with use_rules(mesh, cfg.mesh.rules):
+    policy = resolve_policy(cfg, mesh, tx, schedule)
+    graphdef, shardings, abstract = state_shardings(cfg, mesh, tx, policy)
+    ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every_steps=cfg.checkpoint.every_steps,
+                        keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
+                        metadata={"config": cfg.to_dict(), "ember_version": __version__,
+                                  "mesh": dict(mesh.shape)})
+    state, data_state = _restore_or_init(cfg, ckpt, mesh, tx, policy, graphdef, abstract, shardings, metrics)
+    start = int(state.step)
+    train_it = data_iterator(cfg, "train")
+    if data_state:
+      train_it.set_state(data_state)
+
+    step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule),
+                      in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+    eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef, cfg=cfg),
+                      in_shardings=(shardings, batch_sharding))
+    batch = _global_batch(next(train_it), batch_sharding)
+    t0 = time.time()
+    compiled = step_fn.lower(state, batch).compile()
+    console(f"compiled the train step in {time.time() - t0:.1f}s "
+            f"({_memory_summary(compiled)}; remat {cfg.remat.policy}, recipe {cfg.quant.recipe}, "
+            f"mesh {dict(mesh.shape)})")
+
+    flops_per_step = flops_lib.train_flops_per_step(cfg)
+    peak = flops_lib.peak_tflops(jax.devices()[0].device_kind)
+    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    last = {"step": start}
+    t_log, step_at_log = time.time(), start
+    profile = cfg.train.profile_start_step
+    for step in range(start, cfg.steps):
+      if step == profile:
+        jax.profiler.start_trace(os.path.join(cfg.workdir, "profile"))
+      state, step_metrics = compiled(state, batch)
+      done = step + 1
+      if profile >= 0 and (done == profile + cfg.train.profile_steps or (done == cfg.steps and step >= profile)):
+        jax.profiler.stop_trace()
+      stopping = _should_stop(stop)
+      if done % cfg.log.every_steps == 0 or done == cfg.steps or stopping:
+        host = jax.device_get(step_metrics)
+        now = time.time()
+        step_time = (now - t_log) / max(done - step_at_log, 1)
+        t_log, step_at_log = now, done
+        record = {"step": done, **{k: float(v) for k, v in host.items()},
+                  "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+                  "tflops_per_device": flops_per_step / step_time / jax.device_count() / 1e12}
+        record["mfu"] = None if peak is None else record["tflops_per_device"] / peak
+        record["eta_s"] = step_time * (cfg.steps - done)
+        metrics.write(record)
+        console(progress_line(record, cfg.steps))
+        last.update(record)
+      if cfg.train.eval_every_steps and (done % cfg.train.eval_every_steps == 0 or done == cfg.steps):
+        eval_loss = evaluate(cfg, state, eval_fn, batch_sharding)
+        metrics.write({"step": done, "eval_loss": eval_loss})
+        console(f"step {done:>6}/{cfg.steps}  eval_loss {eval_loss:.4f}")
+        last["eval_loss"] = eval_loss
+      if ckpt.should_save(done, cfg.steps) or stopping:
+        ckpt.save(done, state, train_it.get_state(), force_sync=stopping)
+      if stopping:
+        console(f"SIGTERM: saved a checkpoint at step {done} and stopped")
+        break
+      if done < cfg.steps:
+        batch = _global_batch(next(train_it), batch_sharding)
+    ckpt.close()
+  metrics.close()
+  stop.uninstall()
+  last["wall_time_s"] = time.time() - t_start
+  return last
+
+
+def _should_stop(stop: _StopFlag) -> bool:
+  """All processes agree to stop if any one received SIGTERM."""
+  if jax.process_count() == 1:
+    return stop.set
+  from jax.experimental import multihost_utils
+  return bool(np.any(multihost_utils.process_allgather(np.asarray(stop.set))))
+
+
+def _restore_or_init(cfg, ckpt, mesh, tx, policy, graphdef, abstract, shardings, metrics):
+  restored = ckpt.restore_latest(abstract, shardings)
+  if restored is not None:
+    state, data_state, step = restored
+    metrics.truncate_after(step)
+    console(f"resumed from {ckpt.directory} at step {step}")
+    return state, data_state
+  _, state, _ = create_train_state(cfg, mesh, tx, policy)
+  if cfg.checkpoint.restore_from:
+    from ember.trainer.checkpointing import restore_from  # Another run's checkpoint.
+    state = restore_from(cfg.checkpoint.restore_from, state, abstract, shardings,
+                         params_only=cfg.checkpoint.params_only)
+  metrics.truncate_after(0)
+  return state, None
+
+
+def evaluate(cfg, state, eval_fn, batch_sharding) -> float:
+  it = data_iterator(cfg, "eval")
+  losses = [eval_fn(state, _global_batch(next(it), batch_sharding)) for _ in range(cfg.train.eval_batches)]
+  return float(jnp.mean(jnp.stack(losses)))
+
+
+def _memory_summary(compiled) -> str:
+  try:
+    m = compiled.memory_analysis()
+    peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    return f"compiled peak {peak / 2**30:.2f} GiB/device"
+  except Exception:
+    return "no memory analysis"
+
+
+__all__ = ["train", "setup", "evaluate", "CheckpointError"]

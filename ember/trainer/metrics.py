@@ -1,0 +1,98 @@
+"""metrics.jsonl, TensorBoard and the console line; written by process 0 only.
+
+Each record is one `write` of one complete line followed by flush + fsync, so a crash leaves at
+most a torn *last* line; `truncate_after` (called on resume) rewrites the file atomically without
+it and without records past the restored step, so the file never holds a step twice or a gap.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+
+
+def _clean(v):
+  if isinstance(v, float) and not math.isfinite(v):
+    return None
+  return v
+
+
+def read_records(path: str) -> list[dict]:
+  """Complete records of a metrics file (a torn last line is skipped)."""
+  if not os.path.exists(path):
+    return []
+  out = []
+  with open(path) as f:
+    for line in f:
+      try:
+        out.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return out
+
+
+class MetricsWriter:
+  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool | None = None):
+    self.enabled = jax.process_index() == 0 if enabled is None else enabled
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._tb = None
+    if self.enabled:
+      os.makedirs(workdir, exist_ok=True)
+      if tensorboard:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def truncate_after(self, step: int) -> None:
+    """Keeps only complete records with step <= `step` (atomic rewrite)."""
+    if not self.enabled or not os.path.exists(self.path):
+      return
+    keep = [r for r in read_records(self.path) if r.get("step", 0) <= step]
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in keep)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, self.path)
+
+  def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
+    record = {k: _clean(v) for k, v in record.items()}
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    if self._tb is not None:
+      step = record["step"]
+      for k, v in record.items():
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+          self._tb.add_scalar(k, v, step)
+      self._tb.flush()
+
+  def close(self):
+    if self._tb is not None:
+      self._tb.close()
+
+
+def console(msg: str) -> None:
+  if jax.process_index() == 0:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def format_eta(seconds: float) -> str:
+  seconds = max(int(seconds), 0)
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def progress_line(r: dict, steps: int) -> str:
+  mfu = "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+  return (f"step {r['step']:>6}/{steps}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad_norm {r['grad_norm']:.3f}  "
+          f"{r['tokens_per_s']:,.0f} tok/s  {r['tflops_per_device']:.2f} TFLOP/s/dev  MFU {mfu}  "
+          f"step {r['step_time_s'] * 1e3:.0f} ms  ETA {format_eta(r['eta_s'])}")

@@ -1,0 +1,108 @@
+"""The train state and its creation, sharded from the start.
+
+Parameters and quantization state are plain nested dicts of arrays (`nnx.State.to_pure_dict()`),
+so Optax, Orbax and the sharding rules see ordinary pytrees; the module structure lives in the
+NNX graphdef, and `nnx.merge(graphdef, params, quant_state)` rebuilds the model inside the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ember import remat
+from ember.layers.decoder import Transformer
+from ember.layers.linear import QuantState
+from ember.parallel import sharding
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  step: jax.Array  # int32 scalar: optimizer steps taken.
+  params: Any  # Nested dict of float arrays (param_dtype).
+  opt_state: Any  # Optax state mirroring params.
+  quant_state: Any  # Nested dict of delayed-scaling amax histories ({} for other recipes).
+
+
+def build_model(cfg, key: jax.Array, policy: remat.Preset) -> Transformer:
+  with nnx.use_eager_sharding(False):
+    return Transformer(cfg, nnx.Rngs(params=key), policy=policy)
+
+
+def split_model(model: Transformer):
+  graphdef, params, quant_state = nnx.split(model, nnx.Param, QuantState)
+  return graphdef, params, quant_state
+
+
+def logical_axes(cfg, policy: remat.Preset):
+  """(graphdef, logical-axis PartitionSpecs of params, of quant state), without allocating anything."""
+  abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0), policy))
+  graphdef, params, quant_state = split_model(abstract)
+  specs = lambda state: nnx.get_partition_spec(state).to_pure_dict()
+  return graphdef, specs(params), specs(quant_state)
+
+
+def _match_opt_shardings(abstract_opt, param_shardings, mesh: Mesh):
+  """Optimizer-state leaves take the sharding of the parameter whose path they end with."""
+  by_path = {tuple(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+  replicated = NamedSharding(mesh, P())
+
+  def pick(path, leaf):
+    for start in range(len(path)):
+      hit = by_path.get(tuple(path[start:]))
+      if hit is not None and len(hit.spec) <= leaf.ndim:
+        return hit
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, abstract_opt)
+
+
+def state_shardings(cfg, mesh: Mesh, tx, policy: remat.Preset):
+  """(graphdef, TrainState of NamedShardings, abstract TrainState)."""
+  graphdef, param_specs, quant_specs = logical_axes(cfg, policy)
+  to_shardings = lambda specs: sharding.tree_shardings(specs, mesh, cfg.mesh.rules)
+  param_sh, quant_sh = to_shardings(param_specs), to_shardings(quant_specs)
+  abstract_params, abstract_quant = _abstract_init(cfg, policy)
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  opt_sh = _match_opt_shardings(abstract_opt, param_sh, mesh)
+  replicated = NamedSharding(mesh, P())
+  shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, quant_state=quant_sh)
+  abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt,
+                        quant_state=abstract_quant)
+  return graphdef, shardings, abstract
+
+
+def _abstract_init(cfg, policy):
+  def init():
+    _, params, quant_state = split_model(build_model(cfg, jax.random.key(0), policy))
+    return params.to_pure_dict(), quant_state.to_pure_dict()
+  return jax.eval_shape(init)
+
+
+def create_train_state(cfg, mesh: Mesh, tx, policy: remat.Preset):
+  """Initialises parameters directly into their shardings (no full copy on one device)."""
+  graphdef, shardings, _ = state_shardings(cfg, mesh, tx, policy)
+
+  def init(key):
+    _, params, quant_state = split_model(build_model(cfg, key, policy))
+    params = params.to_pure_dict()
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      quant_state=quant_state.to_pure_dict())
+
+  state = jax.jit(init, out_shardings=shardings)(init_key(cfg.seed))
+  return graphdef, state, shardings
+
+
+def init_key(seed: int) -> jax.Array:
+  return jax.random.fold_in(jax.random.key(seed), 0)
+
+
+def step_key(seed: int, step: jax.Array) -> jax.Array:
+  """The per-step key for stochastic rounding: folded from seed and step (and, inside, the layer)."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1), step)

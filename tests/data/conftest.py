@@ -1,0 +1,44 @@
+"""Shared fixtures for the data tests: a data config and small corpora written to tmp_path."""
+import ml_collections
+import numpy as np
+import pytest
+
+
+def make_data_cfg(**overrides) -> ml_collections.ConfigDict:
+  """The `data` section with the defaults of configs/base.py, then `overrides`."""
+  cfg = ml_collections.ConfigDict(dict(
+      source="text", path="", tokenizer="byte", eval_fraction=0.02, shuffle_buffer=0,
+      tfds_name="", tfds_data_dir="", tfds_text_key="text", num_threads=2))
+  cfg.update(overrides)
+  return cfg
+
+
+@pytest.fixture
+def data_cfg():
+  return make_data_cfg
+
+
+@pytest.fixture
+def mono_corpus(tmp_path):
+  """40 files, file i holding one distinct byte value repeated: a token names its document."""
+  rng = np.random.default_rng(0)
+  root = tmp_path / "mono"
+  root.mkdir()
+  for i in range(40):
+    (root / f"doc{i:02d}.txt").write_bytes(bytes([33 + i]) * int(rng.integers(20, 400)))
+  return root
+
+
+@pytest.fixture
+def text_corpus(tmp_path):
+  """30 files of random lowercase text with lengths from 1 to 700 bytes, and their contents."""
+  rng = np.random.default_rng(1)
+  root = tmp_path / "text"
+  root.mkdir()
+  docs = {}
+  for i in range(30):
+    n = int(rng.integers(1, 700))
+    data = bytes(rng.integers(ord("a"), ord("z") + 1, size=n).astype(np.uint8))
+    (root / f"f{i:02d}.txt").write_bytes(data)
+    docs[f"f{i:02d}.txt"] = data
+  return root, docs

@@ -1,0 +1,59 @@
+"""Tokenizers: the byte round trip and a SentencePiece model trained by the CLI."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ember.data import ByteTokenizer, DataError, build_tokenizer, make_iterator
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_byte_round_trip(data_cfg):
+  tok = build_tokenizer(data_cfg())
+  assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 256
+  text = "def f(x):\n  return x  # ünïcødé ✓ 🚀\t"
+  ids = tok.encode(text)
+  assert ids.dtype == np.int32 and ids.max() < 256
+  np.testing.assert_array_equal(ids, list(text.encode()))
+  assert tok.decode(ids) == text
+  assert tok.decode(list(ids)) == text
+  np.testing.assert_array_equal(tok.encode(b"\xff\x00a"), [255, 0, 97])
+
+
+def test_missing_model_is_a_data_error(data_cfg, tmp_path):
+  with pytest.raises(DataError, match="data.tokenizer"):
+    build_tokenizer(data_cfg(tokenizer=str(tmp_path / "nope.model")))
+
+
+def test_train_sentencepiece_cli(data_cfg, tmp_path):
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  words = ["alpha", "beta", "gamma", "delta", "return", "lambda", "import", "class"]
+  rng = np.random.default_rng(0)
+  for i in range(12):
+    lines = [" ".join(rng.choice(words, size=8)) for _ in range(40)]
+    (corpus / f"{i}.txt").write_text("\n".join(lines) + "\n")
+  out = tmp_path / "tok" / "tiny"
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run(
+      [sys.executable, "-m", "ember.data.train_tokenizer", "--source=text",
+       f"--path={corpus}/*.txt", "--vocab_size=300", f"--out={out}", "--max_docs=8",
+       "--input_sentence_size=500"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  model = f"{out}.model"
+  assert os.path.isfile(model)
+
+  cfg = data_cfg(path=f"{corpus}/*.txt", tokenizer=model, eval_fraction=0.2)
+  tok = build_tokenizer(cfg)
+  assert tok.vocab_size == 300
+  text = "alpha beta return lambda"
+  ids = tok.encode(text)
+  assert ids.dtype == np.int32 and len(ids) < len(text)  # merges learned
+  assert tok.decode(ids) == text
+
+  batch = next(make_iterator(cfg, seq_len=32, global_batch_size=2, seed=0, split="train"))
+  assert batch["inputs"].shape == (2, 32) and batch["inputs"].max() < 300
