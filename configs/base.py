@@ -89,6 +89,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.tfds_data_dir = ""  # tfds: data_dir ("" = TFDS default).
   d.tfds_text_key = "text"  # tfds: the feature holding the text.
   d.num_threads = 2  # Grain prefetch threads.
+  d.num_shards = 0  # Data shards (0 = one per process); fix it to keep batches and resume across process counts.
 
   mesh = c.mesh = ml_collections.ConfigDict()
   mesh.data = 1  # Pure data parallelism (replicated parameters).

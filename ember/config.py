@@ -30,7 +30,8 @@ class ConfigError(ValueError):
 def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_collections.ConfigDict:
   """Parses `argv` (argv[0] is the program) into a config; raises ConfigError."""
   fv = flag_values or flags.FlagValues()
-  holder = config_flags.DEFINE_config_file("config", None, "Config file[:arg].", flag_values=fv, lock_config=True)
+  holder = config_flags.DEFINE_config_file("config", None, "Config file[:arg].", flag_values=fv, lock_config=True,
+                                          sys_argv=list(argv))
   extra = [a for a in argv[1:] if not a.startswith("--config")]
   try:
     fv([argv[0]] + [a for a in argv[1:] if a.startswith("--config")], known_only=False)
@@ -55,6 +56,8 @@ def _explain(argv: list[str], e: Exception) -> str:
     path = config_arg.split("=", 1)[1].split(":", 1)[0]
     if not os.path.isfile(path):
       return f"--config: no such config file: {path}"
+  if msg.startswith("Unknown command line flag 'config."):
+    return f"{msg.split(chr(39))[1]}: unknown config key"
   if isinstance(e, (AttributeError, KeyError)):
     key = msg.strip("'\"")
     for a in argv:
@@ -132,23 +135,40 @@ def _validate_data_paths(cfg):
 
 
 def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
-  """Resolves the -1 axis; returns {axis: size} for data, fsdp, tensor, expert (dcn axes folded in)."""
-  sizes = {a: int(cfg.mesh[a]) * int(cfg.mesh.get(f"dcn_{a}", 1)) for a in MESH_AXES}
-  fill = [a for a, s in sizes.items() if s < 0]
+  """{axis: size} for data, fsdp, tensor, expert: the -1 axis resolved, dcn (across-host) sizes folded in."""
+  ici, dcn = _ici_dcn(cfg, num_devices)
+  return {a: ici[a] * dcn[a] for a in MESH_AXES}
+
+
+def _ici_dcn(cfg, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+  """Per-host sizes (`mesh.a`, -1 resolved) and host counts (`mesh.dcn_a`) of each axis."""
+  dcn = {a: int(cfg.mesh.get(f"dcn_{a}", 1)) for a in MESH_AXES}
+  for a, d in dcn.items():
+    if d < 1:
+      _fail(f"mesh.dcn_{a}", f"must be >= 1, got {d}")
+  hosts = math.prod(dcn.values())
+  if num_devices % hosts:
+    key = next(f"mesh.dcn_{a}" for a, d in dcn.items() if d > 1)
+    _fail(key, f"the dcn axes ask for {hosts} hosts, which do not divide the {num_devices} devices")
+  per_host = num_devices // hosts
+  ici = {a: int(cfg.mesh[a]) for a in MESH_AXES}
+  fill = [a for a, s in ici.items() if s < 0]
   if len(fill) > 1:
     _fail(f"mesh.{fill[1]}", "only one mesh axis may be -1")
-  for a, s in sizes.items():
-    if s == 0:
-      _fail(f"mesh.{a}", "must be >= 1 or -1")
-  known = math.prod(s for s in sizes.values() if s > 0)
+  for a, s in ici.items():
+    if s == 0 or s < -1:
+      _fail(f"mesh.{a}", f"must be >= 1 or -1, got {s}")
+  known = math.prod(s for s in ici.values() if s > 0)
   if fill:
-    if num_devices % known:
-      _fail(f"mesh.{fill[0]}", f"cannot fill: {num_devices} devices are not divisible by the other axes' product {known}")
-    sizes[fill[0]] = num_devices // known
-  if math.prod(sizes.values()) != num_devices:
-    shape = ", ".join(f"{a}={s}" for a, s in sizes.items())
-    _fail("mesh", f"mesh ({shape}) has {math.prod(sizes.values())} devices but {num_devices} are available")
-  return sizes
+    if per_host % known:
+      where = " per host" if hosts > 1 else ""
+      _fail(f"mesh.{fill[0]}", f"cannot fill: {per_host} devices{where} are not divisible by the other axes' "
+            f"product {known}")
+    ici[fill[0]] = per_host // known
+  if math.prod(ici.values()) != per_host:
+    shape = ", ".join(f"{a}={s * dcn[a]}" for a, s in ici.items())
+    _fail("mesh", f"mesh ({shape}) has {math.prod(ici.values()) * hosts} devices but {num_devices} are available")
+  return ici, dcn
 
 
 def _validate_mesh(cfg, num_devices):
@@ -169,9 +189,9 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections.C
   out = ml_collections.ConfigDict(cfg.to_dict())
   if not out.model.head_dim:
     out.model.head_dim = out.model.d_model // out.model.num_heads
-  for axis, size in mesh_shape(cfg, num_devices).items():
-    base = int(cfg.mesh.get(f"dcn_{axis}", 1))
-    out.mesh[axis] = size // base
+  ici, _ = _ici_dcn(cfg, num_devices)
+  for axis, size in ici.items():
+    out.mesh[axis] = size  # Within a host; make_mesh multiplies by mesh.dcn_<axis>.
   if not out.train.decay_steps:
     out.train.decay_steps = max(out.steps - out.train.warmup_steps, 1)
   return out

@@ -1,19 +1,29 @@
-"""Multi-process initialisation: SLURM, documented environment variables or flags, or nothing.
+"""Multi-process set-up: initialisation, which data shards a process reads, preemption notices.
 
-Order of precedence:
+Initialisation, in order of precedence:
   1. `--config.distributed.*` (coordinator_address, num_processes, process_id);
   2. environment: EMBER_COORDINATOR_ADDRESS (host:port of process 0), EMBER_NUM_PROCESSES,
-     EMBER_PROCESS_ID (launch/local.sh sets these);
-  3. SLURM with more than one task: JAX's own cluster detection (`jax.distributed.initialize()`);
+     EMBER_PROCESS_ID (launch/local.sh and the Kubernetes manifest set these);
+  3. SLURM with more than one task: JAX's own cluster detection (`jax.distributed.initialize()`
+     reads SLURM_* for the coordinator, the process count and id, and the local GPUs);
   4. otherwise one process: nothing to initialise.
-Must run before anything touches a JAX device.
+`initialize` must run before anything touches a JAX device.
+
+Preemption: one process gets SIGTERM, every process must stop *at the same step* (a checkpoint
+is a collective). With several processes JAX's preemption service does this: its notifier
+catches SIGTERM, the coordination service agrees on a step, and
+`multihost_utils.reached_preemption_sync_point(step)` turns True on every process at that step
+(Orbax's `reached_preemption` is the same call). With one process a Python SIGTERM handler
+sets a flag.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 import jax
+import numpy as np
 
 from ember.config import ConfigError
 
@@ -28,15 +38,75 @@ def settings(dist_cfg) -> dict | None:
       raise ConfigError("config.distributed: multi-process needs coordinator_address, num_processes and a "
                         f"process_id in [0, num_processes) (got {address!r}, {num}, {pid})")
     return dict(coordinator_address=address, num_processes=num, process_id=pid)
-  if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+  if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
     return {}
   return None
 
 
 def initialize(dist_cfg) -> None:
   args = settings(dist_cfg)
-  if args is None:
+  if args is None or _initialized():
     return
   # CPU devices of several processes talk over gloo (TCP); GPU backends ignore this setting.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(**args)
+
+
+def _initialized() -> bool:
+  from jax._src import distributed as jax_distributed  # No public query in JAX 0.10.
+  return jax_distributed.global_state.client is not None
+
+
+def data_shards(num_shards: int, process_index: int | None = None, process_count: int | None = None) -> list[int]:
+  """The data shards this process reads: a contiguous block, so shard order is the global row order.
+
+  `num_shards` = 0 means one per process. A fixed `num_shards` (a multiple of every process count
+  the job will run with) makes the global batch, and a resumed data position, independent of the
+  process count.
+  """
+  index = jax.process_index() if process_index is None else process_index
+  count = jax.process_count() if process_count is None else process_count
+  num_shards = num_shards or count
+  if num_shards % count:
+    raise ConfigError(f"config.data.num_shards: {num_shards} is not a multiple of the process count {count}")
+  per = num_shards // count
+  return list(range(index * per, (index + 1) * per))
+
+
+class Preemption:
+  """`reached(step)`: True at the step where every process should save and stop."""
+
+  def __init__(self):
+    self._flag = False
+    self._previous = None
+    from jax._src import distributed as jax_distributed
+    # JAX's notifier (installed by jax.distributed.initialize) owns SIGTERM in a multi-process job;
+    # a Python handler would replace it and the other processes would never hear of the notice.
+    self._service = jax.process_count() > 1 and jax_distributed.global_state.preemption_sync_manager is not None
+
+  def install(self) -> "Preemption":
+    if not self._service:
+      try:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+      except ValueError:  # Not the main thread (a test harness): no preemption handling.
+        self._previous = None
+    return self
+
+  def _handle(self, *_):
+    self._flag = True
+
+  def reached(self, step: int) -> bool:
+    """Call once per step, with the same step on every process."""
+    if self._service:
+      from jax.experimental import multihost_utils
+      return multihost_utils.reached_preemption_sync_point(step)
+    if jax.process_count() == 1:
+      return self._flag
+    # Several processes without JAX's preemption service: agree every step (a small all-gather).
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(self._flag))))
+
+  def uninstall(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None

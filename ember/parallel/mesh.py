@@ -1,18 +1,25 @@
 """The device mesh: axes (data, fsdp, tensor, expert), hybrid across hosts.
 
-Within a host the mesh follows the config's `mesh.*` sizes; across hosts the `mesh.dcn_*` sizes
-multiply the matching axis, laid out so that only those axes cross the slow network
-(`mesh_utils.create_hybrid_device_mesh`). On one process the plain device order is used.
+A derived config's `mesh.data|fsdp|tensor|expert` are the sizes *within* a host (the fast
+network: NVLink, ICI) and `mesh.dcn_data|dcn_fsdp` the number of hosts along that axis (the slow
+network: InfiniBand / Ethernet, "DCN"). The mesh axis `a` has size `mesh.a * mesh.dcn_a`, laid out
+by `mesh_utils.create_hybrid_device_mesh` so that only the dcn axes cross hosts: each host holds
+one contiguous block of the mesh. A host is a JAX process (one process per node, all its GPUs),
+or a slice on TPU. Without dcn axes the devices keep JAX's order (by process, then local id), so
+each process's devices are again one contiguous block along the batch axes and
+`jax.make_array_from_process_local_data` places its rows in process order.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from ember.config import MESH_AXES
+from ember.config import MESH_AXES, ConfigError
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
@@ -20,12 +27,20 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   devices = list(devices if devices is not None else jax.devices())
   ici = [int(mesh_cfg[a]) for a in MESH_AXES]
   dcn = [int(mesh_cfg.get(f"dcn_{a}", 1)) for a in MESH_AXES]
-  if int(np.prod(dcn)) > 1:
-    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+  if math.prod(ici) * math.prod(dcn) != len(devices):
+    raise ConfigError(f"config.mesh: {dict(zip(MESH_AXES, ici))} per host x {math.prod(dcn)} hosts does not "
+                      f"match the {len(devices)} devices")
+  if math.prod(dcn) > 1:
+    by_slice = devices[0].platform == "tpu"
+    granules = len({getattr(d, "slice_index" if by_slice else "process_index") for d in devices})
+    if granules != math.prod(dcn):
+      key = next(f"mesh.dcn_{a}" for a, d in zip(MESH_AXES, dcn) if d > 1)
+      raise ConfigError(f"config.{key}: the dcn axes ask for {math.prod(dcn)} hosts but the job has {granules} "
+                        f"{'slices' if by_slice else 'processes'}")
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=not by_slice)
   else:
-    shape = tuple(i * d for i, d in zip(ici, dcn))
-    try:
-      grid = mesh_utils.create_device_mesh(shape, devices=devices)
-    except (AssertionError, NotImplementedError, ValueError):
-      grid = np.asarray(devices).reshape(shape)
+    if devices[0].platform == "tpu":  # One slice: follow the physical torus.
+      grid = mesh_utils.create_device_mesh(tuple(ici), devices=devices)
+    else:  # Process-major (on GPU that is also id order): each process owns a contiguous block.
+      grid = np.asarray(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(tuple(ici))
   return Mesh(grid, MESH_AXES)

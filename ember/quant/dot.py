@@ -37,6 +37,13 @@ from ember.quant.formats import E4M3, E5M2
 from ember.quant.recipe import Recipe
 from ember.remat import quantized_name
 
+# Name scopes around every quantize call, so an analysis of a traced step can tell a forward
+# operand's quantization (which a remat policy may recompute) from a gradient's (always in the
+# backward pass) by `eqn.source_info.name_stack` (ember/tools/analysis.py).
+SCOPE_ACTIVATION = "quantize_activation"
+SCOPE_WEIGHT = "quantize_weight"
+SCOPE_GRADIENT = "quantize_gradient"
+
 
 def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name: str,
                      history: jax.Array | None = None, key: jax.Array | None = None, dtype=jnp.bfloat16):
@@ -81,13 +88,16 @@ def _rht(a, axis, recipe: Recipe):
 def _quantize_operands(x, w, history, recipe: Recipe, name: str):
   """Quantizes every operand the forward and backward GEMMs need, each named for remat."""
   act, weight, _ = _quantizers(recipe, history)
-  q = {"x": act.quantize(x, axis=1), "kernel": weight.quantize(w, axis=0)}
-  if recipe.name == "mxfp8":
-    q["x_t"] = act.quantize(x, axis=0)
-    q["kernel_t"] = weight.quantize(w, axis=1)
-  elif recipe.name == "nvfp4":
-    q["x_t"] = act.quantize(_rht(x, 0, recipe), axis=0)
-    if not recipe.nvfp4_2d_weights:
+  q = {}
+  with jax.named_scope(SCOPE_ACTIVATION):
+    q["x"] = act.quantize(x, axis=1)
+    if recipe.name == "mxfp8":
+      q["x_t"] = act.quantize(x, axis=0)
+    elif recipe.name == "nvfp4":
+      q["x_t"] = act.quantize(_rht(x, 0, recipe), axis=0)
+  with jax.named_scope(SCOPE_WEIGHT):
+    q["kernel"] = weight.quantize(w, axis=0)
+    if recipe.name == "mxfp8" or (recipe.name == "nvfp4" and not recipe.nvfp4_2d_weights):
       q["kernel_t"] = weight.quantize(w, axis=1)
   return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
 
@@ -121,7 +131,8 @@ def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
   if key is not None:
     key_dgrad, key_wgrad = jax.random.split(key)
   # dgrad: contract N. The kernel copy quantized along N (per-tensor and 2D tiles: the same copy).
-  g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad)
+  with jax.named_scope(SCOPE_GRADIENT):
+    g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad)
   kernel_n = q.get("kernel_t", q["kernel"])
   dx = jnp.dot(g_rows.dequantize(dtype), kernel_n.dequantize(dtype).T, preferred_element_type=jnp.float32)
   # wgrad: contract M. Per-tensor recipes reuse the forward copies; block recipes quantize along M
@@ -129,7 +140,8 @@ def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
   if recipe.block_size == 1:
     g_cols, x_m = g_rows, q["x"]
   else:
-    g_cols = grad_q.quantize(_rht(g, 0, recipe) if recipe.name == "nvfp4" else g, axis=0, rng=key_wgrad)
+    with jax.named_scope(SCOPE_GRADIENT):
+      g_cols = grad_q.quantize(_rht(g, 0, recipe) if recipe.name == "nvfp4" else g, axis=0, rng=key_wgrad)
     x_m = q["x_t"]
   dw = jnp.dot(x_m.dequantize(dtype).T, g_cols.dequantize(dtype), preferred_element_type=jnp.float32)
   if recipe.delayed:

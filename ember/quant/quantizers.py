@@ -36,10 +36,14 @@ ROLES = ("weight", "activation", "gradient")
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
+def _reduce(amax: jax.Array, reduce_axes) -> jax.Array:
+  """The max over the named mesh axes too (inside shard_map), if any."""
+  return jax.lax.pmax(amax, tuple(reduce_axes)) if reduce_axes else amax
+
+
 def tensor_amax(x32: jax.Array, reduce_axes: tuple[str, ...] = ()) -> jax.Array:
   """max |x| over the whole tensor; NaN if any element is NaN."""
-  amax = jnp.max(jnp.abs(x32))
-  return jax.lax.pmax(amax, tuple(reduce_axes)) if reduce_axes else amax
+  return _reduce(jnp.max(jnp.abs(x32)), reduce_axes)
 
 
 def scale_from_amax(numerator: float, amax: jax.Array, margin: int = 0):
@@ -97,7 +101,9 @@ class DelayedScaling:
   ("max") or amax_history[0] ("most_recent"). The current amax is returned on
   the QuantizedTensor; the caller rolls it in with `update` (or
   `update_history`) and carries the new quantizer to the next step. Values
-  past the stale amax saturate. A zero history (the start) gives scale 1.0.
+  past the stale amax saturate. A zero history (the start) gives scale 1.0,
+  and so does a non-finite entry while it stays in the window: a NaN or Inf
+  step shows up in the data instead of silently rescaling everything.
   """
 
   amax_history: jax.Array
@@ -160,9 +166,7 @@ class MXFP8Scaling:
     k = jnp.where(jnp.isfinite(amax_B), jnp.clip(k, -127, 127), 0)
     # -k <= 127 and k <= 120 for finite float32 amax, so 2**-k is normal.
     inv_pow2 = block_broadcast(formats.pow2(-k), x.shape, axes, block)
-    amax = jnp.max(amax_B)
-    if reduce_axes:
-      amax = jax.lax.pmax(amax, tuple(reduce_axes))
+    amax = _reduce(jnp.max(amax_B), reduce_axes)
     return QuantizedTensor(
         data=formats.cast(x32 * inv_pow2, E4M3),
         scale_inv=formats.e8m0_from_exponent(k),
@@ -202,9 +206,9 @@ class NVFP4Scaling:
     axis = normalize_axis(axis, x.ndim)
     block = (self.block,) * (2 if self.tile_2d else 1)
     axes = block_axes(x.ndim, axis, block)
-    amax = tensor_amax(x32, reduce_axes)
-    global_scale = scale_from_amax(6.0 * E4M3.max, amax)
     amax_B = block_reduce_max(jnp.abs(x32), axes, block)
+    amax = _reduce(jnp.max(amax_B), reduce_axes)  # One pass over x for both.
+    global_scale = scale_from_amax(6.0 * E4M3.max, amax)
     scale_B = formats.cast((amax_B / 6.0) * global_scale, E4M3)
     scale = block_broadcast(scale_B.astype(jnp.float32), x.shape, axes, block)
     y = jnp.where(scale == 0, 0.0, (x32 * global_scale) / scale)

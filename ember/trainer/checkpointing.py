@@ -1,32 +1,119 @@
-"""Orbax checkpoints: train state, data iterator position, and the resolved config.
+"""Orbax checkpoints: train state, data position and RNG, so that a resumed run continues bit for bit.
 
-One `CheckpointManager` directory (`<workdir>/checkpoints/<step>/`) with items
-  state   the TrainState (parameters, optimizer state, delayed-scaling histories, step), sharded;
-  data    the Grain iterator state of this run's train split (JSON);
-and the resolved config, ember's version and the mesh shape as the manager's metadata.
+`<workdir>/checkpoints/` is one Orbax `CheckpointManager` directory; each numbered step holds
+  state/  the TrainState (step, parameters, optimizer state, delayed-scaling amax histories),
+          sharded: every process writes its own shards (OCDBT);
+  data/   `process_{i}-of-{n}.json`, each process's Grain iterator state (grain.checkpoint);
+  rng/    the base key's data and the seed (every key is folded from (seed, step[, layer]));
+and, in the step's metadata, the resolved config, ember's version and the mesh shape.
 
-Orbax writes each step into a temporary directory and renames it when complete, so a process
-killed mid-save leaves nothing that `latest_step` reports. A step whose files are damaged fails
-to restore; `restore_latest` then falls back to the previous one, with a warning naming the step.
+Saves are asynchronous by default: `save` returns once the arrays are on the host and the
+write goes on in a background thread (`force_sync` waits, as on preemption). Orbax writes a
+step into a temporary directory and renames it when complete, so a process killed mid-save
+leaves no step that `all_steps` reports. A complete step whose files are damaged fails to
+restore; `restore_latest` then renames it `<step>.corrupt` and falls back to the one before,
+with a warning naming the step. A checkpoint whose shapes differ from the config's is never
+skipped silently: CheckpointError names the first differing array (exit 2).
+
 Restoring always targets the *current* run's shardings, so a checkpoint moves freely between
-mesh shapes and device counts.
+mesh shapes and device counts. The data position moves between process counts when
+`data.num_shards` is fixed (each process records the state of the shards it reads).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import json
 import os
-from typing import Any
+from typing import Any, Callable
 
+import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from ember.trainer.metrics import console
 from ember.trainer.state import TrainState
 
+ITEMS = ("state", "data", "rng")
+
 
 class CheckpointError(ValueError):
-  """A checkpoint that cannot serve this run (shape mismatch, missing directory)."""
+  """A checkpoint that cannot serve this run (shape mismatch, missing directory, other seed)."""
+
+
+# --- The data iterator of this process's shards ---------------------------------------------------
+
+
+class ShardedIterator:
+  """This process's data shards, read in lockstep; a batch is their rows concatenated in shard order.
+
+  Its state (JSON) maps each shard to its Grain iterator state, so the position of shard k can be
+  restored by whichever process reads shard k next time. It follows the iterator protocol of
+  `grain.checkpoint.CheckpointSave/CheckpointRestore` (get_state/set_state as bytes).
+  """
+
+  def __init__(self, make: Callable[[int], Any], shards: list[int], num_shards: int):
+    self.shards, self.num_shards = list(shards), num_shards
+    self._its = [make(s) for s in self.shards]
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    parts = [next(it) for it in self._its]
+    if len(parts) == 1:
+      return parts[0]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+  def shard_states(self) -> dict[str, Any]:
+    return {str(s): it.get_state() for s, it in zip(self.shards, self._its)}
+
+  def get_state(self) -> bytes:
+    return json.dumps({"num_shards": self.num_shards, "shards": self.shard_states()}).encode()
+
+  def set_state(self, state: bytes | str | dict) -> None:
+    state = json.loads(state) if isinstance(state, (bytes, str)) else state
+    if state.get("num_shards") != self.num_shards:
+      raise CheckpointError(f"config.data.num_shards: the checkpoint's data position is for "
+                            f"{state.get('num_shards')} shards, this run reads {self.num_shards}")
+    for s, it in zip(self.shards, self._its):
+      it.set_state(state["shards"][str(s)])
+
+  def start_prefetch(self) -> None:  # Called by grain's CheckpointRestore.
+    pass
+
+  def close(self) -> None:
+    for it in self._its:
+      getattr(it, "close", lambda: None)()
+
+
+def _merged_data_state(data_dir: str) -> dict | None:
+  """The shard states of every process's file in a step's data/ (None if there are none)."""
+  files = sorted(glob.glob(os.path.join(data_dir, "process_*-of-*.json")))
+  if not files:
+    return None
+  merged = {"num_shards": None, "shards": {}}
+  for f in files:
+    with open(f) as fh:
+      s = json.load(fh)
+    merged["num_shards"] = s["num_shards"]
+    merged["shards"].update(s["shards"])
+  return merged
+
+
+# --- RNG ---------------------------------------------------------------------------------------
+
+
+def rng_item(seed: int) -> dict:
+  """The base key every key derives from (init: fold 0; step keys: fold 1, then step)."""
+  key = jax.random.key(seed)
+  return {"seed": int(seed), "impl": str(jax.random.key_impl(key)),
+          "key_data": np.asarray(jax.random.key_data(key)).tolist()}
+
+
+# --- Trees ------------------------------------------------------------------------------------------
 
 
 def _as_dict(state: TrainState) -> dict:
@@ -38,45 +125,135 @@ def _abstract_target(abstract: TrainState, shardings: TrainState) -> dict:
   return jax.tree.map(to_struct, _as_dict(abstract), _as_dict(shardings))
 
 
+def _path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _leaves_by_name(tree) -> dict[str, Any]:
+  is_leaf = lambda x: hasattr(x, "shape") and not isinstance(x, dict)
+  return {_path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+
+
+def check_shapes(saved, expected, what: str) -> None:
+  """Raises CheckpointError naming the first array whose shape (or presence) differs."""
+  got = _leaves_by_name(saved)
+  want = _leaves_by_name(expected)
+  for name, leaf in want.items():
+    if name not in got:
+      raise CheckpointError(f"{what}: the checkpoint has no array {name} (shape {tuple(leaf.shape)} in this config)")
+    if tuple(got[name].shape) != tuple(leaf.shape):
+      raise CheckpointError(f"{what}: {name} has shape {tuple(got[name].shape)} in the checkpoint "
+                            f"but {tuple(leaf.shape)} in this config")
+  extra = next((n for n in got if n not in want), None)
+  if extra is not None:
+    raise CheckpointError(f"{what}: the checkpoint's array {extra} (shape {tuple(got[extra].shape)}) "
+                          "has no place in this config")
+
+
+def _state_metadata(manager: ocp.CheckpointManager, step: int) -> dict:
+  meta = manager.item_metadata(step)["state"]
+  meta = getattr(meta, "tree", meta)
+  if meta is None:
+    raise ValueError("no metadata for item 'state'")
+  return meta
+
+
+# --- The manager -----------------------------------------------------------------------------------
+
+
 class Checkpointer:
-  def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True,
-               metadata: dict | None = None):
+  def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True):
     self.directory = os.path.abspath(directory)
     self.every_steps = every_steps
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"),
-                                         metadata=metadata)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
+                                           cleanup_tmp_directories=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
   def should_save(self, step: int, last_step: int) -> bool:
     return step == last_step or (self.every_steps > 0 and step % self.every_steps == 0)
 
-  def save(self, step: int, state: TrainState, data_state: Any, *, force_sync: bool = False) -> None:
-    args = ocp.args.Composite(state=ocp.args.StandardSave(_as_dict(state)),
-                              data=ocp.args.JsonSave(data_state if data_state is not None else {}))
-    self.manager.save(step, args=args, force=True)
+  def save(self, step: int, state: TrainState, data_it: ShardedIterator | None, *, seed: int,
+           metadata: dict | None = None, force_sync: bool = False) -> None:
+    """Every process calls this. Returns when the arrays are on the host (or written, if force_sync)."""
+    items = dict(state=ocp.args.StandardSave(_as_dict(state)), rng=ocp.args.JsonSave(rng_item(seed)))
+    if data_it is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(data_it)  # Reads the position now, synchronously.
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True, custom_metadata=metadata or {})
     if force_sync:
       self.manager.wait_until_finished()
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
-  def restore(self, step: int, abstract: TrainState, shardings: TrainState) -> tuple[TrainState, Any]:
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(_abstract_target(abstract, shardings)),
-                              data=ocp.args.JsonRestore())
-    restored = self.manager.restore(step, args=args)
-    return TrainState(**restored["state"]), restored["data"]
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
 
-  def restore_latest(self, abstract: TrainState, shardings: TrainState):
-    """(state, data_state, step) of the newest checkpoint that restores; None if there is none."""
+  def check(self, step: int, abstract: TrainState, *, seed: int | None, what: str) -> None:
+    """Shape and seed checks from the step's metadata; CheckpointError on a mismatch."""
+    check_shapes(_state_metadata(self.manager, step), _as_dict(abstract), what)
+    if seed is None:
+      return
+    rng_path = os.path.join(self._step_dir(step), "rng", "metadata")
+    if os.path.exists(rng_path):
+      with open(rng_path) as f:
+        saved = json.load(f)
+      if saved.get("key_data") != rng_item(seed)["key_data"]:
+        raise CheckpointError(f"config.seed: {seed}, but the checkpoint in {self.directory} step {step} was saved "
+                              f"with seed {saved.get('seed')}; resume with the same seed (keys derive from it)")
+
+  def restore(self, step: int, abstract: TrainState, shardings: TrainState,
+              data_it: ShardedIterator | None) -> TrainState:
+    """The state of `step` onto `shardings`; sets `data_it` to the saved position (with a warning
+    and the iterator's start if the position cannot be mapped onto this run's shards)."""
+    items = dict(state=ocp.args.StandardRestore(_abstract_target(abstract, shardings)))
+    own = os.path.join(self._step_dir(step), "data",
+                       f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+    use_grain = data_it is not None and os.path.exists(own)
+    if use_grain:
+      items["data"] = grain.checkpoint.CheckpointRestore(data_it)
+    restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    if data_it is not None and not use_grain:
+      restore_data_position(os.path.join(self._step_dir(step), "data"), data_it)
+    return TrainState(**restored["state"])
+
+  def restore_latest(self, abstract: TrainState, shardings: TrainState, data_it: ShardedIterator | None,
+                     *, seed: int) -> tuple[TrainState, int] | None:
+    """(state, step) of the newest checkpoint that restores; None if there is none.
+
+    A step that cannot be read is renamed `<step>.corrupt` (so that the run can write that step
+    again) and the one before is tried. A step that reads but does not fit this config raises.
+    """
     for step in reversed(self.steps()):
       try:
-        state, data = self.restore(step, abstract, shardings)
-      except Exception as e:  # A damaged step: fall back to the one before.
-        console(f"warning: skipping checkpoint step {step} in {self.directory}: cannot restore "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        _state_metadata(self.manager, step)
+      except Exception as e:  # Unreadable metadata: a damaged step.
+        self._skip(step, e)
         continue
-      return state, data, step
+      self.check(step, abstract, seed=seed, what=f"checkpoint {self._step_dir(step)}")
+      error = None
+      try:
+        state = self.restore(step, abstract, shardings, data_it)
+      except CheckpointError:
+        raise
+      except Exception as e:  # Damaged array files.
+        error = e
+      if _all_processes_ok(error is None):
+        return state, step
+      self._skip(step, error or RuntimeError("another process could not restore it"))
     return None
+
+  def _skip(self, step: int, error: Exception) -> None:
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    console(f"warning: skipping checkpoint step {step} in {self.directory}: cannot restore it "
+            f"({type(error).__name__}: {first}); renamed it {step}.corrupt and trying the previous one")
+    if jax.process_index() == 0:
+      target = self._step_dir(step) + ".corrupt"
+      n = 1
+      while os.path.exists(target):
+        target, n = f"{self._step_dir(step)}.corrupt{n}", n + 1
+      os.rename(self._step_dir(step), target)
+    _barrier(f"ember_skip_{step}")
+    self.manager.reload()
 
   def wait(self):
     self.manager.wait_until_finished()
@@ -86,8 +263,38 @@ class Checkpointer:
     self.manager.close()
 
 
+def restore_data_position(data_dir: str, data_it: ShardedIterator) -> None:
+  """Sets `data_it` from the files of another process count (shards merged); warns if impossible."""
+  merged = _merged_data_state(data_dir)
+  if merged is None:
+    console(f"warning: no data position in {data_dir}: the data iterator starts from the beginning")
+    return
+  if merged["num_shards"] != data_it.num_shards or not all(str(s) in merged["shards"] for s in data_it.shards):
+    console(f"warning: the data position in {data_dir} is for {merged['num_shards']} data shards, this run reads "
+            f"{data_it.num_shards} (set config.data.num_shards to keep it across process counts): "
+            "the data iterator starts from the beginning")
+    return
+  data_it.set_state(merged)
+
+
+def _all_processes_ok(ok: bool) -> bool:
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def _barrier(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+# --- Starting a new run from another run's checkpoint ---------------------------------------------------
+
+
 def _manager_dir_and_step(path: str) -> tuple[str, int | None]:
-  """`path` is a run's checkpoints/ directory (newest step) or one numbered step inside it."""
+  """`path` is a run's workdir, its checkpoints/ directory (newest step) or one numbered step inside it."""
   path = os.path.abspath(os.path.expanduser(path))
   if not os.path.isdir(path):
     raise CheckpointError(f"config.checkpoint.restore_from: no checkpoint directory at {path}")
@@ -99,37 +306,41 @@ def _manager_dir_and_step(path: str) -> tuple[str, int | None]:
   return path, None
 
 
-def check_shapes(saved: dict, expected: dict, what: str) -> None:
-  """Raises CheckpointError naming the first parameter whose shape differs from the config's."""
-  flat_saved = dict(jax.tree_util.tree_flatten_with_path(saved)[0])
-  for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]:
-    got = flat_saved.get(path)
-    name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-    if got is None:
-      raise CheckpointError(f"{what}: checkpoint has no parameter {name}")
-    if tuple(got.shape) != tuple(leaf.shape):
-      raise CheckpointError(f"{what}: parameter {name} has shape {tuple(got.shape)} in the checkpoint "
-                            f"but {tuple(leaf.shape)} in this config")
+def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it: ShardedIterator | None, *,
+                 params_only: bool, init: Callable[[], TrainState]) -> TrainState:
+  """Starts a new run from another run's checkpoint.
 
-
-def restore_from(path: str, state: TrainState, abstract: TrainState, shardings: TrainState, *,
-                 params_only: bool) -> TrainState:
-  """Starts a new run from another run's checkpoint: the full state, or its parameters only."""
+  Full: the whole TrainState (its step, optimizer state, amax histories) and, where this run reads
+  the same data shards, the data position. `params_only`: the parameters, with a fresh optimizer
+  state, quantization state, step 0 and data position (`init()` builds the rest).
+  """
+  what = "config.checkpoint.restore_from"
   directory, step = _manager_dir_and_step(path)
-  manager = ocp.CheckpointManager(directory, item_names=("state", "data"),
-                                  options=ocp.CheckpointManagerOptions(read_only=True))
-  step = manager.latest_step() if step is None else step
-  if step is None:
-    raise CheckpointError(f"config.checkpoint.restore_from: no complete checkpoint in {directory}")
-  meta = manager.item_metadata(step)["state"]
-  saved_params = meta["params"] if isinstance(meta, dict) else meta.tree["params"]
-  check_shapes(saved_params, _as_dict(abstract)["params"], "config.checkpoint.restore_from")
-  target = _abstract_target(abstract, shardings)
-  if params_only:
-    target = {"params": target["params"]}
-  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
-  manager.close()
+  manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True))
+  try:
+    step = manager.latest_step() if step is None else step
+    if step is None or step not in manager.all_steps():
+      raise CheckpointError(f"{what}: no complete checkpoint in {os.path.join(directory, str(step or ''))}")
+    try:
+      saved = _state_metadata(manager, step)
+    except Exception as e:
+      raise CheckpointError(f"{what}: cannot read {os.path.join(directory, str(step))} "
+                            f"({type(e).__name__})") from None
+    target = _abstract_target(abstract, shardings)
+    if params_only:
+      check_shapes(saved["params"], target["params"], what)
+      args = ocp.args.PyTreeRestore(item={"params": target["params"]}, partial_restore=True,
+                                    restore_args=ocp.checkpoint_utils.construct_restore_args(
+                                        {"params": target["params"]}))
+      restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+      state = dataclasses.replace(init(), params=restored["params"])
+    else:
+      check_shapes(saved, target, what)
+      restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+      state = TrainState(**restored)
+      if data_it is not None:
+        restore_data_position(os.path.join(directory, str(step), "data"), data_it)
+  finally:
+    manager.close()
   console(f"started from {'the parameters of ' if params_only else ''}{directory} step {step}")
-  if params_only:
-    return dataclasses.replace(state, params=restored["params"])
-  return TrainState(**restored)
+  return state

@@ -2,14 +2,14 @@
 
 The device never waits for the host: the jitted step runs ahead asynchronously and metrics are
 fetched once per log interval (that fetch is also where step time is measured). SIGTERM (a
-preemption notice) ends the loop after the current step with a synchronous checkpoint.
+preemption notice; with several processes JAX's preemption service agrees on the step) ends the
+loop after the current step with a synchronous checkpoint, and the process exits 0.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import signal
 import time
 
 import jax
@@ -24,34 +24,13 @@ from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import logical_to_spec, rules_dict, use_rules
 from ember.trainer import flops as flops_lib
-from ember.trainer.checkpointing import Checkpointer, CheckpointError
+from ember.trainer.checkpointing import Checkpointer, CheckpointError, ShardedIterator
 from ember.trainer.metrics import MetricsWriter, console, progress_line
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import create_train_state, state_shardings
 from ember.trainer.step import eval_step, train_step
 
 __version__ = "0.1.0"
-
-
-class _StopFlag:
-  """Set by SIGTERM; checked between steps."""
-
-  def __init__(self):
-    self.set = False
-    self._previous = None
-
-  def install(self):
-    try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # Not the main thread (e.g. a test harness): no preemption handling.
-      self._previous = None
-
-  def _handle(self, *_):
-    self.set = True
-
-  def uninstall(self):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
 
 
 def _global_batch(batch: dict, sharding: NamedSharding) -> dict:
@@ -71,10 +50,16 @@ def setup(cfg):
   return cfg, make_mesh(cfg.mesh)
 
 
-def data_iterator(cfg, split: str):
-  return make_iterator(cfg.data, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.batch_size, seed=cfg.seed,
-                       split=split, process_index=jax.process_index(), process_count=jax.process_count(),
-                       vocab_size=cfg.model.vocab_size)
+def data_iterator(cfg, split: str) -> ShardedIterator:
+  """This process's rows of each global batch: its contiguous block of `data.num_shards` shards."""
+  num_shards = int(cfg.data.get("num_shards", 0)) or jax.process_count()
+  if cfg.train.batch_size % num_shards:
+    raise config_lib.ConfigError(f"config.data.num_shards: {num_shards} shards do not divide "
+                                 f"train.batch_size={cfg.train.batch_size}")
+  make = lambda shard: make_iterator(cfg.data, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.batch_size,
+                                     seed=cfg.seed, split=split, process_index=shard, process_count=num_shards,
+                                     vocab_size=cfg.model.vocab_size)
+  return ShardedIterator(make, distributed.data_shards(num_shards), num_shards)
 
 
 def resolve_policy(cfg, mesh, tx, schedule) -> remat.Preset:
@@ -92,20 +77,17 @@ def train(cfg) -> dict:
   rules = rules_dict(cfg.mesh.rules)
   batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
   metrics = MetricsWriter(cfg.workdir, tensorboard=cfg.log.tensorboard)
-  stop = _StopFlag()
-  stop.install()
+  preemption = distributed.Preemption().install()
   with use_rules(mesh, cfg.mesh.rules):
     policy = resolve_policy(cfg, mesh, tx, schedule)
     graphdef, shardings, abstract = state_shardings(cfg, mesh, tx, policy)
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every_steps=cfg.checkpoint.every_steps,
-                        keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
-                        metadata={"config": cfg.to_dict(), "ember_version": __version__,
-                                  "mesh": dict(mesh.shape)})
-    state, data_state = _restore_or_init(cfg, ckpt, mesh, tx, policy, graphdef, abstract, shardings, metrics)
-    start = int(state.step)
+                        keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    ckpt_metadata = {"config": cfg.to_dict(), "ember_version": __version__, "mesh": dict(mesh.shape),
+                     "process_count": jax.process_count()}
     train_it = data_iterator(cfg, "train")
-    if data_state:
-      train_it.set_state(data_state)
+    state = _restore_or_init(cfg, ckpt, mesh, tx, policy, abstract, shardings, metrics, train_it)
+    start = int(state.step)
 
     step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule),
                       in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
@@ -131,7 +113,7 @@ def train(cfg) -> dict:
       done = step + 1
       if profile >= 0 and (done == profile + cfg.train.profile_steps or (done == cfg.steps and step >= profile)):
         jax.profiler.stop_trace()
-      stopping = _should_stop(stop)
+      stopping = preemption.reached(done) and done < cfg.steps
       if done % cfg.log.every_steps == 0 or done == cfg.steps or stopping:
         host = jax.device_get(step_metrics)
         now = time.time()
@@ -151,41 +133,37 @@ def train(cfg) -> dict:
         console(f"step {done:>6}/{cfg.steps}  eval_loss {eval_loss:.4f}")
         last["eval_loss"] = eval_loss
       if ckpt.should_save(done, cfg.steps) or stopping:
-        ckpt.save(done, state, train_it.get_state(), force_sync=stopping)
+        ckpt.save(done, state, train_it, seed=cfg.seed, metadata=ckpt_metadata, force_sync=stopping)
       if stopping:
-        console(f"SIGTERM: saved a checkpoint at step {done} and stopped")
+        console(f"preempted (SIGTERM): saved a checkpoint at step {done} in {ckpt.directory} and stopped")
         break
       if done < cfg.steps:
         batch = _global_batch(next(train_it), batch_sharding)
     ckpt.close()
   metrics.close()
-  stop.uninstall()
+  train_it.close()
+  preemption.uninstall()
   last["wall_time_s"] = time.time() - t_start
   return last
 
 
-def _should_stop(stop: _StopFlag) -> bool:
-  """All processes agree to stop if any one received SIGTERM."""
-  if jax.process_count() == 1:
-    return stop.set
-  from jax.experimental import multihost_utils
-  return bool(np.any(multihost_utils.process_allgather(np.asarray(stop.set))))
-
-
-def _restore_or_init(cfg, ckpt, mesh, tx, policy, graphdef, abstract, shardings, metrics):
-  restored = ckpt.restore_latest(abstract, shardings)
+def _restore_or_init(cfg, ckpt, mesh, tx, policy, abstract, shardings, metrics, train_it):
+  """Resumes from the workdir's latest checkpoint, else starts from checkpoint.restore_from or from init."""
+  restored = ckpt.restore_latest(abstract, shardings, train_it, seed=cfg.seed)
   if restored is not None:
-    state, data_state, step = restored
+    state, step = restored
     metrics.truncate_after(step)
     console(f"resumed from {ckpt.directory} at step {step}")
-    return state, data_state
-  _, state, _ = create_train_state(cfg, mesh, tx, policy)
+    return state
+  init = lambda: create_train_state(cfg, mesh, tx, policy)[1]
   if cfg.checkpoint.restore_from:
     from ember.trainer.checkpointing import restore_from  # Another run's checkpoint.
-    state = restore_from(cfg.checkpoint.restore_from, state, abstract, shardings,
-                         params_only=cfg.checkpoint.params_only)
-  metrics.truncate_after(0)
-  return state, None
+    state = restore_from(cfg.checkpoint.restore_from, abstract, shardings, train_it,
+                         params_only=cfg.checkpoint.params_only, init=init)
+  else:
+    state = init()
+  metrics.truncate_after(0)  # A new run: no records of an earlier one in this workdir.
+  return state
 
 
 def evaluate(cfg, state, eval_fn, batch_sharding) -> float:

@@ -1,6 +1,6 @@
 """The train state and its creation, sharded from the start.
 
-Parameters and quantization state are plain nested dicts of arrays (`nnx.State.to_pure_dict()`),
+Parameters and quantization state are plain nested dicts of arrays (`nnx.to_pure_dict(state)`),
 so Optax, Orbax and the sharding rules see ordinary pytrees; the module structure lives in the
 NNX graphdef, and `nnx.merge(graphdef, params, quant_state)` rebuilds the model inside the step.
 """
@@ -44,7 +44,7 @@ def logical_axes(cfg, policy: remat.Preset):
   """(graphdef, logical-axis PartitionSpecs of params, of quant state), without allocating anything."""
   abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0), policy))
   graphdef, params, quant_state = split_model(abstract)
-  specs = lambda state: nnx.get_partition_spec(state).to_pure_dict()
+  specs = lambda state: nnx.to_pure_dict(nnx.get_partition_spec(state))
   return graphdef, specs(params), specs(quant_state)
 
 
@@ -81,7 +81,7 @@ def state_shardings(cfg, mesh: Mesh, tx, policy: remat.Preset):
 def _abstract_init(cfg, policy):
   def init():
     _, params, quant_state = split_model(build_model(cfg, jax.random.key(0), policy))
-    return params.to_pure_dict(), quant_state.to_pure_dict()
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(quant_state)
   return jax.eval_shape(init)
 
 
@@ -91,9 +91,9 @@ def create_train_state(cfg, mesh: Mesh, tx, policy: remat.Preset):
 
   def init(key):
     _, params, quant_state = split_model(build_model(cfg, key, policy))
-    params = params.to_pure_dict()
+    params = nnx.to_pure_dict(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      quant_state=quant_state.to_pure_dict())
+                      quant_state=nnx.to_pure_dict(quant_state))
 
   state = jax.jit(init, out_shardings=shardings)(init_key(cfg.seed))
   return graphdef, state, shardings

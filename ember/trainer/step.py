@@ -46,7 +46,7 @@ def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy:
   (_, metrics), (grads, new_quant_state) = grad_fn(state.params, state.quant_state, batch)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = dict(metrics, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+  metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, quant_state=new_quant_state)
   return new_state, metrics
 

@@ -1,0 +1,192 @@
+"""The grouped quantized matmul of mixture-of-experts layers: y = x @ w[expert of row], custom VJP.
+
+Rows of x[M, K] are sorted by expert; `group_sizes[E]` says how many consecutive rows each expert
+owns (empty experts allowed; rows past the last group are ignored and give zero rows). The three
+GEMMs are `jax.lax.ragged_dot(_general)` calls:
+  forward  y[M, N]     = ragged x[M, K] @ w[E, K, N]            (ragged rows),
+  dgrad    dx[M, K]    = ragged g[M, N] @ w[E, N, K]            (the transposed kernels),
+  wgrad    dw[E, K, N] = x[M, K].T @ g[M, N], contracting each group's rows separately.
+The structure mirrors quant/dot.py: the same quantizers, operands, names and padding, with these
+differences:
+  * kernels are quantized per expert (a vmap of the quantizer): per-expert amaxes (per-tensor
+    recipes, NVFP4's global scale) and per-expert block scales;
+  * activations and gradients keep one per-tensor amax for all rows, reduced over `reduce_axes` (the
+    mesh axes their rows are sharded over inside `shard_map`), so every shard uses one scale;
+  * the wgrad operands of block-scaled recipes (`x_t`, and the gradient along M) are quantized along
+    the rows in a layout whose groups start at multiples of the block (zero rows in between), so a
+    block never spans two experts; NVFP4's 16-row Hadamard transform then stays inside a group too.
+Every quantized operand is named `quantized.<projection>.<operand>` in the primal function and in
+the forward rule alike (both run `_quantize_operands`), so `save_quantized` recomputes no quantize op
+in an MoE layer. On CPU the GEMMs run on dequantized values: numerics identical to a loop over
+experts of dense GEMMs on the same quantized operands.
+
+Delayed scaling: `history = (x [H], kernel [E, H], grad [H])`, the three row groups of the layer's
+[E + 2, H] QuantState; the backward rule returns them with this step's amaxes rolled in as their
+cotangent (the dense convention). They are separate arrays so that under expert parallelism the
+per-expert rows can be sharded over the expert axis and the others replicated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ember.quant import dot
+from ember.quant.formats import E4M3, E5M2
+from ember.quant.naming import name_quantized
+from ember.quant.quantizers import DelayedScaling, update_history
+from ember.quant.recipe import Recipe
+from ember.remat import quantized_name
+
+
+def grouped_matmul(x_MxK: jax.Array, w_ExKxN: jax.Array, group_sizes_E: jax.Array, *, recipe: Recipe, name: str,
+                   history: tuple[jax.Array, jax.Array, jax.Array] | None = None, key: jax.Array | None = None,
+                   dtype=jnp.bfloat16, reduce_axes: tuple[str, ...] = ()) -> jax.Array:
+  """Rows of x (sorted by expert, `group_sizes_E` each) times their expert's kernel, in `recipe`'s
+  format. `name` is the projection (names the residuals); `history` the delayed-scaling histories
+  (fp8_delayed only); `key` seeds stochastic rounding of gradients (nvfp4); `reduce_axes` the mesh
+  axes the rows are sharded over (inside shard_map), for the per-tensor amaxes."""
+  dtype = jnp.dtype(dtype)
+  group_sizes_E = group_sizes_E.astype(jnp.int32)
+  if not recipe.quantized:
+    return jax.lax.ragged_dot(x_MxK.astype(dtype), w_ExKxN.astype(dtype), group_sizes_E,
+                              preferred_element_type=jnp.float32).astype(dtype)
+  if history is None:  # Unused outside fp8_delayed; keeps one signature.
+    history = (jnp.zeros((1,), jnp.float32), jnp.zeros((w_ExKxN.shape[0], 1), jnp.float32),
+               jnp.zeros((1,), jnp.float32))
+  operand_info = (x_MxK.shape[1], jnp.dtype(x_MxK.dtype), jnp.dtype(w_ExKxN.dtype))
+  return _gmm(x_MxK, w_ExKxN, group_sizes_E, tuple(history), key, recipe, name, dtype, tuple(reduce_axes),
+              operand_info)
+
+
+def _quantizers(recipe: Recipe, history):
+  """(activation quantizer, expert history -> weight quantizer, gradient quantizer)."""
+  if recipe.delayed:
+    h_x, _, h_g = history
+    make = lambda h, fmt: DelayedScaling(h, fmt, recipe.margin, recipe.amax_compute_algo)
+    return make(h_x, E4M3), lambda h: make(h, E4M3), make(h_g, E5M2)
+  act, weight, grad = dot._quantizers(recipe, None)
+  return act, lambda h: weight, grad
+
+
+def _per_expert(weight_of, w_ExKxN, h_ExH, axis):
+  """Each expert's kernel quantized on its own (per-expert amax and scales); leaves gain a leading E."""
+  return jax.vmap(lambda w, h: weight_of(h).quantize(w, axis=axis))(w_ExKxN, h_ExH)
+
+
+def _dequantize(q, dtype):
+  return q.dequantize(dtype) if q.data.ndim == 2 else jax.vmap(lambda t: t.dequantize(dtype))(q)
+
+
+def group_ids(group_sizes_E: jax.Array, m: int) -> jax.Array:
+  """The expert of each of `m` sorted rows; E for rows past the last group."""
+  return jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(m, dtype=jnp.int32), side="right")
+
+
+def _mask_rows(a_MxK, group_sizes_E):
+  """Zeros the rows past the last group (they would otherwise enter the per-tensor amax)."""
+  live = jnp.arange(a_MxK.shape[0]) < jnp.sum(group_sizes_E)
+  return jnp.where(live[:, None], a_MxK, jnp.zeros((), a_MxK.dtype))
+
+
+def block_layout(group_sizes_E: jax.Array, m: int, block: int):
+  """(destination row of each sorted row, padded group sizes, layout length) of the layout in which
+  every group starts at a multiple of `block` (rows past the last group go nowhere)."""
+  e = group_sizes_E.shape[0]
+  length = -(-(m + e * (block - 1)) // block) * block
+  padded_E = -(-group_sizes_E // block) * block
+  starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+  padded_starts_E = jnp.cumsum(padded_E) - padded_E
+  gid = group_ids(group_sizes_E, m)
+  g = jnp.minimum(gid, e - 1)
+  dest = jnp.where(gid < e, padded_starts_E[g] + jnp.arange(m) - starts_E[g], length)
+  return dest, padded_E, length
+
+
+def _to_layout(a_MxK, layout):
+  dest, _, length = layout
+  return jnp.zeros((length, a_MxK.shape[1]), a_MxK.dtype).at[dest].set(a_MxK, mode="drop")
+
+
+def _quantize_operands(x, w, group_sizes, history, recipe: Recipe, name: str, reduce_axes):
+  """Quantizes every operand the forward and backward GEMMs need, each named for remat."""
+  act, weight_of, _ = _quantizers(recipe, history)
+  h_k = history[1]
+  q = {}
+  with jax.named_scope(dot.SCOPE_ACTIVATION):
+    q["x"] = act.quantize(x, axis=1, reduce_axes=reduce_axes)
+    if recipe.block_size > 1:
+      x_layout = _to_layout(x, block_layout(group_sizes, x.shape[0], recipe.block_size))
+      q["x_t"] = act.quantize(dot._rht(x_layout, 0, recipe) if recipe.name == "nvfp4" else x_layout, axis=0,
+                              reduce_axes=reduce_axes)
+  with jax.named_scope(dot.SCOPE_WEIGHT):
+    q["kernel"] = _per_expert(weight_of, w, h_k, axis=0)
+    if recipe.name == "mxfp8" or (recipe.name == "nvfp4" and not recipe.nvfp4_2d_weights):
+      q["kernel_t"] = _per_expert(weight_of, w, h_k, axis=1)
+  return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
+
+
+def _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes):
+  n, b = w.shape[2], recipe.block_size
+  xp, wp = dot._pad_to(_mask_rows(x, group_sizes), (1, b)), dot._pad_to(w, (1, b, b))
+  q = _quantize_operands(xp, wp, group_sizes, history, recipe, name, reduce_axes)
+  y = jax.lax.ragged_dot(q["x"].dequantize(dtype), _dequantize(q["kernel"], dtype), group_sizes,
+                         preferred_element_type=jnp.float32)
+  return y[:, :n].astype(dtype), q
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _gmm(x, w, group_sizes, history, key, recipe, name, dtype, reduce_axes, operand_info):
+  return _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes)[0]
+
+
+def _gmm_fwd(x, w, group_sizes, history, key, recipe, name, dtype, reduce_axes, operand_info):
+  y, q = _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes)
+  return y, (q, group_sizes, history, key)
+
+
+# dw[e] = x[rows of e].T @ g[rows of e]: the ragged dimension (rows) is contracted.
+_WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def _gmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_MxN):
+  q, group_sizes, history, key = res
+  (m, n), (k, x_dtype, w_dtype) = g_MxN.shape, operand_info
+  b = recipe.block_size
+  g = dot._pad_to(_mask_rows(g_MxN, group_sizes), (1, b))
+  _, _, grad_q = _quantizers(recipe, history)
+  key_dgrad = key_wgrad = None
+  if key is not None:
+    key_dgrad, key_wgrad = jax.random.split(key)
+  # dgrad: contract N with each expert's kernel copy quantized along N (per-tensor, 2D tiles: the same).
+  with jax.named_scope(dot.SCOPE_GRADIENT):
+    g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad, reduce_axes=reduce_axes)
+  kernel_n = _dequantize(q.get("kernel_t", q["kernel"]), dtype)
+  dx = jax.lax.ragged_dot(g_rows.dequantize(dtype), jnp.swapaxes(kernel_n, 1, 2), group_sizes,
+                          preferred_element_type=jnp.float32)
+  # wgrad: contract each group's rows. Per-tensor recipes reuse the forward copies; block recipes
+  # quantize along the rows in the block-aligned layout (NVFP4 after the Hadamard transform).
+  if b == 1:
+    g_cols, x_m, sizes = g_rows, q["x"], group_sizes
+  else:
+    layout = block_layout(group_sizes, m, b)
+    g_layout = _to_layout(g, layout)
+    with jax.named_scope(dot.SCOPE_GRADIENT):
+      g_cols = grad_q.quantize(dot._rht(g_layout, 0, recipe) if recipe.name == "nvfp4" else g_layout, axis=0,
+                               rng=key_wgrad, reduce_axes=reduce_axes)
+    x_m, sizes = q["x_t"], layout[1]
+  dw = jax.lax.ragged_dot_general(x_m.dequantize(dtype), g_cols.dequantize(dtype), sizes, _WGRAD_DIMS,
+                                  preferred_element_type=jnp.float32)
+  h_x, h_k, h_g = history
+  if recipe.delayed:
+    new_history = (update_history(h_x, q["x"].amax), jax.vmap(update_history)(h_k, q["kernel"].amax),
+                   update_history(h_g, g_rows.amax))
+  else:
+    new_history = jax.tree.map(jnp.zeros_like, history)
+  return dx[:, :k].astype(x_dtype), dw[:, :k, :n].astype(w_dtype), None, new_history, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)

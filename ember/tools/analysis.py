@@ -1,0 +1,391 @@
+"""What a remat policy costs, measured on traced and compiled programs (shared by the tools and tests).
+
+Two views, both from the real code:
+  * one decoder block (the scan body: `Block` under `remat.checkpoint`), traced on abstract
+    inputs: the residuals its forward pass saves for the backward pass (`layer_residuals`), and
+    what its backward pass recomputes (`backward_counts`: low-precision casts of forward operands,
+    projection GEMMs, attention matmuls), read off the jaxpr of the vjp function alone;
+  * the whole train step compiled ahead of time on abstract sharded inputs
+    (`compile_train_step`): XLA's FLOPs and peak bytes per device (`compile_stats`).
+
+Residual accounting follows what the layer scan keeps per iteration: the block's input (the scan
+carry) and every residual computed from the input, the parameters or the block's key. Parameters
+themselves are not counted (they are the train state, resident anyway), nor are residuals that
+depend only on the segment ids and positions (the scan hoists loop invariants such as the mask).
+Low-precision residuals travel as their bit patterns (uint8, uint4: see ember/quant/naming.py) and
+are counted at the bits they take (uint4 = half a byte an element).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from ember import remat
+from ember.layers.decoder import Block, block_size, segments_of
+from ember.quant import dot
+from ember.quant.recipe import Recipe
+
+# Casts to these dtypes are quantize ops (the E8M0 scales of MXFP8 are built with a bitcast).
+LOW_PRECISION = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn))
+_SUB_BYTE_BITS = {jnp.dtype(d): 4 for d in (jnp.uint4, jnp.int4, jnp.float4_e2m1fn)}
+
+
+# ----------------------------------------------------------------------------- one block, traced
+
+@dataclasses.dataclass(frozen=True)
+class LayerProblem:
+  """One scan block of a config, and its call arguments (abstract or concrete)."""
+  graphdef: Any
+  state: Any  # nnx.State: parameters (and delayed-scaling histories) of one block.
+  x_BxLxD: Any
+  segment_ids_BxL: Any
+  positions_BxL: Any
+  key: Any  # The block's stochastic-rounding key (folded from step and block id in the model).
+  layers_per_block: int
+
+  @property
+  def args(self):
+    return self.x_BxLxD, self.state, self.segment_ids_BxL, self.positions_BxL, self.key
+
+
+def per_device_batch(cfg) -> int:
+  """Sequences per device along the data-parallel axes (at least 1)."""
+  m = cfg.mesh
+  shards = max(int(m.data), 1) * max(int(m.fsdp), 1) * max(int(m.expert), 1)
+  return max(cfg.train.batch_size // shards, 1)
+
+
+def representative_block(cfg) -> int:
+  """The first block of the largest segment (blocks `quant.exclude` keeps in bf16 are the odd ones)."""
+  segments = segments_of(cfg, Recipe.from_config(cfg.quant))
+  return max(segments, key=len)[0]
+
+
+def layer_problem(cfg, *, batch: int | None = None, concrete: bool = False, seed: int = 0) -> LayerProblem:
+  """One `Block` of a derived config. Abstract (shapes only) unless `concrete`, where parameters,
+  inputs, packed segments and delayed-scaling histories are random but deterministic."""
+  recipe = Recipe.from_config(cfg.quant)
+  first = representative_block(cfg) * block_size(cfg.model)
+  make = lambda: Block(cfg, first, recipe, nnx.Rngs(params=jax.random.key(seed)))
+  with nnx.use_eager_sharding(False):
+    block = make() if concrete else nnx.eval_shape(make)
+  graphdef, state = nnx.split(block)
+  b = batch or per_device_batch(cfg)
+  l, d = cfg.model.seq_len, cfg.model.d_model
+  dtype = jnp.dtype(cfg.model.dtype)
+  if not concrete:
+    sds = jax.ShapeDtypeStruct
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return LayerProblem(graphdef, state, sds((b, l, d), dtype), sds((b, l), jnp.int32), sds((b, l), jnp.int32), key,
+                        block_size(cfg.model))
+  kx, kh = jax.random.split(jax.random.key(seed + 1))
+  x = jax.random.normal(kx, (b, l, d), jnp.float32).astype(dtype)
+  # Two packed documents per row, so the segment mask and positions matter.
+  cut = l // 3
+  segment_ids = jnp.broadcast_to(jnp.where(jnp.arange(l) < cut, 1, 2), (b, l)).astype(jnp.int32)
+  positions = jnp.broadcast_to(jnp.where(jnp.arange(l) < cut, jnp.arange(l), jnp.arange(l) - cut), (b, l))
+  state = _random_histories(state, kh)
+  step_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), 1), 3)  # As trainer/state.step_key.
+  key = jax.random.fold_in(step_key, representative_block(cfg))
+  return LayerProblem(graphdef, state, x, segment_ids, positions.astype(jnp.int32), key, block_size(cfg.model))
+
+
+def _random_histories(state, key):
+  """Delayed-scaling histories start at zero; give them plausible amaxes so their scales matter."""
+  def fill(path, leaf):
+    if any(getattr(p, "key", None) == "amax_history" for p in path):
+      return jax.random.uniform(jax.random.fold_in(key, len(path)), leaf.shape, jnp.float32, 0.5, 4.0)
+    return leaf
+  return jax.tree_util.tree_map_with_path(fill, state)
+
+
+def layer_fn(graphdef, preset: remat.Preset):
+  """The scan body of ember/layers/decoder.py for one block: (x, state, segment_ids, positions, key)
+  -> (y, aux), under `remat.checkpoint` with the preset's policy."""
+  def body(x, state, segment_ids, positions, key):
+    return nnx.merge(graphdef, state)(x, segment_ids, positions, key)
+  return remat.checkpoint(body, preset)
+
+
+# ----------------------------------------------------------------------------- jaxpr walking
+
+def _subjaxprs(eqn):
+  for v in eqn.params.values():
+    for item in v if isinstance(v, (tuple, list)) else (v,):
+      if isinstance(item, jax.extend.core.ClosedJaxpr):
+        yield item.jaxpr
+      elif isinstance(item, jax.extend.core.Jaxpr):
+        yield item
+
+
+def iter_eqns(jaxpr):
+  """Every equation of `jaxpr` and, recursively, of its sub-jaxprs (jit, remat, custom rules, scan)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in _subjaxprs(eqn):
+      yield from iter_eqns(sub)
+
+
+def _name_stack(eqn) -> str:
+  return str(eqn.source_info.name_stack)
+
+
+def is_quantize_cast(eqn) -> bool:
+  return (eqn.primitive.name == "convert_element_type"
+          and jnp.dtype(eqn.params["new_dtype"]) in LOW_PRECISION)
+
+
+def _is_projection_gemm(eqn) -> bool:
+  """Projections are 2-D GEMMs ([M, K] @ [K, N], see quant/dot.py); attention's matmuls are batched."""
+  if eqn.primitive.name != "dot_general":
+    return False
+  (_, _), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+  return not batch_l and not batch_r and all(v.aval.ndim == 2 for v in eqn.invars)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardCounts:
+  """Operations in the backward pass of one block (the vjp function's jaxpr, sub-jaxprs included)."""
+  quantize_ops: int  # Low-precision casts outside gradient quantization: forward operands recomputed.
+  gradient_quantize_ops: int  # Low-precision casts of gradients (legitimately in the backward pass).
+  projection_gemms: int  # 2-D dot_generals: backward GEMMs plus recomputed forward projections.
+  batched_matmuls: int  # Batched dot_generals (attention), backward plus recomputed.
+
+
+def backward_counts(bwd_jaxpr) -> BackwardCounts:
+  q = gq = gemm = bmm = 0
+  quantizing = (dot.SCOPE_ACTIVATION, dot.SCOPE_WEIGHT, dot.SCOPE_GRADIENT)
+  for eqn in iter_eqns(bwd_jaxpr):
+    stack = _name_stack(eqn)
+    if is_quantize_cast(eqn):
+      if dot.SCOPE_GRADIENT in stack:
+        gq += 1
+      else:
+        q += 1
+    elif eqn.primitive.name == "dot_general" and not any(s in stack for s in quantizing):
+      # (NVFP4's Hadamard transform is a matmul inside a quantize scope: part of quantizing.)
+      if _is_projection_gemm(eqn):
+        gemm += 1
+      else:
+        bmm += 1
+  return BackwardCounts(q, gq, gemm, bmm)
+
+
+# ----------------------------------------------------------------------------- residuals
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+  name: str  # The checkpoint name, or the producing primitive and source line for unnamed ones.
+  dtype: str  # As saved (low-precision tensors are saved as uint8/uint4 bit patterns).
+  shape: tuple[int, ...]
+  bytes: float
+  format: str | None = None  # The low-precision format behind a bit pattern (e.g. float8_e4m3fn).
+  offloaded: bool = False  # Moved to host memory by the policy.
+
+  def to_json(self) -> dict:
+    out = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "bytes": self.bytes}
+    if self.format:
+      out["format"] = self.format
+    if self.offloaded:
+      out["offloaded"] = True
+    return out
+
+
+def nbytes(aval) -> float:
+  """Bytes an array of `aval` takes: sub-byte dtypes at their bits; PRNG keys as their key data."""
+  dtype = aval.dtype
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, dtype))
+    return float(data.size * data.dtype.itemsize)
+  bits = _SUB_BYTE_BITS.get(jnp.dtype(dtype), jnp.dtype(dtype).itemsize * 8)
+  return math.prod(aval.shape) * bits / 8
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTrace:
+  residuals: tuple[Residual, ...]
+  backward: BackwardCounts
+
+  @property
+  def residual_bytes(self) -> float:
+    return sum(r.bytes for r in self.residuals)
+
+
+def trace_layer(problem: LayerProblem, preset: remat.Preset) -> LayerTrace:
+  """Residuals the block's forward pass saves, and the operations of its backward pass."""
+  fn = layer_fn(problem.graphdef, preset)
+  leaves, in_tree = jax.tree.flatten(problem.args)
+
+  def fwd(*leaves):
+    return jax.vjp(fn, *jax.tree.unflatten(in_tree, leaves))
+
+  closed, (out_shape, vjp_shape) = jax.make_jaxpr(fwd, return_shape=True)(*leaves)
+  res_structs, vjp_tree = jax.tree.flatten(vjp_shape)
+  residuals = _residuals(closed.jaxpr, len(res_structs), problem)
+  bwd = jax.make_jaxpr(lambda res, ct: jax.tree.unflatten(vjp_tree, res)(ct))(res_structs, out_shape)
+  return LayerTrace(tuple(residuals), backward_counts(bwd.jaxpr))
+
+
+def _residuals(jaxpr, num_res: int, problem: LayerProblem) -> list[Residual]:
+  """Reads the residual outputs of the jaxpr of `jax.vjp` (as `jax.ad_checkpoint` does in
+  `saved_residuals`), keeping those the layer scan stores per block (see the module doc)."""
+  res_vars = jaxpr.outvars[len(jaxpr.outvars) - num_res:]
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  # Saved floats pass through reduce_precision, offloaded ones through device_put: look through.
+  offloaded = set()
+
+  def source(v):
+    while True:
+      e = producer.get(v)
+      if e is None or e.primitive.name not in ("reduce_precision", "device_put"):
+        return v
+      if e.primitive.name == "device_put":
+        offloaded.add(e.invars[0])
+      v = e.invars[0]
+
+  n_x = 1
+  n_state = len(jax.tree.leaves(problem.state))
+  invars = jaxpr.invars
+  layer_input, params = invars[0], set(invars[n_x:n_x + n_state])
+  varying = {layer_input, *params, *invars[n_x + n_state + 2:]}  # Input, parameters, key.
+  for e in jaxpr.eqns:
+    if any(not isinstance(v, jax.extend.core.Literal) and v in varying for v in e.invars):
+      varying.update(e.outvars)
+
+  out, seen = [], set()
+  for v in res_vars:
+    if isinstance(v, jax.extend.core.Literal):
+      continue
+    v = source(v)
+    if v in seen or v in params or v not in varying:
+      continue
+    seen.add(v)
+    e = producer.get(v)
+    fmt = None
+    if v is layer_input:
+      name = remat.LAYER_INPUT
+    elif e is not None and e.primitive.name == "name":
+      name = e.params["name"]
+      src = producer.get(e.invars[0])
+      if src is not None and src.primitive.name == "bitcast_convert_type":
+        fmt = jnp.dtype(src.invars[0].aval.dtype).name
+    elif e is not None and _named_bits(e, producer):
+      name = producer[e.invars[0]].params["name"]  # A low-precision tensor viewed back from its bits.
+    elif e is not None:
+      name = f"{e.primitive.name} ({_where(e)})"
+    else:
+      continue  # A constant.
+    aval = v.aval
+    out.append(Residual(name, str(aval.dtype), tuple(aval.shape), nbytes(aval), fmt, v in offloaded))
+  return out
+
+
+def _named_bits(eqn, producer) -> bool:
+  src = producer.get(eqn.invars[0]) if eqn.primitive.name == "bitcast_convert_type" else None
+  return src is not None and src.primitive.name == "name"
+
+
+def _where(eqn) -> str:
+  frame = jax._src.source_info_util.user_frame(eqn.source_info.traceback)
+  return f"{os.path.basename(frame.file_name)}:{frame.start_line}" if frame else "?"
+
+
+def layer_report(cfg, presets: dict[str, remat.Preset], *, batch: int | None = None) -> dict[str, dict]:
+  """Per preset: residuals of one block, their bytes, and what its backward pass recomputes
+  (quantize ops; projection GEMMs and attention matmuls beyond those of policy `none`)."""
+  problem = layer_problem(cfg, batch=batch)
+  base = trace_layer(problem, remat.PRESETS["none"]).backward
+  out = {}
+  for name, p in presets.items():
+    t = trace_layer(problem, p)
+    out[name] = {
+        "residual_bytes_per_layer": t.residual_bytes / problem.layers_per_block,
+        "residuals": [r.to_json() for r in t.residuals],
+        "recomputed_quantize_ops_per_layer": t.backward.quantize_ops / problem.layers_per_block,
+        "recomputed_gemms_per_layer": (t.backward.projection_gemms - base.projection_gemms) / problem.layers_per_block,
+        "recomputed_attention_matmuls_per_layer": (t.backward.batched_matmuls - base.batched_matmuls)
+                                                  / problem.layers_per_block,
+        "offloaded_bytes_per_layer": sum(r.bytes for r in t.residuals if r.offloaded) / problem.layers_per_block,
+    }
+  return out
+
+
+# ----------------------------------------------------------------------------- the compiled step
+
+def abstract_batch(cfg, mesh) -> tuple[dict, NamedSharding]:
+  from ember.parallel.sharding import logical_to_spec, rules_dict
+  sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_dict(cfg.mesh.rules), mesh))
+  shape = (cfg.train.batch_size, cfg.model.seq_len)
+  keys = ("inputs", "targets", "segment_ids", "positions")
+  return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in keys}, sharding
+
+
+def lower_train_step(cfg, mesh, tx, schedule, preset: remat.Preset, *, platforms: tuple[str, ...] | None = None):
+  """The real train step (`trainer.step.train_step`, policy overridden) lowered on abstract sharded
+  inputs, exactly as the loop jits it. `platforms` lowers for another backend (e.g. ("cuda",))."""
+  from ember.parallel.sharding import use_rules
+  from ember.trainer.state import state_shardings
+  from ember.trainer.step import train_step
+  with use_rules(mesh, cfg.mesh.rules):
+    graphdef, shardings, abstract = state_shardings(cfg, mesh, tx, preset)
+    batch, batch_sharding = abstract_batch(cfg, mesh)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    step = jax.jit(functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=preset),
+                   in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+    traced = step.trace(abstract, batch)
+    return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+
+
+def compile_train_step(cfg, mesh, tx, schedule, preset: remat.Preset):
+  return lower_train_step(cfg, mesh, tx, schedule, preset).compile()
+
+
+def peak_bytes(memory_analysis) -> int | None:
+  """Device bytes live at the peak: arguments + outputs + temporaries - donated (aliased) buffers."""
+  m = memory_analysis
+  if m is None:
+    return None
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def compile_stats(compiled) -> dict:
+  """XLA's FLOPs (recomputation included) and peak device bytes of a compiled program."""
+  try:
+    memory = compiled.memory_analysis()
+  except Exception:  # Some backends have no memory analysis.
+    memory = None
+  try:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops = float(cost.get("flops", float("nan"))) if cost else None
+  except Exception:
+    flops = None
+  host = None if memory is None else int(getattr(memory, "host_temp_size_in_bytes", 0))
+  return {"flops": flops, "peak_bytes": peak_bytes(memory), "host_temp_bytes": host}
+
+
+def host_placements(hlo_text: str) -> int:
+  """How many tensors a lowered or compiled program places in host memory: `annotate_device_placement`
+  custom calls to pinned_host (lowered StableHLO) or `S(5)` memory-space layouts (compiled GPU HLO)."""
+  lines = hlo_text.splitlines()
+  annotated = sum(1 for l in lines if "annotate_device_placement" in l and "pinned_host" in l)
+  return annotated + sum(1 for l in lines if "S(5)" in l)
+
+
+def format_bytes(n: float | None) -> str:
+  if n is None or (isinstance(n, float) and np.isnan(n)):
+    return "-"
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n:.0f} B"

@@ -1,0 +1,63 @@
+"""Every validation error exits 2 with one line naming the key and the reason."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ember import config as config_lib
+from tests.helpers import ROOT
+
+CASES = [
+    (["--config.no_such_key=1"], "no_such_key: unknown config key"),
+    (["--config.model.d_model=abc"], "config.model.d_model"),
+    (["--config.model.num_heads=5"], "config.model.num_heads: 5 heads do not divide model.d_model=64"),
+    (["--config.model.num_kv_heads=3"], "config.model.num_kv_heads: 3 kv heads do not divide model.num_heads=4"),
+    (["--config.mesh.data=3", "--config.mesh.fsdp=1"], "config.mesh: mesh (data=3, fsdp=1, tensor=1, expert=1) has 3"),
+    (["--config.train.batch_size=6", "--config.mesh.fsdp=4", "--config.mesh.data=2"],
+     "config.train.batch_size: 6 is not divisible by the data-parallel size"),
+    (["--config.data.path=/nonexistent/*.txt"], "config.data.path: no file matches '/nonexistent/*.txt'"),
+    (["--config.quant.recipe=fp7"], "config.quant.recipe: unknown recipe 'fp7'"),
+    (["--config.remat.policy=custom", "--config.remat.save_names=('bogus',)"],
+     "config.remat.save_names: unknown checkpoint name 'bogus'; valid names: decoder_layer_input"),
+]
+
+
+@pytest.mark.parametrize("flags,expected", CASES, ids=[c[1].split(":")[0] for c in CASES])
+def test_validation_errors_name_the_key(flags, expected):
+  argv = ["train.py", "--config=configs/default.py:tiny", *flags]
+  cwd = os.getcwd()
+  os.chdir(ROOT)
+  try:
+    with pytest.raises(config_lib.ConfigError) as err:
+      cfg = config_lib.load(argv)
+      config_lib.validate(cfg, num_devices=8)
+  finally:
+    os.chdir(cwd)
+  message = str(err.value)
+  assert expected in message, message
+  assert "\n" not in message
+
+
+@pytest.mark.parametrize("flags", [["--config.no_such_key=1"], ["--config.model.num_kv_heads=3"],
+                                   ["--config.data.path=/nonexistent/*.txt"]])
+def test_train_py_exits_2_with_one_line(flags):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "train.py", "--config=configs/default.py:tiny", *flags], cwd=ROOT,
+                        capture_output=True, text=True, env=env, timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: config."), proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_missing_config_file():
+  with pytest.raises(config_lib.ConfigError, match="no such config file: configs/nope.py"):
+    config_lib.load(["train.py", "--config=configs/nope.py"])
+
+
+def test_derive_fills_head_dim_and_mesh():
+  cfg = config_lib.load(["train.py", f"--config={ROOT}/configs/default.py:tiny"])
+  out = config_lib.derive(cfg, 8)
+  assert out.model.head_dim == 16 and out.mesh.fsdp == 8 and out.train.decay_steps > 0
