@@ -84,7 +84,8 @@ def get_config() -> ml_collections.ConfigDict:
   d.path = ""  # text: glob of files ("" = this interpreter's stdlib *.py); array_record: glob of files.
   d.tokenizer = "byte"  # "byte" or the path of a SentencePiece .model file.
   d.eval_fraction = 0.02  # Share of documents held out for eval (by a hash of their name).
-  d.shuffle_buffer = 0  # Unused by the global-shuffle sources; kept for streaming sources.
+  d.chunk_shuffle_window = 16384  # Chunks shuffled together before packing (~200 stdlib files): batches
+  # mix many documents, so consecutive steps do not train on the same few files. 0 = off.
   d.tfds_name = ""  # tfds: dataset name, e.g. "lm1b".
   d.tfds_data_dir = ""  # tfds: data_dir ("" = TFDS default).
   d.tfds_text_key = "text"  # tfds: the feature holding the text.
