@@ -18,7 +18,8 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-RECIPES = ("bf16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4")
+from ember.quant.recipe import RECIPES
+
 DATA_SOURCES = ("synthetic", "text", "array_record", "tfds")
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -132,6 +133,15 @@ def _validate_data_paths(cfg):
     _fail("data.tfds_name", "source tfds needs a dataset name")
   if d.tokenizer != "byte" and not os.path.isfile(d.tokenizer):
     _fail("data.tokenizer", f"no SentencePiece model at {d.tokenizer!r}")
+
+
+def is_moe_layer(model_cfg, index: int) -> bool:
+  """Layer `index` is MoE when experts are on and it closes a group of `moe_every` layers."""
+  return bool(model_cfg.num_experts) and index % model_cfg.moe_every == model_cfg.moe_every - 1
+
+
+def num_moe_layers(model_cfg) -> int:
+  return sum(is_moe_layer(model_cfg, i) for i in range(model_cfg.num_layers))
 
 
 def mesh_shape(cfg, num_devices: int) -> dict[str, int]:

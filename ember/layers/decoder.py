@@ -22,6 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
+from ember.config import is_moe_layer
 from ember.layers.attention import Attention
 from ember.layers.embed import Embed
 from ember.layers.linear import Linear
@@ -38,10 +39,6 @@ AUX_KEYS = ("moe_load_balance_loss", "moe_router_z_loss", "moe_dropped_tokens", 
 
 def zero_aux() -> dict[str, jax.Array]:
   return {k: jnp.zeros((), jnp.float32) for k in AUX_KEYS}
-
-
-def is_moe_layer(model_cfg, index: int) -> bool:
-  return bool(model_cfg.num_experts) and index % model_cfg.moe_every == model_cfg.moe_every - 1
 
 
 def block_size(model_cfg) -> int:

@@ -14,8 +14,6 @@ host and every step. Applied to a block x (a row vector) it gives x M; along
 any `axis` it acts on consecutive blocks of 16 of that axis.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +33,6 @@ def hadamard_matrix(n: int = BLOCK) -> np.ndarray:
   return (h / np.sqrt(n)).astype(np.float32)
 
 
-@functools.lru_cache(maxsize=None)
 def random_signs(seed: int, n: int = BLOCK) -> np.ndarray:
   """n fixed signs (+-1.0) derived from `seed`."""
   bits = np.random.default_rng(seed).integers(0, 2, size=n)

@@ -28,6 +28,7 @@ from ember import config as config_lib
 from ember.parallel.sharding import logical_to_spec, rules_dict, use_rules
 from ember.trainer import flops as flops_lib
 from ember.trainer.loop import _global_batch, data_iterator, resolve_policy, setup
+from ember.trainer.metrics import compiled_peak_bytes, device_peak_bytes
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import create_train_state
 from ember.trainer.step import train_step
@@ -45,15 +46,8 @@ def gemm_counts(hlo_text: str) -> dict[str, int]:
 
 
 def peak_bytes(compiled) -> tuple[int | None, str]:
-  stats = jax.devices()[0].memory_stats() or {}
-  if "peak_bytes_in_use" in stats:
-    return int(stats["peak_bytes_in_use"]), "device"
-  try:
-    m = compiled.memory_analysis()
-    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-               - m.alias_size_in_bytes), "compiled"
-  except Exception:
-    return None, "unknown"
+  memory, source = device_peak_bytes()
+  return (memory, source) if memory is not None else (compiled_peak_bytes(compiled), "compiled")
 
 
 def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:

@@ -25,7 +25,7 @@ from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import logical_to_spec, rules_dict, use_rules
 from ember.trainer import flops as flops_lib
 from ember.trainer.checkpointing import Checkpointer, CheckpointError, ShardedIterator
-from ember.trainer.metrics import MetricsWriter, console, progress_line
+from ember.trainer.metrics import MetricsWriter, compiled_peak_bytes, console, progress_line
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import create_train_state, state_shardings
 from ember.trainer.step import eval_step, train_step
@@ -173,12 +173,8 @@ def evaluate(cfg, state, eval_fn, batch_sharding) -> float:
 
 
 def _memory_summary(compiled) -> str:
-  try:
-    m = compiled.memory_analysis()
-    peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    return f"compiled peak {peak / 2**30:.2f} GiB/device"
-  except Exception:
-    return "no memory analysis"
+  peak = compiled_peak_bytes(compiled)
+  return "no memory analysis" if peak is None else f"compiled peak {peak / 2**30:.2f} GiB/device"
 
 
 __all__ = ["train", "setup", "evaluate", "CheckpointError"]

@@ -10,6 +10,7 @@ import optax
 from flax import nnx
 
 from ember import remat
+from ember.config import num_moe_layers
 from ember.layers.decoder import AUX_KEYS
 from ember.parallel.sharding import shard
 from ember.trainer.loss import cross_entropy
@@ -30,7 +31,7 @@ def forward_loss(params, quant_state, batch, *, graphdef, cfg, key, policy: rema
   weights = (segment_ids > 0).astype(jnp.float32)
   ce, z = cross_entropy(hidden, targets, weights, lambda h: model.head(h, key), chunk_size=cfg.train.loss_chunk_size)
   m = cfg.model
-  num_moe = max(sum(1 for i in range(m.num_layers) if m.num_experts and i % m.moe_every == m.moe_every - 1), 1)
+  num_moe = max(num_moe_layers(m), 1)
   lb, rz = aux["moe_load_balance_loss"] / num_moe, aux["moe_router_z_loss"] / num_moe
   total = ce + cfg.train.z_loss_weight * z + m.load_balance_weight * lb + m.router_z_weight * rz
   metrics = {"loss": ce, "z_loss": z, "total_loss": total, "moe_load_balance_loss": lb, "moe_router_z_loss": rz,
