@@ -19,12 +19,25 @@ from ember.layers.rope import apply_rope
 from ember.parallel.sharding import shard
 
 
-def causal_segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
-  """[B, 1, L, L] True where query i may attend key j: same non-padding segment and j <= i."""
-  same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-  length = segment_ids_BxL.shape[1]
-  causal = jnp.tril(jnp.ones((length, length), bool))
-  return (same & causal)[:, None]
+def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
+  """[B, 1, L, L] True where query i and key j belong to the same segment (causality is separate)."""
+  return (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
+
+
+def attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, implementation: str):
+  """Causal attention within segments. `auto` tries cuDNN flash attention on GPU and falls back to
+  XLA for the shapes, dtypes or masks cuDNN does not take (it raises at trace time)."""
+  mask = segment_mask(segment_ids_BxL)
+  attention = lambda impl: jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask=mask, is_causal=True,
+                                                        implementation=impl)
+  if implementation == "auto":
+    if jax.default_backend() == "gpu":
+      try:
+        return attention("cudnn")
+      except Exception:  # Unsupported by cuDNN here: XLA below.
+        pass
+    return attention("xla")
+  return attention(implementation)
 
 
 class Attention(nnx.Module):
@@ -52,25 +65,8 @@ class Attention(nnx.Module):
     v_BxLxKxH = checkpoint_name(shard(v_BxLxKxH, ("batch", "length", "kv_heads", "head_dim")), remat.VALUE)
     q_BxLxNxH = apply_rope(q_BxLxNxH, positions_BxL, self.rope_theta)
     k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope_theta)
-    ctx_BxLxNxH = jax.nn.dot_product_attention(
-        q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask=causal_segment_mask(segment_ids_BxL),
-        implementation=_implementation(self.implementation))
+    ctx_BxLxNxH = attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, self.implementation)
     ctx_BxLxNxH = checkpoint_name(shard(ctx_BxLxNxH, ("batch", "length", "heads", "head_dim")),
                                   remat.ATTENTION_CONTEXT)
     y_BxLxD = self.out(ctx_BxLxNxH, key)
     return checkpoint_name(shard(y_BxLxD, ("batch", "length", "embed")), remat.OUT_PROJ)
-
-
-def _implementation(choice: str):
-  """`auto`: cuDNN flash attention where JAX can use it (GPU), else XLA; JAX picks when given None."""
-  if choice == "auto":
-    return "cudnn" if jax.default_backend() == "gpu" and _cudnn_ok() else None
-  return choice
-
-
-def _cudnn_ok() -> bool:
-  try:
-    from jax._src.cudnn import fused_attention_stablehlo  # noqa: F401
-    return True
-  except Exception:
-    return False
