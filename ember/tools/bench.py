@@ -35,7 +35,7 @@ from ember.trainer.step import train_step
 
 _GEMM_PATTERNS = {
     "fp8_gemms": r"custom_call_target=\"__cublas\$lt\$matmul\$f8\"",
-    "cublas_gemms": r"custom_call_target=\"__cublas\$(lt\$)?matmul\"",
+    "cublas_gemms": r"custom_call_target=\"__cublas\$(lt\$matmul|gemm)\"",
     "dots": r"= [a-z0-9\[\]{},_ ]*\bdot\(",
 }
 
