@@ -76,7 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
   r.policy = "save_quantized"  # See ember/remat.py for the presets.
   r.save_names = ()  # policy=custom: checkpoint names to keep on device.
   r.offload_names = ()  # policy=custom: checkpoint names to move to host memory.
-  r.memory_budget_gb = 0.0  # policy=auto: per-device budget for the compiled peak.
+  r.memory_budget_gb = 0.0  # policy=auto: per-device budget for the compiled peak, GiB (2**30 bytes).
   r.auto_candidates = ()  # policy=auto: presets to try (empty = all that apply).
 
   d = c.data = ml_collections.ConfigDict()
@@ -117,7 +117,7 @@ def get_config() -> ml_collections.ConfigDict:
   )
 
   ck = c.checkpoint = ml_collections.ConfigDict()
-  ck.every_steps = 500  # Save every N steps (and at the end); 0 = only at the end.
+  ck.every_steps = 500  # Save every N steps (and at the end); 0 = only at the end; -1 = never.
   ck.keep = 3  # Number of checkpoints kept.
   ck.async_save = True  # Save in a background thread while training continues.
   ck.restore_from = ""  # Start a new run from this checkpoint directory (or step directory).

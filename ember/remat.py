@@ -89,8 +89,12 @@ def validate(remat_cfg) -> None:
     unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
       raise ConfigError(f"config.remat.{key}: unknown checkpoint name {unknown[0]!r}; valid names: {', '.join(ALL_NAMES)}")
+  both = [n for n in remat_cfg.save_names if n in tuple(remat_cfg.offload_names)]
+  if both:
+    raise ConfigError(f"config.remat.offload_names: {both[0]!r} is also in remat.save_names; a tensor is either kept "
+                      "on device or offloaded")
   if remat_cfg.policy == "auto" and remat_cfg.memory_budget_gb <= 0:
-    raise ConfigError("config.remat.memory_budget_gb: policy auto needs a budget > 0 (GB per device)")
+    raise ConfigError("config.remat.memory_budget_gb: policy auto needs a budget > 0 (GiB per device)")
   unknown = [p for p in remat_cfg.auto_candidates if p not in PRESETS]
   if unknown:
     raise ConfigError(f"config.remat.auto_candidates: unknown preset {unknown[0]!r}; choose from {', '.join(PRESETS)}")
@@ -107,7 +111,12 @@ def preset(remat_cfg, name: str | None = None) -> Preset:
 
 
 def jax_policy(p: Preset) -> Callable | None:
-  """A `jax.checkpoint` policy that saves `p.save`, offloads `p.offload` and recomputes the rest."""
+  """A `jax.checkpoint` policy that saves `p.save`, offloads `p.offload` and recomputes the rest.
+
+  Offloading lowers to `annotate_device_placement` custom calls on GPU and TPU. The CPU backend
+  keeps offloaded residuals in ordinary memory (its lowering of `device_put` drops memory kinds and
+  XLA:CPU strips placement annotations), with the same numbers: see docs/remat.md.
+  """
   if not p.remat:
     return None
   save, offload = frozenset(p.save), frozenset(p.offload)

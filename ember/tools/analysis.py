@@ -2,11 +2,11 @@
 
 Two views, both from the real code:
   * one decoder block (the scan body: `Block` under `remat.checkpoint`), traced on abstract
-    inputs: the residuals its forward pass saves for the backward pass (`layer_residuals`), and
-    what its backward pass recomputes (`backward_counts`: low-precision casts of forward operands,
+    inputs (`trace_layer`, `layer_report`): the residuals its forward pass saves for the backward
+    pass, and what its backward pass recomputes (low-precision casts of forward operands,
     projection GEMMs, attention matmuls), read off the jaxpr of the vjp function alone;
-  * the whole train step compiled ahead of time on abstract sharded inputs
-    (`compile_train_step`): XLA's FLOPs and peak bytes per device (`compile_stats`).
+  * the whole train step on abstract sharded inputs (`trace_train_step`, `step_figures`): its
+    FLOPs counted on the traced jaxpr, and XLA's peak bytes per device once compiled.
 
 Residual accounting follows what the layer scan keeps per iteration: the block's input (the scan
 carry) and every residual computed from the input, the parameters or the block's key. Parameters
@@ -26,14 +26,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+import jax.extend
 from flax import nnx
+from jax._src import source_info_util
+from jax._src.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding
 
 from ember import remat
 from ember.layers.decoder import Block, block_size, segments_of
 from ember.quant import dot
 from ember.quant.recipe import Recipe
+from ember.trainer.metrics import compiled_peak_bytes
 
 # Casts to these dtypes are quantize ops (the E8M0 scales of MXFP8 are built with a bitcast).
 LOW_PRECISION = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn))
@@ -44,13 +47,13 @@ _SUB_BYTE_BITS = {jnp.dtype(d): 4 for d in (jnp.uint4, jnp.int4, jnp.float4_e2m1
 
 @dataclasses.dataclass(frozen=True)
 class LayerProblem:
-  """One scan block of a config, and its call arguments (abstract or concrete)."""
+  """One scan block of a config, and its call arguments (shapes)."""
   graphdef: Any
   state: Any  # nnx.State: parameters (and delayed-scaling histories) of one block.
-  x_BxLxD: Any
-  segment_ids_BxL: Any
-  positions_BxL: Any
-  key: Any  # The block's stochastic-rounding key (folded from step and block id in the model).
+  x_BxLxD: jax.ShapeDtypeStruct
+  segment_ids_BxL: jax.ShapeDtypeStruct
+  positions_BxL: jax.ShapeDtypeStruct
+  key: jax.ShapeDtypeStruct  # The block's stochastic-rounding key (the model folds in step and block id).
   layers_per_block: int
 
   @property
@@ -71,42 +74,18 @@ def representative_block(cfg) -> int:
   return max(segments, key=len)[0]
 
 
-def layer_problem(cfg, *, batch: int | None = None, concrete: bool = False, seed: int = 0) -> LayerProblem:
-  """One `Block` of a derived config. Abstract (shapes only) unless `concrete`, where parameters,
-  inputs, packed segments and delayed-scaling histories are random but deterministic."""
+def layer_problem(cfg, *, batch: int | None = None) -> LayerProblem:
+  """One `Block` of a derived config and its arguments, as shapes only (nothing is allocated)."""
   recipe = Recipe.from_config(cfg.quant)
   first = representative_block(cfg) * block_size(cfg.model)
-  make = lambda: Block(cfg, first, recipe, nnx.Rngs(params=jax.random.key(seed)))
   with nnx.use_eager_sharding(False):
-    block = make() if concrete else nnx.eval_shape(make)
+    block = nnx.eval_shape(lambda: Block(cfg, first, recipe, nnx.Rngs(params=jax.random.key(0))))
   graphdef, state = nnx.split(block)
-  b = batch or per_device_batch(cfg)
-  l, d = cfg.model.seq_len, cfg.model.d_model
-  dtype = jnp.dtype(cfg.model.dtype)
-  if not concrete:
-    sds = jax.ShapeDtypeStruct
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    return LayerProblem(graphdef, state, sds((b, l, d), dtype), sds((b, l), jnp.int32), sds((b, l), jnp.int32), key,
-                        block_size(cfg.model))
-  kx, kh = jax.random.split(jax.random.key(seed + 1))
-  x = jax.random.normal(kx, (b, l, d), jnp.float32).astype(dtype)
-  # Two packed documents per row, so the segment mask and positions matter.
-  cut = l // 3
-  segment_ids = jnp.broadcast_to(jnp.where(jnp.arange(l) < cut, 1, 2), (b, l)).astype(jnp.int32)
-  positions = jnp.broadcast_to(jnp.where(jnp.arange(l) < cut, jnp.arange(l), jnp.arange(l) - cut), (b, l))
-  state = _random_histories(state, kh)
-  step_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), 1), 3)  # As trainer/state.step_key.
-  key = jax.random.fold_in(step_key, representative_block(cfg))
-  return LayerProblem(graphdef, state, x, segment_ids, positions.astype(jnp.int32), key, block_size(cfg.model))
-
-
-def _random_histories(state, key):
-  """Delayed-scaling histories start at zero; give them plausible amaxes so their scales matter."""
-  def fill(path, leaf):
-    if any(getattr(p, "key", None) == "amax_history" for p in path):
-      return jax.random.uniform(jax.random.fold_in(key, len(path)), leaf.shape, jnp.float32, 0.5, 4.0)
-    return leaf
-  return jax.tree_util.tree_map_with_path(fill, state)
+  b, l, d = batch or per_device_batch(cfg), cfg.model.seq_len, cfg.model.d_model
+  sds = jax.ShapeDtypeStruct
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  return LayerProblem(graphdef, state, sds((b, l, d), jnp.dtype(cfg.model.dtype)), sds((b, l), jnp.int32),
+                      sds((b, l), jnp.int32), key, block_size(cfg.model))
 
 
 def layer_fn(graphdef, preset: remat.Preset):
@@ -120,12 +99,8 @@ def layer_fn(graphdef, preset: remat.Preset):
 # ----------------------------------------------------------------------------- jaxpr walking
 
 def _subjaxprs(eqn):
-  for v in eqn.params.values():
-    for item in v if isinstance(v, (tuple, list)) else (v,):
-      if isinstance(item, jax.extend.core.ClosedJaxpr):
-        yield item.jaxpr
-      elif isinstance(item, jax.extend.core.Jaxpr):
-        yield item
+  for j in jax.extend.core.jaxprs_in_params(eqn.params):
+    yield getattr(j, "jaxpr", j)
 
 
 def iter_eqns(jaxpr):
@@ -146,7 +121,10 @@ def is_quantize_cast(eqn) -> bool:
 
 
 def _is_projection_gemm(eqn) -> bool:
-  """Projections are 2-D GEMMs ([M, K] @ [K, N], see quant/dot.py); attention's matmuls are batched."""
+  """Projections are 2-D GEMMs ([M, K] @ [K, N], see quant/dot.py) or grouped ones (MoE experts,
+  `ragged_dot_general`); attention's matmuls are batched dot_generals."""
+  if eqn.primitive.name == "ragged_dot_general":
+    return True
   if eqn.primitive.name != "dot_general":
     return False
   (_, _), (batch_l, batch_r) = eqn.params["dimension_numbers"]
@@ -158,7 +136,7 @@ class BackwardCounts:
   """Operations in the backward pass of one block (the vjp function's jaxpr, sub-jaxprs included)."""
   quantize_ops: int  # Low-precision casts outside gradient quantization: forward operands recomputed.
   gradient_quantize_ops: int  # Low-precision casts of gradients (legitimately in the backward pass).
-  projection_gemms: int  # 2-D dot_generals: backward GEMMs plus recomputed forward projections.
+  projection_gemms: int  # 2-D and grouped GEMMs: the backward's, plus recomputed forward projections.
   batched_matmuls: int  # Batched dot_generals (attention), backward plus recomputed.
 
 
@@ -172,7 +150,7 @@ def backward_counts(bwd_jaxpr) -> BackwardCounts:
         gq += 1
       else:
         q += 1
-    elif eqn.primitive.name == "dot_general" and not any(s in stack for s in quantizing):
+    elif eqn.primitive.name in ("dot_general", "ragged_dot_general") and not any(s in stack for s in quantizing):
       # (NVFP4's Hadamard transform is a matmul inside a quantize scope: part of quantizing.)
       if _is_projection_gemm(eqn):
         gemm += 1
@@ -231,15 +209,18 @@ def trace_layer(problem: LayerProblem, preset: remat.Preset) -> LayerTrace:
 
   closed, (out_shape, vjp_shape) = jax.make_jaxpr(fwd, return_shape=True)(*leaves)
   res_structs, vjp_tree = jax.tree.flatten(vjp_shape)
-  residuals = _residuals(closed.jaxpr, len(res_structs), problem)
   bwd = jax.make_jaxpr(lambda res, ct: jax.tree.unflatten(vjp_tree, res)(ct))(res_structs, out_shape)
+  # A custom VJP's residuals that its backward rule ignores (e.g. the amax of a current-scaling
+  # tensor) are dropped by the scan's dead-code elimination in the real step: drop them here too.
+  _, used = pe.dce_jaxpr(bwd.jaxpr, [True] * len(bwd.jaxpr.outvars))
+  residuals = _residuals(closed.jaxpr, used[:len(res_structs)], problem)
   return LayerTrace(tuple(residuals), backward_counts(bwd.jaxpr))
 
 
-def _residuals(jaxpr, num_res: int, problem: LayerProblem) -> list[Residual]:
+def _residuals(jaxpr, used: list[bool], problem: LayerProblem) -> list[Residual]:
   """Reads the residual outputs of the jaxpr of `jax.vjp` (as `jax.ad_checkpoint` does in
   `saved_residuals`), keeping those the layer scan stores per block (see the module doc)."""
-  res_vars = jaxpr.outvars[len(jaxpr.outvars) - num_res:]
+  res_vars = [v for v, u in zip(jaxpr.outvars[len(jaxpr.outvars) - len(used):], used) if u]
   producer = {v: e for e in jaxpr.eqns for v in e.outvars}
   # Saved floats pass through reduce_precision, offloaded ones through device_put: look through.
   offloaded = set()
@@ -296,7 +277,7 @@ def _named_bits(eqn, producer) -> bool:
 
 
 def _where(eqn) -> str:
-  frame = jax._src.source_info_util.user_frame(eqn.source_info.traceback)
+  frame = source_info_util.user_frame(eqn.source_info.traceback)
   return f"{os.path.basename(frame.file_name)}:{frame.start_line}" if frame else "?"
 
 
@@ -320,7 +301,52 @@ def layer_report(cfg, presets: dict[str, remat.Preset], *, batch: int | None = N
   return out
 
 
-# ----------------------------------------------------------------------------- the compiled step
+# ----------------------------------------------------------------------------- the whole train step
+
+_FREE = frozenset(("reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice",
+                   "dynamic_update_slice", "concatenate", "pad", "iota", "device_put", "name", "sharding_constraint",
+                   "bitcast_convert_type", "copy", "copy_p", "random_wrap", "random_unwrap", "stop_gradient",
+                   "select_n", "mesh_cast", "reduce_precision"))
+_REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax",
+                         "argmin", "cumsum", "cumlogsumexp", "cummax"))
+
+
+def _size(v) -> int:
+  shape = getattr(v.aval, "shape", ())
+  return math.prod(shape)
+
+
+def jaxpr_flops(jaxpr) -> float:
+  """FLOPs of a jaxpr with loop trip counts applied: 2*M*N*K per dot_general (exact), one per element
+  for other arithmetic, nothing for data movement. XLA's `cost_analysis()` counts a while loop's
+  body once, so it cannot give a scanned model's step FLOPs; this can (remat recompute included:
+  after autodiff, the backward scan holds it)."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+    if name == "scan":
+      total += eqn.params["length"] * jaxpr_flops(eqn.params["jaxpr"].jaxpr)
+    elif name == "cond":
+      total += max(jaxpr_flops(b.jaxpr) for b in eqn.params["branches"])
+    elif subs:
+      total += sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
+    elif name == "dot_general":
+      (contract_l, _), _ = eqn.params["dimension_numbers"]
+      k = math.prod(eqn.invars[0].aval.shape[d] for d in contract_l)
+      total += 2.0 * _size(eqn.outvars[0]) * k
+    elif name == "ragged_dot_general":  # Each lhs element meets the rhs's free dims once (one group).
+      nums = eqn.params["ragged_dot_dimension_numbers"]
+      (_, contract_r), (_, batch_r) = nums.dot_dimension_numbers
+      rhs = eqn.invars[1].aval.shape
+      skip = set(contract_r) | set(batch_r) | set(nums.rhs_group_dimensions)
+      total += 2.0 * _size(eqn.invars[0]) * math.prod(n for d, n in enumerate(rhs) if d not in skip)
+    elif name in _REDUCTIONS:
+      total += sum(_size(v) for v in eqn.invars if not isinstance(v, jax.extend.core.Literal))
+    elif name not in _FREE:
+      total += sum(_size(v) for v in eqn.outvars)
+  return total
+
 
 def abstract_batch(cfg, mesh) -> tuple[dict, NamedSharding]:
   from ember.parallel.sharding import logical_to_spec, rules_dict
@@ -330,9 +356,9 @@ def abstract_batch(cfg, mesh) -> tuple[dict, NamedSharding]:
   return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in keys}, sharding
 
 
-def lower_train_step(cfg, mesh, tx, schedule, preset: remat.Preset, *, platforms: tuple[str, ...] | None = None):
-  """The real train step (`trainer.step.train_step`, policy overridden) lowered on abstract sharded
-  inputs, exactly as the loop jits it. `platforms` lowers for another backend (e.g. ("cuda",))."""
+def trace_train_step(cfg, mesh, tx, schedule, preset: remat.Preset):
+  """The real train step (`trainer.step.train_step`, policy overridden), jitted as the loop jits it
+  and traced on abstract sharded inputs: `.jaxpr`, `.lower()`, `.lower(lowering_platforms=...)`."""
   from ember.parallel.sharding import use_rules
   from ember.trainer.state import state_shardings
   from ember.trainer.step import train_step
@@ -342,50 +368,51 @@ def lower_train_step(cfg, mesh, tx, schedule, preset: remat.Preset, *, platforms
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     step = jax.jit(functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=preset),
                    in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
-    traced = step.trace(abstract, batch)
-    return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+    return step.trace(abstract, batch)
 
 
-def compile_train_step(cfg, mesh, tx, schedule, preset: remat.Preset):
-  return lower_train_step(cfg, mesh, tx, schedule, preset).compile()
+@dataclasses.dataclass(frozen=True)
+class StepFigures:
+  flops: float  # Whole step (all devices), from the traced jaxpr: forward, recompute, backward, update.
+  peak_bytes: int | None  # Per device: XLA's memory analysis of the compiled step (None: not compiled).
+  xla_flops: float | None  # XLA's cost_analysis() of the compiled per-device program (loop bodies once).
 
 
-def peak_bytes(memory_analysis) -> int | None:
-  """Device bytes live at the peak: arguments + outputs + temporaries - donated (aliased) buffers."""
-  m = memory_analysis
-  if m is None:
-    return None
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
-
-
-def compile_stats(compiled) -> dict:
-  """XLA's FLOPs (recomputation included) and peak device bytes of a compiled program."""
-  try:
-    memory = compiled.memory_analysis()
-  except Exception:  # Some backends have no memory analysis.
-    memory = None
+def step_figures(cfg, mesh, tx, schedule, preset: remat.Preset, *, compile: bool = True) -> StepFigures:
+  traced = trace_train_step(cfg, mesh, tx, schedule, preset)
+  flops = jaxpr_flops(traced.jaxpr.jaxpr)
+  if not compile:
+    return StepFigures(flops, None, None)
+  compiled = traced.lower().compile()
   try:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops = float(cost.get("flops", float("nan"))) if cost else None
+    xla_flops = float(cost["flops"]) if cost and "flops" in cost else None
   except Exception:
-    flops = None
-  host = None if memory is None else int(getattr(memory, "host_temp_size_in_bytes", 0))
-  return {"flops": flops, "peak_bytes": peak_bytes(memory), "host_temp_bytes": host}
+    xla_flops = None
+  return StepFigures(flops, compiled_peak_bytes(compiled), xla_flops)
 
 
 def host_placements(hlo_text: str) -> int:
-  """How many tensors a lowered or compiled program places in host memory: `annotate_device_placement`
-  custom calls to pinned_host (lowered StableHLO) or `S(5)` memory-space layouts (compiled GPU HLO)."""
+  """Tensors a program places in host memory: `annotate_device_placement` custom calls to pinned_host
+  (lowered StableHLO) plus `S(5)` memory-space layouts (compiled GPU HLO)."""
   lines = hlo_text.splitlines()
-  annotated = sum(1 for l in lines if "annotate_device_placement" in l and "pinned_host" in l)
-  return annotated + sum(1 for l in lines if "S(5)" in l)
+  return sum(1 for l in lines if ("annotate_device_placement" in l and "pinned_host" in l) or "S(5)" in l)
 
 
 def format_bytes(n: float | None) -> str:
-  if n is None or (isinstance(n, float) and np.isnan(n)):
+  if n is None:
     return "-"
   for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
     if abs(n) >= size:
       return f"{n / size:.2f} {unit}"
   return f"{n:.0f} B"
+
+
+def format_flops(n: float | None) -> str:
+  if n is None:
+    return "-"
+  for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+    if abs(n) >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n:.0f} FLOP"

@@ -25,7 +25,7 @@ from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import logical_to_spec, rules_dict, use_rules
 from ember.trainer import flops as flops_lib
 from ember.trainer.checkpointing import Checkpointer, CheckpointError, ShardedIterator
-from ember.trainer.metrics import MetricsWriter, compiled_peak_bytes, console, progress_line
+from ember.trainer.metrics import MetricsWriter, compiled_peak_bytes, console, device_peak_bytes, progress_line
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import create_train_state, state_shardings
 from ember.trainer.step import eval_step, train_step
@@ -100,6 +100,7 @@ def train(cfg) -> dict:
             f"({_memory_summary(compiled)}; remat {cfg.remat.policy}, recipe {cfg.quant.recipe}, "
             f"mesh {dict(mesh.shape)})")
 
+    compiled_peak = compiled_peak_bytes(compiled)
     flops_per_step = flops_lib.train_flops_per_step(cfg)
     peak = flops_lib.peak_tflops(jax.devices()[0].device_kind)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
@@ -124,6 +125,8 @@ def train(cfg) -> dict:
                   "tflops_per_device": flops_per_step / step_time / jax.device_count() / 1e12}
         record["mfu"] = None if peak is None else record["tflops_per_device"] / peak
         record["eta_s"] = step_time * (cfg.steps - done)
+        device_peak, record["peak_source"] = device_peak_bytes()
+        record["peak_bytes"] = compiled_peak if device_peak is None else device_peak
         metrics.write(record)
         console(progress_line(record, cfg.steps))
         last.update(record)

@@ -1,0 +1,98 @@
+"""`remat.policy=auto`: the preset with the least recomputation whose compiled step fits the budget.
+
+For each candidate preset the real train step is traced and compiled ahead of time on abstract
+sharded inputs (nothing is allocated): XLA's memory analysis gives the peak bytes per device, the
+traced step's FLOPs (forward, recompute, backward, update; ember/tools/analysis.py) the cost.
+Candidates whose peak exceeds `remat.memory_budget_gb` (GiB, 2**30 bytes, per device) are dropped;
+of the rest the one with the fewest FLOPs wins, i.e. the least recomputation, since everything
+else in the step is the same. Ties (presets that differ only in names this model never produces)
+go to the one that moves nothing to host memory, then to the smaller peak.
+
+Candidates: `remat.auto_candidates`, or every preset that can differ for this model: the quantized
+presets only under a quantized recipe, the offloaded ones only where host offloading exists (not
+on the CPU backend, whose compiler strips memory-placement annotations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from ember import remat
+from ember.config import ConfigError
+from ember.tools import analysis
+
+GiB = 2**30
+_QUANTIZED_ONLY = ("save_quantized", "minimal_quantized", "save_quantized_offloaded")
+_cache: dict[tuple, analysis.StepFigures] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  name: str
+  flops: float
+  peak_bytes: int
+
+  @property
+  def offloads(self) -> bool:
+    return bool(remat.PRESETS[self.name].offload)
+
+
+def candidates(cfg) -> tuple[str, ...]:
+  if cfg.remat.auto_candidates:
+    return tuple(cfg.remat.auto_candidates)
+  names = [n for n in remat.PRESETS if cfg.quant.recipe != "bf16" or n not in _QUANTIZED_ONLY]
+  if jax.default_backend() == "cpu":
+    names = [n for n in names if not remat.PRESETS[n].offload]
+  return tuple(names)
+
+
+def measure(cfg, mesh, tx, schedule, names) -> list[Candidate]:
+  """Compiles the train step under each preset (cached per config, mesh and preset)."""
+  from ember.trainer.metrics import console
+  key_cfg = cfg.to_dict()
+  key_cfg.pop("remat", None)  # The budget and policy do not change what a preset compiles to.
+  base = (repr(sorted(_flatten(key_cfg))), tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat))
+  out = []
+  for name in names:
+    key = base + (name,)
+    if key not in _cache:
+      _cache[key] = analysis.step_figures(cfg, mesh, tx, schedule, remat.PRESETS[name])
+    f = _cache[key]
+    if f.peak_bytes is None:
+      raise ConfigError("config.remat.policy: auto needs a memory analysis of the compiled step, and this backend "
+                        "gives none; choose a preset")
+    out.append(Candidate(name, f.flops, f.peak_bytes))
+    console(f"remat auto: {name:<26} peak {f.peak_bytes / GiB:9.4g} GiB/device  "
+            f"{analysis.format_flops(f.flops):>13}/step")
+  return out
+
+
+def pick(found: list[Candidate], budget_gb: float) -> Candidate:
+  """The least-FLOPs candidate within the budget; ConfigError naming the smallest peak if none fits."""
+  fits = [c for c in found if c.peak_bytes <= budget_gb * GiB]
+  if not fits:
+    smallest = min(found, key=lambda c: c.peak_bytes)
+    raise ConfigError(f"config.remat.memory_budget_gb: no remat preset fits {budget_gb:g} GiB per device; the smallest "
+                      f"compiled peak is {smallest.peak_bytes / GiB:.4g} GiB ({smallest.name})")
+  order = {c.name: i for i, c in enumerate(found)}
+  return min(fits, key=lambda c: (c.flops, c.offloads, c.peak_bytes, order[c.name]))
+
+
+def choose(cfg, mesh, tx, schedule) -> str:
+  """The preset name `auto` resolves to for this config, mesh and optimizer (logged)."""
+  from ember.trainer.metrics import console
+  budget = cfg.remat.memory_budget_gb
+  console(f"remat auto: compiling the train step for {len(candidates(cfg))} presets (budget {budget:g} GiB/device)")
+  best = pick(measure(cfg, mesh, tx, schedule, candidates(cfg)), budget)
+  console(f"remat auto: chose {best.name} (peak {best.peak_bytes / GiB:.4g} GiB/device within {budget:g} GiB)")
+  return best.name
+
+
+def _flatten(d, prefix=""):
+  for k, v in d.items():
+    if isinstance(v, dict):
+      yield from _flatten(v, f"{prefix}{k}.")
+    else:
+      yield f"{prefix}{k}", repr(v)

@@ -1,0 +1,150 @@
+"""What each remat policy saves, recomputes and costs, for one config.
+
+  python -m ember.tools.remat_report --config=configs/default.py:1b --config.train.batch_size=1 \
+      --config.model.seq_len=1024 [--policies=full,save_quantized] [--compile=false] --out=remat.json
+
+Per policy (default: every preset, plus `custom` when the config lists names):
+  residual_bytes_per_layer, residuals   what one decoder block saves for its backward pass: the
+      block's input and each named or unnamed residual, low-precision ones at the bits they take;
+      per device (the per-device batch); per layer (a block of an interleaved MoE holds several);
+  recomputed_quantize_ops_per_layer      low-precision casts of forward operands the backward pass
+      of one layer recomputes (an NVFP4 quantize is two: scales to E4M3, data to E2M1);
+  recomputed_gemms_per_layer             forward projection GEMMs it recomputes (the MLP's output
+      projection never is: its output feeds only the residual sum);
+  flops_per_step, recomputed_flops_per_step   the traced step's FLOPs, and those beyond policy `none`;
+  peak_bytes                             XLA's peak device memory for the compiled step (`--compile`).
+The JSON file holds the same figures; ember/tools/analysis.py says how each is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+
+from ember import config as config_lib
+from ember import remat
+from ember.config import ConfigError
+from ember.tools import analysis
+
+COLUMNS = (("policy", "policy"), ("residual_bytes_per_layer", "residuals/layer"),
+           ("offloaded_bytes_per_layer", "offloaded/layer"), ("recomputed_quantize_ops_per_layer", "quantize ops"),
+           ("recomputed_gemms_per_layer", "GEMMs"), ("recomputed_attention_matmuls_per_layer", "attn matmuls"),
+           ("flops_per_step", "FLOPs/step"), ("recomputed_flops_per_step", "recomputed"), ("peak_bytes", "peak/device"))
+
+
+def policy_names(requested: str, cfg) -> list[str]:
+  if not requested:
+    custom = ["custom"] if cfg.remat.save_names or cfg.remat.offload_names else []
+    return list(remat.PRESETS) + custom
+  names = [n.strip() for n in requested.split(",") if n.strip()]
+  valid = tuple(remat.PRESETS) + ("custom",)
+  for n in names:
+    if n not in valid:
+      raise ConfigError(f"--policies: unknown policy {n!r}; choose from {', '.join(valid)}")
+  return names
+
+
+def build_report(cfg, names, *, compile: bool = True, batch: int | None = None) -> dict:
+  """The report for a validated, derived config (see the module doc)."""
+  from ember.parallel.mesh import make_mesh
+  from ember.trainer.optimizer import make_optimizer
+  mesh = make_mesh(cfg.mesh)
+  tx, schedule = make_optimizer(cfg.train)
+  presets = {n: remat.preset(cfg.remat, n) for n in names}
+  layers = analysis.layer_report(cfg, presets, batch=batch)
+  figures = {n: analysis.step_figures(cfg, mesh, tx, schedule, p, compile=compile) for n, p in presets.items()}
+  base = figures["none"].flops if "none" in figures else analysis.step_figures(
+      cfg, mesh, tx, schedule, remat.PRESETS["none"], compile=False).flops
+  rows = []
+  for n in names:
+    f = figures[n]
+    rows.append({"policy": n, **layers[n], "flops_per_step": f.flops, "recomputed_flops_per_step": f.flops - base,
+                 "xla_flops_per_device": f.xla_flops, "peak_bytes": f.peak_bytes, "peak_source": "compiled"})
+  m = cfg.model
+  about = {"model": m.name, "recipe": cfg.quant.recipe, "batch_size": cfg.train.batch_size, "seq_len": m.seq_len,
+           "layer_batch_per_device": batch or analysis.per_device_batch(cfg), "devices": jax.device_count(),
+           "backend": jax.default_backend(), "mesh": {a: int(cfg.mesh[a]) for a in ("data", "fsdp", "tensor", "expert")}}
+  return {"config": about, "policies": rows}
+
+
+def _cell(key: str, value) -> str:
+  if value is None:
+    return "-"
+  if key == "policy":
+    return value
+  if key.endswith("bytes") or key.endswith("bytes_per_layer"):
+    return analysis.format_bytes(value)
+  if "flops" in key:
+    return analysis.format_flops(value)
+  return f"{value:g}"
+
+
+def format_table(report: dict) -> str:
+  """The per-policy figures as an aligned text table (recomputed counts are per layer)."""
+  rows = [[h for _, h in COLUMNS]] + [[_cell(k, r.get(k)) for k, _ in COLUMNS] for r in report["policies"]]
+  widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+  lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+           for row in rows]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  c = report["config"]
+  title = (f"remat report: model {c['model']}, recipe {c['recipe']}, batch {c['batch_size']} x seq {c['seq_len']}, "
+           f"{c['devices']} {c['backend']} device(s); residuals for {c['layer_batch_per_device']} sequence(s) per "
+           "device; recomputed counts per layer")
+  return "\n".join([title, ""] + lines)
+
+
+def format_residuals(report: dict) -> str:
+  """Bytes per residual name and policy (one layer): which tensors each policy keeps."""
+  names: dict[str, None] = {}
+  table: dict[str, dict[str, float]] = {}
+  for r in report["policies"]:
+    for res in r["residuals"]:
+      names.setdefault(res["name"], None)
+      cell = table.setdefault(res["name"], {})
+      cell[r["policy"]] = cell.get(r["policy"], 0.0) + res["bytes"]
+  policies = [r["policy"] for r in report["policies"]]
+  rows = [["residual"] + policies]
+  rows += [[n] + [analysis.format_bytes(table[n].get(p)) if p in table[n] else "" for p in policies] for n in names]
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                   for row in rows)
+
+
+def _parse(argv: list[str]):
+  parser = argparse.ArgumentParser(prog="python -m ember.tools.remat_report", allow_abbrev=False)
+  parser.add_argument("--policies", default="", help="comma-separated presets (default: all)")
+  parser.add_argument("--out", required=True, help="JSON file to write")
+  parser.add_argument("--compile", default="true", choices=("true", "false"),
+                      help="compile the train step per policy for peak bytes (slow for big models)")
+  parser.add_argument("--layer_batch", type=int, default=0, help="sequences per device for the residuals (0 = config)")
+  parser.add_argument("--residuals", default="true", choices=("true", "false"), help="print the per-residual table")
+  args, unknown = parser.parse_known_args(argv)
+  if unknown:
+    raise ConfigError(f"{unknown[0]}: unknown command-line argument")
+  return args
+
+
+def main(argv: list[str]) -> int:
+  try:
+    args = _parse([a for a in argv[1:] if not a.startswith("--config")])
+    cfg = config_lib.load([argv[0]] + [a for a in argv[1:] if a.startswith("--config")])
+    config_lib.validate(cfg, jax.device_count())
+    cfg = config_lib.derive(cfg, jax.device_count())
+    names = policy_names(args.policies, cfg)
+    report = build_report(cfg, names, compile=args.compile == "true", batch=args.layer_batch or None)
+  except ConfigError as e:
+    config_lib.fail_and_exit(e)
+  with open(args.out, "w") as f:
+    json.dump(report, f, indent=1)
+  print(format_table(report))
+  if args.residuals == "true":
+    print("\nresidual bytes per layer, by name\n")
+    print(format_residuals(report))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

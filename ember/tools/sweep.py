@@ -1,0 +1,219 @@
+"""A grid of training runs, each in its own process: step time against peak memory.
+
+  python -m ember.tools.sweep --config=configs/default.py:1b \
+      --grid=remat.policy=full,save_quantized,minimal --grid=quant.recipe=bf16,fp8_current \
+      --steps=20 --out=runs/sweep [--config.KEY=VALUE ...] [--timeout=1800]
+
+Every combination of the grids runs `python train.py --config=... <overrides>` with its own
+workdir `OUT/<combination>/`, so one combination's crash, out-of-memory or leaked device memory
+never touches another, and each compiles from scratch like a real job. The sweep then reads that
+run's metrics.jsonl and writes
+  OUT/results.json, OUT/results.csv   per combination: the overrides, status (ok | oom | error),
+      step_time_s (median over the logged intervals after the first, which holds the first step's
+      one-off costs; compilation happens before the loop), tokens_per_s, peak_bytes (the device's
+      own peak statistic where it keeps one, e.g. GPUs, else XLA's compiled estimate: peak_source
+      says which), final_loss, the exit code and, on failure, the last line of the log;
+  OUT/sweep.png                       step time against peak memory, one labelled point per run;
+  OUT/logs/<combination>.log          each run's output.
+A run is `oom` when it dies with an out-of-memory error (XLA's RESOURCE_EXHAUSTED), `error` for any
+other failure; the sweep records it and carries on.
+
+Unless overridden, runs log every step, skip evaluation and save no checkpoint
+(`checkpoint.every_steps=-1`): the sweep measures training steps, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+from ember.config import ConfigError, fail_and_exit
+
+DEFAULTS = {"log.every_steps": "1", "train.eval_every_steps": "0", "checkpoint.every_steps": "-1",
+            "log.tensorboard": "False"}
+FIELDS = ("status", "step_time_s", "tokens_per_s", "peak_bytes", "peak_source", "final_loss", "returncode", "error",
+          "wall_time_s", "workdir")
+_OOM = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OutOfMemory|\bOOM\b")
+TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train.py")
+
+
+def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
+  """`KEY=V1,V2` strings -> [(key, values)], keys in the order given."""
+  grid = []
+  for spec in specs:
+    key, sep, values = spec.partition("=")
+    key = key.strip().removeprefix("config.")
+    vals = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or not key or not vals:
+      raise ConfigError(f"--grid={spec}: expected KEY=V1,V2,...")
+    if any(key == k for k, _ in grid):
+      raise ConfigError(f"--grid={spec}: key {key} appears twice")
+    grid.append((key, vals))
+  return grid
+
+
+def combinations(grid) -> list[dict[str, str]]:
+  keys = [k for k, _ in grid]
+  return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in grid))]
+
+
+def combo_name(overrides: dict[str, str]) -> str:
+  """A directory name for one combination: `remat.policy=full,quant.recipe=bf16`, made filesystem-safe."""
+  return re.sub(r"[^A-Za-z0-9._=,+-]", "_", ",".join(f"{k}={v}" for k, v in overrides.items()))
+
+
+def command(config: str, fixed: dict[str, str], overrides: dict[str, str], steps: int, workdir: str) -> list[str]:
+  keys = {**DEFAULTS, **fixed, **overrides, "steps": str(steps), "workdir": workdir}
+  return [sys.executable, TRAIN_PY, f"--config={config}"] + [f"--config.{k}={v}" for k, v in keys.items()]
+
+
+def summarize(records: list[dict]) -> dict:
+  """Figures of one finished run from its metrics records (train records only, eval ones skipped)."""
+  train = [r for r in records if r.get("loss") is not None and r.get("step_time_s")]
+  if not train:
+    return {}
+  timed = train[1:] or train  # The first interval holds the first step's one-off costs.
+  step_time = statistics.median(r["step_time_s"] for r in timed)
+  tokens_per_step = train[-1]["tokens_per_s"] * train[-1]["step_time_s"]
+  return {"step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+          "peak_bytes": train[-1].get("peak_bytes"), "peak_source": train[-1].get("peak_source"),
+          "final_loss": train[-1]["loss"]}
+
+
+def classify(returncode: int, log_text: str) -> str:
+  if returncode == 0:
+    return "ok"
+  return "oom" if _OOM.search(log_text) else "error"
+
+
+def _last_line(text: str) -> str:
+  lines = [l.strip() for l in text.splitlines() if l.strip()]
+  return lines[-1][:300] if lines else ""
+
+
+def run_one(config: str, fixed: dict, overrides: dict, steps: int, out: str, timeout: float | None) -> dict:
+  from ember.trainer.metrics import read_records
+  name = combo_name(overrides)
+  workdir = os.path.join(out, name)
+  log_path = os.path.join(out, "logs", f"{name}.log")
+  cmd = command(config, fixed, overrides, steps, workdir)
+  t0 = time.time()
+  with open(log_path, "w") as log:
+    log.write(" ".join(cmd) + "\n")
+    log.flush()
+    try:
+      rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+      timed_out = False
+    except subprocess.TimeoutExpired:
+      rc, timed_out = -9, True
+  with open(log_path) as f:
+    text = f.read()
+  result = {"overrides": overrides, "status": classify(rc, text), "returncode": rc, "workdir": workdir,
+            "wall_time_s": time.time() - t0, "error": None}
+  if result["status"] == "ok":
+    figures = summarize(read_records(os.path.join(workdir, "metrics.jsonl")))
+    if not figures:
+      result.update(status="error", error="the run logged no training step")
+    result.update(figures)
+  else:
+    result["error"] = f"timed out after {timeout:g}s" if timed_out else _last_line(text)
+  return result
+
+
+def write_results(out: str, grid, results: list[dict]) -> None:
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump({"grid": {k: v for k, v in grid}, "results": results}, f, indent=1)
+  keys = [k for k, _ in grid]
+  with open(os.path.join(out, "results.csv"), "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(keys + list(FIELDS))
+    for r in results:
+      w.writerow([r["overrides"][k] for k in keys] + ["" if r.get(k) is None else r.get(k) for k in FIELDS])
+  plot(os.path.join(out, "sweep.png"), grid, results)
+
+
+def plot(path: str, grid, results: list[dict]) -> None:
+  """Step time against peak memory, one labelled point per finished run; failures listed below."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  varied = [k for k, v in grid if len(v) > 1] or [k for k, _ in grid]
+  label = lambda r: ", ".join(str(r["overrides"][k]) for k in varied)
+  done = [r for r in results if r["status"] == "ok" and r.get("peak_bytes") is not None]
+  fig, ax = plt.subplots(figsize=(8, 5.5))
+  for r in done:
+    x, y = r["peak_bytes"] / 2**20, r["step_time_s"] * 1e3
+    ax.scatter([x], [y], s=30)
+    ax.annotate(label(r), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+  sources = sorted({r.get("peak_source") or "?" for r in done})
+  ax.set_xlabel(f"peak memory per device, MiB ({' / '.join(sources) or 'no run finished'})")
+  ax.set_ylabel("step time, ms (median)")
+  ax.set_title(f"sweep over {', '.join(varied)}")
+  ax.grid(True, alpha=0.3)
+  failed = [f"{label(r)}: {r['status']}" for r in results if r["status"] != "ok"]
+  if failed:
+    fig.text(0.01, 0.01, "not plotted: " + "; ".join(failed), fontsize=7, wrap=True)
+    fig.subplots_adjust(bottom=0.16)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def sweep(config: str, grid, steps: int, out: str, fixed: dict | None = None, timeout: float | None = None,
+          log=print) -> list[dict]:
+  os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+  results = []
+  combos = combinations(grid)
+  for i, overrides in enumerate(combos):
+    log(f"[{i + 1}/{len(combos)}] {combo_name(overrides)}")
+    r = run_one(config, fixed or {}, overrides, steps, out, timeout)
+    results.append(r)
+    figures = (f"{r['step_time_s'] * 1e3:.1f} ms/step, peak {r['peak_bytes']} B ({r['peak_source']})"
+               if r["status"] == "ok" else r["error"])
+    log(f"    {r['status']}: {figures}")
+    write_results(out, grid, results)  # After every run, so a killed sweep keeps what it measured.
+  return results
+
+
+def _parse(argv: list[str]):
+  parser = argparse.ArgumentParser(prog="python -m ember.tools.sweep", allow_abbrev=False)
+  parser.add_argument("--config", required=True, help="config file[:arg], as for train.py")
+  parser.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... (repeatable)")
+  parser.add_argument("--steps", type=int, required=True, help="training steps per run")
+  parser.add_argument("--out", required=True, help="output directory")
+  parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
+  args, unknown = parser.parse_known_args(argv)
+  fixed = {}
+  for a in unknown:
+    if not a.startswith("--config.") or "=" not in a:
+      raise ConfigError(f"{a}: unknown command-line argument (expected --grid, --steps, --out, --config.KEY=VALUE)")
+    key, value = a[len("--config."):].split("=", 1)
+    fixed[key] = value
+  if not args.grid:
+    raise ConfigError("--grid: give at least one KEY=V1,V2,...")
+  if args.steps < 1:
+    raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
+  return args, fixed
+
+
+def main(argv: list[str]) -> int:
+  try:
+    args, fixed = _parse(argv[1:])
+    grid = parse_grid(args.grid)
+  except ConfigError as e:
+    fail_and_exit(e)
+  results = sweep(args.config, grid, args.steps, args.out, fixed, args.timeout)
+  ok = sum(r["status"] == "ok" for r in results)
+  print(f"{ok}/{len(results)} runs finished; results in {os.path.join(args.out, 'results.csv')}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

@@ -1,0 +1,59 @@
+"""`remat.policy=auto`: the least-recompute preset whose compiled peak fits the budget."""
+
+import jax
+import pytest
+
+from ember import config as config_lib
+from ember.parallel.mesh import make_mesh
+from ember.tools import auto_remat
+from ember.trainer.optimizer import make_optimizer
+from tests.helpers import config
+
+CANDIDATES = ("none", "minimal_quantized", "save_quantized")
+
+
+def test_auto_picks_the_least_recompute_preset_that_fits():
+  cfg = config("tiny", **{"quant.recipe": "fp8_current", "mesh.fsdp": 1, "remat.policy": "auto",
+                          "remat.memory_budget_gb": 1.0, "remat.auto_candidates": CANDIDATES})
+  config_lib.validate(cfg, 1)
+  cfg = config_lib.derive(cfg, 1)
+  mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+  tx, schedule = make_optimizer(cfg.train)
+  found = {c.name: c for c in auto_remat.measure(cfg, mesh, tx, schedule, CANDIDATES)}  # Compiles each once.
+  # Saving less costs recompute and buys memory, in this order.
+  assert found["none"].flops < found["minimal_quantized"].flops < found["save_quantized"].flops
+  assert found["none"].peak_bytes > found["minimal_quantized"].peak_bytes > found["save_quantized"].peak_bytes
+  gib = auto_remat.GiB
+
+  def budget_between(low, high):  # GiB, halfway between two peaks.
+    return (found[low].peak_bytes + found[high].peak_bytes) / 2 / gib
+
+  budgets = {found["none"].peak_bytes / gib: "none",  # Exactly the peak still fits.
+             budget_between("minimal_quantized", "none"): "minimal_quantized",
+             budget_between("save_quantized", "minimal_quantized"): "save_quantized"}
+  for budget, expected in budgets.items():
+    cfg.remat.memory_budget_gb = budget
+    assert auto_remat.choose(cfg, mesh, tx, schedule) == expected, budget  # The real entry point (cached).
+  cfg.remat.memory_budget_gb = found["save_quantized"].peak_bytes * 0.9 / gib
+  with pytest.raises(config_lib.ConfigError) as err:
+    auto_remat.choose(cfg, mesh, tx, schedule)
+  message = str(err.value)
+  assert message.startswith("config.remat.memory_budget_gb: no remat preset fits") and "\n" not in message
+  assert f"smallest compiled peak is {found['save_quantized'].peak_bytes / gib:.4g} GiB (save_quantized)" in message
+
+
+def test_pick_prefers_no_offloading_then_the_smaller_peak():
+  c = auto_remat.Candidate
+  found = [c("minimal_offloaded", 10.0, 100), c("minimal", 10.0, 300), c("full", 20.0, 50)]
+  assert auto_remat.pick(found, 400 / auto_remat.GiB).name == "minimal"
+  assert auto_remat.pick(found, 200 / auto_remat.GiB).name == "minimal_offloaded"
+  assert auto_remat.pick(found, 60 / auto_remat.GiB).name == "full"
+
+
+def test_default_candidates():
+  cfg = config("tiny", **{"quant.recipe": "bf16"})
+  names = auto_remat.candidates(cfg)
+  assert "full" in names and "save_quantized" not in names  # Same as full without quantized matmuls.
+  assert not any("offloaded" in n for n in names)  # The CPU backend cannot offload.
+  cfg.quant.recipe = "nvfp4"
+  assert "save_quantized" in auto_remat.candidates(cfg)

@@ -1,0 +1,77 @@
+"""`python -m ember.tools.sweep`: a grid of real train.py processes, failures recorded, three files."""
+
+import csv
+import json
+import math
+
+import pytest
+
+from ember.tools import sweep
+from tests.helpers import ROOT
+
+GRID = ["--grid=remat.policy=none,full,save_quantized", "--grid=quant.recipe=bf16,fp8_current"]
+# One CPU device per run, cheaper code generation; synthetic data so no run reads files.
+FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def test_sweep_runs_every_combination_and_records_a_failure(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("XLA_FLAGS", FAST)
+  out = tmp_path / "sweep"
+  # The injected failure: this combination's workdir is taken by a file, so its train.py dies.
+  broken = {"remat.policy": "full", "quant.recipe": "bf16"}
+  out.mkdir()
+  (out / sweep.combo_name(broken)).write_text("not a directory")
+  assert sweep.main(["sweep", f"--config={ROOT}/configs/default.py:tiny", *GRID, "--steps=3", f"--out={out}",
+                     "--config.data.source=synthetic"]) == 0
+  assert "5/6 runs finished" in capsys.readouterr().out
+
+  results = json.loads((out / "results.json").read_text())["results"]
+  assert [r["overrides"] for r in results] == [{"remat.policy": p, "quant.recipe": q}
+                                               for p in ("none", "full", "save_quantized")
+                                               for q in ("bf16", "fp8_current")]
+  for r in results:
+    if r["overrides"] == broken:
+      assert r["status"] == "error" and r["returncode"] != 0 and "FileExistsError" in r["error"]
+      continue
+    assert r["status"] == "ok", r
+    assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and math.isfinite(r["final_loss"])
+    assert r["peak_bytes"] > 0 and r["peak_source"] == "compiled"  # CPU devices keep no peak statistic.
+  # Remat changes memory, not numbers: the same final loss under every policy of a recipe.
+  for recipe in ("bf16", "fp8_current"):
+    losses = [r["final_loss"] for r in results if r["status"] == "ok" and r["overrides"]["quant.recipe"] == recipe]
+    assert losses == pytest.approx([losses[0]] * len(losses), rel=1e-5), losses
+  by_policy = {r["overrides"]["remat.policy"]: r for r in results
+               if r["overrides"]["quant.recipe"] == "fp8_current"}
+  assert by_policy["save_quantized"]["peak_bytes"] < by_policy["none"]["peak_bytes"]
+
+  rows = list(csv.DictReader(open(out / "results.csv")))
+  assert len(rows) == 6 and {"remat.policy", "quant.recipe", "status", "step_time_s", "tokens_per_s", "peak_bytes",
+                             "peak_source", "final_loss"} <= set(rows[0])
+  assert [r["status"] for r in rows].count("ok") == 5
+  assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # Each run saved no checkpoint (the sweep turns checkpointing off).
+  for r in results:
+    if r["status"] == "ok":
+      assert not list((out / sweep.combo_name(r["overrides"]) / "checkpoints").iterdir())
+
+
+def test_summary_skips_the_first_interval_and_classifies_out_of_memory():
+  records = [{"step": 1, "loss": 5.0, "step_time_s": 9.0, "tokens_per_s": 100.0},
+             {"step": 2, "loss": 4.0, "step_time_s": 2.0, "tokens_per_s": 450.0},
+             {"step": 2, "eval_loss": 4.5},
+             {"step": 3, "loss": 3.0, "step_time_s": 4.0, "tokens_per_s": 225.0, "peak_bytes": 7,
+              "peak_source": "device"}]
+  s = sweep.summarize(records)
+  assert s["step_time_s"] == 3.0 and s["tokens_per_s"] == 300.0 and s["final_loss"] == 3.0
+  assert s["peak_bytes"] == 7 and s["peak_source"] == "device"
+  assert sweep.classify(1, "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
+                           "trying to allocate 3.2GiB") == "oom"
+  assert sweep.classify(1, "ValueError: bad shape") == "error" and sweep.classify(0, "") == "ok"
+
+
+def test_bad_grid_exits_2(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["sweep", "--config=configs/default.py:tiny", "--grid=remat.policy", "--steps=3", "--out=/tmp/x"])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err.strip() == "error: --grid=remat.policy: expected KEY=V1,V2,..."
