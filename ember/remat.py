@@ -34,9 +34,10 @@ MOE_WI_0 = "moe_wi_0"
 MOE_WI_1 = "moe_wi_1"
 MOE_WO = "moe_wo"
 ROUTER_LOGITS = "router_logits"
+MOE_ROUTING = "moe_routing"  # The top-k expert choices (uint8); see ROUTED below.
 
 ACTIVATION_NAMES = (LAYER_INPUT, QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, MLP_WI_0, MLP_WI_1, MLP_WO,
-                    MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS)
+                    MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MOE_ROUTING)
 
 # Projections (the `name` of every quantized matmul) and their quantized operands.
 QUANTIZED = "quantized"
@@ -50,6 +51,11 @@ def quantized_name(projection: str, operand: str) -> str:
 
 
 QUANTIZED_NAMES = tuple(quantized_name(p, o) for p in PROJECTIONS for o in QUANTIZED_OPERANDS)
+# Residuals laid out in MoE routing order (sorted token copies). A policy that keeps any of them also
+# keeps MOE_ROUTING: a recompute of the router need not be bitwise the forward's, and rows saved
+# in one routing order are garbage under another (layers/moe.py).
+ROUTED = (MOE_WI_0, MOE_WI_1, MOE_WO) + tuple(quantized_name(p, o) for p in ("moe_wi", "moe_wo")
+                                              for o in QUANTIZED_OPERANDS)
 ALL_NAMES = ACTIVATION_NAMES + QUANTIZED_NAMES
 
 # The projection outputs `minimal` keeps (every projection matmul's output).
@@ -120,6 +126,8 @@ def jax_policy(p: Preset) -> Callable | None:
   if not p.remat:
     return None
   save, offload = frozenset(p.save), frozenset(p.offload)
+  if (save | offload) & frozenset(ROUTED):
+    save |= {MOE_ROUTING}
 
   def policy(prim, *_, **params):
     if prim.name != "name":

@@ -45,7 +45,7 @@ while ((${#running[@]} > 0)); do
   finished=""
   wait -n -p finished "${running[@]}"
   rc=$?
-  [[ -z $finished ]] && continue  # A trapped signal interrupted the wait; the processes go on.
+  [[ -z ${finished:-} ]] && continue  # A trapped signal interrupted the wait; the processes go on.
   left=()
   for pid in "${running[@]}"; do [[ $pid != "$finished" ]] && left+=("$pid"); done
   running=("${left[@]}")

@@ -5,7 +5,9 @@ Initialisation, in order of precedence:
   2. environment: EMBER_COORDINATOR_ADDRESS (host:port of process 0), EMBER_NUM_PROCESSES,
      EMBER_PROCESS_ID (launch/local.sh and the Kubernetes manifest set these);
   3. SLURM with more than one task: JAX's own cluster detection (`jax.distributed.initialize()`
-     reads SLURM_* for the coordinator, the process count and id, and the local GPUs);
+     reads SLURM_* for the coordinator, the process count and id); with one task per node
+     (SLURM_NTASKS_PER_NODE=1) each process gets all SLURM_GPUS_ON_NODE GPUs, not JAX's default
+     of GPU SLURM_LOCALID (JAX_LOCAL_DEVICE_IDS, if set, wins);
   4. otherwise one process: nothing to initialise.
 `initialize` must run before anything touches a JAX device.
 
@@ -39,8 +41,16 @@ def settings(dist_cfg) -> dict | None:
                         f"process_id in [0, num_processes) (got {address!r}, {num}, {pid})")
     return dict(coordinator_address=address, num_processes=num, process_id=pid)
   if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
-    return {}
+    return _slurm_local_devices()
   return None
+
+
+def _slurm_local_devices() -> dict:
+  """JAX's SLURM detection gives task k of a node GPU k only; one task per node gets all its GPUs."""
+  gpus = os.environ.get("SLURM_GPUS_ON_NODE", "")
+  if os.environ.get("SLURM_NTASKS_PER_NODE") == "1" and gpus.isdigit() and not os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+    return {"local_device_ids": list(range(int(gpus)))}
+  return {}
 
 
 def initialize(dist_cfg) -> None:

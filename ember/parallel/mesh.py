@@ -24,7 +24,11 @@ from ember.config import MESH_AXES, ConfigError
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
   """Builds the mesh from a derived config's `mesh` section (no -1 left)."""
-  devices = list(devices if devices is not None else jax.devices())
+  return Mesh(device_grid(mesh_cfg, list(devices if devices is not None else jax.devices())), MESH_AXES)
+
+
+def device_grid(mesh_cfg, devices: list) -> np.ndarray:
+  """The devices as an array of the mesh's shape (data, fsdp, tensor, expert); see the module doc."""
   ici = [int(mesh_cfg[a]) for a in MESH_AXES]
   dcn = [int(mesh_cfg.get(f"dcn_{a}", 1)) for a in MESH_AXES]
   if math.prod(ici) * math.prod(dcn) != len(devices):
@@ -43,4 +47,4 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
       grid = mesh_utils.create_device_mesh(tuple(ici), devices=devices)
     else:  # Process-major (on GPU that is also id order): each process owns a contiguous block.
       grid = np.asarray(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(tuple(ici))
-  return Mesh(grid, MESH_AXES)
+  return grid

@@ -73,6 +73,12 @@ def active_mesh() -> Mesh | None:
   return None if active is None else active[0]
 
 
+def active_rules() -> dict | None:
+  """The active rules table ({logical: (mesh axes...)}), for code that builds shard_map specs."""
+  active = _ACTIVE.get()
+  return None if active is None else active[1]
+
+
 def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """Constrains activation `x` to the sharding its logical axis `names` map to (no-op outside use_rules)."""
   active = _ACTIVE.get()

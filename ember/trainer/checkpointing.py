@@ -134,19 +134,21 @@ def _leaves_by_name(tree) -> dict[str, Any]:
   return {_path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
 
 
-def check_shapes(saved, expected, what: str) -> None:
-  """Raises CheckpointError naming the first array whose shape (or presence) differs."""
+def check_shapes(saved, expected, what: str, kind: str = "array") -> None:
+  """Raises CheckpointError naming the first array whose shape (or presence) differs, parameters first."""
+  if isinstance(saved, dict) and isinstance(expected, dict) and "params" in saved and "params" in expected:
+    check_shapes(saved["params"], expected["params"], what, "parameter")
   got = _leaves_by_name(saved)
   want = _leaves_by_name(expected)
   for name, leaf in want.items():
     if name not in got:
-      raise CheckpointError(f"{what}: the checkpoint has no array {name} (shape {tuple(leaf.shape)} in this config)")
+      raise CheckpointError(f"{what}: the checkpoint has no {kind} {name} (shape {tuple(leaf.shape)} in this config)")
     if tuple(got[name].shape) != tuple(leaf.shape):
-      raise CheckpointError(f"{what}: {name} has shape {tuple(got[name].shape)} in the checkpoint "
+      raise CheckpointError(f"{what}: {kind} {name} has shape {tuple(got[name].shape)} in the checkpoint "
                             f"but {tuple(leaf.shape)} in this config")
   extra = next((n for n in got if n not in want), None)
   if extra is not None:
-    raise CheckpointError(f"{what}: the checkpoint's array {extra} (shape {tuple(got[extra].shape)}) "
+    raise CheckpointError(f"{what}: the checkpoint's {kind} {extra} (shape {tuple(got[extra].shape)}) "
                           "has no place in this config")
 
 
@@ -161,15 +163,32 @@ def _state_metadata(manager: ocp.CheckpointManager, step: int) -> dict:
 # --- The manager -----------------------------------------------------------------------------------
 
 
+def _manager(directory: str, options: ocp.CheckpointManagerOptions, *, partial_state: bool = False):
+  """A manager that knows each item's handler, so that metadata reads in a fresh process too."""
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  if partial_state:  # Same files; the PyTree handler restores a subtree (parameters only).
+    registry.add("state", ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler)
+  else:
+    registry.add("state", ocp.args.StandardSave, ocp.StandardCheckpointHandler)
+    registry.add("state", ocp.args.StandardRestore, ocp.StandardCheckpointHandler)
+  registry.add("rng", ocp.args.JsonSave, ocp.JsonCheckpointHandler)
+  registry.add("rng", ocp.args.JsonRestore, ocp.JsonCheckpointHandler)
+  registry.add("data", grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointHandler)
+  registry.add("data", grain.checkpoint.CheckpointRestore, grain.checkpoint.CheckpointHandler)
+  return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+
+
 class Checkpointer:
   def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True):
     self.directory = os.path.abspath(directory)
     self.every_steps = every_steps
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                                            cleanup_tmp_directories=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+    self.manager = _manager(self.directory, options)
 
   def should_save(self, step: int, last_step: int) -> bool:
+    if self.every_steps < 0:  # Checkpointing off (benchmarks, sweeps).
+      return False
     return step == last_step or (self.every_steps > 0 and step % self.every_steps == 0)
 
   def save(self, step: int, state: TrainState, data_it: ShardedIterator | None, *, seed: int,
@@ -225,11 +244,12 @@ class Checkpointer:
     """
     for step in reversed(self.steps()):
       try:
-        _state_metadata(self.manager, step)
+        self.check(step, abstract, seed=seed, what=f"checkpoint {self._step_dir(step)}")
+      except CheckpointError:
+        raise
       except Exception as e:  # Unreadable metadata: a damaged step.
         self._skip(step, e)
         continue
-      self.check(step, abstract, seed=seed, what=f"checkpoint {self._step_dir(step)}")
       error = None
       try:
         state = self.restore(step, abstract, shardings, data_it)
@@ -243,14 +263,14 @@ class Checkpointer:
     return None
 
   def _skip(self, step: int, error: Exception) -> None:
+    """Moves a damaged step aside (`<step>.corrupt`, kept for inspection) so the run can write it again."""
+    target, n = self._step_dir(step) + ".corrupt", 1
+    while os.path.exists(target):
+      target, n = f"{self._step_dir(step)}.corrupt{n}", n + 1
     first = (str(error).strip().splitlines() or [""])[0][:300]
     console(f"warning: skipping checkpoint step {step} in {self.directory}: cannot restore it "
-            f"({type(error).__name__}: {first}); renamed it {step}.corrupt and trying the previous one")
+            f"({type(error).__name__}: {first}); moved it to {os.path.basename(target)}, trying the previous one")
     if jax.process_index() == 0:
-      target = self._step_dir(step) + ".corrupt"
-      n = 1
-      while os.path.exists(target):
-        target, n = f"{self._step_dir(step)}.corrupt{n}", n + 1
       os.rename(self._step_dir(step), target)
     _barrier(f"ember_skip_{step}")
     self.manager.reload()
@@ -316,7 +336,7 @@ def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it
   """
   what = "config.checkpoint.restore_from"
   directory, step = _manager_dir_and_step(path)
-  manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True))
+  manager = _manager(directory, ocp.CheckpointManagerOptions(create=False), partial_state=params_only)
   try:
     step = manager.latest_step() if step is None else step
     if step is None or step not in manager.all_steps():

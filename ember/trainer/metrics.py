@@ -41,15 +41,23 @@ class MetricsWriter:
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb = None
+    self._tb_dir = os.path.join(workdir, "tensorboard") if tensorboard else None
     if self.enabled:
       os.makedirs(workdir, exist_ok=True)
-      if tensorboard:
-        from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def _tensorboard(self, purge_step: int | None = None):
+    """The TensorBoard writer, opened lazily; `purge_step` hides events at or after it (resume)."""
+    if self._tb is None and self.enabled and self._tb_dir is not None:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(self._tb_dir, purge_step=purge_step)
+    return self._tb
 
   def truncate_after(self, step: int) -> None:
-    """Keeps only complete records with step <= `step` (atomic rewrite)."""
-    if not self.enabled or not os.path.exists(self.path):
+    """Keeps only complete records with step <= `step` (atomic rewrite); TensorBoard likewise."""
+    if not self.enabled:
+      return
+    self._tensorboard(purge_step=step + 1)
+    if not os.path.exists(self.path):
       return
     keep = [r for r in read_records(self.path) if r.get("step", 0) <= step]
     tmp = self.path + ".tmp"
@@ -67,12 +75,13 @@ class MetricsWriter:
       f.write(json.dumps(record) + "\n")
       f.flush()
       os.fsync(f.fileno())
-    if self._tb is not None:
+    tb = self._tensorboard()
+    if tb is not None:
       step = record["step"]
       for k, v in record.items():
         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-          self._tb.add_scalar(k, v, step)
-      self._tb.flush()
+          tb.add_scalar(k, v, step)
+      tb.flush()
 
   def close(self):
     if self._tb is not None:

@@ -1,0 +1,50 @@
+# XLA flags and environment for H100 / H200 training: the one place they are chosen.
+#
+#   source launch/xla_flags.sh      # then: python train.py ...
+#
+# Sourced by launch/slurm.sbatch and by the container command in launch/jobset.yaml. GPU-only:
+# a CPU-only jaxlib rejects unknown --xla_gpu_* flags, so launch/local.sh does not source it.
+# Flags already in XLA_FLAGS come after these, so a value set by hand wins. XLA flags are
+# jaxlib-version dependent: these were chosen for jax/jaxlib 0.10 (see the JAX GPU performance
+# tips and NVIDIA JAX-Toolbox's GPU performance guide); re-check them when upgrading.
+
+ember_xla_flags=(
+  # Schedule collectives to overlap with compute (the FSDP all-gathers and reduce-scatters of
+  # the scanned layers hide behind the previous layer's matmuls).
+  --xla_gpu_enable_latency_hiding_scheduler=true
+  # Issue async collectives on the highest-priority stream so compute kernels do not starve them.
+  --xla_gpu_enable_highest_priority_async_stream=true
+  # Pipeline each layer's weight all-gather across scan iterations: layer i+1's weights are
+  # gathered while layer i computes.
+  --xla_gpu_enable_pipelined_all_gather=true
+  # The same for the gradient reduce-scatter of the backward scan.
+  --xla_gpu_enable_pipelined_reduce_scatter=true
+  # The same for all-reduces in the scan (data-parallel gradients, tensor-parallel activations).
+  --xla_gpu_enable_pipelined_all_reduce=true
+  # Unroll the layer scan by two so consecutive layers' pipelined collectives use separate buffers.
+  --xla_gpu_enable_while_loop_double_buffering=true
+  # Combine all-gathers up to 128 MiB into one (fewer NCCL launches, better bandwidth).
+  --xla_gpu_all_gather_combine_threshold_bytes=134217728
+  # Combine reduce-scatters up to 64 MiB.
+  --xla_gpu_reduce_scatter_combine_threshold_bytes=67108864
+  # Combine all-reduces up to 128 MiB.
+  --xla_gpu_all_reduce_combine_threshold_bytes=134217728
+  # Let all-gathers along different tensor dimensions combine too (weights of different shapes).
+  --xla_gpu_enable_all_gather_combine_by_dim=false
+  # The same for reduce-scatters.
+  --xla_gpu_enable_reduce_scatter_combine_by_dim=false
+  # GEMMs, FP8 ones included, go to cuBLAS(Lt) rather than Triton-generated kernels: faster for
+  # the large, regular matmuls of a transformer.
+  --xla_gpu_enable_triton_gemm=false
+  # ember decides what to rematerialise (remat.policy); XLA's own memory-driven remat pass would
+  # recompute what a policy chose to save.
+  --xla_disable_hlo_passes=rematerialization
+)
+export XLA_FLAGS="${ember_xla_flags[*]}${XLA_FLAGS:+ ${XLA_FLAGS}}"
+unset ember_xla_flags
+
+# Let XLA take 90% of each GPU (default 75%); the rest is for NCCL and cuDNN workspaces.
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
+# One hardware work queue per GPU: keeps the launch order XLA's latency-hiding scheduler chose,
+# so collectives overlap compute as planned (recommended on Hopper; not on Blackwell).
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"

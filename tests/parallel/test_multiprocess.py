@@ -1,0 +1,118 @@
+"""Two real processes (launch/local.sh 2 2) against one process with 4 devices: same losses, one
+writer of metrics, preemption agreed across processes, and a checkpoint that restores in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--config.model.seq_len=16",
+        "--config.train.batch_size=8", "--config.data.source=synthetic", "--config.train.eval_every_steps=0",
+        "--config.log.every_steps=1", "--config.checkpoint.every_steps=5", "--config.train.decay_steps=100",
+        "--config.quant.recipe=bf16", "--config.model.dtype=float32",
+        "--config.data.num_shards=2"]  # Two shards whatever the process count: the same global batches.
+ONE_HOST = ["--config.mesh.fsdp=4"]
+TWO_HOSTS = ["--config.mesh.fsdp=2", "--config.mesh.dcn_fsdp=2"]  # The same mesh (fsdp=4), hybrid over processes.
+
+
+def _env(cache: Path, **extra) -> dict:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "XLA_FLAGS"))}
+  env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             **extra)
+  return env
+
+
+def _records(workdir: Path) -> list[dict]:
+  path = workdir / "metrics.jsonl"
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _losses(workdir: Path) -> dict[int, float]:
+  return {r["step"]: r["loss"] for r in _records(workdir)}
+
+
+def _one_process(cache, workdir, steps) -> subprocess.CompletedProcess:
+  p = subprocess.run([sys.executable, "train.py", *ARGS, *ONE_HOST, "--config.log.tensorboard=false",
+                      f"--config.workdir={workdir}", f"--config.steps={steps}"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=300, env=_env(cache, XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+  assert p.returncode == 0, p.stderr[-3000:]
+  return p
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> Path:
+  """JAX's compilation cache, shared with tests/trainer/test_checkpoint_e2e.py (same programs)."""
+  base = tmp_path_factory.getbasetemp()
+  root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "ember_ckpt_shared"
+  root.mkdir(exist_ok=True)
+  return root / "jax_cache"
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tmp_path, cache):
+  mp = tmp_path / "two_processes"
+  # 2 processes x 2 devices, stopped by SIGTERM to the launcher once step 5 is logged.
+  proc = subprocess.Popen(["launch/local.sh", "2", "2", sys.executable, "train.py", *ARGS, *TWO_HOSTS,
+                           f"--config.workdir={mp}", "--config.steps=1000"], cwd=ROOT, env=_env(cache),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+  deadline = time.time() + 300
+  while not any(r["step"] >= 5 for r in _records(mp)):
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    assert time.time() < deadline
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=180)
+  assert proc.returncode == 0, stderr[-3000:]
+
+  records = _records(mp)
+  stopped = records[-1]["step"]
+  assert [r["step"] for r in records] == list(range(1, stopped + 1))  # Process 0 alone writes metrics.
+  assert stderr.count(f"step {stopped:>6}/1000") == 1  # ... and the console.
+  assert len(list((mp / "tensorboard").glob("events.out.tfevents.*"))) == 1  # ... and TensorBoard.
+  assert f"preempted (SIGTERM): saved a checkpoint at step {stopped}" in stderr
+  saved = mp / "checkpoints" / str(stopped)
+  assert sorted(p.name for p in (saved / "data").glob("*.json")) == ["process_0-of-2.json", "process_1-of-2.json"]
+
+  # One process with 4 devices, the same mesh (fsdp=4): the same losses.
+  sp = tmp_path / "one_process"
+  _one_process(cache, sp, stopped + 1)
+  mp_losses, sp_losses = _losses(mp), _losses(sp)
+  assert [mp_losses[s] for s in range(1, stopped + 1)] == pytest.approx(
+      [sp_losses[s] for s in range(1, stopped + 1)], rel=1e-6)
+
+  # The two-process checkpoint resumes in one process, with both processes' data positions.
+  resumed = tmp_path / "resumed"
+  shutil.copytree(mp, resumed)
+  p = _one_process(cache, resumed, stopped + 1)
+  assert f"at step {stopped}" in p.stderr and "warning" not in p.stderr
+  assert _losses(resumed)[stopped + 1] == pytest.approx(sp_losses[stopped + 1], rel=1e-6)
+
+
+def test_local_sh_fails_when_a_process_fails(tmp_path):
+  p = subprocess.run(["launch/local.sh", "2", "1", sys.executable, "-c",
+                      "import os, sys, time; i = int(os.environ['EMBER_PROCESS_ID']); "
+                      "sys.exit(3) if i == 1 else time.sleep(60)"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=60, env=_env(tmp_path))
+  assert p.returncode == 3
+  assert "exited with status 3" in p.stderr
+
+
+def test_local_sh_sets_the_distributed_environment(tmp_path):
+  script = ("import os, pathlib; e = os.environ; "
+            f"pathlib.Path({str(tmp_path)!r}, e['EMBER_PROCESS_ID']).write_text(' '.join(["
+            "e['EMBER_NUM_PROCESSES'], e['EMBER_COORDINATOR_ADDRESS'].split(':')[0], e['JAX_PLATFORMS'], "
+            "e['XLA_FLAGS'].split()[-1]]))")
+  p = subprocess.run(["launch/local.sh", "3", "2", sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                     text=True, timeout=60, env=_env(tmp_path))
+  assert p.returncode == 0, p.stderr
+  for i in range(3):
+    assert (tmp_path / str(i)).read_text() == "3 127.0.0.1 cpu --xla_force_host_platform_device_count=2"

@@ -1,0 +1,132 @@
+"""Multi-host pieces that need no second process: dcn mesh sizes, device layout, init settings, data shards."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # For configs/.
+from configs import base  # noqa: E402
+from ember import config as config_lib
+from ember.config import ConfigError
+from ember.parallel import distributed
+from ember.parallel.mesh import device_grid, make_mesh
+
+
+def _cfg(**mesh):
+  c = base.get_config()
+  c.mesh.update(mesh)
+  return c
+
+
+@pytest.mark.parametrize("mesh,devices,total,per_host", [
+    (dict(fsdp=-1, dcn_fsdp=2), 8, dict(data=1, fsdp=8), dict(data=1, fsdp=4)),
+    (dict(data=2, fsdp=-1, dcn_data=2), 8, dict(data=4, fsdp=2), dict(data=2, fsdp=2)),
+    (dict(data=1, fsdp=2, dcn_data=2, dcn_fsdp=2), 8, dict(data=2, fsdp=4), dict(data=1, fsdp=2)),
+    (dict(fsdp=-1, tensor=2), 8, dict(data=1, fsdp=4), dict(data=1, fsdp=4)),
+])
+def test_dcn_axes_multiply_the_per_host_axes(mesh, devices, total, per_host):
+  cfg = _cfg(**mesh)
+  shape = config_lib.mesh_shape(cfg, devices)
+  assert {a: shape[a] for a in total} == total
+  derived = config_lib.derive(cfg, devices)
+  assert {a: derived.mesh[a] for a in per_host} == per_host
+  assert np.prod([derived.mesh[a] * derived.mesh.get(f"dcn_{a}", 1) for a in config_lib.MESH_AXES]) == devices
+
+
+@pytest.mark.parametrize("mesh,devices,key", [
+    (dict(fsdp=-1, dcn_fsdp=3), 8, "config.mesh.dcn_fsdp"),  # 3 hosts cannot share 8 devices.
+    (dict(fsdp=-1, dcn_data=0), 8, "config.mesh.dcn_data"),
+    (dict(fsdp=-1, dcn_fsdp=-1), 8, "config.mesh.dcn_fsdp"),
+    (dict(fsdp=3, dcn_fsdp=2), 8, "config.mesh:"),
+    (dict(data=-1, fsdp=-1), 8, "config.mesh.fsdp"),
+    (dict(fsdp=-1, tensor=3, dcn_fsdp=2), 8, "config.mesh.fsdp"),  # 4 per host, not divisible by 3.
+])
+def test_bad_mesh_sizes_name_the_key(mesh, devices, key):
+  with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    config_lib.mesh_shape(_cfg(**mesh), devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+  id: int
+  process_index: int
+  platform: str = "gpu"
+  device_kind: str = "fake"
+  slice_index: int = 0
+
+
+def _devices(processes: int, per_process: int, shuffle: bool = False) -> list[FakeDevice]:
+  devs = [FakeDevice(p * 100 + i, p) for p in range(processes) for i in range(per_process)]
+  if shuffle:
+    devs = [devs[i] for i in np.random.default_rng(0).permutation(len(devs))]
+  return devs
+
+
+def _mesh_cfg(**sizes):
+  m = dict(data=1, fsdp=1, tensor=1, expert=1, dcn_data=1, dcn_fsdp=1)
+  m.update(sizes)
+  return m
+
+
+def test_each_process_owns_a_contiguous_block_without_dcn():
+  grid = device_grid(_mesh_cfg(data=2, fsdp=4), _devices(2, 4, shuffle=True))
+  procs = np.vectorize(lambda d: d.process_index)(grid)[:, :, 0, 0]
+  np.testing.assert_array_equal(procs, [[0, 0, 0, 0], [1, 1, 1, 1]])
+
+
+def test_hybrid_mesh_puts_only_dcn_axes_across_processes():
+  # 4 processes x 4 devices: per host data=1, fsdp=2, tensor=2; across hosts data=2, fsdp=2.
+  grid = device_grid(_mesh_cfg(fsdp=2, tensor=2, dcn_data=2, dcn_fsdp=2), _devices(4, 4, shuffle=True))
+  assert grid.shape == (2, 4, 2, 1)
+  procs = np.vectorize(lambda d: d.process_index)(grid)[..., 0]
+  # The tensor axis never crosses a process; the 2x2 host blocks follow process order.
+  assert (procs[:, :, 0] == procs[:, :, 1]).all()
+  np.testing.assert_array_equal(procs[:, :, 0], [[0, 0, 1, 1], [2, 2, 3, 3]])
+
+
+def test_dcn_axes_must_match_the_process_count():
+  with pytest.raises(ConfigError, match=r"config\.mesh\.dcn_fsdp: .* 2 hosts but the job has 1 processes"):
+    device_grid(_mesh_cfg(fsdp=4, dcn_fsdp=2), _devices(1, 8))
+
+
+def test_make_mesh_on_this_process():
+  mesh = make_mesh(_mesh_cfg(data=2, fsdp=2, tensor=2))
+  assert dict(mesh.shape) == dict(data=2, fsdp=2, tensor=2, expert=1)
+  assert list(mesh.devices.flat) == sorted(jax.devices(), key=lambda d: d.id)
+
+
+@dataclasses.dataclass
+class DistCfg:
+  coordinator_address: str = ""
+  num_processes: int = 0
+  process_id: int = -1
+
+
+def test_init_settings(monkeypatch):
+  for k in ("EMBER_COORDINATOR_ADDRESS", "EMBER_NUM_PROCESSES", "EMBER_PROCESS_ID", "SLURM_NTASKS"):
+    monkeypatch.delenv(k, raising=False)
+  assert distributed.settings(DistCfg()) is None  # One process: nothing to initialise.
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  assert distributed.settings(DistCfg()) == {}  # JAX's own SLURM detection.
+  monkeypatch.setenv("EMBER_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  monkeypatch.setenv("EMBER_NUM_PROCESSES", "2")
+  monkeypatch.setenv("EMBER_PROCESS_ID", "1")
+  assert distributed.settings(DistCfg()) == dict(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1)
+  flags = DistCfg("host:9", 4, 3)  # Flags win over the environment.
+  assert distributed.settings(flags) == dict(coordinator_address="host:9", num_processes=4, process_id=3)
+  with pytest.raises(ConfigError, match=r"config\.distributed"):
+    distributed.settings(DistCfg("host:9", 4, 4))
+
+
+def test_data_shards_are_contiguous_blocks():
+  assert distributed.data_shards(0, 1, 2) == [1]
+  assert distributed.data_shards(4, 1, 2) == [2, 3]
+  assert distributed.data_shards(4, 0, 1) == [0, 1, 2, 3]
+  with pytest.raises(ConfigError, match=r"config\.data\.num_shards"):
+    distributed.data_shards(3, 0, 2)

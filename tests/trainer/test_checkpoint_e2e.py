@@ -1,0 +1,257 @@
+"""End-to-end checkpointing: `python train.py` in subprocesses, killed, preempted, resumed, resharded.
+
+Every run is the tiny model on synthetic data (1 layer, 16 tokens, batch 8, bf16 unless a test
+names a recipe) with a fixed LR schedule (`train.decay_steps`), so a run's losses do not depend on `steps`. Reference runs are
+made once per session and shared between xdist workers (file lock); compiled programs are shared
+through JAX's persistent compilation cache.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--config.model.seq_len=16",
+        "--config.train.batch_size=8", "--config.data.source=synthetic", "--config.train.eval_every_steps=0",
+        "--config.log.every_steps=1", "--config.log.tensorboard=false", "--config.checkpoint.every_steps=5",
+        "--config.train.decay_steps=100"]
+F32 = ["--config.model.dtype=float32"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory) -> Path:
+  """A directory shared by all xdist workers of this session (each worker's basetemp's parent)."""
+  base = tmp_path_factory.getbasetemp()
+  root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "ember_ckpt_shared"
+  root.mkdir(exist_ok=True)
+  return root
+
+
+def _env(shared: Path, devices: int) -> dict:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_COMPILATION_CACHE_DIR=str(shared / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  env.pop("EMBER_COORDINATOR_ADDRESS", None)
+  return env
+
+
+def _cmd(workdir: Path, steps: int, extra) -> list[str]:
+  recipe = [] if any(a.startswith("--config.quant.recipe=") for a in extra) else ["--config.quant.recipe=bf16"]
+  return [sys.executable, "train.py", *BASE, *recipe, f"--config.workdir={workdir}", f"--config.steps={steps}", *extra]
+
+
+def train(shared, workdir, steps, *extra, devices=8, expect_rc=0) -> subprocess.CompletedProcess:
+  p = subprocess.run(_cmd(workdir, steps, extra), cwd=ROOT, env=_env(shared, devices), capture_output=True,
+                     text=True, timeout=300)
+  assert p.returncode == expect_rc, f"exit {p.returncode}\n{p.stderr[-3000:]}"
+  return p
+
+
+def start(shared, workdir, steps, *extra, devices=8) -> subprocess.Popen:
+  return subprocess.Popen(_cmd(workdir, steps, extra), cwd=ROOT, env=_env(shared, devices),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def records(workdir) -> list[dict]:
+  path = Path(workdir) / "metrics.jsonl"
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses(workdir) -> dict[int, float]:
+  return {r["step"]: r["loss"] for r in records(workdir) if "loss" in r}
+
+
+def wait_for_step(proc, workdir, step, timeout=240.0) -> None:
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    try:
+      if any(r.get("step", 0) >= step for r in records(workdir)):
+        return
+    except json.JSONDecodeError:  # A line being written.
+      pass
+    assert proc.poll() is None, f"the run ended before step {step}:\n{proc.stderr.read()[-3000:]}"
+    time.sleep(0.005)
+  raise AssertionError(f"no step {step} in {timeout}s")
+
+
+def checkpoint_steps(workdir) -> list[int]:
+  d = Path(workdir) / "checkpoints"
+  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def shared_run(shared: Path, name: str, make) -> Path:
+  """`make(workdir)` once per session across workers; returns the workdir."""
+  workdir = shared / name
+  with open(shared / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (workdir / "DONE").exists():
+      shutil.rmtree(workdir, ignore_errors=True)
+      make(workdir)
+      (workdir / "DONE").touch()
+  return workdir
+
+
+def reference(shared, recipe: str) -> Path:
+  """An uninterrupted 20-step run (checkpoints 10, 15, 20 kept)."""
+  return shared_run(shared, f"ref_{recipe}", lambda w: train(shared, w, 20, f"--config.quant.recipe={recipe}"))
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+  shutil.copytree(src, dst, ignore=shutil.ignore_patterns("DONE"))
+  return dst
+
+
+def assert_steps_once(workdir, last: int) -> None:
+  steps = [r["step"] for r in records(workdir)]
+  assert steps == list(range(1, last + 1)), steps
+
+
+# --- Resume after SIGKILL -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])
+def test_sigkill_then_resume_logs_the_uninterrupted_losses(shared, tmp_path, recipe):
+  ref = losses(reference(shared, recipe))
+  run = tmp_path / "run"
+  proc = start(shared, run, 20, f"--config.quant.recipe={recipe}")
+  wait_for_step(proc, run, 12)
+  proc.kill()
+  proc.wait(timeout=60)
+  proc.stderr.close()
+  saved = checkpoint_steps(run)  # 10 (or 15, or 5 if the kill caught the save of 10 in flight).
+  assert saved and max(losses(run)) > saved[-1]  # Records past the checkpoint exist and must go.
+  # A kill in the middle of an asynchronous save leaves a temporary directory, never renamed. If
+  # this kill did not land in one, make what it would have left (half a step).
+  partial = run / "checkpoints" / f"{saved[-1] + 5}.orbax-checkpoint-tmp"
+  if not partial.exists():
+    shutil.copytree(run / "checkpoints" / str(saved[-1]) / "state", partial / "state")
+
+  p = train(shared, run, 20, f"--config.quant.recipe={recipe}")
+  assert f"resumed from {run / 'checkpoints'} at step {saved[-1]}" in p.stderr
+  assert_steps_once(run, 20)
+  got = losses(run)
+  assert [got[s] for s in range(11, 21)] == [ref[s] for s in range(11, 21)]  # Bitwise.
+  assert not partial.exists()
+  assert checkpoint_steps(run)[-1] == 20
+
+
+# --- Preemption -----------------------------------------------------------------------------------
+
+
+def test_sigterm_saves_synchronously_exits_zero_and_resumes(shared, tmp_path):
+  ref = losses(reference(shared, "bf16"))
+  run = tmp_path / "run"
+  proc = start(shared, run, 1000)
+  wait_for_step(proc, run, 3)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 0, stderr[-3000:]
+  stopped = max(losses(run))
+  assert stopped < 1000
+  assert f"preempted (SIGTERM): saved a checkpoint at step {stopped}" in stderr
+  assert checkpoint_steps(run)[-1] == stopped
+  assert not list((run / "checkpoints").glob("*tmp*"))  # The save completed before the exit.
+
+  p = train(shared, run, stopped + 2)
+  assert f"at step {stopped}" in p.stderr
+  assert_steps_once(run, stopped + 2)
+  got = losses(run)
+  assert all(got[s] == ref[s] for s in got if s <= 20)
+
+
+# --- A damaged checkpoint ---------------------------------------------------------------------------
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(shared, tmp_path):
+  ref_dir = reference(shared, "bf16")
+  run = copy_run(ref_dir, tmp_path / "run")
+  assert checkpoint_steps(run) == [10, 15, 20]
+  for f in (run / "checkpoints" / "20" / "state").rglob("*"):
+    if f.is_file() and f.parent.name == "d":  # The array chunks.
+      f.write_bytes(os.urandom(f.stat().st_size))
+
+  p = train(shared, run, 20)
+  assert "warning: skipping checkpoint step 20" in p.stderr
+  assert "at step 15" in p.stderr
+  assert_steps_once(run, 20)
+  ref = losses(ref_dir)
+  got = losses(run)
+  assert [got[s] for s in range(16, 21)] == [ref[s] for s in range(16, 21)]
+  assert (run / "checkpoints" / "20.corrupt").is_dir()
+  assert checkpoint_steps(run)[-1] == 20
+
+
+# --- Starting from another run's checkpoint -------------------------------------------------------------------
+
+
+def test_restore_from_full_state_continues_that_run(shared, tmp_path):
+  ref_dir = reference(shared, "bf16")
+  run = tmp_path / "run"
+  p = train(shared, run, 12, f"--config.checkpoint.restore_from={ref_dir / 'checkpoints' / '10'}")
+  assert "started from" in p.stderr
+  ref, got = losses(ref_dir), losses(run)
+  assert sorted(got) == [11, 12]
+  assert [got[11], got[12]] == [ref[11], ref[12]]  # Same state, same data position: bitwise.
+
+
+def test_restore_from_params_only_starts_at_step_zero(shared, tmp_path):
+  ref_dir = reference(shared, "bf16")
+  run = tmp_path / "run"
+  p = train(shared, run, 2, f"--config.checkpoint.restore_from={ref_dir}", "--config.checkpoint.params_only=true")
+  assert "started from the parameters of" in p.stderr
+  ref, got = losses(ref_dir), losses(run)
+  assert sorted(got) == [1, 2]
+  # Trained parameters on the first batch: well below a fresh model's loss, and not the full-state run's.
+  assert got[1] < ref[1] - 0.05
+  assert got[1] != ref[11] and got[2] != ref[12]
+
+
+def _one_line_error(p: subprocess.CompletedProcess) -> str:
+  lines = [l for l in p.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1, p.stderr[-3000:]
+  assert lines[0].startswith("error: ") and "Traceback" not in p.stderr
+  return lines[0]
+
+
+def test_restore_from_with_other_shapes_fails_in_one_line(shared, tmp_path):
+  ref_dir = reference(shared, "bf16")
+  p = train(shared, tmp_path / "run", 2, f"--config.checkpoint.restore_from={ref_dir}", "--config.model.d_ff=64",
+            expect_rc=2)
+  line = _one_line_error(p)
+  assert "config.checkpoint.restore_from" in line and "parameter " in line and "mlp/wi" in line
+  assert "(1, 64, 2, 128)" in line and "(1, 64, 2, 64)" in line
+
+
+def test_resume_with_other_shapes_fails_in_one_line_and_keeps_the_checkpoints(shared, tmp_path):
+  run = copy_run(reference(shared, "bf16"), tmp_path / "run")
+  p = train(shared, run, 25, "--config.model.d_model=32", expect_rc=2)
+  line = _one_line_error(p)
+  assert "checkpoints/20" in line and "parameter " in line and "has shape" in line
+  assert checkpoint_steps(run) == [10, 15, 20]  # Nothing skipped, renamed or overwritten.
+  assert max(losses(run)) == 20
+
+
+# --- Resharding -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh,devices", [(("data=2", "fsdp=2", "tensor=2"), 8), (("fsdp=4",), 4)],
+                         ids=["data2_fsdp2_tensor2", "4_devices"])
+def test_checkpoint_restores_onto_another_mesh(shared, tmp_path, mesh, devices):
+  # fsdp=8: 6 steps, checkpoints at 5 and 6; the loss of step 6 on the original mesh is the reference.
+  base = shared_run(shared, "fsdp8_f32", lambda w: train(shared, w, 6, *F32))
+  run = copy_run(base, tmp_path / "run")
+  shutil.rmtree(run / "checkpoints" / "6")
+  p = train(shared, run, 6, *F32, *[f"--config.mesh.{m}" for m in mesh], devices=devices)
+  assert "at step 5" in p.stderr
+  assert losses(run)[6] == pytest.approx(losses(base)[6], rel=1e-5)

@@ -1,0 +1,138 @@
+"""Checkpointer pieces in one process: async saves vs donated buffers, shape and seed checks, data shards."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # For configs/.
+from configs import base  # noqa: E402
+from ember.data import make_iterator  # noqa: E402
+from ember.trainer.checkpointing import (  # noqa: E402
+    Checkpointer, CheckpointError, ShardedIterator, check_shapes, restore_data_position, restore_from)
+from ember.trainer.state import TrainState  # noqa: E402
+
+
+def _state(mesh, value: float, step: int = 0):
+  sh = NamedSharding(mesh, P("x"))
+  params = {"layer": {"w": jax.device_put(jnp.full((8, 4), value, jnp.float32), sh)}}
+  return TrainState(step=jnp.asarray(step, jnp.int32), params=params,
+                    opt_state=({"mu": jax.tree.map(jnp.zeros_like, params)},), quant_state={})
+
+
+def _abstract_and_shardings(state):
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+  return abstract, jax.tree.map(lambda a: a.sharding, state)
+
+
+@pytest.fixture
+def mesh():
+  return jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("x",))
+
+
+def test_async_save_keeps_the_values_of_its_step_while_the_state_is_donated(tmp_path, mesh):
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2, async_save=True)
+  state = _state(mesh, 1.0)
+  update = jax.jit(lambda s: jax.tree.map(lambda a: a + 1, s), donate_argnums=0)
+  ckpt.save(1, state, None, seed=0)
+  for _ in range(20):  # Overwrite the (donated) buffers while the save may still be writing.
+    state = update(state)
+  ckpt.save(2, state, None, seed=0)
+  ckpt.close()
+
+  again = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2)
+  abstract, shardings = _abstract_and_shardings(state)
+  first = again.restore(1, abstract, shardings, None)
+  second = again.restore(2, abstract, shardings, None)
+  np.testing.assert_array_equal(np.asarray(first.params["layer"]["w"]), 1.0)
+  np.testing.assert_array_equal(np.asarray(second.params["layer"]["w"]), 21.0)
+  assert int(second.step) == 20
+  assert first.params["layer"]["w"].sharding == shardings.params["layer"]["w"]
+  again.close()
+
+
+def test_resume_checks_shapes_before_reading_and_names_the_parameter(tmp_path, mesh):
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2, async_save=False)
+  ckpt.save(3, _state(mesh, 1.0), None, seed=0)
+  wider = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32),
+                     params={"layer": {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32)}},
+                     opt_state=({"mu": {"layer": {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32)}}},), quant_state={})
+  shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), wider)
+  with pytest.raises(CheckpointError, match=r"parameter layer/w has shape \(8, 4\) in the checkpoint but \(8, 6\)"):
+    ckpt.restore_latest(wider, shardings, None, seed=0)
+  assert ckpt.steps() == [3]  # A mismatch is never treated as damage.
+  abstract, shardings = _abstract_and_shardings(_state(mesh, 0.0))
+  with pytest.raises(CheckpointError, match=r"config\.seed: 5, but .* saved with seed 0"):
+    ckpt.restore_latest(abstract, shardings, None, seed=5)
+  state, step = ckpt.restore_latest(abstract, shardings, None, seed=0)
+  assert step == 3 and float(state.params["layer"]["w"][0, 0]) == 1.0
+  ckpt.close()
+
+
+def test_check_shapes_reports_parameters_first():
+  saved = {"params": {"a": np.zeros((2, 3))}, "opt_state": {"mu": {"a": np.zeros((2, 3))}}}
+  want = {"params": {"a": np.zeros((2, 4))}, "opt_state": {"mu": {"a": np.zeros((2, 4))}}}
+  with pytest.raises(CheckpointError, match=r"^X: parameter a has shape \(2, 3\)"):
+    check_shapes(saved, want, "X")
+  with pytest.raises(CheckpointError, match=r"the checkpoint's parameter b \(shape \(1,\)\) has no place"):
+    check_shapes({"params": {"a": np.zeros(1), "b": np.zeros(1)}}, {"params": {"a": np.zeros(1)}}, "X")
+  with pytest.raises(CheckpointError, match=r"the checkpoint's array quant_state/h/amax"):  # e.g. another recipe
+    check_shapes({"params": {"a": np.zeros(1)}, "quant_state": {"h": {"amax": np.zeros(4)}}},
+                 {"params": {"a": np.zeros(1)}, "quant_state": {}}, "X")
+
+
+def _data_cfg():
+  c = base.get_config()
+  c.data.source = "synthetic"
+  return c.data
+
+
+def _sharded(num_shards, shards):
+  make = functools.partial(make_iterator, _data_cfg(), seq_len=16, global_batch_size=8, seed=0, split="train",
+                           process_count=num_shards)
+  return ShardedIterator(lambda s: make(process_index=s), shards, num_shards)
+
+
+def test_data_position_moves_from_two_processes_to_one(tmp_path):
+  # Two processes, one shard each, 3 batches in; each writes its file as grain's handler does.
+  procs = [_sharded(2, [0]), _sharded(2, [1])]
+  for it in procs:
+    for _ in range(3):
+      next(it)
+  for i, it in enumerate(procs):
+    (tmp_path / f"process_{i}-of-2.json").write_text(it.get_state().decode())
+  expected = [np.concatenate([b0["inputs"], b1["inputs"]]) for b0, b1 in ((next(procs[0]), next(procs[1]))
+                                                                          for _ in range(2))]
+  one = _sharded(2, [0, 1])
+  restore_data_position(str(tmp_path), one)
+  for want in expected:
+    np.testing.assert_array_equal(next(one)["inputs"], want)
+
+
+def test_data_position_for_another_shard_count_restarts_with_a_warning(tmp_path, capsys):
+  it = _sharded(1, [0])
+  next(it)
+  (tmp_path / "process_0-of-1.json").write_text(it.get_state().decode())
+  fresh = _sharded(2, [0, 1])
+  first = next(_sharded(2, [0, 1]))
+  restore_data_position(str(tmp_path), fresh)
+  assert "data iterator starts from the beginning" in capsys.readouterr().err
+  np.testing.assert_array_equal(next(fresh)["inputs"], first["inputs"])
+  assert json.loads(fresh.get_state())["num_shards"] == 2
+
+
+def test_restore_from_a_missing_or_empty_directory_names_the_key(tmp_path, mesh):
+  abstract, shardings = _abstract_and_shardings(_state(mesh, 0.0))
+  with pytest.raises(CheckpointError, match=r"config\.checkpoint\.restore_from: no checkpoint directory at"):
+    restore_from(str(tmp_path / "nowhere"), abstract, shardings, None, params_only=False, init=None)
+  (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+  with pytest.raises(CheckpointError, match=r"config\.checkpoint\.restore_from: no complete checkpoint"):
+    restore_from(str(tmp_path / "empty"), abstract, shardings, None, params_only=False, init=None)
