@@ -96,11 +96,10 @@ def train(cfg) -> dict:
     batch = _global_batch(next(train_it), batch_sharding)
     t0 = time.time()
     compiled = step_fn.lower(state, batch).compile()
-    console(f"compiled the train step in {time.time() - t0:.1f}s "
-            f"({_memory_summary(compiled)}; remat {cfg.remat.policy}, recipe {cfg.quant.recipe}, "
-            f"mesh {dict(mesh.shape)})")
-
     compiled_peak = compiled_peak_bytes(compiled)
+    memory = "no memory analysis" if compiled_peak is None else f"compiled peak {compiled_peak / 2**30:.2f} GiB/device"
+    console(f"compiled the train step in {time.time() - t0:.1f}s ({memory}; remat {cfg.remat.policy}, "
+            f"recipe {cfg.quant.recipe}, mesh {dict(mesh.shape)})")
     flops_per_step = flops_lib.train_flops_per_step(cfg)
     peak = flops_lib.peak_tflops(jax.devices()[0].device_kind)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
@@ -170,14 +169,13 @@ def _restore_or_init(cfg, ckpt, mesh, tx, policy, abstract, shardings, metrics, 
 
 
 def evaluate(cfg, state, eval_fn, batch_sharding) -> float:
+  """Mean loss over the first `train.eval_batches` batches of the held-out split (the same every time)."""
   it = data_iterator(cfg, "eval")
-  losses = [eval_fn(state, _global_batch(next(it), batch_sharding)) for _ in range(cfg.train.eval_batches)]
+  try:
+    losses = [eval_fn(state, _global_batch(next(it), batch_sharding)) for _ in range(cfg.train.eval_batches)]
+  finally:
+    it.close()
   return float(jnp.mean(jnp.stack(losses)))
-
-
-def _memory_summary(compiled) -> str:
-  peak = compiled_peak_bytes(compiled)
-  return "no memory analysis" if peak is None else f"compiled peak {peak / 2**30:.2f} GiB/device"
 
 
 __all__ = ["train", "setup", "evaluate", "CheckpointError"]
