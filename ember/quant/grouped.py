@@ -20,6 +20,10 @@ the forward rule alike (both run `_quantize_operands`), so `save_quantized` reco
 in an MoE layer. On CPU the GEMMs run on dequantized values: numerics identical to a loop over
 experts of dense GEMMs on the same quantized operands.
 
+Inside `shard_map` the rows vary over the token shards while a kernel may be replicated over some
+of them: the backward rule sums its wgrad over those axes (`_sum_to`), as shard_map's transpose of
+the implicit broadcast would, since a custom VJP must return a cotangent of its primal's type.
+
 Delayed scaling: `history = (x [H], kernel [E, H], grad [H])`, the three row groups of the layer's
 [E + 2, H] QuantState; the backward rule returns them with this step's amaxes rolled in as their
 cotangent (the dense convention). They are separate arrays so that under expert parallelism the
@@ -56,9 +60,23 @@ def grouped_matmul(x_MxK: jax.Array, w_ExKxN: jax.Array, group_sizes_E: jax.Arra
   if history is None:  # Unused outside fp8_delayed; keeps one signature.
     history = (jnp.zeros((1,), jnp.float32), jnp.zeros((w_ExKxN.shape[0], 1), jnp.float32),
                jnp.zeros((1,), jnp.float32))
-  operand_info = (x_MxK.shape[1], jnp.dtype(x_MxK.dtype), jnp.dtype(w_ExKxN.dtype))
+  operand_info = (x_MxK.shape[1], jnp.dtype(x_MxK.dtype), jnp.dtype(w_ExKxN.dtype), _vma(x_MxK), _vma(w_ExKxN))
   return _gmm(x_MxK, w_ExKxN, group_sizes_E, tuple(history), key, recipe, name, dtype, tuple(reduce_axes),
               operand_info)
+
+
+def _vma(a) -> frozenset:
+  """The shard_map axes `a` varies over (empty outside shard_map)."""
+  t = jax.typeof(a)
+  manual = getattr(t, "manual_axis_type", None)  # JAX >= 0.9; `vma` before.
+  return frozenset(manual.varying if manual is not None else getattr(t, "vma", ()) or ())
+
+
+def _sum_to(a, vma: frozenset):
+  """Sums a cotangent over the axes its primal was replicated on (a kernel shared by token shards),
+  as the transpose of shard_map's implicit broadcast would; the VJP must return the primal's type."""
+  extra = tuple(sorted(_vma(a) - vma))
+  return jax.lax.psum(a, extra) if extra else a
 
 
 def _quantizers(recipe: Recipe, history):
@@ -154,7 +172,7 @@ _WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]
 
 def _gmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_MxN):
   q, group_sizes, history, key = res
-  (m, n), (k, x_dtype, w_dtype) = g_MxN.shape, operand_info
+  (m, n), (k, x_dtype, w_dtype, x_vma, w_vma) = g_MxN.shape, operand_info
   b = recipe.block_size
   g = dot._pad_to(_mask_rows(g_MxN, group_sizes), (1, b))
   _, _, grad_q = _quantizers(recipe, history)
@@ -186,7 +204,8 @@ def _gmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_MxN):
                    update_history(h_g, g_rows.amax))
   else:
     new_history = jax.tree.map(jnp.zeros_like, history)
-  return dx[:, :k].astype(x_dtype), dw[:, :k, :n].astype(w_dtype), None, new_history, None
+  dx, dw = _sum_to(dx[:, :k], x_vma).astype(x_dtype), _sum_to(dw[:, :k, :n], w_vma).astype(w_dtype)
+  return dx, dw, None, new_history, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)

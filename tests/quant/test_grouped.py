@@ -1,6 +1,6 @@
 """The grouped quantized matmul against per-expert loops of dense GEMMs, for every recipe."""
 
-import dataclasses
+import functools
 
 import jax
 import jax.extend
@@ -38,17 +38,13 @@ def _operands(seed=0):
   return x, w, g, (h[0], h[1:E + 1], h[E + 1])
 
 
+@functools.partial(jax.jit, static_argnames=("recipe", "group_sizes"))
 def _run(recipe, x, w, g, history, group_sizes=GROUPS, key=None):
+  """(y, dx, dw, new history) of the grouped matmul, float32 compute."""
   gs = jnp.asarray(group_sizes, jnp.int32)
-
-  @jax.jit
-  def f(x, w, history):
-    fn = lambda x, w, h: grouped.grouped_matmul(x, w, gs, recipe=recipe, name="moe_wi", history=h, key=key,
-                                                dtype=F32)
-    y, vjp = jax.vjp(fn, x, w, history)
-    return (y,) + vjp(g)
-
-  return f(x, w, history)
+  fn = lambda x, w, h: grouped.grouped_matmul(x, w, gs, recipe=recipe, name="moe_wi", history=h, key=key, dtype=F32)
+  y, vjp = jax.vjp(fn, x, w, history)
+  return (y,) + vjp(g)
 
 
 def _quantizers(recipe, history):
@@ -67,7 +63,7 @@ def _columns(chunks, quantizer, recipe):
   padded = [dot._pad_to(c, (b, 1)) for c in chunks]
   if recipe.name == "nvfp4":
     padded = [dot._rht(c, 0, recipe) for c in padded]
-  amax = max(float(jnp.max(jnp.abs(c))) if c.size else 0.0 for c in padded)
+  amax = jnp.max(jnp.abs(jnp.concatenate(padded)))
   out = []
   for c, chunk in zip(padded, chunks):
     extra = jnp.zeros((b, c.shape[1]), F32).at[0, 0].set(amax)
@@ -76,6 +72,7 @@ def _columns(chunks, quantizer, recipe):
   return out
 
 
+@functools.partial(jax.jit, static_argnames=("recipe", "group_sizes"))
 def _reference(recipe, x, w, g, history, group_sizes=GROUPS):
   """y, dx, dw from a Python loop over experts of dense GEMMs on operands quantized per expert."""
   b = recipe.block_size
@@ -151,8 +148,13 @@ def test_one_busy_expert_equals_the_dense_quantized_matmul(name):
   recipe = RECIPES[name]
   x, w, g, _ = _operands(seed=1)
   y, dx, dw, _ = _run(recipe, x, w, g, None, group_sizes=(0, M, 0, 0))
-  y_ref, vjp = jax.vjp(lambda x, w: dot.quantized_matmul(x, w, recipe=recipe, name="wi", dtype=F32), x, w[1])
-  dx_ref, dw_ref = vjp(g)
+
+  @jax.jit
+  def dense(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: dot.quantized_matmul(x, w, recipe=recipe, name="wi", dtype=F32), x, w)
+    return (y,) + vjp(g)
+
+  y_ref, dx_ref, dw_ref = dense(x, w[1], g)
   _close(y, y_ref)
   _close(dx, dx_ref)
   _close(dw[1], dw_ref)

@@ -1,0 +1,319 @@
+"""Mixture of experts: a float32 top-k router, dropless dispatch by sorting, grouped quantized SwiGLU
+experts, an optional shared expert, and expert parallelism over the `expert` mesh axis.
+
+Per token shard (the whole batch without a mesh):
+  1. route: logits = x @ router in float32; top-k of the logits and a softmax over those k, or
+     (`router_softmax_first`) a softmax over all experts, top-k, renormalised. Padding tokens
+     (segment id 0) are not dispatched at all and count in no statistic. The choices are named
+     `remat.MOE_ROUTING`, so a remat policy that keeps rows in routing order keeps them too;
+  2. with `capacity_factor > 0`, each expert keeps at most ceil(factor * tokens * k / experts)
+     copies per token shard, first choices of all tokens before second choices, earlier tokens
+     first; the rest are dropped (counted in `moe_dropped_tokens`). 0 = dropless;
+  3. dispatch: token copies are stably sorted by expert (so within an expert they keep token order),
+     run through `quant/grouped.py`'s grouped matmuls with per-expert group sizes, gathered back and
+     summed with their routing weights. The gathers are written so that both directions of autodiff
+     are gathers (no scatter-add with colliding indices: deterministic on GPUs too).
+
+Expert parallelism (a mesh whose `expert` axis has size n > 1): inside `jax.shard_map` every device
+holds a slice of the tokens (batch -> data, fsdp, expert) and E/n experts. Dispatch is all-gather /
+reduce-scatter over the expert axis (Megatron-Core's "allgather" token dispatcher): each device
+gathers the tokens and routing choices of its expert group, computes the copies routed to its own
+experts, and a reduce-scatter returns the weighted sums to the devices that own the tokens. It is
+exact and dropless with static shapes, and moves n * tokens * d_model per device each way. A dropless
+all-to-all of token copies must size every (source, destination) buffer for the worst case of all
+k copies going to one device (k times the traffic of the gather), and `ragged_all_to_all`, which
+sends only the real rows, has no XLA:CPU implementation, so the CPU test suite cannot cover it; it is
+the next step for large expert-parallel degrees (see docs/moe.md). Expert weights enter the shard_map
+sharded over `expert` only: FSDP / tensor shards are all-gathered at its boundary and their
+gradients reduced there. Per-tensor amaxes of activations and gradients are pmax-ed over the token
+axes (`reduce_axes`), so every shard quantizes with the global scale, as on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from ember import remat
+from ember.layers.linear import QuantState
+from ember.layers.mlp import MLP
+from ember.parallel import sharding
+from ember.quant.grouped import grouped_matmul
+from ember.quant.recipe import Recipe
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The static facts of one MoE layer (hashable: closed over by shard_map and custom VJPs)."""
+  num_experts: int
+  k: int
+  softmax_first: bool
+  capacity_factor: float
+  dtype: jnp.dtype
+  wi_recipe: Recipe
+  wo_recipe: Recipe
+
+  def capacity(self, tokens: int) -> int | None:
+    """Copies each expert keeps per token shard; None = dropless."""
+    if self.capacity_factor <= 0:
+      return None
+    return max(math.ceil(self.capacity_factor * tokens * self.k / self.num_experts), 1)
+
+
+class ExpertKernel(nnx.Module):
+  """The stacked kernels of one expert projection [experts, in..., out...] and, for delayed scaling,
+  amax histories [experts + 2, H]: the input's, one per expert kernel, the gradient's (the dense
+  layout [3, H] with one kernel row per expert)."""
+
+  def __init__(self, shape, axes, *, name: str, path: str, recipe: Recipe, init_std: float, param_dtype,
+               rngs: nnx.Rngs):
+    assert name in remat.PROJECTIONS, name
+    self.kernel = nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype) * init_std, out_sharding=tuple(axes))
+    self.name, self.recipe = name, recipe.for_path(path)
+    if self.recipe.delayed:
+      self.amax_history = QuantState(jnp.zeros((shape[0] + 2, self.recipe.amax_history_len), F32),
+                                     out_sharding=(None, None))
+
+  def history(self):
+    """(x [H], kernels [E, H], grad [H]) for `grouped_matmul`, or None."""
+    if not self.recipe.delayed:
+      return None
+    h = self.amax_history[...]
+    return h[0], h[1:-1], h[-1]
+
+
+class MoE(nnx.Module):
+  def __init__(self, cfg, *, path: str, recipe: Recipe, rngs: nnx.Rngs):
+    m = cfg.model
+    e, d, f = m.num_experts, m.d_model, m.d_ff
+    param_dtype = jnp.dtype(m.param_dtype)
+    out_std = m.init_std / (2 * m.num_layers) ** 0.5
+    # Replicated over experts: every token shard needs the whole router.
+    self.router = nnx.Param(jax.random.normal(rngs.params(), (d, e), param_dtype) * m.init_std,
+                            out_sharding=("embed", None))
+    self.wi = ExpertKernel((e, d, 2, f), ("expert", "embed", "gate", "mlp"), name="moe_wi", path=f"{path}.moe_wi",
+                           recipe=recipe, init_std=m.init_std, param_dtype=param_dtype, rngs=rngs)
+    self.wo = ExpertKernel((e, f, d), ("expert", "mlp", "embed"), name="moe_wo", path=f"{path}.moe_wo",
+                           recipe=recipe, init_std=out_std, param_dtype=param_dtype, rngs=rngs)
+    self.shared = MLP(cfg, m.shared_expert_d_ff, path=f"{path}.shared", recipe=recipe, rngs=rngs,
+                      names=("shared_wi", "shared_wo")) if m.shared_expert_d_ff else None
+    self.options = Options(e, m.experts_per_token, bool(m.router_softmax_first), float(m.capacity_factor),
+                           jnp.dtype(m.dtype), self.wi.recipe, self.wo.recipe)
+
+  def __call__(self, x_BxLxD, segment_ids_BxL, key=None):
+    """(y [B, L, D], aux): aux holds decoder.AUX_KEYS as float32 scalars."""
+    keys = None
+    if key is not None:  # As Linear does: one stream per projection kind.
+      keys = tuple(jax.random.fold_in(key, remat.PROJECTIONS.index(n)) for n in ("moe_wi", "moe_wo"))
+    histories = (self.wi.history(), self.wo.history())
+    y_BxLxD, aux = moe_ffn(x_BxLxD, segment_ids_BxL, self.router[...], self.wi.kernel[...], self.wo.kernel[...],
+                           histories, keys, self.options)
+    if self.shared is not None:
+      y_BxLxD = y_BxLxD + self.shared(x_BxLxD, key)
+    return sharding.shard(y_BxLxD, ("batch", "length", "embed")), aux
+
+
+# ----------------------------------------------------------------------------- sharding
+
+def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, opts: Options):
+  """The routed experts of one layer: locally without a mesh, else inside shard_map (see module doc)."""
+  mesh, rules = sharding.active_mesh(), sharding.active_rules()
+  if mesh is None or mesh.size == 1:
+    return _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, opts=opts,
+                    token_axes=(), expert_axes=())
+  x_spec = sharding.logical_to_spec(("batch", "length", None), rules, mesh)
+  token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
+  e_spec = sharding.logical_to_spec(("expert",), rules, mesh)[0]
+  expert_axes = _axes(e_spec)
+  if not set(expert_axes) <= set(token_axes):
+    raise ValueError(f"expert parallelism over {expert_axes} needs the batch sharded over it too (mesh.rules "
+                     f"'batch' -> ...{expert_axes}); tokens are sharded over {token_axes}")
+  n_ep = math.prod(mesh.shape[a] for a in expert_axes)
+  if opts.num_experts % n_ep:
+    raise ValueError(f"{opts.num_experts} experts do not split over an expert axis of {n_ep} devices")
+  hist_specs = tuple(None if h is None else (P(), P(e_spec, None), P()) for h in histories)
+  body = functools.partial(_experts, opts=opts, token_axes=token_axes, expert_axes=expert_axes)
+  fn = jax.shard_map(body, mesh=mesh,
+                     in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec), P(e_spec), hist_specs,
+                               None if keys is None else (P(), P())),
+                     out_specs=(x_spec, P()))
+  return fn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys)
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+# ----------------------------------------------------------------------------- one token shard
+
+def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, *, opts: Options,
+             token_axes, expert_axes):
+  b, l, d = x_BxLxD.shape
+  t, k = b * l, opts.k
+  x_TxD = x_BxLxD.reshape(t, d)
+  valid_T = segment_ids_BxL.reshape(t) > 0
+  logits_TxE, probs_TxE, weights_TxK, experts_TxK = route(x_TxD, router_DxE, opts)
+  keep_TxK = keep_mask(experts_TxK, valid_T, opts.num_experts, opts.capacity(t))
+  aux = aux_losses(logits_TxE, probs_TxE, experts_TxK, keep_TxK, valid_T, opts.num_experts, token_axes)
+
+  # Expert parallelism: this device computes the copies of its expert group's tokens that chose one
+  # of its own experts.
+  e_local, first = wi_ExDx2xF.shape[0], 0
+  if expert_axes:
+    gather = lambda a: jax.lax.all_gather(a, expert_axes, axis=0, tiled=True)
+    x_TxD, weights_TxK, experts_TxK, keep_TxK = map(gather, (x_TxD, weights_TxK, experts_TxK, keep_TxK))
+    first = jax.lax.axis_index(expert_axes) * e_local
+  if keys is not None and token_axes:  # Distinct stochastic-rounding noise on every token shard.
+    keys = tuple(jax.random.fold_in(key, jax.lax.axis_index(token_axes)) for key in keys)
+  rows = x_TxD.shape[0] * min(k, e_local)  # Static bound: a token sends at most min(k, E_local) copies here,
+  capacity = opts.capacity(t)
+  if capacity is not None:  # and each token shard at most `capacity` to each expert.
+    rows = min(rows, x_TxD.shape[0] // t * e_local * capacity)
+  plan = dispatch_plan(experts_TxK - first, keep_TxK, e_local, rows)
+
+  xs_RxD = take_rows(x_TxD, plan.token_of_row, plan.row_of_copy)
+  y_RxD = _swiglu(xs_RxD, wi_ExDx2xF, wo_ExFxD, plan.group_sizes, histories, keys, opts, token_axes)
+  y_TxKxD = take_rows(y_RxD, plan.row_of_copy.reshape(-1), plan.copy_of_row[:, None]).reshape(-1, k, d)
+  out_TxD = jnp.einsum("tk,tkd->td", weights_TxK, y_TxKxD.astype(F32)).astype(opts.dtype)
+  if expert_axes:
+    out_TxD = jax.lax.psum_scatter(out_TxD, expert_axes, scatter_dimension=0, tiled=True)
+  return out_TxD.reshape(b, l, d), aux
+
+
+def _swiglu(xs_RxD, wi_ExDx2xF, wo_ExFxD, group_sizes_E, histories, keys, opts: Options, token_axes):
+  e, d, _, f = wi_ExDx2xF.shape
+  key_wi, key_wo = (None, None) if keys is None else keys
+  common = dict(dtype=opts.dtype, reduce_axes=token_axes)
+  h = grouped_matmul(xs_RxD, wi_ExDx2xF.reshape(e, d, 2 * f), group_sizes_E, recipe=opts.wi_recipe, name="moe_wi",
+                     history=histories[0], key=key_wi, **common).reshape(-1, 2, f)
+  gate_RxF = checkpoint_name(h[:, 0], remat.MOE_WI_0)
+  up_RxF = checkpoint_name(h[:, 1], remat.MOE_WI_1)
+  y_RxD = grouped_matmul(jax.nn.silu(gate_RxF) * up_RxF, wo_ExFxD, group_sizes_E, recipe=opts.wo_recipe,
+                         name="moe_wo", history=histories[1], key=key_wo, **common)
+  return checkpoint_name(y_RxD, remat.MOE_WO)
+
+
+# ----------------------------------------------------------------------------- routing
+
+def route(x_TxD, router_DxE, opts: Options):
+  """(logits, probabilities over all experts, weights of the k chosen, their indices), float32.
+
+  The choices are named `remat.MOE_ROUTING`: a policy that saves residuals laid out in routing
+  order (the grouped GEMMs' quantized rows) saves them too, because the backward pass's recompute of
+  the logits need not be bitwise the forward's (XLA may keep excess precision in a fusion), and a
+  near tie would then reorder rows under saved operands. The weights are gathered from the
+  (possibly recomputed) scores at the saved choices."""
+  logits_TxE = jnp.dot(x_TxD.astype(F32), router_DxE.astype(F32), precision=jax.lax.Precision.HIGHEST)
+  logits_TxE = checkpoint_name(logits_TxE, remat.ROUTER_LOGITS)
+  probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+  scores_TxE = probs_TxE if opts.softmax_first else logits_TxE
+  experts_TxK = _saved_routing(jax.lax.top_k(jax.lax.stop_gradient(scores_TxE), opts.k)[1], opts.num_experts)
+  top_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
+  if opts.softmax_first:
+    weights_TxK = top_TxK / jnp.sum(top_TxK, axis=-1, keepdims=True)
+  else:
+    weights_TxK = jax.nn.softmax(top_TxK, axis=-1)
+  return logits_TxE, probs_TxE, weights_TxK, experts_TxK
+
+
+def _saved_routing(experts_TxK, num_experts: int):
+  """The expert choices through the `MOE_ROUTING` name, as uint8 where they fit (1 byte a choice)."""
+  small = jnp.uint8 if num_experts <= 256 else jnp.int32
+  return checkpoint_name(experts_TxK.astype(small), remat.MOE_ROUTING).astype(jnp.int32)
+
+
+def _rank_in_group(group_N: jax.Array, num_groups: int) -> jax.Array:
+  """Position of each element among the earlier elements of its group (stable order)."""
+  n = group_N.shape[0]
+  order = jnp.argsort(group_N, stable=True)
+  starts = jnp.cumsum(jnp.bincount(group_N, length=num_groups)) - jnp.bincount(group_N, length=num_groups)
+  ranks_sorted = jnp.arange(n, dtype=jnp.int32) - starts[group_N[order]]
+  return jnp.zeros((n,), jnp.int32).at[order].set(ranks_sorted, unique_indices=True)
+
+
+def keep_mask(experts_TxK, valid_T, num_experts: int, capacity: int | None) -> jax.Array:
+  """Which copies are computed: real tokens, and (with a capacity) the first `capacity` copies of each
+  expert in priority order: all first choices, then all second choices, ..., each in token order."""
+  valid_TxK = jnp.broadcast_to(valid_T[:, None], experts_TxK.shape)
+  if capacity is None:
+    return valid_TxK
+  group_KT = jnp.where(valid_TxK, experts_TxK, num_experts).T.reshape(-1)
+  rank_TxK = _rank_in_group(group_KT, num_experts + 1).reshape(experts_TxK.shape[::-1]).T
+  return valid_TxK & (rank_TxK < capacity)
+
+
+def aux_losses(logits_TxE, probs_TxE, experts_TxK, keep_TxK, valid_T, num_experts: int, token_axes):
+  """Switch load balancing E * sum_i f_i P_i (f_i: share of real token copies routed to expert i,
+  before dropping; P_i: mean router probability of expert i over real tokens; 1.0 when balanced),
+  router z-loss mean(logsumexp(logits)^2), and copy counts; over all token shards."""
+  v_T = valid_T.astype(F32)
+  k = experts_TxK.shape[1]
+  routed_to_E = jnp.where(valid_T[:, None], experts_TxK, num_experts).reshape(-1)
+  stats = {
+      "count_E": jnp.bincount(routed_to_E, length=num_experts + 1)[:num_experts].astype(F32),
+      "prob_E": jnp.sum(probs_TxE * v_T[:, None], axis=0),
+      "z": jnp.sum(v_T * jax.nn.logsumexp(logits_TxE, axis=-1) ** 2),
+      "tokens": jnp.sum(v_T),
+      "kept": jnp.sum(keep_TxK.astype(F32)),
+  }
+  if token_axes:
+    stats = jax.lax.psum(stats, token_axes)
+  n = jnp.maximum(stats["tokens"], 1.0)
+  f_E = stats["count_E"] / (n * k)
+  p_E = stats["prob_E"] / n
+  return {"moe_load_balance_loss": num_experts * jnp.sum(f_E * p_E), "moe_router_z_loss": stats["z"] / n,
+          "moe_dropped_tokens": stats["tokens"] * k - stats["kept"], "moe_routed_tokens": stats["kept"]}
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+@dataclasses.dataclass(frozen=True)
+class DispatchPlan:
+  group_sizes: jax.Array  # [E_local] rows of each local expert, in order.
+  token_of_row: jax.Array  # [R] the token each sorted row copies (T = none: a zero row).
+  row_of_copy: jax.Array  # [T, k] the sorted row of each token copy (R = not computed here).
+  copy_of_row: jax.Array  # [R] the flat copy (t * k + j) of each sorted row (T * k = none).
+
+
+def dispatch_plan(local_expert_TxK, keep_TxK, num_local: int, rows: int) -> DispatchPlan:
+  """Stable sort of the kept copies bound for experts [0, num_local) by expert; `rows` is a static
+  bound on their number (the grouped matmuls' row count)."""
+  t, k = local_expert_TxK.shape
+  here_TxK = keep_TxK & (local_expert_TxK >= 0) & (local_expert_TxK < num_local)
+  group_C = jnp.where(here_TxK, local_expert_TxK, num_local).reshape(-1)
+  order_C = jnp.argsort(group_C, stable=True)
+  sizes = jnp.bincount(group_C, length=num_local + 1)[:num_local].astype(jnp.int32)
+  live_R = jnp.arange(rows) < jnp.sum(sizes)
+  copy_R = jnp.where(live_R, order_C[:rows], t * k)
+  position_C = jnp.zeros((t * k,), jnp.int32).at[order_C].set(jnp.arange(t * k, dtype=jnp.int32),
+                                                               unique_indices=True)
+  row_of_copy = jnp.where(here_TxK.reshape(-1), position_C, rows).reshape(t, k)
+  return DispatchPlan(sizes, jnp.where(live_R, copy_R // k, t), row_of_copy, copy_R)
+
+
+@jax.custom_vjp
+def take_rows(a_NxD, index_R, inverse_NxJ):
+  """a[index] (out-of-range index: a zero row). `inverse[n]` lists every r with index[r] == n (padded
+  with out-of-range values), so the backward pass is a gather-sum too, never a colliding scatter-add."""
+  return jnp.take(a_NxD, index_R, axis=0, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(a_NxD, index_R, inverse_NxJ):
+  return take_rows(a_NxD, index_R, inverse_NxJ), inverse_NxJ
+
+
+def _take_rows_bwd(inverse_NxJ, g_RxD):
+  da = jnp.take(g_RxD, inverse_NxJ, axis=0, mode="fill", fill_value=0).astype(F32).sum(axis=1)
+  return da.astype(g_RxD.dtype), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
