@@ -51,31 +51,26 @@ def devices(n: int):
 
 def train_losses(cfg, batches, num_devices: int, policy_name: str | None = None):
   """Losses of len(batches) train steps of `cfg` on the first `num_devices` devices."""
-  import functools
-
-  from jax.sharding import NamedSharding
-
   from ember import config as config_lib
   from ember import remat
   from ember.parallel.mesh import make_mesh
-  from ember.parallel.sharding import logical_to_spec, rules_dict, use_rules
+  from ember.parallel.sharding import use_rules
   from ember.trainer.optimizer import make_optimizer
   from ember.trainer.state import create_train_state
-  from ember.trainer.step import train_step
+  from ember.trainer.step import batch_sharding, jit_train_step
 
   config_lib.validate(cfg, num_devices)
   cfg = config_lib.derive(cfg, num_devices)
   mesh = make_mesh(cfg.mesh, devices(num_devices))
   tx, schedule = make_optimizer(cfg.train)
   policy = remat.preset(cfg.remat, policy_name)
-  batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_dict(cfg.mesh.rules), mesh))
+  sharding = batch_sharding(cfg, mesh)
   with use_rules(mesh, cfg.mesh.rules):
     graphdef, state, shardings = create_train_state(cfg, mesh, tx, policy)
-    step = jax.jit(functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule),
-                   in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None))
+    step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, donate=False)
     losses = []
     for batch in batches:
-      batch = {k: jax.device_put(v, batch_sharding) for k, v in batch.items()}
+      batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
       state, metrics = step(state, batch)
       losses.append(float(metrics["loss"]))
   return losses

@@ -19,7 +19,6 @@ are counted at the bits they take (uint4 = half a byte an element).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from typing import Any
@@ -349,8 +348,8 @@ def jaxpr_flops(jaxpr) -> float:
 
 
 def abstract_batch(cfg, mesh) -> tuple[dict, NamedSharding]:
-  from ember.parallel.sharding import logical_to_spec, rules_dict
-  sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_dict(cfg.mesh.rules), mesh))
+  from ember.trainer.step import batch_sharding
+  sharding = batch_sharding(cfg, mesh)
   shape = (cfg.train.batch_size, cfg.model.seq_len)
   keys = ("inputs", "targets", "segment_ids", "positions")
   return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in keys}, sharding
@@ -361,13 +360,12 @@ def trace_train_step(cfg, mesh, tx, schedule, preset: remat.Preset):
   and traced on abstract sharded inputs: `.jaxpr`, `.lower()`, `.lower(lowering_platforms=...)`."""
   from ember.parallel.sharding import use_rules
   from ember.trainer.state import state_shardings
-  from ember.trainer.step import train_step
+  from ember.trainer.step import jit_train_step
   with use_rules(mesh, cfg.mesh.rules):
     graphdef, shardings, abstract = state_shardings(cfg, mesh, tx, preset)
-    batch, batch_sharding = abstract_batch(cfg, mesh)
+    batch, _ = abstract_batch(cfg, mesh)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    step = jax.jit(functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=preset),
-                   in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+    step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, policy=preset)
     return step.trace(abstract, batch)
 
 

@@ -13,7 +13,6 @@ Synthetic data, so input reading never limits the figure.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import statistics
@@ -22,16 +21,15 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from ember import config as config_lib
-from ember.parallel.sharding import logical_to_spec, rules_dict, use_rules
+from ember.parallel.sharding import use_rules
 from ember.trainer import flops as flops_lib
+from ember.trainer import step as step_lib
 from ember.trainer.loop import _global_batch, data_iterator, resolve_policy, setup
 from ember.trainer.metrics import compiled_peak_bytes, device_peak_bytes
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import create_train_state
-from ember.trainer.step import train_step
 
 _GEMM_PATTERNS = {
     "fp8_gemms": r"custom_call_target=\"__cublas\$lt\$matmul\$f8\"",
@@ -54,13 +52,11 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
   cfg.data.source = "synthetic"
   cfg, mesh = setup(cfg)
   tx, schedule = make_optimizer(cfg.train)
-  rules = rules_dict(cfg.mesh.rules)
-  batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
+  batch_sharding = step_lib.batch_sharding(cfg, mesh)
   with use_rules(mesh, cfg.mesh.rules):
     policy = resolve_policy(cfg, mesh, tx, schedule)
     graphdef, state, shardings = create_train_state(cfg, mesh, tx, policy)
-    step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule),
-                      in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+    step_fn = step_lib.jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings)
     it = data_iterator(cfg, "train")
     batch = _global_batch(next(it), batch_sharding)
     t0 = time.time()

@@ -22,13 +22,14 @@ from ember import remat
 from ember.data import build_tokenizer, make_iterator
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
-from ember.parallel.sharding import logical_to_spec, rules_dict, use_rules
+from ember.parallel.sharding import use_rules
 from ember.trainer import flops as flops_lib
+from ember.trainer import step as step_lib
 from ember.trainer.checkpointing import Checkpointer, CheckpointError, ShardedIterator
 from ember.trainer.metrics import MetricsWriter, compiled_peak_bytes, console, device_peak_bytes, progress_line
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import create_train_state, state_shardings
-from ember.trainer.step import eval_step, train_step
+from ember.trainer.step import eval_step
 
 __version__ = "0.1.0"
 
@@ -74,8 +75,7 @@ def train(cfg) -> dict:
   t_start = time.time()
   cfg, mesh = setup(cfg)
   tx, schedule = make_optimizer(cfg.train)
-  rules = rules_dict(cfg.mesh.rules)
-  batch_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
+  batch_sharding = step_lib.batch_sharding(cfg, mesh)
   metrics = MetricsWriter(cfg.workdir, tensorboard=cfg.log.tensorboard)
   preemption = distributed.Preemption().install()
   with use_rules(mesh, cfg.mesh.rules):
@@ -89,8 +89,7 @@ def train(cfg) -> dict:
     state = _restore_or_init(cfg, ckpt, mesh, tx, policy, abstract, shardings, metrics, train_it)
     start = int(state.step)
 
-    step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule),
-                      in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+    step_fn = step_lib.jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings)
     eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef, cfg=cfg),
                       in_shardings=(shardings, batch_sharding))
     batch = _global_batch(next(train_it), batch_sharding)

@@ -12,7 +12,9 @@ from flax import nnx
 from ember import remat
 from ember.config import num_moe_layers
 from ember.layers.decoder import AUX_KEYS
-from ember.parallel.sharding import shard
+from jax.sharding import Mesh, NamedSharding
+
+from ember.parallel.sharding import logical_to_spec, rules_dict, shard
 from ember.trainer.loss import cross_entropy
 from ember.trainer.state import TrainState, step_key
 
@@ -50,6 +52,20 @@ def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy:
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, quant_state=new_quant_state)
   return new_state, metrics
+
+
+def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:
+  """Where a global batch [batch, length] lives: the `batch` logical axis over its mesh axes."""
+  return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_dict(cfg.mesh.rules), mesh))
+
+
+def jit_train_step(cfg, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy: remat.Preset | None = None,
+                   donate: bool = True):
+  """`train_step` jitted the one way the loop, the tools and the tests run it: state in and out on
+  its shardings, the batch on `batch_sharding`, the old state donated."""
+  step = functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy)
+  return jax.jit(step, in_shardings=(shardings, batch_sharding(cfg, mesh)), out_shardings=(shardings, None),
+                 donate_argnums=0 if donate else ())
 
 
 def eval_step(state: TrainState, batch, *, graphdef, cfg):
