@@ -9,14 +9,14 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-  from ember.config import ConfigError, fail_and_exit, load
-  from ember.data import DataError
-  from ember.trainer.checkpointing import CheckpointError
+  from ember.errors import EmberError, fail_and_exit
   try:
-    cfg = load(argv)
-    from ember.trainer.loop import train
-    train(cfg)
-  except (ConfigError, DataError, CheckpointError) as e:
+    from ember.config import load
+    from ember.plan.auto_remat import resolve
+    from ember.trainer.loop import prepare, train
+    cfg, mesh = prepare(load(argv))
+    train(resolve(cfg, mesh), mesh)
+  except EmberError as e:
     fail_and_exit(e)
   return 0
 

@@ -1,0 +1,20 @@
+"""ember: JAX pretraining of decoder-only LLMs in low precision (FP8 / MXFP8 / NVFP4).
+
+Floors, each importing only the ones below it:
+  errors, names                 leaves: user errors, the names everyone agrees on
+  remat                         checkpoint names and remat presets
+  quant                         pure-JAX quantization (formats, quantizers, the recipe table, VJPs)
+  model_config, config          the typed model shape; load, validate and derive the config tree
+  parallel                      mesh, logical sharding rules, multi-process set-up
+  layers, data                  the NNX model; the Grain input pipeline
+  trainer                       state, step, loss, loop, checkpoints, metrics
+  plan                          trace, measure and compile a step; choose a remat policy
+  tools                         command-line front ends
+"""
+
+from importlib import metadata
+
+try:
+  __version__ = metadata.version("ember")
+except metadata.PackageNotFoundError:  # A source tree that was never installed.
+  __version__ = "0+unknown"

@@ -10,22 +10,23 @@ naming the key; `train.py` prints it and exits with status 2.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import math
 import os
-import sys
 
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from ember import remat
+from ember.errors import ConfigError
+from ember.model_config import resolved_head_dim
+from ember.names import LOGICAL_AXES, MESH_AXES
+from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import RECIPES
 
 DATA_SOURCES = ("synthetic", "text", "array_record", "tfds")
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
-
-
-class ConfigError(ValueError):
-  """A bad command line or config value; the message names the key and the reason."""
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_collections.ConfigDict:
@@ -74,13 +75,6 @@ def _fail(key: str, reason: str):
   raise ConfigError(f"config.{key}: {reason}")
 
 
-def _positive(cfg, *keys):
-  for key in keys:
-    value = _get(cfg, key)
-    if not isinstance(value, (int, float)) or value <= 0:
-      _fail(key, f"must be > 0, got {value!r}")
-
-
 def _get(cfg, dotted):
   node = cfg
   for part in dotted.split("."):
@@ -88,60 +82,206 @@ def _get(cfg, dotted):
   return node
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Checks everything that can be checked before building anything; raises ConfigError."""
-  m, t = cfg.model, cfg.train
-  _positive(cfg, "steps", "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads",
-            "model.d_ff", "model.vocab_size", "model.seq_len", "train.batch_size", "log.every_steps")
-  if t.learning_rate < 0:
-    _fail("train.learning_rate", f"must be >= 0, got {t.learning_rate}")
+# --- Value checks, one table: every scalar key of configs/base.py and what it may hold. -------------
+# (kind, bound): kind is int | float | bool | str; bound is "" (none), ">0", ">=N" or "[0,1]".
+_SCALARS = {
+    "workdir": ("str", ""), "seed": ("int", ">=0"), "steps": ("int", ">=1"),
+    "model.name": ("str", ""), "model.num_layers": ("int", ">=1"), "model.d_model": ("int", ">=1"),
+    "model.num_heads": ("int", ">=1"), "model.num_kv_heads": ("int", ">=1"), "model.head_dim": ("int", ">=0"),
+    "model.d_ff": ("int", ">=1"), "model.vocab_size": ("int", ">=1"), "model.seq_len": ("int", ">=1"),
+    "model.rope_theta": ("float", ">0"), "model.norm_eps": ("float", ">=0"),
+    "model.tie_embeddings": ("bool", ""), "model.param_dtype": ("str", ""),
+    "model.dtype": ("str", ""), "model.attention": ("str", ""),
+    "model.init_std": ("float", ">=0"), "model.num_experts": ("int", ">=0"),
+    "model.experts_per_token": ("int", ">=1"), "model.moe_every": ("int", ">=1"),
+    "model.shared_expert_d_ff": ("int", ">=0"), "model.router_softmax_first": ("bool", ""),
+    "model.capacity_factor": ("float", ">=0"), "model.load_balance_weight": ("float", ">=0"),
+    "model.router_z_weight": ("float", ">=0"),
+    "train.batch_size": ("int", ">=1"), "train.learning_rate": ("float", ">=0"),
+    "train.warmup_steps": ("int", ">=0"), "train.decay_steps": ("int", ">=0"),
+    "train.min_lr_ratio": ("float", "[0,1]"), "train.b1": ("float", "[0,1]"), "train.b2": ("float", "[0,1]"),
+    "train.eps": ("float", ">=0"), "train.weight_decay": ("float", ">=0"),
+    "train.decay_norms_and_embeddings": ("bool", ""), "train.grad_clip_norm": ("float", ">=0"),
+    "train.loss_chunk_size": ("int", ">=0"), "train.z_loss_weight": ("float", ">=0"),
+    "train.eval_every_steps": ("int", ">=0"), "train.eval_batches": ("int", ">=1"),
+    "train.profile_start_step": ("int", ">=-1"), "train.profile_steps": ("int", ">=1"),
+    "quant.recipe": ("str", ""), "quant.amax_history_len": ("int", ">=1"),
+    "quant.amax_compute_algo": ("str", ""), "quant.margin": ("int", ">=0"),
+    "quant.nvfp4_rht": ("bool", ""), "quant.nvfp4_stochastic_rounding": ("bool", ""),
+    "quant.nvfp4_2d_weights": ("bool", ""), "quant.rht_seed": ("int", ">=0"),
+    "remat.policy": ("str", ""), "remat.memory_budget_gb": ("float", ">=0"),
+    "data.source": ("str", ""), "data.path": ("str", ""), "data.tokenizer": ("str", ""),
+    "data.eval_fraction": ("float", "[0,1]"), "data.chunk_shuffle_window": ("int", ">=0"),
+    "data.tfds_name": ("str", ""), "data.tfds_data_dir": ("str", ""),
+    "data.tfds_text_key": ("str", ""), "data.num_threads": ("int", ">=1"), "data.num_shards": ("int", ">=0"),
+    "mesh.dcn_data": ("int", ">=1"), "mesh.dcn_fsdp": ("int", ">=1"),
+    "checkpoint.every_steps": ("int", ">=-1"), "checkpoint.keep": ("int", ">=1"),
+    "checkpoint.async_save": ("bool", ""), "checkpoint.restore_from": ("str", ""),
+    "checkpoint.params_only": ("bool", ""),
+    "log.every_steps": ("int", ">=1"), "log.tensorboard": ("bool", ""),
+    "distributed.coordinator_address": ("str", ""), "distributed.num_processes": ("int", ">=0"),
+    "distributed.process_id": ("int", ">=-1"),
+}
+# Keys holding a tuple of strings.
+_STRING_TUPLES = ("quant.exclude", "remat.save_names", "remat.offload_names", "remat.auto_candidates")
+# Keys with a fixed set of values.
+_CHOICES = {
+    "model.param_dtype": DTYPES, "model.dtype": DTYPES, "model.attention": ("auto", "xla", "cudnn"),
+    "quant.recipe": RECIPES, "quant.amax_compute_algo": ("max", "most_recent"), "remat.policy": remat.POLICIES,
+    "data.source": DATA_SOURCES,
+}
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+_KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _in_bound(value, bound: str) -> bool:
+  if not bound:
+    return True
+  if bound == ">0":
+    return value > 0
+  if bound == "[0,1]":
+    return 0 <= value <= 1
+  return value >= float(bound[2:])
+
+
+def _check_scalar(cfg, key: str, kind: str, bound: str) -> None:
+  value = _get(cfg, key)
+  if isinstance(value, bool) and kind in ("int", "float") or not isinstance(value, _TYPES[kind]):
+    _fail(key, f"must be {_KIND_NAMES[kind]}, got {value!r}")
+  if kind in ("int", "float") and not math.isfinite(value):
+    _fail(key, f"must be finite, got {value!r}")
+  if not _in_bound(value, bound):
+    said = {"[0,1]": "in [0, 1]", ">0": "> 0"}.get(bound, f">= {bound[2:]}")
+    _fail(key, f"must be {said}, got {value!r}")
+  if key in _CHOICES and value not in _CHOICES[key]:
+    _fail(key, f"unknown value {value!r}; choose one of {', '.join(_CHOICES[key])}")
+
+
+def _check_string_tuple(cfg, key: str) -> tuple[str, ...]:
+  value = _get(cfg, key)
+  if not isinstance(value, (tuple, list)):
+    _fail(key, f"must be a tuple of strings, e.g. ('a', 'b'), got {value!r}")
+  bad = next((v for v in value if not isinstance(v, str)), None)
+  if bad is not None:
+    _fail(key, f"must hold strings only, got {bad!r}")
+  return tuple(value)
+
+
+def _base_config() -> ml_collections.ConfigDict | None:
+  """configs/base.py of this checkout (every key, with its default); None where it is not shipped."""
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.py")
+  if not os.path.isfile(path):
+    return None
+  spec = importlib.util.spec_from_file_location("_ember_base_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def _check_known_keys(cfg) -> None:
+  """A key that configs/base.py does not define is a typo, not a new setting."""
+  known = _base_config()
+
+  def walk(node, ref, prefix):
+    for k in node.keys():
+      if k not in ref:
+        _fail(prefix + k, "unknown config key (configs/base.py lists every key)")
+      if isinstance(node[k], ml_collections.ConfigDict) and isinstance(ref[k], ml_collections.ConfigDict):
+        walk(node[k], ref[k], f"{prefix}{k}.")
+
+  if known is not None:
+    walk(cfg, known, "")
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: int = 1) -> None:
+  """Checks every key before anything is built; raises ConfigError naming the first bad key."""
+  _check_known_keys(cfg)
+  for key, (kind, bound) in _SCALARS.items():
+    _check_scalar(cfg, key, kind, bound)
+  for key in _STRING_TUPLES:
+    _check_string_tuple(cfg, key)
+  _validate_model(cfg.model)
+  _validate_quant(cfg)
+  remat.validate(cfg.remat)
+  _validate_data(cfg, process_count)
+  _validate_mesh(cfg, num_devices)
+  _validate_paths(cfg)
+
+
+def _validate_model(m) -> None:
   if not m.head_dim and m.d_model % m.num_heads:
-    _fail("model.num_heads", f"{m.num_heads} heads do not divide model.d_model={m.d_model}")
+    _fail("model.num_heads", f"{m.num_heads} heads do not divide model.d_model={m.d_model} (or set model.head_dim)")
   if m.num_heads % m.num_kv_heads:
     _fail("model.num_kv_heads", f"{m.num_kv_heads} kv heads do not divide model.num_heads={m.num_heads}")
-  if m.num_experts < 0:
-    _fail("model.num_experts", f"must be >= 0, got {m.num_experts}")
-  if m.num_experts and not 0 < m.experts_per_token <= m.num_experts:
-    _fail("model.experts_per_token", f"must be in [1, num_experts={m.num_experts}], got {m.experts_per_token}")
-  if m.moe_every < 1:
-    _fail("model.moe_every", f"must be >= 1, got {m.moe_every}")
-  for key in ("param_dtype", "dtype"):
-    if m[key] not in ("float32", "bfloat16", "float16"):
-      _fail(f"model.{key}", f"must be float32, bfloat16 or float16, got {m[key]!r}")
-  if m.attention not in ("auto", "xla", "cudnn"):
-    _fail("model.attention", f"must be auto, xla or cudnn, got {m.attention!r}")
-  if cfg.quant.recipe not in RECIPES:
-    _fail("quant.recipe", f"unknown recipe {cfg.quant.recipe!r}; choose one of {', '.join(RECIPES)}")
-  if cfg.quant.amax_compute_algo not in ("max", "most_recent"):
-    _fail("quant.amax_compute_algo", f"must be max or most_recent, got {cfg.quant.amax_compute_algo!r}")
-  _positive(cfg, "quant.amax_history_len")
-  if cfg.data.source not in DATA_SOURCES:
-    _fail("data.source", f"unknown source {cfg.data.source!r}; choose one of {', '.join(DATA_SOURCES)}")
-  _validate_data_paths(cfg)
-  _validate_mesh(cfg, num_devices)
-  from ember import remat  # Late import: remat imports layer names, which import jax.
-  remat.validate(cfg.remat)
+  if resolved_head_dim(m) % 2:
+    _fail("model.head_dim", f"rotary embeddings need an even head_dim, got {resolved_head_dim(m)}")
+  if m.num_experts:
+    if m.experts_per_token > m.num_experts:
+      _fail("model.experts_per_token", f"must be in [1, num_experts={m.num_experts}], got {m.experts_per_token}")
+    if m.num_layers % m.moe_every:
+      _fail("model.moe_every", f"model.num_layers={m.num_layers} is not a multiple of moe_every={m.moe_every}")
 
 
-def _validate_data_paths(cfg):
+def _validate_quant(cfg) -> None:
+  selectors = []
+  for entry in cfg.quant.exclude:
+    try:
+      selectors.append(exclude_lib.parse(entry))
+    except ValueError as e:
+      _fail("quant.exclude", str(e))
+  try:
+    exclude_lib.check_layers(tuple(selectors), cfg.model.num_layers)
+  except ValueError as e:
+    _fail("quant.exclude", str(e))
+
+
+def _validate_data(cfg, process_count: int) -> None:
+  d = cfg.data
+  if d.source == "array_record" and not d.path:
+    _fail("data.path", "source array_record needs a glob of .array_record files")
+  if d.source == "tfds":
+    if not d.tfds_name:
+      _fail("data.tfds_name", "source tfds needs a dataset name")
+    if importlib.util.find_spec("tensorflow_datasets") is None:
+      _fail("data.source", "'tfds' needs tensorflow-datasets; install the extra: pip install -e '.[tfds]'")
+  if d.tokenizer != "byte" and not os.path.isfile(os.path.expanduser(d.tokenizer)):
+    _fail("data.tokenizer", f"no SentencePiece model at {d.tokenizer!r}")
+  shards = d.num_shards or process_count
+  if d.num_shards and d.num_shards % process_count:
+    _fail("data.num_shards", f"{d.num_shards} is not a multiple of the process count {process_count}")
+  if cfg.train.batch_size % shards:
+    _fail("data.num_shards" if d.num_shards else "train.batch_size",
+          f"{shards} data shards do not divide train.batch_size={cfg.train.batch_size}")
+
+
+def _validate_paths(cfg) -> None:
   d = cfg.data
   if d.source in ("text", "array_record") and d.path and not glob.glob(os.path.expanduser(d.path), recursive=True):
     _fail("data.path", f"no file matches {d.path!r}")
-  if d.source == "array_record" and not d.path:
-    _fail("data.path", "source array_record needs a glob of .array_record files")
-  if d.source == "tfds" and not d.tfds_name:
-    _fail("data.tfds_name", "source tfds needs a dataset name")
-  if d.tokenizer != "byte" and not os.path.isfile(d.tokenizer):
-    _fail("data.tokenizer", f"no SentencePiece model at {d.tokenizer!r}")
+  restore = cfg.checkpoint.restore_from
+  if restore and not os.path.isdir(os.path.expanduser(restore)):
+    _fail("checkpoint.restore_from", f"no checkpoint directory at {restore}")
+  _validate_workdir(cfg.workdir)
 
 
-def is_moe_layer(model_cfg, index: int) -> bool:
-  """Layer `index` is MoE when experts are on and it closes a group of `moe_every` layers."""
-  return bool(model_cfg.num_experts) and index % model_cfg.moe_every == model_cfg.moe_every - 1
+def _validate_workdir(workdir: str) -> None:
+  """The run writes metrics and checkpoints under `workdir`: it must be (or be creatable as) a writable
+  directory. Checked without creating anything."""
+  if not workdir:
+    _fail("workdir", "must name a directory")
+  path = os.path.abspath(os.path.expanduser(workdir))
+  if os.path.exists(path) and not os.path.isdir(path):
+    _fail("workdir", f"{path} exists and is not a directory")
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    _fail("workdir", f"cannot create {path}: {existing} is not a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    _fail("workdir", f"cannot write to {path}: no write permission on {existing}")
 
 
-def num_moe_layers(model_cfg) -> int:
-  return sum(is_moe_layer(model_cfg, i) for i in range(model_cfg.num_layers))
+# --- The mesh -----------------------------------------------------------------------------------------
 
 
 def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
@@ -152,22 +292,22 @@ def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
 
 def _ici_dcn(cfg, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
   """Per-host sizes (`mesh.a`, -1 resolved) and host counts (`mesh.dcn_a`) of each axis."""
-  dcn = {a: int(cfg.mesh.get(f"dcn_{a}", 1)) for a in MESH_AXES}
+  dcn = {a: cfg.mesh.get(f"dcn_{a}", 1) for a in MESH_AXES}
   for a, d in dcn.items():
-    if d < 1:
-      _fail(f"mesh.dcn_{a}", f"must be >= 1, got {d}")
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+      _fail(f"mesh.dcn_{a}", f"must be an integer >= 1, got {d!r}")
   hosts = math.prod(dcn.values())
   if num_devices % hosts:
     key = next(f"mesh.dcn_{a}" for a, d in dcn.items() if d > 1)
     _fail(key, f"the dcn axes ask for {hosts} hosts, which do not divide the {num_devices} devices")
   per_host = num_devices // hosts
-  ici = {a: int(cfg.mesh[a]) for a in MESH_AXES}
+  ici = {a: cfg.mesh[a] for a in MESH_AXES}
+  for a, s in ici.items():
+    if isinstance(s, bool) or not isinstance(s, int) or s == 0 or s < -1:
+      _fail(f"mesh.{a}", f"must be an integer >= 1 or -1, got {s!r}")
   fill = [a for a, s in ici.items() if s < 0]
   if len(fill) > 1:
     _fail(f"mesh.{fill[1]}", "only one mesh axis may be -1")
-  for a, s in ici.items():
-    if s == 0 or s < -1:
-      _fail(f"mesh.{a}", f"must be >= 1 or -1, got {s}")
   known = math.prod(s for s in ici.values() if s > 0)
   if fill:
     if per_host % known:
@@ -181,8 +321,27 @@ def _ici_dcn(cfg, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
   return ici, dcn
 
 
+def _validate_rules(rules) -> dict[str, tuple[str, ...]]:
+  """`mesh.rules`: pairs (logical axis, None | mesh axis | tuple of mesh axes)."""
+  out = {}
+  if not isinstance(rules, (tuple, list)):
+    _fail("mesh.rules", f"must be a tuple of (logical axis, mesh axes) pairs, got {rules!r}")
+  for rule in rules:
+    if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
+      _fail("mesh.rules", f"entry {rule!r} is not a (logical axis, mesh axes) pair")
+    logical, axes = rule
+    if logical not in LOGICAL_AXES:
+      _fail("mesh.rules", f"unknown logical axis {logical!r}; ember's layers name {', '.join(LOGICAL_AXES)}")
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    if not isinstance(axes, (tuple, list)) or any(a not in MESH_AXES for a in axes):
+      _fail("mesh.rules", f"{logical!r} maps to {rule[1]!r}; mesh axes are {', '.join(MESH_AXES)} (or None)")
+    out[logical] = tuple(axes)
+  return out
+
+
 def _validate_mesh(cfg, num_devices):
   sizes = mesh_shape(cfg, num_devices)
+  rules = _validate_rules(cfg.mesh.rules)
   batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   if cfg.train.batch_size % batch_shards:
     _fail("train.batch_size", f"{cfg.train.batch_size} is not divisible by the data-parallel size "
@@ -192,22 +351,21 @@ def _validate_mesh(cfg, num_devices):
     _fail("mesh.tensor", f"{sizes['tensor']} does not divide model.num_kv_heads={m.num_kv_heads}")
   if m.num_experts and m.num_experts % sizes["expert"]:
     _fail("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={m.num_experts}")
+  if m.num_experts and sizes["expert"] > 1:
+    expert_axes = [a for a in rules.get("expert", ()) if sizes[a] > 1]
+    missing = [a for a in expert_axes if a not in rules.get("batch", ())]
+    if missing:
+      _fail("mesh.rules", f"expert parallelism over {missing[0]!r} needs the batch sharded over it too "
+            f"('batch' -> (..., {missing[0]!r}))")
 
 
 def derive(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
   """Returns a copy with derived values filled in; the one place they are computed."""
   out = ml_collections.ConfigDict(cfg.to_dict())
-  if not out.model.head_dim:
-    out.model.head_dim = out.model.d_model // out.model.num_heads
+  out.model.head_dim = resolved_head_dim(out.model)
   ici, _ = _ici_dcn(cfg, num_devices)
   for axis, size in ici.items():
     out.mesh[axis] = size  # Within a host; make_mesh multiplies by mesh.dcn_<axis>.
   if not out.train.decay_steps:
     out.train.decay_steps = max(out.steps - out.train.warmup_steps, 1)
   return out
-
-
-def fail_and_exit(err: Exception) -> None:
-  """Prints one line and exits with status 2 (bad command line, config or input path)."""
-  print(f"error: {err}", file=sys.stderr)
-  sys.exit(2)

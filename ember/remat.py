@@ -20,6 +20,9 @@ from typing import Callable
 import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
+from ember.errors import ConfigError
+from ember.names import PROJECTIONS
+
 # Activations (names follow MaxText's where one exists).
 LAYER_INPUT = "decoder_layer_input"
 QUERY = "query_proj"
@@ -39,9 +42,9 @@ MOE_ROUTING = "moe_routing"  # The top-k expert choices (uint8); see ROUTED belo
 ACTIVATION_NAMES = (LAYER_INPUT, QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, MLP_WI_0, MLP_WI_1, MLP_WO,
                     MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MOE_ROUTING)
 
-# Projections (the `name` of every quantized matmul) and their quantized operands.
+# Quantized residuals of every projection (ember.names.PROJECTIONS): the operand copies a quantized
+# matmul may hold (ember/quant/recipe.py says which copies a recipe makes).
 QUANTIZED = "quantized"
-PROJECTIONS = ("qkv", "out", "wi", "wo", "moe_wi", "moe_wo", "shared_wi", "shared_wo", "lm_head")
 QUANTIZED_OPERANDS = ("x", "kernel", "x_t", "kernel_t")
 
 
@@ -87,7 +90,6 @@ POLICIES = tuple(PRESETS) + ("custom", "auto")
 
 def validate(remat_cfg) -> None:
   """Raises ConfigError for an unknown preset or an unknown name in a custom list."""
-  from ember.config import ConfigError
   if remat_cfg.policy not in POLICIES:
     raise ConfigError(f"config.remat.policy: unknown policy {remat_cfg.policy!r}; choose one of {', '.join(POLICIES)}")
   for key in ("save_names", "offload_names"):

@@ -1,5 +1,6 @@
 """Every validation error exits 2 with one line naming the key and the reason."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -18,21 +19,42 @@ CASES = [
     (["--config.train.batch_size=6", "--config.mesh.fsdp=4", "--config.mesh.data=2"],
      "config.train.batch_size: 6 is not divisible by the data-parallel size"),
     (["--config.data.path=/nonexistent/*.txt"], "config.data.path: no file matches '/nonexistent/*.txt'"),
-    (["--config.quant.recipe=fp7"], "config.quant.recipe: unknown recipe 'fp7'"),
+    (["--config.quant.recipe=fp7"], "config.quant.recipe: unknown value 'fp7'; choose one of bf16, fp8_delayed"),
     (["--config.remat.policy=custom", "--config.remat.save_names=('bogus',)"],
      "config.remat.save_names: unknown checkpoint name 'bogus'; valid names: decoder_layer_input"),
+    # Checks that used to run late (model build, data pipeline, workdir creation) or not at all.
+    (["--config=configs/default.py:tiny_moe", "--config.model.moe_every=3"],
+     "config.model.moe_every: model.num_layers=2 is not a multiple of moe_every=3"),
+    ([f"--config.workdir={ROOT}/README.md/run"], "config.workdir: cannot create"),
+    (["--config.data.num_shards=3"], "config.data.num_shards: 3 data shards do not divide train.batch_size=8"),
+    (["--config.quant.exclude=(bad"], "config.quant.exclude: entry '(bad' is not a projection"),
+    (["--config.quant.exclude=('layers.1*',)"], "config.quant.exclude: entry 'layers.1*' is not a projection"),
+    (["--config.quant.exclude=('layers[7]',)"], "config.quant.exclude: entry 'layers[7]': layer 7 is outside"),
+    (["--config.remat.offload_names=(1,)"], "config.remat.offload_names: must hold strings only, got 1"),
+    (["--config.train.min_lr_ratio=2.0"], "config.train.min_lr_ratio: must be in [0, 1], got 2.0"),
+    (["--config.steps=0"], "config.steps: must be >= 1, got 0"),
+    (["--config.checkpoint.keep=0"], "config.checkpoint.keep: must be >= 1, got 0"),
+    (["--config.model.attention=flash"], "config.model.attention: unknown value 'flash'"),
+    (["--config.mesh.rules=(('batch', 'data'), ('tokens', None))"], "config.mesh.rules: unknown logical axis 'tokens'"),
+    (["--config.checkpoint.restore_from=/nonexistent/run"],
+     "config.checkpoint.restore_from: no checkpoint directory at /nonexistent/run"),
 ]
+if importlib.util.find_spec("tensorflow_datasets") is None:  # The [tfds] extra is not installed here.
+  CASES.append((["--config.data.source=tfds", "--config.data.tfds_name=lm1b"],
+                "config.data.source: 'tfds' needs tensorflow-datasets"))
 
 
 @pytest.mark.parametrize("flags,expected", CASES, ids=[c[1].split(":")[0] for c in CASES])
 def test_validation_errors_name_the_key(flags, expected):
   argv = ["train.py", "--config=configs/default.py:tiny", *flags]
+  argv = [a for i, a in enumerate(argv) if not (a.startswith("--config=") and any(f.startswith("--config=")
+                                                                                 for f in argv[i + 1:]))]
   cwd = os.getcwd()
   os.chdir(ROOT)
   try:
     with pytest.raises(config_lib.ConfigError) as err:
       cfg = config_lib.load(argv)
-      config_lib.validate(cfg, num_devices=8)
+      config_lib.validate(cfg, num_devices=8, process_count=1)
   finally:
     os.chdir(cwd)
   message = str(err.value)
@@ -40,8 +62,13 @@ def test_validation_errors_name_the_key(flags, expected):
   assert "\n" not in message
 
 
-@pytest.mark.parametrize("flags", [["--config.no_such_key=1"], ["--config.model.num_kv_heads=3"],
-                                   ["--config.data.path=/nonexistent/*.txt"]])
+# Each error that once escaped as a traceback (or after one), end to end through train.py.
+EXIT_2 = [["--config.no_such_key=1"], ["--config.model.num_kv_heads=3"], ["--config.data.path=/nonexistent/*.txt"],
+          ["--config.model.num_experts=4", "--config.model.moe_every=3"], [f"--config.workdir={ROOT}/README.md/run"],
+          ["--config.data.num_shards=3"], ["--config.quant.exclude=(bad"], ["--config.data.source=tfds"]]
+
+
+@pytest.mark.parametrize("flags", EXIT_2, ids=[f[-1].split("=")[0] for f in EXIT_2])
 def test_train_py_exits_2_with_one_line(flags):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "train.py", "--config=configs/default.py:tiny", *flags], cwd=ROOT,

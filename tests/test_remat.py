@@ -19,9 +19,10 @@ from flax import nnx
 from ember import config as config_lib
 from ember import remat
 from ember.layers.decoder import Segment
+from ember.model_config import ModelConfig
 from ember.parallel.mesh import make_mesh
-from ember.quant.recipe import Recipe
-from ember.tools import analysis
+from ember.plan import layer as layer_plan
+from ember.plan import step as step_plan
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import step_key
 from tests.helpers import ROOT, config
@@ -51,7 +52,7 @@ def _values(abstract_state, seed: int):
 
 def segment_problem(recipe: str, batch: int = 2):
   cfg = config_lib.derive(config("tiny", **{"quant.recipe": recipe, "model.dtype": "float32"}), 1)
-  make = lambda: Segment(cfg, [0, 1], Recipe.from_config(cfg.quant), nnx.Rngs(params=jax.random.key(0)))
+  make = lambda: Segment(ModelConfig.from_config(cfg), [0, 1], nnx.Rngs(params=jax.random.key(0)))
   with nnx.use_eager_sharding(False):
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
   rng = np.random.default_rng(1)
@@ -108,22 +109,22 @@ def test_offloaded_presets_place_their_names_in_host_memory():
   equal those of `none`, test above) with the residuals in ordinary memory.
   """
   cfg, mesh, tx, schedule = _tiny_step()
-  problem = analysis.layer_problem(cfg)
+  problem = layer_plan.layer_problem(cfg)
   expected = {"minimal_offloaded": {remat.QUERY, remat.KEY, remat.VALUE, remat.OUT_PROJ, remat.MLP_WI_0,
                                     remat.MLP_WI_1},
               "save_quantized_offloaded": {remat.quantized_name(p, o) for p in ("qkv", "out", "wi", "wo")
                                            for o in ("x", "kernel")}}
   for name, names in expected.items():
     preset = remat.PRESETS[name]
-    offloaded = [r for r in analysis.trace_layer(problem, preset).residuals if r.offloaded]
+    offloaded = [r for r in layer_plan.trace_layer(problem, preset).residuals if r.offloaded]
     assert {r.name for r in offloaded} == names
-    traced = analysis.trace_train_step(cfg, mesh, tx, schedule, preset)
+    traced = step_plan.trace_train_step(cfg, mesh, tx, schedule, preset)
     gpu_text = traced.lower(lowering_platforms=("cuda",)).as_text()
     # One annotation per offloaded array (data and scales), inside the forward layer scan.
-    assert analysis.host_placements(gpu_text) == len(offloaded), name
-    assert analysis.host_placements(traced.lower().as_text()) == 0  # CPU: see the docstring.
-  kept = analysis.trace_train_step(cfg, mesh, tx, schedule, remat.PRESETS["save_quantized"])
-  assert analysis.host_placements(kept.lower(lowering_platforms=("cuda",)).as_text()) == 0
+    assert step_plan.host_placements(gpu_text) == len(offloaded), name
+    assert step_plan.host_placements(traced.lower().as_text()) == 0  # CPU: see the docstring.
+  kept = step_plan.trace_train_step(cfg, mesh, tx, schedule, remat.PRESETS["save_quantized"])
+  assert step_plan.host_placements(kept.lower(lowering_platforms=("cuda",)).as_text()) == 0
 
 
 def test_custom_lists_are_validated():

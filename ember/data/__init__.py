@@ -8,7 +8,8 @@
 
 from ember.data.packing import BATCH_KEYS
 from ember.data.pipeline import make_dataset, make_iterator
-from ember.data.sources import DataError
+from ember.data.sharded import ShardedIterator
+from ember.errors import DataError
 from ember.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, build_tokenizer
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "ByteTokenizer",
     "DataError",
     "SentencePieceTokenizer",
+    "ShardedIterator",
     "build_tokenizer",
     "make_dataset",
     "make_iterator",

@@ -18,17 +18,12 @@ import sysconfig
 import grain
 import numpy as np
 
+from ember.errors import DataError, one_line
+
 _EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-class DataError(ValueError):
-  """A bad data path or data setting; the message names the config key and the value."""
-
-
-def _first_line(e: Exception) -> str:
-  """Library errors can span lines; the trainer prints exactly one."""
-  return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 # --- The eval/train split ---------------------------------------------------------------
@@ -128,6 +123,15 @@ def text_documents(path: str, split: str, eval_fraction: float) -> grain.MapData
   return grain.MapDataset.source([files[i] for i in keep]).map(_read_bytes)
 
 
+def encode_record(tokens) -> bytes:
+  """An ArrayRecord record: a document's token ids as little-endian int32."""
+  return np.asarray(tokens, "<i4").tobytes()
+
+
+def decode_record(record: bytes) -> np.ndarray:
+  return np.frombuffer(record, "<i4").astype(np.int32)
+
+
 def array_record_documents(path: str, split: str, eval_fraction: float) -> grain.MapDataset:
   """One document per record; a record is a document's token ids as little-endian int32."""
   files, root = list_files(path)
@@ -136,14 +140,13 @@ def array_record_documents(path: str, split: str, eval_fraction: float) -> grain
     source = grain.sources.ArrayRecordDataSource(files)
   except Exception as e:  # array_record raises plain RuntimeError/ValueError on bad files.
     raise DataError(f"data.path: cannot read {path!r} as ArrayRecord files "
-                    f"({_first_line(e)})") from e
+                    f"({one_line(e)})") from e
   hashes = np.concatenate([
       mix64(np.arange(n, dtype=np.uint64) ^ np.uint64(name_hash(os.path.relpath(f, root))))
       for f, n in zip(files, counts)
   ])
   keep = split_indices(hashes, split, eval_fraction, f"data.path={path!r}")
-  return grain.MapDataset.source(keep).map(
-      lambda k: np.frombuffer(source[int(k)], "<i4").astype(np.int32))
+  return grain.MapDataset.source(keep).map(lambda k: decode_record(source[int(k)]))
 
 
 # --- Synthetic ----------------------------------------------------------------------------
@@ -199,7 +202,7 @@ def tfds_documents(name: str, data_dir: str, text_key: str, split: str,
   try:
     source = tfds.data_source(name, split="train", data_dir=data_dir or None)
   except Exception as e:  # TFDS raises many types for a missing or unprepared dataset.
-    raise DataError(f"data.tfds_name: cannot open {name!r} ({_first_line(e)})") from e
+    raise DataError(f"data.tfds_name: cannot open {name!r} ({one_line(e)})") from e
   keep = split_indices(mix64(np.arange(len(source), dtype=np.uint64) ^ np.uint64(name_hash(name))),
                        split, eval_fraction, "data.tfds_name")
 

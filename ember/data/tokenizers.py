@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from ember.data.sources import DataError
+from ember.errors import DataError
 
 
 class ByteTokenizer:

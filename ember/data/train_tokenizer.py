@@ -17,6 +17,7 @@ import os
 import sys
 
 from ember.data import sources
+from ember.errors import DataError
 
 
 def _sentences(docs, max_docs: int):
@@ -39,7 +40,7 @@ def train(*, source: str, path: str, vocab_size: int, out: str, max_docs: int = 
   elif source == "tfds":
     docs = sources.tfds_documents(tfds_name, tfds_data_dir, tfds_text_key, "train", eval_fraction)
   else:
-    raise sources.DataError(f"--source: must be 'text' or 'tfds', got {source!r}")
+    raise DataError(f"--source: must be 'text' or 'tfds', got {source!r}")
   if os.path.dirname(out):
     os.makedirs(os.path.dirname(out), exist_ok=True)
   sentences = _sentences(docs, max_docs)
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   try:
     model = train(**vars(args))
-  except (sources.DataError, RuntimeError) as e:  # SentencePiece reports bad settings so.
+  except (DataError, RuntimeError) as e:  # SentencePiece reports bad settings so.
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(model)

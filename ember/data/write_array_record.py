@@ -14,18 +14,11 @@ import argparse
 import os
 import sys
 
-import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from ember.data import sources, tokenizers
-
-
-def encode_record(tokens) -> bytes:
-  return np.asarray(tokens, "<i4").tobytes()
-
-
-def decode_record(record: bytes) -> np.ndarray:
-  return np.frombuffer(record, "<i4").astype(np.int32)
+from ember.data.sources import encode_record
+from ember.errors import DataError
 
 
 def shard_paths(out: str, num_shards: int) -> list[str]:
@@ -71,7 +64,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   try:
     paths = write(**vars(args))
-  except sources.DataError as e:
+  except DataError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print("\n".join(paths))

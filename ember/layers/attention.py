@@ -9,13 +9,14 @@ shards whole kv groups. The softmax and its two batched matmuls stay in the comp
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
 from ember.layers.linear import Linear
 from ember.layers.rope import apply_rope
+from ember.model_config import ModelConfig
+from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV
 from ember.parallel.sharding import shard
 
 
@@ -41,32 +42,28 @@ def attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, implementation: str
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg, *, path: str, recipe, rngs: nnx.Rngs):
-    m = cfg.model
-    self.num_heads, self.num_kv_heads, self.head_dim = m.num_heads, m.num_kv_heads, m.head_dim
-    self.groups = m.num_heads // m.num_kv_heads
-    self.rope_theta, self.implementation = m.rope_theta, m.attention
-    dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
-    out_std = m.init_std / (2 * m.num_layers) ** 0.5
-    self.qkv = Linear((m.d_model,), (m.num_kv_heads, self.groups + 2, m.head_dim),
-                      ("embed", "kv_heads", "qkv", "head_dim"), name="qkv", path=f"{path}.qkv", recipe=recipe,
-                      init_std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.out = Linear((m.num_heads, m.head_dim), (m.d_model,), ("heads", "head_dim", "embed"), name="out",
-                      path=f"{path}.out", recipe=recipe, init_std=out_std, dtype=dtype, param_dtype=param_dtype,
-                      rngs=rngs)
+  def __init__(self, model: ModelConfig, *, layer: int, rngs: nnx.Rngs):
+    self.num_heads, self.num_kv_heads, self.head_dim = model.num_heads, model.num_kv_heads, model.head_dim
+    self.groups = model.q_per_kv
+    self.rope_theta, self.implementation = model.rope_theta, model.attention
+    common = dict(dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
+    self.qkv = Linear((model.d_model,), (model.num_kv_heads, self.groups + 2, model.head_dim),
+                      (EMBED, KV_HEADS, QKV, HEAD_DIM), name="qkv", recipe=model.recipe_for("qkv", layer),
+                      init_std=model.init_std, **common)
+    self.out = Linear((model.num_heads, model.head_dim), (model.d_model,), (HEADS, HEAD_DIM, EMBED), name="out",
+                      recipe=model.recipe_for("out", layer), init_std=model.out_init_std, **common)
 
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None):
     b, l, _ = x_BxLxD.shape
     qkv = self.qkv(x_BxLxD, key)  # [B, L, K, G+2, H]
     q_BxLxNxH = qkv[:, :, :, : self.groups].reshape(b, l, self.num_heads, self.head_dim)
     k_BxLxKxH, v_BxLxKxH = qkv[:, :, :, self.groups], qkv[:, :, :, self.groups + 1]
-    q_BxLxNxH = checkpoint_name(shard(q_BxLxNxH, ("batch", "length", "heads", "head_dim")), remat.QUERY)
-    k_BxLxKxH = checkpoint_name(shard(k_BxLxKxH, ("batch", "length", "kv_heads", "head_dim")), remat.KEY)
-    v_BxLxKxH = checkpoint_name(shard(v_BxLxKxH, ("batch", "length", "kv_heads", "head_dim")), remat.VALUE)
+    q_BxLxNxH = checkpoint_name(shard(q_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY)
+    k_BxLxKxH = checkpoint_name(shard(k_BxLxKxH, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), remat.KEY)
+    v_BxLxKxH = checkpoint_name(shard(v_BxLxKxH, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), remat.VALUE)
     q_BxLxNxH = apply_rope(q_BxLxNxH, positions_BxL, self.rope_theta)
     k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope_theta)
     ctx_BxLxNxH = attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, self.implementation)
-    ctx_BxLxNxH = checkpoint_name(shard(ctx_BxLxNxH, ("batch", "length", "heads", "head_dim")),
-                                  remat.ATTENTION_CONTEXT)
+    ctx_BxLxNxH = checkpoint_name(shard(ctx_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTENTION_CONTEXT)
     y_BxLxD = self.out(ctx_BxLxNxH, key)
-    return checkpoint_name(shard(y_BxLxD, ("batch", "length", "embed")), remat.OUT_PROJ)
+    return checkpoint_name(shard(y_BxLxD, (BATCH, LENGTH, EMBED)), remat.OUT_PROJ)

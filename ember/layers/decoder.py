@@ -7,13 +7,12 @@ activations alive at a time.
 
 A *block* is the repeating unit: one layer for dense models, `moe_every` layers (dense..., MoE)
 when layers are interleaved. Consecutive blocks that quantize identically form a *segment*, one
-scan each: `quant.exclude` patterns that name particular layers (`layers.0.*`) split the stack
+scan each: `quant.exclude` entries that name particular layers (`layers[0]`) split the stack
 into segments instead of branching inside the scanned body.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import jax
@@ -22,43 +21,32 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
-from ember.config import is_moe_layer
 from ember.layers.attention import Attention
 from ember.layers.embed import Embed
 from ember.layers.linear import Linear
 from ember.layers.mlp import MLP
+from ember.layers.moe import MoE
 from ember.layers.norm import RMSNorm
+from ember.model_config import ModelConfig
+from ember.names import AUX_KEYS, BATCH, EMBED, LAYER_PROJECTIONS, LAYERS, LENGTH, LM_HEAD, VOCAB
 from ember.parallel.sharding import shard
-from ember.quant.recipe import Recipe
-
-# Sub-paths of every projection a layer may hold, for `quant.exclude` matching.
-_PROJECTION_PATHS = ("attn.qkv", "attn.out", "mlp.wi", "mlp.wo", "moe.moe_wi", "moe.moe_wo", "moe.shared.shared_wi",
-                     "moe.shared.shared_wo")
-AUX_KEYS = ("moe_load_balance_loss", "moe_router_z_loss", "moe_dropped_tokens", "moe_routed_tokens")
 
 
 def zero_aux() -> dict[str, jax.Array]:
   return {k: jnp.zeros((), jnp.float32) for k in AUX_KEYS}
 
 
-def block_size(model_cfg) -> int:
-  return model_cfg.moe_every if model_cfg.num_experts else 1
-
-
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg, index: int, recipe: Recipe, rngs: nnx.Rngs):
-    m = cfg.model
-    dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
-    path = f"layers.{index}"
-    self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=param_dtype)
-    self.attn = Attention(cfg, path=f"{path}.attn", recipe=recipe, rngs=rngs)
-    self.mlp_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=param_dtype)
-    self.is_moe = is_moe_layer(m, index)
+  def __init__(self, model: ModelConfig, index: int, rngs: nnx.Rngs):
+    norm = dict(eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
+    self.attn_norm = RMSNorm(model.d_model, **norm)
+    self.attn = Attention(model, layer=index, rngs=rngs)
+    self.mlp_norm = RMSNorm(model.d_model, **norm)
+    self.is_moe = model.is_moe_layer(index)
     if self.is_moe:
-      from ember.layers.moe import MoE  # The MoE layer is only imported by MoE models.
-      self.moe = MoE(cfg, path=f"{path}.moe", recipe=recipe, rngs=rngs)
+      self.moe = MoE(model, layer=index, rngs=rngs)
     else:
-      self.mlp = MLP(cfg, m.d_ff, path=f"{path}.mlp", recipe=recipe, rngs=rngs)
+      self.mlp = MLP(model, model.d_ff, layer=index, rngs=rngs)
 
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None):
     x_BxLxD = checkpoint_name(x_BxLxD, remat.LAYER_INPUT)
@@ -67,14 +55,14 @@ class DecoderLayer(nnx.Module):
       y_BxLxD, aux = self.moe(self.mlp_norm(h_BxLxD), segment_ids_BxL, key)
     else:
       y_BxLxD, aux = self.mlp(self.mlp_norm(h_BxLxD), key), zero_aux()
-    return shard(h_BxLxD + y_BxLxD, ("batch", "length", "embed")), aux
+    return shard(h_BxLxD + y_BxLxD, (BATCH, LENGTH, EMBED)), aux
 
 
 class Block(nnx.Module):
-  """`block_size` consecutive layers starting at `first`: the body of one scan step."""
+  """`model.block_size` consecutive layers starting at `first`: the body of one scan step."""
 
-  def __init__(self, cfg, first: int, recipe: Recipe, rngs: nnx.Rngs):
-    self.layers = nnx.List([DecoderLayer(cfg, first + j, recipe, rngs) for j in range(block_size(cfg.model))])
+  def __init__(self, model: ModelConfig, first: int, rngs: nnx.Rngs):
+    self.layers = nnx.List([DecoderLayer(model, first + j, rngs) for j in range(model.block_size)])
 
   def __call__(self, x, segment_ids, positions, key=None):
     aux = zero_aux()
@@ -88,14 +76,14 @@ class Block(nnx.Module):
 class Segment(nnx.Module):
   """Blocks `block_ids` stacked along a leading `layers` axis and run by one scan."""
 
-  def __init__(self, cfg, block_ids: Sequence[int], recipe: Recipe, rngs: nnx.Rngs):
+  def __init__(self, model: ModelConfig, block_ids: Sequence[int], rngs: nnx.Rngs):
     self.block_ids = tuple(block_ids)
-    first = self.block_ids[0] * block_size(cfg.model)
+    first = self.block_ids[0] * model.block_size
 
     @nnx.split_rngs(splits=len(self.block_ids))
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
     def make(rngs):
-      return Block(cfg, first, recipe, rngs)
+      return Block(model, first, rngs)
 
     self.blocks = make(rngs)
 
@@ -114,15 +102,15 @@ class Segment(nnx.Module):
     return x, aux
 
 
-def segments_of(cfg, recipe: Recipe) -> list[list[int]]:
+def segments_of(model: ModelConfig) -> list[list[int]]:
   """Groups consecutive blocks whose projections resolve to the same recipes under `quant.exclude`."""
-  size = block_size(cfg.model)
+  size = model.block_size
 
   def signature(b):
-    return tuple(recipe.for_path(f"layers.{b * size + j}.{p}").name for j in range(size) for p in _PROJECTION_PATHS)
+    return tuple(model.recipe_for(p, b * size + j).name for j in range(size) for p in LAYER_PROJECTIONS)
 
   groups: list[list[int]] = []
-  for b in range(cfg.model.num_layers // size):
+  for b in range(model.num_blocks):
     if groups and signature(groups[-1][0]) == signature(b):
       groups[-1].append(b)
     else:
@@ -134,23 +122,19 @@ class Transformer(nnx.Module):
   """Decoder-only LM. `__call__` returns the final normed hidden states; `head` maps them to logits
   (the loss applies it chunk by chunk so full [batch, length, vocab] logits never exist)."""
 
-  def __init__(self, cfg, rngs: nnx.Rngs, policy: remat.Preset = remat.PRESETS["full"]):
-    m = cfg.model
-    if m.num_layers % block_size(m):
-      raise ValueError(f"model.num_layers={m.num_layers} is not a multiple of model.moe_every={m.moe_every}")
-    recipe = Recipe.from_config(cfg.quant)
-    dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
+  def __init__(self, model: ModelConfig, rngs: nnx.Rngs, policy: remat.Preset = remat.PRESETS["full"]):
     self.policy = policy
-    self.embed = Embed(m.vocab_size, m.d_model, init_std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.segments = nnx.List([Segment(cfg, ids, recipe, rngs) for ids in segments_of(cfg, recipe)])
-    self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, dtype=dtype, param_dtype=param_dtype)
-    self.tie_embeddings = m.tie_embeddings
-    if not m.tie_embeddings:
-      # The chunked loss calls the head once per chunk, and delayed scaling's history update
-      # assumes one call per step, so a quantized LM head uses current scaling.
-      head_recipe = dataclasses.replace(recipe, name="fp8_current") if recipe.delayed else recipe
-      self.lm_head = Linear((m.d_model,), (m.vocab_size,), ("embed", "vocab"), name="lm_head", path="lm_head",
-                            recipe=head_recipe, init_std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.embed = Embed(model.vocab_size, model.d_model, init_std=model.init_std, dtype=model.dtype,
+                       param_dtype=model.param_dtype, rngs=rngs)
+    self.segments = nnx.List([Segment(model, ids, rngs) for ids in segments_of(model)])
+    self.final_norm = RMSNorm(model.d_model, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
+    self.tie_embeddings = model.tie_embeddings
+    if not model.tie_embeddings:
+      # The chunked loss calls the head once per chunk, and delayed scaling's history update assumes
+      # one call per step, so the head's recipe keeps no amax history (`Recipe.stateless`).
+      self.lm_head = Linear((model.d_model,), (model.vocab_size,), (EMBED, VOCAB), name=LM_HEAD,
+                            recipe=model.recipe_for(LM_HEAD).stateless(), init_std=model.init_std,
+                            dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
 
   def __call__(self, tokens_BxL, segment_ids_BxL, positions_BxL, key=None, policy: remat.Preset | None = None):
     x = self.embed(tokens_BxL)
@@ -167,4 +151,4 @@ class Transformer(nnx.Module):
       logits = jnp.einsum("bcd,vd->bcv", h_BxCxD, table, preferred_element_type=jnp.float32)
     else:
       logits = self.lm_head(h_BxCxD, key).astype(jnp.float32)
-    return shard(logits, ("batch", "length", "vocab"))
+    return shard(logits, (BATCH, LENGTH, VOCAB))

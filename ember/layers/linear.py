@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ember.names import PROJECTIONS, RNG_STREAMS
 from ember.quant import dot
 from ember.quant.recipe import Recipe
-from ember.remat import PROJECTIONS
 
 
 class QuantState(nnx.Variable):
@@ -28,34 +28,35 @@ class QuantState(nnx.Variable):
   """
 
 
+def projection_key(key: jax.Array | None, name: str) -> jax.Array | None:
+  """The stochastic-rounding key of projection kind `name` within a layer's key (see names.RNG_STREAMS)."""
+  return None if key is None else jax.random.fold_in(key, RNG_STREAMS[name])
+
+
 class Linear(nnx.Module):
   """y[..., out] = x[..., in] @ kernel[in, out], with `in`/`out` possibly multi-dimensional.
 
-  `name` is the projection's kind (one of remat.PROJECTIONS: it names the quantized residuals and
-  seeds stochastic rounding); `path` locates this instance (`layers.3.mlp.wo`) for
-  `quant.exclude` patterns.
+  `name` is the projection's kind (one of names.PROJECTIONS: it names the quantized residuals and
+  picks the stochastic-rounding stream); `recipe` is this instance's recipe, `quant.exclude`
+  already applied (ModelConfig.recipe_for).
   """
 
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], axes: Sequence[str | None], *,
-               name: str, path: str, recipe: Recipe, init_std: float, dtype, param_dtype, rngs: nnx.Rngs):
+               name: str, recipe: Recipe, init_std: float, dtype, param_dtype, rngs: nnx.Rngs):
     assert name in PROJECTIONS, name
     self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
     shape = self.in_shape + self.out_shape
     assert len(axes) == len(shape), (axes, shape)
     kernel = jax.random.normal(rngs.params(), shape, param_dtype) * init_std
     self.kernel = nnx.Param(kernel, out_sharding=tuple(axes))
-    self.name, self.path, self.dtype = name, path, dtype
-    self.recipe = recipe.for_path(path)
-    if self.recipe.delayed:
-      self.amax_history = QuantState(jnp.zeros((3, self.recipe.amax_history_len), jnp.float32),
-                                     out_sharding=(None, None))
+    self.name, self.dtype, self.recipe = name, dtype, recipe
+    if recipe.delayed:
+      self.amax_history = QuantState(jnp.zeros((3, recipe.amax_history_len), jnp.float32), out_sharding=(None, None))
 
   def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
     k, n = math.prod(self.in_shape), math.prod(self.out_shape)
     lead = x.shape[: x.ndim - len(self.in_shape)]
-    if key is not None:
-      key = jax.random.fold_in(key, PROJECTIONS.index(self.name))
     history = self.amax_history[...] if self.recipe.delayed else None
     y = dot.quantized_matmul(x.reshape(-1, k), self.kernel[...].reshape(k, n), recipe=self.recipe, name=self.name,
-                             history=history, key=key, dtype=self.dtype)
+                             history=history, key=projection_key(key, self.name), dtype=self.dtype)
     return y.reshape(lead + self.out_shape)

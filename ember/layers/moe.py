@@ -42,8 +42,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from ember import remat
-from ember.layers.linear import QuantState
+from ember.layers.linear import QuantState, projection_key
 from ember.layers.mlp import MLP
+from ember.model_config import ModelConfig
+from ember.names import (BATCH, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MOE_DROPPED_TOKENS,
+                         MOE_LOAD_BALANCE_LOSS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, PROJECTIONS)
 from ember.parallel import sharding
 from ember.quant.grouped import grouped_matmul
 from ember.quant.recipe import Recipe
@@ -74,11 +77,10 @@ class ExpertKernel(nnx.Module):
   amax histories [experts + 2, H]: the input's, one per expert kernel, the gradient's (the dense
   layout [3, H] with one kernel row per expert)."""
 
-  def __init__(self, shape, axes, *, name: str, path: str, recipe: Recipe, init_std: float, param_dtype,
-               rngs: nnx.Rngs):
-    assert name in remat.PROJECTIONS, name
+  def __init__(self, shape, axes, *, name: str, recipe: Recipe, init_std: float, param_dtype, rngs: nnx.Rngs):
+    assert name in PROJECTIONS, name
     self.kernel = nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype) * init_std, out_sharding=tuple(axes))
-    self.name, self.recipe = name, recipe.for_path(path)
+    self.name, self.recipe = name, recipe
     if self.recipe.delayed:
       self.amax_history = QuantState(jnp.zeros((shape[0] + 2, self.recipe.amax_history_len), F32),
                                      out_sharding=(None, None))
@@ -92,34 +94,30 @@ class ExpertKernel(nnx.Module):
 
 
 class MoE(nnx.Module):
-  def __init__(self, cfg, *, path: str, recipe: Recipe, rngs: nnx.Rngs):
-    m = cfg.model
-    e, d, f = m.num_experts, m.d_model, m.d_ff
-    param_dtype = jnp.dtype(m.param_dtype)
-    out_std = m.init_std / (2 * m.num_layers) ** 0.5
+  def __init__(self, model: ModelConfig, *, layer: int, rngs: nnx.Rngs):
+    e, d, f = model.num_experts, model.d_model, model.d_ff
     # Replicated over experts: every token shard needs the whole router.
-    self.router = nnx.Param(jax.random.normal(rngs.params(), (d, e), param_dtype) * m.init_std,
-                            out_sharding=("embed", None))
-    self.wi = ExpertKernel((e, d, 2, f), ("expert", "embed", "gate", "mlp"), name="moe_wi", path=f"{path}.moe_wi",
-                           recipe=recipe, init_std=m.init_std, param_dtype=param_dtype, rngs=rngs)
-    self.wo = ExpertKernel((e, f, d), ("expert", "mlp", "embed"), name="moe_wo", path=f"{path}.moe_wo",
-                           recipe=recipe, init_std=out_std, param_dtype=param_dtype, rngs=rngs)
-    self.shared = MLP(cfg, m.shared_expert_d_ff, path=f"{path}.shared", recipe=recipe, rngs=rngs,
-                      names=("shared_wi", "shared_wo")) if m.shared_expert_d_ff else None
-    self.options = Options(e, m.experts_per_token, bool(m.router_softmax_first), float(m.capacity_factor),
-                           jnp.dtype(m.dtype), self.wi.recipe, self.wo.recipe)
+    self.router = nnx.Param(jax.random.normal(rngs.params(), (d, e), model.param_dtype) * model.init_std,
+                            out_sharding=(EMBED, None))
+    common = dict(param_dtype=model.param_dtype, rngs=rngs)
+    self.wi = ExpertKernel((e, d, 2, f), (EXPERT, EMBED, GATE, MLP_AXIS), name="moe_wi",
+                           recipe=model.recipe_for("moe_wi", layer), init_std=model.init_std, **common)
+    self.wo = ExpertKernel((e, f, d), (EXPERT, MLP_AXIS, EMBED), name="moe_wo", recipe=model.recipe_for("moe_wo", layer),
+                           init_std=model.out_init_std, **common)
+    self.shared = MLP(model, model.shared_expert_d_ff, layer=layer, rngs=rngs,
+                      names=("shared_wi", "shared_wo")) if model.shared_expert_d_ff else None
+    self.options = Options(e, model.experts_per_token, model.router_softmax_first, model.capacity_factor,
+                           model.dtype, self.wi.recipe, self.wo.recipe)
 
   def __call__(self, x_BxLxD, segment_ids_BxL, key=None):
-    """(y [B, L, D], aux): aux holds decoder.AUX_KEYS as float32 scalars."""
-    keys = None
-    if key is not None:  # As Linear does: one stream per projection kind.
-      keys = tuple(jax.random.fold_in(key, remat.PROJECTIONS.index(n)) for n in ("moe_wi", "moe_wo"))
+    """(y [B, L, D], aux): aux holds names.AUX_KEYS as float32 scalars."""
+    keys = None if key is None else (projection_key(key, "moe_wi"), projection_key(key, "moe_wo"))
     histories = (self.wi.history(), self.wo.history())
     y_BxLxD, aux = moe_ffn(x_BxLxD, segment_ids_BxL, self.router[...], self.wi.kernel[...], self.wo.kernel[...],
                            histories, keys, self.options)
     if self.shared is not None:
       y_BxLxD = y_BxLxD + self.shared(x_BxLxD, key)
-    return sharding.shard(y_BxLxD, ("batch", "length", "embed")), aux
+    return sharding.shard(y_BxLxD, (BATCH, LENGTH, EMBED)), aux
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -130,9 +128,9 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   if mesh is None or mesh.size == 1:
     return _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, opts=opts,
                     token_axes=(), expert_axes=())
-  x_spec = sharding.logical_to_spec(("batch", "length", None), rules, mesh)
+  x_spec = sharding.logical_to_spec((BATCH, LENGTH, None), rules, mesh)
   token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
-  e_spec = sharding.logical_to_spec(("expert",), rules, mesh)[0]
+  e_spec = sharding.logical_to_spec((EXPERT,), rules, mesh)[0]
   expert_axes = _axes(e_spec)
   if not set(expert_axes) <= set(token_axes):
     raise ValueError(f"expert parallelism over {expert_axes} needs the batch sharded over it too (mesh.rules "
@@ -270,8 +268,8 @@ def aux_losses(logits_TxE, probs_TxE, experts_TxK, keep_TxK, valid_T, num_expert
   n = jnp.maximum(stats["tokens"], 1.0)
   f_E = stats["count_E"] / (n * k)
   p_E = stats["prob_E"] / n
-  return {"moe_load_balance_loss": num_experts * jnp.sum(f_E * p_E), "moe_router_z_loss": stats["z"] / n,
-          "moe_dropped_tokens": stats["tokens"] * k - stats["kept"], "moe_routed_tokens": stats["kept"]}
+  return {MOE_LOAD_BALANCE_LOSS: num_experts * jnp.sum(f_E * p_E), MOE_ROUTER_Z_LOSS: stats["z"] / n,
+          MOE_DROPPED_TOKENS: stats["tokens"] * k - stats["kept"], MOE_ROUTED_TOKENS: stats["kept"]}
 
 
 # ----------------------------------------------------------------------------- dispatch

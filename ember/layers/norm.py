@@ -4,10 +4,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ember.names import NORM
+
 
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",))
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=(NORM,))
     self.eps, self.dtype = eps, dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:

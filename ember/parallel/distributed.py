@@ -27,7 +27,7 @@ import signal
 import jax
 import numpy as np
 
-from ember.config import ConfigError
+from ember.errors import ConfigError
 
 
 def settings(dist_cfg) -> dict | None:

@@ -19,7 +19,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from ember.config import MESH_AXES, ConfigError
+from ember.errors import ConfigError
+from ember.names import MESH_AXES
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:

@@ -30,16 +30,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ember.quant import hadamard
 from ember.quant.naming import name_quantized
-from ember.quant.quantizers import CurrentScaling, DelayedScaling, MXFP8Scaling, NVFP4Scaling, update_history
-from ember.quant.formats import E4M3, E5M2
-from ember.quant.recipe import Recipe
+from ember.quant.quantizers import update_history
+from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, WEIGHT, X, X_T, Recipe, pad_to
 from ember.remat import quantized_name
 
 # Name scopes around every quantize call, so an analysis of a traced step can tell a forward
 # operand's quantization (which a remat policy may recompute) from a gradient's (always in the
-# backward pass) by `eqn.source_info.name_stack` (ember/tools/analysis.py).
+# backward pass) by `eqn.source_info.name_stack` (ember/plan/trace.py).
 SCOPE_ACTIVATION = "quantize_activation"
 SCOPE_WEIGHT = "quantize_weight"
 SCOPE_GRADIENT = "quantize_gradient"
@@ -59,55 +57,27 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   return _qmm(x_MxK, w_KxN, history, key, recipe, name, dtype, operand_info)
 
 
-def _quantizers(recipe: Recipe, history):
-  """(activation, weight, gradient) quantizers of a recipe; fp8_delayed reads the histories."""
-  r = recipe
-  if r.name == "fp8_current":
-    return CurrentScaling(E4M3), CurrentScaling(E4M3), CurrentScaling(E5M2)
-  if r.name == "fp8_delayed":
-    make = lambda h, fmt: DelayedScaling(h, fmt, r.margin, r.amax_compute_algo)
-    return make(history[0], E4M3), make(history[1], E4M3), make(history[2], E5M2)
-  if r.name == "mxfp8":
-    return MXFP8Scaling(), MXFP8Scaling(), MXFP8Scaling()
-  if r.name == "nvfp4":
-    return (NVFP4Scaling(), NVFP4Scaling(tile_2d=r.nvfp4_2d_weights),
-            NVFP4Scaling(stochastic_rounding=r.nvfp4_stochastic_rounding))
-  raise ValueError(f"recipe {r.name!r} is not a quantized recipe")
-
-
-def _pad_to(a: jax.Array, multiples: tuple[int, ...]) -> jax.Array:
-  """Zero-pads each axis to a multiple (zeros change neither amaxes nor products)."""
-  pads = [(0, -n % m) for n, m in zip(a.shape, multiples)]
-  return jnp.pad(a, pads) if any(p for _, p in pads) else a
-
-
-def _rht(a, axis, recipe: Recipe):
-  return hadamard.random_hadamard_transform(a, axis=axis, seed=recipe.rht_seed) if recipe.nvfp4_rht else a
-
-
 def _quantize_operands(x, w, history, recipe: Recipe, name: str):
-  """Quantizes every operand the forward and backward GEMMs need, each named for remat."""
-  act, weight, _ = _quantizers(recipe, history)
+  """Quantizes every operand copy the recipe's forward and backward GEMMs read, each named for remat."""
+  act, weight = recipe.quantizer(ACTIVATION, history[0]), recipe.quantizer(WEIGHT, history[1])
   q = {}
   with jax.named_scope(SCOPE_ACTIVATION):
-    q["x"] = act.quantize(x, axis=1)
-    if recipe.name == "mxfp8":
-      q["x_t"] = act.quantize(x, axis=0)
-    elif recipe.name == "nvfp4":
-      q["x_t"] = act.quantize(_rht(x, 0, recipe), axis=0)
+    q[X] = act.quantize(x, axis=1)
+    if recipe.has_x_t:
+      q[X_T] = act.quantize(recipe.wgrad_transform(x, 0), axis=0)
   with jax.named_scope(SCOPE_WEIGHT):
-    q["kernel"] = weight.quantize(w, axis=0)
-    if recipe.name == "mxfp8" or (recipe.name == "nvfp4" and not recipe.nvfp4_2d_weights):
-      q["kernel_t"] = weight.quantize(w, axis=1)
+    q[KERNEL] = weight.quantize(w, axis=0)
+    if recipe.has_kernel_t:
+      q[KERNEL_T] = weight.quantize(w, axis=1)
   return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
 
 
 def _forward(x, w, history, recipe, name, dtype):
   m, n = x.shape[0], w.shape[1]
   b = recipe.block_size
-  xp, wp = _pad_to(x, (b, b)), _pad_to(w, (b, b))
+  xp, wp = pad_to(x, (b, b)), pad_to(w, (b, b))
   q = _quantize_operands(xp, wp, history, recipe, name)
-  y = jnp.dot(q["x"].dequantize(dtype), q["kernel"].dequantize(dtype), preferred_element_type=jnp.float32)
+  y = jnp.dot(q[X].dequantize(dtype), q[KERNEL].dequantize(dtype), preferred_element_type=jnp.float32)
   return y[:m, :n].astype(dtype), q
 
 
@@ -125,27 +95,27 @@ def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
   q, history, key = res
   (m, n), (k, x_dtype, w_dtype) = g_MxN.shape, operand_info
   b = recipe.block_size
-  g = _pad_to(g_MxN, (b, b))
-  _, _, grad_q = _quantizers(recipe, history)
+  g = pad_to(g_MxN, (b, b))
+  grad_q = recipe.quantizer(GRADIENT, history[2])
   key_dgrad = key_wgrad = None
   if key is not None:
     key_dgrad, key_wgrad = jax.random.split(key)
   # dgrad: contract N. The kernel copy quantized along N (per-tensor and 2D tiles: the same copy).
   with jax.named_scope(SCOPE_GRADIENT):
     g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad)
-  kernel_n = q.get("kernel_t", q["kernel"])
+  kernel_n = q.get(KERNEL_T, q[KERNEL])
   dx = jnp.dot(g_rows.dequantize(dtype), kernel_n.dequantize(dtype).T, preferred_element_type=jnp.float32)
   # wgrad: contract M. Per-tensor recipes reuse the forward copies; block recipes quantize along M
   # (NVFP4 after the random Hadamard transform, applied to both operands so it cancels).
-  if recipe.block_size == 1:
-    g_cols, x_m = g_rows, q["x"]
+  if not recipe.has_x_t:
+    g_cols, x_m = g_rows, q[X]
   else:
     with jax.named_scope(SCOPE_GRADIENT):
-      g_cols = grad_q.quantize(_rht(g, 0, recipe) if recipe.name == "nvfp4" else g, axis=0, rng=key_wgrad)
-    x_m = q["x_t"]
+      g_cols = grad_q.quantize(recipe.wgrad_transform(g, 0), axis=0, rng=key_wgrad)
+    x_m = q[X_T]
   dw = jnp.dot(x_m.dequantize(dtype).T, g_cols.dequantize(dtype), preferred_element_type=jnp.float32)
   if recipe.delayed:
-    new_history = jnp.stack([update_history(history[0], q["x"].amax), update_history(history[1], q["kernel"].amax),
+    new_history = jnp.stack([update_history(history[0], q[X].amax), update_history(history[1], q[KERNEL].amax),
                              update_history(history[2], g_rows.amax)])
   else:
     new_history = jnp.zeros_like(history)

@@ -37,11 +37,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ember.quant import dot
-from ember.quant.formats import E4M3, E5M2
+from ember.quant.dot import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
 from ember.quant.naming import name_quantized
-from ember.quant.quantizers import DelayedScaling, update_history
-from ember.quant.recipe import Recipe
+from ember.quant.quantizers import update_history
+from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, WEIGHT, X, X_T, Recipe, pad_to
 from ember.remat import quantized_name
 
 
@@ -79,19 +78,10 @@ def _sum_to(a, vma: frozenset):
   return jax.lax.psum(a, extra) if extra else a
 
 
-def _quantizers(recipe: Recipe, history):
-  """(activation quantizer, expert history -> weight quantizer, gradient quantizer)."""
-  if recipe.delayed:
-    h_x, _, h_g = history
-    make = lambda h, fmt: DelayedScaling(h, fmt, recipe.margin, recipe.amax_compute_algo)
-    return make(h_x, E4M3), lambda h: make(h, E4M3), make(h_g, E5M2)
-  act, weight, grad = dot._quantizers(recipe, None)
-  return act, lambda h: weight, grad
-
-
-def _per_expert(weight_of, w_ExKxN, h_ExH, axis):
-  """Each expert's kernel quantized on its own (per-expert amax and scales); leaves gain a leading E."""
-  return jax.vmap(lambda w, h: weight_of(h).quantize(w, axis=axis))(w_ExKxN, h_ExH)
+def _per_expert(recipe: Recipe, w_ExKxN, h_ExH, axis):
+  """Each expert's kernel quantized on its own (per-expert amax and scales, per-expert histories);
+  leaves gain a leading E."""
+  return jax.vmap(lambda w, h: recipe.quantizer(WEIGHT, h).quantize(w, axis=axis))(w_ExKxN, h_ExH)
 
 
 def _dequantize(q, dtype):
@@ -129,28 +119,27 @@ def _to_layout(a_MxK, layout):
 
 
 def _quantize_operands(x, w, group_sizes, history, recipe: Recipe, name: str, reduce_axes):
-  """Quantizes every operand the forward and backward GEMMs need, each named for remat."""
-  act, weight_of, _ = _quantizers(recipe, history)
-  h_k = history[1]
+  """Quantizes every operand copy the recipe's GEMMs read, each named for remat (as quant/dot.py)."""
+  h_x, h_k, _ = history
+  act = recipe.quantizer(ACTIVATION, h_x)
   q = {}
-  with jax.named_scope(dot.SCOPE_ACTIVATION):
-    q["x"] = act.quantize(x, axis=1, reduce_axes=reduce_axes)
-    if recipe.block_size > 1:
+  with jax.named_scope(SCOPE_ACTIVATION):
+    q[X] = act.quantize(x, axis=1, reduce_axes=reduce_axes)
+    if recipe.has_x_t:
       x_layout = _to_layout(x, block_layout(group_sizes, x.shape[0], recipe.block_size))
-      q["x_t"] = act.quantize(dot._rht(x_layout, 0, recipe) if recipe.name == "nvfp4" else x_layout, axis=0,
-                              reduce_axes=reduce_axes)
-  with jax.named_scope(dot.SCOPE_WEIGHT):
-    q["kernel"] = _per_expert(weight_of, w, h_k, axis=0)
-    if recipe.name == "mxfp8" or (recipe.name == "nvfp4" and not recipe.nvfp4_2d_weights):
-      q["kernel_t"] = _per_expert(weight_of, w, h_k, axis=1)
+      q[X_T] = act.quantize(recipe.wgrad_transform(x_layout, 0), axis=0, reduce_axes=reduce_axes)
+  with jax.named_scope(SCOPE_WEIGHT):
+    q[KERNEL] = _per_expert(recipe, w, h_k, axis=0)
+    if recipe.has_kernel_t:
+      q[KERNEL_T] = _per_expert(recipe, w, h_k, axis=1)
   return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
 
 
 def _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes):
   n, b = w.shape[2], recipe.block_size
-  xp, wp = dot._pad_to(_mask_rows(x, group_sizes), (1, b)), dot._pad_to(w, (1, b, b))
+  xp, wp = pad_to(_mask_rows(x, group_sizes), (1, b)), pad_to(w, (1, b, b))
   q = _quantize_operands(xp, wp, group_sizes, history, recipe, name, reduce_axes)
-  y = jax.lax.ragged_dot(q["x"].dequantize(dtype), _dequantize(q["kernel"], dtype), group_sizes,
+  y = jax.lax.ragged_dot(q[X].dequantize(dtype), _dequantize(q[KERNEL], dtype), group_sizes,
                          preferred_element_type=jnp.float32)
   return y[:, :n].astype(dtype), q
 
@@ -174,33 +163,32 @@ def _gmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_MxN):
   q, group_sizes, history, key = res
   (m, n), (k, x_dtype, w_dtype, x_vma, w_vma) = g_MxN.shape, operand_info
   b = recipe.block_size
-  g = dot._pad_to(_mask_rows(g_MxN, group_sizes), (1, b))
-  _, _, grad_q = _quantizers(recipe, history)
+  g = pad_to(_mask_rows(g_MxN, group_sizes), (1, b))
+  grad_q = recipe.quantizer(GRADIENT, history[2])
   key_dgrad = key_wgrad = None
   if key is not None:
     key_dgrad, key_wgrad = jax.random.split(key)
   # dgrad: contract N with each expert's kernel copy quantized along N (per-tensor, 2D tiles: the same).
-  with jax.named_scope(dot.SCOPE_GRADIENT):
+  with jax.named_scope(SCOPE_GRADIENT):
     g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad, reduce_axes=reduce_axes)
-  kernel_n = _dequantize(q.get("kernel_t", q["kernel"]), dtype)
+  kernel_n = _dequantize(q.get(KERNEL_T, q[KERNEL]), dtype)
   dx = jax.lax.ragged_dot(g_rows.dequantize(dtype), jnp.swapaxes(kernel_n, 1, 2), group_sizes,
                           preferred_element_type=jnp.float32)
   # wgrad: contract each group's rows. Per-tensor recipes reuse the forward copies; block recipes
   # quantize along the rows in the block-aligned layout (NVFP4 after the Hadamard transform).
-  if b == 1:
-    g_cols, x_m, sizes = g_rows, q["x"], group_sizes
+  if not recipe.has_x_t:
+    g_cols, x_m, sizes = g_rows, q[X], group_sizes
   else:
     layout = block_layout(group_sizes, m, b)
-    g_layout = _to_layout(g, layout)
-    with jax.named_scope(dot.SCOPE_GRADIENT):
-      g_cols = grad_q.quantize(dot._rht(g_layout, 0, recipe) if recipe.name == "nvfp4" else g_layout, axis=0,
-                               rng=key_wgrad, reduce_axes=reduce_axes)
-    x_m, sizes = q["x_t"], layout[1]
+    with jax.named_scope(SCOPE_GRADIENT):
+      g_cols = grad_q.quantize(recipe.wgrad_transform(_to_layout(g, layout), 0), axis=0, rng=key_wgrad,
+                               reduce_axes=reduce_axes)
+    x_m, sizes = q[X_T], layout[1]
   dw = jax.lax.ragged_dot_general(x_m.dequantize(dtype), g_cols.dequantize(dtype), sizes, _WGRAD_DIMS,
                                   preferred_element_type=jnp.float32)
   h_x, h_k, h_g = history
   if recipe.delayed:
-    new_history = (update_history(h_x, q["x"].amax), jax.vmap(update_history)(h_k, q["kernel"].amax),
+    new_history = (update_history(h_x, q[X].amax), jax.vmap(update_history)(h_k, q[KERNEL].amax),
                    update_history(h_g, g_rows.amax))
   else:
     new_history = jax.tree.map(jnp.zeros_like, history)

@@ -11,7 +11,8 @@ inputs a plain `jnp.max` is already global, so nothing is needed; inside
 `reduce_axes` (a `lax.pmax`). Block amaxes are always local: blocks never
 straddle shards as long as shards hold whole blocks.
 
-All arithmetic is float32, in the order written in each docstring; the
+Which quantizer each recipe and role uses is the recipe table's business
+(`ember.quant.recipe`). All arithmetic is float32, in the order written in each docstring; the
 tests' NumPy reference does the same operations in the same order, so the
 comparison is bit for bit. Scale policy shared by every recipe: a zero or
 non-finite amax gives scale 1.0 (so a NaN input stays NaN in E4M3/E5M2 data
@@ -27,12 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.quant import formats
-from ember.quant.formats import E2M1, E4M3, E5M2, Format
+from ember.quant.formats import E2M1, E4M3, Format
 from ember.quant.tensor import (QuantizedTensor, block_axes, block_broadcast,
                                 block_reduce_max, normalize_axis, static_field)
 
-RECIPES = ("fp8_current", "fp8_delayed", "mxfp8", "nvfp4")
-ROLES = ("weight", "activation", "gradient")
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -228,46 +227,3 @@ class NVFP4Scaling:
 
 
 Quantizer = Union[CurrentScaling, DelayedScaling, MXFP8Scaling, NVFP4Scaling]
-
-
-def make_quantizer(recipe: str, role: str, *, nvfp4_2d_weights: bool = True,
-                   nvfp4_stochastic_rounding: bool = True,
-                   amax_history_len: int = 1024, margin: int = 0,
-                   amax_compute_algo: str = "max") -> Quantizer:
-  """The quantizer a (recipe, role) pair uses.
-
-  fp8_*: E4M3 for weights and activations, E5M2 for gradients.
-  mxfp8: E4M3 for every role. nvfp4: 16x16 tiles for weights (unless
-  `nvfp4_2d_weights` is False), 1x16 otherwise; stochastic rounding for
-  gradients. fp8_delayed starts from a zero history of `amax_history_len`.
-  """
-  if role not in ROLES:
-    raise ValueError(f"unknown role {role!r}; valid roles: {', '.join(ROLES)}")
-  fmt = E5M2 if role == "gradient" else E4M3
-  if recipe == "fp8_current":
-    return CurrentScaling(fmt)
-  if recipe == "fp8_delayed":
-    return DelayedScaling.create(amax_history_len, fmt, margin, amax_compute_algo)
-  if recipe == "mxfp8":
-    return MXFP8Scaling()
-  if recipe == "nvfp4":
-    return NVFP4Scaling(
-        tile_2d=role == "weight" and nvfp4_2d_weights,
-        stochastic_rounding=role == "gradient" and nvfp4_stochastic_rounding)
-  raise ValueError(f"unknown quantization recipe {recipe!r}; valid recipes: "
-                   f"{', '.join(RECIPES)} ('bf16' means: do not quantize)")
-
-
-def quantize(x: jax.Array, recipe: str, role: str, axis: int = -1,
-             rng: jax.Array | None = None, *,
-             reduce_axes: tuple[str, ...] = ()) -> QuantizedTensor:
-  """Quantizes `x` with the quantizer of (recipe, role), blocks along `axis`.
-
-  fp8_delayed carries state between steps, so it is refused here: build a
-  `DelayedScaling` (or `make_quantizer`) and carry it instead.
-  """
-  if recipe == "fp8_delayed":
-    raise ValueError("fp8_delayed needs an amax history from earlier steps: "
-                     "use DelayedScaling (make_quantizer) and carry it")
-  q = make_quantizer(recipe, role)
-  return q.quantize(x, axis, rng=rng, reduce_axes=reduce_axes)

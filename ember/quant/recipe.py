@@ -1,20 +1,81 @@
-"""A recipe: which format every projection matmul runs in, and its options (static, hashable).
+"""The recipe table: what every quantization recipe means, in one place.
 
-Built once from the config's `quant` section and passed to every projection. It holds no arrays
-and no mesh: per-step state (delayed-scaling amax histories) lives in the train state, and where
-an amax is reduced is decided where a tensor is quantized.
+A recipe decides, for every projection matmul (dense and grouped alike):
+  * the quantizer of each role (activation, weight, gradient): format and scaling;
+  * which quantized operand copies exist: `x` and `kernel` for the forward GEMM; block-scaled
+    recipes also quantize `x` along M (`x_t`, for wgrad) and the kernel along N (`kernel_t`, for
+    dgrad) unless NVFP4's 16x16 weight tiles let one copy serve both GEMMs. Per-tensor scales
+    make one copy of each serve every GEMM;
+  * the block size along a contraction axis (operands are zero-padded to a multiple of it);
+  * whether the wgrad operands go through the random Hadamard transform (NVFP4).
+`SCHEMES` is that table; `Recipe` is a config's choice of one row plus its options (frozen,
+hashable: it is a static argument of the custom VJPs), and answers every question above. Nothing
+else in ember compares recipe names.
+
+Per-step state (delayed-scaling amax histories) is not here: it lives in the train state and is
+handed to `Recipe.quantizer`. Where an amax is reduced is decided where a tensor is quantized.
+
+    fp8_current   E4M3 x, w; E5M2 gradients; per-tensor scales from this tensor's amax.
+    fp8_delayed   the same formats; scales from an amax history of earlier steps.
+    mxfp8         E4M3 everywhere, one E8M0 power-of-two scale per 32 elements.
+    nvfp4         E2M1 with E4M3 scales per 16 elements (16x16 tiles for weights) and a float32
+                  tensor scale; stochastic rounding of gradients; RHT on the wgrad operands.
+    bf16          no quantization.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
+from typing import Callable
 
-RECIPES = ("bf16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4")
+import jax
+import jax.numpy as jnp
+
+from ember.quant import exclude as exclude_lib
+from ember.quant import hadamard
+from ember.quant.formats import E4M3, E5M2
+from ember.quant.quantizers import (CurrentScaling, DelayedScaling, MXFP8Scaling, NVFP4Scaling, Quantizer)
+from ember.quant.tensor import QuantizedTensor
+from ember.remat import QUANTIZED_OPERANDS
+
+ACTIVATION, WEIGHT, GRADIENT = "activation", "weight", "gradient"
+ROLES = (WEIGHT, ACTIVATION, GRADIENT)
+# The operand copies a quantized matmul may hold (see the module doc); remat names each.
+X, KERNEL, X_T, KERNEL_T = QUANTIZED_OPERANDS
+
+
+def _fp8_format(role: str):
+  return E5M2 if role == GRADIENT else E4M3
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+  """One row of the recipe table. `make(recipe, role, history)` builds a role's quantizer."""
+  name: str
+  make: Callable[["Recipe", str, jax.Array | None], Quantizer] | None  # None: not quantized.
+  block_size: int = 1  # Elements per scaling block along a contraction axis; 1 = per-tensor.
+  delayed: bool = False  # Scales come from amax histories in the train state.
+  transposed_copies: bool = False  # Block-scaled: x_t for wgrad, kernel_t for dgrad (see module doc).
+  hadamard: bool = False  # The wgrad operands may go through the random Hadamard transform.
+
+
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (
+    Scheme("bf16", None),
+    Scheme("fp8_delayed", lambda r, role, h: DelayedScaling(h, _fp8_format(role), r.margin, r.amax_compute_algo),
+           delayed=True),
+    Scheme("fp8_current", lambda r, role, h: CurrentScaling(_fp8_format(role))),
+    Scheme("mxfp8", lambda r, role, h: MXFP8Scaling(), block_size=32, transposed_copies=True),
+    Scheme("nvfp4", lambda r, role, h: NVFP4Scaling(tile_2d=role == WEIGHT and r.nvfp4_2d_weights,
+                                                    stochastic_rounding=role == GRADIENT and r.nvfp4_stochastic_rounding),
+           block_size=16, transposed_copies=True, hadamard=True),
+)}
+RECIPES = tuple(SCHEMES)  # Every `quant.recipe` value.
+QUANTIZED_RECIPES = tuple(n for n, s in SCHEMES.items() if s.make is not None)
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
+  """A config's recipe: a row of `SCHEMES` and its options (see configs/base.py, `quant`)."""
   name: str = "bf16"
   amax_history_len: int = 1024
   amax_compute_algo: str = "max"
@@ -26,8 +87,13 @@ class Recipe:
   exclude: tuple[str, ...] = ()
 
   def __post_init__(self):
-    if self.name not in RECIPES:
-      raise ValueError(f"unknown recipe {self.name!r}; choose one of {', '.join(RECIPES)}")
+    if self.name not in SCHEMES:
+      raise ValueError(f"unknown quantization recipe {self.name!r}; choose one of {', '.join(RECIPES)}")
+    if self.amax_compute_algo not in ("max", "most_recent"):
+      raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
+    object.__setattr__(self, "exclude", tuple(self.exclude))
+    for entry in self.exclude:
+      exclude_lib.parse(entry)
 
   @classmethod
   def from_config(cls, quant_cfg) -> "Recipe":
@@ -37,21 +103,101 @@ class Recipe:
     values["exclude"] = tuple(quant_cfg.get("exclude", ()))
     return cls(**values)
 
+  # --- The table's answers ----------------------------------------------------------------------
+
+  @property
+  def scheme(self) -> Scheme:
+    return SCHEMES[self.name]
+
   @property
   def quantized(self) -> bool:
-    return self.name != "bf16"
+    return self.scheme.make is not None
 
   @property
   def delayed(self) -> bool:
-    return self.name == "fp8_delayed"
+    return self.scheme.delayed
 
   @property
   def block_size(self) -> int:
     """Elements per scaling block along a contraction axis (1 = per-tensor scaling)."""
-    return {"mxfp8": 32, "nvfp4": 16}.get(self.name, 1)
+    return self.scheme.block_size
 
-  def for_path(self, path: str) -> "Recipe":
-    """The recipe a projection at `path` (e.g. `layers.3.mlp.wo`, `lm_head`) runs in: bf16 if excluded."""
-    if self.quantized and any(fnmatch.fnmatchcase(path, pat) for pat in self.exclude):
+  @property
+  def has_x_t(self) -> bool:
+    """wgrad reads `x` quantized again along M (block scales along K do not serve a contraction over M)."""
+    return self.scheme.transposed_copies
+
+  @property
+  def has_kernel_t(self) -> bool:
+    """dgrad reads the kernel quantized again along N; NVFP4's 16x16 weight tiles serve both GEMMs."""
+    return self.scheme.transposed_copies and not (self.scheme.hadamard and self.nvfp4_2d_weights)
+
+  @property
+  def operands(self) -> tuple[str, ...]:
+    """The quantized operand copies one matmul holds (and names for remat)."""
+    return (X, KERNEL) + ((X_T,) if self.has_x_t else ()) + ((KERNEL_T,) if self.has_kernel_t else ())
+
+  def quantizer(self, role: str, history: jax.Array | None = None) -> Quantizer:
+    """The quantizer of `role`. `history`: that operand's amax history (fp8_delayed only)."""
+    if role not in ROLES:
+      raise ValueError(f"unknown role {role!r}; valid roles: {', '.join(ROLES)}")
+    if not self.quantized:
+      raise ValueError(f"recipe {self.name!r} does not quantize; quantized recipes: {', '.join(QUANTIZED_RECIPES)}")
+    if self.delayed and history is None:
+      raise ValueError("fp8_delayed needs an amax history from earlier steps: use DelayedScaling (make_quantizer) "
+                       "and carry it")
+    return self.scheme.make(self, role, history)
+
+  def wgrad_transform(self, a: jax.Array, axis: int) -> jax.Array:
+    """The wgrad operands' transform along the contraction `axis`: the RHT where the recipe uses it
+    (applied to both operands, so it cancels in the product), else nothing."""
+    if self.scheme.hadamard and self.nvfp4_rht:
+      return hadamard.random_hadamard_transform(a, axis=axis, seed=self.rht_seed)
+    return a
+
+  # --- Variants -----------------------------------------------------------------------------------
+
+  def stateless(self) -> "Recipe":
+    """This recipe where no amax history can be kept (a projection called several times a step, like
+    the chunked LM head): delayed scaling becomes current scaling, the rest is unchanged."""
+    return dataclasses.replace(self, name="fp8_current") if self.delayed else self
+
+  def for_projection(self, projection: str, layer: int | None, num_layers: int) -> "Recipe":
+    """The recipe projection `projection` of `layer` (None: the LM head) runs in: bf16 if excluded."""
+    selectors = tuple(exclude_lib.parse(e) for e in self.exclude)
+    if self.quantized and exclude_lib.excluded(selectors, projection, layer, num_layers):
       return dataclasses.replace(self, name="bf16")
     return self
+
+
+def pad_to(a: jax.Array, multiples: tuple[int, ...]) -> jax.Array:
+  """Zero-pads each axis to a multiple (zeros change neither amaxes nor products)."""
+  pads = [(0, -n % m) for n, m in zip(a.shape, multiples)]
+  return jnp.pad(a, pads) if any(p for _, p in pads) else a
+
+
+def make_quantizer(recipe: str, role: str, *, nvfp4_2d_weights: bool = True, nvfp4_stochastic_rounding: bool = True,
+                   amax_history_len: int = 1024, margin: int = 0, amax_compute_algo: str = "max") -> Quantizer:
+  """The quantizer a (recipe, role) pair uses; fp8_delayed starts from a zero history of `amax_history_len`."""
+  if recipe not in QUANTIZED_RECIPES:
+    raise ValueError(f"unknown quantization recipe {recipe!r}; valid recipes: {', '.join(QUANTIZED_RECIPES)} "
+                     "('bf16' means: do not quantize)")
+  r = Recipe(name=recipe, nvfp4_2d_weights=nvfp4_2d_weights, nvfp4_stochastic_rounding=nvfp4_stochastic_rounding,
+             amax_history_len=amax_history_len, margin=margin, amax_compute_algo=amax_compute_algo)
+  history = jnp.zeros((amax_history_len,), jnp.float32) if r.delayed else None
+  return r.quantizer(role, history)
+
+
+def quantize(x: jax.Array, recipe: str, role: str, axis: int = -1, rng: jax.Array | None = None, *,
+             reduce_axes: tuple[str, ...] = ()) -> QuantizedTensor:
+  """Quantizes `x` with the quantizer of (recipe, role), blocks along `axis`.
+
+  fp8_delayed carries state between steps, so it is refused here: build a `DelayedScaling` (or
+  `make_quantizer`) and carry it instead.
+  """
+  if recipe in SCHEMES and SCHEMES[recipe].delayed:
+    raise ValueError("fp8_delayed needs an amax history from earlier steps: use DelayedScaling (make_quantizer) "
+                     "and carry it")
+  if role not in ROLES:
+    raise ValueError(f"unknown role {role!r}; valid roles: {', '.join(ROLES)}")
+  return make_quantizer(recipe, role).quantize(x, axis, rng=rng, reduce_axes=reduce_axes)

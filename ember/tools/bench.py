@@ -23,12 +23,15 @@ import jax
 import numpy as np
 
 from ember import config as config_lib
+from ember import remat
+from ember.data.sharded import data_iterator, global_batch
+from ember.errors import ConfigError, EmberError, fail_and_exit
 from ember.parallel.sharding import use_rules
-from ember.trainer import flops as flops_lib
+from ember.plan.auto_remat import resolve
 from ember.trainer import step as step_lib
-from ember.trainer.loop import _global_batch, data_iterator, resolve_policy, setup
-from ember.trainer.metrics import compiled_peak_bytes, device_peak_bytes
+from ember.trainer.loop import prepare
 from ember.trainer.optimizer import make_optimizer
+from ember.trainer.perf import Throughput, peak_bytes
 from ember.trainer.state import create_train_state
 
 _GEMM_PATTERNS = {
@@ -43,22 +46,19 @@ def gemm_counts(hlo_text: str) -> dict[str, int]:
   return {k: len(re.findall(p, hlo_text)) for k, p in _GEMM_PATTERNS.items()}
 
 
-def peak_bytes(compiled) -> tuple[int | None, str]:
-  memory, source = device_peak_bytes()
-  return (memory, source) if memory is not None else (compiled_peak_bytes(compiled), "compiled")
-
-
 def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
   cfg.data.source = "synthetic"
-  cfg, mesh = setup(cfg)
+  cfg, mesh = prepare(cfg)
+  cfg = resolve(cfg, mesh)
   tx, schedule = make_optimizer(cfg.train)
-  batch_sharding = step_lib.batch_sharding(cfg, mesh)
   with use_rules(mesh, cfg.mesh.rules):
-    policy = resolve_policy(cfg, mesh, tx, schedule)
-    graphdef, state, shardings = create_train_state(cfg, mesh, tx, policy)
+    graphdef, state, shardings = create_train_state(cfg, mesh, tx, remat.preset(cfg.remat))
     step_fn = step_lib.jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings)
     it = data_iterator(cfg, "train")
-    batch = _global_batch(next(it), batch_sharding)
+    try:
+      batch = global_batch(next(it), step_lib.batch_sharding(cfg, mesh))
+    finally:
+      it.close()
     t0 = time.time()
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.time() - t0
@@ -73,19 +73,14 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
       jax.block_until_ready(metrics["loss"])
       if i >= warmup:
         times.append(time.perf_counter() - t)
-  step_time = statistics.median(times)
-  flops = flops_lib.train_flops_per_step(cfg)
-  peak = flops_lib.peak_tflops(jax.devices()[0].device_kind)
-  tflops = flops / step_time / jax.device_count() / 1e12
+  perf = Throughput.of(cfg, statistics.median(times), jax.device_count(), jax.devices()[0].device_kind)
   memory, source = peak_bytes(compiled)
   return {
-      "model": cfg.model.name, "recipe": cfg.quant.recipe, "remat": cfg.remat.policy, "device": jax.devices()[0].device_kind,
-      "devices": jax.device_count(), "mesh": dict(mesh.shape), "batch_size": cfg.train.batch_size,
-      "seq_len": cfg.model.seq_len, "compile_s": compile_s, "step_time_s": step_time,
-      "step_time_iqr_s": float(np.subtract(*np.percentile(times, [75, 25]))),
-      "tokens_per_s": cfg.train.batch_size * cfg.model.seq_len / step_time, "tflops_per_device": tflops,
-      "mfu": None if peak is None else tflops / peak, "peak_bytes": memory, "peak_source": source,
-      "final_loss": float(metrics["loss"]), **gemm_counts(hlo),
+      "model": cfg.model.name, "recipe": cfg.quant.recipe, "remat": cfg.remat.policy,
+      "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "mesh": dict(mesh.shape),
+      "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "compile_s": compile_s,
+      **perf.to_dict(), "step_time_iqr_s": float(np.subtract(*np.percentile(times, [75, 25]))),
+      "peak_bytes": memory, "peak_source": source, "final_loss": float(metrics["loss"]), **gemm_counts(hlo),
   }
 
 
@@ -103,13 +98,13 @@ def main(argv: list[str]) -> int:
     if steps < 1 or warmup < 0:
       raise ValueError
   except ValueError:
-    config_lib.fail_and_exit(config_lib.ConfigError(f"--steps/--warmup: need integers >= 1 / >= 0, got "
-                                                    f"{own['--steps']!r} / {own['--warmup']!r}"))
+    fail_and_exit(ConfigError(f"--steps/--warmup: need integers >= 1 / >= 0, got {own['--steps']!r} / "
+                              f"{own['--warmup']!r}"))
   try:
     cfg = config_lib.load([argv[0], *rest])
     result = run(cfg, steps=steps, warmup=warmup, hlo_out=own["--hlo_out"] or None)
-  except config_lib.ConfigError as e:
-    config_lib.fail_and_exit(e)
+  except EmberError as e:
+    fail_and_exit(e)
   text = json.dumps(result, indent=2)
   print(text)
   if own["--out"]:

@@ -13,7 +13,7 @@ Per policy (default: every preset, plus `custom` when the config lists names):
       projection never is: its output feeds only the residual sum);
   flops_per_step, recomputed_flops_per_step   the traced step's FLOPs, and those beyond policy `none`;
   peak_bytes                             XLA's peak device memory for the compiled step (`--compile`).
-The JSON file holds the same figures; ember/tools/analysis.py says how each is measured.
+The JSON file holds the same figures; ember/plan/layer.py and ember/plan/step.py say how each is measured.
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ import jax
 
 from ember import config as config_lib
 from ember import remat
-from ember.config import ConfigError
-from ember.tools import analysis
+from ember.errors import ConfigError, fail_and_exit
+from ember.parallel.mesh import make_mesh
+from ember.plan import layer as layer_plan
+from ember.plan import step as step_plan
+from ember.plan.units import format_bytes, format_flops
+from ember.trainer.optimizer import make_optimizer
 
 COLUMNS = (("policy", "policy"), ("residual_bytes_per_layer", "residuals/layer"),
            ("offloaded_bytes_per_layer", "offloaded/layer"), ("recomputed_quantize_ops_per_layer", "quantize ops"),
@@ -49,14 +53,12 @@ def policy_names(requested: str, cfg) -> list[str]:
 
 def build_report(cfg, names, *, compile: bool = True, batch: int | None = None) -> dict:
   """The report for a validated, derived config (see the module doc)."""
-  from ember.parallel.mesh import make_mesh
-  from ember.trainer.optimizer import make_optimizer
   mesh = make_mesh(cfg.mesh)
   tx, schedule = make_optimizer(cfg.train)
   presets = {n: remat.preset(cfg.remat, n) for n in names}
-  layers = analysis.layer_report(cfg, presets, batch=batch)
-  figures = {n: analysis.step_figures(cfg, mesh, tx, schedule, p, compile=compile) for n, p in presets.items()}
-  base = figures["none"].flops if "none" in figures else analysis.step_figures(
+  layers = layer_plan.layer_report(cfg, presets, batch=batch)
+  figures = {n: step_plan.step_figures(cfg, mesh, tx, schedule, p, compile=compile) for n, p in presets.items()}
+  base = figures["none"].flops if "none" in figures else step_plan.step_figures(
       cfg, mesh, tx, schedule, remat.PRESETS["none"], compile=False).flops
   rows = []
   for n in names:
@@ -65,7 +67,7 @@ def build_report(cfg, names, *, compile: bool = True, batch: int | None = None) 
                  "xla_flops_per_device": f.xla_flops, "peak_bytes": f.peak_bytes, "peak_source": "compiled"})
   m = cfg.model
   about = {"model": m.name, "recipe": cfg.quant.recipe, "batch_size": cfg.train.batch_size, "seq_len": m.seq_len,
-           "layer_batch_per_device": batch or analysis.per_device_batch(cfg), "devices": jax.device_count(),
+           "layer_batch_per_device": batch or layer_plan.per_device_batch(cfg), "devices": jax.device_count(),
            "backend": jax.default_backend(), "mesh": {a: int(cfg.mesh[a]) for a in ("data", "fsdp", "tensor", "expert")}}
   return {"config": about, "policies": rows}
 
@@ -76,9 +78,9 @@ def _cell(key: str, value) -> str:
   if key == "policy":
     return value
   if key.endswith("bytes") or key.endswith("bytes_per_layer"):
-    return analysis.format_bytes(value)
+    return format_bytes(value)
   if "flops" in key:
-    return analysis.format_flops(value)
+    return format_flops(value)
   return f"{value:g}"
 
 
@@ -107,7 +109,7 @@ def format_residuals(report: dict) -> str:
       cell[r["policy"]] = cell.get(r["policy"], 0.0) + res["bytes"]
   policies = [r["policy"] for r in report["policies"]]
   rows = [["residual"] + policies]
-  rows += [[n] + [analysis.format_bytes(table[n].get(p)) if p in table[n] else "" for p in policies] for n in names]
+  rows += [[n] + [format_bytes(table[n].get(p)) if p in table[n] else "" for p in policies] for n in names]
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                    for row in rows)
@@ -131,12 +133,12 @@ def main(argv: list[str]) -> int:
   try:
     args = _parse([a for a in argv[1:] if not a.startswith("--config")])
     cfg = config_lib.load([argv[0]] + [a for a in argv[1:] if a.startswith("--config")])
-    config_lib.validate(cfg, jax.device_count())
+    config_lib.validate(cfg, jax.device_count(), jax.process_count())
     cfg = config_lib.derive(cfg, jax.device_count())
     names = policy_names(args.policies, cfg)
     report = build_report(cfg, names, compile=args.compile == "true", batch=args.layer_batch or None)
   except ConfigError as e:
-    config_lib.fail_and_exit(e)
+    fail_and_exit(e)
   with open(args.out, "w") as f:
     json.dump(report, f, indent=1)
   print(format_table(report))

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from ember.config import ConfigError, fail_and_exit
+from ember.errors import ConfigError, fail_and_exit
 
 DEFAULTS = {"log.every_steps": "1", "train.eval_every_steps": "0", "checkpoint.every_steps": "-1",
             "log.tensorboard": "False"}

@@ -33,60 +33,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ember.data import ShardedIterator
+from ember.errors import CheckpointError
 from ember.trainer.metrics import console
 from ember.trainer.state import TrainState
 
-ITEMS = ("state", "data", "rng")
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot serve this run (shape mismatch, missing directory, other seed)."""
-
-
-# --- The data iterator of this process's shards ---------------------------------------------------
-
-
-class ShardedIterator:
-  """This process's data shards, read in lockstep; a batch is their rows concatenated in shard order.
-
-  Its state (JSON) maps each shard to its Grain iterator state, so the position of shard k can be
-  restored by whichever process reads shard k next time. It follows the iterator protocol of
-  `grain.checkpoint.CheckpointSave/CheckpointRestore` (get_state/set_state as bytes).
-  """
-
-  def __init__(self, make: Callable[[int], Any], shards: list[int], num_shards: int):
-    self.shards, self.num_shards = list(shards), num_shards
-    self._its = [make(s) for s in self.shards]
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    parts = [next(it) for it in self._its]
-    if len(parts) == 1:
-      return parts[0]
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-  def shard_states(self) -> dict[str, Any]:
-    return {str(s): it.get_state() for s, it in zip(self.shards, self._its)}
-
-  def get_state(self) -> bytes:
-    return json.dumps({"num_shards": self.num_shards, "shards": self.shard_states()}).encode()
-
-  def set_state(self, state: bytes | str | dict) -> None:
-    state = json.loads(state) if isinstance(state, (bytes, str)) else state
-    if state.get("num_shards") != self.num_shards:
-      raise CheckpointError(f"config.data.num_shards: the checkpoint's data position is for "
-                            f"{state.get('num_shards')} shards, this run reads {self.num_shards}")
-    for s, it in zip(self.shards, self._its):
-      it.set_state(state["shards"][str(s)])
-
-  def start_prefetch(self) -> None:  # Called by grain's CheckpointRestore.
-    pass
-
-  def close(self) -> None:
-    for it in self._its:
-      getattr(it, "close", lambda: None)()
+# --- The data position ----------------------------------------------------------------------------
 
 
 def _merged_data_state(data_dir: str) -> dict | None:
@@ -274,9 +226,6 @@ class Checkpointer:
       os.rename(self._step_dir(step), target)
     _barrier(f"ember_skip_{step}")
     self.manager.reload()
-
-  def wait(self):
-    self.manager.wait_until_finished()
 
   def close(self):
     self.manager.wait_until_finished()

@@ -88,23 +88,6 @@ class MetricsWriter:
       self._tb.close()
 
 
-def compiled_peak_bytes(compiled) -> int | None:
-  """XLA's estimate of a compiled program's peak device memory (arguments + outputs + temporaries)."""
-  try:
-    m = compiled.memory_analysis()
-    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
-  except Exception:  # Backends without a memory analysis.
-    return None
-
-
-def device_peak_bytes() -> tuple[int | None, str]:
-  """The device's own peak-memory statistic where it keeps one (GPUs), with its source."""
-  stats = jax.local_devices()[0].memory_stats() or {}
-  if "peak_bytes_in_use" in stats:
-    return int(stats["peak_bytes_in_use"]), "device"
-  return None, "compiled"
-
-
 def console(msg: str) -> None:
   if jax.process_index() == 0:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ember import remat
 from ember.layers.decoder import Transformer
 from ember.layers.linear import QuantState
+from ember.model_config import ModelConfig
 from ember.parallel import sharding
 
 
@@ -32,7 +33,7 @@ class TrainState:
 
 def build_model(cfg, key: jax.Array, policy: remat.Preset) -> Transformer:
   with nnx.use_eager_sharding(False):
-    return Transformer(cfg, nnx.Rngs(params=key), policy=policy)
+    return Transformer(ModelConfig.from_config(cfg), nnx.Rngs(params=key), policy=policy)
 
 
 def split_model(model: Transformer):

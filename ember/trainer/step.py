@@ -8,36 +8,38 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-
-from ember import remat
-from ember.config import num_moe_layers
-from ember.layers.decoder import AUX_KEYS
 from jax.sharding import Mesh, NamedSharding
 
+from ember import remat
+from ember.model_config import ModelConfig
+from ember.names import (BATCH, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_LOAD_BALANCE_LOSS, MOE_ROUTED_TOKENS,
+                         MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
 from ember.parallel.sharding import logical_to_spec, rules_dict, shard
 from ember.trainer.loss import cross_entropy
 from ember.trainer.state import TrainState, step_key
 
 
 def _batch_views(batch):
-  inputs = shard(batch["inputs"], ("batch", "length"))
-  segment_ids = shard(batch["segment_ids"], ("batch", "length"))
-  return inputs, segment_ids, shard(batch["positions"], ("batch", "length")), batch["targets"]
+  rows = (BATCH, LENGTH)
+  return (shard(batch[INPUTS], rows), shard(batch[SEGMENT_IDS], rows), shard(batch[POSITIONS], rows), batch[TARGETS])
 
 
 def forward_loss(params, quant_state, batch, *, graphdef, cfg, key, policy: remat.Preset | None = None):
-  """(total loss, metrics) for one batch: next-token CE + z-loss + MoE auxiliary losses."""
+  """(total loss, metrics) for one batch: next-token CE + z-loss (+ the MoE auxiliary losses of MoE models)."""
   model = nnx.merge(graphdef, params, quant_state)
   inputs, segment_ids, positions, targets = _batch_views(batch)
   hidden, aux = model(inputs, segment_ids, positions, key=key, policy=policy)
   weights = (segment_ids > 0).astype(jnp.float32)
   ce, z = cross_entropy(hidden, targets, weights, lambda h: model.head(h, key), chunk_size=cfg.train.loss_chunk_size)
-  m = cfg.model
-  num_moe = max(num_moe_layers(m), 1)
-  lb, rz = aux["moe_load_balance_loss"] / num_moe, aux["moe_router_z_loss"] / num_moe
-  total = ce + cfg.train.z_loss_weight * z + m.load_balance_weight * lb + m.router_z_weight * rz
-  metrics = {"loss": ce, "z_loss": z, "total_loss": total, "moe_load_balance_loss": lb, "moe_router_z_loss": rz,
-             "moe_dropped_tokens": aux["moe_dropped_tokens"], "moe_routed_tokens": aux["moe_routed_tokens"]}
+  total = ce + cfg.train.z_loss_weight * z
+  metrics = {"loss": ce, "z_loss": z}
+  num_moe = ModelConfig.from_config(cfg).num_moe_layers
+  if num_moe:  # Dense models log no MoE keys (they would always be zero).
+    lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / num_moe, aux[MOE_ROUTER_Z_LOSS] / num_moe
+    total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
+    metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
+                    MOE_ROUTED_TOKENS: aux[MOE_ROUTED_TOKENS]})
+  metrics["total_loss"] = total
   return total, metrics
 
 
@@ -56,7 +58,7 @@ def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy:
 
 def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:
   """Where a global batch [batch, length] lives: the `batch` logical axis over its mesh axes."""
-  return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_dict(cfg.mesh.rules), mesh))
+  return NamedSharding(mesh, logical_to_spec((BATCH, LENGTH), rules_dict(cfg.mesh.rules), mesh))
 
 
 def jit_train_step(cfg, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy: remat.Preset | None = None,
@@ -74,5 +76,3 @@ def eval_step(state: TrainState, batch, *, graphdef, cfg):
                             policy=remat.PRESETS["none"])
   return metrics["loss"]
 
-
-__all__ = ["train_step", "eval_step", "forward_loss", "AUX_KEYS"]

@@ -1,5 +1,7 @@
 """The MoE layer on one device: routing, losses, dispatch, capacity, remat residuals, FLOPs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,11 +10,12 @@ from flax import nnx
 
 from ember import config as config_lib
 from ember import remat
-from ember.layers.decoder import AUX_KEYS
+from ember.model_config import ModelConfig
+from ember.names import AUX_KEYS
 from ember.layers.moe import MoE, keep_mask
-from ember.quant.recipe import Recipe
-from ember.tools import analysis
-from ember.trainer import flops
+from ember.plan import layer as analysis
+from ember.plan.jaxpr import iter_eqns
+from ember.trainer import perf
 from tests.helpers import config
 
 F32 = jnp.float32
@@ -25,7 +28,7 @@ def _cfg(**overrides):
 
 def _layer(cfg, seed=0):
   with nnx.use_eager_sharding(False):
-    return MoE(cfg, path="layers.0.moe", recipe=Recipe.from_config(cfg.quant), rngs=nnx.Rngs(params=seed))
+    return MoE(ModelConfig.from_config(cfg), layer=0, rngs=nnx.Rngs(params=seed))
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -168,7 +171,7 @@ def _backward_primitives(fn, args) -> set[str]:
   _, (out_shape, vjp_shape) = jax.make_jaxpr(fwd, return_shape=True)(*leaves)
   residuals, vjp_tree = jax.tree.flatten(vjp_shape)
   bwd = jax.make_jaxpr(lambda r, ct: jax.tree.unflatten(vjp_tree, r)(ct))(residuals, out_shape)
-  return {e.primitive.name for e in analysis.iter_eqns(bwd.jaxpr)}
+  return {e.primitive.name for e in iter_eqns(bwd.jaxpr)}
 
 
 def test_saved_rows_come_with_their_routing():
@@ -197,12 +200,10 @@ def test_save_quantized_recomputes_no_quantize_op_under_expert_parallelism():
 
 
 def test_flops_count_active_experts_only():
-  m = _cfg().model
-  base = flops.forward_flops_per_token(m)
-  more_experts = m.copy_and_resolve_references()
-  more_experts.num_experts = 2 * m.num_experts
+  m = ModelConfig.from_config(_cfg())
+  base = perf.forward_flops_per_token(m)
   # More experts at the same top-k add only the router's columns.
-  assert flops.forward_flops_per_token(more_experts) - base == 2 * m.num_layers * m.d_model * m.num_experts
-  top1 = m.copy_and_resolve_references()
-  top1.experts_per_token = 1
-  assert base - flops.forward_flops_per_token(top1) == 2 * m.num_layers * 3 * m.d_model * m.d_ff
+  more_experts = dataclasses.replace(m, num_experts=2 * m.num_experts)
+  assert perf.forward_flops_per_token(more_experts) - base == 2 * m.num_layers * m.d_model * m.num_experts
+  top1 = dataclasses.replace(m, experts_per_token=1)
+  assert base - perf.forward_flops_per_token(top1) == 2 * m.num_layers * 3 * m.d_model * m.d_ff

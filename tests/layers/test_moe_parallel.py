@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding
 from ember import config as config_lib
 from ember import remat
 from ember.layers.moe import MoE
+from ember.model_config import ModelConfig
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import logical_to_spec, rules_dict, tree_shardings, use_rules
-from ember.quant.recipe import Recipe
 from ember.trainer.state import build_model, logical_axes, split_model
 from ember.trainer.step import forward_loss
 from tests.helpers import config, random_batch
@@ -83,7 +83,7 @@ def _layer(recipe: str, num_devices: int, mesh_axes: dict, num_experts: int = 4)
                               **mesh_axes})
   cfg = _derive(cfg, num_devices)
   with nnx.use_eager_sharding(False):
-    layer = MoE(cfg, path="layers.0.moe", recipe=Recipe.from_config(cfg.quant), rngs=nnx.Rngs(params=0))
+    layer = MoE(ModelConfig.from_config(cfg), layer=0, rngs=nnx.Rngs(params=0))
   graphdef, state = nnx.split(layer)
   # Delayed scaling: histories with plausible amaxes, so that their scales matter.
   state = jax.tree_util.tree_map_with_path(

@@ -11,8 +11,9 @@ import pytest
 from ember import remat
 from ember.quant import dot, grouped
 from ember.quant.formats import E4M3, E5M2
-from ember.quant.quantizers import DelayedScaling
-from ember.quant.recipe import Recipe
+from ember.quant.hadamard import random_hadamard_transform
+from ember.quant.quantizers import CurrentScaling, DelayedScaling, MXFP8Scaling, NVFP4Scaling
+from ember.quant.recipe import Recipe, pad_to
 
 # Ragged groups: an empty expert, sizes that are not multiples of any block, 7 unused trailing rows.
 GROUPS = (5, 0, 19, 1)
@@ -48,21 +49,25 @@ def _run(recipe, x, w, g, history, group_sizes=GROUPS, key=None):
 
 
 def _quantizers(recipe, history):
-  """(activation, weight of expert e, gradient), as the dense recipe builds them."""
+  """(activation, weight of expert e, gradient), built by hand from the formats (not the recipe table)."""
   if recipe.delayed:
     make = lambda h, fmt: DelayedScaling(h, fmt, recipe.margin, recipe.amax_compute_algo)
     return make(history[0], E4M3), lambda e: make(history[1][e], E4M3), make(history[2], E5M2)
-  act, weight, grad = dot._quantizers(recipe, None)
-  return act, lambda e: weight, grad
+  if recipe.name == "fp8_current":
+    return CurrentScaling(E4M3), lambda e: CurrentScaling(E4M3), CurrentScaling(E5M2)
+  if recipe.name == "mxfp8":
+    return MXFP8Scaling(), lambda e: MXFP8Scaling(), MXFP8Scaling()
+  weight = NVFP4Scaling(tile_2d=recipe.nvfp4_2d_weights)
+  return NVFP4Scaling(), lambda e: weight, NVFP4Scaling(stochastic_rounding=recipe.nvfp4_stochastic_rounding)
 
 
 def _columns(chunks, quantizer, recipe):
   """Each expert's rows quantized along the rows on their own (padded to whole blocks), sharing one
   per-tensor amax: a block holding the global amax is appended, then dropped."""
   b = recipe.block_size
-  padded = [dot._pad_to(c, (b, 1)) for c in chunks]
+  padded = [pad_to(c, (b, 1)) for c in chunks]
   if recipe.name == "nvfp4":
-    padded = [dot._rht(c, 0, recipe) for c in padded]
+    padded = [random_hadamard_transform(c, axis=0, seed=recipe.rht_seed) for c in padded]
   amax = jnp.max(jnp.abs(jnp.concatenate(padded)))
   out = []
   for c, chunk in zip(padded, chunks):
@@ -78,7 +83,7 @@ def _reference(recipe, x, w, g, history, group_sizes=GROUPS):
   b = recipe.block_size
   total = sum(group_sizes)
   x, g = x.at[total:].set(0.0), g.at[total:].set(0.0)
-  xp, gp, wp = dot._pad_to(x, (1, b)), dot._pad_to(g, (1, b)), dot._pad_to(w, (1, b, b))
+  xp, gp, wp = pad_to(x, (1, b)), pad_to(g, (1, b)), pad_to(w, (1, b, b))
   act, weight, grad = _quantizers(recipe, history)
   xq = act.quantize(xp, axis=1).dequantize(F32)
   gq = grad.quantize(gp, axis=1).dequantize(F32)

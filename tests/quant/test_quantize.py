@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import reference as ref
-from ember.quant import (E4M3, E5M2, RECIPES, ROLES, CurrentScaling,
+from ember.quant import (E4M3, E5M2, QUANTIZED_RECIPES, RECIPES, ROLES, CurrentScaling,
                          DelayedScaling, MXFP8Scaling, NVFP4Scaling,
                          QuantizedTensor, make_quantizer, quantize,
                          update_history)
@@ -251,8 +251,9 @@ def test_bf16_input_and_dequantize_dtype():
 
 
 def test_errors():
-  assert RECIPES == ("fp8_current", "fp8_delayed", "mxfp8", "nvfp4")
-  with pytest.raises(ValueError, match="fp8_current, fp8_delayed, mxfp8, nvfp4"):
+  assert QUANTIZED_RECIPES == ("fp8_delayed", "fp8_current", "mxfp8", "nvfp4")
+  assert RECIPES == ("bf16",) + QUANTIZED_RECIPES
+  with pytest.raises(ValueError, match="fp8_delayed, fp8_current, mxfp8, nvfp4"):
     quantize(jnp.ones(32), "bf16", "weight")
   with pytest.raises(ValueError, match="DelayedScaling"):
     quantize(jnp.ones(32), "fp8_delayed", "weight")

@@ -9,7 +9,8 @@ import pytest
 
 from ember import config as config_lib
 from ember import remat
-from ember.tools import analysis
+from ember.plan import jaxpr as jaxpr_plan
+from ember.plan import layer as analysis
 from tests.helpers import config
 
 QUANTIZED = ("fp8_current", "fp8_delayed", "mxfp8", "nvfp4")
@@ -128,6 +129,6 @@ def test_gradient_quantization_is_not_counted_as_recompute(reports):
 
 
 def test_residual_bytes_use_the_saved_dtype():
-  assert analysis.nbytes(jnp.zeros((4, 6), jnp.uint4)) == 12
-  assert analysis.nbytes(jnp.zeros((4, 6), jnp.bfloat16)) == 48
-  assert analysis.nbytes(jnp.zeros((3,), bool)) == 3
+  assert jaxpr_plan.nbytes(jnp.zeros((4, 6), jnp.uint4)) == 12
+  assert jaxpr_plan.nbytes(jnp.zeros((4, 6), jnp.bfloat16)) == 48
+  assert jaxpr_plan.nbytes(jnp.zeros((3,), bool)) == 3

@@ -5,7 +5,7 @@ import pytest
 
 from ember import config as config_lib
 from ember.parallel.mesh import make_mesh
-from ember.tools import auto_remat
+from ember.plan import auto_remat
 from ember.trainer.optimizer import make_optimizer
 from tests.helpers import config
 

@@ -16,8 +16,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # For configs/.
 from configs import base  # noqa: E402
 from ember.data import make_iterator  # noqa: E402
+from ember.data import ShardedIterator  # noqa: E402
+from ember.errors import CheckpointError  # noqa: E402
 from ember.trainer.checkpointing import (  # noqa: E402
-    Checkpointer, CheckpointError, ShardedIterator, check_shapes, restore_data_position, restore_from)
+    Checkpointer, check_shapes, restore_data_position, restore_from)
 from ember.trainer.state import TrainState  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
 For each candidate preset the real train step is traced and compiled ahead of time on abstract
 sharded inputs (nothing is allocated): XLA's memory analysis gives the peak bytes per device, the
-traced step's FLOPs (forward, recompute, backward, update; ember/tools/analysis.py) the cost.
+traced step's FLOPs (forward, recompute, backward, update; ember/plan/step.py) the cost.
 Candidates whose peak exceeds `remat.memory_budget_gb` (GiB, 2**30 bytes, per device) are dropped;
 of the rest the one with the fewest FLOPs wins, i.e. the least recomputation, since everything
 else in the step is the same. Ties (presets that differ only in names this model never produces)
@@ -18,14 +18,18 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import ml_collections
 
 from ember import remat
-from ember.config import ConfigError
-from ember.tools import analysis
+from ember.errors import ConfigError
+from ember.plan import step as step_plan
+from ember.plan.units import GiB, format_flops
+from ember.quant.recipe import Recipe
+from ember.trainer.metrics import console
+from ember.trainer.optimizer import make_optimizer
 
-GiB = 2**30
 _QUANTIZED_ONLY = ("save_quantized", "minimal_quantized", "save_quantized_offloaded")
-_cache: dict[tuple, analysis.StepFigures] = {}
+_cache: dict[tuple, step_plan.StepFigures] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +46,8 @@ class Candidate:
 def candidates(cfg) -> tuple[str, ...]:
   if cfg.remat.auto_candidates:
     return tuple(cfg.remat.auto_candidates)
-  names = [n for n in remat.PRESETS if cfg.quant.recipe != "bf16" or n not in _QUANTIZED_ONLY]
+  quantized = Recipe.from_config(cfg.quant).quantized
+  names = [n for n in remat.PRESETS if quantized or n not in _QUANTIZED_ONLY]
   if jax.default_backend() == "cpu":
     names = [n for n in names if not remat.PRESETS[n].offload]
   return tuple(names)
@@ -50,7 +55,6 @@ def candidates(cfg) -> tuple[str, ...]:
 
 def measure(cfg, mesh, tx, schedule, names) -> list[Candidate]:
   """Compiles the train step under each preset (cached per config, mesh and preset)."""
-  from ember.trainer.metrics import console
   key_cfg = cfg.to_dict()
   key_cfg.pop("remat", None)  # The budget and policy do not change what a preset compiles to.
   base = (repr(sorted(_flatten(key_cfg))), tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat))
@@ -58,14 +62,14 @@ def measure(cfg, mesh, tx, schedule, names) -> list[Candidate]:
   for name in names:
     key = base + (name,)
     if key not in _cache:
-      _cache[key] = analysis.step_figures(cfg, mesh, tx, schedule, remat.PRESETS[name])
+      _cache[key] = step_plan.step_figures(cfg, mesh, tx, schedule, remat.PRESETS[name])
     f = _cache[key]
     if f.peak_bytes is None:
       raise ConfigError("config.remat.policy: auto needs a memory analysis of the compiled step, and this backend "
                         "gives none; choose a preset")
     out.append(Candidate(name, f.flops, f.peak_bytes))
     console(f"remat auto: {name:<26} peak {f.peak_bytes / GiB:9.4g} GiB/device  "
-            f"{analysis.format_flops(f.flops):>13}/step")
+            f"{format_flops(f.flops):>13}/step")
   return out
 
 
@@ -82,7 +86,6 @@ def pick(found: list[Candidate], budget_gb: float) -> Candidate:
 
 def choose(cfg, mesh, tx, schedule) -> str:
   """The preset name `auto` resolves to for this config, mesh and optimizer (logged)."""
-  from ember.trainer.metrics import console
   budget = cfg.remat.memory_budget_gb
   console(f"remat auto: compiling the train step for {len(candidates(cfg))} presets (budget {budget:g} GiB/device)")
   best = pick(measure(cfg, mesh, tx, schedule, candidates(cfg)), budget)
@@ -96,3 +99,16 @@ def _flatten(d, prefix=""):
       yield from _flatten(v, f"{prefix}{k}.")
     else:
       yield f"{prefix}{k}", repr(v)
+
+
+def resolve(cfg, mesh):
+  """The config with `remat.policy=auto` replaced by the preset it chooses; any other config as it is.
+
+  Called once before the loop starts (train.py, the tools), so the trainer only ever sees presets."""
+  if cfg.remat.policy != "auto":
+    return cfg
+  tx, schedule = make_optimizer(cfg.train)
+  chosen = choose(cfg, mesh, tx, schedule)
+  out = ml_collections.ConfigDict(cfg.to_dict())
+  out.remat.policy = chosen
+  return out

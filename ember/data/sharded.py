@@ -1,0 +1,76 @@
+"""What one process feeds the train step: its data shards, read in lockstep, and the global batch.
+
+A global batch of `train.batch_size` rows is cut into `data.num_shards` shards (0 = one per
+process) of consecutive rows; each process reads a contiguous block of shards, so shard order is
+the global row order, and `global_batch` assembles the jax.Arrays from every process's rows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ember.data.pipeline import make_iterator
+from ember.errors import CheckpointError
+from ember.parallel import distributed
+
+
+class ShardedIterator:
+  """This process's data shards, read in lockstep; a batch is their rows concatenated in shard order.
+
+  Its state (JSON) maps each shard to its Grain iterator state, so the position of shard k can be
+  restored by whichever process reads shard k next time. It follows the iterator protocol of
+  `grain.checkpoint.CheckpointSave/CheckpointRestore` (get_state/set_state as bytes).
+  """
+
+  def __init__(self, make: Callable[[int], Any], shards: list[int], num_shards: int):
+    self.shards, self.num_shards = list(shards), num_shards
+    self._its = [make(s) for s in self.shards]
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    parts = [next(it) for it in self._its]
+    if len(parts) == 1:
+      return parts[0]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+  def shard_states(self) -> dict[str, Any]:
+    return {str(s): it.get_state() for s, it in zip(self.shards, self._its)}
+
+  def get_state(self) -> bytes:
+    return json.dumps({"num_shards": self.num_shards, "shards": self.shard_states()}).encode()
+
+  def set_state(self, state: bytes | str | dict) -> None:
+    state = json.loads(state) if isinstance(state, (bytes, str)) else state
+    if state.get("num_shards") != self.num_shards:
+      raise CheckpointError(f"config.data.num_shards: the checkpoint's data position is for "
+                            f"{state.get('num_shards')} shards, this run reads {self.num_shards}")
+    for s, it in zip(self.shards, self._its):
+      it.set_state(state["shards"][str(s)])
+
+  def start_prefetch(self) -> None:  # Called by grain's CheckpointRestore.
+    pass
+
+  def close(self) -> None:
+    for it in self._its:
+      getattr(it, "close", lambda: None)()
+
+
+def data_iterator(cfg, split: str) -> ShardedIterator:
+  """This process's rows of each global batch of `split` (validated config: the shards divide the batch)."""
+  num_shards = int(cfg.data.num_shards) or jax.process_count()
+  make = lambda shard: make_iterator(cfg.data, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.batch_size,
+                                     seed=cfg.seed, split=split, process_index=shard, process_count=num_shards,
+                                     vocab_size=cfg.model.vocab_size)
+  return ShardedIterator(make, distributed.data_shards(num_shards), num_shards)
+
+
+def global_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+  """This process's rows of a batch as global jax.Arrays on `sharding` (every process calls it)."""
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}

@@ -1,0 +1,50 @@
+"""The names ember's pieces agree on, spelled once: logical axes, batch keys, projections, RNG streams,
+MoE statistics. A leaf module: code imports these constants and never respells the strings.
+
+Checkpoint (remat) names live with the remat presets in ember/remat.py.
+"""
+
+from __future__ import annotations
+
+# --- Logical axes: layers name these; the config's `mesh.rules` maps them to mesh axes. -----------
+BATCH = "batch"
+LENGTH = "length"
+EMBED = "embed"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+MLP = "mlp"
+VOCAB = "vocab"
+EXPERT = "expert"
+LAYERS = "layers"
+NORM = "norm"
+QKV = "qkv"  # The (q groups, k, v) axis of the fused QKV kernel.
+GATE = "gate"  # The (gate, up) axis of the fused SwiGLU kernel.
+LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, NORM, QKV, GATE)
+
+# Mesh axes, in the mesh's order.
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# --- A batch: int32 [batch, length] arrays under these keys (ember/data/packing.py builds them). ---
+INPUTS = "inputs"
+TARGETS = "targets"
+SEGMENT_IDS = "segment_ids"  # 0 = padding; packed documents are 1, 2, ...
+POSITIONS = "positions"  # Restart at 0 in every document.
+BATCH_KEYS = (INPUTS, TARGETS, SEGMENT_IDS, POSITIONS)
+
+# --- Projections: the `name` of every quantized matmul (names its residuals, seeds its noise). ----
+LAYER_PROJECTIONS = ("qkv", "out", "wi", "wo", "moe_wi", "moe_wo", "shared_wi", "shared_wo")
+LM_HEAD = "lm_head"
+PROJECTIONS = LAYER_PROJECTIONS + (LM_HEAD,)
+
+# The stochastic-rounding stream of each projection kind: its key is `fold_in(layer_key, stream)`.
+# Explicit numbers, so that reordering a tuple can never change the noise (and a resumed run's bits).
+RNG_STREAMS = {"qkv": 0, "out": 1, "wi": 2, "wo": 3, "moe_wi": 4, "moe_wo": 5, "shared_wi": 6, "shared_wo": 7,
+               "lm_head": 8}
+
+# --- MoE statistics a layer returns (summed over layers; logged only by MoE models). ----------------
+MOE_LOAD_BALANCE_LOSS = "moe_load_balance_loss"
+MOE_ROUTER_Z_LOSS = "moe_router_z_loss"
+MOE_DROPPED_TOKENS = "moe_dropped_tokens"
+MOE_ROUTED_TOKENS = "moe_routed_tokens"
+AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS)

@@ -1,0 +1,69 @@
+"""The whole train step under a remat policy, traced and compiled on abstract sharded inputs.
+
+`trace_train_step` traces the real step (ember/trainer/step.py, jitted as the loop jits it) without
+allocating anything; `step_figures` reads its FLOPs off the jaxpr (scan trip counts applied) and
+XLA's peak bytes per device off the compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from ember import remat
+from ember.names import BATCH_KEYS
+from ember.parallel.sharding import use_rules
+from ember.plan.jaxpr import jaxpr_flops
+from ember.trainer.perf import compiled_peak_bytes
+from ember.trainer.state import state_shardings
+from ember.trainer.step import batch_sharding, jit_train_step
+
+
+def abstract_batch(cfg, mesh) -> tuple[dict, NamedSharding]:
+  """A global batch as shapes on its sharding (nothing allocated)."""
+  sharding = batch_sharding(cfg, mesh)
+  shape = (cfg.train.batch_size, cfg.model.seq_len)
+  return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}, sharding
+
+
+def trace_train_step(cfg, mesh, tx, schedule, preset: remat.Preset):
+  """The real train step (`trainer.step.train_step`, policy overridden), jitted as the loop jits it
+  and traced on abstract sharded inputs: `.jaxpr`, `.lower()`, `.lower(lowering_platforms=...)`."""
+  with use_rules(mesh, cfg.mesh.rules):
+    graphdef, shardings, abstract = state_shardings(cfg, mesh, tx, preset)
+    batch, _ = abstract_batch(cfg, mesh)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, policy=preset)
+    return step.trace(abstract, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFigures:
+  flops: float  # Whole step (all devices), from the traced jaxpr: forward, recompute, backward, update.
+  peak_bytes: int | None  # Per device: XLA's memory analysis of the compiled step (None: not compiled).
+  xla_flops: float | None  # XLA's cost_analysis() of the compiled per-device program (loop bodies once).
+
+
+def step_figures(cfg, mesh, tx, schedule, preset: remat.Preset, *, compile: bool = True) -> StepFigures:
+  traced = trace_train_step(cfg, mesh, tx, schedule, preset)
+  flops = jaxpr_flops(traced.jaxpr.jaxpr)
+  if not compile:
+    return StepFigures(flops, None, None)
+  compiled = traced.lower().compile()
+  try:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    xla_flops = float(cost["flops"]) if cost and "flops" in cost else None
+  except Exception:
+    xla_flops = None
+  return StepFigures(flops, compiled_peak_bytes(compiled), xla_flops)
+
+
+def host_placements(hlo_text: str) -> int:
+  """Tensors a program places in host memory: `annotate_device_placement` custom calls to pinned_host
+  (lowered StableHLO) plus `S(5)` memory-space layouts (compiled GPU HLO)."""
+  lines = hlo_text.splitlines()
+  return sum(1 for line in lines if ("annotate_device_placement" in line and "pinned_host" in line) or "S(5)" in line)
