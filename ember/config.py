@@ -21,7 +21,7 @@ from ml_collections import config_flags
 from ember import remat
 from ember.errors import ConfigError
 from ember.model_config import resolved_head_dim
-from ember.names import LOGICAL_AXES, MESH_AXES
+from ember.names import BATCH, EXPERT, LOGICAL_AXES, MESH_AXES
 from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import RECIPES
 
@@ -352,8 +352,8 @@ def _validate_mesh(cfg, num_devices):
   if m.num_experts and m.num_experts % sizes["expert"]:
     _fail("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={m.num_experts}")
   if m.num_experts and sizes["expert"] > 1:
-    expert_axes = [a for a in rules.get("expert", ()) if sizes[a] > 1]
-    missing = [a for a in expert_axes if a not in rules.get("batch", ())]
+    expert_axes = [a for a in rules.get(EXPERT, ()) if sizes[a] > 1]
+    missing = [a for a in expert_axes if a not in rules.get(BATCH, ())]
     if missing:
       _fail("mesh.rules", f"expert parallelism over {missing[0]!r} needs the batch sharded over it too "
             f"('batch' -> (..., {missing[0]!r}))")

@@ -6,14 +6,12 @@
     state = it.get_state()   # JSON-serialisable; it.set_state(state) resumes exactly
 """
 
-from ember.data.packing import BATCH_KEYS
 from ember.data.pipeline import make_dataset, make_iterator
 from ember.data.sharded import ShardedIterator
 from ember.errors import DataError
 from ember.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, build_tokenizer
 
 __all__ = [
-    "BATCH_KEYS",
     "ByteTokenizer",
     "DataError",
     "SentencePieceTokenizer",

@@ -16,14 +16,15 @@ import dataclasses
 import grain
 import numpy as np
 
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
+from ember.names import INPUTS, POSITIONS, SEGMENT_IDS, TARGETS
+
 
 
 def chunk_document(tokens: np.ndarray, seq_len: int) -> list[dict[str, np.ndarray]]:
   """(inputs, targets) pairs of at most seq_len tokens; none for a document under 2 tokens."""
   tokens = np.asarray(tokens, np.int32)
   return [
-      {"inputs": c[:-1], "targets": c[1:]}
+      {INPUTS: c[:-1], TARGETS: c[1:]}
       for c in (tokens[s:s + seq_len + 1] for s in range(0, len(tokens) - 1, seq_len))
   ]
 
@@ -42,10 +43,10 @@ class ChunkDocument(grain.experimental.FlatMapTransform):
 def _rename(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """Grain names the packing features per key; inputs and targets share them here."""
   return {
-      "inputs": packed["inputs"],
-      "targets": packed["targets"],
-      "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
-      "positions": packed["inputs_positions"].astype(np.int32),
+      INPUTS: packed[INPUTS],
+      TARGETS: packed[TARGETS],
+      SEGMENT_IDS: packed[f"{INPUTS}_segment_ids"].astype(np.int32),
+      POSITIONS: packed[f"{INPUTS}_positions"].astype(np.int32),
   }
 
 

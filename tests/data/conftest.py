@@ -3,12 +3,12 @@ import ml_collections
 import numpy as np
 import pytest
 
+from configs import base
+
 
 def make_data_cfg(**overrides) -> ml_collections.ConfigDict:
-  """The `data` section with the defaults of configs/base.py, then `overrides`."""
-  cfg = ml_collections.ConfigDict(dict(
-      source="text", path="", tokenizer="byte", eval_fraction=0.02, shuffle_buffer=0,
-      tfds_name="", tfds_data_dir="", tfds_text_key="text", num_threads=2))
+  """The `data` section of configs/base.py (the real defaults), then `overrides`."""
+  cfg = base.get_config().data
   cfg.update(overrides)
   return cfg
 

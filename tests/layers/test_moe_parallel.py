@@ -158,3 +158,33 @@ def test_expert_parallel_with_fsdp_sharded_experts():
   g1, g8 = _grads_by_name(grads_1), _grads_by_name(grads_8)
   for name in g1:
     assert _rel(g8[name], g1[name])[0] < 1e-5, name
+
+
+def test_capacity_under_expert_parallelism_is_per_token_shard():
+  """With a capacity, each token shard keeps at most `capacity` copies per expert, counted over its own
+  tokens: under expert=4, data=2 (a shard = one sequence) every sequence's output and drop count equal
+  the one-device layer run on that sequence alone."""
+  cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": "bf16", "model.capacity_factor": 0.5,
+                              **EP})
+  cfg8, cfg1 = _derive(cfg, 8), _derive(cfg, 1)
+  with nnx.use_eager_sharding(False):
+    layer = MoE(ModelConfig.from_config(cfg1), layer=0, rngs=nnx.Rngs(params=0))
+  graphdef, state = nnx.split(layer)
+  x = jax.random.normal(jax.random.key(1), (8, 16, cfg1.model.d_model), jnp.float32)
+  seg = jnp.ones((8, 16), jnp.int32).at[:, 12:].set(0)
+  run = jax.jit(lambda state, x, seg: nnx.merge(graphdef, state)(x, seg))
+
+  alone = [run(state, x[i:i + 1], seg[i:i + 1]) for i in range(8)]
+  mesh = make_mesh(cfg8.mesh, jax.devices()[:8])
+  with use_rules(mesh, cfg8.mesh.rules):
+    sharded = jax.device_put(state, tree_shardings(nnx.get_partition_spec(state), mesh, cfg8.mesh.rules))
+    rules = rules_dict(cfg8.mesh.rules)
+    y8, aux8 = run(sharded, jax.device_put(x, NamedSharding(mesh, logical_to_spec(("batch", "length", "embed"),
+                                                                                 rules, mesh))),
+                   jax.device_put(seg, NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))))
+  dropped = sum(float(a["moe_dropped_tokens"]) for _, a in alone)
+  assert dropped > 0  # The capacity binds: 12 tokens x 2 copies over 4 experts, 3 kept per expert.
+  assert float(aux8["moe_dropped_tokens"]) == dropped
+  assert float(aux8["moe_routed_tokens"]) == sum(float(a["moe_routed_tokens"]) for _, a in alone)
+  for i, (y, _) in enumerate(alone):
+    assert _rel(y8[i:i + 1], y)[0] < 1e-5, i

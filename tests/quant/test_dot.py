@@ -33,9 +33,15 @@ def _grads(recipe_name, x, w, g, history=None):
   return y, vjp(g)
 
 
-@pytest.mark.parametrize("recipe,threshold", [("fp8_current", 0.99), ("fp8_delayed", 0.99), ("mxfp8", 0.99),
-                                              ("nvfp4", 0.95)])
-def test_gradients_close_to_bf16(recipe, threshold):
+def _rel_error(a, b):
+  return float(np.linalg.norm(np.ravel(a) - np.ravel(b)) / np.linalg.norm(np.ravel(b)))
+
+
+# (min cosine, max relative error ||a - ref|| / ||ref||): the error bound holds magnitude too (a wrong
+# global scale keeps the cosine at 1). Measured: FP8 ~0.06, MXFP8 ~0.04, NVFP4 ~0.17 on these shapes.
+@pytest.mark.parametrize("recipe,threshold,max_error", [("fp8_current", 0.99, 0.1), ("fp8_delayed", 0.99, 0.1),
+                                                        ("mxfp8", 0.99, 0.1), ("nvfp4", 0.95, 0.25)])
+def test_gradients_close_to_bf16(recipe, threshold, max_error):
   kx, kw, kg = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (128, 96))
   w = jax.random.normal(kw, (96, 80))
@@ -45,9 +51,10 @@ def test_gradients_close_to_bf16(recipe, threshold):
   if recipe == "fp8_delayed":  # Start from a history that has seen this data (as after step 1).
     history = jnp.stack([jnp.full(4, jnp.abs(x).max()), jnp.full(4, jnp.abs(w).max()), jnp.full(4, jnp.abs(g).max())])
   y, (dx, dw, _) = _grads(recipe, x, w, g, history)
-  assert _cosine(y, y_ref) >= threshold
-  assert _cosine(dx, dx_ref) >= threshold, _cosine(dx, dx_ref)
-  assert _cosine(dw, dw_ref) >= threshold, _cosine(dw, dw_ref)
+  for got, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+    assert _cosine(got, ref) >= threshold, _cosine(got, ref)
+    assert _rel_error(got, ref) <= max_error, _rel_error(got, ref)
+    assert abs(np.linalg.norm(got) / np.linalg.norm(ref) - 1) <= max_error / 4
 
 
 def test_block_recipes_pad_ragged_shapes():

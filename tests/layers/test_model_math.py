@@ -1,0 +1,122 @@
+"""The model's pieces against independent references: RoPE, RMSNorm, causality inside a document,
+tied embeddings, the LM head's recipe under delayed scaling."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ember.config import derive
+from ember.layers.decoder import Transformer
+from ember.layers.norm import RMSNorm
+from ember.layers.rope import apply_rope
+from ember.model_config import ModelConfig
+from ember.trainer.state import build_model, split_model
+from tests.helpers import config
+
+
+def _model(preset="tiny", **overrides):
+  cfg = derive(config(preset, **{"model.dtype": "float32", "quant.recipe": "bf16", **overrides}), 1)
+  with nnx.use_eager_sharding(False):
+    return Transformer(ModelConfig.from_config(cfg), nnx.Rngs(params=0)), cfg
+
+
+def test_rope_matches_complex_rotation():
+  """Llama's half-split RoPE: pair (x_i, x_{i+H/2}) rotates by position * theta^(-2i/H), as a complex
+  number would; computed here in float64 with numpy."""
+  rng = np.random.default_rng(0)
+  b, l, n, h, theta = 2, 7, 3, 8, 500.0
+  x = rng.standard_normal((b, l, n, h)).astype(np.float32)
+  pos = rng.integers(0, 50, (b, l))
+  z = x[..., : h // 2] + 1j * x[..., h // 2:]
+  freq = theta ** (-np.arange(0, h, 2) / h)
+  z = z * np.exp(1j * pos[:, :, None, None] * freq)
+  expected = np.concatenate([z.real, z.imag], axis=-1)
+  got = apply_rope(jnp.asarray(x), jnp.asarray(pos), theta)
+  np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+  # Position 0 is the identity, and a rotation keeps norms.
+  np.testing.assert_allclose(apply_rope(jnp.asarray(x), jnp.zeros((b, l), jnp.int32), theta), x, atol=0)
+  np.testing.assert_allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_rmsnorm_matches_formula():
+  rng = np.random.default_rng(1)
+  x = (rng.standard_normal((3, 5, 16)) * 4).astype(np.float32)
+  with nnx.use_eager_sharding(False):
+    norm = RMSNorm(16, eps=1e-5, dtype=jnp.float32, param_dtype=jnp.float32)
+    bf16 = RMSNorm(16, eps=1e-5, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  scale = rng.standard_normal(16).astype(np.float32)
+  norm.scale[...] = jnp.asarray(scale)
+  x64 = x.astype(np.float64)
+  expected = x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-5) * scale
+  np.testing.assert_allclose(norm(jnp.asarray(x)), expected, rtol=1e-5, atol=1e-6)
+  assert bf16(jnp.asarray(x)).dtype == jnp.bfloat16
+
+
+def test_causal_within_one_document():
+  """Changing token t of a document changes no logit before t (and does change logits from t on)."""
+  model, cfg = _model(**{"model.seq_len": 24})
+  length = cfg.model.seq_len
+  tokens = jax.random.randint(jax.random.key(4), (1, length), 0, 256)
+  changed = tokens.at[0, 15].set((tokens[0, 15] + 1) % 256)
+  seg = jnp.ones((1, length), jnp.int32)
+  pos = jnp.arange(length)[None]
+
+  def logits(t):
+    h, _ = model(t, seg, pos)
+    return np.asarray(model.head(h))
+
+  a, b = logits(tokens), logits(changed)
+  np.testing.assert_array_equal(a[0, :15], b[0, :15])
+  assert not np.allclose(a[0, 15:], b[0, 15:])
+
+
+def test_tied_embeddings_share_one_table():
+  """With tie_embeddings the LM head is the embedding table: no separate kernel, logits = h @ E.T, and
+  the table's gradient gets both uses."""
+  model, cfg = _model(**{"model.tie_embeddings": True})
+  assert not hasattr(model, "lm_head")
+  table = np.asarray(model.embed.embedding[...])
+  h = jax.random.normal(jax.random.key(1), (2, 3, cfg.model.d_model))
+  np.testing.assert_allclose(model.head(h), np.einsum("bcd,vd->bcv", np.asarray(h), table), rtol=1e-5, atol=1e-5)
+  _, untied_cfg = _model()
+  count = lambda c: sum(x.size for x in jax.tree.leaves(split_model(build_model(c, jax.random.key(0),
+                                                                                 model.policy))[1]))
+  assert count(untied_cfg) - count(cfg) == cfg.model.vocab_size * cfg.model.d_model
+
+  graphdef, params = nnx.split(model, nnx.Param)
+  tokens = jnp.array([[3, 4, 5, 6]])
+  ones = jnp.ones_like(tokens)
+
+  def loss(p, head_only):
+    m = nnx.merge(graphdef, p)
+    if head_only:  # Logits from a fixed hidden state: only the head's use of the table.
+      return jnp.sum(m.head(jnp.ones((1, 4, cfg.model.d_model))))
+    h, _ = m(tokens, ones, jnp.arange(4)[None])
+    return jnp.sum(m.head(h))
+
+  g_head = np.asarray(jax.grad(loss)(params, True)["embed"]["embedding"][...])
+  g_full = np.asarray(jax.grad(loss)(params, False)["embed"]["embedding"][...])
+  # The head alone: d sum(h @ E.T) / dE[v] = sum of the 4 hidden states, the same for every row v.
+  np.testing.assert_allclose(g_head, np.full_like(g_head, 4.0), atol=0)
+  # Both uses: rows of tokens the lookup read differ from the rows only the head touched.
+  np.testing.assert_allclose(g_full[100], g_full[200], rtol=1e-6)
+  assert not np.allclose(g_full[3], g_full[100])
+
+
+def test_delayed_scaling_lm_head_falls_back_to_current_scaling():
+  """The chunked loss calls the head once per chunk, so an amax history cannot be kept for it: under
+  fp8_delayed (head not excluded) the head runs fp8_current and owns no history; layers keep theirs."""
+  model, cfg = _model(**{"quant.recipe": "fp8_delayed", "quant.exclude": (), "quant.amax_history_len": 4})
+  assert model.lm_head.recipe.name == "fp8_current"
+  _, _, quant_state = split_model(model)
+  state = nnx.to_pure_dict(quant_state)
+  assert "lm_head" not in state
+  histories = jax.tree.leaves(state)
+  assert histories and all(h.shape[-1] == 4 for h in histories)
+  # Excluding it keeps it in bf16, as any excluded projection.
+  excluded, _ = _model(**{"quant.recipe": "fp8_delayed", "quant.exclude": ("lm_head",)})
+  assert excluded.lm_head.recipe.name == "bf16"
+  assert dataclasses.replace(excluded.lm_head.recipe, name="fp8_delayed").stateless().name == "fp8_current"
