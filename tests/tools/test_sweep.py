@@ -32,7 +32,7 @@ def test_sweep_runs_every_combination_and_records_a_failure(tmp_path, monkeypatc
                                                for q in ("bf16", "fp8_current")]
   for r in results:
     if r["overrides"] == broken:
-      assert r["status"] == "error" and r["returncode"] != 0 and "FileExistsError" in r["error"]
+      assert r["status"] == "error" and r["returncode"] == 2 and "config.workdir" in r["error"]
       continue
     assert r["status"] == "ok", r
     assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and math.isfinite(r["final_loss"])
