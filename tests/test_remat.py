@@ -22,6 +22,7 @@ from ember.layers.decoder import Segment
 from ember.model_config import ModelConfig
 from ember.parallel.mesh import make_mesh
 from ember.plan import layer as layer_plan
+from ember.plan import hlo as hlo_plan
 from ember.plan import step as step_plan
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import step_key
@@ -121,10 +122,10 @@ def test_offloaded_presets_place_their_names_in_host_memory():
     traced = step_plan.trace_train_step(cfg, mesh, tx, schedule, preset)
     gpu_text = traced.lower(lowering_platforms=("cuda",)).as_text()
     # One annotation per offloaded array (data and scales), inside the forward layer scan.
-    assert step_plan.host_placements(gpu_text) == len(offloaded), name
-    assert step_plan.host_placements(traced.lower().as_text()) == 0  # CPU: see the docstring.
+    assert hlo_plan.host_placements(gpu_text) == len(offloaded), name
+    assert hlo_plan.host_placements(traced.lower().as_text()) == 0  # CPU: see the docstring.
   kept = step_plan.trace_train_step(cfg, mesh, tx, schedule, remat.PRESETS["save_quantized"])
-  assert step_plan.host_placements(kept.lower(lowering_platforms=("cuda",)).as_text()) == 0
+  assert hlo_plan.host_placements(kept.lower(lowering_platforms=("cuda",)).as_text()) == 0
 
 
 def test_custom_lists_are_validated():

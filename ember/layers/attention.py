@@ -9,6 +9,7 @@ shards whole kv groups. The softmax and its two batched matmuls stay in the comp
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -17,7 +18,7 @@ from ember.layers.linear import Linear
 from ember.layers.rope import apply_rope
 from ember.model_config import ModelConfig
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV
-from ember.parallel.sharding import shard
+from ember.parallel.sharding import shard, target_platform
 
 
 def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
@@ -26,19 +27,32 @@ def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
 
 
 def attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, implementation: str):
-  """Causal attention within segments. `auto` tries cuDNN flash attention on GPU and falls back to
-  XLA for the shapes, dtypes or masks cuDNN does not take (it raises at trace time)."""
+  """Causal attention within segments. `auto` takes cuDNN's flash attention when the target is a GPU and
+  falls back to XLA for the shapes, dtypes or masks cuDNN does not take (it raises at trace time; the
+  compile report says why: `cudnn_refusal`)."""
   mask = segment_mask(segment_ids_BxL)
   attention = lambda impl: jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask=mask, is_causal=True,
                                                         implementation=impl)
   if implementation == "auto":
-    if jax.default_backend() == "gpu":
+    if target_platform() == "gpu":
       try:
         return attention("cudnn")
       except Exception:  # Unsupported by cuDNN here: XLA below.
         pass
     return attention("xla")
   return attention(implementation)
+
+
+def cudnn_refusal(batch: int, length: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype) -> str | None:
+  """Why cuDNN attention refuses these shapes (its one-line reason), or None if it takes them."""
+  q = jax.ShapeDtypeStruct((batch, length, num_heads, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((batch, length, num_kv_heads, head_dim), dtype)
+  seg = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+  try:
+    jax.eval_shape(lambda q, k, v, s: attend(q, k, v, s, "cudnn"), q, kv, kv, seg)
+  except Exception as e:  # cuDNN's checks raise NotImplementedError, ValueError, RuntimeError...
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+  return None
 
 
 class Attention(nnx.Module):

@@ -79,6 +79,14 @@ def active_rules() -> dict | None:
   return None if active is None else active[1]
 
 
+def target_platform() -> str:
+  """The platform the code being traced will run on: the active mesh's devices (compile-only devices of a
+  described GPU cluster included), else JAX's default backend. "gpu" for CUDA and ROCm devices."""
+  mesh = active_mesh()
+  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
 def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """Constrains activation `x` to the sharding its logical axis `names` map to (no-op outside use_rules)."""
   active = _ACTIVE.get()

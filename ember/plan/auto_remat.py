@@ -43,26 +43,31 @@ class Candidate:
     return bool(remat.PRESETS[self.name].offload)
 
 
-def candidates(cfg) -> tuple[str, ...]:
+def candidates(cfg, mesh=None) -> tuple[str, ...]:
+  """The presets `auto` compiles: `remat.auto_candidates`, else every preset that can differ for this
+  model on the mesh's platform (offloading needs a GPU or TPU)."""
   if cfg.remat.auto_candidates:
     return tuple(cfg.remat.auto_candidates)
   quantized = Recipe.from_config(cfg.quant).quantized
   names = [n for n in remat.PRESETS if quantized or n not in _QUANTIZED_ONLY]
-  if jax.default_backend() == "cpu":
+  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  if platform == "cpu":
     names = [n for n in names if not remat.PRESETS[n].offload]
   return tuple(names)
 
 
-def measure(cfg, mesh, tx, schedule, names) -> list[Candidate]:
+def measure(cfg, mesh, tx, schedule, names, *, compiler_options: dict | None = None) -> list[Candidate]:
   """Compiles the train step under each preset (cached per config, mesh and preset)."""
   key_cfg = cfg.to_dict()
   key_cfg.pop("remat", None)  # The budget and policy do not change what a preset compiles to.
-  base = (repr(sorted(_flatten(key_cfg))), tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat))
+  base = (repr(sorted(_flatten(key_cfg))), tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat),
+          mesh.devices.flat[0].platform, repr(sorted((compiler_options or {}).items())))
   out = []
   for name in names:
     key = base + (name,)
     if key not in _cache:
-      _cache[key] = step_plan.step_figures(cfg, mesh, tx, schedule, remat.PRESETS[name])
+      _cache[key] = step_plan.step_figures(cfg, mesh, tx, schedule, remat.PRESETS[name],
+                                           compiler_options=compiler_options)
     f = _cache[key]
     if f.peak_bytes is None:
       raise ConfigError("config.remat.policy: auto needs a memory analysis of the compiled step, and this backend "
@@ -84,11 +89,12 @@ def pick(found: list[Candidate], budget_gb: float) -> Candidate:
   return min(fits, key=lambda c: (c.flops, c.offloads, c.peak_bytes, order[c.name]))
 
 
-def choose(cfg, mesh, tx, schedule) -> str:
+def choose(cfg, mesh, tx, schedule, *, compiler_options: dict | None = None) -> str:
   """The preset name `auto` resolves to for this config, mesh and optimizer (logged)."""
   budget = cfg.remat.memory_budget_gb
-  console(f"remat auto: compiling the train step for {len(candidates(cfg))} presets (budget {budget:g} GiB/device)")
-  best = pick(measure(cfg, mesh, tx, schedule, candidates(cfg)), budget)
+  console(f"remat auto: compiling the train step for {len(candidates(cfg, mesh))} presets (budget {budget:g} "
+          "GiB/device)")
+  best = pick(measure(cfg, mesh, tx, schedule, candidates(cfg, mesh), compiler_options=compiler_options), budget)
   console(f"remat auto: chose {best.name} (peak {best.peak_bytes / GiB:.4g} GiB/device within {budget:g} GiB)")
   return best.name
 
@@ -101,14 +107,14 @@ def _flatten(d, prefix=""):
       yield f"{prefix}{k}", repr(v)
 
 
-def resolve(cfg, mesh):
+def resolve(cfg, mesh, *, compiler_options: dict | None = None):
   """The config with `remat.policy=auto` replaced by the preset it chooses; any other config as it is.
 
   Called once before the loop starts (train.py, the tools), so the trainer only ever sees presets."""
   if cfg.remat.policy != "auto":
     return cfg
   tx, schedule = make_optimizer(cfg.train)
-  chosen = choose(cfg, mesh, tx, schedule)
+  chosen = choose(cfg, mesh, tx, schedule, compiler_options=compiler_options)
   out = ml_collections.ConfigDict(cfg.to_dict())
   out.remat.policy = chosen
   return out

@@ -47,12 +47,14 @@ class StepFigures:
   xla_flops: float | None  # XLA's cost_analysis() of the compiled per-device program (loop bodies once).
 
 
-def step_figures(cfg, mesh, tx, schedule, preset: remat.Preset, *, compile: bool = True) -> StepFigures:
+def step_figures(cfg, mesh, tx, schedule, preset: remat.Preset, *, compile: bool = True,
+                 compiler_options: dict | None = None) -> StepFigures:
+  """FLOPs of the traced step and, compiled (with `compiler_options`, a target's), its peak bytes."""
   traced = trace_train_step(cfg, mesh, tx, schedule, preset)
   flops = jaxpr_flops(traced.jaxpr.jaxpr)
   if not compile:
     return StepFigures(flops, None, None)
-  compiled = traced.lower().compile()
+  compiled = traced.lower().compile(compiler_options=compiler_options)
   try:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -60,10 +62,3 @@ def step_figures(cfg, mesh, tx, schedule, preset: remat.Preset, *, compile: bool
   except Exception:
     xla_flops = None
   return StepFigures(flops, compiled_peak_bytes(compiled), xla_flops)
-
-
-def host_placements(hlo_text: str) -> int:
-  """Tensors a program places in host memory: `annotate_device_placement` custom calls to pinned_host
-  (lowered StableHLO) plus `S(5)` memory-space layouts (compiled GPU HLO)."""
-  lines = hlo_text.splitlines()
-  return sum(1 for line in lines if ("annotate_device_placement" in line and "pinned_host" in line) or "S(5)" in line)

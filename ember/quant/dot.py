@@ -49,12 +49,48 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4)."""
   dtype = jnp.dtype(dtype)
   if not recipe.quantized:
-    return jnp.dot(x_MxK.astype(dtype), w_KxN.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+    return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype))
   if history is None:
     history = jnp.zeros((3, 1), jnp.float32)  # Unused outside fp8_delayed; keeps one signature.
   # Static facts the backward rule needs (residuals must be arrays): unpadded K and operand dtypes.
   operand_info = (x_MxK.shape[1], jnp.dtype(x_MxK.dtype), jnp.dtype(w_KxN.dtype))
   return _qmm(x_MxK, w_KxN, history, key, recipe, name, dtype, operand_info)
+
+
+def contract_last(a_MxN, b_KxN):
+  """a @ b.T with f32 accumulation, written as one dot_general: no transpose between a dequantize and
+  the dot, so that XLA's GPU compiler still sees `convert(f8) * scale` at the dot (an FP8 GEMM) and,
+  under FSDP, all-gathers the kernel in its low-precision form, not a transposed bf16 copy."""
+  return jax.lax.dot_general(a_MxN, b_KxN, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def contract_first(a_MxK, b_MxN):
+  """a.T @ b with f32 accumulation, as one dot_general (see `contract_last`)."""
+  return jax.lax.dot_general(a_MxK, b_MxN, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def _unquantized(x_MxK, w_KxN):
+  """x @ w in the operands' (compute) dtype with f32 accumulation, rounded to that dtype.
+
+  The custom VJP keeps the backward GEMMs on compute-dtype operands: autodiff of the plain dot would
+  pair the f32 cotangent of `preferred_element_type=f32` with the operand and XLA would run dgrad and
+  wgrad as f32 x f32 GEMMs. The cotangent of a bf16 output is bf16-exact, so casting it back changes no
+  value; dw leaves the GEMM in f32 and is rounded after any cross-device reduction of it."""
+  return jnp.dot(x_MxK, w_KxN, preferred_element_type=jnp.float32).astype(x_MxK.dtype)
+
+
+def _unquantized_fwd(x_MxK, w_KxN):
+  return _unquantized(x_MxK, w_KxN), (x_MxK, w_KxN)
+
+
+def _unquantized_bwd(res, g_MxN):
+  x_MxK, w_KxN = res
+  g_MxN = g_MxN.astype(x_MxK.dtype)
+  return contract_last(g_MxN, w_KxN).astype(x_MxK.dtype), contract_first(x_MxK, g_MxN).astype(w_KxN.dtype)
+
+
+_unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
 
 
 def _quantize_operands(x, w, history, recipe: Recipe, name: str):
@@ -104,7 +140,7 @@ def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
   with jax.named_scope(SCOPE_GRADIENT):
     g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad)
   kernel_n = q.get(KERNEL_T, q[KERNEL])
-  dx = jnp.dot(g_rows.dequantize(dtype), kernel_n.dequantize(dtype).T, preferred_element_type=jnp.float32)
+  dx = contract_last(g_rows.dequantize(dtype), kernel_n.dequantize(dtype))
   # wgrad: contract M. Per-tensor recipes reuse the forward copies; block recipes quantize along M
   # (NVFP4 after the random Hadamard transform, applied to both operands so it cancels).
   if not recipe.has_x_t:
@@ -113,7 +149,7 @@ def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
     with jax.named_scope(SCOPE_GRADIENT):
       g_cols = grad_q.quantize(recipe.wgrad_transform(g, 0), axis=0, rng=key_wgrad)
     x_m = q[X_T]
-  dw = jnp.dot(x_m.dequantize(dtype).T, g_cols.dequantize(dtype), preferred_element_type=jnp.float32)
+  dw = contract_first(x_m.dequantize(dtype), g_cols.dequantize(dtype))
   if recipe.delayed:
     new_history = jnp.stack([update_history(history[0], q[X].amax), update_history(history[1], q[KERNEL].amax),
                              update_history(history[2], g_rows.amax)])

@@ -63,11 +63,18 @@ class Throughput:
     return dataclasses.asdict(self)
 
 
+def memory_peak(m) -> int:
+  """XLA's peak device bytes from a memory analysis: its buffer-assignment peak where it reports one,
+  else arguments + outputs + temporaries - aliased."""
+  peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+  return peak or int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+                     - m.alias_size_in_bytes)
+
+
 def compiled_peak_bytes(compiled) -> int | None:
-  """XLA's estimate of a compiled program's peak device memory (arguments + outputs + temporaries)."""
+  """XLA's estimate of a compiled program's peak device memory (`memory_peak`); None where there is none."""
   try:
-    m = compiled.memory_analysis()
-    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+    return memory_peak(compiled.memory_analysis())
   except Exception:  # Backends without a memory analysis.
     return None
 

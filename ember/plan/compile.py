@@ -1,0 +1,95 @@
+"""Compile the train step a config would run for a target, without running it, and report what the
+compiled program does: memory against the target's, the GEMM census, the attention kernel, the
+collectives, the compile time.
+
+The step is the loop's own (ember/trainer/step.py, jitted the loop's way) on the config's mesh built
+from the target's devices, with the remat policy resolved as the loop would (`auto` chooses under the
+target's memory unless `remat.memory_budget_gb` says otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ml_collections
+
+from ember import config as config_lib
+from ember import remat
+from ember.parallel.mesh import make_mesh
+from ember.plan import auto_remat, hlo
+from ember.plan import step as step_plan
+from ember.plan.target import COMPILER_OPTIONS, Target, gpu_checks
+from ember.plan.units import GiB
+from ember.trainer.optimizer import make_optimizer
+from ember.trainer.perf import memory_peak
+
+ESTIMATE_NOTE = ("XLA's memory estimate for the compiled program: no autotuning on a compile-only target and "
+                 "cuDNN workspaces unknown; the XLA options used are in xla_flags")
+
+
+def prepare(cfg: ml_collections.ConfigDict, target: Target):
+  """(derived config, mesh) for the target's devices; `auto` with no budget gets the target's memory."""
+  devices = target.devices()
+  cfg = ml_collections.ConfigDict(cfg.to_dict())
+  memory = target.device_memory_bytes
+  if cfg.remat.policy == "auto" and not cfg.remat.memory_budget_gb and memory:
+    cfg.remat.memory_budget_gb = memory / GiB
+  config_lib.validate(cfg, len(devices), 1)
+  cfg = config_lib.derive(cfg, len(devices))
+  return cfg, make_mesh(cfg.mesh, devices)
+
+
+def compiler_options(target: Target) -> dict | None:
+  return dict(COMPILER_OPTIONS) if target.is_gpu else None
+
+
+def compile_report(cfg: ml_collections.ConfigDict, target: Target) -> dict:
+  """The contract report (ember.tools.compile's JSON) for a raw config on `target`."""
+  with gpu_checks(target):
+    cfg, mesh = prepare(cfg, target)
+    options = compiler_options(target)
+    cfg = auto_remat.resolve(cfg, mesh, compiler_options=options)
+    tx, schedule = make_optimizer(cfg.train)
+    traced = step_plan.trace_train_step(cfg, mesh, tx, schedule, remat.preset(cfg.remat))
+    t0 = time.perf_counter()
+    compiled = traced.lower().compile(compiler_options=options)
+    compile_s = time.perf_counter() - t0
+  text = compiled.as_text()
+  memory = compiled.memory_analysis()
+  peak = memory_peak(memory)
+  device_memory = target.device_memory_bytes
+  attention = hlo.attention(text)
+  report = {
+      "target": target.name, "device_kind": target.device_kind, "num_devices": len(mesh.devices.flat),
+      "fits": device_memory is None or peak <= device_memory, "device_memory_bytes": device_memory,
+      "peak_bytes": peak, "argument_bytes": int(memory.argument_size_in_bytes),
+      "output_bytes": int(memory.output_size_in_bytes), "alias_bytes": int(memory.alias_size_in_bytes),
+      "temp_bytes": int(memory.temp_size_in_bytes), "host_bytes": _host_bytes(memory),
+      "gemms": hlo.gemm_census(text), "attention": attention["kernel"],
+      "attention_kernels": {"forward": attention["forward"], "backward": attention["backward"]},
+      "collectives": hlo.collectives(text), "remat_policy": cfg.remat.policy, "recipe": cfg.quant.recipe,
+      "compile_s": round(compile_s, 2), "xla_flags": {"compiler_options": options or {},
+                                                     "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
+      "mesh": {k: int(v) for k, v in mesh.shape.items()}, "model": cfg.model.name,
+      "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "memory_note": ESTIMATE_NOTE,
+  }
+  if target.is_gpu and attention["kernel"] != "cudnn":
+    report["attention_note"] = _why_not_cudnn(cfg, mesh)
+  return report
+
+
+def _host_bytes(memory) -> int:
+  return int(sum(getattr(memory, f"host_{k}_size_in_bytes", 0) for k in ("argument", "output", "temp")))
+
+
+def _why_not_cudnn(cfg, mesh) -> str:
+  """Why the step's attention is XLA's on a GPU target: the config asks for it, or cuDNN's reason."""
+  if cfg.model.attention == "xla":
+    return "model.attention=xla"
+  from ember.layers.attention import cudnn_refusal
+  from ember.model_config import ModelConfig
+  m = ModelConfig.from_config(cfg)
+  batch = max(cfg.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]), 1)
+  reason = cudnn_refusal(batch, m.seq_len, m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+  return f"cuDNN refuses these shapes: {reason}" if reason else "cuDNN accepts the shapes; XLA kept its own attention"

@@ -1,0 +1,144 @@
+"""Named compile targets: `cpu` (the local devices) or `<gpu>x<count>`, a described GPU cluster.
+
+A GPU is a data file of device facts beside this module (`targets/<gpu>.txtpb`: an XLA
+GpuTargetConfigProto in text form: SM count, shared memory, memory size and bandwidth, clock, compute
+capability). JAX builds compile-only devices from it (`jax.experimental.topologies`), so the real train
+step compiles through XLA's GPU pipeline on any machine with the CUDA plugin installed (no GPU, no
+cuDNN, no CUDA toolkit): `h100x8` is one node of 8, `h100x16` two nodes of 8 (the mesh's `dcn_*` axes
+span nodes). The process must not have initialised a CUDA backend: `JAX_PLATFORMS=cpu` (the tools set
+it before importing JAX).
+
+What a compile-only program can and cannot tell: its kernels, collectives and XLA's memory estimate
+are those of the real program for the pinned `COMPILER_OPTIONS`; with no device there is no
+autotuning (XLA would put an untuned Triton kernel on every GEMM, which is why Triton GEMMs are off:
+cuBLAS / cuBLASLt then take them, FP8 ones included) and cuDNN's workspace is unknown, so memory
+figures are estimates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+
+import jax
+
+from ember.errors import ConfigError
+
+_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
+GPUS = tuple(sorted(f[: -len(".txtpb")] for f in os.listdir(_DIR) if f.endswith(".txtpb")))
+NODE_SIZE = 8  # GPUs per node: counts above it are whole nodes.
+
+# XLA options every target compile uses (pinned: the census and memory figures depend on them).
+# Triton GEMMs off: see the module doc. The last two only change LLVM/PTX code generation (the optimised
+# HLO is byte-identical) and cut the compile time by a third.
+COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_backend_optimization_level": 0,
+                    "xla_llvm_disable_expensive_passes": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  name: str  # As given: "cpu", "h100x8".
+  gpu: str | None  # None: the local devices.
+  count: int
+
+  @property
+  def is_gpu(self) -> bool:
+    return self.gpu is not None
+
+  @property
+  def nodes(self) -> int:
+    return max(self.count // NODE_SIZE, 1)
+
+  @property
+  def per_node(self) -> int:
+    return self.count // self.nodes
+
+  def spec(self) -> str:
+    with open(os.path.join(_DIR, f"{self.gpu}.txtpb")) as f:
+      return f.read()
+
+  @property
+  def device_memory_bytes(self) -> int | None:
+    if not self.is_gpu:
+      stats = jax.local_devices()[0].memory_stats() or {}
+      return stats.get("bytes_limit")
+    return int(re.search(r"device_memory_size:\s*(\d+)", self.spec()).group(1))
+
+  @property
+  def device_kind(self) -> str:
+    if not self.is_gpu:
+      return jax.devices()[0].device_kind
+    return re.search(r'device_description_str:\s*"([^"]+)"', self.spec()).group(1)
+
+  def devices(self) -> list:
+    """The target's devices: local ones for `cpu`, compile-only ones (node-major) for a GPU cluster."""
+    if not self.is_gpu:
+      return list(jax.devices())
+    from jax.experimental import topologies
+    try:
+      topology = topologies.get_topology_desc(platform="cuda", target_config=self.spec(),
+                                              topology=f"{self.nodes}x1x{self.per_node}")
+    except Exception as e:  # No plugin, or a CUDA backend already initialised.
+      raise ConfigError(f"--target: cannot describe {self.name} here ({_first_line(e)}); install the CUDA plugin "
+                        "(launch/install_compile_plugin.sh) and run with JAX_PLATFORMS=cpu") from None
+    return sorted(topology.devices, key=lambda d: (d.process_index, d.id))
+
+
+def _first_line(e: Exception) -> str:
+  return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def parse(name: str) -> Target:
+  """`cpu` or `<gpu>x<count>` (count 1..8, or a multiple of 8); ConfigError naming the choices otherwise."""
+  if name == "cpu":
+    return Target("cpu", None, jax.device_count())
+  m = re.fullmatch(r"([a-z0-9]+)x(\d+)", name or "")
+  if m is None or m.group(1) not in GPUS:
+    raise ConfigError(f"--target: unknown target {name!r}; choose cpu or <gpu>x<count> with gpu in {', '.join(GPUS)} "
+                      "(e.g. h100x8)")
+  count = int(m.group(2))
+  if count < 1 or (count > NODE_SIZE and count % NODE_SIZE):
+    raise ConfigError(f"--target: {name!r} has {count} GPUs; use 1 to {NODE_SIZE}, or whole nodes of {NODE_SIZE}")
+  return Target(name, m.group(1), count)
+
+
+def plugin_available() -> bool:
+  """Whether the CUDA plugin that describes GPU targets is installed (the target tests skip without it)."""
+  import importlib.util
+  return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+@contextlib.contextmanager
+def gpu_checks(target: Target):
+  """JAX's cuDNN attention checks, answered for the target GPU instead of the process's backend.
+
+  `jax._src.cudnn.fused_attention_stablehlo` asks the *default* backend (the CPU here) for the compute
+  capability, so it refuses what Hopper takes (head_dim 256), and asks libcudnn for its version, which a
+  compile-only machine need not have (XLA compiles the cuDNN custom calls without it). Within this
+  block both answer for the target. Private JAX API: if it moves, the checks stay as JAX has them."""
+  if not target.is_gpu:
+    yield
+    return
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    saved = {k: getattr(fa, k) for k in ("check_compute_capability", "is_cuda_compute_capability_equal",
+                                         "check_cudnn_version")}
+  except (ImportError, AttributeError):
+    yield
+    return
+  cc = tuple(int(x) for x in re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?",
+                                       target.spec()).groups(default="0"))
+  version = lambda c: tuple(int(x) for x in c.split("."))
+  fa.check_compute_capability = lambda c: cc >= version(c)
+  fa.is_cuda_compute_capability_equal = lambda c: cc == version(c)
+  try:
+    saved["check_cudnn_version"]()
+  except Exception:  # No libcudnn on this machine: compiling does not need it.
+    fa.check_cudnn_version = lambda: 90800
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      setattr(fa, k, v)
