@@ -54,6 +54,9 @@ def quantized_name(projection: str, operand: str) -> str:
 
 
 QUANTIZED_NAMES = tuple(quantized_name(p, o) for p in PROJECTIONS for o in QUANTIZED_OPERANDS)
+# The weight copies (`kernel`, `kernel_t`) and the activation copies (`x`, `x_t`) of QUANTIZED_NAMES.
+QUANTIZED_KERNEL_NAMES = tuple(n for n in QUANTIZED_NAMES if n.rsplit(".", 1)[1].startswith("kernel"))
+QUANTIZED_ACTIVATION_NAMES = tuple(n for n in QUANTIZED_NAMES if n not in QUANTIZED_KERNEL_NAMES)
 # Residuals laid out in MoE routing order (sorted token copies). A policy that keeps any of them also
 # keeps MOE_ROUTING: a recompute of the router need not be bitwise the forward's, and rows saved
 # in one routing order are garbage under another (layers/moe.py).
@@ -83,7 +86,10 @@ PRESETS: dict[str, Preset] = {
     "save_qkv_proj": Preset(save=(QUERY, KEY, VALUE)),
     "save_dot_except_mlp": Preset(save=(QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, ROUTER_LOGITS)),
     "minimal_offloaded": Preset(offload=PROJECTION_OUTPUTS),
-    "save_quantized_offloaded": Preset(offload=QUANTIZED_NAMES),
+    # The activation copies go to host; the weight copies stay on device: under FSDP a weight copy is the
+    # device's 1/fsdp shard in 8 bits, and one brought back from host is gathered after XLA has dequantized
+    # it (bf16 gathers, bf16 GEMMs on the GPU). docs/remat.md has the compiled evidence.
+    "save_quantized_offloaded": Preset(save=QUANTIZED_KERNEL_NAMES, offload=QUANTIZED_ACTIVATION_NAMES),
 }
 POLICIES = tuple(PRESETS) + ("custom", "auto")
 

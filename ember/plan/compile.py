@@ -22,7 +22,7 @@ from ember.plan import step as step_plan
 from ember.plan.target import COMPILER_OPTIONS, Target, gpu_checks
 from ember.plan.units import GiB
 from ember.trainer.optimizer import make_optimizer
-from ember.trainer.perf import memory_peak
+from ember.trainer.perf import host_bytes, memory_peak
 
 ESTIMATE_NOTE = ("XLA's memory estimate for the compiled program: no autotuning on a compile-only target and "
                  "cuDNN workspaces unknown; the XLA options used are in xla_flags")
@@ -65,7 +65,7 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target) -> dict:
       "fits": device_memory is None or peak <= device_memory, "device_memory_bytes": device_memory,
       "peak_bytes": peak, "argument_bytes": int(memory.argument_size_in_bytes),
       "output_bytes": int(memory.output_size_in_bytes), "alias_bytes": int(memory.alias_size_in_bytes),
-      "temp_bytes": int(memory.temp_size_in_bytes), "host_bytes": _host_bytes(memory),
+      "temp_bytes": int(memory.temp_size_in_bytes), "host_bytes": host_bytes(memory),
       "gemms": hlo.gemm_census(text), "attention": attention["kernel"],
       "attention_kernels": {"forward": attention["forward"], "backward": attention["backward"]},
       "collectives": hlo.collectives(text), "remat_policy": cfg.remat.policy, "recipe": cfg.quant.recipe,
@@ -77,10 +77,6 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target) -> dict:
   if target.is_gpu and attention["kernel"] != "cudnn":
     report["attention_note"] = _why_not_cudnn(cfg, mesh)
   return report
-
-
-def _host_bytes(memory) -> int:
-  return int(sum(getattr(memory, f"host_{k}_size_in_bytes", 0) for k in ("argument", "output", "temp")))
 
 
 def _why_not_cudnn(cfg, mesh) -> str:

@@ -3,7 +3,7 @@ collectives with the bytes they move per step.
 
 Rules, in one place:
   * a GEMM is a cuBLAS / cuBLASLt custom call (`__cublas$gemm`, `__cublas$lt$matmul`,
-    `__cublas$lt$matmul$f8`), a Triton GEMM fusion, or a `dot` outside a fusion body (the CPU's);
+    `__cublas$lt$matmul$f8`), a Triton GEMM fusion, or any other `dot` (the CPU's, fused or not);
     it is `fp8` when it is cuBLASLt's FP8 kernel or its operands are float8, else `bf16` (bf16 / f16
     operands) or `f32`. Each instruction counts once (a scan body's GEMMs once, whatever the depth).
   * attention is `cudnn` when the program calls cuDNN's fused attention (`__cudnn$fmha*`), else `xla`.
@@ -126,15 +126,16 @@ class Gemm:
 def gemms(hlo: str) -> list[Gemm]:
   instrs = instructions(hlo)
   types = {i.name: i.shape for i in instrs}
-  fusion_bodies = {i.attribute("calls") for i in instrs if i.opcode == "fusion"}
+  is_triton_gemm = lambda i: i.opcode == "fusion" and re.search(r'"kind":"__triton_(nested_)?gemm', i.line)
+  triton_bodies = {i.attribute("calls") for i in instrs if is_triton_gemm(i)}
   out = []
   for i in instrs:
     target = i.attribute("custom_call_target") if i.opcode == "custom-call" else None
     if target in _CUBLAS:
       kind = target
-    elif i.opcode == "fusion" and re.search(r'"kind":"__triton_(nested_)?gemm', i.line):
+    elif is_triton_gemm(i):
       kind = "triton_gemm"
-    elif i.opcode == "dot" and i.computation not in fusion_bodies:
+    elif i.opcode == "dot" and i.computation not in triton_bodies:
       kind = "dot"
     else:
       continue

@@ -17,7 +17,7 @@ from ember import remat
 from ember.names import BATCH_KEYS
 from ember.parallel.sharding import use_rules
 from ember.plan.jaxpr import jaxpr_flops
-from ember.trainer.perf import compiled_peak_bytes
+from ember.trainer.perf import compiled_peak_bytes, host_bytes
 from ember.trainer.state import state_shardings
 from ember.trainer.step import batch_sharding, jit_train_step
 
@@ -45,6 +45,7 @@ class StepFigures:
   flops: float  # Whole step (all devices), from the traced jaxpr: forward, recompute, backward, update.
   peak_bytes: int | None  # Per device: XLA's memory analysis of the compiled step (None: not compiled).
   xla_flops: float | None  # XLA's cost_analysis() of the compiled per-device program (loop bodies once).
+  host_bytes: int | None = None  # Per device: host memory the compiled program uses (offloaded residuals).
 
 
 def step_figures(cfg, mesh, tx, schedule, preset: remat.Preset, *, compile: bool = True,
@@ -61,4 +62,8 @@ def step_figures(cfg, mesh, tx, schedule, preset: remat.Preset, *, compile: bool
     xla_flops = float(cost["flops"]) if cost and "flops" in cost else None
   except Exception:
     xla_flops = None
-  return StepFigures(flops, compiled_peak_bytes(compiled), xla_flops)
+  try:
+    host = host_bytes(compiled.memory_analysis())
+  except Exception:  # Backends without a memory analysis.
+    host = None
+  return StepFigures(flops, compiled_peak_bytes(compiled), xla_flops, host)

@@ -11,20 +11,9 @@ line: "needs X GiB of Y"), 2 for bad input. The JSON fields are listed in ember/
 
 from __future__ import annotations
 
-import os
 import sys
 
-
-def _target_name(argv: list[str]) -> str:
-  return next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), "")
-
-
-def _before_jax(argv: list[str]) -> None:
-  """A GPU target is described, not run: keep JAX off any CUDA backend (it would fail without a GPU, and a
-  compile-only topology needs the CPU as the process's backend)."""
-  if _target_name(argv) not in ("", "cpu"):
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # The plugin's "no CUDA driver here" notices.
+from ember.tools import target_env
 
 
 def format_report(r: dict) -> str:
@@ -48,7 +37,7 @@ def format_report(r: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-  _before_jax(argv)
+  target_env.prepare_environment(argv)
   import argparse
   import json
 

@@ -1,7 +1,7 @@
 """What each remat policy saves, recomputes and costs, for one config.
 
   python -m ember.tools.remat_report --config=configs/default.py:1b --config.train.batch_size=1 \
-      --config.model.seq_len=1024 [--policies=full,save_quantized] [--compile=false] --out=remat.json
+      --config.model.seq_len=1024 [--policies=full,save_quantized] [--compile=false] [--target=h100x8] --out=remat.json
 
 Per policy (default: every preset, plus `custom` when the config lists names):
   residual_bytes_per_layer, residuals   what one decoder block saves for its backward pass: the
@@ -22,21 +22,28 @@ import argparse
 import json
 import sys
 
-import jax
+from ember.tools import target_env
 
-from ember import config as config_lib
-from ember import remat
-from ember.errors import ConfigError, fail_and_exit
-from ember.parallel.mesh import make_mesh
-from ember.plan import layer as layer_plan
-from ember.plan import step as step_plan
-from ember.plan.units import format_bytes, format_flops
-from ember.trainer.optimizer import make_optimizer
+target_env.prepare_environment(sys.argv)  # Before JAX is imported (python -m ember.tools.remat_report --target=...).
+
+import jax  # noqa: E402
+
+from ember import config as config_lib  # noqa: E402
+from ember import remat  # noqa: E402
+from ember.errors import ConfigError, EmberError, fail_and_exit  # noqa: E402
+from ember.parallel.mesh import make_mesh  # noqa: E402
+from ember.plan import compile as compile_plan  # noqa: E402
+from ember.plan import layer as layer_plan  # noqa: E402
+from ember.plan import step as step_plan  # noqa: E402
+from ember.plan import target as target_lib  # noqa: E402
+from ember.plan.units import format_bytes, format_flops  # noqa: E402
+from ember.trainer.optimizer import make_optimizer  # noqa: E402
 
 COLUMNS = (("policy", "policy"), ("residual_bytes_per_layer", "residuals/layer"),
            ("offloaded_bytes_per_layer", "offloaded/layer"), ("recomputed_quantize_ops_per_layer", "quantize ops"),
            ("recomputed_gemms_per_layer", "GEMMs"), ("recomputed_attention_matmuls_per_layer", "attn matmuls"),
-           ("flops_per_step", "FLOPs/step"), ("recomputed_flops_per_step", "recomputed"), ("peak_bytes", "peak/device"))
+           ("flops_per_step", "FLOPs/step"), ("recomputed_flops_per_step", "recomputed"), ("peak_bytes", "peak/device"),
+           ("host_bytes", "host/device"))
 
 
 def policy_names(requested: str, cfg) -> list[str]:
@@ -51,24 +58,28 @@ def policy_names(requested: str, cfg) -> list[str]:
   return names
 
 
-def build_report(cfg, names, *, compile: bool = True, batch: int | None = None) -> dict:
-  """The report for a validated, derived config (see the module doc)."""
-  mesh = make_mesh(cfg.mesh)
+def build_report(cfg, names, *, compile: bool = True, batch: int | None = None, mesh=None,
+                 compiler_options: dict | None = None, target: str = "") -> dict:
+  """The report for a validated, derived config (see the module doc); `mesh` and `compiler_options` a
+  target's (default: the local devices)."""
+  mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
   tx, schedule = make_optimizer(cfg.train)
   presets = {n: remat.preset(cfg.remat, n) for n in names}
   layers = layer_plan.layer_report(cfg, presets, batch=batch)
-  figures = {n: step_plan.step_figures(cfg, mesh, tx, schedule, p, compile=compile) for n, p in presets.items()}
+  figures = {n: step_plan.step_figures(cfg, mesh, tx, schedule, p, compile=compile, compiler_options=compiler_options)
+             for n, p in presets.items()}
   base = figures["none"].flops if "none" in figures else step_plan.step_figures(
       cfg, mesh, tx, schedule, remat.PRESETS["none"], compile=False).flops
   rows = []
   for n in names:
     f = figures[n]
     rows.append({"policy": n, **layers[n], "flops_per_step": f.flops, "recomputed_flops_per_step": f.flops - base,
-                 "xla_flops_per_device": f.xla_flops, "peak_bytes": f.peak_bytes, "peak_source": "compiled"})
+                 "xla_flops_per_device": f.xla_flops, "peak_bytes": f.peak_bytes, "host_bytes": f.host_bytes,
+                 "peak_source": "compiled"})
   m = cfg.model
   about = {"model": m.name, "recipe": cfg.quant.recipe, "batch_size": cfg.train.batch_size, "seq_len": m.seq_len,
-           "layer_batch_per_device": batch or layer_plan.per_device_batch(cfg), "devices": jax.device_count(),
-           "backend": jax.default_backend(), "mesh": {a: int(cfg.mesh[a]) for a in ("data", "fsdp", "tensor", "expert")}}
+           "layer_batch_per_device": batch or layer_plan.per_device_batch(cfg), "devices": len(mesh.devices.flat),
+           "backend": target or jax.default_backend(), "mesh": {k: int(v) for k, v in mesh.shape.items()}}
   return {"config": about, "policies": rows}
 
 
@@ -123,6 +134,7 @@ def _parse(argv: list[str]):
                       help="compile the train step per policy for peak bytes (slow for big models)")
   parser.add_argument("--layer_batch", type=int, default=0, help="sequences per device for the residuals (0 = config)")
   parser.add_argument("--residuals", default="true", choices=("true", "false"), help="print the per-residual table")
+  parser.add_argument("--target", default="cpu", help="compile for this target (cpu, h100x8, ...): peaks are its")
   args, unknown = parser.parse_known_args(argv)
   if unknown:
     raise ConfigError(f"{unknown[0]}: unknown command-line argument")
@@ -133,11 +145,13 @@ def main(argv: list[str]) -> int:
   try:
     args = _parse([a for a in argv[1:] if not a.startswith("--config")])
     cfg = config_lib.load([argv[0]] + [a for a in argv[1:] if a.startswith("--config")])
-    config_lib.validate(cfg, jax.device_count(), jax.process_count())
-    cfg = config_lib.derive(cfg, jax.device_count())
-    names = policy_names(args.policies, cfg)
-    report = build_report(cfg, names, compile=args.compile == "true", batch=args.layer_batch or None)
-  except ConfigError as e:
+    target = target_lib.parse(args.target)
+    with target_lib.gpu_checks(target):
+      cfg, mesh = compile_plan.prepare(cfg, target)
+      names = policy_names(args.policies, cfg)
+      report = build_report(cfg, names, compile=args.compile == "true", batch=args.layer_batch or None, mesh=mesh,
+                            compiler_options=compile_plan.compiler_options(target), target=target.name)
+  except EmberError as e:
     fail_and_exit(e)
   with open(args.out, "w") as f:
     json.dump(report, f, indent=1)

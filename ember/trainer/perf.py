@@ -71,6 +71,12 @@ def memory_peak(m) -> int:
                      - m.alias_size_in_bytes)
 
 
+def host_bytes(m) -> int:
+  """Host memory a compiled program uses per device (residuals offloaded by a remat policy), from its
+  memory analysis."""
+  return int(sum(getattr(m, f"host_{k}_size_in_bytes", 0) for k in ("argument", "output", "temp")))
+
+
 def compiled_peak_bytes(compiled) -> int | None:
   """XLA's estimate of a compiled program's peak device memory (`memory_peak`); None where there is none."""
   try:

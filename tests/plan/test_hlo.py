@@ -1,0 +1,65 @@
+"""Reading compiled programs: GEMM precision, attention kernel, collective bytes with loop trip counts.
+On a hand-written HLO text (no compiler needed) and on a real CPU compile."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ember.plan import hlo
+
+TEXT = """HloModule m
+
+%body (p: (s32[], bf16[64,128])) -> (s32[], bf16[64,128]) {
+  %p = (s32[], bf16[64,128]{1,0}) parameter(0)
+  %a = f8e4m3fn[64,32]{1,0} parameter(1)
+  %b = f8e4m3fn[32,128]{1,0} parameter(2)
+  %s = f32[] parameter(3)
+  %g = (f32[64,128]{1,0}, s8[1024]{0}) custom-call(%a, %b, %s, %s), custom_call_target="__cublas$lt$matmul$f8"
+  %ag-start = ((f8e4m3fn[4,128]{1,0}), f8e4m3fn[32,128]{1,0}) all-gather-start(%w), replica_groups={{0,1,2,3,4,5,6,7}}
+  %ag-done = f8e4m3fn[32,128]{1,0} all-gather-done(%ag-start)
+  %rs = f32[4,128]{1,0} reduce-scatter(%x), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  ROOT %t = (s32[], bf16[64,128]{1,0}) tuple(%i, %y)
+}
+
+ENTRY %main (x: bf16[64,32]) -> f32[64,64] {
+  %x = bf16[64,32]{1,0} parameter(0)
+  %w = bf16[32,64]{1,0} parameter(1)
+  %d = (f32[64,64]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul"
+  %f = f32[64,64]{1,0} parameter(2)
+  %e = (f32[64,64]{1,0}, s8[0]{0}) custom-call(%f, %f), custom_call_target="__cublas$gemm"
+  %att = (bf16[2,8,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax"
+  %attb = (bf16[2,8,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmaxBackward"
+  %ar = f32[16]{0} all-reduce(%z), replica_groups={{0,1}}, to_apply=%add
+  %loop = (s32[], bf16[64,128]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = f32[64,64]{1,0} copy(%d)
+}
+"""
+
+
+def test_gemm_precision_by_kernel_and_operands():
+  assert hlo.gemm_census(TEXT) == {"fp8": 1, "bf16": 1, "f32": 1}
+  kinds = {g.kind: g.operand_dtypes for g in hlo.gemms(TEXT)}
+  assert kinds["__cublas$lt$matmul$f8"] == ("f8e4m3fn", "f8e4m3fn")
+
+
+def test_attention_kernel():
+  assert hlo.attention(TEXT) == {"kernel": "cudnn", "forward": 1, "backward": 1}
+  assert hlo.attention("ENTRY %m () -> f32[] {\n  %d = f32[2,2]{1,0} dot(%a, %b)\n}")["kernel"] == "xla"
+
+
+def test_collective_bytes_per_step_count_loop_trips():
+  got = hlo.collectives(TEXT)
+  assert got["all-gather"] == 3 * 32 * 128  # The gathered f8 result, 3 trips.
+  assert got["reduce-scatter"] == 3 * 4 * 4 * 128  # Its input, 3 trips.
+  assert got["all-reduce"] == 16 * 4  # Outside the loop: once.
+
+
+def test_real_cpu_program():
+  """A CPU compile of a sharded matmul: its dot is found, its all-reduce has the operand's bytes."""
+  mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+  a = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, "x")))
+  b = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("x", None)))
+  text = jax.jit(lambda a, b: a @ b, out_shardings=NamedSharding(mesh, P())).lower(a, b).compile().as_text()
+  assert hlo.gemm_census(text)["f32"] == 1
+  assert hlo.collectives(text).get("all-reduce") == np.float32(16 * 32 * 4)

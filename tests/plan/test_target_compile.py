@@ -1,0 +1,104 @@
+"""The train step compiled for described GPUs (no GPU here): FP8 GEMMs, cuDNN attention, memory, exit codes.
+
+Needs JAX's CUDA plugin (launch/install_compile_plugin.sh; .ci/run installs it in a venv of its own and
+runs this file there). Without it every test here skips with that one reason."""
+
+import json
+
+import pytest
+
+from ember import config as config_lib
+from ember import remat
+from ember.plan import target as target_lib
+from ember.plan.compile import compile_report
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.skipif(not target_lib.plugin_available(),
+                                reason="JAX's CUDA plugin is not installed (launch/install_compile_plugin.sh)")
+
+TINY = [f"--config={ROOT}/configs/default.py:tiny", "--config.data.source=synthetic"]
+# The tiny model's scan body is one layer with 4 quantized projections (qkv, out, wi, wo); the LM head
+# is excluded (bf16): its forward, dgrad and wgrad are the 3 bf16 GEMMs of every census below.
+QUANTIZED_PROJECTIONS, HEAD_GEMMS = 4, 3
+
+
+def report(target, *flags):
+  return compile_report(config_lib.load(["compile", *TINY, *flags]), target_lib.parse(target))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+def test_fp8_gemms_forward_dgrad_wgrad(recipe):
+  r = report("h100x1", f"--config.quant.recipe={recipe}", "--config.remat.policy=none")
+  assert r["gemms"] == {"fp8": 3 * QUANTIZED_PROJECTIONS, "bf16": HEAD_GEMMS, "f32": 0}, r["gemms"]
+
+
+@pytest.mark.parametrize("policy", [p for p in remat.PRESETS if p != "none"])
+def test_no_quantized_gemm_left_in_bf16_under_any_preset(policy):
+  """Presets that recompute forward projections add FP8 GEMMs (recomputed from saved or re-quantized
+  operands), never bf16 ones."""
+  r = report("h100x1", "--config.quant.recipe=fp8_current", f"--config.remat.policy={policy}")
+  assert r["gemms"]["bf16"] == HEAD_GEMMS and r["gemms"]["f32"] == 0, r["gemms"]
+  assert 3 * QUANTIZED_PROJECTIONS <= r["gemms"]["fp8"] <= 4 * QUANTIZED_PROJECTIONS, r["gemms"]
+
+
+def test_fsdp_keeps_dgrad_in_fp8():
+  """With kernels sharded over 8 GPUs the dgrad GEMM still takes the FP8 kernel (gathered in 8 bits)."""
+  for policy, fp8 in (("none", 12), ("save_quantized", 15)):
+    r = report("h100x8", "--config.quant.recipe=fp8_delayed", "--config.mesh.fsdp=8", "--config.train.batch_size=16",
+               f"--config.remat.policy={policy}")
+    assert r["gemms"] == {"fp8": fp8, "bf16": HEAD_GEMMS, "f32": 0}, (policy, r["gemms"])
+    assert r["collectives"]["all-gather"] > 0 and r["collectives"]["reduce-scatter"] > 0
+
+
+def test_bf16_recipe_has_no_fp8_gemm():
+  r = report("h100x1", "--config.quant.recipe=bf16", "--config.remat.policy=none")
+  assert r["gemms"]["fp8"] == 0 and r["gemms"]["f32"] == 0 and r["gemms"]["bf16"] > 0
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_cudnn_attention_forward_and_backward(head_dim):
+  r = report("h100x1", "--config.remat.policy=none", f"--config.model.head_dim={head_dim}")
+  assert r["attention"] == "cudnn", r.get("attention_note")
+  assert r["attention_kernels"]["forward"] >= 1 and r["attention_kernels"]["backward"] >= 1
+
+
+def test_xla_attention_says_why():
+  r = report("h100x1", "--config.model.attention=xla")
+  assert r["attention"] == "xla" and r["attention_note"] == "model.attention=xla"
+
+
+def test_offloaded_residuals_live_on_the_host():
+  """Batch 32 x 512: the quantized activation copies are big enough for offloading to lower the device peak."""
+  big = ["--config.quant.recipe=fp8_current", "--config.train.batch_size=32", "--config.model.seq_len=512"]
+  kept = report("h100x1", *big, "--config.remat.policy=save_quantized")
+  moved = report("h100x1", *big, "--config.remat.policy=save_quantized_offloaded")
+  assert kept["host_bytes"] == 0 and moved["host_bytes"] > 0
+  assert moved["peak_bytes"] < kept["peak_bytes"], (moved["peak_bytes"], kept["peak_bytes"])
+
+
+def test_compile_tool_exit_codes(tmp_path, capsys):
+  from ember.tools import compile as tool
+  llama = [f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
+           "--config.quant.recipe=fp8_current", "--target=h100x8"]
+  out = tmp_path / "fits.json"
+  assert tool.main(["compile", *llama, "--config.train.batch_size=8", "--config.remat.policy=save_quantized",
+                    f"--out={out}"]) == 0
+  r = json.loads(out.read_text())
+  assert r["fits"] and r["peak_bytes"] < 80 * 2**30 and r["num_devices"] == 8 and r["target"] == "h100x8"
+  for key in ("device_kind", "device_memory_bytes", "argument_bytes", "output_bytes", "temp_bytes", "host_bytes",
+              "gemms", "attention", "collectives", "remat_policy", "recipe", "compile_s", "xla_flags"):
+    assert key in r, key
+  assert r["gemms"]["fp8"] > 0 and r["attention"] == "cudnn"
+  capsys.readouterr()
+  assert tool.main(["compile", *llama, "--config.train.batch_size=16", "--config.remat.policy=none"]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("error: needs ") and "GiB per device on h100x8" in err[-1]
+
+
+def test_unknown_target_is_one_line_exit_2(capsys):
+  from ember.tools import compile as tool
+  with pytest.raises(SystemExit) as e:
+    tool.main(["compile", *TINY, "--target=a100x3"])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.strip() == ("error: --target: unknown target 'a100x3'; choose cpu or <gpu>x<count> "
+                                             "with gpu in h100, h200 (e.g. h100x8)")
