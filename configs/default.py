@@ -26,8 +26,9 @@ def get_config(preset: str = "small"):
 
 
 def apply_preset(c, preset: str):
-  """Applies `configs/models/PRESET.py` to the config `c` (model shape and size-specific train keys)."""
+  """Applies `configs/models/PRESET.py` to the config `c` (model shape and size-specific train and remat keys)."""
   p = models.get(preset)
   c.model.update(p.MODEL)
   c.train.update(getattr(p, "TRAIN", {}))
+  c.remat.update(getattr(p, "REMAT", {}))
   return c
