@@ -102,3 +102,12 @@ def test_unknown_target_is_one_line_exit_2(capsys):
   assert e.value.code == 2
   assert capsys.readouterr().err.strip() == ("error: --target: unknown target 'a100x3'; choose cpu or <gpu>x<count> "
                                              "with gpu in h100, h200 (e.g. h100x8)")
+
+
+def test_auto_chooses_under_the_target_memory():
+  """`auto` with no budget takes the target's 79.1 GiB: llama3_8b's `none` (79.4 GiB) is out, `full` in."""
+  cfg = config_lib.load(["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
+                         "--config.quant.recipe=fp8_current", "--config.train.batch_size=8",
+                         "--config.remat.policy=auto", "--config.remat.auto_candidates=('none', 'full')"])
+  r = compile_report(cfg, target_lib.parse("h100x8"))
+  assert r["remat_policy"] == "full" and r["fits"]
