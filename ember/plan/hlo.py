@@ -27,6 +27,7 @@ _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "f4e2m1fn": 0.5, "s8": 1, "u8": 1, "f
           "u64": 8}
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 _CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+_HALF = ("bf16", "f16")  # HLO element types of 16-bit floats.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +143,7 @@ def gemms(hlo: str) -> list[Gemm]:
     dtypes = tuple(_dtype(types.get(o, "?")) for o in i.operands[:2])
     if kind.endswith("$f8") or any(d.startswith("f8") for d in dtypes):
       precision = "fp8"
-    elif all(d in ("bf16", "f16") for d in dtypes):
+    elif all(d in _HALF for d in dtypes):
       precision = "bf16"
     else:
       precision = "f32"
