@@ -39,6 +39,12 @@ def get_config() -> ml_collections.ConfigDict:
   m.shared_expert_d_ff = 0  # Width of an always-on shared expert (0 = none).
   m.router_softmax_first = False  # False: softmax over the selected k; True: softmax, top-k, renormalise.
   m.capacity_factor = 0.0  # 0 = dropless; > 0 = drop tokens past capacity_factor * tokens*k/experts.
+  # Token exchange under expert parallelism (ember/layers/moe_dispatch.py): "allgather" (gather the
+  # expert group's tokens), "alltoall" (fixed buffers), "ragged" (only the routed copies; GPUs), or
+  # "auto" (ragged on GPUs, allgather elsewhere).
+  m.moe_dispatch = "auto"
+  m.moe_ragged_buffer = 2.0  # ragged: receive-buffer rows = this x tokens x k per device; overflow is
+  # counted in moe_overflow_tokens.
   m.load_balance_weight = 0.01  # Switch load-balancing loss weight.
   m.router_z_weight = 0.001  # Router z-loss weight.
 

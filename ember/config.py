@@ -95,7 +95,8 @@ _SCALARS = {
     "model.init_std": ("float", ">=0"), "model.num_experts": ("int", ">=0"),
     "model.experts_per_token": ("int", ">=1"), "model.moe_every": ("int", ">=1"),
     "model.shared_expert_d_ff": ("int", ">=0"), "model.router_softmax_first": ("bool", ""),
-    "model.capacity_factor": ("float", ">=0"), "model.load_balance_weight": ("float", ">=0"),
+    "model.capacity_factor": ("float", ">=0"), "model.moe_dispatch": ("str", ""),
+    "model.moe_ragged_buffer": ("float", ">0"), "model.load_balance_weight": ("float", ">=0"),
     "model.router_z_weight": ("float", ">=0"),
     "train.batch_size": ("int", ">=1"), "train.learning_rate": ("float", ">=0"),
     "train.warmup_steps": ("int", ">=0"), "train.decay_steps": ("int", ">=0"),
@@ -127,6 +128,7 @@ _STRING_TUPLES = ("quant.exclude", "remat.save_names", "remat.offload_names", "r
 # Keys with a fixed set of values.
 _CHOICES = {
     "model.param_dtype": DTYPES, "model.dtype": DTYPES, "model.attention": ("auto", "xla", "cudnn"),
+    "model.moe_dispatch": ("auto", "allgather", "alltoall", "ragged"),
     "quant.recipe": RECIPES, "quant.amax_compute_algo": ("max", "most_recent"), "remat.policy": remat.POLICIES,
     "data.source": DATA_SOURCES,
 }

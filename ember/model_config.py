@@ -44,6 +44,8 @@ class ModelConfig:
   shared_expert_d_ff: int = 0
   router_softmax_first: bool = False
   capacity_factor: float = 0.0
+  moe_dispatch: str = "auto"  # allgather | alltoall | ragged | auto (ember/layers/moe_dispatch.py).
+  moe_ragged_buffer: float = 2.0
   recipe: Recipe = Recipe()
 
   @classmethod
@@ -57,7 +59,8 @@ class ModelConfig:
         dtype=jnp.dtype(m.dtype), attention=str(m.attention), init_std=float(m.init_std),
         num_experts=int(m.num_experts), experts_per_token=int(m.experts_per_token), moe_every=int(m.moe_every),
         shared_expert_d_ff=int(m.shared_expert_d_ff), router_softmax_first=bool(m.router_softmax_first),
-        capacity_factor=float(m.capacity_factor), recipe=Recipe.from_config(cfg.quant))
+        capacity_factor=float(m.capacity_factor), moe_dispatch=str(m.moe_dispatch),
+        moe_ragged_buffer=float(m.moe_ragged_buffer), recipe=Recipe.from_config(cfg.quant))
 
   # --- Attention ------------------------------------------------------------------------------------
 

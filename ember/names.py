@@ -47,4 +47,5 @@ MOE_LOAD_BALANCE_LOSS = "moe_load_balance_loss"
 MOE_ROUTER_Z_LOSS = "moe_router_z_loss"
 MOE_DROPPED_TOKENS = "moe_dropped_tokens"
 MOE_ROUTED_TOKENS = "moe_routed_tokens"
-AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS)
+MOE_OVERFLOW_TOKENS = "moe_overflow_tokens"  # Copies beyond the ragged dispatcher's receive buffer.
+AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS, MOE_OVERFLOW_TOKENS)

@@ -43,10 +43,12 @@ from jax.sharding import PartitionSpec as P
 
 from ember import remat
 from ember.layers.linear import QuantState, projection_key
+from ember.layers import moe_dispatch
 from ember.layers.mlp import MLP
 from ember.model_config import ModelConfig
 from ember.names import (BATCH, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MOE_DROPPED_TOKENS,
-                         MOE_LOAD_BALANCE_LOSS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, PROJECTIONS)
+                         MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS,
+                         PROJECTIONS)
 from ember.parallel import sharding
 from ember.quant.grouped import grouped_matmul
 from ember.quant.recipe import Recipe
@@ -64,12 +66,12 @@ class Options:
   dtype: jnp.dtype
   wi_recipe: Recipe
   wo_recipe: Recipe
+  dispatch: str = moe_dispatch.AUTO  # See layers/moe_dispatch.py.
+  ragged_buffer: float = 2.0
 
   def capacity(self, tokens: int) -> int | None:
     """Copies each expert keeps per token shard; None = dropless."""
-    if self.capacity_factor <= 0:
-      return None
-    return max(math.ceil(self.capacity_factor * tokens * self.k / self.num_experts), 1)
+    return moe_dispatch.expert_capacity(self.capacity_factor, tokens, self.k, self.num_experts)
 
 
 class ExpertKernel(nnx.Module):
@@ -107,7 +109,7 @@ class MoE(nnx.Module):
     self.shared = MLP(model, model.shared_expert_d_ff, layer=layer, rngs=rngs,
                       names=("shared_wi", "shared_wo")) if model.shared_expert_d_ff else None
     self.options = Options(e, model.experts_per_token, model.router_softmax_first, model.capacity_factor,
-                           model.dtype, self.wi.recipe, self.wo.recipe)
+                           model.dtype, self.wi.recipe, self.wo.recipe, model.moe_dispatch, model.moe_ragged_buffer)
 
   def __call__(self, x_BxLxD, segment_ids_BxL, key=None):
     """(y [B, L, D], aux): aux holds names.AUX_KEYS as float32 scalars."""
@@ -156,38 +158,79 @@ def _axes(entry) -> tuple[str, ...]:
 def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, *, opts: Options,
              token_axes, expert_axes):
   b, l, d = x_BxLxD.shape
-  t, k = b * l, opts.k
+  t = b * l
   x_TxD = x_BxLxD.reshape(t, d)
   valid_T = segment_ids_BxL.reshape(t) > 0
   logits_TxE, probs_TxE, weights_TxK, experts_TxK = route(x_TxD, router_DxE, opts)
   keep_TxK = keep_mask(experts_TxK, valid_T, opts.num_experts, opts.capacity(t))
   aux = aux_losses(logits_TxE, probs_TxE, experts_TxK, keep_TxK, valid_T, opts.num_experts, token_axes)
 
-  # Expert parallelism: this device computes the copies of its expert group's tokens that chose one
-  # of its own experts.
-  e_local, first = wi_ExDx2xF.shape[0], 0
-  if expert_axes:
-    gather = lambda a: jax.lax.all_gather(a, expert_axes, axis=0, tiled=True)
-    x_TxD, weights_TxK, experts_TxK, keep_TxK = map(gather, (x_TxD, weights_TxK, experts_TxK, keep_TxK))
-    first = jax.lax.axis_index(expert_axes) * e_local
   if keys is not None and token_axes:  # Distinct stochastic-rounding noise on every token shard.
     keys = tuple(jax.random.fold_in(key, jax.lax.axis_index(token_axes)) for key in keys)
-  rows = x_TxD.shape[0] * min(k, e_local)  # Static bound: a token sends at most min(k, E_local) copies here,
-  capacity = opts.capacity(t)
-  if capacity is not None:  # and each token shard at most `capacity` to each expert.
-    rows = min(rows, x_TxD.shape[0] // t * e_local * capacity)
-  plan = dispatch_plan(experts_TxK - first, keep_TxK, e_local, rows)
-
-  xs_RxD = take_rows(x_TxD, plan.token_of_row, plan.row_of_copy)
-  y_RxD = _swiglu(xs_RxD, wi_ExDx2xF, wo_ExFxD, plan.group_sizes, histories, keys, opts, token_axes)
-  y_TxKxD = take_rows(y_RxD, plan.row_of_copy.reshape(-1), plan.copy_of_row[:, None]).reshape(-1, k, d)
+  e_local = wi_ExDx2xF.shape[0]
+  ffn = functools.partial(_swiglu, wi_ExDx2xF=wi_ExDx2xF, wo_ExFxD=wo_ExFxD, histories=histories, keys=keys, opts=opts,
+                          token_axes=token_axes)
+  dispatch = moe_dispatch.resolve(opts.dispatch) if expert_axes else moe_dispatch.ALLGATHER
+  if dispatch == moe_dispatch.ALLGATHER:
+    y_TxKxD, overflow = _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, t=t, e_local=e_local,
+                                           capacity=opts.capacity(t), expert_axes=expert_axes), 0.0
+    weights_TxK = jax.lax.all_gather(weights_TxK, expert_axes, axis=0, tiled=True) if expert_axes else weights_TxK
+  else:
+    y_TxKxD, overflow = _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, dispatch, e_local=e_local,
+                                           capacity=opts.capacity(t), ragged_buffer=opts.ragged_buffer,
+                                           expert_axes=expert_axes)
+  aux[MOE_OVERFLOW_TOKENS] = jax.lax.psum(jnp.asarray(overflow, F32), token_axes) if token_axes else \
+      jnp.asarray(overflow, F32)
   out_TxD = jnp.einsum("tk,tkd->td", weights_TxK, y_TxKxD.astype(F32)).astype(opts.dtype)
-  if expert_axes:
+  if expert_axes and dispatch == moe_dispatch.ALLGATHER:
     out_TxD = jax.lax.psum_scatter(out_TxD, expert_axes, scatter_dimension=0, tiled=True)
   return out_TxD.reshape(b, l, d), aux
 
 
-def _swiglu(xs_RxD, wi_ExDx2xF, wo_ExFxD, group_sizes_E, histories, keys, opts: Options, token_axes):
+def _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, *, t, e_local, capacity, expert_axes):
+  """Each device gathers its expert group's tokens and computes the copies bound for its own experts:
+  [n * T, k, D] outputs (zero for copies computed elsewhere), reduce-scattered by the caller."""
+  k, d = experts_TxK.shape[1], x_TxD.shape[1]
+  first = 0
+  if expert_axes:
+    gather = lambda a: jax.lax.all_gather(a, expert_axes, axis=0, tiled=True)
+    x_TxD, experts_TxK, keep_TxK = map(gather, (x_TxD, experts_TxK, keep_TxK))
+    first = jax.lax.axis_index(expert_axes) * e_local
+  rows = moe_dispatch.gemm_rows(moe_dispatch.ALLGATHER, tokens=t, k=k, num_local=e_local, n=x_TxD.shape[0] // t,
+                                capacity=capacity, ragged_buffer=0.0)
+  plan = dispatch_plan(experts_TxK - first, keep_TxK, e_local, rows)
+  xs_RxD = take_rows(x_TxD, plan.token_of_row, plan.row_of_copy)
+  y_RxD = ffn(xs_RxD, plan.group_sizes)
+  return take_rows(y_RxD, plan.row_of_copy.reshape(-1), plan.copy_of_row[:, None]).reshape(-1, k, d)
+
+
+def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, dispatch, *, e_local, capacity, ragged_buffer,
+                       expert_axes):
+  """The copies of this token shard sent to their experts' devices and back (alltoall or ragged):
+  ([T, k, D] outputs, copies that overflowed the ragged receive buffer)."""
+  t, k = experts_TxK.shape
+  d = x_TxD.shape[1]
+  n = math.prod(jax.lax.axis_size(a) for a in expert_axes)
+  num_experts = n * e_local
+  plan = dispatch_plan(experts_TxK, keep_TxK, num_experts, t * k)  # By global expert: destination-major.
+  xs_CxD = take_rows(x_TxD, plan.token_of_row, plan.row_of_copy)
+  if dispatch == moe_dispatch.ALLTOALL:
+    slots = moe_dispatch.gemm_rows(dispatch, tokens=t, k=k, num_local=e_local, n=1, capacity=capacity,
+                                   ragged_buffer=ragged_buffer)
+    expert_C = jnp.take(experts_TxK.reshape(-1), plan.copy_of_row, mode="fill", fill_value=num_experts)
+    ys_CxD = moe_dispatch.alltoall(xs_CxD, expert_C, plan.group_sizes, num_local=e_local, slots=slots,
+                                   axes=expert_axes, ffn=ffn)
+    overflow = 0.0
+  else:
+    rows = moe_dispatch.gemm_rows(dispatch, tokens=t, k=k, num_local=e_local, n=n, capacity=capacity,
+                                  ragged_buffer=ragged_buffer)
+    ys_CxD, overflow = moe_dispatch.ragged(xs_CxD, plan.group_sizes, num_local=e_local, buffer_rows=rows,
+                                           axes=expert_axes, ffn=ffn)
+  y_TxKxD = take_rows(ys_CxD, plan.row_of_copy.reshape(-1), plan.copy_of_row[:, None]).reshape(t, k, d)
+  return y_TxKxD, overflow
+
+
+def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, opts: Options, token_axes):
   e, d, _, f = wi_ExDx2xF.shape
   key_wi, key_wo = (None, None) if keys is None else keys
   common = dict(dtype=opts.dtype, reduce_axes=token_axes)

@@ -44,8 +44,9 @@ def compiler_options(target: Target) -> dict | None:
   return dict(COMPILER_OPTIONS) if target.is_gpu else None
 
 
-def compile_report(cfg: ml_collections.ConfigDict, target: Target) -> dict:
-  """The contract report (ember.tools.compile's JSON) for a raw config on `target`."""
+def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: str = "") -> dict:
+  """The contract report (ember.tools.compile's JSON) for a raw config on `target`; `hlo_out`: a file for
+  the optimised HLO text."""
   with gpu_checks(target):
     cfg, mesh = prepare(cfg, target)
     options = compiler_options(target)
@@ -56,6 +57,9 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target) -> dict:
     compiled = traced.lower().compile(compiler_options=options)
     compile_s = time.perf_counter() - t0
   text = compiled.as_text()
+  if hlo_out:
+    with open(hlo_out, "w") as f:
+      f.write(text)
   memory = compiled.memory_analysis()
   peak = memory_peak(memory)
   device_memory = target.device_memory_bytes
@@ -76,7 +80,24 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target) -> dict:
   }
   if target.is_gpu and attention["kernel"] != "cudnn":
     report["attention_note"] = _why_not_cudnn(cfg, mesh)
+  if cfg.model.num_experts:
+    report["moe"] = moe_figures(cfg, mesh, target)
   return report
+
+
+def moe_figures(cfg, mesh, target: Target) -> dict:
+  """The token exchange of an MoE step: the dispatcher that runs and the grouped GEMMs' rows per device."""
+  from ember.layers import moe_dispatch
+  from ember.model_config import ModelConfig
+  m = ModelConfig.from_config(cfg)
+  n = int(mesh.shape["expert"])
+  tokens = cfg.train.batch_size * m.seq_len // (int(mesh.shape["data"]) * int(mesh.shape["fsdp"]) * n)
+  capacity = moe_dispatch.expert_capacity(m.capacity_factor, tokens, m.experts_per_token, m.num_experts)
+  dispatch = moe_dispatch.resolve(m.moe_dispatch, "gpu" if target.is_gpu else "cpu") if n > 1 else "local"
+  rows = moe_dispatch.gemm_rows(moe_dispatch.ALLGATHER if n == 1 else dispatch, tokens=tokens,
+                                k=m.experts_per_token, num_local=m.num_experts // n, n=n, capacity=capacity,
+                                ragged_buffer=m.moe_ragged_buffer)
+  return {"dispatch": dispatch, "expert_parallel": n, "tokens_per_shard": tokens, "gemm_rows_per_rank": rows}
 
 
 def _why_not_cudnn(cfg, mesh) -> str:

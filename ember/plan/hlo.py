@@ -8,7 +8,8 @@ Rules, in one place:
     operands) or `f32`. Each instruction counts once (a scan body's GEMMs once, whatever the depth).
   * attention is `cudnn` when the program calls cuDNN's fused attention (`__cudnn$fmha*`), else `xla`.
   * a collective's bytes are what one device holds of it (all-gather: the gathered result; reduce-scatter:
-    its input; the rest: the operand), times the trip count of every loop around it (XLA records
+    its input; ragged-all-to-all: the smaller of its operand and its output buffer, a bound on what the
+    routing moves; the rest: the operand), times the trip count of every loop around it (XLA records
     `known_trip_count` on the while ops of a scan), so `collectives` is bytes per device per step.
 """
 
@@ -168,6 +169,7 @@ def collectives(hlo: str) -> dict[str, float]:
   """{kind: bytes per device per step} (see the module doc)."""
   instrs = instructions(hlo)
   factor = loop_multipliers(instrs)
+  types = {i.name: i.shape for i in instrs}
   totals: dict[str, float] = collections.defaultdict(float)
   for i in instrs:
     op = i.opcode[: -len("-start")] if i.opcode.endswith("-start") else i.opcode
@@ -179,7 +181,11 @@ def collectives(hlo: str) -> dict[str, float]:
       src, dst = parts[0], parts[1]  # Async start: ((inputs), (outputs), ...).
     else:
       src = dst = shape
-    totals[op] += (nbytes(src) if op == "reduce-scatter" else nbytes(dst)) * factor.get(i.computation, 1)
+    if op == "ragged-all-to-all":  # At most its operand leaves a device, at most its output buffer arrives.
+      held = min(nbytes(types.get(i.operands[0], dst)), nbytes(dst)) if i.operands else nbytes(dst)
+    else:
+      held = nbytes(src) if op == "reduce-scatter" else nbytes(dst)
+    totals[op] += held * factor.get(i.computation, 1)
   return dict(totals)
 
 

@@ -32,6 +32,8 @@ def format_report(r: dict) -> str:
       f"  GEMMs:       {g['fp8']} fp8, {g['bf16']} bf16, {g['f32']} f32 (each instruction once; a scan body once)",
       f"  attention:   {attention}",
       f"  collectives: {collectives} per device per step",
+      *([f"  MoE:         dispatch {r['moe']['dispatch']} over {r['moe']['expert_parallel']} devices, "
+         f"{r['moe']['gemm_rows_per_rank']:,} grouped-GEMM rows per device"] if r.get("moe") else []),
       f"  compiled in {r['compile_s']:.1f} s; memory is an estimate: {r['memory_note']}",
   ])
 
@@ -49,13 +51,14 @@ def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(prog="python -m ember.tools.compile", allow_abbrev=False)
   parser.add_argument("--target", required=True, help="cpu or <gpu>x<count>, e.g. h100x8")
   parser.add_argument("--out", default="", help="JSON file to write")
+  parser.add_argument("--hlo_out", default="", help="file for the optimised HLO text")
   try:
     args, unknown = parser.parse_known_args([a for a in argv[1:] if not a.startswith("--config")])
     if unknown:
       raise ConfigError(f"{unknown[0]}: unknown command-line argument")
     target = target_lib.parse(args.target)
     cfg = config_lib.load([argv[0]] + [a for a in argv[1:] if a.startswith("--config")])
-    report = compile_report(cfg, target)
+    report = compile_report(cfg, target, hlo_out=args.hlo_out)
   except EmberError as e:
     fail_and_exit(e)
   except SystemExit as e:  # argparse: a missing --target.

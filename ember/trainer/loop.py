@@ -27,9 +27,10 @@ from ember import remat
 from ember.data import build_tokenizer
 from ember.data.sharded import data_iterator, global_batch
 from ember.errors import ConfigError
+from ember.layers import moe_dispatch
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
-from ember.parallel.sharding import use_rules
+from ember.parallel.sharding import target_platform, use_rules
 from ember.trainer import step as step_lib
 from ember.trainer.checkpointing import Checkpointer, restore_from
 from ember.trainer.metrics import MetricsWriter, console, progress_line
@@ -116,8 +117,12 @@ def _compile(step_fn, state, batch, cfg, mesh):
   compiled = step_fn.lower(state, batch).compile()
   peak = compiled_peak_bytes(compiled)
   memory = "no memory analysis" if peak is None else f"compiled peak {peak / 2**30:.2f} GiB/device"
+  moe = ""
+  if cfg.model.num_experts:
+    dispatch = moe_dispatch.resolve(cfg.model.moe_dispatch, target_platform()) if mesh.shape["expert"] > 1 else "local"
+    moe = f", MoE dispatch {dispatch}"
   console(f"compiled the train step in {time.time() - t0:.1f}s ({memory}; remat {cfg.remat.policy}, "
-          f"recipe {cfg.quant.recipe}, mesh {dict(mesh.shape)})")
+          f"recipe {cfg.quant.recipe}, mesh {dict(mesh.shape)}{moe})")
   return compiled
 
 

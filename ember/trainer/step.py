@@ -12,8 +12,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from ember import remat
 from ember.model_config import ModelConfig
-from ember.names import (BATCH, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_LOAD_BALANCE_LOSS, MOE_ROUTED_TOKENS,
-                         MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
+from ember.names import (BATCH, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS,
+                         MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
 from ember.parallel.sharding import logical_to_spec, rules_dict, shard
 from ember.trainer.loss import cross_entropy
 from ember.trainer.state import TrainState, step_key
@@ -38,7 +38,7 @@ def forward_loss(params, quant_state, batch, *, graphdef, cfg, key, policy: rema
     lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / num_moe, aux[MOE_ROUTER_Z_LOSS] / num_moe
     total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
     metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
-                    MOE_ROUTED_TOKENS: aux[MOE_ROUTED_TOKENS]})
+                    MOE_ROUTED_TOKENS: aux[MOE_ROUTED_TOKENS], MOE_OVERFLOW_TOKENS: aux[MOE_OVERFLOW_TOKENS]})
   metrics["total_loss"] = total
   return total, metrics
 

@@ -17,7 +17,7 @@ from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import logical_to_spec, rules_dict, tree_shardings, use_rules
 from ember.trainer.state import build_model, logical_axes, split_model
 from ember.trainer.step import forward_loss
-from tests.helpers import config, random_batch
+from tests.helpers import config, random_batch, train_losses
 
 EP = {"mesh.data": 2, "mesh.fsdp": 1, "mesh.expert": 4}
 
@@ -150,22 +150,25 @@ def test_nvfp4_expert_gradients_are_exact_when_a_device_holds_whole_groups():
     assert _rel(g8[name], g1[name])[0] < 1e-4, name
 
 
-def test_expert_parallel_with_fsdp_sharded_experts():
+@pytest.mark.parametrize("dispatch", ["allgather", "ragged"])
+def test_expert_parallel_with_fsdp_sharded_experts(dispatch):
   """Expert kernels sharded over fsdp too (embed -> fsdp): gathered at the shard_map boundary."""
   (grads_1, dx_1), (y_1, _) = _layer("bf16", 1, {})
-  (grads_8, dx_8), (y_8, _) = _layer("bf16", 8, {"mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 4})
+  (grads_8, dx_8), (y_8, _) = _layer("bf16", 8, {"mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 4,
+                                                 "model.moe_dispatch": dispatch})
   assert _rel(y_8, y_1)[0] < 1e-5 and _rel(dx_8, dx_1)[0] < 1e-5
   g1, g8 = _grads_by_name(grads_1), _grads_by_name(grads_8)
   for name in g1:
     assert _rel(g8[name], g1[name])[0] < 1e-5, name
 
 
-def test_capacity_under_expert_parallelism_is_per_token_shard():
+@pytest.mark.parametrize("dispatch", ["allgather", "alltoall", "ragged"])
+def test_capacity_under_expert_parallelism_is_per_token_shard(dispatch):
   """With a capacity, each token shard keeps at most `capacity` copies per expert, counted over its own
   tokens: under expert=4, data=2 (a shard = one sequence) every sequence's output and drop count equal
-  the one-device layer run on that sequence alone."""
+  the one-device layer run on that sequence alone, whatever the dispatcher."""
   cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": "bf16", "model.capacity_factor": 0.5,
-                              **EP})
+                              "model.moe_dispatch": dispatch, **EP})
   cfg8, cfg1 = _derive(cfg, 8), _derive(cfg, 1)
   with nnx.use_eager_sharding(False):
     layer = MoE(ModelConfig.from_config(cfg1), layer=0, rngs=nnx.Rngs(params=0))
@@ -188,3 +191,72 @@ def test_capacity_under_expert_parallelism_is_per_token_shard():
   assert float(aux8["moe_routed_tokens"]) == sum(float(a["moe_routed_tokens"]) for _, a in alone)
   for i, (y, _) in enumerate(alone):
     assert _rel(y8[i:i + 1], y)[0] < 1e-5, i
+
+
+@pytest.mark.parametrize("dispatch,recipe", [("alltoall", "bf16"), ("alltoall", "fp8_current"), ("ragged", "bf16"),
+                                             ("ragged", "fp8_current")])
+def test_dispatchers_equal_allgather_and_one_device(dispatch, recipe):
+  """tiny_moe on expert=4, data=2: alltoall (with a capacity that drops nothing) and ragged (the CPU stand-in
+  of ragged_all_to_all) give the loss and gradients of one device and of allgather, within 1e-5."""
+  extra = {"model.capacity_factor": 4.0} if dispatch == "alltoall" else {}
+  cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": recipe, "train.batch_size": 8,
+                              "quant.nvfp4_stochastic_rounding": False, **extra, **EP})
+  (loss_1, metrics_1), (grads_1, _) = _loss_and_grads(cfg, 1)
+  (loss_ag, _), (grads_ag, _) = _loss_and_grads(cfg, 8)  # auto = allgather on CPU.
+  cfg.model.moe_dispatch = dispatch
+  (loss_8, metrics_8), (grads_8, _) = _loss_and_grads(cfg, 8)
+  assert float(metrics_1["moe_dropped_tokens"]) == 0 and float(metrics_8["moe_overflow_tokens"]) == 0
+  assert _rel(loss_8, loss_1)[0] < 1e-5 and _rel(loss_8, loss_ag)[0] < 1e-5
+  for k in ("moe_routed_tokens", "moe_load_balance_loss"):
+    assert _rel(metrics_8[k], metrics_1[k])[0] < 1e-5, k
+  for (path, g1), g8, gag in zip(jax.tree_util.tree_flatten_with_path(grads_1)[0], jax.tree.leaves(grads_8),
+                                 jax.tree.leaves(grads_ag)):
+    assert _rel(g8, g1)[0] < 1e-5 and _rel(g8, gag)[0] < 1e-5, jax.tree_util.keystr(path)
+
+
+def test_ragged_overflow_is_counted_and_zeroed():
+  """A receive buffer below the arrivals: the copies past it (in source order) are not computed, their
+  outputs are zero and `moe_overflow_tokens` counts them exactly."""
+  from ember.layers import moe_dispatch
+  from ember.layers.moe import route
+  cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": "bf16", "model.moe_dispatch": "ragged",
+                              "model.moe_ragged_buffer": 0.5, **EP})
+  cfg8, cfg1 = _derive(cfg, 8), _derive(cfg, 1)
+  with nnx.use_eager_sharding(False):
+    layer = MoE(ModelConfig.from_config(cfg1), layer=0, rngs=nnx.Rngs(params=0))
+  graphdef, state = nnx.split(layer)
+  x = jax.random.normal(jax.random.key(1), (8, 16, cfg1.model.d_model), jnp.float32)
+  seg = jnp.ones((8, 16), jnp.int32)
+  run = jax.jit(lambda state, x, seg: nnx.merge(graphdef, state)(x, seg))
+  mesh = make_mesh(cfg8.mesh, jax.devices()[:8])
+  with use_rules(mesh, cfg8.mesh.rules):
+    rules = rules_dict(cfg8.mesh.rules)
+    y8, aux8 = run(jax.device_put(state, tree_shardings(nnx.get_partition_spec(state), mesh, cfg8.mesh.rules)),
+                   jax.device_put(x, NamedSharding(mesh, logical_to_spec(("batch", "length", "embed"), rules, mesh))),
+                   jax.device_put(seg, NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))))
+  # The expected count, from the routing: token shard s = sequence s; expert group g = sequences 4g..4g+3
+  # (data=2 x expert=4); device (g, p) holds experts p; its buffer takes the first R arrivals in source order.
+  opts = layer.options
+  _, _, _, experts = route(x.reshape(-1, cfg1.model.d_model), state["router"][...], opts)
+  experts = np.asarray(experts).reshape(8, 16, 2)
+  rows = moe_dispatch.gemm_rows("ragged", tokens=16, k=2, num_local=1, n=4, capacity=None, ragged_buffer=0.5)
+  expected = 0
+  for g in range(2):
+    arrivals = np.bincount(experts[4 * g:4 * g + 4].reshape(-1), minlength=4)
+    expected += int(np.sum(np.maximum(arrivals - rows, 0)))
+  assert expected > 0 and float(aux8["moe_overflow_tokens"]) == expected
+
+
+def test_tiny_moe_trains_with_each_dispatcher():
+  """Three optimizer steps of tiny_moe (fp8_current, save_quantized) on expert=4, data=2: the same losses
+  with every dispatcher."""
+  cfg = config("tiny_moe", **{"quant.recipe": "fp8_current", "remat.policy": "save_quantized", "train.batch_size": 8,
+                              "model.dtype": "float32", "train.warmup_steps": 0, **EP})
+  batches = [random_batch(cfg, seed=s) for s in range(3)]
+  losses = {}
+  for dispatch in ("allgather", "alltoall", "ragged"):
+    cfg.model.moe_dispatch = dispatch
+    losses[dispatch] = train_losses(cfg, batches, 8)
+  for dispatch, got in losses.items():
+    assert np.allclose(got, losses["allgather"], rtol=1e-5), (dispatch, got, losses["allgather"])
+  assert all(np.isfinite(losses["ragged"]))

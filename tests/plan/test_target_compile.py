@@ -111,3 +111,21 @@ def test_auto_chooses_under_the_target_memory():
                          "--config.remat.policy=auto", "--config.remat.auto_candidates=('none', 'full')"])
   r = compile_report(cfg, target_lib.parse("h100x8"))
   assert r["remat_policy"] == "full" and r["fits"]
+
+
+def test_ragged_dispatch_compiles_for_eight_gpus_and_moves_less():
+  """moe_64x6 with expert parallelism over 8 GPUs: `ragged` compiles to XLA's ragged-all-to-all and
+  exchanges fewer bytes and runs fewer grouped-GEMM rows per GPU than `allgather`."""
+  flags = [f"--config={ROOT}/configs/default.py:moe_64x6", "--config.data.source=synthetic",
+           "--config.model.num_layers=2", "--config.train.batch_size=8", "--config.mesh.fsdp=1",
+           "--config.mesh.expert=8", "--config.remat.policy=save_quantized"]
+  reports = {d: compile_report(config_lib.load(["compile", *flags, f"--config.model.moe_dispatch={d}"]),
+                               target_lib.parse("h100x8")) for d in ("allgather", "ragged")}
+  ag, rg = reports["allgather"], reports["ragged"]
+  assert rg["moe"]["dispatch"] == "ragged" and rg["collectives"].get("ragged-all-to-all", 0) > 0
+  assert "ragged-all-to-all" not in ag["collectives"]
+  moved = lambda r: sum(v for k, v in r["collectives"].items() if k in ("all-gather", "reduce-scatter",
+                                                                         "ragged-all-to-all", "all-to-all"))
+  assert moved(rg) < moved(ag), (rg["collectives"], ag["collectives"])
+  assert rg["moe"]["gemm_rows_per_rank"] < ag["moe"]["gemm_rows_per_rank"]
+  assert rg["gemms"]["fp8"] > 0

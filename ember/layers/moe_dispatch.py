@@ -1,0 +1,177 @@
+"""Moving token copies to the devices of their experts and back, under expert parallelism.
+
+Inside the MoE layer's shard_map each device holds T tokens (its token shard), their top-k choices,
+and E_local = E / n experts of its expert group of n devices (the `expert` mesh axis). `ffn(rows,
+group_sizes)` is the grouped SwiGLU of the local experts on rows sorted by local expert. Three ways
+to get every kept copy to its expert and its output back (`model.moe_dispatch`):
+
+  allgather  every device gathers the whole group's tokens and choices (n * T rows), computes the
+             copies routed to its own experts and reduce-scatters the weighted sums back. Exact and
+             simple; GEMM rows and gathered bytes grow with n * T * min(k, E_local).
+  alltoall   each device sorts its copies by destination and sends a fixed [n, C] buffer of rows with
+             `all_to_all` (C = T * min(k, E_local), or E_local * capacity with `capacity_factor`: the
+             most that can be kept for one device, so nothing beyond the capacity rule is dropped).
+             Runs on every backend.
+  ragged     the copies alone, with `ragged_all_to_all` (the counts are exchanged first). The receive
+             buffer holds `moe_ragged_buffer * T * k` rows (T * k arrive at a device when routing is
+             balanced); copies that would land beyond it are not sent, their outputs are zero, and
+             they are counted in `moe_overflow_tokens` (logged, never silent). XLA:CPU has no
+             ragged-all-to-all: there an exact stand-in built from `all_to_all` of padded buffers
+             runs instead (`ragged_all_to_all`), so the CPU tests cover everything around it.
+  auto       ragged on a GPU target, allgather elsewhere.
+
+Everything around the collectives is shared: the sort of a device's copies by global expert (so by
+destination, then local expert: `moe.dispatch_plan`), the counts and offsets, the receiver's sort by
+local expert and its inverse, and the combine. Both directions of autodiff are gathers or exchanges.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ember.parallel.sharding import target_platform
+
+AUTO, ALLGATHER, ALLTOALL, RAGGED = "auto", "allgather", "alltoall", "ragged"
+DISPATCHERS = (AUTO, ALLGATHER, ALLTOALL, RAGGED)
+
+
+def resolve(dispatch: str, platform: str | None = None) -> str:
+  """The dispatcher `auto` means on `platform` (default: the platform being traced for)."""
+  if dispatch != AUTO:
+    return dispatch
+  return RAGGED if (platform or target_platform()) == "gpu" else ALLGATHER
+
+
+def _exclusive_cumsum(a, axis=-1):
+  return jnp.cumsum(a, axis=axis) - a
+
+
+def _gather(a_NxD, index_R):
+  """a[index] with out-of-range indices giving zero rows."""
+  return jnp.take(a_NxD, index_R, axis=0, mode="fill", fill_value=0)
+
+
+# ----------------------------------------------------------------------------- the receiver's side
+
+def _sorted_ffn(rows_RxD, expert_R, num_local: int, ffn):
+  """ffn on rows sorted by local expert (rows with expert == num_local are padding: zero outputs),
+  returned in the rows' own order."""
+  order = jnp.argsort(expert_R, stable=True)
+  sizes = jnp.bincount(expert_R, length=num_local + 1)[:num_local].astype(jnp.int32)
+  inverse = jnp.argsort(order)
+  return _gather(ffn(_gather(rows_RxD, order), sizes), inverse)
+
+
+# ----------------------------------------------------------------------------- alltoall
+
+def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn):
+  """Exchange by fixed buffers. `xs_CxD`: this device's copies sorted by global expert (`sizes_E` rows
+  each; rows past their sum are not sent); returns each copy's expert output in the same order."""
+  n = sizes_E.shape[0] // num_local
+  send_P = sizes_E.reshape(n, num_local).sum(axis=1)
+  start_P = _exclusive_cumsum(send_P)
+  slot_PxS = jnp.arange(slots)[None, :]
+  live_PxS = slot_PxS < send_P[:, None]
+  row_PxS = jnp.where(live_PxS, start_P[:, None] + slot_PxS, xs_CxD.shape[0])
+  send_PxSxD = _gather(xs_CxD, row_PxS.reshape(-1)).reshape(n, slots, -1)
+  expert_PxS = jnp.where(live_PxS, _gather(expert_C[:, None], row_PxS.reshape(-1))[:, 0].reshape(n, slots)
+                         % num_local, num_local)
+  exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
+  recv_PxSxD, recv_expert_PxS = exchange(send_PxSxD), exchange(expert_PxS)
+  d = recv_PxSxD.shape[-1]
+  ys = _sorted_ffn(recv_PxSxD.reshape(-1, d), recv_expert_PxS.reshape(-1), num_local, ffn)
+  back_PxSxD = exchange(ys.reshape(n, slots, d))
+  # Copy c (sorted) went to destination p = the group holding it, slot c - start_P[p].
+  dest_C = jnp.searchsorted(jnp.cumsum(send_P), jnp.arange(xs_CxD.shape[0]), side="right")
+  slot_C = jnp.arange(xs_CxD.shape[0]) - _gather(start_P[:, None], dest_C)[:, 0]
+  flat = jnp.where(dest_C < n, dest_C * slots + slot_C, n * slots)
+  return _gather(back_PxSxD.reshape(-1, d), flat)
+
+
+# ----------------------------------------------------------------------------- ragged
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axes):
+  """`jax.lax.ragged_all_to_all` (one slice per device), or on a backend without it (XLA:CPU) an exact
+  stand-in: every slice padded to the operand's length, `all_to_all`, then written at its offsets."""
+  if target_platform() != "cpu":
+    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                     axis_name=axes)
+  n, rows = send_sizes.shape[0], operand.shape[0]
+  i = jnp.arange(rows)[None, :]
+  index_NxR = jnp.where(i < send_sizes[:, None], input_offsets[:, None] + i, rows)
+  padded = _gather(operand, index_NxR.reshape(-1)).reshape(n, rows, *operand.shape[1:])
+  exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
+  received, offsets = exchange(padded), exchange(output_offsets)
+  target_NxR = jnp.where(i < recv_sizes[:, None], offsets[:, None] + i, output.shape[0])
+  return output.at[target_NxR.reshape(-1)].set(received.reshape(n * rows, *operand.shape[1:]), mode="drop",
+                                               unique_indices=True)
+
+
+def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn):
+  """Exchange of the copies alone. Returns (each copy's expert output in `xs_CxD`'s order, copies that
+  did not fit the receiver's `buffer_rows` here: not sent, zero output)."""
+  n = sizes_E.shape[0] // num_local
+  sizes_PxE = sizes_E.reshape(n, num_local)
+  send_P = sizes_PxE.sum(axis=1)
+  me = jax.lax.axis_index(axes)
+  sent_NxP = jax.lax.all_gather(send_P, axes, tiled=False)  # [source, destination] copy counts.
+  # Where each source's block starts in each destination's buffer, and how much of it fits.
+  start_NxP = _exclusive_cumsum(sent_NxP, axis=0)
+  fits_NxP = jnp.clip(buffer_rows - start_NxP, 0, sent_NxP)
+  send_fit_P, out_offset_P = fits_NxP[me], start_NxP[me]
+  recv_P = fits_NxP[:, me]
+  recv_offset_P = start_NxP[:, me]
+  in_offset_P = _exclusive_cumsum(send_P)
+  d = xs_CxD.shape[-1]
+  # The receive buffer varies over the mesh axes as the copies do (zeros_like keeps their shard_map type): a
+  # buffer typed invariant would make the result invariant too, and autodiff would sum its gradient over
+  # the devices.
+  recv_RxD = ragged_all_to_all(xs_CxD, jnp.zeros_like(xs_CxD, shape=(buffer_rows, d)), in_offset_P, send_fit_P,
+                               out_offset_P, recv_P, axes=axes)
+  # The local expert of each received row: blocks by source, each sorted by local expert.
+  recv_sizes_PxE = jax.lax.all_to_all(sizes_PxE, axes, 0, 0, tiled=True)  # [source, local expert].
+  r = jnp.arange(buffer_rows)
+  source_R = jnp.clip(jnp.searchsorted(recv_offset_P + recv_P, r, side="right"), 0, n - 1)
+  within_R = r - recv_offset_P[source_R]
+  live_R = within_R < recv_P[source_R]
+  ends_PxE = jnp.cumsum(recv_sizes_PxE, axis=1)
+  expert_R = jax.vmap(lambda s, i: jnp.searchsorted(ends_PxE[s], i, side="right"))(source_R, within_R)
+  expert_R = jnp.where(live_R, expert_R, num_local)
+  ys_RxD = _sorted_ffn(recv_RxD, expert_R, num_local, ffn)
+  back = ragged_all_to_all(ys_RxD, jnp.zeros_like(xs_CxD), recv_offset_P, recv_P, _source_offsets(sent_NxP, me),
+                           send_fit_P, axes=axes)
+  return back, jnp.sum(send_P - send_fit_P)
+
+
+def _source_offsets(sent_NxP, me):
+  """For the way back: where this device's block for source s sits in s's sorted copies (s's exclusive
+  cumsum of what it sent to the destinations before this one)."""
+  return _exclusive_cumsum(sent_NxP, axis=1)[:, me]
+
+
+def expert_capacity(capacity_factor: float, tokens: int, k: int, num_experts: int) -> int | None:
+  """Copies each expert keeps per token shard of `tokens` tokens: ceil(factor * T * k / E); None = dropless."""
+  if capacity_factor <= 0:
+    return None
+  return max(math.ceil(capacity_factor * tokens * k / num_experts), 1)
+
+
+def gemm_rows(dispatch: str, *, tokens: int, k: int, num_local: int, n: int, capacity: int | None,
+              ragged_buffer: float) -> int:
+  """Rows of the grouped GEMMs on one device (static: the buffers are sized by it), for a token shard
+  of `tokens` tokens, top-`k`, `num_local` experts per device, `n` devices per expert group and a
+  per-expert `capacity` per token shard (None: dropless).
+
+    allgather  n * T * min(k, E_local), or n * E_local * capacity: what may be routed here;
+    alltoall   n * slots, slots = the most one source can keep for one device (the same bound);
+    ragged     `ragged_buffer` * T * k: the balanced arrival times the buffer factor, capped by the above.
+  """
+  most = n * tokens * min(k, num_local)
+  if capacity is not None:
+    most = min(most, n * num_local * capacity)
+  if dispatch == RAGGED:
+    return max(1, min(most, math.ceil(ragged_buffer * tokens * k)))
+  return most
