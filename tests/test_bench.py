@@ -7,13 +7,14 @@ from tests.helpers import ROOT
 
 
 def test_gemm_counts_reads_cublas_fp8_calls():
-  hlo = ('%a = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[8,8]{1,0} %x, f8e4m3fn[8,8]{1,0} %y), '
-         'custom_call_target="__cublas$lt$matmul$f8"\n'
-         '%b = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(bf16[8,8]{1,0} %x, bf16[8,8]{1,0} %y), '
-         'custom_call_target="__cublas$gemm"\n'
-         '%c = f32[8,8]{1,0} dot(f32[8,8]{1,0} %x, f32[8,8]{1,0} %y), lhs_contracting_dims={1}')
+  hlo = ("ENTRY %m () -> f32[8,8] {\n"
+         "  %x = f8e4m3fn[8,8]{1,0} parameter(0)\n  %y = f8e4m3fn[8,8]{1,0} parameter(1)\n"
+         "  %u = bf16[8,8]{1,0} parameter(2)\n  %v = f32[8,8]{1,0} parameter(3)\n"
+         '  %a = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(%x, %y), custom_call_target="__cublas$lt$matmul$f8"\n'
+         '  %b = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(%u, %u), custom_call_target="__cublas$gemm"\n'
+         "  ROOT %c = f32[8,8]{1,0} dot(%v, %v), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n}")
   counts = bench.gemm_counts(hlo)
-  assert counts["fp8_gemms"] == 1 and counts["dots"] == 1
+  assert counts == {"fp8_gemms": 1, "bf16_gemms": 1, "f32_gemms": 1, "attention": "xla"}
 
 
 def test_bench_runs_a_tiny_config(tmp_path, capsys):
@@ -24,4 +25,4 @@ def test_bench_runs_a_tiny_config(tmp_path, capsys):
   result = json.loads(out.read_text())
   assert result["recipe"] == "fp8_current" and result["step_time_s"] > 0 and result["tokens_per_s"] > 0
   assert result["peak_source"] == "compiled" and result["peak_bytes"] > 0
-  assert result["dots"] > 0 and result["fp8_gemms"] == 0  # CPU: no cuBLASLt.
+  assert result["bf16_gemms"] > 0 and result["fp8_gemms"] == 0  # CPU: dequantized bf16 dots, no cuBLASLt.
