@@ -98,7 +98,9 @@ def get_config() -> ml_collections.ConfigDict:
   d.tfds_data_dir = ""  # tfds: data_dir ("" = TFDS default).
   d.tfds_text_key = "text"  # tfds: the feature holding the text.
   d.num_threads = 2  # Grain prefetch threads.
-  d.num_shards = 0  # Data shards (0 = one per process); fix it to keep batches and resume across process counts.
+  d.num_shards = 0  # Data shards: independent pipelines, each a block of rows of the global batch, spread
+  # over the processes. 0 = one per row (train.batch_size): the batches are the same on any process count
+  # that divides the batch, and resume across process counts.
 
   mesh = c.mesh = ml_collections.ConfigDict()
   mesh.data = 1  # Pure data parallelism (replicated parameters).

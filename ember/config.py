@@ -248,12 +248,12 @@ def _validate_data(cfg, process_count: int) -> None:
       _fail("data.source", "'tfds' needs tensorflow-datasets; install the extra: pip install -e '.[tfds]'")
   if d.tokenizer != "byte" and not os.path.isfile(os.path.expanduser(d.tokenizer)):
     _fail("data.tokenizer", f"no SentencePiece model at {d.tokenizer!r}")
-  shards = d.num_shards or process_count
-  if d.num_shards and d.num_shards % process_count:
-    _fail("data.num_shards", f"{d.num_shards} is not a multiple of the process count {process_count}")
-  if cfg.train.batch_size % shards:
+  shards = d.num_shards or cfg.train.batch_size  # 0: one shard per row of the global batch.
+  if d.num_shards and cfg.train.batch_size % shards:
+    _fail("data.num_shards", f"{shards} data shards do not divide train.batch_size={cfg.train.batch_size}")
+  if shards % process_count:
     _fail("data.num_shards" if d.num_shards else "train.batch_size",
-          f"{shards} data shards do not divide train.batch_size={cfg.train.batch_size}")
+          f"{shards} data shards cannot be split over {process_count} processes")
 
 
 def _validate_paths(cfg) -> None:

@@ -1,15 +1,18 @@
-"""The Grain pipeline: documents -> this process's shard -> shuffled epochs -> packed batches.
+"""The Grain pipeline of one data shard: documents -> the shard's share -> shuffled epochs -> packed rows.
+
+A shard is a block of rows of every global batch (ember/data/sharded.py; by default one row); the
+`process_index` / `process_count` arguments here are the shard's index and the number of shards.
 
     documents (lazy MapDataset of one split)
-      [process_index::process_count]    a fixed, disjoint share per process
+      [process_index::process_count]    a fixed, disjoint share per shard
       .shuffle(seed).repeat()           a new order every epoch, forever
       .map(tokenize)                    read + tokenize, `num_threads` threads ahead
       chunk, window-shuffle, pack       see packing.py
       .batch(global_batch // processes)
       thread prefetch
 
-Each process takes its share *before* shuffling, so process shares stay disjoint in every
-epoch even when processes drift apart (packing consumes documents at data-dependent
+Each shard takes its share *before* shuffling, so shard shares stay disjoint in every
+epoch even when shards drift apart (packing consumes documents at data-dependent
 rates); the shuffle is then a per-epoch permutation of that share. Every stage is a Grain
 dataset with a small JSON-able state, so `get_state()` / `set_state()` on the returned
 iterator resume the exact batch sequence.
@@ -57,7 +60,8 @@ def make_dataset(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, s
   tokens = docs.map(_tokenize(tokenizer)).to_iter_dataset(
       grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=max(4, 4 * num_threads)))
 
-  window = int(data_cfg.get("chunk_shuffle_window", DEFAULT_SHUFFLE_WINDOW))
+  # The window is the whole batch's: each of `process_count` shards (pipelines) shuffles its share.
+  window = -(-int(data_cfg.get("chunk_shuffle_window", DEFAULT_SHUFFLE_WINDOW)) // process_count)
   rows = packing.pack(tokens, seq_len=seq_len, num_bins=max(batch, MIN_PACKING_BINS),
                       shuffle_window=window, seed=(seed32 + 1) % 2**32)
   return rows.batch(batch, drop_remainder=True)

@@ -1,8 +1,12 @@
 """What one process feeds the train step: its data shards, read in lockstep, and the global batch.
 
-A global batch of `train.batch_size` rows is cut into `data.num_shards` shards (0 = one per
-process) of consecutive rows; each process reads a contiguous block of shards, so shard order is
-the global row order, and `global_batch` assembles the jax.Arrays from every process's rows.
+A global batch of `train.batch_size` rows is cut into `data.num_shards` shards of consecutive rows
+(0, the default: one shard per row), each its own pipeline over its own share of the documents. Each
+process reads a contiguous block of shards, so shard order is the global row order, and
+`global_batch` assembles the jax.Arrays from every process's rows. The global batches are therefore a
+function of the seed and the data config alone: 1, 2, 4 or 8 processes (any count that divides the
+shards) feed the same rows at every step, and a checkpoint's per-shard positions resume on any of
+them.
 """
 
 from __future__ import annotations
@@ -64,11 +68,16 @@ class ShardedIterator:
 
 def data_iterator(cfg, split: str) -> ShardedIterator:
   """This process's rows of each global batch of `split` (validated config: the shards divide the batch)."""
-  num_shards = int(cfg.data.num_shards) or jax.process_count()
+  num_shards = num_data_shards(cfg)
   make = lambda shard: make_iterator(cfg.data, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.batch_size,
                                      seed=cfg.seed, split=split, process_index=shard, process_count=num_shards,
                                      vocab_size=cfg.model.vocab_size)
   return ShardedIterator(make, distributed.data_shards(num_shards), num_shards)
+
+
+def num_data_shards(cfg) -> int:
+  """`data.num_shards`, or one shard per row of the global batch (0)."""
+  return int(cfg.data.num_shards) or int(cfg.train.batch_size)
 
 
 def global_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:

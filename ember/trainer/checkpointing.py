@@ -16,8 +16,8 @@ with a warning naming the step. A checkpoint whose shapes differ from the config
 skipped silently: CheckpointError names the first differing array (exit 2).
 
 Restoring always targets the *current* run's shardings, so a checkpoint moves freely between
-mesh shapes and device counts. The data position moves between process counts when
-`data.num_shards` is fixed (each process records the state of the shards it reads).
+mesh shapes and device counts. The data position moves between process counts: each process
+records the state of the shards it reads, and the shards do not depend on the process count.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def restore_data_position(data_dir: str, data_it: ShardedIterator) -> None:
     return
   if merged["num_shards"] != data_it.num_shards or not all(str(s) in merged["shards"] for s in data_it.shards):
     console(f"warning: the data position in {data_dir} is for {merged['num_shards']} data shards, this run reads "
-            f"{data_it.num_shards} (set config.data.num_shards to keep it across process counts): "
+            f"{data_it.num_shards} (config.data.num_shards or train.batch_size changed): "
             "the data iterator starts from the beginning")
     return
   data_it.set_state(merged)

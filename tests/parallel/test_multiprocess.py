@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--config.model.seq_len=16",
         "--config.train.batch_size=8", "--config.data.source=synthetic", "--config.train.eval_every_steps=0",
         "--config.log.every_steps=1", "--config.checkpoint.every_steps=5", "--config.train.decay_steps=100",
-        "--config.quant.recipe=bf16", "--config.model.dtype=float32",
-        "--config.data.num_shards=2"]  # Two shards whatever the process count: the same global batches.
+        "--config.quant.recipe=bf16", "--config.model.dtype=float32"]  # No data.num_shards: batches never
+# depend on the process count.
 ONE_HOST = ["--config.mesh.fsdp=4"]
 TWO_HOSTS = ["--config.mesh.fsdp=2", "--config.mesh.dcn_fsdp=2"]  # The same mesh (fsdp=4), hybrid over processes.
 
