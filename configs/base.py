@@ -87,7 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
   r.auto_candidates = ()  # policy=auto: presets to try (empty = all that apply).
 
   d = c.data = ml_collections.ConfigDict()
-  d.source = "text"  # synthetic | text | array_record | tfds.
+  d.source = "text"  # synthetic | text | array_record | tfds | jsonl | parquet.
   d.path = ""  # text: glob of files ("" = this interpreter's stdlib *.py); array_record: glob of files.
   d.tokenizer = "byte"  # "byte" or the path of a SentencePiece .model file.
   d.eval_fraction = 0.05  # Share of documents held out for eval (by a hash of their name); the default
@@ -97,6 +97,8 @@ def get_config() -> ml_collections.ConfigDict:
   d.tfds_name = ""  # tfds: dataset name, e.g. "lm1b".
   d.tfds_data_dir = ""  # tfds: data_dir ("" = TFDS default).
   d.tfds_text_key = "text"  # tfds: the feature holding the text.
+  d.text_key = "text"  # jsonl, parquet: the field / column holding each record's text (ember/data/records.py).
+  d.cache_dir = ""  # jsonl: where .gz / .zst files are decompressed once ("" = the system temp directory).
   d.num_threads = 2  # Grain prefetch threads.
   d.num_shards = 0  # Data shards: independent pipelines, each a block of rows of the global batch, spread
   # over the processes. 0 = one per row (train.batch_size): the batches are the same on any process count

@@ -25,7 +25,7 @@ from ember.names import BATCH, EXPERT, LOGICAL_AXES, MESH_AXES
 from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import RECIPES
 
-DATA_SOURCES = ("synthetic", "text", "array_record", "tfds")
+DATA_SOURCES = ("synthetic", "text", "array_record", "tfds", "jsonl", "parquet")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -114,7 +114,8 @@ _SCALARS = {
     "data.source": ("str", ""), "data.path": ("str", ""), "data.tokenizer": ("str", ""),
     "data.eval_fraction": ("float", "[0,1]"), "data.chunk_shuffle_window": ("int", ">=0"),
     "data.tfds_name": ("str", ""), "data.tfds_data_dir": ("str", ""),
-    "data.tfds_text_key": ("str", ""), "data.num_threads": ("int", ">=1"), "data.num_shards": ("int", ">=0"),
+    "data.tfds_text_key": ("str", ""), "data.text_key": ("str", ""), "data.cache_dir": ("str", ""),
+    "data.num_threads": ("int", ">=1"), "data.num_shards": ("int", ">=0"),
     "mesh.dcn_data": ("int", ">=1"), "mesh.dcn_fsdp": ("int", ">=1"),
     "checkpoint.every_steps": ("int", ">=-1"), "checkpoint.keep": ("int", ">=1"),
     "checkpoint.async_save": ("bool", ""), "checkpoint.restore_from": ("str", ""),
@@ -239,8 +240,8 @@ def _validate_quant(cfg) -> None:
 
 def _validate_data(cfg, process_count: int) -> None:
   d = cfg.data
-  if d.source == "array_record" and not d.path:
-    _fail("data.path", "source array_record needs a glob of .array_record files")
+  if d.source in ("array_record", "jsonl", "parquet") and not d.path:
+    _fail("data.path", f"source {d.source} needs a glob of files")
   if d.source == "tfds":
     if not d.tfds_name:
       _fail("data.tfds_name", "source tfds needs a dataset name")
@@ -258,7 +259,8 @@ def _validate_data(cfg, process_count: int) -> None:
 
 def _validate_paths(cfg) -> None:
   d = cfg.data
-  if d.source in ("text", "array_record") and d.path and not glob.glob(os.path.expanduser(d.path), recursive=True):
+  if d.source in ("text", "array_record", "jsonl", "parquet") and d.path and not glob.glob(
+      os.path.expanduser(d.path), recursive=True):
     _fail("data.path", f"no file matches {d.path!r}")
   restore = cfg.checkpoint.restore_from
   if restore and not os.path.isdir(os.path.expanduser(restore)):

@@ -36,6 +36,7 @@ CASES = [
     (["--config.checkpoint.keep=0"], "config.checkpoint.keep: must be >= 1, got 0"),
     (["--config.model.attention=flash"], "config.model.attention: unknown value 'flash'"),
     (["--config.mesh.rules=(('batch', 'data'), ('tokens', None))"], "config.mesh.rules: unknown logical axis 'tokens'"),
+    (["--config.data.source=jsonl"], "config.data.path: source jsonl needs a glob of files"),
     (["--config.checkpoint.restore_from=/nonexistent/run"],
      "config.checkpoint.restore_from: no checkpoint directory at /nonexistent/run"),
 ]

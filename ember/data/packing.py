@@ -37,6 +37,8 @@ class ChunkDocument(grain.experimental.FlatMapTransform):
   max_fan_out: int = 1 << 20
 
   def flat_map(self, element):
+    if isinstance(element, list):  # Several documents read together (a Parquet row group).
+      return [c for doc in element for c in chunk_document(doc, self.seq_len)]
     return chunk_document(element, self.seq_len)
 
 

@@ -36,9 +36,10 @@ MIN_PACKING_BINS = 32  # Rows packed at once; more bins, less padding.
 
 
 def _tokenize(tokenizer):
-  def fn(doc):
+  """Text documents to token ids; a list (a Parquet row group) stays a list of documents."""
+  def one(doc):
     return doc if not isinstance(doc, bytes) else tokenizer.encode(doc)
-  return fn
+  return lambda doc: [one(d) for d in doc] if isinstance(doc, list) else one(doc)
 
 
 def make_dataset(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, split: str,

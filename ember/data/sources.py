@@ -228,8 +228,15 @@ def open_documents(data_cfg, split: str, *, seed: int, vocab_size: int) -> grain
   if source == "tfds":
     return tfds_documents(data_cfg.tfds_name, data_cfg.tfds_data_dir, data_cfg.tfds_text_key,
                           split, frac)
+  if source in ("jsonl", "parquet"):
+    from ember.data import records
+    files, root = list_files(data_cfg.path)
+    common = dict(split=split, eval_fraction=frac, split_indices=split_indices, name_hash=name_hash, mix64=mix64)
+    if source == "jsonl":
+      return records.jsonl_documents(files, root, data_cfg.text_key, data_cfg.cache_dir, **common)
+    return records.parquet_documents(files, root, data_cfg.text_key, **common)
   raise DataError(f"data.source: unknown source {source!r}; "
-                  "expected synthetic, text, array_record or tfds")
+                  "expected synthetic, text, array_record, tfds, jsonl or parquet")
 
 
 def shard(ds: grain.MapDataset, process_index: int, process_count: int) -> grain.MapDataset:

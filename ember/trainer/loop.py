@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ember
 from ember import config as config_lib
 from ember import remat
-from ember.data import build_tokenizer
+from ember.data import build_tokenizer, records
 from ember.data.sharded import data_iterator, global_batch
 from ember.errors import ConfigError
 from ember.layers import moe_dispatch
@@ -143,6 +143,8 @@ class _Progress:
     record = {"step": done, **{k: float(v) for k, v in host.items()}, **perf.to_dict(),
               "eta_s": step_time * (self.cfg.steps - done)}
     record["peak_bytes"], record["peak_source"] = peak_bytes(self.compiled)
+    if self.cfg.data.source in ("jsonl", "parquet"):  # Bad records skipped by rule (ember/data/records.py).
+      record["data_skipped_records"] = records.skipped_records()
     writer.write(record)
     console(progress_line(record, self.cfg.steps))
     return record
