@@ -83,7 +83,7 @@ def _get(cfg, dotted):
 
 
 # --- Value checks, one table: every scalar key of configs/base.py and what it may hold. -------------
-# (kind, bound): kind is int | float | bool | str; bound is "" (none), ">0", ">=N" or "[0,1]".
+# (kind, bound): kind is int | float | bool | str; bound is "" (none), ">0", ">=N", "[0,1]" or "[0,1)".
 _SCALARS = {
     "workdir": ("str", ""), "seed": ("int", ">=0"), "steps": ("int", ">=1"),
     "model.name": ("str", ""), "model.num_layers": ("int", ">=1"), "model.d_model": ("int", ">=1"),
@@ -100,8 +100,8 @@ _SCALARS = {
     "model.router_z_weight": ("float", ">=0"),
     "train.batch_size": ("int", ">=1"), "train.learning_rate": ("float", ">=0"),
     "train.warmup_steps": ("int", ">=0"), "train.decay_steps": ("int", ">=0"),
-    "train.min_lr_ratio": ("float", "[0,1]"), "train.b1": ("float", "[0,1]"), "train.b2": ("float", "[0,1]"),
-    "train.eps": ("float", ">=0"), "train.weight_decay": ("float", ">=0"),
+    "train.min_lr_ratio": ("float", "[0,1]"), "train.b1": ("float", "[0,1)"), "train.b2": ("float", "[0,1)"),
+    "train.eps": ("float", ">0"), "train.weight_decay": ("float", ">=0"),
     "train.decay_norms_and_embeddings": ("bool", ""), "train.grad_clip_norm": ("float", ">=0"),
     "train.loss_chunk_size": ("int", ">=0"), "train.z_loss_weight": ("float", ">=0"),
     "train.eval_every_steps": ("int", ">=0"), "train.eval_batches": ("int", ">=1"),
@@ -144,6 +144,8 @@ def _in_bound(value, bound: str) -> bool:
     return value > 0
   if bound == "[0,1]":
     return 0 <= value <= 1
+  if bound == "[0,1)":  # Adam's betas: 1 would divide by zero in the bias correction.
+    return 0 <= value < 1
   return value >= float(bound[2:])
 
 
@@ -154,7 +156,7 @@ def _check_scalar(cfg, key: str, kind: str, bound: str) -> None:
   if kind in ("int", "float") and not math.isfinite(value):
     _fail(key, f"must be finite, got {value!r}")
   if not _in_bound(value, bound):
-    said = {"[0,1]": "in [0, 1]", ">0": "> 0"}.get(bound, f">= {bound[2:]}")
+    said = {"[0,1]": "in [0, 1]", "[0,1)": "in [0, 1)", ">0": "> 0"}.get(bound, f">= {bound[2:]}")
     _fail(key, f"must be {said}, got {value!r}")
   if key in _CHOICES and value not in _CHOICES[key]:
     _fail(key, f"unknown value {value!r}; choose one of {', '.join(_CHOICES[key])}")
@@ -182,7 +184,8 @@ def _base_config() -> ml_collections.ConfigDict | None:
 
 
 def _check_known_keys(cfg) -> None:
-  """A key that configs/base.py does not define is a typo, not a new setting."""
+  """Exactly the keys of configs/base.py: an extra key is a typo, a missing one a config file that did
+  not start from `base.get_config()`."""
   known = _base_config()
 
   def walk(node, ref, prefix):
@@ -191,6 +194,9 @@ def _check_known_keys(cfg) -> None:
         _fail(prefix + k, "unknown config key (configs/base.py lists every key)")
       if isinstance(node[k], ml_collections.ConfigDict) and isinstance(ref[k], ml_collections.ConfigDict):
         walk(node[k], ref[k], f"{prefix}{k}.")
+    missing = next((k for k in ref.keys() if k not in node), None)
+    if missing is not None:
+      _fail(prefix + missing, "missing config key (start the config from configs/base.py's get_config())")
 
   if known is not None:
     walk(cfg, known, "")

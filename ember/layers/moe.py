@@ -15,15 +15,10 @@ Per token shard (the whole batch without a mesh):
      are gathers (no scatter-add with colliding indices: deterministic on GPUs too).
 
 Expert parallelism (a mesh whose `expert` axis has size n > 1): inside `jax.shard_map` every device
-holds a slice of the tokens (batch -> data, fsdp, expert) and E/n experts. Dispatch is all-gather /
-reduce-scatter over the expert axis (Megatron-Core's "allgather" token dispatcher): each device
-gathers the tokens and routing choices of its expert group, computes the copies routed to its own
-experts, and a reduce-scatter returns the weighted sums to the devices that own the tokens. It is
-exact and dropless with static shapes, and moves n * tokens * d_model per device each way. A dropless
-all-to-all of token copies must size every (source, destination) buffer for the worst case of all
-k copies going to one device (k times the traffic of the gather), and `ragged_all_to_all`, which
-sends only the real rows, has no XLA:CPU implementation, so the CPU test suite cannot cover it; it is
-the next step for large expert-parallel degrees (see docs/moe.md). Expert weights enter the shard_map
+holds a slice of the tokens (batch -> data, fsdp, expert) and E/n experts. `model.moe_dispatch` picks
+how copies reach their experts' devices: all-gather / reduce-scatter over the expert axis, fixed
+all-to-all buffers, or `ragged_all_to_all` of the routed copies alone (ember/layers/moe_dispatch.py,
+which says what each costs). Expert weights enter the shard_map
 sharded over `expert` only: FSDP / tensor shards are all-gathered at its boundary and their
 gradients reduced there. Per-tensor amaxes of activations and gradients are pmax-ed over the token
 axes (`reduce_axes`), so every shard quantizes with the global scale, as on one device.

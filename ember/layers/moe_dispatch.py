@@ -22,7 +22,8 @@ to get every kept copy to its expert and its output back (`model.moe_dispatch`):
 
 Everything around the collectives is shared: the sort of a device's copies by global expert (so by
 destination, then local expert: `moe.dispatch_plan`), the counts and offsets, the receiver's sort by
-local expert and its inverse, and the combine. Both directions of autodiff are gathers or exchanges.
+local expert and its inverse, and the combine. Every gather here reads each source row at most once,
+so its gradient (a scatter-add) never adds two values into one row: deterministic on GPUs too.
 """
 
 from __future__ import annotations

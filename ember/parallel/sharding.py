@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, dict] | None] = contextvars.ContextVar("ember_rules", default=None)
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("ember_platform", default=None)
 
 
 def rules_dict(rules) -> dict[str, tuple[str, ...]]:
@@ -79,11 +80,25 @@ def active_rules() -> dict | None:
   return None if active is None else active[1]
 
 
+@contextlib.contextmanager
+def on_platform(platform: str):
+  """Traces inside the block as for `platform` ("gpu", "cpu", ...), whatever the mesh or backend: how a
+  compile for a described GPU traces a layer that has no mesh (ember/plan/target.py)."""
+  token = _PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _PLATFORM.reset(token)
+
+
 def target_platform() -> str:
-  """The platform the code being traced will run on: the active mesh's devices (compile-only devices of a
-  described GPU cluster included), else JAX's default backend. "gpu" for CUDA and ROCm devices."""
-  mesh = active_mesh()
-  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  """The platform the code being traced will run on: `on_platform`'s, else the active mesh's devices
+  (compile-only devices of a described GPU cluster included), else JAX's default backend. "gpu" for
+  CUDA and ROCm devices."""
+  platform = _PLATFORM.get()
+  if platform is None:
+    mesh = active_mesh()
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 

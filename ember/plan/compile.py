@@ -19,7 +19,8 @@ from ember import remat
 from ember.parallel.mesh import make_mesh
 from ember.plan import auto_remat, hlo
 from ember.plan import step as step_plan
-from ember.plan.target import COMPILER_OPTIONS, Target, gpu_checks
+from ember.plan.layer import per_device_batch
+from ember.plan.target import COMPILER_OPTIONS, Target, targeting
 from ember.plan.units import GiB
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import host_bytes, memory_peak
@@ -47,7 +48,7 @@ def compiler_options(target: Target) -> dict | None:
 def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: str = "") -> dict:
   """The contract report (ember.tools.compile's JSON) for a raw config on `target`; `hlo_out`: a file for
   the optimised HLO text."""
-  with gpu_checks(target):
+  with targeting(target):
     cfg, mesh = prepare(cfg, target)
     options = compiler_options(target)
     cfg = auto_remat.resolve(cfg, mesh, compiler_options=options)
@@ -56,14 +57,15 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
     t0 = time.perf_counter()
     compiled = traced.lower().compile(compiler_options=options)
     compile_s = time.perf_counter() - t0
-  text = compiled.as_text()
+    text = compiled.as_text()
+    attention = hlo.attention(text)
+    attention_note = _why_not_cudnn(cfg, mesh) if target.is_gpu and attention["kernel"] != "cudnn" else None
   if hlo_out:
     with open(hlo_out, "w") as f:
       f.write(text)
   memory = compiled.memory_analysis()
   peak = memory_peak(memory)
   device_memory = target.device_memory_bytes
-  attention = hlo.attention(text)
   report = {
       "target": target.name, "device_kind": target.device_kind, "num_devices": len(mesh.devices.flat),
       "fits": device_memory is None or peak <= device_memory, "device_memory_bytes": device_memory,
@@ -78,8 +80,8 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
       "mesh": {k: int(v) for k, v in mesh.shape.items()}, "model": cfg.model.name,
       "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "memory_note": ESTIMATE_NOTE,
   }
-  if target.is_gpu and attention["kernel"] != "cudnn":
-    report["attention_note"] = _why_not_cudnn(cfg, mesh)
+  if attention_note:
+    report["attention_note"] = attention_note
   if cfg.model.num_experts:
     report["moe"] = moe_figures(cfg, mesh, target)
   return report
@@ -91,7 +93,7 @@ def moe_figures(cfg, mesh, target: Target) -> dict:
   from ember.model_config import ModelConfig
   m = ModelConfig.from_config(cfg)
   n = int(mesh.shape["expert"])
-  tokens = cfg.train.batch_size * m.seq_len // (int(mesh.shape["data"]) * int(mesh.shape["fsdp"]) * n)
+  tokens = per_device_batch(cfg, mesh) * m.seq_len
   capacity = moe_dispatch.expert_capacity(m.capacity_factor, tokens, m.experts_per_token, m.num_experts)
   dispatch = moe_dispatch.resolve(m.moe_dispatch, "gpu" if target.is_gpu else "cpu") if n > 1 else "local"
   rows = moe_dispatch.gemm_rows(moe_dispatch.ALLGATHER if n == 1 else dispatch, tokens=tokens,
@@ -107,6 +109,7 @@ def _why_not_cudnn(cfg, mesh) -> str:
   from ember.layers.attention import cudnn_refusal
   from ember.model_config import ModelConfig
   m = ModelConfig.from_config(cfg)
-  batch = max(cfg.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]), 1)
-  reason = cudnn_refusal(batch, m.seq_len, m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+  tensor = int(mesh.shape["tensor"])  # Heads are split over it.
+  reason = cudnn_refusal(per_device_batch(cfg, mesh), m.seq_len, m.num_heads // tensor, m.num_kv_heads // tensor,
+                         m.head_dim, m.dtype)
   return f"cuDNN refuses these shapes: {reason}" if reason else "cuDNN accepts the shapes; XLA kept its own attention"

@@ -175,16 +175,15 @@ def collectives(hlo: str) -> dict[str, float]:
     op = i.opcode[: -len("-start")] if i.opcode.endswith("-start") else i.opcode
     if op not in COLLECTIVES:
       continue
-    shape = i.shape
-    parts = _top_level(shape)
-    if i.opcode.endswith("-start") and shape.startswith("((") and len(parts) >= 2:
-      src, dst = parts[0], parts[1]  # Async start: ((inputs), (outputs), ...).
+    parts = _top_level(i.shape)
+    if op == "reduce-scatter":  # Its input: the operands.
+      held = sum(nbytes(types.get(o, "")) for o in i.operands)
+    elif op == "ragged-all-to-all":  # At most its operand leaves a device, at most its output buffer arrives.
+      held = min(nbytes(types.get(i.operands[0], i.shape)), nbytes(i.shape)) if i.operands else nbytes(i.shape)
+    elif i.opcode.endswith("-start") and op != "all-reduce" and len(parts) >= 2:
+      held = nbytes(parts[1])  # An async start's type is (inputs, outputs[, context]): the outputs.
     else:
-      src = dst = shape
-    if op == "ragged-all-to-all":  # At most its operand leaves a device, at most its output buffer arrives.
-      held = min(nbytes(types.get(i.operands[0], dst)), nbytes(dst)) if i.operands else nbytes(dst)
-    else:
-      held = nbytes(src) if op == "reduce-scatter" else nbytes(dst)
+      held = nbytes(i.shape)
     totals[op] += held * factor.get(i.computation, 1)
   return dict(totals)
 

@@ -85,6 +85,10 @@ def jaxpr_flops(jaxpr) -> float:
       total += eqn.params["length"] * jaxpr_flops(eqn.params["jaxpr"].jaxpr)
     elif name == "cond":
       total += max(jaxpr_flops(b.jaxpr) for b in eqn.params["branches"])
+    elif name == "shard_map":  # The body has one device's shapes: times the devices it runs on.
+      mesh = eqn.params["mesh"]
+      devices = math.prod(mesh.shape[a] for a in eqn.params.get("newly_manual_axes", mesh.axis_names))
+      total += devices * sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
     elif subs:
       total += sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
     elif name == "dot_general":

@@ -49,11 +49,12 @@ class LayerProblem:
     return self.x_BxLxD, self.state, self.segment_ids_BxL, self.positions_BxL, self.key
 
 
-def per_device_batch(cfg) -> int:
-  """Sequences per device along the data-parallel axes (at least 1)."""
-  m = cfg.mesh
-  shards = max(int(m.data), 1) * max(int(m.fsdp), 1) * max(int(m.expert), 1)
-  return max(cfg.train.batch_size // shards, 1)
+def per_device_batch(cfg, mesh=None) -> int:
+  """Sequences per device along the batch's mesh axes (at least 1): the mesh's, or those of a derived
+  config (per-host sizes times the `dcn_*` host counts)."""
+  size = lambda a: int(mesh.shape[a]) if mesh is not None else max(int(cfg.mesh[a]), 1) * int(
+      cfg.mesh.get(f"dcn_{a}", 1))
+  return max(cfg.train.batch_size // (size("data") * size("fsdp") * size("expert")), 1)
 
 
 def representative_block(model: ModelConfig) -> int:

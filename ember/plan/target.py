@@ -25,6 +25,7 @@ import re
 import jax
 
 from ember.errors import ConfigError
+from ember.parallel.sharding import on_platform
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 GPUS = tuple(sorted(f[: -len(".txtpb")] for f in os.listdir(_DIR) if f.endswith(".txtpb")))
@@ -111,16 +112,22 @@ def plugin_available() -> bool:
 
 
 @contextlib.contextmanager
-def gpu_checks(target: Target):
-  """JAX's cuDNN attention checks, answered for the target GPU instead of the process's backend.
-
-  `jax._src.cudnn.fused_attention_stablehlo` asks the *default* backend (the CPU here) for the compute
-  capability, so it refuses what Hopper takes (head_dim 256), and asks libcudnn for its version, which a
-  compile-only machine need not have (XLA compiles the cuDNN custom calls without it). Within this
-  block both answer for the target. Private JAX API: if it moves, the checks stay as JAX has them."""
+def targeting(target: Target):
+  """Everything traced inside the block is traced for `target`: ember's own platform decisions
+  (attention, MoE dispatch: `sharding.on_platform`), and JAX's cuDNN attention checks, which otherwise
+  ask the *default* backend (the CPU here) for the compute capability, so refuse what Hopper takes
+  (head_dim 256), and ask libcudnn for its version, which a compile-only machine need not have (XLA
+  compiles the cuDNN custom calls without it). Private JAX API: if it moves, JAX's checks stay as
+  they are."""
   if not target.is_gpu:
     yield
     return
+  with on_platform("gpu"), _cudnn_checks_for(target):
+    yield
+
+
+@contextlib.contextmanager
+def _cudnn_checks_for(target: Target):
   try:
     from jax._src.cudnn import fused_attention_stablehlo as fa
     saved = {k: getattr(fa, k) for k in ("check_compute_capability", "is_cuda_compute_capability_equal",

@@ -76,7 +76,8 @@ def _unquantized(x_MxK, w_KxN):
   The custom VJP keeps the backward GEMMs on compute-dtype operands: autodiff of the plain dot would
   pair the f32 cotangent of `preferred_element_type=f32` with the operand and XLA would run dgrad and
   wgrad as f32 x f32 GEMMs. The cotangent of a bf16 output is bf16-exact, so casting it back changes no
-  value; dw leaves the GEMM in f32 and is rounded after any cross-device reduction of it."""
+  value. Both GEMMs accumulate in f32 and are rounded to the compute dtype, as autodiff of the plain
+  dot rounds them; under FSDP XLA reduce-scatters the weight gradient before that rounding (in f32)."""
   return jnp.dot(x_MxK, w_KxN, preferred_element_type=jnp.float32).astype(x_MxK.dtype)
 
 

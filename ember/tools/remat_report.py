@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
     args = _parse([a for a in argv[1:] if not a.startswith("--config")])
     cfg = config_lib.load([argv[0]] + [a for a in argv[1:] if a.startswith("--config")])
     target = target_lib.parse(args.target)
-    with target_lib.gpu_checks(target):
+    with target_lib.targeting(target):
       cfg, mesh = compile_plan.prepare(cfg, target)
       names = policy_names(args.policies, cfg)
       report = build_report(cfg, names, compile=args.compile == "true", batch=args.layer_batch or None, mesh=mesh,

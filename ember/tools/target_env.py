@@ -10,7 +10,13 @@ import os
 
 
 def target_name(argv: list[str]) -> str:
-  return next((a.split("=", 1)[1] for a in argv if a.startswith("--target=")), "")
+  """The value of `--target=NAME` or `--target NAME` ("" if absent)."""
+  for i, a in enumerate(argv):
+    if a.startswith("--target="):
+      return a.split("=", 1)[1]
+    if a == "--target" and i + 1 < len(argv):
+      return argv[i + 1]
+  return ""
 
 
 def prepare_environment(argv: list[str]) -> None:

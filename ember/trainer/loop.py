@@ -28,6 +28,7 @@ from ember.data import build_tokenizer, records
 from ember.data.sharded import data_iterator, global_batch
 from ember.errors import ConfigError
 from ember.layers import moe_dispatch
+from ember.names import MOE_OVERFLOW_TOKENS
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import target_platform, use_rules
@@ -147,6 +148,10 @@ class _Progress:
       record["data_skipped_records"] = records.skipped_records()
     writer.write(record)
     console(progress_line(record, self.cfg.steps))
+    overflow = record.get(MOE_OVERFLOW_TOKENS) or 0
+    if overflow > 0:  # Never silent: these copies' expert outputs were zero (ember/layers/moe_dispatch.py).
+      console(f"warning: step {done}: {overflow:.0f} MoE token copies did not fit the ragged dispatcher's receive "
+              "buffer (their expert outputs are zero); raise config.model.moe_ragged_buffer")
     return record
 
 

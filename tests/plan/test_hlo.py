@@ -16,9 +16,11 @@ TEXT = """HloModule m
   %b = f8e4m3fn[32,128]{1,0} parameter(2)
   %s = f32[] parameter(3)
   %g = (f32[64,128]{1,0}, s8[1024]{0}) custom-call(%a, %b, %s, %s), custom_call_target="__cublas$lt$matmul$f8"
-  %ag-start = ((f8e4m3fn[4,128]{1,0}), f8e4m3fn[32,128]{1,0}) all-gather-start(%w), replica_groups={{0,1,2,3,4,5,6,7}}
+  %w = f8e4m3fn[4,128]{1,0} parameter(4)
+  %grads = f32[32,128]{1,0} parameter(5)
+  %ag-start = (f8e4m3fn[4,128]{1,0}, f8e4m3fn[32,128]{1,0}) all-gather-start(%w), replica_groups={{0,1,2,3,4,5,6,7}}
   %ag-done = f8e4m3fn[32,128]{1,0} all-gather-done(%ag-start)
-  %rs = f32[4,128]{1,0} reduce-scatter(%x), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %rs = f32[4,128]{1,0} reduce-scatter(%grads), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
   ROOT %t = (s32[], bf16[64,128]{1,0}) tuple(%i, %y)
 }
 
@@ -51,8 +53,16 @@ def test_attention_kernel():
 def test_collective_bytes_per_step_count_loop_trips():
   got = hlo.collectives(TEXT)
   assert got["all-gather"] == 3 * 32 * 128  # The gathered f8 result, 3 trips.
-  assert got["reduce-scatter"] == 3 * 4 * 4 * 128  # Its input, 3 trips.
+  assert got["reduce-scatter"] == 3 * 32 * 128 * 4  # Its f32 input, 3 trips (not its 4-row output).
   assert got["all-reduce"] == 16 * 4  # Outside the loop: once.
+
+
+def test_real_cpu_reduce_scatter_counts_its_input():
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  f = jax.shard_map(lambda a: jax.lax.psum_scatter(a, "x", tiled=True), mesh=mesh, in_specs=P(), out_specs=P("x"),
+                    check_vma=False)
+  text = jax.jit(f).lower(jax.ShapeDtypeStruct((64, 32), jnp.float32)).compile().as_text()
+  assert hlo.collectives(text)["reduce-scatter"] == 64 * 32 * 4
 
 
 def test_real_cpu_program():
