@@ -86,10 +86,11 @@ PRESETS: dict[str, Preset] = {
     "save_qkv_proj": Preset(save=(QUERY, KEY, VALUE)),
     "save_dot_except_mlp": Preset(save=(QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, ROUTER_LOGITS)),
     "minimal_offloaded": Preset(offload=PROJECTION_OUTPUTS),
-    # The activation copies go to host; the weight copies stay on device: under FSDP a weight copy is the
+    "save_quantized_offloaded": Preset(offload=QUANTIZED_NAMES),
+    # The activation copies to host, the weight copies kept on device. Under FSDP a weight copy is the
     # device's 1/fsdp shard in 8 bits, and one brought back from host is gathered after XLA has dequantized
-    # it (bf16 gathers, bf16 GEMMs on the GPU). docs/remat.md has the compiled evidence.
-    "save_quantized_offloaded": Preset(save=QUANTIZED_KERNEL_NAMES, offload=QUANTIZED_ACTIVATION_NAMES),
+    # it (bf16 gathers and bf16 GEMMs on the GPU; docs/remat.md): the FSDP choice.
+    "save_quantized_x_offloaded": Preset(save=QUANTIZED_KERNEL_NAMES, offload=QUANTIZED_ACTIVATION_NAMES),
 }
 POLICIES = tuple(PRESETS) + ("custom", "auto")
 

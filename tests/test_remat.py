@@ -113,8 +113,10 @@ def test_offloaded_presets_place_their_names_in_host_memory():
   problem = layer_plan.layer_problem(cfg)
   expected = {"minimal_offloaded": {remat.QUERY, remat.KEY, remat.VALUE, remat.OUT_PROJ, remat.MLP_WI_0,
                                     remat.MLP_WI_1},
-              # The activation copies; the weight copies stay on device (see remat.PRESETS).
-              "save_quantized_offloaded": {remat.quantized_name(p, "x") for p in ("qkv", "out", "wi", "wo")}}
+              "save_quantized_offloaded": {remat.quantized_name(p, o) for p in ("qkv", "out", "wi", "wo")
+                                           for o in ("x", "kernel")},
+              # The activation copies only; the weight copies stay on device.
+              "save_quantized_x_offloaded": {remat.quantized_name(p, "x") for p in ("qkv", "out", "wi", "wo")}}
   for name, names in expected.items():
     preset = remat.PRESETS[name]
     offloaded = [r for r in layer_plan.trace_layer(problem, preset).residuals if r.offloaded]

@@ -28,7 +28,7 @@ from ember.quant.recipe import Recipe
 from ember.trainer.metrics import console
 from ember.trainer.optimizer import make_optimizer
 
-_QUANTIZED_ONLY = ("save_quantized", "minimal_quantized", "save_quantized_offloaded")
+_QUANTIZED_ONLY = ("save_quantized", "minimal_quantized", "save_quantized_offloaded", "save_quantized_x_offloaded")
 _cache: dict[tuple, step_plan.StepFigures] = {}
 
 

@@ -54,14 +54,42 @@ def grouped_matmul(x_MxK: jax.Array, w_ExKxN: jax.Array, group_sizes_E: jax.Arra
   dtype = jnp.dtype(dtype)
   group_sizes_E = group_sizes_E.astype(jnp.int32)
   if not recipe.quantized:
-    return jax.lax.ragged_dot(x_MxK.astype(dtype), w_ExKxN.astype(dtype), group_sizes_E,
-                              preferred_element_type=jnp.float32).astype(dtype)
+    return _unquantized(x_MxK.astype(dtype), w_ExKxN.astype(dtype), group_sizes_E, (_vma(x_MxK), _vma(w_ExKxN)))
   if history is None:  # Unused outside fp8_delayed; keeps one signature.
     history = (jnp.zeros((1,), jnp.float32), jnp.zeros((w_ExKxN.shape[0], 1), jnp.float32),
                jnp.zeros((1,), jnp.float32))
   operand_info = (x_MxK.shape[1], jnp.dtype(x_MxK.dtype), jnp.dtype(w_ExKxN.dtype), _vma(x_MxK), _vma(w_ExKxN))
   return _gmm(x_MxK, w_ExKxN, group_sizes_E, tuple(history), key, recipe, name, dtype, tuple(reduce_axes),
               operand_info)
+
+
+# dw[e] = x[rows of e].T @ g[rows of e]: the ragged dimension (rows) is contracted.
+_WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _unquantized(x_MxK, w_ExKxN, group_sizes_E, vmas):
+  """The grouped GEMM in the compute dtype, f32 accumulation, rounded to it. As `dot._unquantized`, the
+  custom VJP keeps dgrad and wgrad on compute-dtype operands (autodiff would pair the f32 cotangent with
+  them and run f32 GEMMs); the cotangent of a compute-dtype output is exact in it."""
+  return jax.lax.ragged_dot(x_MxK, w_ExKxN, group_sizes_E, preferred_element_type=jnp.float32).astype(x_MxK.dtype)
+
+
+def _unquantized_fwd(x_MxK, w_ExKxN, group_sizes_E, vmas):
+  return _unquantized(x_MxK, w_ExKxN, group_sizes_E, vmas), (x_MxK, w_ExKxN, group_sizes_E)
+
+
+def _unquantized_bwd(vmas, res, g_MxN):
+  x_MxK, w_ExKxN, group_sizes_E = res
+  g_MxN = g_MxN.astype(x_MxK.dtype)
+  dx = jax.lax.ragged_dot(g_MxN, jnp.swapaxes(w_ExKxN, 1, 2), group_sizes_E, preferred_element_type=jnp.float32)
+  dw = jax.lax.ragged_dot_general(x_MxK, g_MxN, group_sizes_E, _WGRAD_DIMS, preferred_element_type=jnp.float32)
+  x_vma, w_vma = vmas
+  return _sum_to(dx, x_vma).astype(x_MxK.dtype), _sum_to(dw, w_vma).astype(w_ExKxN.dtype), None
+
+
+_unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
 
 
 def _vma(a) -> frozenset:
@@ -152,11 +180,6 @@ def _gmm(x, w, group_sizes, history, key, recipe, name, dtype, reduce_axes, oper
 def _gmm_fwd(x, w, group_sizes, history, key, recipe, name, dtype, reduce_axes, operand_info):
   y, q = _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes)
   return y, (q, group_sizes, history, key)
-
-
-# dw[e] = x[rows of e].T @ g[rows of e]: the ragged dimension (rows) is contracted.
-_WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
-                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
 def _gmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_MxN):
