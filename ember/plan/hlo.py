@@ -178,8 +178,9 @@ def collectives(hlo: str) -> dict[str, float]:
     parts = _top_level(i.shape)
     if op == "reduce-scatter":  # Its input: the operands.
       held = sum(nbytes(types.get(o, "")) for o in i.operands)
-    elif op == "ragged-all-to-all":  # At most its operand leaves a device, at most its output buffer arrives.
-      held = min(nbytes(types.get(i.operands[0], i.shape)), nbytes(i.shape)) if i.operands else nbytes(i.shape)
+    elif op == "ragged-all-to-all":  # Operands (data, output buffer, offsets and sizes...): at most the data
+      # leaves a device and at most the output buffer arrives.
+      held = min(nbytes(types.get(i.operands[0], "")), nbytes(types.get(i.operands[1], "")))
     elif i.opcode.endswith("-start") and op != "all-reduce" and len(parts) >= 2:
       held = nbytes(parts[1])  # An async start's type is (inputs, outputs[, context]): the outputs.
     else:

@@ -73,3 +73,14 @@ def test_real_cpu_program():
   text = jax.jit(lambda a, b: a @ b, out_shardings=NamedSharding(mesh, P())).lower(a, b).compile().as_text()
   assert hlo.gemm_census(text)["f32"] == 1
   assert hlo.collectives(text).get("all-reduce") == np.float32(16 * 32 * 4)
+
+
+def test_ragged_all_to_all_counts_the_smaller_of_data_and_buffer():
+  text = """ENTRY %m () -> bf16[8,4] {
+  %data = bf16[6,4]{1,0} parameter(0)
+  %buffer = bf16[12,4]{1,0} parameter(1)
+  %o = s64[2]{0} parameter(2)
+  %start = ((bf16[6,4]{1,0}, bf16[12,4]{1,0}, s64[2]{0}, s64[2]{0}, s64[2]{0}, s64[2]{0}), bf16[12,4]{1,0}) ragged-all-to-all-start(%data, %buffer, %o, %o, %o, %o), replica_groups={{0,1}}
+  ROOT %done = bf16[12,4]{1,0} ragged-all-to-all-done(%start)
+}"""
+  assert hlo.collectives(text) == {"ragged-all-to-all": 6 * 4 * 2}
