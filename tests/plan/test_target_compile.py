@@ -43,7 +43,7 @@ def test_no_quantized_gemm_left_in_bf16_under_any_preset(policy):
 
 def test_fsdp_keeps_dgrad_in_fp8():
   """With kernels sharded over 8 GPUs the dgrad GEMM still takes the FP8 kernel (gathered in 8 bits)."""
-  for policy, fp8 in (("none", 12), ("save_quantized", 15)):
+  for policy, fp8 in (("none", 12), ("save_quantized", 15), ("save_quantized_x_offloaded", 15)):
     r = report("h100x8", "--config.quant.recipe=fp8_delayed", "--config.mesh.fsdp=8", "--config.train.batch_size=16",
                f"--config.remat.policy={policy}")
     assert r["gemms"] == {"fp8": fp8, "bf16": HEAD_GEMMS, "f32": 0}, (policy, r["gemms"])
