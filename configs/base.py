@@ -99,6 +99,12 @@ def get_config() -> ml_collections.ConfigDict:
   d.tfds_text_key = "text"  # tfds: the feature holding the text.
   d.text_key = "text"  # jsonl, parquet: the field / column holding each record's text (ember/data/records.py).
   d.cache_dir = ""  # jsonl: where .gz / .zst files are decompressed once ("" = the system temp directory).
+  # Several sources mixed by weight (replaces data.source / path / text_key): a tuple of
+  # (name, source, path, text_key, weight), e.g. (("code", "text", "src/**/*.py", "", 0.8),
+  # ("web", "jsonl", "web/*.jsonl.zst", "text", 0.2)). Each source's share of tokens follows its weight
+  # and is logged as data_share/<name>. () = the single source above.
+  d.mixture = ()
+  d.eval_mixture = ()  # The held-out split's mixture, if it should differ; () = data.mixture's.
   d.num_threads = 2  # Grain prefetch threads.
   d.num_shards = 0  # Data shards: independent pipelines, each a block of rows of the global batch, spread
   # over the processes. 0 = one per row (train.batch_size): the batches are the same on any process count

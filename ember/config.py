@@ -255,12 +255,42 @@ def _validate_data(cfg, process_count: int) -> None:
       _fail("data.source", "'tfds' needs tensorflow-datasets; install the extra: pip install -e '.[tfds]'")
   if d.tokenizer != "byte" and not os.path.isfile(os.path.expanduser(d.tokenizer)):
     _fail("data.tokenizer", f"no SentencePiece model at {d.tokenizer!r}")
+  for key in ("mixture", "eval_mixture"):
+    _validate_mixture(d, key)
   shards = d.num_shards or cfg.train.batch_size  # 0: one shard per row of the global batch.
   if d.num_shards and cfg.train.batch_size % shards:
     _fail("data.num_shards", f"{shards} data shards do not divide train.batch_size={cfg.train.batch_size}")
   if shards % process_count:
     _fail("data.num_shards" if d.num_shards else "train.batch_size",
           f"{shards} data shards cannot be split over {process_count} processes")
+
+
+MIXTURE_SOURCES = ("synthetic", "text", "array_record", "jsonl", "parquet")
+
+
+def _validate_mixture(d, key: str) -> None:
+  """`data.mixture` / `data.eval_mixture`: (name, source, path, text_key, weight) entries."""
+  entries = d[key]
+  if not isinstance(entries, (tuple, list)):
+    _fail(f"data.{key}", f"must be a tuple of (name, source, path, text_key, weight) entries, got {entries!r}")
+  names = set()
+  for entry in entries:
+    if not isinstance(entry, (tuple, list)) or len(entry) != 5:
+      _fail(f"data.{key}", f"entry {entry!r} is not (name, source, path, text_key, weight)")
+    name, source, path, text_key, weight = entry
+    if not isinstance(name, str) or not name or name in names:
+      _fail(f"data.{key}", f"entry {entry!r}: the name must be a new, non-empty string")
+    names.add(name)
+    if source not in MIXTURE_SOURCES:
+      _fail(f"data.{key}", f"source {name!r}: unknown kind {source!r}; choose one of {', '.join(MIXTURE_SOURCES)}")
+    if not isinstance(path, str) or not isinstance(text_key, str):
+      _fail(f"data.{key}", f"source {name!r}: path and text_key must be strings")
+    if source in ("array_record", "jsonl", "parquet") and not path:
+      _fail(f"data.{key}", f"source {name!r}: {source} needs a glob of files")
+    if path and source != "synthetic" and not glob.glob(os.path.expanduser(path), recursive=True):
+      _fail(f"data.{key}", f"source {name!r}: no file matches {path!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+      _fail(f"data.{key}", f"source {name!r}: the weight must be a number > 0, got {weight!r}")
 
 
 def _validate_paths(cfg) -> None:

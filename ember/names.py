@@ -31,6 +31,9 @@ TARGETS = "targets"
 SEGMENT_IDS = "segment_ids"  # 0 = padding; packed documents are 1, 2, ...
 POSITIONS = "positions"  # Restart at 0 in every document.
 BATCH_KEYS = (INPUTS, TARGETS, SEGMENT_IDS, POSITIONS)
+# With `data.mixture`: the source of each token (1 + its index in the mixture; 0 = padding). The loop
+# counts it for the per-source token shares and does not send it to the devices.
+SOURCE = "source"
 
 # --- Projections: the `name` of every quantized matmul (names its residuals, seeds its noise). ----
 LAYER_PROJECTIONS = ("qkv", "out", "wi", "wo", "moe_wi", "moe_wo", "shared_wi", "shared_wo")

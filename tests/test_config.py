@@ -37,6 +37,11 @@ CASES = [
     (["--config.model.attention=flash"], "config.model.attention: unknown value 'flash'"),
     (["--config.mesh.rules=(('batch', 'data'), ('tokens', None))"], "config.mesh.rules: unknown logical axis 'tokens'"),
     (["--config.data.source=jsonl"], "config.data.path: source jsonl needs a glob of files"),
+    (["--config.data.mixture=(('a', 'text', '', '', 0.0),)"],
+     "config.data.mixture: source 'a': the weight must be a number > 0, got 0.0"),
+    (["--config.data.mixture=(('a', 'tfds', '', '', 1.0),)"], "config.data.mixture: source 'a': unknown kind 'tfds'"),
+    (["--config.data.eval_mixture=(('a', 'jsonl', '/nonexistent/*.jsonl', 'text', 1.0),)"],
+     "config.data.eval_mixture: source 'a': no file matches '/nonexistent/*.jsonl'"),
     (["--config.checkpoint.restore_from=/nonexistent/run"],
      "config.checkpoint.restore_from: no checkpoint directory at /nonexistent/run"),
 ]

@@ -28,6 +28,7 @@ per row and overlap with the device through JAX's asynchronous dispatch. (Grain 
 """
 
 import grain
+import ml_collections
 
 from ember.data import packing, sources, tokenizers
 
@@ -52,20 +53,46 @@ def make_dataset(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, s
     raise ValueError(f"global batch size {global_batch_size} is not a positive multiple of "
                      f"the process count {process_count}")
   batch = global_batch_size // process_count
-  num_threads = int(data_cfg.num_threads)
   seed32 = int(seed) % 2**32
-
-  docs = sources.open_documents(data_cfg, split, seed=seed, vocab_size=vocab_size)
-  docs = sources.shard(docs, process_index, process_count).shuffle(seed32).repeat()
-  tokenizer = None if data_cfg.source == "synthetic" else tokenizers.build_tokenizer(data_cfg)
-  tokens = docs.map(_tokenize(tokenizer)).to_iter_dataset(
-      grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=max(4, 4 * num_threads)))
+  tokens = lambda cfg, component: _tokens(cfg, split, seed=seed, shuffle_seed=(seed32 + 1000003 * component) % 2**32,
+                                          shard=(process_index, process_count), vocab_size=vocab_size)
+  mixture = mixture_components(data_cfg, split)
+  if not mixture:
+    chunk_ds = packing.chunks(tokens(data_cfg, 0), seq_len=seq_len)
+  else:  # Chunks drawn from each source by weight (so its share of tokens follows its weight).
+    parts = [packing.chunks(tokens(cfg, i), seq_len=seq_len, source=i) for i, (_, cfg, _) in enumerate(mixture)]
+    chunk_ds = grain.IterDataset.mix(parts, [w for _, _, w in mixture])
 
   # The window is the whole batch's: each of `process_count` shards (pipelines) shuffles its share.
   window = -(-int(data_cfg.get("chunk_shuffle_window", DEFAULT_SHUFFLE_WINDOW)) // process_count)
-  rows = packing.pack(tokens, seq_len=seq_len, num_bins=max(batch, MIN_PACKING_BINS),
-                      shuffle_window=window, seed=(seed32 + 1) % 2**32)
+  rows = packing.pack(chunk_ds, seq_len=seq_len, num_bins=max(batch, MIN_PACKING_BINS), shuffle_window=window,
+                      seed=(seed32 + 1) % 2**32, with_source=bool(mixture))
   return rows.batch(batch, drop_remainder=True)
+
+
+def _tokens(data_cfg, split: str, *, seed: int, shuffle_seed: int, shard: tuple[int, int],
+            vocab_size: int) -> grain.IterDataset:
+  """One source's documents: this shard's share, shuffled every epoch, forever, tokenized ahead."""
+  docs = sources.open_documents(data_cfg, split, seed=seed, vocab_size=vocab_size)
+  docs = sources.shard(docs, *shard).shuffle(shuffle_seed).repeat()
+  tokenizer = None if data_cfg.source == "synthetic" else tokenizers.build_tokenizer(data_cfg)
+  num_threads = int(data_cfg.num_threads)
+  return docs.map(_tokenize(tokenizer)).to_iter_dataset(
+      grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=max(4, 4 * num_threads)))
+
+
+def mixture_components(data_cfg, split: str) -> list[tuple[str, object, float]]:
+  """(name, the data config of that source, weight) for each source of `data.mixture` (`data.eval_mixture`
+  for eval, when set); [] without a mixture. An entry is (name, source, path, text_key, weight)."""
+  entries = tuple(data_cfg.get("mixture", ()))
+  if split == "eval" and tuple(data_cfg.get("eval_mixture", ())):
+    entries = tuple(data_cfg.eval_mixture)
+  out = []
+  for name, source, path, text_key, weight in entries:
+    cfg = ml_collections.ConfigDict(data_cfg.to_dict())
+    cfg.source, cfg.path, cfg.text_key = source, path, text_key
+    out.append((name, cfg, float(weight)))
+  return out
 
 
 def make_iterator(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, split: str,

@@ -18,8 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ember.data.pipeline import make_iterator
+from ember.data.pipeline import make_iterator, mixture_components
 from ember.errors import CheckpointError
+from ember.names import BATCH_KEYS, SOURCE
 from ember.parallel import distributed
 
 
@@ -75,11 +76,41 @@ def data_iterator(cfg, split: str) -> ShardedIterator:
   return ShardedIterator(make, distributed.data_shards(num_shards), num_shards)
 
 
+def source_shares(cfg) -> SourceShares:
+  """The share counter of the training mixture (counts nothing without one)."""
+  return SourceShares([name for name, _, _ in mixture_components(cfg.data, "train")])
+
+
 def num_data_shards(cfg) -> int:
   """`data.num_shards`, or one shard per row of the global batch (0)."""
   return int(cfg.data.num_shards) or int(cfg.train.batch_size)
 
 
 def global_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-  """This process's rows of a batch as global jax.Arrays on `sharding` (every process calls it)."""
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+  """This process's rows of a batch as global jax.Arrays on `sharding` (every process calls it); only the
+  model's inputs (names.BATCH_KEYS) go to the devices."""
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(batch[k])) for k in BATCH_KEYS}
+
+
+class SourceShares:
+  """Each mixture source's share of the real tokens fed since the last report, over all processes."""
+
+  def __init__(self, names: list[str]):
+    self.names = list(names)
+    self.counts = np.zeros(len(self.names), np.int64)
+
+  def count(self, rows: dict[str, np.ndarray]) -> None:
+    if self.names and SOURCE in rows:
+      self.counts += np.bincount(np.asarray(rows[SOURCE]).ravel(), minlength=len(self.names) + 1)[1:]
+
+  def report(self) -> dict[str, float]:
+    """{"data_share/<name>": share}, then starts counting again (every process calls it at the same step)."""
+    if not self.names:
+      return {}
+    counts = self.counts
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      counts = np.asarray(multihost_utils.process_allgather(counts)).reshape(-1, len(self.names)).sum(axis=0)
+    self.counts = np.zeros_like(self.counts)
+    total = max(int(counts.sum()), 1)
+    return {f"data_share/{n}": float(c) / total for n, c in zip(self.names, counts)}

@@ -43,7 +43,7 @@ def gemm_counts(hlo_text: str) -> dict[str, object]:
 
 
 def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
-  cfg.data.source = "synthetic"
+  cfg.data.source, cfg.data.mixture = "synthetic", ()
   cfg, mesh = prepare(cfg)
   cfg = resolve(cfg, mesh)
   tx, schedule = make_optimizer(cfg.train)

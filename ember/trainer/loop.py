@@ -25,7 +25,7 @@ import ember
 from ember import config as config_lib
 from ember import remat
 from ember.data import build_tokenizer, records
-from ember.data.sharded import data_iterator, global_batch
+from ember.data.sharded import data_iterator, global_batch, source_shares
 from ember.errors import ConfigError
 from ember.layers import moe_dispatch
 from ember.names import MOE_OVERFLOW_TOKENS
@@ -79,14 +79,15 @@ def train(cfg, mesh=None) -> dict:
     graphdef, shardings, abstract = state_shardings(cfg, mesh, tx, policy)
     state = _restore_or_init(cfg, ckpt, mesh, tx, policy, abstract, shardings, metrics, train_it)
     batch_sharding = step_lib.batch_sharding(cfg, mesh)
-    batch = global_batch(next(train_it), batch_sharding)
+    shares = source_shares(cfg)
+    batch = _next_batch(train_it, batch_sharding, shares)
     compiled = _compile(step_lib.jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings), state, batch, cfg,
                         mesh)
     eval_fn = jax.jit(functools.partial(step_lib.eval_step, graphdef=graphdef, cfg=cfg),
                       in_shardings=(shardings, batch_sharding))
     meta = {"config": cfg.to_dict(), "ember_version": ember.__version__, "mesh": dict(mesh.shape),
             "process_count": jax.process_count()}
-    progress = _Progress(cfg, start=int(state.step), compiled=compiled)
+    progress = _Progress(cfg, start=int(state.step), compiled=compiled, shares=shares)
     profiler = _Profiler(cfg)
     last = {"step": int(state.step)}
     for step in range(int(state.step), cfg.steps):
@@ -107,9 +108,16 @@ def train(cfg, mesh=None) -> dict:
         console(f"preempted (SIGTERM): saved a checkpoint at step {done} in {ckpt.directory} and stopped")
         break
       if done < cfg.steps:
-        batch = global_batch(next(train_it), batch_sharding)
+        batch = _next_batch(train_it, batch_sharding, shares)
   last["wall_time_s"] = time.time() - t_start
   return last
+
+
+def _next_batch(it, sharding, shares):
+  """The next global batch; a mixture's per-token sources are counted here and stay on the host."""
+  rows = next(it)
+  shares.count(rows)
+  return global_batch(rows, sharding)
 
 
 def _compile(step_fn, state, batch, cfg, mesh):
@@ -131,8 +139,8 @@ class _Progress:
   """Turns the metrics fetched once per log interval into a record: step time since the last log,
   throughput, MFU, ETA and peak memory; writes it and prints the progress line."""
 
-  def __init__(self, cfg, *, start: int, compiled):
-    self.cfg, self.compiled = cfg, compiled
+  def __init__(self, cfg, *, start: int, compiled, shares):
+    self.cfg, self.compiled, self.shares = cfg, compiled, shares
     self.t_last, self.step_last = time.time(), start
 
   def log(self, done: int, step_metrics, writer: MetricsWriter) -> dict:
@@ -144,6 +152,7 @@ class _Progress:
     record = {"step": done, **{k: float(v) for k, v in host.items()}, **perf.to_dict(),
               "eta_s": step_time * (self.cfg.steps - done)}
     record["peak_bytes"], record["peak_source"] = peak_bytes(self.compiled)
+    record.update(self.shares.report())
     if self.cfg.data.source in ("jsonl", "parquet"):  # Bad records skipped by rule (ember/data/records.py).
       record["data_skipped_records"] = records.skipped_records()
     writer.write(record)
