@@ -109,5 +109,5 @@ def test_unmatched_path_is_a_one_line_data_error(data_cfg, tmp_path, rel):
 
 def test_unknown_source_is_a_data_error(data_cfg):
   with pytest.raises(DataError, match="data.source"):
-    make_iterator(data_cfg(source="parquet"), seq_len=8, global_batch_size=1, seed=0,
+    make_iterator(data_cfg(source="csv"), seq_len=8, global_batch_size=1, seed=0,
                   split="train")
