@@ -248,6 +248,8 @@ def _validate_data(cfg, process_count: int) -> None:
   d = cfg.data
   if d.source in ("array_record", "jsonl", "parquet") and not d.path:
     _fail("data.path", f"source {d.source} needs a glob of files")
+  if d.source in ("jsonl", "parquet") and not d.text_key:
+    _fail("data.text_key", f"source {d.source} needs the field holding the text")
   if d.source == "tfds":
     if not d.tfds_name:
       _fail("data.tfds_name", "source tfds needs a dataset name")
@@ -287,6 +289,8 @@ def _validate_mixture(d, key: str) -> None:
       _fail(f"data.{key}", f"source {name!r}: path and text_key must be strings")
     if source in ("array_record", "jsonl", "parquet") and not path:
       _fail(f"data.{key}", f"source {name!r}: {source} needs a glob of files")
+    if source in ("jsonl", "parquet") and not text_key:
+      _fail(f"data.{key}", f"source {name!r}: {source} needs a text_key")
     if path and source != "synthetic" and not glob.glob(os.path.expanduser(path), recursive=True):
       _fail(f"data.{key}", f"source {name!r}: no file matches {path!r}")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:

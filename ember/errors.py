@@ -30,6 +30,13 @@ def one_line(e: BaseException) -> str:
   return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+def warn(msg: str) -> None:
+  """A warning line on stderr (process 0 prints; the trainer's console adds a time stamp to its own)."""
+  import os
+  if os.environ.get("EMBER_PROCESS_ID", "0") in ("", "0"):
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
 def fail_and_exit(err: BaseException) -> None:
   """Prints one line and exits with status 2 (bad command line, config or input path)."""
   print(f"error: {one_line(err)}", file=sys.stderr, flush=True)

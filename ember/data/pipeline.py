@@ -45,7 +45,7 @@ def _tokenize(tokenizer):
 
 def make_dataset(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, split: str,
                  process_index: int = 0, process_count: int = 1,
-                 vocab_size: int = 256) -> grain.IterDataset:
+                 vocab_size: int = 256, read_threads: int | None = None) -> grain.IterDataset:
   """The pipeline as a Grain `IterDataset` (see `make_iterator`)."""
   if seq_len < 1:
     raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -54,8 +54,13 @@ def make_dataset(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, s
                      f"the process count {process_count}")
   batch = global_batch_size // process_count
   seed32 = int(seed) % 2**32
-  tokens = lambda cfg, component: _tokens(cfg, split, seed=seed, shuffle_seed=(seed32 + 1000003 * component) % 2**32,
-                                          shard=(process_index, process_count), vocab_size=vocab_size)
+  # Seeds differ per shard (and per mixture source): shards that share documents (a split with fewer
+  # documents than shards wraps) still draw different streams. The single-shard seeds are the old ones.
+  shard_seed = (seed32 + 7919 * process_index) % 2**32
+  threads = int(data_cfg.num_threads) if read_threads is None else read_threads
+  tokens = lambda cfg, component: _tokens(cfg, split, seed=seed, shuffle_seed=(shard_seed + 1000003 * component) % 2**32,
+                                          shard=(process_index, process_count), vocab_size=vocab_size,
+                                          threads=threads)
   mixture = mixture_components(data_cfg, split)
   if not mixture:
     chunk_ds = packing.chunks(tokens(data_cfg, 0), seq_len=seq_len)
@@ -66,19 +71,18 @@ def make_dataset(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, s
   # The window is the whole batch's: each of `process_count` shards (pipelines) shuffles its share.
   window = -(-int(data_cfg.get("chunk_shuffle_window", DEFAULT_SHUFFLE_WINDOW)) // process_count)
   rows = packing.pack(chunk_ds, seq_len=seq_len, num_bins=max(batch, MIN_PACKING_BINS), shuffle_window=window,
-                      seed=(seed32 + 1) % 2**32, with_source=bool(mixture))
+                      seed=(shard_seed + 1) % 2**32, with_source=bool(mixture))
   return rows.batch(batch, drop_remainder=True)
 
 
-def _tokens(data_cfg, split: str, *, seed: int, shuffle_seed: int, shard: tuple[int, int],
-            vocab_size: int) -> grain.IterDataset:
+def _tokens(data_cfg, split: str, *, seed: int, shuffle_seed: int, shard: tuple[int, int], vocab_size: int,
+            threads: int) -> grain.IterDataset:
   """One source's documents: this shard's share, shuffled every epoch, forever, tokenized ahead."""
-  docs = sources.open_documents(data_cfg, split, seed=seed, vocab_size=vocab_size)
+  docs = sources.documents(data_cfg, split, seed=seed, vocab_size=vocab_size)
   docs = sources.shard(docs, *shard).shuffle(shuffle_seed).repeat()
   tokenizer = None if data_cfg.source == "synthetic" else tokenizers.build_tokenizer(data_cfg)
-  num_threads = int(data_cfg.num_threads)
   return docs.map(_tokenize(tokenizer)).to_iter_dataset(
-      grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=max(4, 4 * num_threads)))
+      grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(4, 4 * threads)))
 
 
 def mixture_components(data_cfg, split: str) -> list[tuple[str, object, float]]:
@@ -97,7 +101,7 @@ def mixture_components(data_cfg, split: str) -> list[tuple[str, object, float]]:
 
 def make_iterator(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, split: str,
                   process_index: int = 0, process_count: int = 1,
-                  vocab_size: int = 256) -> grain.DatasetIterator:
+                  vocab_size: int = 256, read_threads: int | None = None) -> grain.DatasetIterator:
   """An endless iterator of this process's batches.
 
   Each batch is a dict of int32 arrays [global_batch_size // process_count, seq_len]:
@@ -106,4 +110,5 @@ def make_iterator(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, 
   """
   return iter(make_dataset(
       data_cfg, seq_len=seq_len, global_batch_size=global_batch_size, seed=seed, split=split,
-      process_index=process_index, process_count=process_count, vocab_size=vocab_size))
+      process_index=process_index, process_count=process_count, vocab_size=vocab_size,
+      read_threads=read_threads))

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from ember.data.pipeline import make_iterator, mixture_components
-from ember.errors import CheckpointError
+from ember.errors import warn
 from ember.names import BATCH_KEYS, SOURCE
 from ember.parallel import distributed
 
@@ -32,8 +32,9 @@ class ShardedIterator:
   `grain.checkpoint.CheckpointSave/CheckpointRestore` (get_state/set_state as bytes).
   """
 
-  def __init__(self, make: Callable[[int], Any], shards: list[int], num_shards: int):
-    self.shards, self.num_shards = list(shards), num_shards
+  def __init__(self, make: Callable[[int], Any], shards: list[int], num_shards: int, fingerprint: str = ""):
+    self.shards, self.num_shards, self.fingerprint = list(shards), num_shards, fingerprint
+    self._make = make
     self._its = [make(s) for s in self.shards]
 
   def __iter__(self):
@@ -49,15 +50,31 @@ class ShardedIterator:
     return {str(s): it.get_state() for s, it in zip(self.shards, self._its)}
 
   def get_state(self) -> bytes:
-    return json.dumps({"num_shards": self.num_shards, "shards": self.shard_states()}).encode()
+    return json.dumps({"num_shards": self.num_shards, "fingerprint": self.fingerprint,
+                       "shards": self.shard_states()}).encode()
 
   def set_state(self, state: bytes | str | dict) -> None:
+    """Resumes every shard's position. A position saved for other data (another shard count, sources,
+    mixture or window: the fingerprint) cannot be mapped: the iterator then starts from the beginning
+    with a warning, and the checkpoint's model state is restored all the same."""
     state = json.loads(state) if isinstance(state, (bytes, str)) else state
+    reason = None
     if state.get("num_shards") != self.num_shards:
-      raise CheckpointError(f"config.data.num_shards: the checkpoint's data position is for "
-                            f"{state.get('num_shards')} shards, this run reads {self.num_shards}")
-    for s, it in zip(self.shards, self._its):
-      it.set_state(state["shards"][str(s)])
+      reason = f"{state.get('num_shards')} data shards, this run reads {self.num_shards}"
+    elif state.get("fingerprint", "") != self.fingerprint:
+      reason = "other data (data.source, path, text_key, mixture or shuffle window changed)"
+    elif not all(str(s) in state.get("shards", {}) for s in self.shards):
+      reason = "other shards"
+    if reason is None:
+      try:
+        for s, it in zip(self.shards, self._its):
+          it.set_state(state["shards"][str(s)])
+        return
+      except Exception as e:  # A Grain state of another pipeline layout.
+        reason = f"a pipeline this run cannot resume ({type(e).__name__})"
+    warn(f"the saved data position is for {reason}: the data iterator starts from the beginning")
+    self.close()
+    self._its = [self._make(s) for s in self.shards]
 
   def start_prefetch(self) -> None:  # Called by grain's CheckpointRestore.
     pass
@@ -70,10 +87,20 @@ class ShardedIterator:
 def data_iterator(cfg, split: str) -> ShardedIterator:
   """This process's rows of each global batch of `split` (validated config: the shards divide the batch)."""
   num_shards = num_data_shards(cfg)
+  shards = distributed.data_shards(num_shards)
+  threads = max(1, int(cfg.data.num_threads) // len(shards))  # The process's read threads, split over its shards.
   make = lambda shard: make_iterator(cfg.data, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.batch_size,
                                      seed=cfg.seed, split=split, process_index=shard, process_count=num_shards,
-                                     vocab_size=cfg.model.vocab_size)
-  return ShardedIterator(make, distributed.data_shards(num_shards), num_shards)
+                                     vocab_size=cfg.model.vocab_size, read_threads=threads)
+  return ShardedIterator(make, shards, num_shards, data_fingerprint(cfg.data, split))
+
+
+def data_fingerprint(data_cfg, split: str) -> str:
+  """What a saved data position belongs to: the keys that change the document streams."""
+  keys = ("source", "path", "text_key", "tfds_name", "tokenizer", "eval_fraction", "chunk_shuffle_window", "mixture")
+  if split == "eval":
+    keys += ("eval_mixture",)
+  return json.dumps({k: data_cfg.get(k) for k in keys}, sort_keys=True, default=str)
 
 
 def source_shares(cfg) -> SourceShares:

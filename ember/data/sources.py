@@ -12,8 +12,10 @@ does not depend on the seed, the process count, or on which other files are pres
 
 import glob
 import hashlib
+import json
 import os
 import sysconfig
+import threading
 
 import grain
 import numpy as np
@@ -102,6 +104,7 @@ def list_files(path: str, key: str = "data.path") -> tuple[list[str], str]:
   if not path:
     files, root = _stdlib_files(), stdlib_root()
   else:
+    path = os.path.expanduser(path)
     pattern = os.path.join(path, "**", "*") if os.path.isdir(path) else path
     files, root = glob.glob(pattern, recursive=True), glob_root(path)
   files = sorted(f for f in files if os.path.isfile(f) and os.path.getsize(f) > 0)
@@ -237,6 +240,23 @@ def open_documents(data_cfg, split: str, *, seed: int, vocab_size: int) -> grain
     return records.parquet_documents(files, root, data_cfg.text_key, **common)
   raise DataError(f"data.source: unknown source {source!r}; "
                   "expected synthetic, text, array_record, tfds, jsonl or parquet")
+
+
+_INDEX: dict[str, grain.MapDataset] = {}
+_INDEX_LOCK = threading.Lock()
+
+
+def documents(data_cfg, split: str, *, seed: int, vocab_size: int) -> grain.MapDataset:
+  """`open_documents`, built once per process for each source and split: every data shard, and every
+  evaluation, slices the same index (listing files, scanning JSONL offsets and reading Parquet footers
+  once). A MapDataset is immutable; slicing and shuffling it makes new ones."""
+  key = json.dumps({k: data_cfg.get(k) for k in ("source", "path", "text_key", "cache_dir", "tfds_name",
+                                                  "tfds_data_dir", "tfds_text_key", "eval_fraction")},
+                   sort_keys=True, default=str) + f"|{split}|{seed}|{vocab_size}"
+  with _INDEX_LOCK:
+    if key not in _INDEX:
+      _INDEX[key] = open_documents(data_cfg, split, seed=seed, vocab_size=vocab_size)
+    return _INDEX[key]
 
 
 def shard(ds: grain.MapDataset, process_index: int, process_count: int) -> grain.MapDataset:

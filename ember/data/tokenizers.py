@@ -8,6 +8,7 @@ No BOS/EOS tokens are added: the packed batch carries document boundaries in
 `segment_ids`, and the byte vocabulary has no spare ids for them.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -55,8 +56,13 @@ class SentencePieceTokenizer:
 
 
 def build_tokenizer(data_cfg) -> ByteTokenizer | SentencePieceTokenizer:
-  """The tokenizer named by `data.tokenizer`: "byte" or the path of a SentencePiece model."""
-  name = data_cfg.tokenizer
+  """The tokenizer named by `data.tokenizer`: "byte" or the path of a SentencePiece model (loaded once per
+  process: every data shard shares it)."""
+  return _tokenizer(data_cfg.tokenizer)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(name: str) -> ByteTokenizer | SentencePieceTokenizer:
   if name in ("", "byte"):
     return ByteTokenizer()
   if not os.path.isfile(name):

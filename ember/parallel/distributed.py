@@ -70,9 +70,9 @@ def _initialized() -> bool:
 def data_shards(num_shards: int, process_index: int | None = None, process_count: int | None = None) -> list[int]:
   """The data shards this process reads: a contiguous block, so shard order is the global row order.
 
-  `num_shards` = 0 means one per process. A fixed `num_shards` (a multiple of every process count
-  the job will run with) makes the global batch, and a resumed data position, independent of the
-  process count.
+  `num_shards` = 0 means one per process here; the trainer passes its own count (by default one shard
+  per row of the global batch, ember/data/sharded.py), which makes the global batch, and a resumed data
+  position, independent of the process count.
   """
   index = jax.process_index() if process_index is None else process_index
   count = jax.process_count() if process_count is None else process_count

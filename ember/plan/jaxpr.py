@@ -85,10 +85,11 @@ def jaxpr_flops(jaxpr) -> float:
       total += eqn.params["length"] * jaxpr_flops(eqn.params["jaxpr"].jaxpr)
     elif name == "cond":
       total += max(jaxpr_flops(b.jaxpr) for b in eqn.params["branches"])
-    elif name == "shard_map":  # The body has one device's shapes: times the devices it runs on.
-      mesh = eqn.params["mesh"]
-      devices = math.prod(mesh.shape[a] for a in eqn.params.get("newly_manual_axes", mesh.axis_names))
-      total += devices * sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
+    elif name == "shard_map":  # The body has one device's shapes: times the shards of its first operand
+      # (the MoE layer's tokens); devices that repeat a shard's work (replicas along other axes) add no FLOPs.
+      mesh, spec = eqn.params["mesh"], eqn.params["in_specs"][0]
+      axes = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+      total += math.prod(mesh.shape[a] for a in axes) * sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
     elif subs:
       total += sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
     elif name == "dot_general":

@@ -20,6 +20,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import ember
 from ember import config as config_lib
@@ -141,6 +142,8 @@ class _Progress:
 
   def __init__(self, cfg, *, start: int, compiled, shares):
     self.cfg, self.compiled, self.shares = cfg, compiled, shares
+    kinds = {cfg.data.source} if not cfg.data.mixture else {source for _, source, *_ in cfg.data.mixture}
+    self.reads_records = bool(kinds & {"jsonl", "parquet"})
     self.t_last, self.step_last = time.time(), start
 
   def log(self, done: int, step_metrics, writer: MetricsWriter) -> dict:
@@ -153,8 +156,8 @@ class _Progress:
               "eta_s": step_time * (self.cfg.steps - done)}
     record["peak_bytes"], record["peak_source"] = peak_bytes(self.compiled)
     record.update(self.shares.report())
-    if self.cfg.data.source in ("jsonl", "parquet"):  # Bad records skipped by rule (ember/data/records.py).
-      record["data_skipped_records"] = records.skipped_records()
+    if self.reads_records:  # Bad records skipped by rule (ember/data/records.py), over all processes.
+      record["data_skipped_records"] = _sum_over_processes(records.skipped_records())
     writer.write(record)
     console(progress_line(record, self.cfg.steps))
     overflow = record.get(MOE_OVERFLOW_TOKENS) or 0
@@ -181,6 +184,14 @@ class _Profiler:
     if self.active and (done == self.stop or done == self.last):
       jax.profiler.stop_trace()
       self.active = False
+
+
+def _sum_over_processes(value: int) -> int:
+  """Every process calls it at the same step."""
+  if jax.process_count() == 1:
+    return int(value)
+  from jax.experimental import multihost_utils
+  return int(np.sum(multihost_utils.process_allgather(np.asarray(value, np.int64))))
 
 
 def _restore_or_init(cfg, ckpt, mesh, tx, policy, abstract, shardings, metrics, train_it):

@@ -60,7 +60,7 @@ def test_compressed_jsonl_reads_like_plain(tmp_path, data_cfg, suffix):
   assert _all_docs(cfg(packed))[0] == _all_docs(cfg(plain))[0]
   assert len(list(cache.glob("*.jsonl"))) == 1  # Decompressed once, then read by offsets.
   _all_docs(cfg(packed))
-  assert len(list(cache.iterdir())) == 1
+  assert len(list(cache.glob("*.jsonl"))) == 1 and not list(cache.glob("*.part"))
 
 
 def _write_parquet(path, texts, row_group_size):
@@ -116,3 +116,25 @@ def test_bad_parquet_file_ends_train_py_with_one_line(tmp_path):
   assert p.returncode == 2, p.stderr
   lines = p.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: data.path: cannot read") and "a.parquet" in lines[0], p.stderr
+
+
+def test_a_wrong_text_key_is_an_error_not_a_silent_skip(tmp_path, data_cfg):
+  _write_jsonl(tmp_path / "a.jsonl", GOOD)
+  with pytest.raises(DataError, match=r"data.text_key: none of the first \d+ lines of .*a.jsonl .* 'body' field"):
+    sources.open_documents(data_cfg(source="jsonl", path=str(tmp_path / "a.jsonl"), text_key="body"), "train",
+                           seed=0, vocab_size=256)
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.table({"body": [b"bytes"] * 4}), tmp_path / "b.parquet")
+  with pytest.raises(DataError, match=r"data.text_key: column 'body' of .*b.parquet holds binary, not strings"):
+    sources.open_documents(data_cfg(source="parquet", path=str(tmp_path / "b.parquet"), text_key="body"), "train",
+                           seed=0, vocab_size=256)
+
+
+def test_an_unwritable_cache_is_a_one_line_error(tmp_path, data_cfg):
+  packed = tmp_path / "a.jsonl.gz"
+  packed.write_bytes(gzip.compress(b'{"text": "x"}\n' * 4))
+  (tmp_path / "file").write_text("not a directory")
+  with pytest.raises(DataError, match=r"data.cache_dir: cannot decompress .*a.jsonl.gz into"):
+    sources.open_documents(data_cfg(source="jsonl", path=str(packed), cache_dir=str(tmp_path / "file" / "cache")),
+                           "train", seed=0, vocab_size=256)

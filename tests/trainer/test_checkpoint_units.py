@@ -138,3 +138,17 @@ def test_restore_from_a_missing_or_empty_directory_names_the_key(tmp_path, mesh)
   (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
   with pytest.raises(CheckpointError, match=r"config\.checkpoint\.restore_from: no complete checkpoint"):
     restore_from(str(tmp_path / "empty"), abstract, shardings, None, params_only=False, init=None)
+
+
+def test_data_position_of_other_data_restarts_with_a_warning(capsys):
+  """A position saved for other data (the fingerprint differs) is not forced onto this pipeline: the
+  iterator warns and starts from the beginning; nothing raises."""
+  make = functools.partial(make_iterator, _data_cfg(), seq_len=16, global_batch_size=8, seed=0, split="train",
+                           process_count=2)
+  old = ShardedIterator(lambda s: make(process_index=s), [0, 1], 2, fingerprint="old")
+  next(old)
+  fresh = ShardedIterator(lambda s: make(process_index=s), [0, 1], 2, fingerprint="new")
+  first = next(ShardedIterator(lambda s: make(process_index=s), [0, 1], 2, fingerprint="new"))
+  fresh.set_state(old.get_state())
+  assert "starts from the beginning" in capsys.readouterr().err
+  np.testing.assert_array_equal(next(fresh)["inputs"], first["inputs"])
