@@ -46,11 +46,11 @@ def _merged_data_state(data_dir: str) -> dict | None:
   files = sorted(glob.glob(os.path.join(data_dir, "process_*-of-*.json")))
   if not files:
     return None
-  merged = {"num_shards": None, "shards": {}}
+  merged = {"num_shards": None, "fingerprint": "", "shards": {}}
   for f in files:
     with open(f) as fh:
       s = json.load(fh)
-    merged["num_shards"] = s["num_shards"]
+    merged["num_shards"], merged["fingerprint"] = s["num_shards"], s.get("fingerprint", "")
     merged["shards"].update(s["shards"])
   return merged
 
