@@ -101,8 +101,8 @@ def get_config() -> ml_collections.ConfigDict:
   d.cache_dir = ""  # jsonl: where .gz / .zst files are decompressed once ("" = the system temp directory).
   # Several sources mixed by weight (replaces data.source / path / text_key): a tuple of
   # (name, source, path, text_key, weight), e.g. (("code", "text", "src/**/*.py", "", 0.8),
-  # ("web", "jsonl", "web/*.jsonl.zst", "text", 0.2)). Weights are shares of chunks (pieces of up to
-  # seq_len tokens); the token shares are logged as data_share/<name>. () = the single source above.
+  # ("web", "jsonl", "web/*.jsonl.zst", "text", 0.2)). Each source's share of the tokens follows its
+  # weight (ember/data/mixing.py) and is logged as data_share/<name>. () = the single source above.
   d.mixture = ()
   d.eval_mixture = ()  # The held-out split's mixture, if it should differ; () = data.mixture's.
   d.num_threads = 2  # Grain prefetch threads.

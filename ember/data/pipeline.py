@@ -31,6 +31,7 @@ import grain
 import ml_collections
 
 from ember.data import packing, sources, tokenizers
+from ember.data.mixing import TokenMix
 
 DEFAULT_SHUFFLE_WINDOW = 1024  # Chunks shuffled together before packing.
 MIN_PACKING_BINS = 32  # Rows packed at once; more bins, less padding.
@@ -64,9 +65,9 @@ def make_dataset(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, s
   mixture = mixture_components(data_cfg, split)
   if not mixture:
     chunk_ds = packing.chunks(tokens(data_cfg, 0), seq_len=seq_len)
-  else:  # Chunks drawn from each source by weight (so its share of tokens follows its weight).
+  else:  # Chunks drawn so that each source's share of tokens follows its weight.
     parts = [packing.chunks(tokens(cfg, i), seq_len=seq_len, source=i) for i, (_, cfg, _) in enumerate(mixture)]
-    chunk_ds = grain.IterDataset.mix(parts, [w for _, _, w in mixture])
+    chunk_ds = TokenMix(parts, [w for _, _, w in mixture])
 
   # The window is the whole batch's: each of `process_count` shards (pipelines) shuffles its share.
   window = -(-int(data_cfg.get("chunk_shuffle_window", DEFAULT_SHUFFLE_WINDOW)) // process_count)

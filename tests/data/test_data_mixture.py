@@ -87,3 +87,23 @@ def test_train_logs_each_source_share(tmp_path):
   for r in records:
     assert abs(r["data_share/alpha"] + r["data_share/beta"] - 1.0) < 1e-9
     assert r["data_share/alpha"] > r["data_share/beta"]
+
+
+def test_token_shares_follow_the_weights_whatever_the_document_lengths(tmp_path, data_cfg):
+  """Source alpha has 10-byte documents, beta 2,000-byte ones: the weights still set the token shares."""
+  (tmp_path / "a").mkdir()
+  for i in range(200):
+    (tmp_path / "a" / f"d{i:03d}.txt").write_bytes(b"a" * 10)
+  (tmp_path / "b").mkdir()
+  for i in range(60):
+    (tmp_path / "b" / f"d{i:03d}.txt").write_bytes(b"b" * 2000)
+  cfg = data_cfg(mixture=(("alpha", "text", str(tmp_path / "a" / "*.txt"), "", 0.5),
+                          ("beta", "text", str(tmp_path / "b" / "*.txt"), "", 0.5)), num_threads=1,
+                 chunk_shuffle_window=256)
+  it = _iterator(cfg)
+  counts = np.zeros(3, np.int64)
+  for _ in range(100):
+    batch = next(it)
+    counts += np.bincount(batch[SOURCE][batch[SEGMENT_IDS] > 0], minlength=3)
+  it.close()
+  assert abs(counts[1] / counts[1:].sum() - 0.5) < 0.02, counts
