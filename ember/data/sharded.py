@@ -134,10 +134,7 @@ class SourceShares:
     """{"data_share/<name>": share}, then starts counting again (every process calls it at the same step)."""
     if not self.names:
       return {}
-    counts = self.counts
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      counts = np.asarray(multihost_utils.process_allgather(counts)).reshape(-1, len(self.names)).sum(axis=0)
+    counts = distributed.sum_over_processes(self.counts)
     self.counts = np.zeros_like(self.counts)
     total = max(int(counts.sum()), 1)
     return {f"data_share/{n}": float(c) / total for n, c in zip(self.names, counts)}

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
+from ember.errors import one_line
 from ember.layers.linear import Linear
 from ember.layers.rope import apply_rope
 from ember.model_config import ModelConfig
@@ -51,7 +52,7 @@ def cudnn_refusal(batch: int, length: int, num_heads: int, num_kv_heads: int, he
   try:
     jax.eval_shape(lambda q, k, v, s: attend(q, k, v, s, "cudnn"), q, kv, kv, seg)
   except Exception as e:  # cuDNN's checks raise NotImplementedError, ValueError, RuntimeError...
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return one_line(e)
   return None
 
 

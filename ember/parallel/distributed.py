@@ -83,6 +83,15 @@ def data_shards(num_shards: int, process_index: int | None = None, process_count
   return list(range(index * per, (index + 1) * per))
 
 
+def sum_over_processes(values: np.ndarray) -> np.ndarray:
+  """`values` summed over every process (each calls it at the same point); itself with one process."""
+  values = np.asarray(values)
+  if jax.process_count() == 1:
+    return values
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(values)).reshape(-1, *values.shape).sum(axis=0)
+
+
 class Preemption:
   """`reached(step)`: True at the step where every process should save and stop."""
 

@@ -24,7 +24,7 @@ import re
 
 import jax
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, one_line
 from ember.parallel.sharding import on_platform
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
@@ -82,13 +82,9 @@ class Target:
       topology = topologies.get_topology_desc(platform="cuda", target_config=self.spec(),
                                               topology=f"{self.nodes}x1x{self.per_node}")
     except Exception as e:  # No plugin, or a CUDA backend already initialised.
-      raise ConfigError(f"--target: cannot describe {self.name} here ({_first_line(e)}); install the CUDA plugin "
+      raise ConfigError(f"--target: cannot describe {self.name} here ({one_line(e)}); install the CUDA plugin "
                         "(launch/install_compile_plugin.sh) and run with JAX_PLATFORMS=cpu") from None
     return sorted(topology.devices, key=lambda d: (d.process_index, d.id))
-
-
-def _first_line(e: Exception) -> str:
-  return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def parse(name: str) -> Target:

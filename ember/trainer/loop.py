@@ -157,7 +157,7 @@ class _Progress:
     record["peak_bytes"], record["peak_source"] = peak_bytes(self.compiled)
     record.update(self.shares.report())
     if self.reads_records:  # Bad records skipped by rule (ember/data/records.py), over all processes.
-      record["data_skipped_records"] = _sum_over_processes(records.skipped_records())
+      record["data_skipped_records"] = int(distributed.sum_over_processes(np.int64(records.skipped_records())))
     writer.write(record)
     console(progress_line(record, self.cfg.steps))
     overflow = record.get(MOE_OVERFLOW_TOKENS) or 0
@@ -184,14 +184,6 @@ class _Profiler:
     if self.active and (done == self.stop or done == self.last):
       jax.profiler.stop_trace()
       self.active = False
-
-
-def _sum_over_processes(value: int) -> int:
-  """Every process calls it at the same step."""
-  if jax.process_count() == 1:
-    return int(value)
-  from jax.experimental import multihost_utils
-  return int(np.sum(multihost_utils.process_allgather(np.asarray(value, np.int64))))
 
 
 def _restore_or_init(cfg, ckpt, mesh, tx, policy, abstract, shardings, metrics, train_it):
