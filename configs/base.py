@@ -140,6 +140,8 @@ def get_config() -> ml_collections.ConfigDict:
   ck.async_save = True  # Save in a background thread while training continues.
   ck.restore_from = ""  # Start a new run from this checkpoint directory (or step directory).
   ck.params_only = False  # With restore_from: take only the parameters.
+  ck.init_from_hf = ""  # Start a new run from a Hugging Face Llama / Mixtral directory whose shapes match
+  # the model (ember/hf/): parameters only, sharded straight onto the mesh.
 
   lg = c.log = ml_collections.ConfigDict()
   lg.every_steps = 10  # Console line, metrics.jsonl and TensorBoard every N steps.

@@ -6,8 +6,8 @@ Floors, each importing only the ones below it:
   quant                         pure-JAX quantization (formats, quantizers, the recipe table, VJPs)
   model_config, config          the typed model shape; load, validate and derive the config tree
   parallel                      mesh, logical sharding rules, multi-process set-up
-  layers, data                  the NNX model; the Grain input pipeline
-  trainer                       state, step, loss, loop, checkpoints, metrics
+  layers, data, hf              the NNX model; the Grain input pipeline; the Hugging Face format
+  trainer, inference            state, step, loss, loop, checkpoints, metrics; KV-cached generation
   plan                          trace, measure and compile a step; choose a remat policy
   tools                         command-line front ends
 """

@@ -119,7 +119,7 @@ _SCALARS = {
     "mesh.dcn_data": ("int", ">=1"), "mesh.dcn_fsdp": ("int", ">=1"),
     "checkpoint.every_steps": ("int", ">=-1"), "checkpoint.keep": ("int", ">=1"),
     "checkpoint.async_save": ("bool", ""), "checkpoint.restore_from": ("str", ""),
-    "checkpoint.params_only": ("bool", ""),
+    "checkpoint.params_only": ("bool", ""), "checkpoint.init_from_hf": ("str", ""),
     "log.every_steps": ("int", ">=1"), "log.tensorboard": ("bool", ""),
     "distributed.coordinator_address": ("str", ""), "distributed.num_processes": ("int", ">=0"),
     "distributed.process_id": ("int", ">=-1"),
@@ -305,6 +305,12 @@ def _validate_paths(cfg) -> None:
   restore = cfg.checkpoint.restore_from
   if restore and not os.path.isdir(os.path.expanduser(restore)):
     _fail("checkpoint.restore_from", f"no checkpoint directory at {restore}")
+  hf = cfg.checkpoint.init_from_hf
+  if hf:
+    if restore:
+      _fail("checkpoint.init_from_hf", "set together with checkpoint.restore_from; a run starts from one of them")
+    if not os.path.isfile(os.path.join(os.path.expanduser(hf), "config.json")):
+      _fail("checkpoint.init_from_hf", f"no Hugging Face model directory (config.json) at {hf}")
   _validate_workdir(cfg.workdir)
 
 

@@ -17,8 +17,8 @@ FLOORS = [
     ("ember.quant",),
     ("ember.model_config", "ember.config"),
     ("ember.parallel",),
-    ("ember.layers", "ember.data"),
-    ("ember.trainer",),
+    ("ember.layers", "ember.data", "ember.hf"),
+    ("ember.trainer", "ember.inference"),
     ("ember.plan",),
     ("ember.tools",),
 ]

@@ -68,7 +68,8 @@ class Attention(nnx.Module):
     self.out = Linear((model.num_heads, model.head_dim), (model.d_model,), (HEADS, HEAD_DIM, EMBED), name="out",
                       recipe=model.recipe_for("out", layer), init_std=model.out_init_std, **common)
 
-  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None):
+  def _qkv(self, x_BxLxD, positions_BxL, key):
+    """Q, K, V of the fused projection, named for remat (before RoPE), then rotated."""
     b, l, _ = x_BxLxD.shape
     qkv = self.qkv(x_BxLxD, key)  # [B, L, K, G+2, H]
     q_BxLxNxH = qkv[:, :, :, : self.groups].reshape(b, l, self.num_heads, self.head_dim)
@@ -78,7 +79,34 @@ class Attention(nnx.Module):
     v_BxLxKxH = checkpoint_name(shard(v_BxLxKxH, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), remat.VALUE)
     q_BxLxNxH = apply_rope(q_BxLxNxH, positions_BxL, self.rope_theta)
     k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope_theta)
+    return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
+
+  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None):
+    q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._qkv(x_BxLxD, positions_BxL, key)
     ctx_BxLxNxH = attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, self.implementation)
     ctx_BxLxNxH = checkpoint_name(shard(ctx_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTENTION_CONTEXT)
     y_BxLxD = self.out(ctx_BxLxNxH, key)
     return checkpoint_name(shard(y_BxLxD, (BATCH, LENGTH, EMBED)), remat.OUT_PROJ)
+
+  def decode(self, x_BxTxD, positions_BxT, cache):
+    """Attention of T new tokens per row (consecutive positions from `positions_BxT[:, 0]`) over a KV cache
+    (k, v) [B, S, K, H]: their keys and values are written at their positions, and each query sees the
+    cache up to its own position. Returns (y [B, T, D], cache)."""
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = self._qkv(x_BxTxD, positions_BxT, None)
+    write = jax.vmap(lambda c, u, start: jax.lax.dynamic_update_slice_in_dim(c, u.astype(c.dtype), start, axis=0))
+    cache_k, cache_v = (write(c, u, positions_BxT[:, 0]) for c, u in zip(cache, (k_BxTxKxH, v_BxTxKxH)))
+    ctx_BxTxNxH = cached_attention(q_BxTxNxH, cache_k, cache_v, positions_BxT)
+    return self.out(ctx_BxTxNxH), (cache_k, cache_v)
+
+
+def cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, positions_BxT):
+  """Grouped-query attention of queries at `positions_BxT` over cache slots 0..S-1, slot s visible to a
+  query at position p when s <= p (softmax in float32)."""
+  b, t, n, h = q_BxTxNxH.shape
+  kv = k_BxSxKxH.shape[2]
+  q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv, n // kv, h)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32) * h**-0.5
+  visible = jnp.arange(k_BxSxKxH.shape[1])[None, None, None, None, :] <= positions_BxT[:, None, None, :, None]
+  probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v_BxSxKxH.dtype)
+  ctx = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH, preferred_element_type=jnp.float32)
+  return ctx.reshape(b, t, n, h).astype(q_BxTxNxH.dtype)

@@ -57,6 +57,16 @@ class DecoderLayer(nnx.Module):
       y_BxLxD, aux = self.mlp(self.mlp_norm(h_BxLxD), key), zero_aux()
     return shard(h_BxLxD + y_BxLxD, (BATCH, LENGTH, EMBED)), aux
 
+  def decode(self, x_BxTxD, positions_BxT, cache):
+    """The layer on T new tokens per row with a KV cache (Attention.decode); returns (y, cache)."""
+    a_BxTxD, cache = self.attn.decode(self.attn_norm(x_BxTxD), positions_BxT, cache)
+    h_BxTxD = x_BxTxD + a_BxTxD
+    if self.is_moe:
+      y_BxTxD, _ = self.moe(self.mlp_norm(h_BxTxD), jnp.ones(positions_BxT.shape, jnp.int32))
+    else:
+      y_BxTxD = self.mlp(self.mlp_norm(h_BxTxD))
+    return h_BxTxD + y_BxTxD, cache
+
 
 class Block(nnx.Module):
   """`model.block_size` consecutive layers starting at `first`: the body of one scan step."""
@@ -71,6 +81,15 @@ class Block(nnx.Module):
       x, a = layer(x, segment_ids, positions, layer_key)
       aux = jax.tree.map(jnp.add, aux, a)
     return x, aux
+
+  def decode(self, x, positions, cache):
+    """`cache`: (k, v) [block_size, B, S, K, H], one entry per layer of the block."""
+    ks, vs = [], []
+    for j, layer in enumerate(self.layers):
+      x, (k, v) = layer.decode(x, positions, (cache[0][j], cache[1][j]))
+      ks.append(k)
+      vs.append(v)
+    return x, (jnp.stack(ks), jnp.stack(vs))
 
 
 class Segment(nnx.Module):
@@ -101,6 +120,16 @@ class Segment(nnx.Module):
     (x, aux), _ = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids))
     return x, aux
 
+  def decode(self, x, positions, cache):
+    """`cache`: (k, v) [blocks, block_size, B, S, K, H], scanned along with the blocks."""
+    graphdef, state = nnx.split(self.blocks)
+
+    def body(x, xs):
+      block_state, k, v = xs
+      return nnx.merge(graphdef, block_state).decode(x, positions, (k, v))
+
+    return jax.lax.scan(body, x, (state, *cache))
+
 
 def segments_of(model: ModelConfig) -> list[list[int]]:
   """Groups consecutive blocks whose projections resolve to the same recipes under `quant.exclude`."""
@@ -129,6 +158,7 @@ class Transformer(nnx.Module):
     self.segments = nnx.List([Segment(model, ids, rngs) for ids in segments_of(model)])
     self.final_norm = RMSNorm(model.d_model, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.tie_embeddings = model.tie_embeddings
+    self.kv_shape, self.kv_dtype = (model.num_kv_heads, model.head_dim), model.dtype
     if not model.tie_embeddings:
       # The chunked loss calls the head once per chunk, and delayed scaling's history update assumes
       # one call per step, so the head's recipe keeps no amax history (`Recipe.stateless`).
@@ -143,6 +173,27 @@ class Transformer(nnx.Module):
       x, a = segment(x, segment_ids_BxL, positions_BxL, key, policy or self.policy)
       aux = jax.tree.map(jnp.add, aux, a)
     return self.final_norm(x), aux
+
+  def init_cache(self, batch: int, length: int) -> list:
+    """An empty KV cache of `length` positions for `batch` rows: per segment (k, v) [blocks, block_size, B,
+    length, K, H] in the compute dtype."""
+    cache = []
+    for segment in self.segments:
+      blocks, size = len(segment.block_ids), len(segment.blocks.layers)
+      zeros = jnp.zeros((blocks, size, batch, length, *self.kv_shape), self.kv_dtype)
+      cache.append((zeros, zeros))
+    return cache
+
+  def decode(self, tokens_BxT, positions_BxT, cache: list):
+    """Final hidden states of T new tokens per row at consecutive positions, attending to the KV cache
+    (`init_cache`) and writing theirs into it: (h [B, T, D], cache). The same function as `__call__` on
+    the whole sequence (one document per row), one step at a time."""
+    x = self.embed(tokens_BxT)
+    new_cache = []
+    for segment, segment_cache in zip(self.segments, cache):
+      x, segment_cache = segment.decode(x, positions_BxT, segment_cache)
+      new_cache.append(segment_cache)
+    return self.final_norm(x), new_cache
 
   def head(self, h_BxCxD, key=None):
     """Logits (float32) for a chunk of final hidden states."""

@@ -262,11 +262,11 @@ def _barrier(name: str) -> None:
 # --- Starting a new run from another run's checkpoint ---------------------------------------------------
 
 
-def _manager_dir_and_step(path: str) -> tuple[str, int | None]:
+def _manager_dir_and_step(path: str, what: str) -> tuple[str, int | None]:
   """`path` is a run's workdir, its checkpoints/ directory (newest step) or one numbered step inside it."""
   path = os.path.abspath(os.path.expanduser(path))
   if not os.path.isdir(path):
-    raise CheckpointError(f"config.checkpoint.restore_from: no checkpoint directory at {path}")
+    raise CheckpointError(f"{what}: no checkpoint directory at {path}")
   base = os.path.basename(path.rstrip("/"))
   if base.isdigit():
     return os.path.dirname(path), int(base)
@@ -284,25 +284,13 @@ def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it
   state, quantization state, step 0 and data position (`init()` builds the rest).
   """
   what = "config.checkpoint.restore_from"
-  directory, step = _manager_dir_and_step(path)
-  manager = _manager(directory, ocp.CheckpointManagerOptions(create=False), partial_state=params_only)
+  manager, directory, step = _open_step(path, what, partial_state=params_only)
   try:
-    step = manager.latest_step() if step is None else step
-    if step is None or step not in manager.all_steps():
-      raise CheckpointError(f"{what}: no complete checkpoint in {os.path.join(directory, str(step or ''))}")
-    try:
-      saved = _state_metadata(manager, step)
-    except Exception as e:
-      raise CheckpointError(f"{what}: cannot read {os.path.join(directory, str(step))} "
-                            f"({type(e).__name__})") from None
+    saved = _read_state_metadata(manager, directory, step, what)
     target = _abstract_target(abstract, shardings)
     if params_only:
-      check_shapes(saved["params"], target["params"], what)
-      args = ocp.args.PyTreeRestore(item={"params": target["params"]}, partial_restore=True,
-                                    restore_args=ocp.checkpoint_utils.construct_restore_args(
-                                        {"params": target["params"]}))
-      restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
-      state = dataclasses.replace(init(), params=restored["params"])
+      params = _restore_fields(manager, step, saved, {"params": target["params"]}, what)["params"]
+      state = dataclasses.replace(init(), params=params)
     else:
       check_shapes(saved, target, what)
       restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
@@ -313,3 +301,56 @@ def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it
     manager.close()
   console(f"started from {'the parameters of ' if params_only else ''}{directory} step {step}")
   return state
+
+
+def _open_step(path: str, what: str, *, partial_state: bool):
+  """(manager, directory, step) of `path`: a workdir, its checkpoints/ directory (newest step) or a step."""
+  directory, step = _manager_dir_and_step(path, what)
+  manager = _manager(directory, ocp.CheckpointManagerOptions(create=False), partial_state=partial_state)
+  step = manager.latest_step() if step is None else step
+  if step is None or step not in manager.all_steps():
+    manager.close()
+    raise CheckpointError(f"{what}: no complete checkpoint in {os.path.join(directory, str(step or ''))}")
+  return manager, directory, step
+
+
+def _read_state_metadata(manager, directory: str, step: int, what: str) -> dict:
+  try:
+    return _state_metadata(manager, step)
+  except Exception as e:
+    raise CheckpointError(f"{what}: cannot read {os.path.join(directory, str(step))} ({type(e).__name__})") from None
+
+
+def _restore_fields(manager, step: int, saved: dict, targets: dict, what: str) -> dict:
+  """Some TrainState fields alone (a partial restore, e.g. {"params": ...}) onto the targets' shardings,
+  shapes checked first."""
+  for field, target in targets.items():
+    check_shapes(saved[field], target, what, "parameter" if field == "params" else "array")
+  args = ocp.args.PyTreeRestore(item=targets, partial_restore=True,
+                                restore_args=ocp.checkpoint_utils.construct_restore_args(targets))
+  restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+  return {field: restored[field] for field in targets}
+
+
+def saved_config(path: str, what: str):
+  """(config, step directory) of the checkpoint at `path`: the resolved config the run saved with it."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  manager, directory, step = _open_step(path, what, partial_state=True)
+  try:
+    custom = manager.metadata(step).custom_metadata or {}
+  finally:
+    manager.close()
+  if "config" not in custom:
+    raise CheckpointError(f"{what}: {os.path.join(directory, str(step))} holds no config in its metadata")
+  return ml_collections.ConfigDict(custom["config"]), os.path.join(directory, str(step))
+
+
+def restore_fields(path: str, targets: dict, what: str) -> dict:
+  """TrainState fields of the checkpoint at `path` (as `saved_config` resolves it): `targets` maps a field
+  ("params", "quant_state") to its tree of ShapeDtypeStructs with shardings, which place the result."""
+  manager, directory, step = _open_step(path, what, partial_state=True)
+  try:
+    saved = _read_state_metadata(manager, directory, step, what)
+    return _restore_fields(manager, step, saved, targets, what)
+  finally:
+    manager.close()

@@ -28,7 +28,9 @@ from ember import remat
 from ember.data import build_tokenizer, records
 from ember.data.sharded import data_iterator, global_batch, source_shares
 from ember.errors import ConfigError
+from ember.hf import load as hf_load
 from ember.layers import moe_dispatch
+from ember.model_config import ModelConfig
 from ember.names import MOE_OVERFLOW_TOKENS
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
@@ -38,7 +40,7 @@ from ember.trainer.checkpointing import Checkpointer, restore_from
 from ember.trainer.metrics import MetricsWriter, console, progress_line
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import Throughput, compiled_peak_bytes, peak_bytes
-from ember.trainer.state import create_train_state, state_shardings
+from ember.trainer.state import create_train_state, state_around, state_shardings
 
 
 def prepare(cfg):
@@ -187,7 +189,8 @@ class _Profiler:
 
 
 def _restore_or_init(cfg, ckpt, mesh, tx, policy, abstract, shardings, metrics, train_it):
-  """Resumes from the workdir's latest checkpoint, else starts from checkpoint.restore_from or from init."""
+  """Resumes from the workdir's latest checkpoint, else starts from checkpoint.init_from_hf, checkpoint.restore_from
+  or init."""
   restored = ckpt.restore_latest(abstract, shardings, train_it, seed=cfg.seed)
   if restored is not None:
     state, step = restored
@@ -195,7 +198,12 @@ def _restore_or_init(cfg, ckpt, mesh, tx, policy, abstract, shardings, metrics, 
     console(f"resumed from {ckpt.directory} at step {step}")
     return state
   init = lambda: create_train_state(cfg, mesh, tx, policy)[1]
-  if cfg.checkpoint.restore_from:
+  if cfg.checkpoint.init_from_hf:
+    params = hf_load.load_params(cfg.checkpoint.init_from_hf, ModelConfig.from_config(cfg), abstract.params,
+                                 shardings.params)
+    state = state_around(cfg, tx, policy, params, shardings)
+    console(f"started from the Hugging Face model in {cfg.checkpoint.init_from_hf}")
+  elif cfg.checkpoint.restore_from:
     state = restore_from(cfg.checkpoint.restore_from, abstract, shardings, train_it,
                          params_only=cfg.checkpoint.params_only, init=init)
   else:

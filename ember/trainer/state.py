@@ -69,7 +69,7 @@ def state_shardings(cfg, mesh: Mesh, tx, policy: remat.Preset):
   graphdef, param_specs, quant_specs = logical_axes(cfg, policy)
   to_shardings = lambda specs: sharding.tree_shardings(specs, mesh, cfg.mesh.rules)
   param_sh, quant_sh = to_shardings(param_specs), to_shardings(quant_specs)
-  abstract_params, abstract_quant = _abstract_init(cfg, policy)
+  abstract_params, abstract_quant = abstract_init(cfg, policy)
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   opt_sh = _match_opt_shardings(abstract_opt, param_sh, mesh)
   replicated = NamedSharding(mesh, P())
@@ -79,7 +79,7 @@ def state_shardings(cfg, mesh: Mesh, tx, policy: remat.Preset):
   return graphdef, shardings, abstract
 
 
-def _abstract_init(cfg, policy):
+def abstract_init(cfg, policy):
   def init():
     _, params, quant_state = split_model(build_model(cfg, jax.random.key(0), policy))
     return nnx.to_pure_dict(params), nnx.to_pure_dict(quant_state)
@@ -98,6 +98,16 @@ def create_train_state(cfg, mesh: Mesh, tx, policy: remat.Preset):
 
   state = jax.jit(init, out_shardings=shardings)(init_key(cfg.seed))
   return graphdef, state, shardings
+
+
+def state_around(cfg, tx, policy: remat.Preset, params, shardings: TrainState) -> TrainState:
+  """A new run's TrainState (step 0, fresh optimizer and quantization state) around given parameters."""
+  def init(params):
+    _, _, quant_state = split_model(build_model(cfg, init_key(cfg.seed), policy))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      quant_state=nnx.to_pure_dict(quant_state))
+
+  return jax.jit(init, out_shardings=shardings)(params)
 
 
 def init_key(seed: int) -> jax.Array:

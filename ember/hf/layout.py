@@ -1,0 +1,244 @@
+"""ember's parameters in Hugging Face's Llama / Mixtral layout, both ways: the one place for the rule.
+
+ember keeps projections fused and input-major (`y = x @ kernel`); Hugging Face keeps them split and
+output-major (`y = x @ weight.T`). Per layer (HF names below `model.layers.{i}.`):
+
+  ember                          shape              Hugging Face
+  attn_norm.scale                [D]                input_layernorm.weight
+  attn.qkv.kernel                [D, K, G+2, H]     self_attn.{q,k,v}_proj.weight: q head n = kv head
+                                                    n // G, query slot n % G (repeat_kv's order);
+                                                    q [N*H, D], k and v [K*H, D]
+  attn.out.kernel                [N, H, D]          self_attn.o_proj.weight [D, N*H]
+  mlp_norm.scale                 [D]                post_attention_layernorm.weight
+  mlp.wi.kernel                  [D, 2, F]          mlp.gate_proj.weight ([:, 0]), mlp.up_proj.weight ([:, 1])
+  mlp.wo.kernel                  [F, D]             mlp.down_proj.weight [D, F]
+  moe.router                     [D, E]             block_sparse_moe.gate.weight [E, D]
+  moe.wi.kernel                  [E, D, 2, F]       block_sparse_moe.experts.{e}.w1 (gate), .w3 (up) [F, D]
+  moe.wo.kernel                  [E, F, D]          block_sparse_moe.experts.{e}.w2 [D, F]
+
+and embed.embedding [V, D] = model.embed_tokens.weight, final_norm.scale = model.norm.weight,
+lm_head.kernel [D, V] = lm_head.weight [V, D] (absent when the embeddings are tied).
+
+The rest agrees without conversion: RoPE's half-split layout is HF's `rotate_half` with the same
+frequencies, RMSNorm is HF's, and ember's router (softmax over the top-k logits, or softmax, top-k,
+renormalise) is Mixtral's softmax, top-k, renormalise. What the format cannot say is refused
+(`unsupported`): a shared expert, dense layers between MoE layers.
+
+In ember's parameter tree, layers are stacked per segment (ember/layers/decoder.py): layer
+`block_id * block_size + j` is `segments[s].blocks.layers[j]` at index b of the leading axis, where
+`block_id = segment_blocks[s][b]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from ember.layers.decoder import segments_of
+from ember.model_config import ModelConfig
+
+Get = Callable[[str, tuple], np.ndarray]  # (HF name, expected shape) -> array.
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One ember tensor and its HF tensors (for layer tensors, names below the layer's prefix)."""
+  to_hf: Callable[[ModelConfig, np.ndarray], dict[str, np.ndarray]]
+  from_hf: Callable[[ModelConfig, Get], np.ndarray]
+
+
+def _qkv_to_hf(m: ModelConfig, w):
+  d, g = w.shape[0], m.q_per_kv
+  return {"self_attn.q_proj.weight": w[:, :, :g].reshape(d, -1).T,
+          "self_attn.k_proj.weight": w[:, :, g].reshape(d, -1).T,
+          "self_attn.v_proj.weight": w[:, :, g + 1].reshape(d, -1).T}
+
+
+def _qkv_from_hf(m: ModelConfig, get: Get):
+  d, k, g, h = m.d_model, m.num_kv_heads, m.q_per_kv, m.head_dim
+  q = get("self_attn.q_proj.weight", (k * g * h, d)).T.reshape(d, k, g, h)
+  key = get("self_attn.k_proj.weight", (k * h, d)).T.reshape(d, k, 1, h)
+  value = get("self_attn.v_proj.weight", (k * h, d)).T.reshape(d, k, 1, h)
+  return np.concatenate([q, key, value], axis=2)
+
+
+def _norm(hf: str) -> Rule:
+  return Rule(lambda m, w: {hf: w}, lambda m, get: get(hf, (m.d_model,)))
+
+
+def _experts_wi_to_hf(m: ModelConfig, w):
+  out = {}
+  for e in range(w.shape[0]):
+    out[f"block_sparse_moe.experts.{e}.w1.weight"] = w[e, :, 0].T
+    out[f"block_sparse_moe.experts.{e}.w3.weight"] = w[e, :, 1].T
+  return out
+
+
+def _experts_wi_from_hf(m: ModelConfig, get: Get):
+  f, d = m.d_ff, m.d_model
+  return np.stack([np.stack([get(f"block_sparse_moe.experts.{e}.w1.weight", (f, d)).T,
+                             get(f"block_sparse_moe.experts.{e}.w3.weight", (f, d)).T], axis=1)
+                   for e in range(m.num_experts)])
+
+
+LAYER_RULES = {
+    ("attn_norm", "scale"): _norm("input_layernorm.weight"),
+    ("mlp_norm", "scale"): _norm("post_attention_layernorm.weight"),
+    ("attn", "qkv", "kernel"): Rule(_qkv_to_hf, _qkv_from_hf),
+    ("attn", "out", "kernel"): Rule(
+        lambda m, w: {"self_attn.o_proj.weight": w.reshape(-1, w.shape[-1]).T},
+        lambda m, get: get("self_attn.o_proj.weight", (m.d_model, m.num_heads * m.head_dim)).T.reshape(
+            m.num_heads, m.head_dim, m.d_model)),
+    ("mlp", "wi", "kernel"): Rule(
+        lambda m, w: {"mlp.gate_proj.weight": w[:, 0].T, "mlp.up_proj.weight": w[:, 1].T},
+        lambda m, get: np.stack([get("mlp.gate_proj.weight", (m.d_ff, m.d_model)).T,
+                                 get("mlp.up_proj.weight", (m.d_ff, m.d_model)).T], axis=1)),
+    ("mlp", "wo", "kernel"): Rule(
+        lambda m, w: {"mlp.down_proj.weight": w.T},
+        lambda m, get: get("mlp.down_proj.weight", (m.d_model, m.d_ff)).T),
+    ("moe", "router"): Rule(
+        lambda m, w: {"block_sparse_moe.gate.weight": w.T},
+        lambda m, get: get("block_sparse_moe.gate.weight", (m.num_experts, m.d_model)).T),
+    ("moe", "wi", "kernel"): Rule(_experts_wi_to_hf, _experts_wi_from_hf),
+    ("moe", "wo", "kernel"): Rule(
+        lambda m, w: {f"block_sparse_moe.experts.{e}.w2.weight": w[e].T for e in range(w.shape[0])},
+        lambda m, get: np.stack([get(f"block_sparse_moe.experts.{e}.w2.weight", (m.d_model, m.d_ff)).T
+                                 for e in range(m.num_experts)])),
+}
+
+TOP_RULES = {
+    ("embed", "embedding"): Rule(
+        lambda m, w: {"model.embed_tokens.weight": w},
+        lambda m, get: get("model.embed_tokens.weight", (m.vocab_size, m.d_model))),
+    ("final_norm", "scale"): _norm("model.norm.weight"),
+    ("lm_head", "kernel"): Rule(
+        lambda m, w: {"lm_head.weight": w.T}, lambda m, get: get("lm_head.weight", (m.vocab_size, m.d_model)).T),
+}
+
+
+def layer_prefix(layer: int) -> str:
+  return f"model.layers.{layer}."
+
+
+def unsupported(m: ModelConfig) -> str | None:
+  """Why this architecture has no Llama / Mixtral form (None if it has one)."""
+  if m.shared_expert_d_ff:
+    return "an MoE with a shared expert (model.shared_expert_d_ff > 0) has no Mixtral form"
+  if m.is_moe and m.moe_every != 1:
+    return f"dense layers between MoE layers (model.moe_every = {m.moe_every}) have no Mixtral form"
+  return None
+
+
+# --- Where each layer lives in ember's tree --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSlot:
+  """Layer `layer` is `params['segments'][segment]['blocks']['layers'][j]` at `index` of the leading axis."""
+  layer: int
+  segment: int
+  index: int
+  j: int
+
+
+def layer_slots(m: ModelConfig) -> list[LayerSlot]:
+  slots = []
+  for s, block_ids in enumerate(segments_of(m)):
+    for index, block in enumerate(block_ids):
+      for j in range(m.block_size):
+        slots.append(LayerSlot(block * m.block_size + j, s, index, j))
+  return sorted(slots, key=lambda slot: slot.layer)
+
+
+def _leaves(tree: dict, prefix=()):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _leaves(value, prefix + (key,))
+    else:
+      yield prefix + (key,), value
+
+
+# --- ember -> Hugging Face -------------------------------------------------------------------------
+
+
+def to_hf(m: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+  """HF tensors (name -> host array, in the parameters' dtype) from ember's parameter tree, in HF's order."""
+  out = {}
+  out.update(TOP_RULES[("embed", "embedding")].to_hf(m, np.asarray(params["embed"]["embedding"])))
+  for slot in layer_slots(m):
+    layer = params["segments"][slot.segment]["blocks"]["layers"][slot.j]
+    for path, stacked in _leaves(layer):
+      for name, w in LAYER_RULES[path].to_hf(m, np.asarray(stacked[slot.index])).items():
+        out[layer_prefix(slot.layer) + name] = np.ascontiguousarray(w)
+  out.update(TOP_RULES[("final_norm", "scale")].to_hf(m, np.asarray(params["final_norm"]["scale"])))
+  if "lm_head" in params:
+    out.update({k: np.ascontiguousarray(v) for k, v in
+                TOP_RULES[("lm_head", "kernel")].to_hf(m, np.asarray(params["lm_head"]["kernel"])).items()})
+  return out
+
+
+# --- Hugging Face -> ember -------------------------------------------------------------------------
+
+
+def leaf_source(m: ModelConfig, path: tuple) -> tuple[Rule, list[int] | None]:
+  """For a leaf of ember's parameter tree: its rule and, for stacked layer leaves, the layer of each
+  index of the leading axis (None for leaves outside the layers)."""
+  if path[0] != "segments":
+    return TOP_RULES[tuple(path)], None
+  segment, j, rest = int(path[1]), int(path[4]), tuple(path[5:])  # segments/s/blocks/layers/j/...
+  layers = [slot.layer for slot in layer_slots(m) if slot.segment == segment and slot.j == j]
+  return LAYER_RULES[rest], layers
+
+
+def hf_config(m: ModelConfig, dtype: str) -> dict:
+  """config.json of the LlamaForCausalLM / MixtralForCausalLM with ember's shapes."""
+  c = {
+      "architectures": ["MixtralForCausalLM" if m.is_moe else "LlamaForCausalLM"],
+      "model_type": "mixtral" if m.is_moe else "llama",
+      "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,
+      "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
+      "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
+      "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
+      "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+      "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
+      "initializer_range": m.init_std, "use_cache": True, "dtype": dtype, "torch_dtype": dtype,
+      # ember trains without BOS/EOS tokens (document boundaries are segment ids).
+      "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+  }
+  if m.is_moe:
+    c.update(num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token, output_router_logits=False,
+             sliding_window=None, router_jitter_noise=0.0)
+  else:
+    c.update(mlp_bias=False, pretraining_tp=1)
+  return c
+
+
+def config_mismatch(m: ModelConfig, hf: dict) -> str | None:
+  """The first hyper-parameter of config.json that disagrees with ember's model (shapes are checked per tensor)."""
+  model_type = hf.get("model_type")
+  want_type = "mixtral" if m.is_moe else "llama"
+  if model_type != want_type:
+    return f"model_type is {model_type!r}, a{'n MoE' if m.is_moe else ' dense'} ember model reads {want_type!r}"
+  rope = hf.get("rope_parameters") or {}
+  theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+  if (rope.get("rope_type") or "default") != "default" or hf.get("rope_scaling"):
+    return "RoPE scaling is set; ember's RoPE has none"
+  checks = [("num_attention_heads", m.num_heads, "model.num_heads"),
+            ("num_key_value_heads", m.num_kv_heads, "model.num_kv_heads"),
+            ("head_dim", m.head_dim, "model.head_dim"),
+            ("rope_theta", m.rope_theta, "model.rope_theta"),
+            ("tie_word_embeddings", m.tie_embeddings, "model.tie_embeddings")]
+  values = {**hf, "rope_theta": theta, "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            "num_key_value_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"]}
+  if m.is_moe:
+    checks.append(("num_experts_per_tok", m.experts_per_token, "model.experts_per_token"))
+  for key, mine, ours in checks:
+    if key in values and values[key] != mine:
+      return f"{key} is {values[key]!r}, config.{ours} is {mine!r}"
+  if hf.get("hidden_act", "silu") != "silu":
+    return f"hidden_act is {hf['hidden_act']!r}; ember's MLP is SwiGLU (silu)"
+  if hf.get("attention_bias") or hf.get("mlp_bias"):
+    return "attention or MLP biases are set; ember's projections have none"
+  return None

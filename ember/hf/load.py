@@ -1,0 +1,108 @@
+"""Parameters from a Hugging Face Llama / Mixtral directory, sharded straight onto the mesh.
+
+Each ember parameter is built with `jax.make_array_from_callback`: a process computes only the shards
+its own devices hold, from memory-mapped safetensors (ember/hf/safetensors.py) and at most a few of
+one layer's tensors at a time, so no process ever holds a full copy of the model. Every tensor's
+presence and shape are checked first, against the shapes `layout.to_hf` gives ember's parameters; a
+difference is one CheckpointError naming the tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import numpy as np
+
+from ember.errors import CheckpointError
+from ember.hf import layout
+from ember.hf.safetensors import Reader
+from ember.model_config import ModelConfig
+
+WHAT = "config.checkpoint.init_from_hf"
+
+
+def _leaf_paths(tree, prefix=()):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _leaf_paths(value, prefix + (key,))
+    else:
+      yield prefix + (key,), value
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _set(tree, path, value):
+  _get(tree, path[:-1])[path[-1]] = value
+
+
+def expected_tensors(m: ModelConfig, abstract_params: dict) -> dict[str, tuple[int, ...]]:
+  """HF name -> shape for ember's parameter shapes (traced with `jax.eval_shape`: no arrays are made)."""
+  out = {}
+  for path, leaf in _leaf_paths(abstract_params):
+    rule, layers = layout.leaf_source(m, path)
+    one = jax.ShapeDtypeStruct(leaf.shape if layers is None else leaf.shape[1:], leaf.dtype)
+    hf = jax.eval_shape(lambda w, rule=rule: rule.to_hf(m, w), one)
+    for layer in [None] if layers is None else layers:
+      prefix = "" if layer is None else layout.layer_prefix(layer)
+      out.update({prefix + k: tuple(v.shape) for k, v in hf.items()})
+  return out
+
+
+def check(directory: str, m: ModelConfig, abstract_params: dict) -> Reader:
+  """The directory's reader once config.json and every tensor agree with the model; else CheckpointError."""
+  try:
+    with open(os.path.join(directory, "config.json")) as f:
+      hf_config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"{WHAT}: cannot read {directory}/config.json ({type(e).__name__}: {e})") from None
+  problem = layout.config_mismatch(m, hf_config)
+  if problem:
+    raise CheckpointError(f"{WHAT}: {directory}/config.json: {problem}")
+  reader = Reader(directory)
+  want = expected_tensors(m, abstract_params)
+  for name, shape in want.items():
+    if name not in reader:
+      raise CheckpointError(f"{WHAT}: {directory} has no tensor {name} (shape {shape} in this config)")
+    if reader.shape(name) != tuple(shape):
+      raise CheckpointError(f"{WHAT}: tensor {name} has shape {reader.shape(name)} in {directory} but "
+                            f"{tuple(shape)} in this config")
+  ignored = {"lm_head.weight"} if m.tie_embeddings else set()  # Tied models may store the head anyway.
+  extra = next((n for n in reader.names() if n not in want and n not in ignored
+                and not n.endswith("rotary_emb.inv_freq")), None)
+  if extra is not None:
+    raise CheckpointError(f"{WHAT}: tensor {extra} (shape {reader.shape(extra)}) of {directory} has no place "
+                          "in this config")
+  return reader
+
+
+def load_params(directory: str, m: ModelConfig, abstract_params: dict, shardings: dict) -> dict:
+  """ember's parameter tree (arrays placed by `shardings`) from the HF directory."""
+  directory = os.path.abspath(os.path.expanduser(directory))
+  reader = check(directory, m, abstract_params)
+  params = jax.tree.map(lambda x: None, abstract_params)
+  for path, leaf in _leaf_paths(abstract_params):
+    rule, layers = layout.leaf_source(m, path)
+    dtype = np.dtype(leaf.dtype)
+
+    @functools.lru_cache(maxsize=4)  # Devices of one process ask for shards of the same layer.
+    def one(layer, rule=rule):
+      if layer is None:
+        return np.asarray(rule.from_hf(m, lambda name, shape: reader[name]), dtype)
+      prefix = layout.layer_prefix(layer)
+      return np.asarray(rule.from_hf(m, lambda name, shape: reader[prefix + name]), dtype)
+
+    def shard(index, layers=layers, one=one):
+      if layers is None:
+        return one(None)[index]
+      rows = range(len(layers))[index[0]]
+      return np.stack([one(layers[i])[index[1:]] for i in rows])
+
+    _set(params, path, jax.make_array_from_callback(tuple(leaf.shape), _get(shardings, path), shard))
+  return params

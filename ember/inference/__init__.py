@@ -1,0 +1,1 @@
+"""Using a trained model: KV-cached generation (generate.py)."""

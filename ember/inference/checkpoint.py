@@ -1,0 +1,64 @@
+"""A trained model back from its checkpoint, for sampling and export: the config saved with it, the
+parameters restored onto a mesh (the one it was trained on, when the devices allow, or one device)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import jax
+from flax import nnx
+
+from ember import remat
+from ember.errors import ConfigError
+from ember.layers.decoder import Transformer
+from ember.names import MESH_AXES
+from ember.parallel import sharding
+from ember.parallel.mesh import make_mesh
+from ember.trainer import checkpointing
+from ember.trainer.state import abstract_init, logical_axes
+
+
+def _mesh_for(cfg, one_device: bool):
+  sizes = [int(cfg.mesh[a]) * int(cfg.mesh.get(f"dcn_{a}", 1)) for a in MESH_AXES]
+  if not one_device and math.prod(sizes) == jax.device_count():
+    return make_mesh(cfg.mesh)
+  with cfg.unlocked():
+    for a in MESH_AXES:
+      cfg.mesh[a] = 1
+      if f"dcn_{a}" in cfg.mesh:
+        cfg.mesh[f"dcn_{a}"] = 1
+  return make_mesh(cfg.mesh, jax.devices()[:1])
+
+
+def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | None = None,
+               one_device: bool = False):
+  """(config, mesh, model) of the checkpoint at `path` (a workdir, its checkpoints/ or a step directory).
+
+  `recipe` replaces the trained quantization recipe (e.g. "bf16": the unquantized forward pass that
+  serving stacks run); `dtype` the compute dtype. Call the model inside `sharding.use_rules(mesh, rules)`.
+  """
+  cfg, _ = checkpointing.saved_config(path, what)
+  cfg = copy.deepcopy(cfg)
+  trained_recipe = cfg.quant.recipe
+  with cfg.unlocked():
+    if recipe:
+      cfg.quant.recipe = recipe
+    if dtype:
+      cfg.model.dtype = dtype
+  mesh = _mesh_for(cfg, one_device)
+  policy = remat.PRESETS["full"]
+  graphdef, param_specs, quant_specs = logical_axes(cfg, policy)
+  abstract_params, abstract_quant = abstract_init(cfg, policy)
+  place = lambda abstract, specs: jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+      sharding.tree_shardings(specs, mesh, cfg.mesh.rules))
+  targets = {"params": place(abstract_params, param_specs)}
+  if jax.tree.leaves(abstract_quant):
+    if cfg.quant.recipe != trained_recipe:
+      raise ConfigError(f"recipe {cfg.quant.recipe!r} keeps amax histories that a {trained_recipe!r} checkpoint "
+                        "does not have")
+    targets["quant_state"] = place(abstract_quant, quant_specs)
+  restored = checkpointing.restore_fields(path, targets, what)
+  model: Transformer = nnx.merge(graphdef, restored["params"], restored.get("quant_state", {}))
+  return cfg, mesh, model

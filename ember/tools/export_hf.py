@@ -1,0 +1,100 @@
+"""Export a checkpoint as a Hugging Face model directory (LlamaForCausalLM, or MixtralForCausalLM for MoE).
+
+  python -m ember.tools.export_hf --checkpoint=runs/default_small --out=hf/default_small [--dtype=bfloat16]
+      [--max_shard_size=5GB]
+
+`--checkpoint` is a workdir, its checkpoints/ directory (the newest step) or one step directory. The
+directory gets config.json, model.safetensors (or numbered files and model.safetensors.index.json past
+`--max_shard_size`), generation_config.json and the tokenizer files (ember/hf/tokenizer.py): it loads
+with transformers' AutoModelForCausalLM and AutoTokenizer. The tensor layout is ember/hf/layout.py.
+Architectures the format cannot express are refused with one line (exit 2), not exported wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+def parse_size(text: str) -> int:
+  """'5GB', '500MB', '2GiB' or a number of bytes."""
+  m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.IGNORECASE)
+  if not m:
+    raise ValueError(text)
+  unit = (m.group(2) or "B").upper()
+  scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+  return int(float(m.group(1)) * scale)
+
+
+def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_bytes: int = 5 * 10**9) -> list[str]:
+  """Writes the HF directory `out`; returns the files written."""
+  import jax
+  import ml_dtypes
+  import numpy as np
+  from flax import nnx
+
+  from ember.errors import CheckpointError, warn
+  from ember.hf import layout, safetensors, tokenizer
+  from ember.inference.checkpoint import load_model
+  from ember.model_config import ModelConfig
+
+  cfg, _, model = load_model(checkpoint, what="--checkpoint", one_device=True)
+  m = ModelConfig.from_config(cfg)
+  problem = layout.unsupported(m)
+  if problem:
+    raise CheckpointError(f"--checkpoint: {problem}; not exported")
+  if m.capacity_factor > 0:
+    warn(f"the model was trained with model.capacity_factor={m.capacity_factor} (tokens past capacity dropped); "
+         "the exported Mixtral is dropless")
+  params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+  tensors = {name: w.astype(np_dtype) for name, w in layout.to_hf(m, params).items()}
+  os.makedirs(out, exist_ok=True)
+  files = safetensors.write_dir(out, tensors, max_shard_bytes)
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump(layout.hf_config(m, dtype), f, indent=2)
+  with open(os.path.join(out, "generation_config.json"), "w") as f:
+    json.dump({"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "do_sample": False}, f, indent=2)
+  files += ["config.json", "generation_config.json"]
+  files += tokenizer.write(out, cfg.data.tokenizer, m.seq_len)
+  return files
+
+
+def main(argv: list[str]) -> int:
+  import argparse
+
+  from ember.errors import ConfigError, EmberError, fail_and_exit
+
+  parser = argparse.ArgumentParser(prog="python -m ember.tools.export_hf", allow_abbrev=False)
+  parser.add_argument("--checkpoint", required=True, help="workdir, checkpoints/ directory or step directory")
+  parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
+  parser.add_argument("--dtype", default="bfloat16", help="tensor dtype: " + ", ".join(DTYPES))
+  parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file before splitting")
+  try:
+    args, unknown = parser.parse_known_args(argv[1:])
+    if unknown:
+      raise ConfigError(f"{unknown[0]}: unknown command-line argument")
+    if args.dtype not in DTYPES:
+      raise ConfigError(f"--dtype: {args.dtype!r} is not one of {', '.join(DTYPES)}")
+    try:
+      max_bytes = parse_size(args.max_shard_size)
+    except ValueError:
+      raise ConfigError(f"--max_shard_size: {args.max_shard_size!r} is not a size like 5GB or 500MB") from None
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+      raise ConfigError(f"--out: {args.out} exists and is not a directory")
+    files = export(args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=max_bytes)
+  except EmberError as e:
+    fail_and_exit(e)
+  except SystemExit as e:  # argparse: a missing flag.
+    return 2 if e.code else 0
+  print(f"wrote {args.out}: {', '.join(files)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

@@ -1,0 +1,107 @@
+"""Sample from a checkpoint: KV-cached, jitted decoding (ember/inference/generate.py).
+
+  python -m ember.tools.sample --checkpoint=runs/default_small --prompt='def ' [--max_new_tokens=128]
+      [--temperature=0.8] [--top_p=0.95] [--seed=0] [--prompt_file=prompts.txt] [--quantized] [--dtype=float32]
+      [--one_device]
+
+Temperature 0 (the default) is greedy. `--prompt_file` holds one prompt per line (`\\n` inside a line
+is a newline), decoded as one batch; each continuation is printed after a `--- prompt i` line. The
+model runs unquantized by default, as Hugging Face and serving stacks run the exported weights;
+`--quantized` keeps the recipe it was trained with. It runs on the mesh it was trained on when this
+job has that many devices, else (or with `--one_device`) on one device.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+  import argparse
+
+  from ember.errors import ConfigError, EmberError, fail_and_exit
+
+  parser = argparse.ArgumentParser(prog="python -m ember.tools.sample", allow_abbrev=False)
+  parser.add_argument("--checkpoint", required=True, help="workdir, checkpoints/ directory or step directory")
+  parser.add_argument("--prompt", default=None, help="the text to continue")
+  parser.add_argument("--prompt_file", default="", help="one prompt per line, sampled as one batch")
+  parser.add_argument("--max_new_tokens", type=int, default=128)
+  parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--quantized", action="store_true", help="run the forward pass in the trained recipe")
+  parser.add_argument("--dtype", default="", help="compute dtype (default: the trained model.dtype)")
+  parser.add_argument("--one_device", action="store_true", help="one device, whatever the trained mesh")
+  try:
+    try:
+      args, unknown = parser.parse_known_args(argv[1:])
+    except SystemExit as e:  # argparse printed why (a missing flag, a bad number).
+      return 2 if e.code else 0
+    if unknown:
+      raise ConfigError(f"{unknown[0]}: unknown command-line argument")
+    if (args.prompt is None) == (not args.prompt_file):
+      raise ConfigError("--prompt / --prompt_file: give exactly one of them")
+    if args.max_new_tokens < 1:
+      raise ConfigError(f"--max_new_tokens: {args.max_new_tokens} must be at least 1")
+    if args.temperature < 0:
+      raise ConfigError(f"--temperature: {args.temperature} must be >= 0")
+    if not 0 < args.top_p <= 1:
+      raise ConfigError(f"--top_p: {args.top_p} must be in (0, 1]")
+    if args.dtype not in ("", "float32", "bfloat16", "float16"):
+      raise ConfigError(f"--dtype: {args.dtype!r} is not float32, bfloat16 or float16")
+    prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompt_file)
+    texts = sample(args.checkpoint, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_p=args.top_p, seed=args.seed, quantized=args.quantized, dtype=args.dtype or None,
+                   one_device=args.one_device)
+  except EmberError as e:
+    fail_and_exit(e)
+  for i, (prompt, text) in enumerate(zip(prompts, texts)):
+    if len(prompts) > 1:
+      print(f"--- prompt {i}")
+    print(prompt + text)
+  return 0
+
+
+def _read_prompts(path: str) -> list[str]:
+  from ember.errors import ConfigError
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = [line.rstrip("\n").replace("\\n", "\n") for line in f]
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError(f"--prompt_file: cannot read {path} ({type(e).__name__})") from None
+  prompts = [line for line in lines if line]
+  if not prompts:
+    raise ConfigError(f"--prompt_file: {path} holds no prompt")
+  return prompts
+
+
+def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperature: float = 0.0,
+           top_p: float = 1.0, seed: int = 0, quantized: bool = False, dtype: str | None = None,
+           one_device: bool = False) -> list[str]:
+  """The continuation of each prompt, decoded to text."""
+  import math
+
+  from ember.data import build_tokenizer
+  from ember.errors import ConfigError
+  from ember.inference.checkpoint import load_model
+  from ember.inference.generate import generate
+  from ember.parallel.sharding import logical_to_spec, rules_dict, use_rules
+  from ember.names import BATCH
+
+  cfg, mesh, model = load_model(checkpoint, what="--checkpoint", recipe=None if quantized else "bf16", dtype=dtype,
+                                one_device=one_device)
+  tokenizer = build_tokenizer(cfg.data)
+  encoded = [tokenizer.encode(p) for p in prompts]
+  empty = next((i for i, e in enumerate(encoded) if len(e) == 0), None)
+  if empty is not None:
+    raise ConfigError(f"--prompt: prompt {empty} encodes to no tokens")
+  batch_axes = logical_to_spec((BATCH,), rules_dict(cfg.mesh.rules), mesh)[0]
+  batch_axes = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+  with use_rules(mesh, cfg.mesh.rules):
+    out = generate(model, encoded, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                   batch_multiple=math.prod(mesh.shape[a] for a in batch_axes))
+  return [tokenizer.decode(tokens) for tokens in out]
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
