@@ -3,7 +3,10 @@
 Bytes: a `tokenizer.json` (the `tokenizers` library's format) with a byte-level pre-tokenizer and a
 BPE model of 256 single-byte tokens and no merges, so each byte's id is its value, as in ember's
 ByteTokenizer; its byte-level decoder turns ids back into the bytes. SentencePiece: the `.model`
-file itself as `tokenizer.model`, read by LlamaTokenizer with BOS/EOS off (ember adds neither).
+file itself as `tokenizer.model`, read by LlamaTokenizer with BOS/EOS off (ember adds neither) and
+SentencePiece's dummy-prefix space. transformers converts that model into its own tokenizer, which
+gives SentencePiece's ids except for text that *starts* with spaces (SentencePiece merges the dummy
+prefix with them); spaces anywhere else, indentation included, tokenize alike (tests/hf).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def write(directory: str, tokenizer: str, max_length: int) -> list[str]:
     files = ["tokenizer.json", "tokenizer_config.json"]
   else:
     shutil.copyfile(tokenizer, os.path.join(directory, "tokenizer.model"))
-    config = {"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_prefix_space": False, **common,
+    config = {"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_prefix_space": True, **common,
               "unk_token": "<unk>"}
     files = ["tokenizer.model", "tokenizer_config.json"]
   with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:

@@ -187,3 +187,26 @@ def test_bad_hf_input_is_one_line(exported, tmp_path):
   assert result.returncode == 2 and "shared expert" in result.stderr, result.stderr
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr
   assert not os.path.exists(tmp_path / "shared_hf" / "config.json")
+
+
+def test_sentencepiece_tokenizer_files_give_embers_ids(tmp_path):
+  """ember's SentencePiece tokenizer (BPE, as ember.data.train_tokenizer trains it) and transformers' reading
+  of the exported tokenizer.model give the same ids (text that starts with spaces aside: see ember/hf/tokenizer.py)."""
+  from ember.data import train_tokenizer
+  from ember.data.tokenizers import SentencePieceTokenizer
+  from ember.hf import tokenizer
+  words = ["alpha", "beta", "gamma", "return", "lambda", "import", "class", "def"]
+  rng = np.random.default_rng(0)
+  (tmp_path / "corpus").mkdir()
+  for i in range(8):
+    lines = ["    " * int(rng.integers(0, 3)) + " ".join(rng.choice(words, size=8)) for _ in range(40)]
+    (tmp_path / "corpus" / f"{i}.txt").write_text("\n".join(lines) + "\n")
+  train_tokenizer.train(source="text", path=str(tmp_path / "corpus" / "*.txt"), vocab_size=300,
+                        out=str(tmp_path / "sp"), input_sentence_size=500)
+  ours = SentencePieceTokenizer(str(tmp_path / "sp.model"))
+  os.makedirs(tmp_path / "hf")
+  tokenizer.write(str(tmp_path / "hf"), str(tmp_path / "sp.model"), 128)
+  theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  for text in ["alpha beta return lambda", "def f():\n    return x\n\n", "\n\nimport é€ class", "a  b   c"]:
+    assert theirs(text)["input_ids"] == ours.encode(text).tolist(), text
+    assert theirs.decode(theirs(text)["input_ids"]) == text
