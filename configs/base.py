@@ -146,6 +146,9 @@ def get_config() -> ml_collections.ConfigDict:
   lg = c.log = ml_collections.ConfigDict()
   lg.every_steps = 10  # Console line, metrics.jsonl and TensorBoard every N steps.
   lg.tensorboard = True  # Write TensorBoard event files.
+  lg.quant_stats_every = 0  # Quantization health (amax, scale, saturation, underflow, staleness per projection
+  # and role; ember/quant/health.py) every N steps, with warnings past its thresholds; 0 = off (the step is
+  # compiled without them).
 
   dist = c.distributed = ml_collections.ConfigDict()
   dist.coordinator_address = ""  # host:port of process 0 ("" = from the environment, or SLURM).

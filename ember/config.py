@@ -120,7 +120,7 @@ _SCALARS = {
     "checkpoint.every_steps": ("int", ">=-1"), "checkpoint.keep": ("int", ">=1"),
     "checkpoint.async_save": ("bool", ""), "checkpoint.restore_from": ("str", ""),
     "checkpoint.params_only": ("bool", ""), "checkpoint.init_from_hf": ("str", ""),
-    "log.every_steps": ("int", ">=1"), "log.tensorboard": ("bool", ""),
+    "log.every_steps": ("int", ">=1"), "log.tensorboard": ("bool", ""), "log.quant_stats_every": ("int", ">=0"),
     "distributed.coordinator_address": ("str", ""), "distributed.num_processes": ("int", ">=0"),
     "distributed.process_id": ("int", ">=-1"),
 }

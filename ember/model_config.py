@@ -60,7 +60,9 @@ class ModelConfig:
         num_experts=int(m.num_experts), experts_per_token=int(m.experts_per_token), moe_every=int(m.moe_every),
         shared_expert_d_ff=int(m.shared_expert_d_ff), router_softmax_first=bool(m.router_softmax_first),
         capacity_factor=float(m.capacity_factor), moe_dispatch=str(m.moe_dispatch),
-        moe_ragged_buffer=float(m.moe_ragged_buffer), recipe=Recipe.from_config(cfg.quant))
+        moe_ragged_buffer=float(m.moe_ragged_buffer),
+        recipe=dataclasses.replace(Recipe.from_config(cfg.quant),
+                                   stats=int(cfg.log.get("quant_stats_every", 0)) > 0))
 
   # --- Attention ------------------------------------------------------------------------------------
 

@@ -24,9 +24,7 @@ frequencies, RMSNorm is HF's, and ember's router (softmax over the top-k logits,
 renormalise) is Mixtral's softmax, top-k, renormalise. What the format cannot say is refused
 (`unsupported`): a shared expert, dense layers between MoE layers.
 
-In ember's parameter tree, layers are stacked per segment (ember/layers/decoder.py): layer
-`block_id * block_size + j` is `segments[s].blocks.layers[j]` at index b of the leading axis, where
-`block_id = segment_blocks[s][b]`.
+In ember's parameter tree, layers are stacked per segment: `decoder.layer_slots` says where each is.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from ember.layers.decoder import segments_of
+from ember.layers.decoder import layer_slots
 from ember.model_config import ModelConfig
 
 Get = Callable[[str, tuple], np.ndarray]  # (HF name, expected shape) -> array.
@@ -129,27 +127,6 @@ def unsupported(m: ModelConfig) -> str | None:
   if m.is_moe and m.moe_every != 1:
     return f"dense layers between MoE layers (model.moe_every = {m.moe_every}) have no Mixtral form"
   return None
-
-
-# --- Where each layer lives in ember's tree --------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerSlot:
-  """Layer `layer` is `params['segments'][segment]['blocks']['layers'][j]` at `index` of the leading axis."""
-  layer: int
-  segment: int
-  index: int
-  j: int
-
-
-def layer_slots(m: ModelConfig) -> list[LayerSlot]:
-  slots = []
-  for s, block_ids in enumerate(segments_of(m)):
-    for index, block in enumerate(block_ids):
-      for j in range(m.block_size):
-        slots.append(LayerSlot(block * m.block_size + j, s, index, j))
-  return sorted(slots, key=lambda slot: slot.layer)
 
 
 def _leaves(tree: dict, prefix=()):

@@ -13,6 +13,7 @@ into segments instead of branching inside the scanned body.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -145,6 +146,25 @@ def segments_of(model: ModelConfig) -> list[list[int]]:
     else:
       groups.append([b])
   return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSlot:
+  """Layer `layer` is `segments[segment].blocks.layers[j]` at `index` of the stacked leading axis."""
+  layer: int
+  segment: int
+  index: int
+  j: int
+
+
+def layer_slots(model: ModelConfig) -> list[LayerSlot]:
+  """Where each layer's parameters (and statistics) live in the stacked tree, in layer order."""
+  slots = []
+  for s, block_ids in enumerate(segments_of(model)):
+    for index, block in enumerate(block_ids):
+      for j in range(model.block_size):
+        slots.append(LayerSlot(block * model.block_size + j, s, index, j))
+  return sorted(slots, key=lambda slot: slot.layer)
 
 
 class Transformer(nnx.Module):

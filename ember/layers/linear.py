@@ -15,8 +15,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ember.names import PROJECTIONS, RNG_STREAMS
-from ember.quant import dot
+from ember.quant import dot, health
 from ember.quant.recipe import Recipe
+
+
+class QuantStats(nnx.Variable):
+  """A projection's health-statistics input [3 (x, kernel, grad), health.NUM_STATS] (zeros), present when
+  the recipe collects statistics. Not train state: the train step makes it, and its "gradient" is the
+  step's statistics (quant/dot.py), read by ember/trainer/quant_stats.py."""
 
 
 class QuantState(nnx.Variable):
@@ -52,11 +58,14 @@ class Linear(nnx.Module):
     self.name, self.dtype, self.recipe = name, dtype, recipe
     if recipe.delayed:
       self.amax_history = QuantState(jnp.zeros((3, recipe.amax_history_len), jnp.float32), out_sharding=(None, None))
+    if recipe.quantized and recipe.stats:
+      self.quant_stats = QuantStats(jnp.zeros((3, health.NUM_STATS), jnp.float32), out_sharding=(None, None))
 
   def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
     k, n = math.prod(self.in_shape), math.prod(self.out_shape)
     lead = x.shape[: x.ndim - len(self.in_shape)]
     history = self.amax_history[...] if self.recipe.delayed else None
+    stats = self.quant_stats[...] if hasattr(self, "quant_stats") else None
     y = dot.quantized_matmul(x.reshape(-1, k), self.kernel[...].reshape(k, n), recipe=self.recipe, name=self.name,
-                             history=history, key=projection_key(key, self.name), dtype=self.dtype)
+                             history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats)
     return y.reshape(lead + self.out_shape)

@@ -37,7 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from ember import remat
-from ember.layers.linear import QuantState, projection_key
+from ember.layers.linear import QuantState, QuantStats, projection_key
 from ember.layers import moe_dispatch
 from ember.layers.mlp import MLP
 from ember.model_config import ModelConfig
@@ -45,6 +45,7 @@ from ember.names import (BATCH, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MO
                          MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS,
                          PROJECTIONS)
 from ember.parallel import sharding
+from ember.quant import health
 from ember.quant.grouped import grouped_matmul
 from ember.quant.recipe import Recipe
 
@@ -81,6 +82,8 @@ class ExpertKernel(nnx.Module):
     if self.recipe.delayed:
       self.amax_history = QuantState(jnp.zeros((shape[0] + 2, self.recipe.amax_history_len), F32),
                                      out_sharding=(None, None))
+    if self.recipe.quantized and self.recipe.stats:  # The histories' layout, one row of STATS each.
+      self.quant_stats = QuantStats(jnp.zeros((shape[0] + 2, health.NUM_STATS), F32), out_sharding=(None, None))
 
   def history(self):
     """(x [H], kernels [E, H], grad [H]) for `grouped_matmul`, or None."""
@@ -88,6 +91,13 @@ class ExpertKernel(nnx.Module):
       return None
     h = self.amax_history[...]
     return h[0], h[1:-1], h[-1]
+
+  def stats(self):
+    """(x [S], kernels [E, S], grad [S]) health-statistics inputs for `grouped_matmul`, or None."""
+    if not hasattr(self, "quant_stats"):
+      return None
+    s = self.quant_stats[...]
+    return s[0], s[1:-1], s[-1]
 
 
 class MoE(nnx.Module):
@@ -110,8 +120,9 @@ class MoE(nnx.Module):
     """(y [B, L, D], aux): aux holds names.AUX_KEYS as float32 scalars."""
     keys = None if key is None else (projection_key(key, "moe_wi"), projection_key(key, "moe_wo"))
     histories = (self.wi.history(), self.wo.history())
+    stats = (self.wi.stats(), self.wo.stats())
     y_BxLxD, aux = moe_ffn(x_BxLxD, segment_ids_BxL, self.router[...], self.wi.kernel[...], self.wo.kernel[...],
-                           histories, keys, self.options)
+                           histories, keys, self.options, stats)
     if self.shared is not None:
       y_BxLxD = y_BxLxD + self.shared(x_BxLxD, key)
     return sharding.shard(y_BxLxD, (BATCH, LENGTH, EMBED)), aux
@@ -119,11 +130,12 @@ class MoE(nnx.Module):
 
 # ----------------------------------------------------------------------------- sharding
 
-def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, opts: Options):
+def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, opts: Options,
+            stats=(None, None)):
   """The routed experts of one layer: locally without a mesh, else inside shard_map (see module doc)."""
   mesh, rules = sharding.active_mesh(), sharding.active_rules()
   if mesh is None or mesh.size == 1:
-    return _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, opts=opts,
+    return _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, opts=opts,
                     token_axes=(), expert_axes=())
   x_spec = sharding.logical_to_spec((BATCH, LENGTH, None), rules, mesh)
   token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
@@ -135,13 +147,14 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   n_ep = math.prod(mesh.shape[a] for a in expert_axes)
   if opts.num_experts % n_ep:
     raise ValueError(f"{opts.num_experts} experts do not split over an expert axis of {n_ep} devices")
-  hist_specs = tuple(None if h is None else (P(), P(e_spec, None), P()) for h in histories)
+  # Histories and statistics: (x, kernels, grad); the kernels' rows go with their experts.
+  specs_of = lambda trees: tuple(None if t is None else (P(), P(e_spec, None), P()) for t in trees)
   body = functools.partial(_experts, opts=opts, token_axes=token_axes, expert_axes=expert_axes)
   fn = jax.shard_map(body, mesh=mesh,
-                     in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec), P(e_spec), hist_specs,
-                               None if keys is None else (P(), P())),
+                     in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec), P(e_spec), specs_of(histories),
+                               None if keys is None else (P(), P()), specs_of(stats)),
                      out_specs=(x_spec, P()))
-  return fn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys)
+  return fn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -150,8 +163,8 @@ def _axes(entry) -> tuple[str, ...]:
 
 # ----------------------------------------------------------------------------- one token shard
 
-def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, *, opts: Options,
-             token_axes, expert_axes):
+def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, *,
+             opts: Options, token_axes, expert_axes):
   b, l, d = x_BxLxD.shape
   t = b * l
   x_TxD = x_BxLxD.reshape(t, d)
@@ -163,8 +176,8 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
   if keys is not None and token_axes:  # Distinct stochastic-rounding noise on every token shard.
     keys = tuple(jax.random.fold_in(key, jax.lax.axis_index(token_axes)) for key in keys)
   e_local = wi_ExDx2xF.shape[0]
-  ffn = functools.partial(_swiglu, wi_ExDx2xF=wi_ExDx2xF, wo_ExFxD=wo_ExFxD, histories=histories, keys=keys, opts=opts,
-                          token_axes=token_axes)
+  ffn = functools.partial(_swiglu, wi_ExDx2xF=wi_ExDx2xF, wo_ExFxD=wo_ExFxD, histories=histories, keys=keys,
+                          stats=stats, opts=opts, token_axes=token_axes)
   dispatch = moe_dispatch.resolve(opts.dispatch) if expert_axes else moe_dispatch.ALLGATHER
   if dispatch == moe_dispatch.ALLGATHER:
     y_TxKxD, overflow = _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, t=t, e_local=e_local,
@@ -225,16 +238,16 @@ def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, dispatch, *, e_local, 
   return y_TxKxD, overflow
 
 
-def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, opts: Options, token_axes):
+def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, opts: Options, token_axes):
   e, d, _, f = wi_ExDx2xF.shape
   key_wi, key_wo = (None, None) if keys is None else keys
   common = dict(dtype=opts.dtype, reduce_axes=token_axes)
   h = grouped_matmul(xs_RxD, wi_ExDx2xF.reshape(e, d, 2 * f), group_sizes_E, recipe=opts.wi_recipe, name="moe_wi",
-                     history=histories[0], key=key_wi, **common).reshape(-1, 2, f)
+                     history=histories[0], key=key_wi, stats=stats[0], **common).reshape(-1, 2, f)
   gate_RxF = checkpoint_name(h[:, 0], remat.MOE_WI_0)
   up_RxF = checkpoint_name(h[:, 1], remat.MOE_WI_1)
   y_RxD = grouped_matmul(jax.nn.silu(gate_RxF) * up_RxF, wo_ExFxD, group_sizes_E, recipe=opts.wo_recipe,
-                         name="moe_wo", history=histories[1], key=key_wo, **common)
+                         name="moe_wo", history=histories[1], key=key_wo, stats=stats[1], **common)
   return checkpoint_name(y_RxD, remat.MOE_WO)
 
 

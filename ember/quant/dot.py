@@ -44,9 +44,12 @@ SCOPE_GRADIENT = "quantize_gradient"
 
 
 def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name: str,
-                     history: jax.Array | None = None, key: jax.Array | None = None, dtype=jnp.bfloat16):
+                     history: jax.Array | None = None, key: jax.Array | None = None, dtype=jnp.bfloat16,
+                     stats: jax.Array | None = None):
   """x @ w in `recipe`'s format. `name` is the projection (names its residuals); `history` the
-  delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4)."""
+  delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
+  `stats`: a [3 (x, kernel, grad), NUM_STATS] input whose "gradient" is the operands' health
+  (ember/quant/health.py), or None: no statistics, and no trace of them in the program."""
   dtype = jnp.dtype(dtype)
   if not recipe.quantized:
     return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype))
@@ -54,7 +57,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
     history = jnp.zeros((3, 1), jnp.float32)  # Unused outside fp8_delayed; keeps one signature.
   # Static facts the backward rule needs (residuals must be arrays): unpadded K and operand dtypes.
   operand_info = (x_MxK.shape[1], jnp.dtype(x_MxK.dtype), jnp.dtype(w_KxN.dtype))
-  return _qmm(x_MxK, w_KxN, history, key, recipe, name, dtype, operand_info)
+  return _qmm(x_MxK, w_KxN, history, key, stats, recipe, name, dtype, operand_info)
 
 
 def contract_last(a_MxN, b_KxN):
@@ -94,42 +97,44 @@ def _unquantized_bwd(res, g_MxN):
 _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
 
 
-def _quantize_operands(x, w, history, recipe: Recipe, name: str):
-  """Quantizes every operand copy the recipe's forward and backward GEMMs read, each named for remat."""
+def _quantize_operands(x, w, history, recipe: Recipe, name: str, stats: bool = False):
+  """Quantizes every operand copy the recipe's forward and backward GEMMs read, each named for remat
+  (with `stats`, the forward copies carry their health, named and saved with them)."""
   act, weight = recipe.quantizer(ACTIVATION, history[0]), recipe.quantizer(WEIGHT, history[1])
   q = {}
   with jax.named_scope(SCOPE_ACTIVATION):
-    q[X] = act.quantize(x, axis=1)
+    q[X] = act.quantize(x, axis=1, stats=stats)
     if recipe.has_x_t:
       q[X_T] = act.quantize(recipe.wgrad_transform(x, 0), axis=0)
   with jax.named_scope(SCOPE_WEIGHT):
-    q[KERNEL] = weight.quantize(w, axis=0)
+    q[KERNEL] = weight.quantize(w, axis=0, stats=stats)
     if recipe.has_kernel_t:
       q[KERNEL_T] = weight.quantize(w, axis=1)
   return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
 
 
-def _forward(x, w, history, recipe, name, dtype):
+def _forward(x, w, history, recipe, name, dtype, stats=False):
   m, n = x.shape[0], w.shape[1]
   b = recipe.block_size
   xp, wp = pad_to(x, (b, b)), pad_to(w, (b, b))
-  q = _quantize_operands(xp, wp, history, recipe, name)
+  q = _quantize_operands(xp, wp, history, recipe, name, stats)
   y = jnp.dot(q[X].dequantize(dtype), q[KERNEL].dequantize(dtype), preferred_element_type=jnp.float32)
   return y[:m, :n].astype(dtype), q
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _qmm(x, w, history, key, recipe, name, dtype, operand_info):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _qmm(x, w, history, key, stats, recipe, name, dtype, operand_info):
   return _forward(x, w, history, recipe, name, dtype)[0]
 
 
-def _qmm_fwd(x, w, history, key, recipe, name, dtype, operand_info):
-  y, q = _forward(x, w, history, recipe, name, dtype)
+def _qmm_fwd(x, w, history, key, stats, recipe, name, dtype, operand_info):
+  y, q = _forward(x, w, history, recipe, name, dtype, stats is not None)
   return y, (q, history, key)
 
 
 def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
   q, history, key = res
+  with_stats = q[X].health is not None
   (m, n), (k, x_dtype, w_dtype) = g_MxN.shape, operand_info
   b = recipe.block_size
   g = pad_to(g_MxN, (b, b))
@@ -139,7 +144,7 @@ def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
     key_dgrad, key_wgrad = jax.random.split(key)
   # dgrad: contract N. The kernel copy quantized along N (per-tensor and 2D tiles: the same copy).
   with jax.named_scope(SCOPE_GRADIENT):
-    g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad)
+    g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad, stats=with_stats)
   kernel_n = q.get(KERNEL_T, q[KERNEL])
   dx = contract_last(g_rows.dequantize(dtype), kernel_n.dequantize(dtype))
   # wgrad: contract M. Per-tensor recipes reuse the forward copies; block recipes quantize along M
@@ -156,7 +161,8 @@ def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
                              update_history(history[2], g_rows.amax)])
   else:
     new_history = jnp.zeros_like(history)
-  return dx[:m, :k].astype(x_dtype), dw[:k, :n].astype(w_dtype), new_history, None
+  health = jnp.stack([q[X].health, q[KERNEL].health, g_rows.health]) if with_stats else None
+  return dx[:m, :k].astype(x_dtype), dw[:k, :n].astype(w_dtype), new_history, None, health
 
 
 _qmm.defvjp(_qmm_fwd, _qmm_bwd)

@@ -46,11 +46,13 @@ from ember.remat import quantized_name
 
 def grouped_matmul(x_MxK: jax.Array, w_ExKxN: jax.Array, group_sizes_E: jax.Array, *, recipe: Recipe, name: str,
                    history: tuple[jax.Array, jax.Array, jax.Array] | None = None, key: jax.Array | None = None,
-                   dtype=jnp.bfloat16, reduce_axes: tuple[str, ...] = ()) -> jax.Array:
+                   dtype=jnp.bfloat16, reduce_axes: tuple[str, ...] = (),
+                   stats: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
   """Rows of x (sorted by expert, `group_sizes_E` each) times their expert's kernel, in `recipe`'s
   format. `name` is the projection (names the residuals); `history` the delayed-scaling histories
   (fp8_delayed only); `key` seeds stochastic rounding of gradients (nvfp4); `reduce_axes` the mesh
-  axes the rows are sharded over (inside shard_map), for the per-tensor amaxes."""
+  axes the rows are sharded over (inside shard_map), for the per-tensor amaxes. `stats`: inputs
+  (x [S], kernels [E, S], grad [S]) whose "gradient" is the operands' health (quant/health.py), or None."""
   dtype = jnp.dtype(dtype)
   group_sizes_E = group_sizes_E.astype(jnp.int32)
   if not recipe.quantized:
@@ -59,8 +61,8 @@ def grouped_matmul(x_MxK: jax.Array, w_ExKxN: jax.Array, group_sizes_E: jax.Arra
     history = (jnp.zeros((1,), jnp.float32), jnp.zeros((w_ExKxN.shape[0], 1), jnp.float32),
                jnp.zeros((1,), jnp.float32))
   operand_info = (x_MxK.shape[1], jnp.dtype(x_MxK.dtype), jnp.dtype(w_ExKxN.dtype), _vma(x_MxK), _vma(w_ExKxN))
-  return _gmm(x_MxK, w_ExKxN, group_sizes_E, tuple(history), key, recipe, name, dtype, tuple(reduce_axes),
-              operand_info)
+  return _gmm(x_MxK, w_ExKxN, group_sizes_E, tuple(history), key, None if stats is None else tuple(stats), recipe,
+              name, dtype, tuple(reduce_axes), operand_info)
 
 
 # dw[e] = x[rows of e].T @ g[rows of e]: the ragged dimension (rows) is contracted.
@@ -106,10 +108,10 @@ def _sum_to(a, vma: frozenset):
   return jax.lax.psum(a, extra) if extra else a
 
 
-def _per_expert(recipe: Recipe, w_ExKxN, h_ExH, axis):
+def _per_expert(recipe: Recipe, w_ExKxN, h_ExH, axis, stats: bool = False):
   """Each expert's kernel quantized on its own (per-expert amax and scales, per-expert histories);
   leaves gain a leading E."""
-  return jax.vmap(lambda w, h: recipe.quantizer(WEIGHT, h).quantize(w, axis=axis))(w_ExKxN, h_ExH)
+  return jax.vmap(lambda w, h: recipe.quantizer(WEIGHT, h).quantize(w, axis=axis, stats=stats))(w_ExKxN, h_ExH)
 
 
 def _dequantize(q, dtype):
@@ -146,44 +148,45 @@ def _to_layout(a_MxK, layout):
   return jnp.zeros((length, a_MxK.shape[1]), a_MxK.dtype).at[dest].set(a_MxK, mode="drop")
 
 
-def _quantize_operands(x, w, group_sizes, history, recipe: Recipe, name: str, reduce_axes):
+def _quantize_operands(x, w, group_sizes, history, recipe: Recipe, name: str, reduce_axes, stats: bool = False):
   """Quantizes every operand copy the recipe's GEMMs read, each named for remat (as quant/dot.py)."""
   h_x, h_k, _ = history
   act = recipe.quantizer(ACTIVATION, h_x)
   q = {}
   with jax.named_scope(SCOPE_ACTIVATION):
-    q[X] = act.quantize(x, axis=1, reduce_axes=reduce_axes)
+    q[X] = act.quantize(x, axis=1, reduce_axes=reduce_axes, stats=stats)
     if recipe.has_x_t:
       x_layout = _to_layout(x, block_layout(group_sizes, x.shape[0], recipe.block_size))
       q[X_T] = act.quantize(recipe.wgrad_transform(x_layout, 0), axis=0, reduce_axes=reduce_axes)
   with jax.named_scope(SCOPE_WEIGHT):
-    q[KERNEL] = _per_expert(recipe, w, h_k, axis=0)
+    q[KERNEL] = _per_expert(recipe, w, h_k, axis=0, stats=stats)
     if recipe.has_kernel_t:
       q[KERNEL_T] = _per_expert(recipe, w, h_k, axis=1)
   return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
 
 
-def _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes):
+def _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes, stats=False):
   n, b = w.shape[2], recipe.block_size
   xp, wp = pad_to(_mask_rows(x, group_sizes), (1, b)), pad_to(w, (1, b, b))
-  q = _quantize_operands(xp, wp, group_sizes, history, recipe, name, reduce_axes)
+  q = _quantize_operands(xp, wp, group_sizes, history, recipe, name, reduce_axes, stats)
   y = jax.lax.ragged_dot(q[X].dequantize(dtype), _dequantize(q[KERNEL], dtype), group_sizes,
                          preferred_element_type=jnp.float32)
   return y[:, :n].astype(dtype), q
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _gmm(x, w, group_sizes, history, key, recipe, name, dtype, reduce_axes, operand_info):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _gmm(x, w, group_sizes, history, key, stats, recipe, name, dtype, reduce_axes, operand_info):
   return _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes)[0]
 
 
-def _gmm_fwd(x, w, group_sizes, history, key, recipe, name, dtype, reduce_axes, operand_info):
-  y, q = _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes)
+def _gmm_fwd(x, w, group_sizes, history, key, stats, recipe, name, dtype, reduce_axes, operand_info):
+  y, q = _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes, stats is not None)
   return y, (q, group_sizes, history, key)
 
 
 def _gmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_MxN):
   q, group_sizes, history, key = res
+  with_stats = q[X].health is not None
   (m, n), (k, x_dtype, w_dtype, x_vma, w_vma) = g_MxN.shape, operand_info
   b = recipe.block_size
   g = pad_to(_mask_rows(g_MxN, group_sizes), (1, b))
@@ -193,7 +196,7 @@ def _gmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_MxN):
     key_dgrad, key_wgrad = jax.random.split(key)
   # dgrad: contract N with each expert's kernel copy quantized along N (per-tensor, 2D tiles: the same).
   with jax.named_scope(SCOPE_GRADIENT):
-    g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad, reduce_axes=reduce_axes)
+    g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad, reduce_axes=reduce_axes, stats=with_stats)
   kernel_n = _dequantize(q.get(KERNEL_T, q[KERNEL]), dtype)
   dx = jax.lax.ragged_dot(g_rows.dequantize(dtype), jnp.swapaxes(kernel_n, 1, 2), group_sizes,
                           preferred_element_type=jnp.float32)
@@ -216,7 +219,8 @@ def _gmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_MxN):
   else:
     new_history = jax.tree.map(jnp.zeros_like, history)
   dx, dw = _sum_to(dx[:, :k], x_vma).astype(x_dtype), _sum_to(dw[:, :k, :n], w_vma).astype(w_dtype)
-  return dx, dw, None, new_history, None
+  health = (q[X].health, q[KERNEL].health, g_rows.health) if with_stats else None
+  return dx, dw, None, new_history, None, health
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)

@@ -37,4 +37,5 @@ def _through_bits(a: jax.Array, name: str) -> jax.Array:
 def name_quantized(q: QuantizedTensor, name: str) -> QuantizedTensor:
   """`q` with every array leaf tagged `name` (low-precision leaves as their bit patterns)."""
   return dataclasses.replace(q, **{f.name: _through_bits(getattr(q, f.name), name)
-                                   for f in dataclasses.fields(q) if not f.metadata.get("static")})
+                                   for f in dataclasses.fields(q)
+                                   if not f.metadata.get("static") and getattr(q, f.name) is not None})

@@ -3,7 +3,10 @@
 Each is a frozen dataclass registered as a pytree (configuration in static
 fields, state such as an amax history in data fields) with one method,
 
-  quantize(x, axis=-1, *, rng=None, reduce_axes=()) -> QuantizedTensor.
+  quantize(x, axis=-1, *, rng=None, reduce_axes=(), stats=False) -> QuantizedTensor.
+
+`stats=True` also returns the tensor's health vector (ember/quant/health.py),
+reduced in the same pass.
 
 A quantizer holds no mesh, device or axis name. Under `jit` with sharded
 inputs a plain `jnp.max` is already global, so nothing is needed; inside
@@ -27,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ember.quant import formats
+from ember.quant import formats, health
 from ember.quant.formats import E2M1, E4M3, Format
 from ember.quant.tensor import (QuantizedTensor, block_axes, block_broadcast,
                                 block_reduce_max, normalize_axis, static_field)
@@ -54,18 +57,22 @@ def scale_from_amax(numerator: float, amax: jax.Array, margin: int = 0):
   return jnp.where(ok, jnp.minimum(scale, _F32_MAX), 1.0).astype(jnp.float32)
 
 
-def _per_tensor(x, axis, fmt, scale, amax, recipe) -> QuantizedTensor:
+def _per_tensor(x, axis, fmt, scale, amax, recipe, *, stats=False, staleness=1.0, reduce_axes=()) -> QuantizedTensor:
   """data = cast(x * scale), scale_inv = 1 / scale."""
   x32 = x.astype(jnp.float32)
+  scaled = x32 * scale
+  data = formats.cast(scaled, fmt)
   return QuantizedTensor(
-      data=formats.cast(x32 * scale, fmt),
+      data=data,
       scale_inv=jnp.float32(1.0) / scale,
       global_scale_inv=jnp.float32(1.0),
       amax=amax,
       recipe=recipe,
       axis=normalize_axis(axis, x.ndim),
       block=(),
-      dtype=jnp.dtype(x.dtype).name)
+      dtype=jnp.dtype(x.dtype).name,
+      health=health.measure(x32, scaled, data, fmt.max, amax, scale, jnp.asarray(staleness, jnp.float32),
+                            reduce_axes) if stats else None)
 
 
 @jax.tree_util.register_dataclass
@@ -78,11 +85,11 @@ class CurrentScaling:
   def __post_init__(self):
     object.__setattr__(self, "fmt", formats.get_format(self.fmt))
 
-  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=()):
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False):
     del rng  # Round to nearest.
     amax = tensor_amax(x.astype(jnp.float32), reduce_axes)
     scale = scale_from_amax(self.fmt.max, amax)
-    return _per_tensor(x, axis, self.fmt, scale, amax, "fp8_current")
+    return _per_tensor(x, axis, self.fmt, scale, amax, "fp8_current", stats=stats, reduce_axes=reduce_axes)
 
 
 def update_history(history: jax.Array, amax: jax.Array) -> jax.Array:
@@ -126,10 +133,14 @@ class DelayedScaling:
     ref = jnp.max(h) if self.compute_algo == "max" else h[0]
     return scale_from_amax(self.fmt.max, ref, self.margin)
 
-  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=()):
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False):
     del rng  # Round to nearest.
     amax = tensor_amax(x.astype(jnp.float32), reduce_axes)
-    return _per_tensor(x, axis, self.fmt, self.scale, amax, "fp8_delayed")
+    scale = self.scale
+    # amax over the amax the scale was made for (fmt.max / scale, margin undone).
+    staleness = amax * scale * jnp.float32(2.0**self.margin) / jnp.float32(self.fmt.max)
+    return _per_tensor(x, axis, self.fmt, scale, amax, "fp8_delayed", stats=stats, staleness=staleness,
+                       reduce_axes=reduce_axes)
 
   def update(self, amax: jax.Array) -> "DelayedScaling":
     return dataclasses.replace(
@@ -150,7 +161,7 @@ class MXFP8Scaling:
 
   block: int = static_field(32)
 
-  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=()):
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False):
     del rng
     x32 = x.astype(jnp.float32)
     axis = normalize_axis(axis, x.ndim)
@@ -166,15 +177,19 @@ class MXFP8Scaling:
     # -k <= 127 and k <= 120 for finite float32 amax, so 2**-k is normal.
     inv_pow2 = block_broadcast(formats.pow2(-k), x.shape, axes, block)
     amax = _reduce(jnp.max(amax_B), reduce_axes)
+    scaled = x32 * inv_pow2
+    data = formats.cast(scaled, E4M3)
+    one = jnp.float32(1.0)
     return QuantizedTensor(
-        data=formats.cast(x32 * inv_pow2, E4M3),
+        data=data,
         scale_inv=formats.e8m0_from_exponent(k),
-        global_scale_inv=jnp.float32(1.0),
+        global_scale_inv=one,
         amax=amax,
         recipe="mxfp8",
         axis=axis,
         block=block,
-        dtype=jnp.dtype(x.dtype).name)
+        dtype=jnp.dtype(x.dtype).name,
+        health=health.measure(x32, scaled, data, E4M3.max, amax, one, one, reduce_axes) if stats else None)
 
 
 @jax.tree_util.register_dataclass
@@ -200,7 +215,7 @@ class NVFP4Scaling:
   stochastic_rounding: bool = static_field(False)
   block: int = static_field(16)
 
-  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=()):
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False):
     x32 = x.astype(jnp.float32)
     axis = normalize_axis(axis, x.ndim)
     block = (self.block,) * (2 if self.tile_2d else 1)
@@ -223,7 +238,9 @@ class NVFP4Scaling:
         recipe="nvfp4",
         axis=axis,
         block=block,
-        dtype=jnp.dtype(x.dtype).name)
+        dtype=jnp.dtype(x.dtype).name,
+        health=health.measure(x32, y, data, E2M1.max, amax, global_scale, jnp.float32(1.0),
+                              reduce_axes) if stats else None)
 
 
 Quantizer = Union[CurrentScaling, DelayedScaling, MXFP8Scaling, NVFP4Scaling]

@@ -85,6 +85,7 @@ class Recipe:
   nvfp4_2d_weights: bool = True
   rht_seed: int = 0
   exclude: tuple[str, ...] = ()
+  stats: bool = False  # Projections collect health statistics (quant/health.py; log.quant_stats_every > 0).
 
   def __post_init__(self):
     if self.name not in SCHEMES:
@@ -101,6 +102,7 @@ class Recipe:
     values = {k: v for k, v in quant_cfg.items() if k in fields}
     values["name"] = quant_cfg.recipe
     values["exclude"] = tuple(quant_cfg.get("exclude", ()))
+    values.pop("stats", None)  # Set by ModelConfig from log.quant_stats_every, not a quant key.
     return cls(**values)
 
   # --- The table's answers ----------------------------------------------------------------------
@@ -158,9 +160,10 @@ class Recipe:
   # --- Variants -----------------------------------------------------------------------------------
 
   def stateless(self) -> "Recipe":
-    """This recipe where no amax history can be kept (a projection called several times a step, like
-    the chunked LM head): delayed scaling becomes current scaling, the rest is unchanged."""
-    return dataclasses.replace(self, name="fp8_current") if self.delayed else self
+    """This recipe where no per-step state can be kept (a projection called several times a step, like
+    the chunked LM head): delayed scaling becomes current scaling, and no health statistics (each call's
+    would add up); the rest is unchanged."""
+    return dataclasses.replace(self, name="fp8_current" if self.delayed else self.name, stats=False)
 
   def for_projection(self, projection: str, layer: int | None, num_layers: int) -> "Recipe":
     """The recipe projection `projection` of `layer` (None: the LM head) runs in: bf16 if excluded."""

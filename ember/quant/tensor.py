@@ -2,8 +2,9 @@
 
 One pytree type serves every recipe so that custom VJPs, remat names and
 checkpoints treat all of them alike. Its leaves are always the same four
-arrays (`data`, `scale_inv`, `global_scale_inv`, `amax`), so the tree
-structure depends only on the static fields, never on values.
+arrays (`data`, `scale_inv`, `global_scale_inv`, `amax`), plus a `health`
+vector when the quantizer was asked for statistics, so the tree structure
+depends only on the static fields and that request, never on values.
 
 `scale_inv` is always the factor that *multiplies* `data` on the way back:
   per-tensor (fp8_current, fp8_delayed): float32 scalar, 1 / scale.
@@ -101,6 +102,7 @@ class QuantizedTensor:
   axis: int = static_field()
   block: tuple[int, ...] = static_field()
   dtype: str = static_field()
+  health: jax.Array | None = None  # quant/health.py's STATS vector, when quantized with stats=True.
 
   @property
   def shape(self) -> tuple[int, ...]:

@@ -35,6 +35,7 @@ from ember.names import MOE_OVERFLOW_TOKENS
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import target_platform, use_rules
+from ember.trainer import quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.checkpointing import Checkpointer, restore_from
 from ember.trainer.metrics import MetricsWriter, console, progress_line
@@ -91,6 +92,7 @@ def train(cfg, mesh=None) -> dict:
     meta = {"config": cfg.to_dict(), "ember_version": ember.__version__, "mesh": dict(mesh.shape),
             "process_count": jax.process_count()}
     progress = _Progress(cfg, start=int(state.step), compiled=compiled, shares=shares)
+    quant_watch = _QuantHealth(cfg) if cfg.log.quant_stats_every else None
     profiler = _Profiler(cfg)
     last = {"step": int(state.step)}
     for step in range(int(state.step), cfg.steps):
@@ -101,6 +103,8 @@ def train(cfg, mesh=None) -> dict:
       stopping = preemption.reached(done) and done < cfg.steps
       if done % cfg.log.every_steps == 0 or done == cfg.steps or stopping:
         last.update(progress.log(done, step_metrics, metrics))
+      if quant_watch is not None and done % cfg.log.quant_stats_every == 0:
+        quant_watch.log(done, step_metrics["quant_stats"], metrics)
       if cfg.train.eval_every_steps and (done % cfg.train.eval_every_steps == 0 or done == cfg.steps):
         last["eval_loss"] = evaluate(cfg, state, eval_fn, batch_sharding)
         metrics.write({"step": done, "eval_loss": last["eval_loss"]})
@@ -149,7 +153,7 @@ class _Progress:
     self.t_last, self.step_last = time.time(), start
 
   def log(self, done: int, step_metrics, writer: MetricsWriter) -> dict:
-    host = jax.device_get(step_metrics)
+    host = jax.device_get({k: v for k, v in step_metrics.items() if k != "quant_stats"})
     now = time.time()
     step_time = (now - self.t_last) / max(done - self.step_last, 1)
     self.t_last, self.step_last = now, done
@@ -167,6 +171,22 @@ class _Progress:
       console(f"warning: step {done}: {overflow:.0f} MoE token copies did not fit the ragged dispatcher's receive "
               "buffer (their expert outputs are zero); raise config.model.moe_ragged_buffer")
     return record
+
+
+class _QuantHealth:
+  """Every `log.quant_stats_every` steps: the quantization health record (ember/trainer/quant_stats.py) and
+  its warnings, on the console and in the record (`quant_warnings`)."""
+
+  def __init__(self, cfg):
+    self.model = ModelConfig.from_config(cfg)
+    self.watch = quant_stats.Watch(self.model.recipe.name)
+
+  def log(self, done: int, stats_tree, writer: MetricsWriter) -> None:
+    record = quant_stats.summarize(jax.device_get(stats_tree), self.model)
+    warnings = self.watch.check(record, done)
+    for w in warnings:
+      console(f"warning: quantization: {w}")
+    writer.write({"step": done, **record, "quant_warnings": warnings})
 
 
 class _Profiler:

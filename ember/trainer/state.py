@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import remat
 from ember.layers.decoder import Transformer
-from ember.layers.linear import QuantState
+from ember.layers.linear import QuantState, QuantStats
 from ember.model_config import ModelConfig
 from ember.parallel import sharding
 
@@ -37,14 +37,23 @@ def build_model(cfg, key: jax.Array, policy: remat.Preset) -> Transformer:
 
 
 def split_model(model: Transformer):
-  graphdef, params, quant_state = nnx.split(model, nnx.Param, QuantState)
-  return graphdef, params, quant_state
+  """(graphdef, params, quant state, health-statistics inputs); the last is empty unless
+  log.quant_stats_every > 0, and is never train state (see `stats_inputs`)."""
+  return nnx.split(model, nnx.Param, QuantState, QuantStats)
+
+
+def stats_inputs(cfg, policy: remat.Preset) -> dict:
+  """The zeros the projections' QuantStats take in a step (their "gradients" are the step's health
+  statistics, ember/trainer/quant_stats.py); {} when statistics are off."""
+  abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0), policy))
+  stats = nnx.to_pure_dict(split_model(abstract)[3])
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
 
 
 def logical_axes(cfg, policy: remat.Preset):
   """(graphdef, logical-axis PartitionSpecs of params, of quant state), without allocating anything."""
   abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0), policy))
-  graphdef, params, quant_state = split_model(abstract)
+  graphdef, params, quant_state, _ = split_model(abstract)
   specs = lambda state: nnx.to_pure_dict(nnx.get_partition_spec(state))
   return graphdef, specs(params), specs(quant_state)
 
@@ -81,7 +90,7 @@ def state_shardings(cfg, mesh: Mesh, tx, policy: remat.Preset):
 
 def abstract_init(cfg, policy):
   def init():
-    _, params, quant_state = split_model(build_model(cfg, jax.random.key(0), policy))
+    _, params, quant_state, _ = split_model(build_model(cfg, jax.random.key(0), policy))
     return nnx.to_pure_dict(params), nnx.to_pure_dict(quant_state)
   return jax.eval_shape(init)
 
@@ -91,7 +100,7 @@ def create_train_state(cfg, mesh: Mesh, tx, policy: remat.Preset):
   graphdef, shardings, _ = state_shardings(cfg, mesh, tx, policy)
 
   def init(key):
-    _, params, quant_state = split_model(build_model(cfg, key, policy))
+    _, params, quant_state, _ = split_model(build_model(cfg, key, policy))
     params = nnx.to_pure_dict(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       quant_state=nnx.to_pure_dict(quant_state))
@@ -103,7 +112,7 @@ def create_train_state(cfg, mesh: Mesh, tx, policy: remat.Preset):
 def state_around(cfg, tx, policy: remat.Preset, params, shardings: TrainState) -> TrainState:
   """A new run's TrainState (step 0, fresh optimizer and quantization state) around given parameters."""
   def init(params):
-    _, _, quant_state = split_model(build_model(cfg, init_key(cfg.seed), policy))
+    _, _, quant_state, _ = split_model(build_model(cfg, init_key(cfg.seed), policy))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       quant_state=nnx.to_pure_dict(quant_state))
 

@@ -16,7 +16,7 @@ from ember.names import (BATCH, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_LOAD_BAL
                          MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
 from ember.parallel.sharding import logical_to_spec, rules_dict, shard
 from ember.trainer.loss import cross_entropy
-from ember.trainer.state import TrainState, step_key
+from ember.trainer.state import TrainState, stats_inputs, step_key
 
 
 def _batch_views(batch):
@@ -24,9 +24,10 @@ def _batch_views(batch):
   return (shard(batch[INPUTS], rows), shard(batch[SEGMENT_IDS], rows), shard(batch[POSITIONS], rows), batch[TARGETS])
 
 
-def forward_loss(params, quant_state, batch, *, graphdef, cfg, key, policy: remat.Preset | None = None):
-  """(total loss, metrics) for one batch: next-token CE + z-loss (+ the MoE auxiliary losses of MoE models)."""
-  model = nnx.merge(graphdef, params, quant_state)
+def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key, policy: remat.Preset | None = None):
+  """(total loss, metrics) for one batch: next-token CE + z-loss (+ the MoE auxiliary losses of MoE models).
+  `stats`: the health-statistics inputs (state.stats_inputs) when log.quant_stats_every > 0."""
+  model = nnx.merge(graphdef, params, quant_state, *([stats] if stats else []))
   inputs, segment_ids, positions, targets = _batch_views(batch)
   hidden, aux = model(inputs, segment_ids, positions, key=key, policy=policy)
   weights = (segment_ids > 0).astype(jnp.float32)
@@ -44,11 +45,18 @@ def forward_loss(params, quant_state, batch, *, graphdef, cfg, key, policy: rema
 
 
 def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy: remat.Preset | None = None):
-  """One optimizer step. Delayed-scaling histories come back as the quant state's "gradient"."""
+  """One optimizer step. Delayed-scaling histories come back as the quant state's "gradient", and with
+  log.quant_stats_every > 0 the projections' health statistics as the stats inputs' (metrics["quant_stats"])."""
   key = step_key(cfg.seed, state.step)
   loss_fn = functools.partial(forward_loss, graphdef=graphdef, cfg=cfg, key=key, policy=policy)
-  grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-  (_, metrics), (grads, new_quant_state) = grad_fn(state.params, state.quant_state, batch)
+  if cfg.log.quant_stats_every:
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 3), has_aux=True)
+    stats = stats_inputs(cfg, remat.PRESETS["full"])
+    (_, metrics), (grads, new_quant_state, health) = grad_fn(state.params, state.quant_state, batch, stats)
+    metrics = dict(metrics, quant_stats=health)
+  else:
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    (_, metrics), (grads, new_quant_state) = grad_fn(state.params, state.quant_state, batch)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
@@ -72,7 +80,8 @@ def jit_train_step(cfg, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy
 
 def eval_step(state: TrainState, batch, *, graphdef, cfg):
   """Mean next-token loss on a batch, with no quantization noise (no stochastic-rounding key)."""
-  _, metrics = forward_loss(state.params, state.quant_state, batch, graphdef=graphdef, cfg=cfg, key=None,
+  stats = stats_inputs(cfg, remat.PRESETS["none"]) if cfg.log.quant_stats_every else None
+  _, metrics = forward_loss(state.params, state.quant_state, batch, stats, graphdef=graphdef, cfg=cfg, key=None,
                             policy=remat.PRESETS["none"])
   return metrics["loss"]
 

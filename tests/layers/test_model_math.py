@@ -111,7 +111,7 @@ def test_delayed_scaling_lm_head_falls_back_to_current_scaling():
   fp8_delayed (head not excluded) the head runs fp8_current and owns no history; layers keep theirs."""
   model, cfg = _model(**{"quant.recipe": "fp8_delayed", "quant.exclude": (), "quant.amax_history_len": 4})
   assert model.lm_head.recipe.name == "fp8_current"
-  _, _, quant_state = split_model(model)
+  _, _, quant_state, _ = split_model(model)
   state = nnx.to_pure_dict(quant_state)
   assert "lm_head" not in state
   histories = jax.tree.leaves(state)

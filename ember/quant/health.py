@@ -1,0 +1,60 @@
+"""Quantization health: what each quantize op can report about its tensor, and when it is a problem.
+
+With `log.quant_stats_every > 0`, every quantized projection's operands (activation x along K, the
+weight along K, the output gradient along N: the copies the forward GEMM and dgrad read) are
+quantized with `stats=True`, and the quantizer returns, next to its data, a vector over `STATS`:
+
+  amax        max |x| of the tensor (over the shards of a shard_map group too)
+  scale       the tensor scale used: fmt.max / amax for current scaling, the history's for delayed,
+              NVFP4's float32 global scale; 1 for MXFP8, which has block scales only
+  saturated   elements whose scaled value |x * scale| exceeded the format's max and were clipped
+  underflow   nonzero elements that quantized to zero
+  nonzero     nonzero elements (the denominator of both fractions; padding zeros count in neither)
+  staleness   amax / the amax the scale was made for: 1 for current scaling; for delayed scaling
+              above 1 when the tensor grew past its history (a spike: it saturates)
+
+Counts are float32 sums, computed in the same pass that scales and casts the tensor, so XLA fuses
+the reductions into the quantize fusion instead of reading the tensor again. The trainer turns them
+into fractions and aggregates them per projection and role (ember/trainer/quant_stats.py).
+
+The thresholds of the console warning are here, one table (`THRESHOLDS`): a fraction of a tensor
+underflowing or saturating, or a delayed scale 2**k behind its tensor.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+STATS = ("amax", "scale", "saturated", "underflow", "nonzero", "staleness")
+NUM_STATS = len(STATS)
+
+# statistic -> (threshold, what it means). A statistic above its threshold in any layer warns. The
+# FP8 thresholds are the defaults; NVFP4's 4-bit blocks underflow a few percent of a Gaussian tensor
+# (elements under 1/12 of their block's amax) and clip a few percent where an E4M3 block scale rounds
+# down, by design, so its thresholds sit above those levels.
+THRESHOLDS = {
+    "underflow": (0.01, "of the nonzero elements quantized to zero"),
+    "saturated": (0.001, "of the nonzero elements saturated at the format's max"),
+    "staleness": (2.0**4, "amax above the amax its delayed scale was made for"),
+}
+RECIPE_THRESHOLDS = {"nvfp4": {"underflow": 0.25, "saturated": 0.10}}
+
+
+def thresholds(recipe: str) -> dict[str, tuple[float, str]]:
+  """The warning thresholds of a recipe: THRESHOLDS with RECIPE_THRESHOLDS' overrides."""
+  overrides = RECIPE_THRESHOLDS.get(recipe, {})
+  return {stat: (overrides.get(stat, limit), meaning) for stat, (limit, meaning) in THRESHOLDS.items()}
+
+
+def measure(x32: jax.Array, scaled: jax.Array, data: jax.Array, fmt_max: float, amax: jax.Array, scale: jax.Array,
+            staleness: jax.Array, reduce_axes: tuple[str, ...] = ()) -> jax.Array:
+  """The `STATS` vector of one quantized tensor: `x32` the input in float32, `scaled` the value handed
+  to the cast (before rounding and clipping), `data` the cast's result."""
+  nonzero = x32 != 0
+  counts = jnp.stack([jnp.sum(jnp.abs(scaled) > fmt_max, dtype=jnp.float32),
+                      jnp.sum(nonzero & (data == 0), dtype=jnp.float32),
+                      jnp.sum(nonzero, dtype=jnp.float32)])
+  if reduce_axes:
+    counts = jax.lax.psum(counts, tuple(reduce_axes))
+  return jnp.stack([amax, scale, counts[0], counts[1], counts[2], staleness]).astype(jnp.float32)
