@@ -1,0 +1,144 @@
+"""Quantization health: the statistics against a NumPy reference, forced underflow and saturation found and
+named with a warning, the records in metrics.jsonl and TensorBoard, and a stats-off step identical to one
+compiled by the code from before the feature existed."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests import helpers
+
+# The last commit without quantization health statistics: its train step is the reference.
+BEFORE_STATS = "5e7ca754f54bb5aea640b5751cb31d2f98a6c6ca"
+
+
+def test_per_tensor_statistics_match_a_numpy_reference():
+  """fp8_current on x with one outlier: the rest underflows; counts as NumPy's E4M3 cast says."""
+  from ember.quant import health
+  from ember.quant.quantizers import CurrentScaling, DelayedScaling
+  rng = np.random.default_rng(0)
+  x = (rng.standard_normal((64, 48)) * 1e-3).astype(np.float32)
+  x[3, 5] = 1e3  # An outlier sets the per-tensor scale: small values fall under E4M3's smallest subnormal.
+  x[0, :4] = 0.0
+  q = CurrentScaling().quantize(jnp.asarray(x), stats=True)
+  got = dict(zip(health.STATS, np.asarray(q.health)))
+  scale = np.float32(448.0) / np.float32(1e3)
+  scaled = x * scale
+  ref_data = np.clip(scaled, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  assert got["amax"] == np.float32(1e3) and got["scale"] == pytest.approx(scale)
+  assert got["nonzero"] == np.count_nonzero(x)
+  assert got["underflow"] == np.count_nonzero((x != 0) & (ref_data == 0)) > 100
+  assert got["saturated"] == 0 and got["staleness"] == pytest.approx(1.0)
+  # Delayed scaling with a history 100x below the tensor: it saturates and is 100x stale.
+  d = DelayedScaling(jnp.full((4,), 10.0, jnp.float32)).quantize(jnp.asarray(x), stats=True)
+  got = dict(zip(health.STATS, np.asarray(d.health)))
+  assert got["saturated"] == np.count_nonzero(np.abs(x * np.float32(44.8)) > 448) >= 1
+  assert got["staleness"] == pytest.approx(100.0, rel=1e-5)
+
+
+def _forced_step(recipe: str = "fp8_delayed"):
+  """One train step of the tiny model whose delayed-scaling state forces trouble into one projection each:
+  layer 0's wi gradient scale from a huge old amax (its gradients underflow), layer 1's qkv activation
+  scale from a tiny one (its activations saturate)."""
+  from ember import config as config_lib
+  from ember import remat
+  from ember.parallel.mesh import make_mesh
+  from ember.parallel.sharding import use_rules
+  from ember.trainer.optimizer import make_optimizer
+  from ember.trainer.state import create_train_state
+  from ember.trainer.step import batch_sharding, jit_train_step
+
+  cfg = helpers.config(**{"quant.recipe": recipe, "log.quant_stats_every": 1})
+  config_lib.validate(cfg, 1, 1)
+  cfg = config_lib.derive(cfg, 1)
+  mesh = make_mesh(cfg.mesh, helpers.devices(1))
+  tx, schedule = make_optimizer(cfg.train)
+  policy = remat.preset(cfg.remat)
+  with use_rules(mesh, cfg.mesh.rules):
+    graphdef, state, shardings = create_train_state(cfg, mesh, tx, policy)
+    step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, donate=False)
+    batch = jax.device_put(helpers.random_batch(cfg), batch_sharding(cfg, mesh))
+    state, _ = step(state, batch)  # Histories of real amaxes.
+    quant_state = jax.tree.map(lambda a: a, state.quant_state)
+    layers = quant_state["segments"][0]["blocks"]["layers"][0]
+    wi = layers["mlp"]["wi"]["amax_history"]  # [layers, 3 (x, kernel, grad), H]
+    layers["mlp"]["wi"]["amax_history"] = wi.at[0, 2, :].set(1e12)
+    layers["attn"]["qkv"]["amax_history"] = layers["attn"]["qkv"]["amax_history"].at[1, 0, :].set(1e-6)
+    _, metrics = step(dataclasses.replace(state, quant_state=quant_state), batch)
+  return cfg, metrics
+
+
+def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys, tmp_path):
+  from ember.model_config import ModelConfig
+  from ember.trainer import quant_stats
+  from ember.trainer.loop import _QuantHealth
+  from ember.trainer.metrics import MetricsWriter
+
+  cfg, metrics = _forced_step()
+  record = quant_stats.summarize(jax.device_get(metrics["quant_stats"]), ModelConfig.from_config(cfg))
+  assert record["quant/wi/gradient/underflow_max"] > 0.9 and record["quant/wi/gradient/underflow_layer"] == 0
+  assert record["quant/wi/gradient/underflow"] == pytest.approx(record["quant/wi/gradient/underflow_max"] / 2, rel=0.2)
+  assert record["quant/qkv/activation/saturated_max"] > 0.9 and record["quant/qkv/activation/saturated_layer"] == 1
+  assert record["quant/qkv/activation/staleness_max"] > 1e5
+  # Projections with normal scales are clean (layer 1's attention output, fed by saturated Q, K and V, is not).
+  for key in ("quant/wo/gradient/underflow_max", "quant/out/gradient/underflow_max", "quant/wi/activation/saturated_max",
+              "quant/wo/activation/saturated_max", "quant/qkv/weight/underflow_max"):
+    assert record[key] < 0.01, (key, record[key])
+
+  writer = MetricsWriter(str(tmp_path), tensorboard=False, enabled=True)
+  health = _QuantHealth(cfg)
+  health.log(7, metrics["quant_stats"], writer)
+  err = capsys.readouterr().err
+  assert "step 7: wi gradient in layer 0" in err and "quantized to zero" in err
+  assert "step 7: qkv activation in layer 1" in err and "saturated" in err
+  # Once per occurrence: the same trouble at the next statistics step says nothing new.
+  health.log(8, metrics["quant_stats"], writer)
+  assert "warning" not in capsys.readouterr().err
+  first, second = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert len(first["quant_warnings"]) >= 2 and second["quant_warnings"] == []  # The record carries them.
+
+
+def test_a_run_writes_statistics_to_metrics_and_tensorboard(tmp_path):
+  from ember.trainer.loop import train
+  from tests.trainer.test_metrics import _events
+  cfg = helpers.config(**{"workdir": str(tmp_path), "steps": 4, "log.every_steps": 2, "log.tensorboard": True,
+                          "log.quant_stats_every": 2, "quant.recipe": "fp8_current", "checkpoint.every_steps": -1})
+  train(cfg)
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  stats = [r for r in records if "quant_warnings" in r]
+  assert [r["step"] for r in stats] == [2, 4]
+  for role in ("activation", "weight", "gradient"):
+    assert 0 <= stats[-1][f"quant/wi/{role}/underflow"] <= 1 and stats[-1][f"quant/wi/{role}/amax_max"] > 0
+  tags = {tag for step, tag in _events(str(tmp_path / "tensorboard")) if step == 4}
+  assert "quant/qkv/gradient/underflow_max" in tags and "quant/wo/weight/scale" in tags
+
+
+def _hlo(tree, recipe, experts, tmp_path):
+  script = os.path.join(os.path.dirname(__file__), "hlo_of_train_step.py")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+  result = subprocess.run([sys.executable, script, recipe, str(experts)], capture_output=True, text=True,
+                          cwd=tmp_path, env={**env, "PYTHONPATH": str(tree)}, timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return result.stdout
+
+
+@pytest.mark.parametrize("recipe,experts", [("fp8_delayed", 0), ("nvfp4", 4)])
+def test_stats_off_compiles_the_step_of_the_code_without_the_feature(recipe, experts, tmp_path):
+  """With log.quant_stats_every = 0, the optimised HLO of the train step equals the one that the source
+  tree from before quantization statistics compiles (dense and grouped matmuls)."""
+  before = tmp_path / "before"
+  before.mkdir()
+  archive = subprocess.run(["git", "archive", BEFORE_STATS, "ember", "configs"], cwd=helpers.ROOT,
+                           capture_output=True)
+  assert archive.returncode == 0, f"this test needs the repository's history: {archive.stderr.decode()[:300]}"
+  subprocess.run(["tar", "-x", "-C", str(before)], input=archive.stdout, check=True)
+  old, new = _hlo(before, recipe, experts, tmp_path), _hlo(helpers.ROOT, recipe, experts, tmp_path)
+  assert len(new) > 10000 and new == old
