@@ -78,6 +78,12 @@ def get_config() -> ml_collections.ConfigDict:
   q.nvfp4_stochastic_rounding = True  # nvfp4: stochastic rounding of gradients.
   q.nvfp4_2d_weights = True  # nvfp4: 16x16 weight tiles (False: 1x16 along the contraction axis).
   q.rht_seed = 0  # Seed of the fixed random signs of the Hadamard transform.
+  q.forward = "recipe"  # The forward GEMMs in the recipe's format, or "bf16" (the backward GEMMs keep the recipe).
+  # Precision schedule: ((when, {quant key: value, ...}), ...), each entry's overrides of quant.* applied from
+  # step `when` (an int) or from that fraction of `steps` (a float in (0, 1)) on; e.g. nvfp4 with the forward
+  # GEMMs in bf16 for the last 20%: ((0.8, {"forward": "bf16"}),). The step recompiles once at each switch
+  # (ember/trainer/precision.py).
+  q.schedule = ()
 
   r = c.remat = ml_collections.ConfigDict()
   r.policy = "save_quantized"  # See ember/remat.py for the presets.

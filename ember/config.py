@@ -23,7 +23,7 @@ from ember.errors import ConfigError
 from ember.model_config import resolved_head_dim
 from ember.names import BATCH, EXPERT, LOGICAL_AXES, MESH_AXES
 from ember.quant import exclude as exclude_lib
-from ember.quant.recipe import RECIPES
+from ember.quant.recipe import FORWARDS, RECIPES
 
 DATA_SOURCES = ("synthetic", "text", "array_record", "tfds", "jsonl", "parquet")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -109,7 +109,7 @@ _SCALARS = {
     "quant.recipe": ("str", ""), "quant.amax_history_len": ("int", ">=1"),
     "quant.amax_compute_algo": ("str", ""), "quant.margin": ("int", ">=0"),
     "quant.nvfp4_rht": ("bool", ""), "quant.nvfp4_stochastic_rounding": ("bool", ""),
-    "quant.nvfp4_2d_weights": ("bool", ""), "quant.rht_seed": ("int", ">=0"),
+    "quant.nvfp4_2d_weights": ("bool", ""), "quant.rht_seed": ("int", ">=0"), "quant.forward": ("str", ""),
     "remat.policy": ("str", ""), "remat.memory_budget_gb": ("float", ">=0"),
     "data.source": ("str", ""), "data.path": ("str", ""), "data.tokenizer": ("str", ""),
     "data.eval_fraction": ("float", "[0,1]"), "data.chunk_shuffle_window": ("int", ">=0"),
@@ -130,7 +130,8 @@ _STRING_TUPLES = ("quant.exclude", "remat.save_names", "remat.offload_names", "r
 _CHOICES = {
     "model.param_dtype": DTYPES, "model.dtype": DTYPES, "model.attention": ("auto", "xla", "cudnn"),
     "model.moe_dispatch": ("auto", "allgather", "alltoall", "ragged"),
-    "quant.recipe": RECIPES, "quant.amax_compute_algo": ("max", "most_recent"), "remat.policy": remat.POLICIES,
+    "quant.recipe": RECIPES, "quant.amax_compute_algo": ("max", "most_recent"), "quant.forward": FORWARDS,
+    "remat.policy": remat.POLICIES,
     "data.source": DATA_SOURCES,
 }
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
@@ -232,6 +233,55 @@ def _validate_model(m) -> None:
 
 
 def _validate_quant(cfg) -> None:
+  _validate_exclude(cfg)
+  for index, (start, phase) in enumerate(precision_phases(cfg)[1:]):
+    key = f"quant.schedule[{index}]"
+    for q_key, (kind, bound) in _SCALARS.items():
+      if q_key.startswith("quant."):
+        try:
+          _check_scalar(phase, q_key, kind, bound)
+        except ConfigError as e:
+          raise ConfigError(f"config.{key}: from step {start}: {str(e).removeprefix('config.')}") from None
+    try:
+      _check_string_tuple(phase, "quant.exclude")
+      _validate_exclude(phase)
+    except ConfigError as e:
+      raise ConfigError(f"config.{key}: from step {start}: {str(e).removeprefix('config.')}") from None
+
+
+def precision_phases(cfg) -> list[tuple[int, ml_collections.ConfigDict]]:
+  """[(first step, config)] of `quant.schedule`: the config itself from step 0, then each entry's overrides
+  of quant.* on top of the phase before, from step `when` (an int >= 1) or round(when * steps) (a float in
+  (0, 1)). Steps count from 0: phase i runs steps [start_i, start_{i+1}). Raises ConfigError on a bad entry."""
+  schedule = cfg.quant.schedule
+  if not isinstance(schedule, (tuple, list)):
+    _fail("quant.schedule", f"must be a tuple of (step or fraction, {{quant key: value}}) entries, got {schedule!r}")
+  phases = [(0, cfg)]
+  for index, entry in enumerate(schedule):
+    key = f"quant.schedule[{index}]"
+    if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[1], dict):
+      _fail(key, f"must be (step or fraction, {{quant key: value}}), got {entry!r}")
+    when, overrides = entry
+    if isinstance(when, bool) or not isinstance(when, (int, float)):
+      _fail(key, f"the step must be an int or a fraction of steps in (0, 1), got {when!r}")
+    start = when if isinstance(when, int) else round(when * cfg.steps)
+    if isinstance(when, float) and not 0 < when < 1:
+      _fail(key, f"a fraction of steps must be in (0, 1), got {when!r}")
+    if not 1 <= start < cfg.steps:
+      _fail(key, f"starts at step {start}, outside [1, steps={cfg.steps})")
+    if start <= phases[-1][0]:
+      _fail(key, f"starts at step {start}, not after the entry before it (step {phases[-1][0]})")
+    unknown = next((k for k in overrides if k not in cfg.quant or k == "schedule"), None)
+    if unknown is not None or not overrides:
+      _fail(key, f"overrides quant.* keys (not schedule), got {unknown if overrides else 'none'!r}")
+    phase = ml_collections.ConfigDict(phases[-1][1].to_dict())
+    for k, v in overrides.items():
+      phase.quant[k] = tuple(v) if isinstance(v, list) else v
+    phases.append((start, phase))
+  return phases
+
+
+def _validate_exclude(cfg) -> None:
   selectors = []
   for entry in cfg.quant.exclude:
     try:

@@ -118,7 +118,10 @@ def _forward(x, w, history, recipe, name, dtype, stats=False):
   b = recipe.block_size
   xp, wp = pad_to(x, (b, b)), pad_to(w, (b, b))
   q = _quantize_operands(xp, wp, history, recipe, name, stats)
-  y = jnp.dot(q[X].dequantize(dtype), q[KERNEL].dequantize(dtype), preferred_element_type=jnp.float32)
+  if recipe.forward_quantized:
+    y = jnp.dot(q[X].dequantize(dtype), q[KERNEL].dequantize(dtype), preferred_element_type=jnp.float32)
+  else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
+    y = jnp.dot(xp.astype(dtype), wp.astype(dtype), preferred_element_type=jnp.float32)
   return y[:m, :n].astype(dtype), q
 
 

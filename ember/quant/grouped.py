@@ -169,8 +169,11 @@ def _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes, stats
   n, b = w.shape[2], recipe.block_size
   xp, wp = pad_to(_mask_rows(x, group_sizes), (1, b)), pad_to(w, (1, b, b))
   q = _quantize_operands(xp, wp, group_sizes, history, recipe, name, reduce_axes, stats)
-  y = jax.lax.ragged_dot(q[X].dequantize(dtype), _dequantize(q[KERNEL], dtype), group_sizes,
-                         preferred_element_type=jnp.float32)
+  if recipe.forward_quantized:
+    y = jax.lax.ragged_dot(q[X].dequantize(dtype), _dequantize(q[KERNEL], dtype), group_sizes,
+                           preferred_element_type=jnp.float32)
+  else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
+    y = jax.lax.ragged_dot(xp.astype(dtype), wp.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
   return y[:, :n].astype(dtype), q
 
 

@@ -70,6 +70,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
            block_size=16, transposed_copies=True, hadamard=True),
 )}
 RECIPES = tuple(SCHEMES)  # Every `quant.recipe` value.
+FORWARDS = ("recipe", "bf16")  # `quant.forward`: the forward GEMMs in the recipe, or in bf16.
 QUANTIZED_RECIPES = tuple(n for n, s in SCHEMES.items() if s.make is not None)
 
 
@@ -85,11 +86,14 @@ class Recipe:
   nvfp4_2d_weights: bool = True
   rht_seed: int = 0
   exclude: tuple[str, ...] = ()
+  forward: str = "recipe"  # "bf16": the forward GEMM on unquantized operands, the backward GEMMs in the recipe.
   stats: bool = False  # Projections collect health statistics (quant/health.py; log.quant_stats_every > 0).
 
   def __post_init__(self):
     if self.name not in SCHEMES:
       raise ValueError(f"unknown quantization recipe {self.name!r}; choose one of {', '.join(RECIPES)}")
+    if self.forward not in FORWARDS:
+      raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {self.forward!r}")
     if self.amax_compute_algo not in ("max", "most_recent"):
       raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
     object.__setattr__(self, "exclude", tuple(self.exclude))
@@ -103,6 +107,7 @@ class Recipe:
     values["name"] = quant_cfg.recipe
     values["exclude"] = tuple(quant_cfg.get("exclude", ()))
     values.pop("stats", None)  # Set by ModelConfig from log.quant_stats_every, not a quant key.
+    values["forward"] = quant_cfg.get("forward", "recipe")
     return cls(**values)
 
   # --- The table's answers ----------------------------------------------------------------------
@@ -114,6 +119,12 @@ class Recipe:
   @property
   def quantized(self) -> bool:
     return self.scheme.make is not None
+
+  @property
+  def forward_quantized(self) -> bool:
+    """The forward GEMM reads the quantized operands (`quant.forward = "recipe"`); with "bf16" it reads x and
+    the kernel in the compute dtype, while dgrad and wgrad keep the recipe's operands."""
+    return self.forward == "recipe"
 
   @property
   def delayed(self) -> bool:

@@ -35,7 +35,7 @@ from ember.names import MOE_OVERFLOW_TOKENS
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import target_platform, use_rules
-from ember.trainer import quant_stats
+from ember.trainer import precision, quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.checkpointing import Checkpointer, restore_from
 from ember.trainer.metrics import MetricsWriter, console, progress_line
@@ -80,37 +80,38 @@ def train(cfg, mesh=None) -> dict:
                         keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     resources.callback(ckpt.close)
 
-    graphdef, shardings, abstract = state_shardings(cfg, mesh, tx, policy)
-    state = _restore_or_init(cfg, ckpt, mesh, tx, policy, abstract, shardings, metrics, train_it)
+    phases = precision.Phases(cfg)
+    targets = lambda step: state_shardings(phases.cfg(phases.state_phase(step)), mesh, tx, policy)[1:]
+    state = _restore_or_init(cfg, ckpt, mesh, tx, policy, targets, metrics, train_it)
     batch_sharding = step_lib.batch_sharding(cfg, mesh)
     shares = source_shares(cfg)
     batch = _next_batch(train_it, batch_sharding, shares)
-    compiled = _compile(step_lib.jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings), state, batch, cfg,
-                        mesh)
-    eval_fn = jax.jit(functools.partial(step_lib.eval_step, graphdef=graphdef, cfg=cfg),
-                      in_shardings=(shardings, batch_sharding))
     meta = {"config": cfg.to_dict(), "ember_version": ember.__version__, "mesh": dict(mesh.shape),
             "process_count": jax.process_count()}
-    progress = _Progress(cfg, start=int(state.step), compiled=compiled, shares=shares)
-    quant_watch = _QuantHealth(cfg) if cfg.log.quant_stats_every else None
+    phase = _Phase(phases, phases.state_phase(int(state.step)), mesh, tx, schedule, policy, batch_sharding)
+    progress = _Progress(cfg, start=int(state.step), shares=shares)
     profiler = _Profiler(cfg)
     last = {"step": int(state.step)}
     for step in range(int(state.step), cfg.steps):
+      if phases.at(step) != phase.index or phase.compiled is None:
+        phase, state = phase.enter(phases.at(step), state, batch)
+        progress.compiled, progress.cfg = phase.compiled, phase.cfg
       profiler.before(step)
-      state, step_metrics = compiled(state, batch)
+      state, step_metrics = phase.compiled(state, batch)
       done = step + 1
       profiler.after(done)
       stopping = preemption.reached(done) and done < cfg.steps
       if done % cfg.log.every_steps == 0 or done == cfg.steps or stopping:
-        last.update(progress.log(done, step_metrics, metrics))
-      if quant_watch is not None and done % cfg.log.quant_stats_every == 0:
-        quant_watch.log(done, step_metrics["quant_stats"], metrics)
+        last.update(progress.log(done, step_metrics, metrics, quant_phase=phase.index))
+      if phase.quant_health is not None and done % cfg.log.quant_stats_every == 0:
+        phase.quant_health.log(done, step_metrics["quant_stats"], metrics)
       if cfg.train.eval_every_steps and (done % cfg.train.eval_every_steps == 0 or done == cfg.steps):
-        last["eval_loss"] = evaluate(cfg, state, eval_fn, batch_sharding)
+        last["eval_loss"] = evaluate(cfg, state, phase.eval_fn, batch_sharding)
         metrics.write({"step": done, "eval_loss": last["eval_loss"]})
         console(f"step {done:>6}/{cfg.steps}  eval_loss {last['eval_loss']:.4f}")
       if ckpt.should_save(done, cfg.steps) or stopping:
-        ckpt.save(done, state, train_it, seed=cfg.seed, metadata=meta, force_sync=stopping)
+        ckpt.save(done, state, train_it, seed=cfg.seed, metadata={**meta, "quant_phase": phase.index},
+                  force_sync=stopping)
       if stopping:
         console(f"preempted (SIGTERM): saved a checkpoint at step {done} in {ckpt.directory} and stopped")
         break
@@ -142,17 +143,42 @@ def _compile(step_fn, state, batch, cfg, mesh):
   return compiled
 
 
+class _Phase:
+  """One precision phase (ember/trainer/precision.py): its config, compiled train step and eval step, and
+  quantization-health watch. `enter` moves the state into another phase and compiles that one."""
+
+  def __init__(self, phases: precision.Phases, index: int, mesh, tx, schedule, policy, batch_sharding):
+    self.phases, self.index, self.cfg = phases, index, phases.cfg(index)
+    self.mesh, self.tx, self.schedule, self.policy, self.batch_sharding = mesh, tx, schedule, policy, batch_sharding
+    self.compiled = self.eval_fn = self.quant_health = None
+
+  def enter(self, index: int, state, batch):
+    """(the phase `index` compiled, `state` moved into its structure)."""
+    phase = _Phase(self.phases, index, self.mesh, self.tx, self.schedule, self.policy, self.batch_sharding)
+    cfg = phase.cfg
+    graphdef, shardings, abstract = state_shardings(cfg, self.mesh, self.tx, self.policy)
+    if index != self.index:
+      state = precision.carry(state, abstract, shardings)
+      console(f"precision schedule: {self.phases.describe(index)} from step {int(state.step) + 1}")
+    phase.compiled = _compile(step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings),
+                              state, batch, cfg, self.mesh)
+    phase.eval_fn = jax.jit(functools.partial(step_lib.eval_step, graphdef=graphdef, cfg=cfg),
+                            in_shardings=(shardings, self.batch_sharding))
+    phase.quant_health = _QuantHealth(cfg) if cfg.log.quant_stats_every else None
+    return phase, state
+
+
 class _Progress:
   """Turns the metrics fetched once per log interval into a record: step time since the last log,
   throughput, MFU, ETA and peak memory; writes it and prints the progress line."""
 
-  def __init__(self, cfg, *, start: int, compiled, shares):
-    self.cfg, self.compiled, self.shares = cfg, compiled, shares
+  def __init__(self, cfg, *, start: int, shares):
+    self.cfg, self.compiled, self.shares = cfg, None, shares
     kinds = {cfg.data.source} if not cfg.data.mixture else {source for _, source, *_ in cfg.data.mixture}
     self.reads_records = bool(kinds & {"jsonl", "parquet"})
     self.t_last, self.step_last = time.time(), start
 
-  def log(self, done: int, step_metrics, writer: MetricsWriter) -> dict:
+  def log(self, done: int, step_metrics, writer: MetricsWriter, quant_phase: int = 0) -> dict:
     host = jax.device_get({k: v for k, v in step_metrics.items() if k != "quant_stats"})
     now = time.time()
     step_time = (now - self.t_last) / max(done - self.step_last, 1)
@@ -161,6 +187,8 @@ class _Progress:
     record = {"step": done, **{k: float(v) for k, v in host.items()}, **perf.to_dict(),
               "eta_s": step_time * (self.cfg.steps - done)}
     record["peak_bytes"], record["peak_source"] = peak_bytes(self.compiled)
+    if self.cfg.quant.schedule:
+      record["quant_phase"] = quant_phase
     record.update(self.shares.report())
     if self.reads_records:  # Bad records skipped by rule (ember/data/records.py), over all processes.
       record["data_skipped_records"] = int(distributed.sum_over_processes(np.int64(records.skipped_records())))
@@ -208,15 +236,16 @@ class _Profiler:
       self.active = False
 
 
-def _restore_or_init(cfg, ckpt, mesh, tx, policy, abstract, shardings, metrics, train_it):
+def _restore_or_init(cfg, ckpt, mesh, tx, policy, targets, metrics, train_it):
   """Resumes from the workdir's latest checkpoint, else starts from checkpoint.init_from_hf, checkpoint.restore_from
-  or init."""
-  restored = ckpt.restore_latest(abstract, shardings, train_it, seed=cfg.seed)
+  or init. `targets(step)`: (shardings, abstract) of the state after `step` steps (its precision phase's)."""
+  restored = ckpt.restore_latest(None, None, train_it, seed=cfg.seed, targets=targets)
   if restored is not None:
     state, step = restored
     metrics.truncate_after(step)
     console(f"resumed from {ckpt.directory} at step {step}")
     return state
+  shardings, abstract = targets(0)
   init = lambda: create_train_state(cfg, mesh, tx, policy)[1]
   if cfg.checkpoint.init_from_hf:
     params = hf_load.load_params(cfg.checkpoint.init_from_hf, ModelConfig.from_config(cfg), abstract.params,

@@ -255,3 +255,28 @@ def test_checkpoint_restores_onto_another_mesh(shared, tmp_path, mesh, devices):
   p = train(shared, run, 6, *F32, *[f"--config.mesh.{m}" for m in mesh], devices=devices)
   assert "at step 5" in p.stderr
   assert losses(run)[6] == pytest.approx(losses(base)[6], rel=1e-5)
+
+
+# --- Precision schedules ----------------------------------------------------------------------------
+
+SCHEDULE = ["--config.quant.recipe=nvfp4", "--config.quant.schedule=((12, {'forward': 'bf16'}),)"]
+
+
+def test_sigkill_and_resume_across_a_precision_switch_is_bitwise(shared, tmp_path):
+  """nvfp4, forward GEMMs in bf16 after 12 steps: the switch is at step 13 in every run, and runs killed before
+  the switch (resumed from step 5 or 10) and after it (resumed from 15) log the uninterrupted run's losses."""
+  ref_dir = shared_run(shared, "ref_schedule", lambda w: train(shared, w, 20, *SCHEDULE))
+  ref = records(ref_dir)
+  assert {r["step"]: r["quant_phase"] for r in ref if "loss" in r} == {s: int(s > 12) for s in range(1, 21)}
+  run = tmp_path / "run"
+  for kill_at in (8, 17):
+    proc = start(shared, run, 20, *SCHEDULE)
+    wait_for_step(proc, run, kill_at)
+    proc.kill()
+    proc.wait(timeout=60)
+    proc.stderr.close()
+  assert checkpoint_steps(run)[-1] >= 10
+  p = train(shared, run, 20, *SCHEDULE)
+  assert "resumed from" in p.stderr
+  assert_steps_once(run, 20)
+  assert losses(run) == losses(ref_dir)  # Bitwise, every step.

@@ -1,0 +1,92 @@
+"""Precision schedules: phases from the config, errors naming the entry, histories carried across a switch,
+and the bf16-forward variant (the forward GEMM unquantized, the backward GEMMs in the recipe)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests import helpers
+
+
+def _phases(schedule, steps=100, **overrides):
+  from ember.trainer.precision import Phases
+  cfg = helpers.config(**{"steps": steps, "quant.recipe": "nvfp4", "quant.schedule": schedule, **overrides})
+  return Phases(cfg)
+
+
+def test_phases_from_steps_and_fractions():
+  p = _phases(((0.9, {"forward": "bf16"}), (95, {"recipe": "bf16"})))
+  assert [p.start(i) for i in range(len(p))] == [0, 90, 95]
+  assert [p.at(s) for s in (0, 89, 90, 94, 95, 99)] == [0, 0, 1, 1, 2, 2]
+  assert p.state_phase(90) == 0 and p.state_phase(91) == 1  # The state after 90 steps was made by phase 0.
+  assert p.cfg(1).quant.recipe == "nvfp4" and p.cfg(1).quant.forward == "bf16"
+  assert p.cfg(2).quant.recipe == "bf16" and p.cfg(2).quant.forward == "bf16"  # Overrides accumulate.
+
+
+@pytest.mark.parametrize("schedule,message", [
+    (((1.5, {"forward": "bf16"}),), r"quant\.schedule\[0\].*fraction.*\(0, 1\)"),
+    (((0, {"forward": "bf16"}),), r"quant\.schedule\[0\].*outside \[1, steps=100\)"),
+    (((50, {"forward": "bf16"}), (40, {"recipe": "bf16"})), r"quant\.schedule\[1\].*not after"),
+    (((50, {"fowrard": "bf16"}),), r"quant\.schedule\[0\].*'fowrard'"),
+    (((50, {"recipe": "fp6"}),), r"quant\.schedule\[0\].*from step 50.*quant\.recipe.*fp6"),
+    (((50, {"forward": "fp8"}),), r"quant\.schedule\[0\].*quant\.forward.*fp8"),
+    ((("half", {"forward": "bf16"}),), r"quant\.schedule\[0\].*int or a fraction"),
+])
+def test_bad_schedules_name_the_entry(schedule, message):
+  from ember import config as config_lib
+  from ember.errors import ConfigError
+  cfg = helpers.config(**{"steps": 100, "quant.schedule": schedule})
+  with pytest.raises(ConfigError, match=message):
+    config_lib.validate(cfg, 1, 1)
+
+
+def test_histories_carry_over_where_the_next_phase_keeps_them():
+  from ember import config as config_lib
+  from ember import remat
+  from ember.parallel.mesh import make_mesh
+  from ember.parallel.sharding import use_rules
+  from ember.trainer import precision
+  from ember.trainer.optimizer import make_optimizer
+  from ember.trainer.state import create_train_state, state_shardings
+
+  cfg = helpers.config(**{"steps": 10, "quant.recipe": "fp8_delayed",
+                          "quant.schedule": ((4, {"forward": "bf16"}), (6, {"recipe": "fp8_current"}),
+                                             (8, {"recipe": "fp8_delayed", "amax_history_len": 8}))})
+  config_lib.validate(cfg, 1, 1)
+  cfg = config_lib.derive(cfg, 1)
+  phases = precision.Phases(cfg)
+  mesh = make_mesh(cfg.mesh, helpers.devices(1))
+  tx, _ = make_optimizer(cfg.train)
+  policy = remat.preset(cfg.remat)
+  with use_rules(mesh, cfg.mesh.rules):
+    _, state, _ = create_train_state(cfg, mesh, tx, policy)
+    filled = jax.tree.map(lambda h: h + 3.0, state.quant_state)
+    state = state.__class__(state.step, state.params, state.opt_state, filled)
+    moved = [state]
+    for phase in (1, 2, 3):
+      _, shardings, abstract = state_shardings(phases.cfg(phase), mesh, tx, policy)
+      moved.append(precision.carry(moved[-1], abstract, shardings))
+  same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), moved[0].quant_state, moved[1].quant_state)
+  assert all(jax.tree.leaves(same))  # bf16 forward keeps fp8_delayed's histories.
+  assert jax.tree.leaves(moved[2].quant_state) == []  # fp8_current keeps none.
+  assert all(float(jnp.abs(h).max()) == 0 and h.shape[-1] == 8 for h in jax.tree.leaves(moved[3].quant_state))
+  assert moved[3].params is state.params
+
+
+def test_bf16_forward_keeps_the_recipes_backward():
+  """forward="bf16": the output is the unquantized product; the gradients are the recipe's (bitwise)."""
+  from ember.quant import dot
+  from ember.quant.recipe import Recipe
+  x = jax.random.normal(jax.random.key(0), (32, 64), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (64, 48), jnp.float32) * 0.1
+  g = jax.random.normal(jax.random.key(2), (32, 48), jnp.float32)
+  for name in ("fp8_current", "nvfp4"):
+    quantized, bf16_forward = Recipe(name=name), Recipe(name=name, forward="bf16")
+    run = lambda r: jax.vjp(lambda x, w: dot.quantized_matmul(x, w, recipe=r, name="wi", dtype=jnp.float32,
+                                                               key=jax.random.key(3)), x, w)
+    (y_q, vjp_q), (y_b, vjp_b) = run(quantized), run(bf16_forward)
+    np.testing.assert_allclose(y_b, jnp.dot(x, w), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(y_q - jnp.dot(x, w)).max()) > 1e-3  # The quantized forward is not that.
+    for a, b in zip(vjp_q(g), vjp_b(g)):
+      np.testing.assert_array_equal(a, b)
