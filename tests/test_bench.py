@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ember.tools import bench
 from tests.helpers import ROOT
 
@@ -20,9 +22,12 @@ def test_gemm_counts_reads_cublas_fp8_calls():
 def test_bench_runs_a_tiny_config(tmp_path, capsys):
   out = tmp_path / "bench.json"
   rc = bench.main(["bench", f"--config={ROOT}/configs/default.py:tiny", "--config.quant.recipe=fp8_current",
-                   "--steps=2", "--warmup=1", f"--out={out}"])
+                   "--steps=2", "--warmup=1", f"--out={out}", "--quant_stats"])
   assert rc == 0
   result = json.loads(out.read_text())
   assert result["recipe"] == "fp8_current" and result["step_time_s"] > 0 and result["tokens_per_s"] > 0
   assert result["peak_source"] == "compiled" and result["peak_bytes"] > 0
   assert result["bf16_gemms"] > 0 and result["fp8_gemms"] == 0  # CPU: dequantized bf16 dots, no cuBLASLt.
+  # --quant_stats: the step measured again with the health statistics, and their relative cost.
+  assert result["quant_stats_step_time_s"] > 0
+  assert result["quant_stats_overhead"] == pytest.approx(result["quant_stats_step_time_s"] / result["step_time_s"] - 1)

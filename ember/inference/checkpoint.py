@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import jax
 from flax import nnx
 
+from ember import config as config_lib
 from ember import remat
 from ember.errors import ConfigError
 from ember.layers.decoder import Transformer
@@ -38,8 +40,14 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
   `recipe` replaces the trained quantization recipe (e.g. "bf16": the unquantized forward pass that
   serving stacks run); `dtype` the compute dtype. Call the model inside `sharding.use_rules(mesh, rules)`.
   """
-  cfg, _ = checkpointing.saved_config(path, what)
+  cfg, step_dir = checkpointing.saved_config(path, what)
   cfg = copy.deepcopy(cfg)
+  with cfg.unlocked():
+    cfg.log.quant_stats_every = 0  # No health statistics while sampling.
+    if cfg.quant.get("schedule"):  # The precision phase that made this checkpoint.
+      phases = config_lib.precision_phases(cfg)
+      step = int(os.path.basename(step_dir))
+      cfg = copy.deepcopy(max((p for p in phases if p[0] <= max(step - 1, 0)), key=lambda p: p[0])[1])
   trained_recipe = cfg.quant.recipe
   with cfg.unlocked():
     if recipe:

@@ -9,6 +9,10 @@ TFLOP/s per device, MFU, the peak device memory (the device's own statistics whe
 the compiled estimate otherwise: `peak_source` says which), and a count of the GEMM kinds in the
 optimised HLO. On a GPU, `fp8_gemms` > 0 shows that FP8 matmuls reached cuBLASLt's FP8 kernels.
 Synthetic data, so input reading never limits the figure.
+
+`--quant_stats` measures the step twice, without and with the quantization health statistics
+(`log.quant_stats_every`, ember/quant/health.py), and adds their step time and relative cost:
+`quant_stats_step_time_s`, `quant_stats_overhead`.
 """
 
 from __future__ import annotations
@@ -80,8 +84,19 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
   }
 
 
+def with_quant_stats(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
+  """`run` without and with quantization health statistics; the first's figures plus the second's step time."""
+  off, on = cfg.copy_and_resolve_references(), cfg.copy_and_resolve_references()
+  off.log.quant_stats_every, on.log.quant_stats_every = 0, 1
+  result = run(off, steps=steps, warmup=warmup, hlo_out=hlo_out)
+  stats = run(on, steps=steps, warmup=warmup)
+  result["quant_stats_step_time_s"] = stats["step_time_s"]
+  result["quant_stats_overhead"] = stats["step_time_s"] / result["step_time_s"] - 1
+  return result
+
+
 def main(argv: list[str]) -> int:
-  own = {"--steps": "10", "--warmup": "2", "--out": "", "--hlo_out": ""}
+  own = {"--steps": "10", "--warmup": "2", "--out": "", "--hlo_out": "", "--quant_stats": None}
   rest = []
   for a in argv[1:]:
     key = a.split("=", 1)[0]
@@ -98,7 +113,8 @@ def main(argv: list[str]) -> int:
                               f"{own['--warmup']!r}"))
   try:
     cfg = config_lib.load([argv[0], *rest])
-    result = run(cfg, steps=steps, warmup=warmup, hlo_out=own["--hlo_out"] or None)
+    measure = run if own["--quant_stats"] is None else with_quant_stats
+    result = measure(cfg, steps=steps, warmup=warmup, hlo_out=own["--hlo_out"] or None)
   except EmberError as e:
     fail_and_exit(e)
   text = json.dumps(result, indent=2)

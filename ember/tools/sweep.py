@@ -14,6 +14,9 @@ run's metrics.jsonl and writes
       own peak statistic where it keeps one, e.g. GPUs, else XLA's compiled estimate: peak_source
       says which), final_loss, the exit code and, on failure, the last line of the log;
   OUT/sweep.png                       step time against peak memory, one labelled point per run;
+  OUT/curves.png                      the fidelity report: train loss and eval loss against step, one
+      line per combination (eval needs `--config.train.eval_every_steps=N`), so a recipe comparison,
+      e.g. --grid=quant.recipe=bf16,fp8_current,nvfp4, is one command;
   OUT/logs/<combination>.log          each run's output.
 A run is `oom` when it dies with an out-of-memory error (XLA's RESOURCE_EXHAUSTED), `error` for any
 other failure; the sweep records it and carries on.
@@ -39,8 +42,8 @@ from ember.errors import ConfigError, fail_and_exit
 
 DEFAULTS = {"log.every_steps": "1", "train.eval_every_steps": "0", "checkpoint.every_steps": "-1",
             "log.tensorboard": "False"}
-FIELDS = ("status", "step_time_s", "tokens_per_s", "peak_bytes", "peak_source", "final_loss", "returncode", "error",
-          "wall_time_s", "workdir")
+FIELDS = ("status", "step_time_s", "tokens_per_s", "peak_bytes", "peak_source", "final_loss", "final_eval_loss",
+          "returncode", "error", "wall_time_s", "workdir")
 _OOM = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OutOfMemory|\bOOM\b")
 TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train.py")
 
@@ -83,9 +86,10 @@ def summarize(records: list[dict]) -> dict:
   timed = train[1:] or train  # The first interval holds the first step's one-off costs.
   step_time = statistics.median(r["step_time_s"] for r in timed)
   tokens_per_step = train[-1]["tokens_per_s"] * train[-1]["step_time_s"]
+  evals = [r["eval_loss"] for r in records if r.get("eval_loss") is not None]
   return {"step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
           "peak_bytes": train[-1].get("peak_bytes"), "peak_source": train[-1].get("peak_source"),
-          "final_loss": train[-1]["loss"]}
+          "final_loss": train[-1]["loss"], "final_eval_loss": evals[-1] if evals else None}
 
 
 def classify(returncode: int, log_text: str) -> str:
@@ -138,6 +142,46 @@ def write_results(out: str, grid, results: list[dict]) -> None:
     for r in results:
       w.writerow([r["overrides"][k] for k in keys] + ["" if r.get(k) is None else r.get(k) for k in FIELDS])
   plot(os.path.join(out, "sweep.png"), grid, results)
+  plot_curves(os.path.join(out, "curves.png"), grid, results)
+
+
+def _labeller(grid):
+  varied = [k for k, v in grid if len(v) > 1] or [k for k, _ in grid]
+  return varied, lambda r: ", ".join(str(r["overrides"][k]) for k in varied)
+
+
+def plot_curves(path: str, grid, results: list[dict]) -> None:
+  """Train loss and eval loss against step, one line per run that logged any (failed runs too, up to where
+  they stopped)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from ember.trainer.metrics import read_records
+  varied, label = _labeller(grid)
+  fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(13, 5))
+  any_eval = False
+  for r in results:
+    records = read_records(os.path.join(r["workdir"], "metrics.jsonl"))
+    train = [(x["step"], x["loss"]) for x in records if x.get("loss") is not None]
+    evals = [(x["step"], x["eval_loss"]) for x in records if x.get("eval_loss") is not None]
+    name = label(r) + ("" if r["status"] == "ok" else f" ({r['status']})")
+    if train:
+      line, = train_ax.plot(*zip(*train), label=name, linewidth=1)
+      if evals:
+        eval_ax.plot(*zip(*evals), marker="o", markersize=3, label=name, color=line.get_color())
+        any_eval = True
+  train_ax.set(xlabel="step", ylabel="train loss", title=f"train loss by {', '.join(varied)}")
+  eval_ax.set(xlabel="step", ylabel="eval loss", title="eval loss")
+  if not any_eval:
+    eval_ax.text(0.5, 0.5, "no eval records\n(--config.train.eval_every_steps=N)", ha="center", va="center",
+                 transform=eval_ax.transAxes)
+  for ax in (train_ax, eval_ax):
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def plot(path: str, grid, results: list[dict]) -> None:
@@ -145,8 +189,7 @@ def plot(path: str, grid, results: list[dict]) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  varied = [k for k, v in grid if len(v) > 1] or [k for k, _ in grid]
-  label = lambda r: ", ".join(str(r["overrides"][k]) for k in varied)
+  varied, label = _labeller(grid)
   done = [r for r in results if r["status"] == "ok" and r.get("peak_bytes") is not None]
   fig, ax = plt.subplots(figsize=(8, 5.5))
   for r in done:

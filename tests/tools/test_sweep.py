@@ -50,6 +50,7 @@ def test_sweep_runs_every_combination_and_records_a_failure(tmp_path, monkeypatc
                              "peak_source", "final_loss"} <= set(rows[0])
   assert [r["status"] for r in rows].count("ok") == 5
   assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   # Each run saved no checkpoint (the sweep turns checkpointing off).
   for r in results:
     if r["status"] == "ok":
@@ -75,3 +76,22 @@ def test_bad_grid_exits_2(capsys):
     sweep.main(["sweep", "--config=configs/default.py:tiny", "--grid=remat.policy", "--steps=3", "--out=/tmp/x"])
   assert exit_.value.code == 2
   assert capsys.readouterr().err.strip() == "error: --grid=remat.policy: expected KEY=V1,V2,..."
+
+
+def test_curves_plot_train_and_eval_loss_per_combination(tmp_path):
+  """The fidelity figure: one train and one eval line per run, from each workdir's metrics.jsonl."""
+  grid = [("quant.recipe", ["bf16", "nvfp4"])]
+  results = []
+  for i, recipe in enumerate(("bf16", "nvfp4")):
+    workdir = tmp_path / recipe
+    workdir.mkdir()
+    records = [{"step": s, "loss": 3.0 - 0.1 * s + 0.05 * i, "step_time_s": 0.1, "tokens_per_s": 100.0}
+               for s in range(1, 11)] + [{"step": 5, "eval_loss": 2.7 + i}, {"step": 10, "eval_loss": 2.2 + i}]
+    (workdir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    results.append({"overrides": {"quant.recipe": recipe}, "status": "ok", "workdir": str(workdir),
+                    **sweep.summarize(records)})
+  assert [r["final_eval_loss"] for r in results] == [2.2, 3.2]
+  sweep.plot_curves(str(tmp_path / "curves.png"), grid, results)
+  import matplotlib.image
+  image = matplotlib.image.imread(str(tmp_path / "curves.png"))
+  assert image.shape[1] > image.shape[0] > 300  # Two panels side by side.
