@@ -4,8 +4,9 @@
       [--temperature=0.8] [--top_p=0.95] [--seed=0] [--prompt_file=prompts.txt] [--quantized] [--dtype=float32]
       [--one_device]
 
-Temperature 0 (the default) is greedy. `--prompt_file` holds one prompt per line (`\\n` inside a line
-is a newline), decoded as one batch; each continuation is printed after a `--- prompt i` line. The
+Prints the continuation (the new tokens, decoded). Temperature 0 (the default) is greedy.
+`--prompt_file` holds one prompt per line (`\\n` inside a line is a newline), decoded as one batch;
+each continuation is printed after a `--- prompt i` line. The
 model runs unquantized by default, as Hugging Face and serving stacks run the exported weights;
 `--quantized` keeps the recipe it was trained with. It runs on the mesh it was trained on when this
 job has that many devices, else (or with `--one_device`) on one device.
@@ -55,10 +56,10 @@ def main(argv: list[str]) -> int:
                    one_device=args.one_device)
   except EmberError as e:
     fail_and_exit(e)
-  for i, (prompt, text) in enumerate(zip(prompts, texts)):
+  for i, text in enumerate(texts):
     if len(prompts) > 1:
       print(f"--- prompt {i}")
-    print(prompt + text)
+    print(text)
   return 0
 
 

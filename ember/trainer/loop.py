@@ -101,10 +101,10 @@ def train(cfg, mesh=None) -> dict:
       done = step + 1
       profiler.after(done)
       stopping = preemption.reached(done) and done < cfg.steps
-      if done % cfg.log.every_steps == 0 or done == cfg.steps or stopping:
-        last.update(progress.log(done, step_metrics, metrics, quant_phase=phase.index))
-      if phase.quant_health is not None and done % cfg.log.quant_stats_every == 0:
-        phase.quant_health.log(done, step_metrics["quant_stats"], metrics)
+      health = phase.quant_health is not None and done % cfg.log.quant_stats_every == 0
+      if done % cfg.log.every_steps == 0 or done == cfg.steps or stopping or health:
+        extra = phase.quant_health.record(done, step_metrics["quant_stats"]) if health else {}
+        last.update(progress.log(done, step_metrics, metrics, quant_phase=phase.index, extra=extra))
       if cfg.train.eval_every_steps and (done % cfg.train.eval_every_steps == 0 or done == cfg.steps):
         last["eval_loss"] = evaluate(cfg, state, phase.eval_fn, batch_sharding)
         metrics.write({"step": done, "eval_loss": last["eval_loss"]})
@@ -178,7 +178,7 @@ class _Progress:
     self.reads_records = bool(kinds & {"jsonl", "parquet"})
     self.t_last, self.step_last = time.time(), start
 
-  def log(self, done: int, step_metrics, writer: MetricsWriter, quant_phase: int = 0) -> dict:
+  def log(self, done: int, step_metrics, writer: MetricsWriter, quant_phase: int = 0, extra=None) -> dict:
     host = jax.device_get({k: v for k, v in step_metrics.items() if k != "quant_stats"})
     now = time.time()
     step_time = (now - self.t_last) / max(done - self.step_last, 1)
@@ -189,6 +189,7 @@ class _Progress:
     record["peak_bytes"], record["peak_source"] = peak_bytes(self.compiled)
     if self.cfg.quant.schedule:
       record["quant_phase"] = quant_phase
+    record.update(extra or {})
     record.update(self.shares.report())
     if self.reads_records:  # Bad records skipped by rule (ember/data/records.py), over all processes.
       record["data_skipped_records"] = int(distributed.sum_over_processes(np.int64(records.skipped_records())))
@@ -202,19 +203,20 @@ class _Progress:
 
 
 class _QuantHealth:
-  """Every `log.quant_stats_every` steps: the quantization health record (ember/trainer/quant_stats.py) and
-  its warnings, on the console and in the record (`quant_warnings`)."""
+  """Every `log.quant_stats_every` steps (a logged step): the quantization health figures
+  (ember/trainer/quant_stats.py) for that step's record, and their warnings, on the console and in the
+  record (`quant_warnings`)."""
 
   def __init__(self, cfg):
     self.model = ModelConfig.from_config(cfg)
     self.watch = quant_stats.Watch(self.model.recipe.name)
 
-  def log(self, done: int, stats_tree, writer: MetricsWriter) -> None:
+  def record(self, done: int, stats_tree) -> dict:
     record = quant_stats.summarize(jax.device_get(stats_tree), self.model)
     warnings = self.watch.check(record, done)
     for w in warnings:
       console(f"warning: quantization: {w}")
-    writer.write({"step": done, **record, "quant_warnings": warnings})
+    return {**record, "quant_warnings": warnings}
 
 
 class _Profiler:

@@ -76,11 +76,10 @@ def _forced_step(recipe: str = "fp8_delayed"):
   return cfg, metrics
 
 
-def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys, tmp_path):
+def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys):
   from ember.model_config import ModelConfig
   from ember.trainer import quant_stats
   from ember.trainer.loop import _QuantHealth
-  from ember.trainer.metrics import MetricsWriter
 
   cfg, metrics = _forced_step()
   record = quant_stats.summarize(jax.device_get(metrics["quant_stats"]), ModelConfig.from_config(cfg))
@@ -93,28 +92,26 @@ def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys, tmp_
               "quant/wo/activation/saturated_max", "quant/qkv/weight/underflow_max"):
     assert record[key] < 0.01, (key, record[key])
 
-  writer = MetricsWriter(str(tmp_path), tensorboard=False, enabled=True)
   health = _QuantHealth(cfg)
-  health.log(7, metrics["quant_stats"], writer)
+  first = health.record(7, metrics["quant_stats"])
   err = capsys.readouterr().err
   assert "step 7: wi gradient in layer 0" in err and "quantized to zero" in err
   assert "step 7: qkv activation in layer 1" in err and "saturated" in err
   # Once per occurrence: the same trouble at the next statistics step says nothing new.
-  health.log(8, metrics["quant_stats"], writer)
+  second = health.record(8, metrics["quant_stats"])
   assert "warning" not in capsys.readouterr().err
-  first, second = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert len(first["quant_warnings"]) >= 2 and second["quant_warnings"] == []  # The record carries them.
 
 
 def test_a_run_writes_statistics_to_metrics_and_tensorboard(tmp_path):
   from ember.trainer.loop import train
   from tests.trainer.test_metrics import _events
-  cfg = helpers.config(**{"workdir": str(tmp_path), "steps": 4, "log.every_steps": 2, "log.tensorboard": True,
+  cfg = helpers.config(**{"workdir": str(tmp_path), "steps": 4, "log.every_steps": 4, "log.tensorboard": True,
                           "log.quant_stats_every": 2, "quant.recipe": "fp8_current", "checkpoint.every_steps": -1})
   train(cfg)
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   stats = [r for r in records if "quant_warnings" in r]
-  assert [r["step"] for r in stats] == [2, 4]
+  assert [r["step"] for r in stats] == [2, 4] and all("loss" in r for r in stats)  # In the training records.
   for role in ("activation", "weight", "gradient"):
     assert 0 <= stats[-1][f"quant/wi/{role}/underflow"] <= 1 and stats[-1][f"quant/wi/{role}/amax_max"] > 0
   tags = {tag for step, tag in _events(str(tmp_path / "tensorboard")) if step == 4}
