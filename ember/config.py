@@ -276,7 +276,10 @@ def precision_phases(cfg) -> list[tuple[int, ml_collections.ConfigDict]]:
       _fail(key, f"overrides quant.* keys (not schedule), got {unknown if overrides else 'none'!r}")
     phase = ml_collections.ConfigDict(phases[-1][1].to_dict())
     for k, v in overrides.items():
-      phase.quant[k] = tuple(v) if isinstance(v, list) else v
+      try:
+        phase.quant[k] = tuple(v) if isinstance(v, list) else v
+      except (TypeError, ValueError) as e:  # ml_collections refuses a value of another type than the key's.
+        _fail(key, f"quant.{k}: {v!r} does not fit this key ({type(e).__name__}: {str(e).splitlines()[0]})")
     phases.append((start, phase))
   return phases
 

@@ -202,13 +202,19 @@ def config_mismatch(m: ModelConfig, hf: dict) -> str | None:
   theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
   if (rope.get("rope_type") or "default") != "default" or hf.get("rope_scaling"):
     return "RoPE scaling is set; ember's RoPE has none"
+  eps = hf.get("rms_norm_eps", 1e-6)
+  if abs(eps - m.norm_eps) > 1e-6 * max(abs(m.norm_eps), 1e-12):
+    return f"rms_norm_eps is {eps!r}, config.model.norm_eps is {m.norm_eps!r}"
+  if hf.get("sliding_window") and hf["sliding_window"] < m.seq_len:
+    return f"sliding_window is {hf['sliding_window']}; ember's attention sees the whole sequence ({m.seq_len})"
   checks = [("num_attention_heads", m.num_heads, "model.num_heads"),
             ("num_key_value_heads", m.num_kv_heads, "model.num_kv_heads"),
             ("head_dim", m.head_dim, "model.head_dim"),
             ("rope_theta", m.rope_theta, "model.rope_theta"),
             ("tie_word_embeddings", m.tie_embeddings, "model.tie_embeddings")]
   values = {**hf, "rope_theta": theta, "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            "num_key_value_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"]}
+            "num_key_value_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            "tie_word_embeddings": hf.get("tie_word_embeddings", False)}
   if m.is_moe:
     checks.append(("num_experts_per_tok", m.experts_per_token, "model.experts_per_token"))
   for key, mine, ours in checks:

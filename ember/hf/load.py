@@ -1,15 +1,15 @@
 """Parameters from a Hugging Face Llama / Mixtral directory, sharded straight onto the mesh.
 
-Each ember parameter is built with `jax.make_array_from_callback`: a process computes only the shards
-its own devices hold, from memory-mapped safetensors (ember/hf/safetensors.py) and at most a few of
-one layer's tensors at a time, so no process ever holds a full copy of the model. Every tensor's
+Each ember parameter is assembled from the shards its process's devices hold
+(`jax.make_array_from_single_device_arrays`), read from memory-mapped safetensors
+(ember/hf/safetensors.py) one layer's tensor at a time, each layer once: no process ever holds a full
+copy of the model, only its own shards and one layer's tensor. Every tensor's
 presence and shape are checked first, against the shapes `layout.to_hf` gives ember's parameters; a
 difference is one CheckpointError naming the tensor.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 
@@ -88,21 +88,33 @@ def load_params(directory: str, m: ModelConfig, abstract_params: dict, shardings
   reader = check(directory, m, abstract_params)
   params = jax.tree.map(lambda x: None, abstract_params)
   for path, leaf in _leaf_paths(abstract_params):
-    rule, layers = layout.leaf_source(m, path)
-    dtype = np.dtype(leaf.dtype)
-
-    @functools.lru_cache(maxsize=4)  # Devices of one process ask for shards of the same layer.
-    def one(layer, rule=rule):
-      if layer is None:
-        return np.asarray(rule.from_hf(m, lambda name, shape: reader[name]), dtype)
-      prefix = layout.layer_prefix(layer)
-      return np.asarray(rule.from_hf(m, lambda name, shape: reader[prefix + name]), dtype)
-
-    def shard(index, layers=layers, one=one):
-      if layers is None:
-        return one(None)[index]
-      rows = range(len(layers))[index[0]]
-      return np.stack([one(layers[i])[index[1:]] for i in rows])
-
-    _set(params, path, jax.make_array_from_callback(tuple(leaf.shape), _get(shardings, path), shard))
+    _set(params, path, _load_leaf(reader, m, path, leaf, _get(shardings, path)))
   return params
+
+
+def _load_leaf(reader: Reader, m: ModelConfig, path: tuple, leaf, sharding) -> jax.Array:
+  """One parameter, from this process's shards only: each layer's tensor is built once and its slices go
+  straight into the host buffer of every local device that holds part of it."""
+  rule, layers = layout.leaf_source(m, path)
+  dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
+  indices = sharding.addressable_devices_indices_map(shape)  # device -> tuple of slices
+  buffers = {d: np.empty([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype)
+             for d, index in indices.items()}
+
+  def build(prefix: str) -> np.ndarray:
+    return np.asarray(rule.from_hf(m, lambda name, _: reader[prefix + name]), dtype)
+
+  if layers is None:
+    whole = build("")
+    for d, index in indices.items():
+      buffers[d][...] = whole[index]
+  else:
+    for row, layer in enumerate(layers):
+      wanted = {d: index for d, index in indices.items() if row in range(*index[0].indices(len(layers)))}
+      if not wanted:
+        continue
+      tensor = build(layout.layer_prefix(layer))
+      for d, index in wanted.items():
+        buffers[d][range(*index[0].indices(len(layers))).index(row)] = tensor[index[1:]]
+  arrays = [jax.device_put(buffers[d], d) for d in indices]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

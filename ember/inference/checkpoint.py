@@ -21,24 +21,25 @@ from ember.trainer import checkpointing
 from ember.trainer.state import abstract_init, logical_axes
 
 
-def _mesh_for(cfg, one_device: bool):
+def _mesh_for(cfg, one_device: bool, host: bool = False):
   sizes = [int(cfg.mesh[a]) * int(cfg.mesh.get(f"dcn_{a}", 1)) for a in MESH_AXES]
-  if not one_device and math.prod(sizes) == jax.device_count():
+  if not one_device and not host and math.prod(sizes) == jax.device_count():
     return make_mesh(cfg.mesh)
   with cfg.unlocked():
     for a in MESH_AXES:
       cfg.mesh[a] = 1
       if f"dcn_{a}" in cfg.mesh:
         cfg.mesh[f"dcn_{a}"] = 1
-  return make_mesh(cfg.mesh, jax.devices()[:1])
+  return make_mesh(cfg.mesh, (jax.devices("cpu") if host else jax.devices())[:1])
 
 
 def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | None = None,
-               one_device: bool = False):
+               one_device: bool = False, host: bool = False):
   """(config, mesh, model) of the checkpoint at `path` (a workdir, its checkpoints/ or a step directory).
 
   `recipe` replaces the trained quantization recipe (e.g. "bf16": the unquantized forward pass that
-  serving stacks run); `dtype` the compute dtype. Call the model inside `sharding.use_rules(mesh, rules)`.
+  serving stacks run); `dtype` the compute dtype; `host` puts it on the host's CPU device (export needs
+  host memory, not an accelerator's). Call the model inside `sharding.use_rules(mesh, rules)`.
   """
   cfg, step_dir = checkpointing.saved_config(path, what)
   cfg = copy.deepcopy(cfg)
@@ -54,7 +55,7 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
       cfg.quant.recipe = recipe
     if dtype:
       cfg.model.dtype = dtype
-  mesh = _mesh_for(cfg, one_device)
+  mesh = _mesh_for(cfg, one_device, host)
   policy = remat.PRESETS["full"]
   graphdef, param_specs, quant_specs = logical_axes(cfg, policy)
   abstract_params, abstract_quant = abstract_init(cfg, policy)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ember.errors import warn
 from ember.layers.decoder import Transformer
 
 
@@ -44,7 +45,8 @@ def _prefill(graphdef, state, tokens_BxP, lengths_B, cache_len: int):
   model: Transformer = nnx.merge(graphdef, state)
   b, p = tokens_BxP.shape
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-  h_BxPxD, cache = model.decode(tokens_BxP, positions, model.init_cache(b, cache_len))
+  h_BxPxD, cache = model.decode(tokens_BxP, positions, model.init_cache(b, cache_len),
+                                valid_BxT=positions < lengths_B[:, None])
   last_Bx1xD = jnp.take_along_axis(h_BxPxD, (lengths_B - 1)[:, None, None], axis=1)
   return model.head(last_Bx1xD)[:, 0], cache
 
@@ -75,6 +77,9 @@ def generate(model: Transformer, prompts: Sequence[np.ndarray], *, max_new_token
   tokens = np.zeros((rows, int(lengths.max())), np.int32)
   for i, p in enumerate(padded):
     tokens[i, : len(p)] = p
+  if int(lengths.max()) + max_new_tokens > model.max_len:
+    warn(f"prompt and new tokens reach position {int(lengths.max()) + max_new_tokens}, past the "
+         f"{model.max_len} positions the model was trained on")
   graphdef, state = nnx.split(model)
   logits, cache = _prefill(graphdef, state, tokens, lengths, cache_len=int(lengths.max()) + max_new_tokens)
   out = _decode(graphdef, state, logits, cache, lengths, jax.random.key(seed), steps=max_new_tokens,

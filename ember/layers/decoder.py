@@ -58,12 +58,13 @@ class DecoderLayer(nnx.Module):
       y_BxLxD, aux = self.mlp(self.mlp_norm(h_BxLxD), key), zero_aux()
     return shard(h_BxLxD + y_BxLxD, (BATCH, LENGTH, EMBED)), aux
 
-  def decode(self, x_BxTxD, positions_BxT, cache):
-    """The layer on T new tokens per row with a KV cache (Attention.decode); returns (y, cache)."""
+  def decode(self, x_BxTxD, positions_BxT, cache, valid_BxT):
+    """The layer on T new tokens per row with a KV cache (Attention.decode); returns (y, cache). Tokens
+    not `valid` (a prompt's padding) are not routed to experts (they take no expert capacity)."""
     a_BxTxD, cache = self.attn.decode(self.attn_norm(x_BxTxD), positions_BxT, cache)
     h_BxTxD = x_BxTxD + a_BxTxD
     if self.is_moe:
-      y_BxTxD, _ = self.moe(self.mlp_norm(h_BxTxD), jnp.ones(positions_BxT.shape, jnp.int32))
+      y_BxTxD, _ = self.moe(self.mlp_norm(h_BxTxD), valid_BxT.astype(jnp.int32))
     else:
       y_BxTxD = self.mlp(self.mlp_norm(h_BxTxD))
     return h_BxTxD + y_BxTxD, cache
@@ -83,11 +84,11 @@ class Block(nnx.Module):
       aux = jax.tree.map(jnp.add, aux, a)
     return x, aux
 
-  def decode(self, x, positions, cache):
+  def decode(self, x, positions, cache, valid):
     """`cache`: (k, v) [block_size, B, S, K, H], one entry per layer of the block."""
     ks, vs = [], []
     for j, layer in enumerate(self.layers):
-      x, (k, v) = layer.decode(x, positions, (cache[0][j], cache[1][j]))
+      x, (k, v) = layer.decode(x, positions, (cache[0][j], cache[1][j]), valid)
       ks.append(k)
       vs.append(v)
     return x, (jnp.stack(ks), jnp.stack(vs))
@@ -121,13 +122,13 @@ class Segment(nnx.Module):
     (x, aux), _ = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids))
     return x, aux
 
-  def decode(self, x, positions, cache):
+  def decode(self, x, positions, cache, valid):
     """`cache`: (k, v) [blocks, block_size, B, S, K, H], scanned along with the blocks."""
     graphdef, state = nnx.split(self.blocks)
 
     def body(x, xs):
       block_state, k, v = xs
-      return nnx.merge(graphdef, block_state).decode(x, positions, (k, v))
+      return nnx.merge(graphdef, block_state).decode(x, positions, (k, v), valid)
 
     return jax.lax.scan(body, x, (state, *cache))
 
@@ -178,7 +179,7 @@ class Transformer(nnx.Module):
     self.segments = nnx.List([Segment(model, ids, rngs) for ids in segments_of(model)])
     self.final_norm = RMSNorm(model.d_model, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.tie_embeddings = model.tie_embeddings
-    self.kv_shape, self.kv_dtype = (model.num_kv_heads, model.head_dim), model.dtype
+    self.kv_shape, self.kv_dtype, self.max_len = (model.num_kv_heads, model.head_dim), model.dtype, model.seq_len
     if not model.tie_embeddings:
       # The chunked loss calls the head once per chunk, and delayed scaling's history update assumes
       # one call per step, so the head's recipe keeps no amax history (`Recipe.stateless`).
@@ -204,14 +205,16 @@ class Transformer(nnx.Module):
       cache.append((zeros, zeros))
     return cache
 
-  def decode(self, tokens_BxT, positions_BxT, cache: list):
+  def decode(self, tokens_BxT, positions_BxT, cache: list, valid_BxT=None):
     """Final hidden states of T new tokens per row at consecutive positions, attending to the KV cache
     (`init_cache`) and writing theirs into it: (h [B, T, D], cache). The same function as `__call__` on
-    the whole sequence (one document per row), one step at a time."""
+    the whole sequence (one document per row), one step at a time. `valid_BxT`: False for padding
+    (default: all valid)."""
     x = self.embed(tokens_BxT)
+    valid_BxT = jnp.ones(tokens_BxT.shape, bool) if valid_BxT is None else valid_BxT
     new_cache = []
     for segment, segment_cache in zip(self.segments, cache):
-      x, segment_cache = segment.decode(x, positions_BxT, segment_cache)
+      x, segment_cache = segment.decode(x, positions_BxT, segment_cache, valid_BxT)
       new_cache.append(segment_cache)
     return self.final_norm(x), new_cache
 

@@ -113,7 +113,8 @@ def main(argv: list[str]) -> int:
                               f"{own['--warmup']!r}"))
   try:
     cfg = config_lib.load([argv[0], *rest])
-    measure = run if own["--quant_stats"] is None else with_quant_stats
+    stats = own["--quant_stats"] is not None and own["--quant_stats"].lower() not in ("false", "0", "no")
+    measure = with_quant_stats if stats else run
     result = measure(cfg, steps=steps, warmup=warmup, hlo_out=own["--hlo_out"] or None)
   except EmberError as e:
     fail_and_exit(e)

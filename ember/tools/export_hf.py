@@ -12,6 +12,7 @@ Architectures the format cannot express are refused with one line (exit 2), not 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -38,16 +39,18 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
   import numpy as np
   from flax import nnx
 
+  from ember.data import build_tokenizer
   from ember.errors import CheckpointError, warn
   from ember.hf import layout, safetensors, tokenizer
   from ember.inference.checkpoint import load_model
   from ember.model_config import ModelConfig
 
-  cfg, _, model = load_model(checkpoint, what="--checkpoint", one_device=True)
+  cfg, _, model = load_model(checkpoint, what="--checkpoint", one_device=True, host=True)
   m = ModelConfig.from_config(cfg)
   problem = layout.unsupported(m)
   if problem:
     raise CheckpointError(f"--checkpoint: {problem}; not exported")
+  build_tokenizer(cfg.data)  # A tokenizer that is gone is a one-line error before anything is written.
   if m.capacity_factor > 0:
     warn(f"the model was trained with model.capacity_factor={m.capacity_factor} (tokens past capacity dropped); "
          "the exported Mixtral is dropless")
@@ -55,6 +58,8 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
   np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
   tensors = {name: w.astype(np_dtype) for name, w in layout.to_hf(m, params).items()}
   os.makedirs(out, exist_ok=True)
+  for stale in glob.glob(os.path.join(out, "model*.safetensors*")) + glob.glob(os.path.join(out, "tokenizer*")):
+    os.remove(stale)  # An earlier export's files would win over this one's (an old index, tokenizer.json).
   files = safetensors.write_dir(out, tensors, max_shard_bytes)
   with open(os.path.join(out, "config.json"), "w") as f:
     json.dump(layout.hf_config(m, dtype), f, indent=2)

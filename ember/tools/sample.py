@@ -101,7 +101,16 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
   with use_rules(mesh, cfg.mesh.rules):
     out = generate(model, encoded, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                    batch_multiple=math.prod(mesh.shape[a] for a in batch_axes))
-  return [tokenizer.decode(tokens) for tokens in out]
+  return [_continuation(tokenizer, prompt, new) for prompt, new in zip(encoded, out)]
+
+
+def _continuation(tokenizer, prompt_ids, new_ids) -> str:
+  """The new tokens' text as it reads after the prompt: decoded together with the prompt, then the prompt's
+  text removed (SentencePiece drops a leading space from tokens decoded alone)."""
+  import numpy as np
+  whole = tokenizer.decode(np.concatenate([prompt_ids, new_ids]))
+  prefix = tokenizer.decode(prompt_ids)
+  return whole[len(prefix):] if whole.startswith(prefix) else tokenizer.decode(new_ids)
 
 
 if __name__ == "__main__":

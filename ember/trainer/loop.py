@@ -158,7 +158,7 @@ class _Phase:
     cfg = phase.cfg
     graphdef, shardings, abstract = state_shardings(cfg, self.mesh, self.tx, self.policy)
     if index != self.index:
-      state = precision.carry(state, abstract, shardings)
+      state = precision.carry(state, self.cfg, cfg, abstract, shardings)
       console(f"precision schedule: {self.phases.describe(index)} from step {int(state.step) + 1}")
     phase.compiled = _compile(step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings),
                               state, batch, cfg, self.mesh)

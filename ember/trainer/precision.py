@@ -8,9 +8,9 @@ side of a switch it was saved on. The state *after* step s was made by the phase
 compiles that phase's step once.
 
 What moves: parameters and optimizer state unchanged (recipes do not change their shapes); the
-quantization state (delayed-scaling amax histories) leaf by leaf where the new phase still keeps the
-same history (same path and shape), zeros where it starts one; histories the new phase does not
-use are dropped.
+quantization state (delayed-scaling amax histories) layer by layer where the new phase still keeps
+the same history (same layer, projection and shape), zeros where it starts one; histories the new
+phase does not use are dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from ember import config as config_lib
+from ember.layers.decoder import layer_slots
+from ember.model_config import ModelConfig
 from ember.trainer.state import TrainState
 
 
@@ -51,20 +53,57 @@ class Phases:
     return f"phase {phase} (recipe {q.recipe}{forward})"
 
 
-def _by_path(tree) -> dict:
-  return {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+def _leaves(tree, prefix=()):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _leaves(value, prefix + (key,))
+    else:
+      yield prefix + (key,), value
 
 
-def carry(state: TrainState, abstract: TrainState, shardings: TrainState) -> TrainState:
-  """`state` in the structure of another phase (`abstract`, placed by `shardings`): amax histories kept
-  where the phase keeps the same one, zeros where it starts one."""
-  old = _by_path(state.quant_state)
+def _rows(quant_state: dict, model: ModelConfig) -> dict:
+  """{(layer, path below the layer): that layer's array} of a stacked quant-state tree ((None, path) for
+  leaves outside the layers). Keyed by layer, because `quant.exclude` regroups layers into other scan
+  segments from one phase to the next."""
+  slot = {(s.segment, s.index, s.j): s.layer for s in layer_slots(model)}
+  rows = {}
+  for path, leaf in _leaves(quant_state):
+    if path[0] != "segments":
+      rows[(None, path)] = leaf
+      continue
+    segment, j, rest = path[1], path[4], path[5:]  # segments/s/blocks/layers/j/...
+    for index in range(leaf.shape[0]):
+      rows[(slot[(segment, index, j)], rest)] = leaf[index]
+  return rows
 
-  def take(path, leaf, sharding):
-    kept = old.get(jax.tree_util.keystr(path))
-    if kept is not None and kept.shape == leaf.shape and kept.dtype == leaf.dtype:
-      return kept
-    return jax.device_put(jnp.zeros(leaf.shape, leaf.dtype), sharding)
 
-  quant_state = jax.tree_util.tree_map_with_path(take, abstract.quant_state, shardings.quant_state)
+def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: TrainState) -> TrainState:
+  """`state` (made under `old_cfg`) in the structure of `new_cfg`'s phase (`abstract`, placed by
+  `shardings`): each layer's amax history kept where the new phase keeps the same one, zeros where it
+  starts one."""
+  old_model, new_model = ModelConfig.from_config(old_cfg), ModelConfig.from_config(new_cfg)
+  old = _rows(state.quant_state, old_model)
+  layers_of = {}
+  for s in layer_slots(new_model):
+    layers_of.setdefault((s.segment, s.j), []).append(s.layer)
+
+  def same(kept, like):
+    return kept is not None and kept.shape == like.shape and kept.dtype == like.dtype
+
+  quant_state = jax.tree.map(lambda x: None, abstract.quant_state)
+  for path, leaf in _leaves(abstract.quant_state):
+    if path[0] != "segments":
+      kept = old.get((None, path))
+      value = kept if same(kept, leaf) else jnp.zeros(leaf.shape, leaf.dtype)
+    else:
+      row = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+      rows = [old.get((layer, path[5:])) for layer in layers_of[(path[1], path[4])]]
+      value = jnp.stack([r if same(r, row) else jnp.zeros(row.shape, row.dtype) for r in rows])
+    sharding = shardings.quant_state
+    for key in path:
+      sharding = sharding[key]
+    node = quant_state
+    for key in path[:-1]:
+      node = node[key]
+    node[path[-1]] = jax.device_put(value, sharding)
   return dataclasses.replace(state, quant_state=quant_state)

@@ -66,7 +66,7 @@ def test_histories_carry_over_where_the_next_phase_keeps_them():
     moved = [state]
     for phase in (1, 2, 3):
       _, shardings, abstract = state_shardings(phases.cfg(phase), mesh, tx, policy)
-      moved.append(precision.carry(moved[-1], abstract, shardings))
+      moved.append(precision.carry(moved[-1], phases.cfg(phase - 1), phases.cfg(phase), abstract, shardings))
   same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), moved[0].quant_state, moved[1].quant_state)
   assert all(jax.tree.leaves(same))  # bf16 forward keeps fp8_delayed's histories.
   assert jax.tree.leaves(moved[2].quant_state) == []  # fp8_current keeps none.
@@ -90,3 +90,44 @@ def test_bf16_forward_keeps_the_recipes_backward():
     assert float(jnp.abs(y_q - jnp.dot(x, w)).max()) > 1e-3  # The quantized forward is not that.
     for a, b in zip(vjp_q(g), vjp_b(g)):
       np.testing.assert_array_equal(a, b)
+
+
+def test_histories_follow_their_layer_when_exclude_regroups_the_segments():
+  """quant.exclude of layer 1 makes segments [0], [1], [2, 3]; without it one segment [0..3]: each layer's
+  history must land on the same layer."""
+  from ember import config as config_lib
+  from ember import remat
+  from ember.layers.decoder import layer_slots
+  from ember.model_config import ModelConfig
+  from ember.parallel.mesh import make_mesh
+  from ember.parallel.sharding import use_rules
+  from ember.trainer import precision
+  from ember.trainer.optimizer import make_optimizer
+  from ember.trainer.state import create_train_state, state_shardings
+
+  cfg = helpers.config(**{"steps": 10, "quant.recipe": "fp8_delayed", "model.num_layers": 4,
+                          "quant.exclude": ("lm_head", "layers[1]"),
+                          "quant.schedule": ((5, {"exclude": ("lm_head",)}),)})
+  config_lib.validate(cfg, 1, 1)
+  cfg = config_lib.derive(cfg, 1)
+  phases = precision.Phases(cfg)
+  mesh = make_mesh(cfg.mesh, helpers.devices(1))
+  tx, _ = make_optimizer(cfg.train)
+  policy = remat.preset(cfg.remat)
+  with use_rules(mesh, cfg.mesh.rules):
+    _, state, _ = create_train_state(cfg, mesh, tx, policy)
+    # Mark each layer's qkv history with its layer number + 1 (layer 1, in bf16, has none).
+    quant = jax.tree.map(lambda a: a, state.quant_state)
+    assert set(quant["segments"]) == {0, 2}
+    for slot in layer_slots(ModelConfig.from_config(phases.cfg(0))):
+      if slot.layer == 1:
+        continue
+      node = quant["segments"][slot.segment]["blocks"]["layers"][slot.j]["attn"]["qkv"]
+      node["amax_history"] = node["amax_history"].at[slot.index].set(slot.layer + 1.0)
+    state = state.__class__(state.step, state.params, state.opt_state, quant)
+    _, shardings, abstract = state_shardings(phases.cfg(1), mesh, tx, policy)
+    moved = precision.carry(state, phases.cfg(0), phases.cfg(1), abstract, shardings)
+  assert len(moved.quant_state["segments"]) == 1
+  history = moved.quant_state["segments"][0]["blocks"]["layers"][0]["attn"]["qkv"]["amax_history"]
+  # Layer 1 was bf16 (no history) in phase 0: it starts from zeros; the others keep theirs.
+  assert [float(history[layer].max()) for layer in range(4)] == [1.0, 0.0, 3.0, 4.0]
