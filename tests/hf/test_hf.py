@@ -65,16 +65,31 @@ def _hf_tokens(out_dir):
   return np.asarray([i[:n] for i in ids], np.int32)
 
 
+_EXPORTS = {}
+
+
+def _export(kind, tmp_path_factory):
+  """A tiny `kind` ("dense" or "moe") checkpoint and its float32 export in sharded files, made once per module."""
+  if kind not in _EXPORTS:
+    root = tmp_path_factory.mktemp(kind)
+    overrides = {"model.num_experts": 4, "model.experts_per_token": 2} if kind == "moe" else {}
+    cfg, state = _save_checkpoint(root / "run", **overrides)
+    out = root / "hf"
+    result = _tool("export_hf", f"--checkpoint={root / 'run'}", f"--out={out}", "--dtype=float32",
+                   "--max_shard_size=100KB")
+    assert result.returncode == 0, result.stderr
+    _EXPORTS[kind] = (kind, cfg, state, root / "run", str(out))
+  return _EXPORTS[kind]
+
+
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def exported(request, tmp_path_factory):
-  root = tmp_path_factory.mktemp(request.param)
-  overrides = {"model.num_experts": 4, "model.experts_per_token": 2} if request.param == "moe" else {}
-  cfg, state = _save_checkpoint(root / "run", **overrides)
-  out = root / "hf"
-  result = _tool("export_hf", f"--checkpoint={root / 'run'}", f"--out={out}", "--dtype=float32",
-                 "--max_shard_size=100KB")
-  assert result.returncode == 0, result.stderr
-  return request.param, cfg, state, root / "run", str(out)
+  return _export(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def exported_dense(tmp_path_factory):
+  return _export("dense", tmp_path_factory)
 
 
 def test_transformers_logits_equal_embers(exported):
@@ -159,11 +174,9 @@ def test_import_mismatch_names_the_tensor(exported, tmp_path):
     load.check(out, ModelConfig.from_config(other), abstract)
 
 
-def test_a_run_starts_from_the_hf_directory(exported, tmp_path, capsys):
+def test_a_run_starts_from_the_hf_directory(exported_dense, tmp_path, capsys):
   from ember.trainer.loop import train
-  kind, _, _, _, out = exported
-  if kind == "moe":
-    pytest.skip("one end-to-end start is enough")
+  _, _, _, _, out = exported_dense
   cfg = helpers.config(**{"workdir": str(tmp_path / "run"), "model.init_std": 0.2, "model.rope_theta": 50000.0,
                           "model.dtype": "float32", "quant.recipe": "bf16", "steps": 1, "checkpoint.every_steps": -1,
                           "checkpoint.init_from_hf": out})
@@ -172,10 +185,7 @@ def test_a_run_starts_from_the_hf_directory(exported, tmp_path, capsys):
   assert np.isfinite(summary["loss"])
 
 
-def test_bad_hf_input_is_one_line(exported, tmp_path):
-  kind, _, _, _, out = exported
-  if kind == "moe":
-    pytest.skip("checked once")
+def test_bad_hf_input_is_one_line(tmp_path):
   result = subprocess.run([sys.executable, "train.py", "--config=configs/default.py:tiny",
                            f"--config.workdir={tmp_path / 'w'}", f"--config.checkpoint.init_from_hf={tmp_path / 'nope'}"],
                           capture_output=True, text=True, cwd=helpers.ROOT)
@@ -210,3 +220,14 @@ def test_sentencepiece_tokenizer_files_give_embers_ids(tmp_path):
   for text in ["alpha beta return lambda", "def f():\n    return x\n\n", "\n\nimport é€ class", "a  b   c"]:
     assert theirs(text)["input_ids"] == ours.encode(text).tolist(), text
     assert theirs.decode(theirs(text)["input_ids"]) == text
+
+
+def test_export_over_an_earlier_export_leaves_none_of_its_files(exported_dense):
+  """An earlier sharded export's index would win over a new single file: it is removed first."""
+  _, _, _, run, out = exported_dense
+  scratch = os.path.join(os.path.dirname(out), "again")
+  import shutil
+  shutil.copytree(out, scratch)
+  result = _tool("export_hf", f"--checkpoint={run}", f"--out={scratch}", "--dtype=float32")
+  assert result.returncode == 0, result.stderr
+  assert sorted(f for f in os.listdir(scratch) if "safetensors" in f) == ["model.safetensors"]
