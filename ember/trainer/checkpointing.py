@@ -156,6 +156,13 @@ class Checkpointer:
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
+  def custom_metadata(self, step: int) -> dict:
+    """What `save` recorded with the step (config, version, mesh, precision phase); {} if unreadable."""
+    try:
+      return dict(self.manager.metadata(step).custom_metadata or {})
+    except Exception:  # A step written by another version, or damaged: the restore decides.
+      return {}
+
   def _step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 

@@ -83,6 +83,7 @@ def train(cfg, mesh=None) -> dict:
     phases = precision.Phases(cfg)
     targets = lambda step: state_shardings(phases.cfg(phases.state_phase(step)), mesh, tx, policy)[1:]
     state = _restore_or_init(cfg, ckpt, mesh, tx, policy, targets, metrics, train_it)
+    _check_phase(ckpt, phases, int(state.step))
     batch_sharding = step_lib.batch_sharding(cfg, mesh)
     shares = source_shares(cfg)
     batch = _next_batch(train_it, batch_sharding, shares)
@@ -261,6 +262,17 @@ def _restore_or_init(cfg, ckpt, mesh, tx, policy, targets, metrics, train_it):
     state = init()
   metrics.truncate_after(0)  # A new run: no records of an earlier one in this workdir.
   return state
+
+
+def _check_phase(ckpt: Checkpointer, phases: precision.Phases, step: int) -> None:
+  """Warns when a resumed checkpoint was saved in another precision phase than this config's schedule
+  puts its step in (quant.schedule edited between runs): the run goes on in this config's phase."""
+  if step == 0 or step not in ckpt.steps():
+    return
+  saved = ckpt.custom_metadata(step).get("quant_phase")
+  if saved is not None and saved != phases.state_phase(step):
+    console(f"warning: the checkpoint of step {step} was saved in precision phase {saved}; this config's "
+            f"quant.schedule puts step {step} in {phases.describe(phases.state_phase(step))}")
 
 
 def evaluate(cfg, state, eval_fn, batch_sharding) -> float:

@@ -131,3 +131,32 @@ def test_histories_follow_their_layer_when_exclude_regroups_the_segments():
   history = moved.quant_state["segments"][0]["blocks"]["layers"][0]["attn"]["qkv"]["amax_history"]
   # Layer 1 was bf16 (no history) in phase 0: it starts from zeros; the others keep theirs.
   assert [float(history[layer].max()) for layer in range(4)] == [1.0, 0.0, 3.0, 4.0]
+
+
+def test_a_checkpoint_of_another_phase_is_warned_about(tmp_path, capsys):
+  """The phase a checkpoint was saved in is in its metadata; a schedule edited since is said on resume."""
+  from ember import config as config_lib
+  from ember import remat
+  from ember.parallel.mesh import make_mesh
+  from ember.parallel.sharding import use_rules
+  from ember.trainer import precision
+  from ember.trainer.checkpointing import Checkpointer
+  from ember.trainer.loop import _check_phase
+  from ember.trainer.optimizer import make_optimizer
+  from ember.trainer.state import create_train_state
+
+  cfg = helpers.config(**{"steps": 10, "quant.schedule": ((2, {"forward": "bf16"}),)})
+  config_lib.validate(cfg, 1, 1)
+  cfg = config_lib.derive(cfg, 1)
+  mesh = make_mesh(cfg.mesh, helpers.devices(1))
+  tx, _ = make_optimizer(cfg.train)
+  with use_rules(mesh, cfg.mesh.rules):
+    _, state, _ = create_train_state(cfg, mesh, tx, remat.preset(cfg.remat))
+  ckpt = Checkpointer(str(tmp_path / "checkpoints"), every_steps=1, keep=2, async_save=False)
+  ckpt.save(4, state, None, seed=cfg.seed, metadata={"quant_phase": 1})
+  ckpt.save(5, state, None, seed=cfg.seed, metadata={"quant_phase": 0})
+  _check_phase(ckpt, precision.Phases(cfg), 4)  # Saved in phase 1, and phase 1 made step 4: quiet.
+  assert "warning" not in capsys.readouterr().err
+  _check_phase(ckpt, precision.Phases(cfg), 5)
+  assert "saved in precision phase 0" in capsys.readouterr().err
+  ckpt.close()
