@@ -231,3 +231,48 @@ def test_export_over_an_earlier_export_leaves_none_of_its_files(exported_dense):
   result = _tool("export_hf", f"--checkpoint={run}", f"--out={scratch}", "--dtype=float32")
   assert result.returncode == 0, result.stderr
   assert sorted(f for f in os.listdir(scratch) if "safetensors" in f) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path):
+  """A randomly initialised Llama / Mixtral saved by transformers itself (not by ember's export) starts
+  an ember model with transformers' logits."""
+  from ember import remat
+  from ember.hf import layout, load
+  from ember.model_config import ModelConfig
+  from ember.parallel.mesh import make_mesh
+  from ember.parallel.sharding import use_rules
+  from ember.trainer.optimizer import make_optimizer
+  from ember.trainer.state import build_model, split_model, state_shardings
+  from ember import config as config_lib
+  from flax import nnx
+
+  overrides = {"model.num_experts": 4, "model.experts_per_token": 2} if kind == "moe" else {}
+  cfg = helpers.config(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.rope_theta": 50000.0,
+                          **overrides})
+  config_lib.validate(cfg, 1, 1)
+  cfg = config_lib.derive(cfg, 1)
+  m = ModelConfig.from_config(cfg)
+  hf_config = layout.hf_config(m, "float32")
+  hf_config["initializer_range"] = 0.2
+  config = transformers.AutoConfig.for_model(**hf_config)
+  torch.manual_seed(0)
+  theirs_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+  theirs_model.save_pretrained(tmp_path / "hf")
+  tokens = np.asarray([list(TEXTS[0].encode())[:24], list(TEXTS[1].encode())[:24]], np.int32)
+  with torch.no_grad():
+    theirs = theirs_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+  mesh = make_mesh(cfg.mesh, helpers.devices(1))
+  tx, _ = make_optimizer(cfg.train)
+  policy = remat.preset(cfg.remat)
+  with use_rules(mesh, cfg.mesh.rules):
+    _, shardings, abstract = state_shardings(cfg, mesh, tx, policy)
+    params = load.load_params(str(tmp_path / "hf"), m, abstract.params, shardings.params)
+    graphdef, _, quant_state, _ = split_model(build_model(cfg, jax.random.key(0), policy))
+    model = nnx.merge(graphdef, params, quant_state)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    h, _ = model(jnp.asarray(tokens), jnp.ones_like(tokens), positions)
+    ours = np.asarray(model.head(h))
+  assert np.abs(theirs).max() > 1.0
+  np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * np.abs(theirs).max())
