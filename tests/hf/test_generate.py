@@ -57,3 +57,33 @@ def test_sampling_follows_temperature_and_top_p():
   assert int(pick(logits, keys[0], 0.0, 1.0)[0]) == 0  # Greedy.
   same = np.asarray(jax.vmap(lambda k: pick(logits, k, 1.0, 1.0))(keys[:8]))
   np.testing.assert_array_equal(same, np.asarray(jax.vmap(lambda k: pick(logits, k, 1.0, 1.0))(keys[:8])))
+
+
+@pytest.mark.parametrize("dispatch", ["allgather", "ragged"])
+def test_generation_under_expert_parallelism_equals_one_device(dispatch):
+  """An MoE model sharded fsdp=2 x expert=4 generates the tokens it generates on one device."""
+  from flax import nnx
+  from ember import config as config_lib
+  from ember import remat
+  from ember.inference.generate import generate
+  from ember.parallel.mesh import make_mesh
+  from ember.parallel.sharding import use_rules
+  from ember.trainer.optimizer import make_optimizer
+  from ember.trainer.state import create_train_state
+
+  cfg = helpers.config(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.init_std": 0.2,
+                          "model.num_experts": 4, "model.experts_per_token": 2, "mesh.expert": 4, "mesh.fsdp": 2,
+                          "model.moe_dispatch": dispatch})
+  config_lib.validate(cfg, 8, 1)
+  cfg = config_lib.derive(cfg, 8)
+  mesh = make_mesh(cfg.mesh, helpers.devices(8))
+  tx, _ = make_optimizer(cfg.train)
+  policy = remat.preset(cfg.remat)
+  prompts = [np.asarray([100, 101, 102, 32], np.int32), np.arange(7, dtype=np.int32) + 50]
+  with use_rules(mesh, cfg.mesh.rules):
+    graphdef, state, _ = create_train_state(cfg, mesh, tx, policy)
+    sharded = generate(nnx.merge(graphdef, state.params, state.quant_state), prompts, max_new_tokens=8,
+                       batch_multiple=8)
+  alone = nnx.merge(graphdef, jax.device_get(state.params), jax.device_get(state.quant_state))
+  single = generate(alone, prompts, max_new_tokens=8)
+  assert [t.tolist() for t in sharded] == [t.tolist() for t in single]
