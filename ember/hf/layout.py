@@ -34,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from ember.layers.decoder import layer_slots
+from ember.layers.decoder import layer_slots, stacked_layers, tree_leaves, within_layer
 from ember.model_config import ModelConfig
 
 Get = Callable[[str, tuple], np.ndarray]  # (HF name, expected shape) -> array.
@@ -129,14 +129,6 @@ def unsupported(m: ModelConfig) -> str | None:
   return None
 
 
-def _leaves(tree: dict, prefix=()):
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      yield from _leaves(value, prefix + (key,))
-    else:
-      yield prefix + (key,), value
-
-
 # --- ember -> Hugging Face -------------------------------------------------------------------------
 
 
@@ -146,7 +138,7 @@ def to_hf(m: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   out.update(TOP_RULES[("embed", "embedding")].to_hf(m, np.asarray(params["embed"]["embedding"])))
   for slot in layer_slots(m):
     layer = params["segments"][slot.segment]["blocks"]["layers"][slot.j]
-    for path, stacked in _leaves(layer):
+    for path, stacked in tree_leaves(layer):
       for name, w in LAYER_RULES[path].to_hf(m, np.asarray(stacked[slot.index])).items():
         out[layer_prefix(slot.layer) + name] = np.ascontiguousarray(w)
   out.update(TOP_RULES[("final_norm", "scale")].to_hf(m, np.asarray(params["final_norm"]["scale"])))
@@ -162,11 +154,8 @@ def to_hf(m: ModelConfig, params: dict) -> dict[str, np.ndarray]:
 def leaf_source(m: ModelConfig, path: tuple) -> tuple[Rule, list[int] | None]:
   """For a leaf of ember's parameter tree: its rule and, for stacked layer leaves, the layer of each
   index of the leading axis (None for leaves outside the layers)."""
-  if path[0] != "segments":
-    return TOP_RULES[tuple(path)], None
-  segment, j, rest = int(path[1]), int(path[4]), tuple(path[5:])  # segments/s/blocks/layers/j/...
-  layers = [slot.layer for slot in layer_slots(m) if slot.segment == segment and slot.j == j]
-  return LAYER_RULES[rest], layers
+  layers = stacked_layers(m, path)
+  return (TOP_RULES[tuple(path)] if layers is None else LAYER_RULES[within_layer(path)]), layers
 
 
 def hf_config(m: ModelConfig, dtype: str) -> dict:

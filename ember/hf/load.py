@@ -19,17 +19,10 @@ import numpy as np
 from ember.errors import CheckpointError
 from ember.hf import layout
 from ember.hf.safetensors import Reader
+from ember.layers.decoder import tree_leaves
 from ember.model_config import ModelConfig
 
 WHAT = "config.checkpoint.init_from_hf"
-
-
-def _leaf_paths(tree, prefix=()):
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      yield from _leaf_paths(value, prefix + (key,))
-    else:
-      yield prefix + (key,), value
 
 
 def _get(tree, path):
@@ -45,7 +38,7 @@ def _set(tree, path, value):
 def expected_tensors(m: ModelConfig, abstract_params: dict) -> dict[str, tuple[int, ...]]:
   """HF name -> shape for ember's parameter shapes (traced with `jax.eval_shape`: no arrays are made)."""
   out = {}
-  for path, leaf in _leaf_paths(abstract_params):
+  for path, leaf in tree_leaves(abstract_params):
     rule, layers = layout.leaf_source(m, path)
     one = jax.ShapeDtypeStruct(leaf.shape if layers is None else leaf.shape[1:], leaf.dtype)
     hf = jax.eval_shape(lambda w, rule=rule: rule.to_hf(m, w), one)
@@ -87,7 +80,7 @@ def load_params(directory: str, m: ModelConfig, abstract_params: dict, shardings
   directory = os.path.abspath(os.path.expanduser(directory))
   reader = check(directory, m, abstract_params)
   params = jax.tree.map(lambda x: None, abstract_params)
-  for path, leaf in _leaf_paths(abstract_params):
+  for path, leaf in tree_leaves(abstract_params):
     _set(params, path, _load_leaf(reader, m, path, leaf, _get(shardings, path)))
   return params
 

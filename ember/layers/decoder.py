@@ -168,6 +168,29 @@ def layer_slots(model: ModelConfig) -> list[LayerSlot]:
   return sorted(slots, key=lambda slot: slot.layer)
 
 
+def tree_leaves(tree: dict, prefix: tuple = ()):
+  """(path, leaf) of a pure-dict model state (params, quant state, statistics), depth first."""
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from tree_leaves(value, prefix + (key,))
+    else:
+      yield prefix + (key,), value
+
+
+def stacked_layers(model: ModelConfig, path: tuple) -> list[int] | None:
+  """For a leaf of the stacked state at `path` (segments/s/blocks/layers/j/<path within the layer>): the
+  layer at each index of its leading axis. None for leaves outside the layers (embedding, final norm, head)."""
+  if path[0] != "segments":
+    return None
+  slots = [s for s in layer_slots(model) if s.segment == path[1] and s.j == path[4]]
+  return [s.layer for s in sorted(slots, key=lambda s: s.index)]
+
+
+def within_layer(path: tuple) -> tuple:
+  """The part of a stacked leaf's path below its layer (e.g. ("attn", "qkv", "kernel"))."""
+  return tuple(path[5:])
+
+
 class Transformer(nnx.Module):
   """Decoder-only LM. `__call__` returns the final normed hidden states; `head` maps them to logits
   (the loss applies it chunk by chunk so full [batch, length, vocab] logits never exist)."""

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ember import config as config_lib
-from ember.layers.decoder import layer_slots
+from ember.layers.decoder import stacked_layers, tree_leaves, within_layer
 from ember.model_config import ModelConfig
 from ember.trainer.state import TrainState
 
@@ -53,27 +53,17 @@ class Phases:
     return f"phase {phase} (recipe {q.recipe}{forward})"
 
 
-def _leaves(tree, prefix=()):
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      yield from _leaves(value, prefix + (key,))
-    else:
-      yield prefix + (key,), value
-
-
 def _rows(quant_state: dict, model: ModelConfig) -> dict:
   """{(layer, path below the layer): that layer's array} of a stacked quant-state tree ((None, path) for
   leaves outside the layers). Keyed by layer, because `quant.exclude` regroups layers into other scan
   segments from one phase to the next."""
-  slot = {(s.segment, s.index, s.j): s.layer for s in layer_slots(model)}
   rows = {}
-  for path, leaf in _leaves(quant_state):
-    if path[0] != "segments":
+  for path, leaf in tree_leaves(quant_state):
+    layers = stacked_layers(model, path)
+    if layers is None:
       rows[(None, path)] = leaf
-      continue
-    segment, j, rest = path[1], path[4], path[5:]  # segments/s/blocks/layers/j/...
-    for index in range(leaf.shape[0]):
-      rows[(slot[(segment, index, j)], rest)] = leaf[index]
+    else:
+      rows.update({(layer, within_layer(path)): leaf[index] for index, layer in enumerate(layers)})
   return rows
 
 
@@ -83,21 +73,19 @@ def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: 
   starts one."""
   old_model, new_model = ModelConfig.from_config(old_cfg), ModelConfig.from_config(new_cfg)
   old = _rows(state.quant_state, old_model)
-  layers_of = {}
-  for s in layer_slots(new_model):
-    layers_of.setdefault((s.segment, s.j), []).append(s.layer)
 
   def same(kept, like):
     return kept is not None and kept.shape == like.shape and kept.dtype == like.dtype
 
   quant_state = jax.tree.map(lambda x: None, abstract.quant_state)
-  for path, leaf in _leaves(abstract.quant_state):
-    if path[0] != "segments":
+  for path, leaf in tree_leaves(abstract.quant_state):
+    layers = stacked_layers(new_model, path)
+    if layers is None:
       kept = old.get((None, path))
       value = kept if same(kept, leaf) else jnp.zeros(leaf.shape, leaf.dtype)
     else:
       row = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-      rows = [old.get((layer, path[5:])) for layer in layers_of[(path[1], path[4])]]
+      rows = [old.get((layer, within_layer(path))) for layer in layers]
       value = jnp.stack([r if same(r, row) else jnp.zeros(row.shape, row.dtype) for r in rows])
     sharding = shardings.quant_state
     for key in path:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.layers.decoder import layer_slots
+from ember.layers.decoder import stacked_layers, tree_leaves
 from ember.model_config import ModelConfig
 from ember.quant import health
 from ember.quant.recipe import ACTIVATION, GRADIENT, WEIGHT
@@ -39,14 +39,6 @@ def _projection(path: tuple) -> str:
   return name
 
 
-def _leaves(tree, prefix=()):
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      yield from _leaves(value, prefix + (key,))
-    else:
-      yield prefix + (key,), value
-
-
 def _by_role(rows: np.ndarray) -> np.ndarray:
   """[3, S] from a leaf's rows: dense [3, S]; MoE [E + 2, S] with the experts' kernels merged (amax max,
   scale min, counts summed, staleness max)."""
@@ -61,16 +53,14 @@ def _by_role(rows: np.ndarray) -> np.ndarray:
 
 def per_layer(stats_tree: dict, model: ModelConfig) -> dict[tuple[str, str], dict[int, np.ndarray]]:
   """(projection, role) -> {layer: STATS vector}."""
-  slots = {(s.segment, s.index, s.j): s.layer for s in layer_slots(model)}
   out: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-  for path, leaf in _leaves(stats_tree):
+  for path, leaf in tree_leaves(stats_tree):
     leaf = np.asarray(leaf, np.float32)
     projection = _projection(path)
-    segment, j = int(path[1]), int(path[4])  # segments/s/blocks/layers/j/...
-    for index in range(leaf.shape[0]):
+    for index, layer in enumerate(stacked_layers(model, path) or []):  # Only layers collect them.
       rows = _by_role(leaf[index])
       for r, role in enumerate(ROLES):
-        out.setdefault((projection, role), {})[slots[(segment, index, j)]] = rows[r]
+        out.setdefault((projection, role), {})[layer] = rows[r]
   return out
 
 
