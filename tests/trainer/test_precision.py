@@ -41,26 +41,37 @@ def test_bad_schedules_name_the_entry(schedule, message):
     config_lib.validate(cfg, 1, 1)
 
 
-def test_histories_carry_over_where_the_next_phase_keeps_them():
+def _one_device_start(**overrides):
+  """(phases, mesh, optimizer, remat preset, initial state) of a 10-step one-device run of the config."""
   from ember import config as config_lib
   from ember import remat
   from ember.parallel.mesh import make_mesh
   from ember.parallel.sharding import use_rules
   from ember.trainer import precision
   from ember.trainer.optimizer import make_optimizer
-  from ember.trainer.state import create_train_state, state_shardings
+  from ember.trainer.state import create_train_state
 
-  cfg = helpers.config(**{"steps": 10, "quant.recipe": "fp8_delayed",
-                          "quant.schedule": ((4, {"forward": "bf16"}), (6, {"recipe": "fp8_current"}),
-                                             (8, {"recipe": "fp8_delayed", "amax_history_len": 8}))})
+  cfg = helpers.config(**{"steps": 10, **overrides})
   config_lib.validate(cfg, 1, 1)
   cfg = config_lib.derive(cfg, 1)
-  phases = precision.Phases(cfg)
   mesh = make_mesh(cfg.mesh, helpers.devices(1))
   tx, _ = make_optimizer(cfg.train)
   policy = remat.preset(cfg.remat)
   with use_rules(mesh, cfg.mesh.rules):
     _, state, _ = create_train_state(cfg, mesh, tx, policy)
+  return precision.Phases(cfg), mesh, tx, policy, state
+
+
+def test_histories_carry_over_where_the_next_phase_keeps_them():
+  from ember.parallel.sharding import use_rules
+  from ember.trainer import precision
+  from ember.trainer.state import state_shardings
+
+  phases, mesh, tx, policy, state = _one_device_start(**{
+      "quant.recipe": "fp8_delayed",
+      "quant.schedule": ((4, {"forward": "bf16"}), (6, {"recipe": "fp8_current"}),
+                         (8, {"recipe": "fp8_delayed", "amax_history_len": 8}))})
+  with use_rules(mesh, phases.cfg(0).mesh.rules):
     filled = jax.tree.map(lambda h: h + 3.0, state.quant_state)
     state = state.__class__(state.step, state.params, state.opt_state, filled)
     moved = [state]
@@ -95,27 +106,16 @@ def test_bf16_forward_keeps_the_recipes_backward():
 def test_histories_follow_their_layer_when_exclude_regroups_the_segments():
   """quant.exclude of layer 1 makes segments [0], [1], [2, 3]; without it one segment [0..3]: each layer's
   history must land on the same layer."""
-  from ember import config as config_lib
-  from ember import remat
   from ember.layers.decoder import layer_slots
   from ember.model_config import ModelConfig
-  from ember.parallel.mesh import make_mesh
   from ember.parallel.sharding import use_rules
   from ember.trainer import precision
-  from ember.trainer.optimizer import make_optimizer
-  from ember.trainer.state import create_train_state, state_shardings
+  from ember.trainer.state import state_shardings
 
-  cfg = helpers.config(**{"steps": 10, "quant.recipe": "fp8_delayed", "model.num_layers": 4,
-                          "quant.exclude": ("lm_head", "layers[1]"),
-                          "quant.schedule": ((5, {"exclude": ("lm_head",)}),)})
-  config_lib.validate(cfg, 1, 1)
-  cfg = config_lib.derive(cfg, 1)
-  phases = precision.Phases(cfg)
-  mesh = make_mesh(cfg.mesh, helpers.devices(1))
-  tx, _ = make_optimizer(cfg.train)
-  policy = remat.preset(cfg.remat)
-  with use_rules(mesh, cfg.mesh.rules):
-    _, state, _ = create_train_state(cfg, mesh, tx, policy)
+  phases, mesh, tx, policy, state = _one_device_start(**{
+      "quant.recipe": "fp8_delayed", "model.num_layers": 4, "quant.exclude": ("lm_head", "layers[1]"),
+      "quant.schedule": ((5, {"exclude": ("lm_head",)}),)})
+  with use_rules(mesh, phases.cfg(0).mesh.rules):
     # Mark each layer's qkv history with its layer number + 1 (layer 1, in bf16, has none).
     quant = jax.tree.map(lambda a: a, state.quant_state)
     assert set(quant["segments"]) == {0, 2}
@@ -135,28 +135,16 @@ def test_histories_follow_their_layer_when_exclude_regroups_the_segments():
 
 def test_a_checkpoint_of_another_phase_is_warned_about(tmp_path, capsys):
   """The phase a checkpoint was saved in is in its metadata; a schedule edited since is said on resume."""
-  from ember import config as config_lib
-  from ember import remat
-  from ember.parallel.mesh import make_mesh
-  from ember.parallel.sharding import use_rules
-  from ember.trainer import precision
   from ember.trainer.checkpointing import Checkpointer
   from ember.trainer.loop import _check_phase
-  from ember.trainer.optimizer import make_optimizer
-  from ember.trainer.state import create_train_state
 
-  cfg = helpers.config(**{"steps": 10, "quant.schedule": ((2, {"forward": "bf16"}),)})
-  config_lib.validate(cfg, 1, 1)
-  cfg = config_lib.derive(cfg, 1)
-  mesh = make_mesh(cfg.mesh, helpers.devices(1))
-  tx, _ = make_optimizer(cfg.train)
-  with use_rules(mesh, cfg.mesh.rules):
-    _, state, _ = create_train_state(cfg, mesh, tx, remat.preset(cfg.remat))
+  phases, _, _, _, state = _one_device_start(**{"quant.schedule": ((2, {"forward": "bf16"}),)})
+  cfg = phases.cfg(0)
   ckpt = Checkpointer(str(tmp_path / "checkpoints"), every_steps=1, keep=2, async_save=False)
   ckpt.save(4, state, None, seed=cfg.seed, metadata={"quant_phase": 1})
   ckpt.save(5, state, None, seed=cfg.seed, metadata={"quant_phase": 0})
-  _check_phase(ckpt, precision.Phases(cfg), 4)  # Saved in phase 1, and phase 1 made step 4: quiet.
+  _check_phase(ckpt, phases, 4)  # Saved in phase 1, and phase 1 made step 4: quiet.
   assert "warning" not in capsys.readouterr().err
-  _check_phase(ckpt, precision.Phases(cfg), 5)
+  _check_phase(ckpt, phases, 5)
   assert "saved in precision phase 0" in capsys.readouterr().err
   ckpt.close()
