@@ -49,6 +49,27 @@ def devices(n: int):
   return jax.devices()[:n]
 
 
+def one_device_start(**overrides):
+  """A validated, derived `config(**overrides)` on one device and its fresh state:
+  (cfg, mesh, tx, lr schedule, remat preset, graphdef, state, state shardings)."""
+  from ember import config as config_lib
+  from ember import remat
+  from ember.parallel.mesh import make_mesh
+  from ember.parallel.sharding import use_rules
+  from ember.trainer.optimizer import make_optimizer
+  from ember.trainer.state import create_train_state
+
+  cfg = config(**overrides)
+  config_lib.validate(cfg, 1, 1)
+  cfg = config_lib.derive(cfg, 1)
+  mesh = make_mesh(cfg.mesh, devices(1))
+  tx, schedule = make_optimizer(cfg.train)
+  policy = remat.preset(cfg.remat)
+  with use_rules(mesh, cfg.mesh.rules):
+    graphdef, state, shardings = create_train_state(cfg, mesh, tx, policy)
+  return cfg, mesh, tx, schedule, policy, graphdef, state, shardings
+
+
 def train_losses(cfg, batches, num_devices: int, policy_name: str | None = None):
   """Losses of len(batches) train steps of `cfg` on the first `num_devices` devices."""
   from ember import config as config_lib

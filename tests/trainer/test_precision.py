@@ -43,22 +43,8 @@ def test_bad_schedules_name_the_entry(schedule, message):
 
 def _one_device_start(**overrides):
   """(phases, mesh, optimizer, remat preset, initial state) of a 10-step one-device run of the config."""
-  from ember import config as config_lib
-  from ember import remat
-  from ember.parallel.mesh import make_mesh
-  from ember.parallel.sharding import use_rules
   from ember.trainer import precision
-  from ember.trainer.optimizer import make_optimizer
-  from ember.trainer.state import create_train_state
-
-  cfg = helpers.config(**{"steps": 10, **overrides})
-  config_lib.validate(cfg, 1, 1)
-  cfg = config_lib.derive(cfg, 1)
-  mesh = make_mesh(cfg.mesh, helpers.devices(1))
-  tx, _ = make_optimizer(cfg.train)
-  policy = remat.preset(cfg.remat)
-  with use_rules(mesh, cfg.mesh.rules):
-    _, state, _ = create_train_state(cfg, mesh, tx, policy)
+  cfg, mesh, tx, _, policy, _, state, _ = helpers.one_device_start(**{"steps": 10, **overrides})
   return precision.Phases(cfg), mesh, tx, policy, state
 
 

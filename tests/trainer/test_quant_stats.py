@@ -48,22 +48,12 @@ def _forced_step(recipe: str = "fp8_delayed"):
   """One train step of the tiny model whose delayed-scaling state forces trouble into one projection each:
   layer 0's wi gradient scale from a huge old amax (its gradients underflow), layer 1's qkv activation
   scale from a tiny one (its activations saturate)."""
-  from ember import config as config_lib
-  from ember import remat
-  from ember.parallel.mesh import make_mesh
   from ember.parallel.sharding import use_rules
-  from ember.trainer.optimizer import make_optimizer
-  from ember.trainer.state import create_train_state
   from ember.trainer.step import batch_sharding, jit_train_step
 
-  cfg = helpers.config(**{"quant.recipe": recipe, "log.quant_stats_every": 1})
-  config_lib.validate(cfg, 1, 1)
-  cfg = config_lib.derive(cfg, 1)
-  mesh = make_mesh(cfg.mesh, helpers.devices(1))
-  tx, schedule = make_optimizer(cfg.train)
-  policy = remat.preset(cfg.remat)
+  cfg, mesh, tx, schedule, _, graphdef, state, shardings = helpers.one_device_start(
+      **{"quant.recipe": recipe, "log.quant_stats_every": 1})
   with use_rules(mesh, cfg.mesh.rules):
-    graphdef, state, shardings = create_train_state(cfg, mesh, tx, policy)
     step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, donate=False)
     batch = jax.device_put(helpers.random_batch(cfg), batch_sharding(cfg, mesh))
     state, _ = step(state, batch)  # Histories of real amaxes.
