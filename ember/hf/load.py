@@ -19,20 +19,10 @@ import numpy as np
 from ember.errors import CheckpointError
 from ember.hf import layout
 from ember.hf.safetensors import Reader
-from ember.layers.decoder import tree_leaves
+from ember.layers.decoder import keys_of, tree_leaves
 from ember.model_config import ModelConfig
 
 WHAT = "config.checkpoint.init_from_hf"
-
-
-def _get(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
-def _set(tree, path, value):
-  _get(tree, path[:-1])[path[-1]] = value
 
 
 def expected_tensors(m: ModelConfig, abstract_params: dict) -> dict[str, tuple[int, ...]]:
@@ -79,10 +69,8 @@ def load_params(directory: str, m: ModelConfig, abstract_params: dict, shardings
   """ember's parameter tree (arrays placed by `shardings`) from the HF directory."""
   directory = os.path.abspath(os.path.expanduser(directory))
   reader = check(directory, m, abstract_params)
-  params = jax.tree.map(lambda x: None, abstract_params)
-  for path, leaf in tree_leaves(abstract_params):
-    _set(params, path, _load_leaf(reader, m, path, leaf, _get(shardings, path)))
-  return params
+  return jax.tree_util.tree_map_with_path(lambda p, leaf, sh: _load_leaf(reader, m, keys_of(p), leaf, sh),
+                                          abstract_params, shardings)
 
 
 def _load_leaf(reader: Reader, m: ModelConfig, path: tuple, leaf, sharding) -> jax.Array:
@@ -102,12 +90,12 @@ def _load_leaf(reader: Reader, m: ModelConfig, path: tuple, leaf, sharding) -> j
     for d, index in indices.items():
       buffers[d][...] = whole[index]
   else:
+    rows = {d: range(*index[0].indices(len(layers))) for d, index in indices.items()}  # Each device's layers.
     for row, layer in enumerate(layers):
-      wanted = {d: index for d, index in indices.items() if row in range(*index[0].indices(len(layers)))}
-      if not wanted:
-        continue
-      tensor = build(layout.layer_prefix(layer))
-      for d, index in wanted.items():
-        buffers[d][range(*index[0].indices(len(layers))).index(row)] = tensor[index[1:]]
+      wanted = [d for d in indices if row in rows[d]]
+      if wanted:
+        tensor = build(layout.layer_prefix(layer))
+        for d in wanted:
+          buffers[d][rows[d].index(row)] = tensor[indices[d][1:]]
   arrays = [jax.device_put(buffers[d], d) for d in indices]
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

@@ -10,14 +10,13 @@ import os
 import jax
 from flax import nnx
 
-from ember import config as config_lib
 from ember import remat
 from ember.errors import ConfigError
 from ember.layers.decoder import Transformer
 from ember.names import MESH_AXES
 from ember.parallel import sharding
 from ember.parallel.mesh import make_mesh
-from ember.trainer import checkpointing
+from ember.trainer import checkpointing, precision
 from ember.trainer.state import abstract_init, logical_axes
 
 
@@ -46,9 +45,8 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
   with cfg.unlocked():
     cfg.log.quant_stats_every = 0  # No health statistics while sampling.
     if cfg.quant.get("schedule"):  # The precision phase that made this checkpoint.
-      phases = config_lib.precision_phases(cfg)
-      step = int(os.path.basename(step_dir))
-      cfg = copy.deepcopy(max((p for p in phases if p[0] <= max(step - 1, 0)), key=lambda p: p[0])[1])
+      phases = precision.Phases(cfg)
+      cfg = copy.deepcopy(phases.cfg(phases.state_phase(int(os.path.basename(step_dir)))))
   trained_recipe = cfg.quant.recipe
   with cfg.unlocked():
     if recipe:

@@ -177,6 +177,11 @@ def tree_leaves(tree: dict, prefix: tuple = ()):
       yield prefix + (key,), value
 
 
+def keys_of(key_path) -> tuple:
+  """A jax key path (`tree_util.tree_map_with_path`) of a pure-dict state as the keys `tree_leaves` gives."""
+  return tuple(k.key for k in key_path)
+
+
 def stacked_layers(model: ModelConfig, path: tuple) -> list[int] | None:
   """For a leaf of the stacked state at `path` (segments/s/blocks/layers/j/<path within the layer>): the
   layer at each index of its leading axis. None for leaves outside the layers (embedding, final norm, head)."""

@@ -194,19 +194,16 @@ class Checkpointer:
       restore_data_position(os.path.join(self._step_dir(step), "data"), data_it)
     return TrainState(**restored["state"])
 
-  def restore_latest(self, abstract: TrainState | None, shardings: TrainState | None,
-                     data_it: ShardedIterator | None, *, seed: int,
-                     targets: Callable[[int], tuple[TrainState, TrainState]] | None = None
-                     ) -> tuple[TrainState, int] | None:
-    """(state, step) of the newest checkpoint that restores; None if there is none. `targets(step)` gives
-    (shardings, abstract) per step instead (a precision schedule changes the state's structure).
+  def restore_latest(self, targets: Callable[[int], tuple[TrainState, TrainState]],
+                     data_it: ShardedIterator | None, *, seed: int) -> tuple[TrainState, int] | None:
+    """(state, step) of the newest checkpoint that restores; None if there is none. `targets(step)` is
+    (shardings, abstract) of the state saved at `step` (a precision schedule changes its structure).
 
     A step that cannot be read is renamed `<step>.corrupt` (so that the run can write that step
     again) and the one before is tried. A step that reads but does not fit this config raises.
     """
     for step in reversed(self.steps()):
-      if targets is not None:
-        shardings, abstract = targets(step)
+      shardings, abstract = targets(step)
       try:
         self.check(step, abstract, seed=seed, what=f"checkpoint {self._step_dir(step)}")
       except CheckpointError:

@@ -242,7 +242,7 @@ class _Profiler:
 def _restore_or_init(cfg, ckpt, mesh, tx, policy, targets, metrics, train_it):
   """Resumes from the workdir's latest checkpoint, else starts from checkpoint.init_from_hf, checkpoint.restore_from
   or init. `targets(step)`: (shardings, abstract) of the state after `step` steps (its precision phase's)."""
-  restored = ckpt.restore_latest(None, None, train_it, seed=cfg.seed, targets=targets)
+  restored = ckpt.restore_latest(targets, train_it, seed=cfg.seed)
   if restored is not None:
     state, step = restored
     metrics.truncate_after(step)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ember import config as config_lib
-from ember.layers.decoder import stacked_layers, tree_leaves, within_layer
+from ember.layers.decoder import keys_of, stacked_layers, tree_leaves, within_layer
 from ember.model_config import ModelConfig
 from ember.trainer.state import TrainState
 
@@ -77,8 +77,8 @@ def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: 
   def same(kept, like):
     return kept is not None and kept.shape == like.shape and kept.dtype == like.dtype
 
-  quant_state = jax.tree.map(lambda x: None, abstract.quant_state)
-  for path, leaf in tree_leaves(abstract.quant_state):
+  def take(key_path, leaf, sharding):
+    path = keys_of(key_path)
     layers = stacked_layers(new_model, path)
     if layers is None:
       kept = old.get((None, path))
@@ -87,11 +87,7 @@ def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: 
       row = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
       rows = [old.get((layer, within_layer(path))) for layer in layers]
       value = jnp.stack([r if same(r, row) else jnp.zeros(row.shape, row.dtype) for r in rows])
-    sharding = shardings.quant_state
-    for key in path:
-      sharding = sharding[key]
-    node = quant_state
-    for key in path[:-1]:
-      node = node[key]
-    node[path[-1]] = jax.device_put(value, sharding)
+    return jax.device_put(value, sharding)
+
+  quant_state = jax.tree_util.tree_map_with_path(take, abstract.quant_state, shardings.quant_state)
   return dataclasses.replace(state, quant_state=quant_state)

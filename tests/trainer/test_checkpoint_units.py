@@ -69,12 +69,12 @@ def test_resume_checks_shapes_before_reading_and_names_the_parameter(tmp_path, m
                      opt_state=({"mu": {"layer": {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32)}}},), quant_state={})
   shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), wider)
   with pytest.raises(CheckpointError, match=r"parameter layer/w has shape \(8, 4\) in the checkpoint but \(8, 6\)"):
-    ckpt.restore_latest(wider, shardings, None, seed=0)
+    ckpt.restore_latest(lambda step: (shardings, wider), None, seed=0)
   assert ckpt.steps() == [3]  # A mismatch is never treated as damage.
   abstract, shardings = _abstract_and_shardings(_state(mesh, 0.0))
   with pytest.raises(CheckpointError, match=r"config\.seed: 5, but .* saved with seed 0"):
-    ckpt.restore_latest(abstract, shardings, None, seed=5)
-  state, step = ckpt.restore_latest(abstract, shardings, None, seed=0)
+    ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=5)
+  state, step = ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0)
   assert step == 3 and float(state.params["layer"]["w"][0, 0]) == 1.0
   ckpt.close()
 
