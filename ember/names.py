@@ -51,4 +51,7 @@ MOE_ROUTER_Z_LOSS = "moe_router_z_loss"
 MOE_DROPPED_TOKENS = "moe_dropped_tokens"
 MOE_ROUTED_TOKENS = "moe_routed_tokens"
 MOE_OVERFLOW_TOKENS = "moe_overflow_tokens"  # Copies beyond the ragged dispatcher's receive buffer.
+# The name scope around every expert GEMM (forward, dgrad, wgrad): the compile report finds the expert
+# GEMMs of the compiled program by it (op_name metadata), whatever kernel XLA chose for them.
+EXPERT_GEMM_SCOPE = "expert_gemm"
 AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS, MOE_OVERFLOW_TOKENS)

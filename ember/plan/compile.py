@@ -1,6 +1,7 @@
 """Compile the train step a config would run for a target, without running it, and report what the
 compiled program does: memory against the target's, the GEMM census, the attention kernel, the
-collectives, the compile time.
+collectives, the compile time, and what it costs (ember/plan/cost.py: executed FLOPs by precision against
+the model's, the largest values and collectives, the time floor on the target).
 
 The step is the loop's own (ember/trainer/step.py, jitted the loop's way) on the config's mesh built
 from the target's devices, with the remat policy resolved as the loop would (`auto` chooses under the
@@ -17,13 +18,13 @@ import ml_collections
 from ember import config as config_lib
 from ember import remat
 from ember.parallel.mesh import make_mesh
-from ember.plan import auto_remat, hlo
+from ember.plan import auto_remat, cost, hlo
 from ember.plan import step as step_plan
 from ember.plan.layer import per_device_batch
 from ember.plan.target import COMPILER_OPTIONS, Target, targeting
 from ember.plan.units import GiB
 from ember.trainer.optimizer import make_optimizer
-from ember.trainer.perf import host_bytes, memory_peak
+from ember.trainer.perf import host_bytes, memory_peak, train_flops_per_step
 
 ESTIMATE_NOTE = ("XLA's memory estimate for the compiled program: no autotuning on a compile-only target and "
                  "cuDNN workspaces unknown; the XLA options used are in xla_flags")
@@ -58,7 +59,8 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
     compiled = traced.lower().compile(compiler_options=options)
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
-    attention = hlo.attention(text)
+    program = hlo.Program(text)
+    attention = hlo.attention(program)
     attention_note = _why_not_cudnn(cfg, mesh) if target.is_gpu and attention["kernel"] != "cudnn" else None
   if hlo_out:
     with open(hlo_out, "w") as f:
@@ -72,9 +74,9 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
       "peak_bytes": peak, "argument_bytes": int(memory.argument_size_in_bytes),
       "output_bytes": int(memory.output_size_in_bytes), "alias_bytes": int(memory.alias_size_in_bytes),
       "temp_bytes": int(memory.temp_size_in_bytes), "host_bytes": host_bytes(memory),
-      "gemms": hlo.gemm_census(text), "attention": attention["kernel"],
+      "gemms": hlo.gemm_census(program), "attention": attention["kernel"],
       "attention_kernels": {"forward": attention["forward"], "backward": attention["backward"]},
-      "collectives": hlo.collectives(text), "remat_policy": cfg.remat.policy, "recipe": cfg.quant.recipe,
+      "collectives": hlo.collectives(program), "remat_policy": cfg.remat.policy, "recipe": cfg.quant.recipe,
       "compile_s": round(compile_s, 2), "xla_flags": {"compiler_options": options or {},
                                                      "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
       "mesh": {k: int(v) for k, v in mesh.shape.items()}, "model": cfg.model.name,
@@ -82,24 +84,35 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
   }
   if attention_note:
     report["attention_note"] = attention_note
+  num_devices = len(mesh.devices.flat)
+  report.update(cost.step_cost(text, model_flops=train_flops_per_step(cfg) / num_devices,
+                               tokens=cfg.train.batch_size * cfg.model.seq_len / num_devices,
+                               machine=machine(target, mesh)))
   if cfg.model.num_experts:
-    report["moe"] = moe_figures(cfg, mesh, target)
+    report["moe"] = moe_figures(cfg, mesh, target, program)
   return report
 
 
-def moe_figures(cfg, mesh, target: Target) -> dict:
-  """The token exchange of an MoE step: the dispatcher that runs and the grouped GEMMs' rows per device."""
+def machine(target: Target, mesh) -> cost.Machine | None:
+  """The target's roofline figures, with the node of each of the program's partitions (the mesh's devices in
+  order; the target's devices are node-major)."""
+  if not target.is_gpu:
+    return None
+  position = {d.id: k for k, d in enumerate(target.devices())}
+  nodes = tuple(position[d.id] // target.per_node for d in mesh.devices.flat)
+  return cost.Machine(target.facts, target.hbm_bytes_per_s, nodes)
+
+
+def moe_figures(cfg, mesh, target: Target, program: hlo.Program) -> dict:
+  """The token exchange of an MoE step: the dispatcher that runs, and the expert GEMMs' rows per device and
+  FLOPs read from the compiled program."""
   from ember.layers import moe_dispatch
   from ember.model_config import ModelConfig
   m = ModelConfig.from_config(cfg)
   n = int(mesh.shape["expert"])
-  tokens = per_device_batch(cfg, mesh) * m.seq_len
-  capacity = moe_dispatch.expert_capacity(m.capacity_factor, tokens, m.experts_per_token, m.num_experts)
   dispatch = moe_dispatch.resolve(m.moe_dispatch, "gpu" if target.is_gpu else "cpu") if n > 1 else "local"
-  rows = moe_dispatch.gemm_rows(moe_dispatch.ALLGATHER if n == 1 else dispatch, tokens=tokens,
-                                k=m.experts_per_token, num_local=m.num_experts // n, n=n, capacity=capacity,
-                                ragged_buffer=m.moe_ragged_buffer)
-  return {"dispatch": dispatch, "expert_parallel": n, "tokens_per_shard": tokens, "gemm_rows_per_rank": rows}
+  return {"dispatch": dispatch, "expert_parallel": n, "tokens_per_shard": per_device_batch(cfg, mesh) * m.seq_len,
+          **cost.expert_gemms(program)}
 
 
 def _why_not_cudnn(cfg, mesh) -> str:

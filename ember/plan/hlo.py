@@ -1,34 +1,56 @@
-"""Reading a compiled program (optimised HLO text): its GEMMs by operand type, its attention kernel, its
-collectives with the bytes they move per step.
+"""Reading a compiled program (optimised HLO text): its GEMMs with their FLOPs and precision, its attention
+kernels with theirs, its kernels' memory traffic, its collectives with the bytes they move per step.
 
 Rules, in one place:
   * a GEMM is a cuBLAS / cuBLASLt custom call (`__cublas$gemm`, `__cublas$lt$matmul`,
-    `__cublas$lt$matmul$f8`), a Triton GEMM fusion, or any other `dot` (the CPU's, fused or not);
-    it is `fp8` when it is cuBLASLt's FP8 kernel or its operands are float8, else `bf16` (bf16 / f16
-    operands) or `f32`. Each instruction counts once (a scan body's GEMMs once, whatever the depth).
-  * attention is `cudnn` when the program calls cuDNN's fused attention (`__cudnn$fmha*`), else `xla`.
+    `__cublas$lt$matmul$f8`), cuDNN's block-scaled GEMM (`__cudnn$blockScaledDot`), a Triton or cuDNN GEMM
+    fusion, a `ragged-dot`, or any other `dot` (the CPU's, fused or not). Its precision is `nvfp4` / `mxfp8`
+    for a block-scaled GEMM (E2M1 / E4M3 data with block scales), `fp8` for cuBLASLt's FP8 kernel or float8
+    operands, else `bf16` (bf16 / f16 operands) or `f32`. `gemm_census` counts instructions (a scan body's
+    GEMMs once, whatever the depth).
+  * a GEMM's FLOPs are 2 x output elements x contraction size per execution (a ragged dot contracting its
+    ragged rows: 2 x rows x output elements per group), times the trip count of every loop around it.
+  * a cuDNN attention call (`__cudnn$fmha*`) does 2 x B x H x Lq x Lk x (D + Dv) FLOPs forward (QK^T and
+    PV) and 2 x B x H x Lq x Lk x (3 D + 2 Dv) backward (QK^T again, dV, dP, dQ, dK: 2.5x the forward, the
+    FlashAttention convention, the kernel's own recompute of the scores included); a causal mask halves both.
+  * work "recomputed" is work under JAX's `rematted_computation` name scope: the forward of a
+    `jax.checkpoint`ed function run again in the backward pass.
+  * attention is `cudnn` when the program calls cuDNN's fused attention, else `xla`.
   * a collective's bytes are what one device holds of it (all-gather: the gathered result; reduce-scatter:
     its input; ragged-all-to-all: the smaller of its operand and its output buffer, a bound on what the
     routing moves; the rest: the operand), times the trip count of every loop around it (XLA records
     `known_trip_count` on the while ops of a scan), so `collectives` is bytes per device per step.
+  * a kernel's memory traffic is the bytes of its operands and results, except what it only slices
+    (a fused `dynamic-slice`: the slice) and what it updates in place (a `dynamic-update-slice` or
+    `scatter` into its operand: the update, read and written).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "f4e2m1fn": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
           "f8e8m0fnu": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
           "u64": 8}
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
+PRECISIONS = ("fp8", "mxfp8", "nvfp4", "bf16", "f32")
 _CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+_BLOCK_SCALED = "__cudnn$blockScaledDot"
 _HALF = ("bf16", "f16")  # HLO element types of 16-bit floats.
+RECOMPUTE_SCOPE = "rematted_computation"  # JAX's name scope for a checkpointed forward run again.
+# Instructions that launch no kernel of their own (control flow, aliases, bookkeeping, async halves whose
+# work is counted elsewhere) and move no bytes in the memory term.
+_NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+              "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain",
+              "get-dimension-size", "copy-start", "copy-done", "send", "send-done", "recv", "recv-done",
+              "async-start", "async-update", "async-done"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,27 +61,99 @@ class Instruction:
   opcode: str
   line: str
 
-  @property
+  @functools.cached_property
   def operands(self) -> list[str]:
-    m = re.search(re.escape(self.opcode) + r"\(([^)]*)\)", self.line)
-    return [a.strip().lstrip("%") for a in m.group(1).split(",") if a.strip()] if m else []
+    body = self.line[self.line.index(self.opcode + "(") + len(self.opcode) + 1:]
+    depth, end = 1, 0
+    for end, ch in enumerate(body):
+      depth += (ch == "(") - (ch == ")")
+      if depth == 0:
+        break
+    args = re.sub(r"/\*.*?\*/", "", body[:end])
+    return [a.strip().lstrip("%") for a in args.split(",") if a.strip().lstrip("%")]
 
   def attribute(self, key: str) -> str | None:
     m = re.search(key + r'="([^"]+)"', self.line) or re.search(key + r"=\{?%?([\w.\-]+)", self.line)
     return m.group(1) if m else None
 
+  def dims(self, key: str) -> list[int]:
+    """An integer list attribute: `lhs_contracting_dims={1,2}` in HLO, `"lhs_contracting_dimensions":["1"]`
+    in a backend config."""
+    m = re.search(key + r'(?:=\{|"\s*:\s*\[)([^}\]]*)', self.line)
+    return [int(d) for d in re.findall(r"\d+", m.group(1))] if m else []
+
+  @property
+  def op_name(self) -> str:
+    return self.attribute("op_name") or ""
+
+  @property
+  def recomputed(self) -> bool:
+    return RECOMPUTE_SCOPE in self.op_name
+
+
+class Program:
+  """One optimised HLO module, parsed once: instructions by name and computation, loop trip counts."""
+
+  def __init__(self, hlo: str):
+    self.instructions: list[Instruction] = []
+    self.entry, comp = None, None
+    for line in hlo.splitlines():
+      if not line.startswith(" "):
+        m = _COMPUTATION.match(line)
+        if m:
+          comp = m.group(2)
+          self.entry = comp if m.group(1) else self.entry
+        continue
+      parsed = _parse_definition(line)
+      if parsed:
+        self.instructions.append(Instruction(comp, *parsed, line))
+    self.by_name = {i.name: i for i in self.instructions}
+    self.computations: dict[str, list[Instruction]] = collections.defaultdict(list)
+    for i in self.instructions:
+      self.computations[i.computation].append(i)
+    self.trips = loop_multipliers(self.instructions)
+
+  def type_of(self, name: str) -> str:
+    i = self.by_name.get(name)
+    return i.shape if i else ""
+
+  def times(self, i: Instruction) -> int:
+    """How many times an instruction runs per execution of the program (loop trip counts applied)."""
+    return self.trips.get(i.computation, 1)
+
+  @functools.cached_property
+  def kernel_computations(self) -> set[str]:
+    """The computations whose instructions are kernels (the entry, loop bodies, branches, called and async
+    computations), not fusion bodies or reducers."""
+    out, todo = set(), [self.entry]
+    while todo:
+      comp = todo.pop()
+      if comp in out or comp not in self.computations:
+        continue
+      out.add(comp)
+      for i in self.computations[comp]:
+        keys = _KERNEL_CALLEES.get(i.opcode, ())
+        todo += [c for key in keys for c in _callees(i.line, key)]
+    return out
+
+  def kernels(self) -> list[Instruction]:
+    return [i for c in self.kernel_computations for i in self.computations[c]]
+
+
+# Which called computations of an instruction hold kernels: loop bodies, branches, plain calls (command
+# buffers), the ops an async pair wraps.
+_KERNEL_CALLEES = {"while": ("body", "condition"), "conditional": ("branch_computations",), "call": ("to_apply",),
+                   "async-start": ("calls",)}
+
+
+def _callees(line: str, key: str = "body|condition|calls|to_apply|branch_computations|called_computations"
+             ) -> list[str]:
+  found = re.findall(rf"(?:{key})=\{{?(%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)", line)
+  return [c.strip().lstrip("%") for group in found for c in group.split(",")]
+
 
 def instructions(hlo: str) -> list[Instruction]:
-  out, comp = [], None
-  for line in hlo.splitlines():
-    if not line.startswith(" "):
-      m = _COMPUTATION.match(line)
-      comp = m.group(1) if m else comp
-      continue
-    parsed = _parse_definition(line)
-    if parsed:
-      out.append(Instruction(comp, *parsed, line))
-  return out
+  return Program(hlo).instructions
 
 
 def _parse_definition(line: str) -> tuple[str, str, str] | None:
@@ -82,9 +176,15 @@ def _parse_definition(line: str) -> tuple[str, str, str] | None:
   return (m.group(1), shape, op.group(1)) if op else None
 
 
-def _dtype(shape: str) -> str:
+def dtype_of(shape: str) -> str:
   m = _SHAPE.search(shape)
   return m.group(1) if m else "?"
+
+
+def dims_of(shape: str) -> list[int]:
+  """The dimensions of an array type (the first array of a tuple type)."""
+  m = _SHAPE.search(shape)
+  return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
 def nbytes(shape: str) -> float:
@@ -96,9 +196,7 @@ def loop_multipliers(instrs: list[Instruction]) -> dict[str, int]:
   calls = collections.defaultdict(set)
   loops = []  # (caller, body, trip count)
   for i in instrs:
-    for callee in re.findall(r"(?:body|condition|calls|to_apply|branch_computations|called_computations)="
-                             r"\{?%?([\w.\-]+(?:, %?[\w.\-]+)*)", i.line):
-      calls[i.computation].update(c.strip().lstrip("%") for c in callee.split(","))
+    calls[i.computation].update(_callees(i.line))
     if i.opcode == "while":
       trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', i.line)
       loops.append((i.computation, i.attribute("body"), int(trip.group(1)) if trip else 1))
@@ -117,76 +215,317 @@ def loop_multipliers(instrs: list[Instruction]) -> dict[str, int]:
   return factor
 
 
+# --- GEMMs ------------------------------------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-  kind: str  # The custom-call target, "triton_gemm" or "dot".
+  kind: str  # The custom-call target, "triton_gemm", "cudnn_gemm", "ragged_dot" or "dot".
   operand_dtypes: tuple[str, ...]
-  precision: str  # fp8 | bf16 | f32
+  precision: str  # One of PRECISIONS.
   op_name: str
+  flops: float = 0.0  # Per execution.
+  times: int = 1  # Executions per program run (loop trip counts).
+  bytes: float = 0.0  # Operands and results, per execution.
+  output_dims: tuple[int, ...] = ()
+  recomputed: bool = False
+
+  @property
+  def flops_per_step(self) -> float:
+    return self.flops * self.times
 
 
-def gemms(hlo: str) -> list[Gemm]:
-  instrs = instructions(hlo)
-  types = {i.name: i.shape for i in instrs}
-  is_triton_gemm = lambda i: i.opcode == "fusion" and re.search(r'"kind":"__triton_(nested_)?gemm', i.line)
-  triton_bodies = {i.attribute("calls") for i in instrs if is_triton_gemm(i)}
+def gemms(hlo: str | Program) -> list[Gemm]:
+  p = hlo if isinstance(hlo, Program) else Program(hlo)
+  gemm_fusions = {i.attribute("calls"): i for i in p.instructions if _fused_gemm_kind(i)}
   out = []
-  for i in instrs:
+  for i in p.instructions:
     target = i.attribute("custom_call_target") if i.opcode == "custom-call" else None
-    if target in _CUBLAS:
-      kind = target
-    elif is_triton_gemm(i):
-      kind = "triton_gemm"
-    elif i.opcode == "dot" and i.computation not in triton_bodies:
-      kind = "dot"
+    if target in _CUBLAS or target == _BLOCK_SCALED:
+      kind, dot = target, i
+    elif _fused_gemm_kind(i):
+      kind = _fused_gemm_kind(i)
+      dot = next((d for d in p.computations[i.attribute("calls")] if d.opcode in ("dot", "scaled-dot")), None)
+      if dot is None:
+        continue
+    elif i.opcode in ("dot", "ragged-dot", "scaled-dot") and i.computation not in gemm_fusions:
+      kind, dot = i.opcode.replace("-", "_"), i
     else:
       continue
-    dtypes = tuple(_dtype(types.get(o, "?")) for o in i.operands[:2])
-    if kind.endswith("$f8") or any(d.startswith("f8") for d in dtypes):
-      precision = "fp8"
-    elif all(d in _HALF for d in dtypes):
-      precision = "bf16"
-    else:
-      precision = "f32"
-    out.append(Gemm(kind, dtypes, precision, i.attribute("op_name") or ""))
+    dtypes = tuple(dtype_of(p.type_of(o)) for o in dot.operands[:2])
+    out.append(Gemm(kind, dtypes, _precision(kind, dtypes), i.op_name, _gemm_flops(p, dot), p.times(i),
+                    _own_bytes(p, i), tuple(dims_of(_first(i.shape))), i.recomputed))
   return out
 
 
-def gemm_census(hlo: str) -> dict[str, int]:
+def _fused_gemm_kind(i: Instruction) -> str | None:
+  """"triton_gemm" / "cudnn_gemm" for a GEMM fusion (a Triton or cuDNN kernel around a dot), else None."""
+  m = i.opcode == "fusion" and re.search(r'"kind":"__(triton_(?:nested_)?gemm|cudnn\$fusion)"', i.line)
+  return ("cudnn_gemm" if "cudnn" in m.group(1) else "triton_gemm") if m else None
+
+
+def _precision(kind: str, dtypes: tuple[str, ...]) -> str:
+  if kind == _BLOCK_SCALED or (kind == "scaled_dot" and dtypes and dtypes[0].startswith(("f8", "f4"))):
+    return "nvfp4" if "f4e2m1fn" in dtypes else "mxfp8"
+  if kind.endswith("$f8") or any(d.startswith("f8") for d in dtypes):
+    return "fp8"
+  if dtypes and all(d in _HALF for d in dtypes):
+    return "bf16"
+  return "f32"
+
+
+def _gemm_flops(p: Program, dot: Instruction) -> float:
+  """2 x output elements x contraction size (see the module doc)."""
+  out = dims_of(_first(dot.shape))
+  lhs = dims_of(p.type_of(dot.operands[0]))
+  if dot.opcode == "custom-call":
+    contracting = dot.dims("lhs_contracting_dimensions")
+    if dot.attribute("custom_call_target") == _BLOCK_SCALED and not contracting:
+      contracting = [len(lhs) - 1]  # cuDNN's block-scaled GEMM contracts the operands' last (minor) axis.
+  else:
+    contracting = dot.dims("lhs_contracting_dims")
+  k = math.prod(lhs[d] for d in contracting if d < len(lhs))
+  if dot.opcode == "ragged-dot" and set(dot.dims("lhs_ragged_dims")) & set(contracting):
+    groups = dims_of(p.type_of(dot.operands[2]))
+    return 2.0 * math.prod(out) / max(groups[0] if groups else 1, 1) * k  # Each row is in one group.
+  return 2.0 * math.prod(out) * k
+
+
+def gemm_census(hlo: str | Program) -> dict[str, int]:
   counts = collections.Counter(g.precision for g in gemms(hlo))
-  return {p: counts.get(p, 0) for p in ("fp8", "bf16", "f32")}
+  return {p: counts.get(p, 0) for p in PRECISIONS}
 
 
-def attention(hlo: str) -> dict[str, object]:
+def _first(shape: str) -> str:
+  return _top_level(shape)[0]
+
+
+# --- Attention ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+  backward: bool
+  causal: bool
+  flops: float  # Per execution.
+  times: int
+  bytes: float
+  recomputed: bool
+  op_name: str
+
+  @property
+  def flops_per_step(self) -> float:
+    return self.flops * self.times
+
+
+def attention_calls(hlo: str | Program) -> list[AttentionCall]:
+  p = hlo if isinstance(hlo, Program) else Program(hlo)
+  out = []
+  for i in p.instructions:
+    target = i.attribute("custom_call_target") if i.opcode == "custom-call" else ""
+    if not (target or "").startswith("__cudnn$fmha"):
+      continue
+    backward = "Backward" in target
+    causal = bool(re.search(r'"mask_type":\s*"CAUSAL"', i.line))
+    # The score matrix [B, H, Lq, Lk] is in the backend config; head dims are the last of Q's and V's.
+    m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]', i.line)
+    q, v = (dims_of(p.type_of(o)) for o in (i.operands + ["", "", ""])[:3:2])
+    flops = 0.0
+    if m and q and v:
+      b, h, lq, lk = (int(d) for d in re.findall(r"\d+", m.group(1)))
+      d, dv = q[-1], v[-1]
+      flops = 2.0 * b * h * lq * lk * ((3 * d + 2 * dv) if backward else (d + dv)) * (0.5 if causal else 1.0)
+    out.append(AttentionCall(backward, causal, flops, p.times(i), _own_bytes(p, i), i.recomputed, i.op_name))
+  return out
+
+
+def attention(hlo: str | Program) -> dict[str, object]:
   """{"kernel": cudnn | xla, "forward": cuDNN forward calls, "backward": cuDNN backward calls}."""
-  targets = [i.attribute("custom_call_target") for i in instructions(hlo) if i.opcode == "custom-call"]
-  fmha = [t for t in targets if t and t.startswith("__cudnn$fmha")]
-  backward = sum("Backward" in t for t in fmha)
-  return {"kernel": "cudnn" if fmha else "xla", "forward": len(fmha) - backward, "backward": backward}
+  calls = attention_calls(hlo)
+  backward = sum(c.backward for c in calls)
+  return {"kernel": "cudnn" if calls else "xla", "forward": len(calls) - backward, "backward": backward}
 
 
-def collectives(hlo: str) -> dict[str, float]:
-  """{kind: bytes per device per step} (see the module doc)."""
-  instrs = instructions(hlo)
-  factor = loop_multipliers(instrs)
-  types = {i.name: i.shape for i in instrs}
-  totals: dict[str, float] = collections.defaultdict(float)
-  for i in instrs:
+# --- Memory traffic -----------------------------------------------------------------------------------
+
+
+def _own_bytes(p: Program, i: Instruction) -> float:
+  """The bytes a kernel reads and writes (see the module doc)."""
+  if i.opcode == "dynamic-update-slice":
+    return 2 * nbytes(p.type_of(i.operands[1]))
+  if i.opcode in ("dynamic-slice", "slice"):
+    return 2 * nbytes(i.shape)
+  operands = [nbytes(p.type_of(o)) for o in i.operands]
+  parts = _top_level(i.shape)
+  if i.opcode == "custom-call" and len(parts) > 1 and dtype_of(parts[-1]) in ("s8", "u8"):
+    parts = parts[:-1]  # A library call's scratch workspace: no data moves through it.
+  result = sum(nbytes(x) for x in parts)
+  if i.opcode == "fusion":
+    body = p.computations.get(i.attribute("calls") or "", [])
+    params = {int(re.search(r"parameter\((\d+)\)", b.line).group(1)): b.name for b in body if b.opcode == "parameter"}
+    users = collections.defaultdict(list)
+    for b in body:
+      for o in b.operands:
+        users[o].append(b)
+
+    def reads(name):  # The slices a fused value is read through (bitcasts followed), or None: all of it.
+      uses = users.get(name, [])
+      if not uses:
+        return None
+      out = []
+      for u in uses:
+        if u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == name:
+          sliced = [u]
+        else:
+          sliced = reads(u.name) if u.opcode == "bitcast" else None
+        if sliced is None:
+          return None
+        out += sliced
+      return out
+
+    for index, name in params.items():
+      sliced = reads(name) if index < len(operands) else None
+      if sliced is not None:
+        operands[index] = sum(nbytes(u.shape) for u in sliced)
+    root = next((b for b in body if b.line.lstrip().startswith("ROOT")), None)
+    roots = [p.by_name[n] for n in root.operands if n in p.by_name] if root and root.opcode == "tuple" else [root]
+    for r in roots:
+      if r is None or r.opcode not in ("dynamic-update-slice", "scatter"):
+        continue
+      target = p.by_name.get(r.operands[0])
+      while target is not None and target.opcode == "bitcast":
+        target = p.by_name.get(target.operands[0])
+      if target is not None and target.opcode == "parameter":
+        index = int(re.search(r"parameter\((\d+)\)", target.line).group(1))
+        update = nbytes(p.type_of(r.operands[1 if r.opcode == "dynamic-update-slice" else 2]))
+        if index < len(operands):
+          operands[index] = 0.0
+        result += update - nbytes(r.shape)  # In place: only the update is written.
+  return sum(operands) + max(result, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """A kernel-level instruction that moves memory: neither a GEMM, an attention call nor a collective."""
+  name: str
+  opcode: str
+  bytes: float  # Per execution.
+  times: int
+
+
+def memory_kernels(p: Program) -> list[Kernel]:
+  out = []
+  for i in p.kernels():
+    op = i.opcode[: -len("-start")] if i.opcode.endswith("-start") else i.opcode
+    if i.opcode in _NO_KERNEL or op in COLLECTIVES or i.opcode.endswith("-done") or _is_compute(i):
+      continue
+    out.append(Kernel(i.name, i.opcode, _own_bytes(p, i), p.times(i)))
+  return out
+
+
+def _is_compute(i: Instruction) -> bool:
+  target = i.attribute("custom_call_target") if i.opcode == "custom-call" else ""
+  if target in _CUBLAS or target == _BLOCK_SCALED or (target or "").startswith("__cudnn$fmha"):
+    return True
+  if i.opcode in ("dot", "ragged-dot", "scaled-dot"):
+    return True
+  return _fused_gemm_kind(i) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+  """A buffer the program produces: one array of a kernel's result."""
+  shape: str
+  dtype: str
+  bytes: float
+  op_name: str
+  times: int
+
+
+def values(p: Program) -> list[Value]:
+  """Every array the step's kernels produce (loop bodies' once, with how many times they run)."""
+  out = []
+  for i in p.kernels():
+    if i.opcode in _NO_KERNEL or i.opcode.endswith("-start"):
+      continue
+    for part in _top_level(i.shape):
+      if _SHAPE.search(part):
+        out.append(Value(_SHAPE.search(part).group(0), dtype_of(part), nbytes(part), i.op_name, p.times(i)))
+  return out
+
+
+# --- Collectives --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  kind: str
+  shape: str  # What one device holds of it (see the module doc).
+  bytes: float  # Per execution, per device.
+  times: int
+  groups: tuple[tuple[int, ...], ...]  # Replica groups (partition ids); () = all devices.
+  op_name: str
+
+  @property
+  def bytes_per_step(self) -> float:
+    return self.bytes * self.times
+
+
+def collective_ops(hlo: str | Program) -> list[Collective]:
+  p = hlo if isinstance(hlo, Program) else Program(hlo)
+  out = []
+  for i in p.instructions:
     op = i.opcode[: -len("-start")] if i.opcode.endswith("-start") else i.opcode
     if op not in COLLECTIVES:
       continue
     parts = _top_level(i.shape)
     if op == "reduce-scatter":  # Its input: the operands.
-      held = sum(nbytes(types.get(o, "")) for o in i.operands)
+      held = " ".join(p.type_of(o) for o in i.operands)
     elif op == "ragged-all-to-all":  # Operands (data, output buffer, offsets and sizes...): at most the data
       # leaves a device and at most the output buffer arrives.
-      held = min(nbytes(types.get(i.operands[0], "")), nbytes(types.get(i.operands[1], "")))
+      held = min((p.type_of(o) for o in i.operands[:2]), key=nbytes)
     elif i.opcode.endswith("-start") and op != "all-reduce" and len(parts) >= 2:
-      held = nbytes(parts[1])  # An async start's type is (inputs, outputs[, context]): the outputs.
+      held = parts[1]  # An async start's type is (inputs, outputs[, context]): the outputs.
     else:
-      held = nbytes(i.shape)
-    totals[op] += held * factor.get(i.computation, 1)
+      held = i.shape
+    out.append(Collective(op, held, nbytes(held), p.times(i), replica_groups(i.line), i.op_name))
+  return out
+
+
+def collectives(hlo: str | Program) -> dict[str, float]:
+  """{kind: bytes per device per step} (see the module doc)."""
+  totals: dict[str, float] = collections.defaultdict(float)
+  for c in collective_ops(hlo):
+    totals[c.kind] += c.bytes_per_step
   return dict(totals)
+
+
+def replica_groups(line: str) -> tuple[tuple[int, ...], ...]:
+  """The groups of a collective: explicit `{{0,1},{2,3}}`, iota `[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)`, or
+  `source_target_pairs` (each pair a group); () when it names none (all devices)."""
+  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+  if m:
+    shape, dims = [int(x) for x in m.group(1).split(",")], [int(x) for x in m.group(2).split(",")]
+    ids = list(range(math.prod(dims)))
+    if m.group(3):
+      perm = [int(x) for x in m.group(3).split(",")]
+      strides = [math.prod(dims[k + 1:]) for k in range(len(dims))]
+      order = _iota_transposed([dims[k] for k in perm], [strides[k] for k in perm])
+      ids = order
+    size = shape[-1]
+    return tuple(tuple(ids[g * size:(g + 1) * size]) for g in range(len(ids) // size))
+  m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", line)
+  if m:
+    return tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+  return ()
+
+
+def _iota_transposed(dims: list[int], strides: list[int]) -> list[int]:
+  """Row-major enumeration of an iota array viewed with these dimensions and strides."""
+  out = [0]
+  for n, s in zip(dims, strides):
+    out = [base + k * s for base in out for k in range(n)]
+  return out
 
 
 def _top_level(shape: str) -> list[str]:

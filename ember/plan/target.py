@@ -1,8 +1,8 @@
 """Named compile targets: `cpu` (the local devices) or `<gpu>x<count>`, a described GPU cluster.
 
-A GPU is a data file of device facts beside this module (`targets/<gpu>.txtpb`: an XLA
-GpuTargetConfigProto in text form: SM count, shared memory, memory size and bandwidth, clock, compute
-capability). JAX builds compile-only devices from it (`jax.experimental.topologies`), so the real train
+A GPU is its XLA device spec in ember/hardware/ (`<gpu>.txtpb`: an XLA GpuTargetConfigProto in text
+form: SM count, shared memory, memory size and bandwidth, clock, compute capability, cuDNN version) with
+its row of peaks and link bandwidths there (`facts.toml`). JAX builds compile-only devices from it (`jax.experimental.topologies`), so the real train
 step compiles through XLA's GPU pipeline on any machine with the CUDA plugin installed (no GPU, no
 cuDNN, no CUDA toolkit): `h100x8` is one node of 8, `h100x16` two nodes of 8 (the mesh's `dcn_*` axes
 span nodes). The process must not have initialised a CUDA backend: `JAX_PLATFORMS=cpu` (the tools set
@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 
 import jax
 
+from ember import hardware
 from ember.errors import ConfigError, one_line
 from ember.parallel.sharding import on_platform
 
-_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
-GPUS = tuple(sorted(f[: -len(".txtpb")] for f in os.listdir(_DIR) if f.endswith(".txtpb")))
 NODE_SIZE = 8  # GPUs per node: counts above it are whole nodes.
 
 # XLA options every target compile uses (pinned: the census and memory figures depend on them).
@@ -57,8 +55,16 @@ class Target:
     return self.count // self.nodes
 
   def spec(self) -> str:
-    with open(os.path.join(_DIR, f"{self.gpu}.txtpb")) as f:
-      return f.read()
+    return hardware.spec(self.gpu)
+
+  @property
+  def facts(self) -> hardware.DeviceFacts | None:
+    """Peaks and link bandwidths (None for `cpu`)."""
+    return hardware.facts(self.gpu) if self.is_gpu else None
+
+  @property
+  def hbm_bytes_per_s(self) -> float | None:
+    return hardware.hbm_bytes_per_s(self.gpu) if self.is_gpu else None
 
   @property
   def device_memory_bytes(self) -> int | None:
@@ -92,9 +98,9 @@ def parse(name: str) -> Target:
   if name == "cpu":
     return Target("cpu", None, jax.device_count())
   m = re.fullmatch(r"([a-z0-9]+)x(\d+)", name or "")
-  if m is None or m.group(1) not in GPUS:
-    raise ConfigError(f"--target: unknown target {name!r}; choose cpu or <gpu>x<count> with gpu in {', '.join(GPUS)} "
-                      "(e.g. h100x8)")
+  if m is None or m.group(1) not in hardware.GPUS:
+    raise ConfigError(f"--target: unknown target {name!r}; choose cpu or <gpu>x<count> with gpu in "
+                      f"{', '.join(hardware.GPUS)} (e.g. h100x8)")
   count = int(m.group(2))
   if count < 1 or (count > NODE_SIZE and count % NODE_SIZE):
     raise ConfigError(f"--target: {name!r} has {count} GPUs; use 1 to {NODE_SIZE}, or whole nodes of {NODE_SIZE}")
@@ -102,9 +108,14 @@ def parse(name: str) -> Target:
 
 
 def plugin_available() -> bool:
-  """Whether the CUDA plugin that describes GPU targets is installed (the target tests skip without it)."""
+  """Whether the CUDA plugin that describes GPU targets is installed (the target tests skip without it).
+  Never raises: `find_spec` of a submodule raises when its parent package (`jax_plugins`, which only a plugin
+  installs) is missing."""
   import importlib.util
-  return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except (ImportError, ValueError):
+    return False
 
 
 @contextlib.contextmanager

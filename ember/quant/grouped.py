@@ -37,6 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ember.names import EXPERT_GEMM_SCOPE
 from ember.quant.dot import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
 from ember.quant.naming import name_quantized
 from ember.quant.quantizers import update_history
@@ -53,6 +54,12 @@ def grouped_matmul(x_MxK: jax.Array, w_ExKxN: jax.Array, group_sizes_E: jax.Arra
   (fp8_delayed only); `key` seeds stochastic rounding of gradients (nvfp4); `reduce_axes` the mesh
   axes the rows are sharded over (inside shard_map), for the per-tensor amaxes. `stats`: inputs
   (x [S], kernels [E, S], grad [S]) whose "gradient" is the operands' health (quant/health.py), or None."""
+  with jax.named_scope(EXPERT_GEMM_SCOPE):
+    return _grouped_matmul(x_MxK, w_ExKxN, group_sizes_E, recipe=recipe, name=name, history=history, key=key,
+                           dtype=dtype, reduce_axes=reduce_axes, stats=stats)
+
+
+def _grouped_matmul(x_MxK, w_ExKxN, group_sizes_E, *, recipe, name, history, key, dtype, reduce_axes, stats):
   dtype = jnp.dtype(dtype)
   group_sizes_E = group_sizes_E.astype(jnp.int32)
   if not recipe.quantized:

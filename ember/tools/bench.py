@@ -42,8 +42,7 @@ def gemm_counts(hlo_text: str) -> dict[str, object]:
   """The compiled step's GEMMs by precision and its attention kernel (ember/plan/hlo.py's rules);
   `fp8_gemms` > 0 on a GPU shows that FP8 matmuls reached cuBLASLt's FP8 kernels."""
   census = hlo.gemm_census(hlo_text)
-  return {"fp8_gemms": census["fp8"], "bf16_gemms": census["bf16"], "f32_gemms": census["f32"],
-          "attention": hlo.attention(hlo_text)["kernel"]}
+  return {**{f"{precision}_gemms": n for precision, n in census.items()}, "attention": hlo.attention(hlo_text)["kernel"]}
 
 
 def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:

@@ -4,7 +4,7 @@
       --target=h100x8 [--out=report.json]
 
 Targets: `cpu` (the local devices) or `<gpu>x<count>` (`h100x8` one node, `h100x16` two; gpu in
-ember/plan/targets/). A GPU target needs JAX's CUDA plugin (launch/install_compile_plugin.sh), not a GPU.
+ember/hardware/: h100, h200, b200). A GPU target needs JAX's CUDA plugin (launch/install_compile_plugin.sh), not a GPU.
 Prints a short report; exits 0 when the step fits the target's device memory, 1 when it does not (one
 line: "needs X GiB of Y"), 2 for bad input. The JSON fields are listed in ember/plan/compile.py.
 """
@@ -14,6 +14,39 @@ from __future__ import annotations
 import sys
 
 from ember.tools import target_env
+
+
+def _flops(x: float) -> str:
+  """FLOPs with a unit: "421.6 TFLOP", "3.2 GFLOP"."""
+  for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+    if x >= scale:
+      return f"{x / scale:,.1f} {unit}FLOP"
+  return f"{x:,.0f} FLOP"
+
+
+def _ms(seconds: float) -> str:
+  return f"{seconds * 1e3:,.4g} ms"
+
+
+def _work_lines(r: dict) -> list[str]:
+  """Executed work against the model's, the time floor and its ceilings, where the bytes are."""
+  ex = r["executed_flops"]
+  by_precision = ", ".join(f"{k} {_flops(v)}" for k, v in ex.items() if v) or "none"
+  ratio = "n/a" if r["executed_over_model"] is None else f"{r['executed_over_model']:.2f}"
+  lines = [f"  work:        GEMMs ({by_precision}) + attention {_flops(r['attention_flops'])} = {ratio} x the "
+           f"model's {_flops(r['model_flops'])} per device per step; remat recomputes {_flops(r['recompute_flops'])}"]
+  if r["time_floor_s"] is not None:
+    parts = r["time_floor_parts_s"]
+    lines.append(f"  time floor:  {_ms(r['time_floor_s'])} a step (roofline: compute {_ms(parts['compute'])} + memory "
+                 f"{_ms(parts['memory'])}, overlapped with collectives {_ms(parts['collectives'])}; serial "
+                 f"{_ms(r['time_serial_s'])}): MFU at most {r['mfu_ceiling']:.1%}, at most "
+                 f"{r['tokens_per_s_ceiling']:,.0f} tokens/s per device")
+  gib = 2**30
+  for v in r["largest_values"][:3]:
+    lines.append(f"  value:       {v['shape']} {v['bytes'] / gib:.2f} GiB x{v['count']}  {v['op_name']}")
+  for c in r["largest_collectives"][:3]:
+    lines.append(f"  collective:  {c['kind']} {c['shape']} {c['bytes'] / gib:.2f} GiB a step  {c['op_name']}")
+  return lines
 
 
 def format_report(r: dict) -> str:
@@ -29,11 +62,13 @@ def format_report(r: dict) -> str:
       f"  memory:      arguments {r['argument_bytes'] / gib:.2f} GiB (parameters, optimizer state, batch), outputs "
       f"{r['output_bytes'] / gib:.2f} GiB ({r['alias_bytes'] / gib:.2f} aliased), temporaries "
       f"{r['temp_bytes'] / gib:.2f} GiB, host {r['host_bytes'] / gib:.2f} GiB",
-      f"  GEMMs:       {g['fp8']} fp8, {g['bf16']} bf16, {g['f32']} f32 (each instruction once; a scan body once)",
+      f"  GEMMs:       {', '.join(f'{v} {k}' for k, v in g.items())} (each instruction once; a scan body once)",
       f"  attention:   {attention}",
       f"  collectives: {collectives} per device per step",
+      *_work_lines(r),
       *([f"  MoE:         dispatch {r['moe']['dispatch']} over {r['moe']['expert_parallel']} devices, "
-         f"{r['moe']['gemm_rows_per_rank']:,} grouped-GEMM rows per device"] if r.get("moe") else []),
+         f"{r['moe']['gemm_rows_per_rank']:,} rows per forward expert GEMM per device, expert GEMMs "
+         f"{_flops(sum(r['moe']['expert_gemm_flops'].values()))} a step"] if r.get("moe") else []),
       f"  compiled in {r['compile_s']:.1f} s; memory is an estimate: {r['memory_note']}",
   ])
 

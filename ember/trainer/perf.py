@@ -13,11 +13,9 @@ import dataclasses
 
 import jax
 
+from ember import hardware
 from ember.model_config import ModelConfig
 
-# Dense bf16 peak TFLOP/s per device, matched against `device_kind` (lower-case substrings, first match).
-PEAK_BF16_TFLOPS = (("h200", 989.0), ("h100", 989.0), ("gh200", 989.0), ("b200", 2250.0), ("gb200", 2250.0),
-                    ("a100", 312.0))
 
 
 def forward_flops_per_token(model: ModelConfig) -> float:
@@ -37,11 +35,10 @@ def train_flops_per_step(cfg) -> float:
 
 
 def peak_tflops(device_kind: str) -> float | None:
-  kind = device_kind.lower()
-  for key, tflops in PEAK_BF16_TFLOPS:
-    if key in kind:
-      return tflops
-  return None
+  """The device's dense bf16 peak (ember/hardware/facts.toml), which MFU is measured against whatever the
+  recipe; None for a device not in the table."""
+  facts = hardware.facts_for_kind(device_kind)
+  return facts.tflops["bf16"] if facts else None
 
 
 @dataclasses.dataclass(frozen=True)

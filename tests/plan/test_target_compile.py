@@ -22,6 +22,10 @@ TINY = [f"--config={ROOT}/configs/default.py:tiny", "--config.data.source=synthe
 QUANTIZED_PROJECTIONS, HEAD_GEMMS = 4, 3
 
 
+def census(**counts) -> dict:
+  return {precision: counts.get(precision, 0) for precision in ("fp8", "mxfp8", "nvfp4", "bf16", "f32")}
+
+
 def report(target, *flags):
   return compile_report(config_lib.load(["compile", *TINY, *flags]), target_lib.parse(target))
 
@@ -29,7 +33,7 @@ def report(target, *flags):
 @pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
 def test_fp8_gemms_forward_dgrad_wgrad(recipe):
   r = report("h100x1", f"--config.quant.recipe={recipe}", "--config.remat.policy=none")
-  assert r["gemms"] == {"fp8": 3 * QUANTIZED_PROJECTIONS, "bf16": HEAD_GEMMS, "f32": 0}, r["gemms"]
+  assert r["gemms"] == census(fp8=3 * QUANTIZED_PROJECTIONS, bf16=HEAD_GEMMS), r["gemms"]
 
 
 @pytest.mark.parametrize("policy", [p for p in remat.PRESETS if p != "none"])
@@ -46,7 +50,7 @@ def test_fsdp_keeps_dgrad_in_fp8():
   for policy, fp8 in (("none", 12), ("save_quantized", 15), ("save_quantized_x_offloaded", 15)):
     r = report("h100x8", "--config.quant.recipe=fp8_delayed", "--config.mesh.fsdp=8", "--config.train.batch_size=16",
                f"--config.remat.policy={policy}")
-    assert r["gemms"] == {"fp8": fp8, "bf16": HEAD_GEMMS, "f32": 0}, (policy, r["gemms"])
+    assert r["gemms"] == census(fp8=fp8, bf16=HEAD_GEMMS), (policy, r["gemms"])
     assert r["collectives"]["all-gather"] > 0 and r["collectives"]["reduce-scatter"] > 0
 
 
@@ -89,6 +93,14 @@ def test_compile_tool_exit_codes(tmp_path, capsys):
               "gemms", "attention", "collectives", "remat_policy", "recipe", "compile_s", "xla_flags"):
     assert key in r, key
   assert r["gemms"]["fp8"] > 0 and r["attention"] == "cudnn"
+  # What the step costs: GEMMs and attention near the model's FLOPs, FP8 most of the GEMM work, a floor.
+  assert 0.9 <= r["executed_over_model"] <= 1.4, r["executed_over_model"]
+  assert r["executed_flops"]["fp8"] > 0.8 * sum(r["executed_flops"].values()), r["executed_flops"]
+  assert 0 < r["mfu_ceiling"] <= 1 and 0 < r["time_floor_s"] <= r["time_serial_s"]
+  assert r["tokens_per_s_ceiling"] == pytest.approx(8 * 8192 / 8 / r["time_floor_s"])
+  assert len(r["largest_values"]) == 5 and len(r["largest_collectives"]) == 5
+  assert {"shape", "dtype", "bytes", "op_name"} <= set(r["largest_values"][0])
+  assert {"kind", "shape", "dtype", "bytes", "op_name"} <= set(r["largest_collectives"][0])
   capsys.readouterr()
   assert tool.main(["compile", *llama, "--config.train.batch_size=16", "--config.remat.policy=none"]) == 1
   err = capsys.readouterr().err.strip().splitlines()
@@ -101,7 +113,7 @@ def test_unknown_target_is_one_line_exit_2(capsys):
     tool.main(["compile", *TINY, "--target=a100x3"])
   assert e.value.code == 2
   assert capsys.readouterr().err.strip() == ("error: --target: unknown target 'a100x3'; choose cpu or <gpu>x<count> "
-                                             "with gpu in h100, h200 (e.g. h100x8)")
+                                             "with gpu in b200, h100, h200 (e.g. h100x8)")
 
 
 def test_auto_chooses_under_the_target_memory():
@@ -128,4 +140,12 @@ def test_ragged_dispatch_compiles_for_eight_gpus_and_moves_less():
                                                                          "ragged-all-to-all", "all-to-all"))
   assert moved(rg) < moved(ag), (rg["collectives"], ag["collectives"])
   assert rg["moe"]["gemm_rows_per_rank"] < ag["moe"]["gemm_rows_per_rank"]
+  assert sum(rg["moe"]["expert_gemm_flops"].values()) < sum(ag["moe"]["expert_gemm_flops"].values())
   assert rg["gemms"]["fp8"] > 0
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4"])
+def test_every_recipe_compiles_for_eight_b200s(recipe):
+  r = report("b200x8", f"--config.quant.recipe={recipe}", "--config.train.batch_size=8")
+  assert r["fits"] and r["device_kind"] == "NVIDIA B200" and r["num_devices"] == 8
+  assert r["time_floor_s"] > 0 and 0 < r["mfu_ceiling"] <= 1

@@ -1,4 +1,5 @@
-"""Prints the optimised HLO of the tiny model's train step on 2 CPU devices, without metadata or debug tables.
+"""Prints the optimised HLO of the tiny model's train step on 2 CPU devices, without metadata or debug tables,
+with canonical names.
 
   PYTHONPATH=<source tree> python hlo_of_train_step.py RECIPE NUM_EXPERTS
 
@@ -43,4 +44,11 @@ def without_debug_info(hlo: str) -> str:
   return "\n".join(out)
 
 
-print(without_debug_info(text))
+def with_canonical_names(hlo: str) -> str:
+  """Renames every instruction and computation by its first appearance (%0, %1, ...): XLA's name counters
+  depend on how many names tracing made, not on the program."""
+  names = {}
+  return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%{len(names)}"), hlo)
+
+
+print(with_canonical_names(without_debug_info(text)))

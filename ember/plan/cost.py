@@ -1,0 +1,131 @@
+"""What a compiled step costs on its target: the work it executes (GEMM FLOPs by precision, attention,
+remat recompute) against the model's, where its bytes are, and a time floor.
+
+The time floor is a roofline, a bound and not a prediction:
+  * compute: each GEMM at its precision's dense peak, each cuDNN attention call at the bf16 peak; a kernel
+    takes the larger of that and its own bytes at HBM bandwidth;
+  * memory: every other kernel's bytes read and written (ember/plan/hlo.py's rule) at HBM bandwidth;
+  * collectives: the bytes each device sends, by the NCCL bus-bandwidth convention (all-gather,
+    reduce-scatter, all-to-all: (n - 1) / n of what a device holds; all-reduce: 2 (n - 1) / n; a permute:
+    all of it), at NVLink bandwidth when every replica group lies inside a node, else at the network's.
+`time_floor_s` overlaps collectives with compute + memory (the larger of the two); `time_serial_s` adds
+all three. Peaks and link bandwidths are ember/hardware/facts.toml's; HBM bandwidth is the XLA spec's.
+`mfu_ceiling` is the model FLOPs over the floor against the dense bf16 peak (how ember's MFU is measured,
+whatever the recipe); `tokens_per_s_ceiling` is per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ember.hardware import DeviceFacts
+from ember.names import EXPERT_GEMM_SCOPE
+from ember.plan import hlo
+
+TOP = 5  # Largest values and collectives reported.
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+  """The target's figures the floor needs."""
+  facts: DeviceFacts
+  hbm_bytes_per_s: float
+  node_of_partition: tuple[int, ...]  # The node of each SPMD partition (device) of the program.
+
+
+def step_cost(text: str, *, model_flops: float, tokens: float, machine: Machine | None) -> dict:
+  """The cost figures of an optimised HLO text. `model_flops` and `tokens` are per device per step;
+  `machine` None (a CPU target) leaves the time floor out."""
+  p = hlo.Program(text)
+  gemms, calls = hlo.gemms(p), hlo.attention_calls(p)
+  executed = {prec: sum(g.flops_per_step for g in gemms if g.precision == prec and not g.recomputed)
+              for prec in hlo.PRECISIONS}
+  attention = sum(c.flops_per_step for c in calls if not c.recomputed)
+  recompute = sum(w.flops_per_step for w in (*gemms, *calls) if w.recomputed)
+  first_pass = sum(executed.values()) + attention
+  out = {
+      "executed_flops": executed, "recompute_flops": recompute, "attention_flops": attention,
+      "model_flops": model_flops, "executed_over_model": first_pass / model_flops if model_flops else None,
+      "largest_values": largest_values(p), "largest_collectives": largest_collectives(p, machine),
+  }
+  out.update(roofline(p, gemms, calls, model_flops=model_flops, tokens=tokens, machine=machine))
+  return out
+
+
+def roofline(p: hlo.Program, gemms, calls, *, model_flops: float, tokens: float, machine: Machine | None) -> dict:
+  if machine is None:
+    return {"time_floor_s": None, "time_serial_s": None, "mfu_ceiling": None, "tokens_per_s_ceiling": None}
+  facts, hbm = machine.facts, machine.hbm_bytes_per_s
+  compute = sum(max(g.flops / facts.peak_flops(g.precision), g.bytes / hbm) * g.times for g in gemms)
+  compute += sum(max(c.flops / facts.peak_flops("bf16"), c.bytes / hbm) * c.times for c in calls)
+  memory = sum(k.bytes * k.times for k in hlo.memory_kernels(p)) / hbm
+  network = sum(collective_seconds(c, machine) for c in hlo.collective_ops(p))
+  floor = max(compute + memory, network)
+  return {
+      "time_floor_s": floor, "time_serial_s": compute + memory + network,
+      "mfu_ceiling": model_flops / floor / facts.peak_flops("bf16") if floor else None,
+      "tokens_per_s_ceiling": tokens / floor if floor else None,
+      "time_floor_parts_s": {"compute": compute, "memory": memory, "collectives": network},
+  }
+
+
+_SENT = {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 1, "ragged-all-to-all": 1, "all-reduce": 2}
+
+
+def collective_seconds(c: hlo.Collective, machine: Machine) -> float:
+  n, crosses = group_shape(c, machine.node_of_partition)
+  if n <= 1:
+    return 0.0
+  sent = c.bytes_per_step * (_SENT[c.kind] * (n - 1) / n if c.kind in _SENT else 1.0)
+  bandwidth = machine.facts.nic_gb_s if crosses else machine.facts.nvlink_gb_s
+  return sent / (bandwidth * 1e9)
+
+
+def group_shape(c: hlo.Collective, node_of_partition: tuple[int, ...]) -> tuple[int, bool]:
+  """(devices per replica group, whether a group spans nodes)."""
+  groups = c.groups or (tuple(range(len(node_of_partition))),)
+  nodes = lambda g: {node_of_partition[d] for d in g if d < len(node_of_partition)}
+  return max(len(g) for g in groups), any(len(nodes(g)) > 1 for g in groups)
+
+
+def largest_values(p: hlo.Program) -> list[dict]:
+  seen, out = set(), []
+  for v in sorted(hlo.values(p), key=lambda v: -v.bytes):
+    if (v.shape, v.op_name) in seen:
+      continue
+    seen.add((v.shape, v.op_name))
+    out.append({"shape": v.shape, "dtype": v.dtype, "bytes": int(v.bytes), "op_name": v.op_name, "count": v.times})
+    if len(out) == TOP:
+      break
+  return out
+
+
+def largest_collectives(p: hlo.Program, machine: Machine | None) -> list[dict]:
+  out = []
+  for c in sorted(hlo.collective_ops(p), key=lambda c: -c.bytes_per_step)[:TOP]:
+    row = {"kind": c.kind, "shape": c.shape, "dtype": hlo.dtype_of(c.shape), "bytes": int(c.bytes_per_step),
+           "op_name": c.op_name, "count": c.times}
+    if machine is not None:
+      row["group_size"], row["crosses_nodes"] = group_shape(c, machine.node_of_partition)
+    out.append(row)
+  return out
+
+
+def expert_gemms(text_or_program) -> dict:
+  """The expert GEMMs of an MoE step (those under EXPERT_GEMM_SCOPE): the rows of the forward GEMMs (the
+  largest, per execution) and the first-pass FLOPs by precision, per device per step."""
+  p = text_or_program if isinstance(text_or_program, hlo.Program) else hlo.Program(text_or_program)
+  experts = [g for g in hlo.gemms(p) if EXPERT_GEMM_SCOPE in g.op_name]
+  forward = [g for g in experts if "transpose(" not in g.op_name and not g.recomputed]
+  rows = max((_rows(g) for g in forward), default=0)
+  flops = {prec: sum(g.flops_per_step for g in experts if g.precision == prec and not g.recomputed)
+           for prec in hlo.PRECISIONS}
+  return {"gemm_rows_per_rank": rows, "expert_gemm_flops": flops}
+
+
+def _rows(g: hlo.Gemm) -> int:
+  """Rows of a forward expert GEMM's output [..., rows, N]: every dimension but the last."""
+  n = 1
+  for d in g.output_dims[:-1]:
+    n *= d
+  return n

@@ -1,0 +1,52 @@
+"""A markdown table of compile reports (`python -m ember.tools.compile ... --out=FILE.json`), one row each:
+what the compiled step executes against the model's FLOPs, its time floor, its MFU and tokens/s ceilings
+and its peak memory on the target.
+
+  python -m ember.tools.cost_table reports/*.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+COLUMNS = ("model", "target", "recipe", "remat", "batch", "GEMM TFLOP (fp8 / mxfp8 / nvfp4 / bf16 / f32)",
+           "executed / model", "recompute TFLOP", "time floor (ms)", "MFU ceiling", "tokens/s/GPU ceiling",
+           "peak GiB")
+
+
+def row(r: dict) -> list[str]:
+  ex = r["executed_flops"]
+  return [r["model"], r["target"], r["recipe"], r["remat_policy"], f"{r['batch_size']} x {r['seq_len']}",
+          " / ".join(f"{ex[p] / 1e12:.0f}" for p in ("fp8", "mxfp8", "nvfp4", "bf16", "f32")),
+          f"{r['executed_over_model']:.2f}", f"{r['recompute_flops'] / 1e12:.0f}", f"{r['time_floor_s'] * 1e3:.0f}",
+          f"{r['mfu_ceiling']:.1%}", f"{r['tokens_per_s_ceiling']:,.0f}", f"{r['peak_bytes'] / 2**30:.1f}"]
+
+
+def table(reports: list[dict]) -> str:
+  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+  lines += ["| " + " | ".join(row(r)) + " |" for r in reports]
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) < 2:
+    print("error: usage: python -m ember.tools.cost_table REPORT.json [...]", file=sys.stderr)
+    return 2
+  reports = []
+  for path in argv[1:]:
+    try:
+      with open(path) as f:
+        reports.append(json.load(f))
+    except (OSError, ValueError) as e:
+      print(f"error: {path}: not a compile report ({e})", file=sys.stderr)
+      return 2
+    if reports[-1].get("time_floor_s") is None:
+      print(f"error: {path}: no time floor (a report for a GPU target is needed)", file=sys.stderr)
+      return 2
+  print(table(reports))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

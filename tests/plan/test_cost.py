@@ -1,0 +1,168 @@
+"""What a compiled step costs (ember/plan/cost.py, ember/plan/hlo.py): programs whose work is known by hand,
+compiled for the CPU and for described GPUs, and the report's executed, recompute and attention FLOPs and
+time floor against the hand counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ember import hardware
+from ember.plan import cost, hlo
+from ember.plan import target as target_lib
+
+needs_plugin = pytest.mark.skipif(not target_lib.plugin_available(),
+                                  reason="JAX's CUDA plugin is not installed (launch/install_compile_plugin.sh)")
+T, M, K, N = 3, 32, 64, 48  # Trip count and GEMM shapes of the scanned programs.
+
+
+def compiled_text(fn, *shapes, target: str = "cpu") -> str:
+  """The optimised HLO of `fn` on one device of `target` (a described GPU compiles without one)."""
+  t = target_lib.parse(target)
+  with target_lib.targeting(t):
+    mesh = Mesh(np.array(t.devices()[:1]), ("x",))
+    args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P())) for s, d in shapes]
+    options = dict(target_lib.COMPILER_OPTIONS) if t.is_gpu else None
+    return jax.jit(fn).lower(*args).compile(compiler_options=options).as_text()
+
+
+def report(text: str, target: str | None = None) -> dict:
+  machine = None
+  if target:
+    t = target_lib.parse(target)
+    machine = cost.Machine(t.facts, t.hbm_bytes_per_s, tuple(range(t.count)))
+  return cost.step_cost(text, model_flops=1.0, tokens=1.0, machine=machine)
+
+
+def scanned(x, w):
+  """T layers of tanh(x @ w[t]) under a scan."""
+  def body(c, w_t):
+    return jnp.tanh(c @ w_t), None
+  return jax.lax.scan(body, x, w)[0]
+
+
+SCAN_SHAPES = [((M, K), jnp.float32), ((T, K, K), jnp.float32)]
+
+
+def test_a_scanned_matmul_counts_every_trip():
+  r = report(compiled_text(scanned, *SCAN_SHAPES))
+  assert r["executed_flops"]["f32"] == T * 2 * M * K * K
+  assert r["recompute_flops"] == 0 and r["attention_flops"] == 0
+
+
+def test_a_checkpointed_matmul_recomputed_in_the_backward_is_kept_apart():
+  """Per layer: forward, dgrad and wgrad in the first pass, the forward again in the recompute."""
+  def loss(x, w):
+    def body(c, w_t):
+      return jax.checkpoint(lambda c, w_t: jnp.tanh(c @ w_t))(c, w_t), None
+    return jax.lax.scan(body, x, w)[0].sum()
+  r = report(compiled_text(jax.grad(loss, argnums=(0, 1)), *SCAN_SHAPES))
+  assert r["executed_flops"]["f32"] == 3 * T * 2 * M * K * K
+  assert r["recompute_flops"] == T * 2 * M * K * K
+
+
+def test_a_ragged_dot_contracting_its_groups_counts_each_row_once():
+  """`ragged_dot_general`'s wgrad form, as a backend that keeps `ragged-dot` prints it: 8 groups of the 32 rows."""
+  text = """ENTRY %m () -> f32[8,64,48] {
+  %x = f32[32,64]{1,0} parameter(0)
+  %g = f32[32,48]{1,0} parameter(1)
+  %s = s32[8]{0} parameter(2)
+  ROOT %r = f32[8,64,48]{2,1,0} ragged-dot(%x, %g, %s), lhs_contracting_dims={0}, rhs_contracting_dims={0}, lhs_ragged_dims={0}
+}"""
+  assert hlo.gemms(text)[0].flops == 2 * 32 * 64 * 48
+
+
+def test_memory_traffic_counts_slices_and_in_place_updates_only():
+  text = """%fused_read (p0: f32[16,64,64], p1: s32[]) -> f32[64,64] {
+  %p0 = f32[16,64,64]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = f32[1,64,64]{2,1,0} dynamic-slice(%p0, %p1, %c, %c), dynamic_slice_sizes={1,64,64}
+  ROOT %b = f32[64,64]{1,0} bitcast(%ds)
+}
+
+%fused_write (q0: f32[16,64,64], q1: f32[64,64], q2: s32[]) -> f32[16,64,64] {
+  %q0 = f32[16,64,64]{2,1,0} parameter(0)
+  %q1 = f32[64,64]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %c1 = s32[] constant(0)
+  %u = f32[1,64,64]{2,1,0} bitcast(%q1)
+  ROOT %dus = f32[16,64,64]{2,1,0} dynamic-update-slice(%q0, %u, %q2, %c1, %c1)
+}
+
+ENTRY %main (a: f32[16,64,64], i: s32[]) -> f32[16,64,64] {
+  %a = f32[16,64,64]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %read = f32[64,64]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_read
+  %double = f32[64,64]{1,0} add(%read, %read)
+  ROOT %write = f32[16,64,64]{2,1,0} fusion(%a, %double, %i), kind=kLoop, calls=%fused_write
+}"""
+  p = hlo.Program(text)
+  traffic = {k.name: k.bytes for k in hlo.memory_kernels(p)}
+  tile = 64 * 64 * 4
+  assert traffic["read"] == tile + tile + 4  # The slice read, the result written, the index.
+  assert traffic["double"] == 3 * tile
+  assert traffic["write"] == tile + tile + 4  # The update read and written in place, the index.
+
+
+def test_replica_groups_and_the_links_they_use():
+  assert hlo.replica_groups("x, replica_groups=[4,2]<=[2,4]T(1,0), y") == ((0, 4), (1, 5), (2, 6), (3, 7))
+  assert hlo.replica_groups("x, replica_groups=[2,8]<=[16], y") == (tuple(range(8)), tuple(range(8, 16)))
+  assert hlo.replica_groups("replica_groups={{0,1},{2,3}}") == ((0, 1), (2, 3))
+  facts = hardware.facts("h100")
+  two_nodes = cost.Machine(facts, 3.35e12, tuple(d // 8 for d in range(16)))
+  inside = hlo.Collective("all-reduce", "f32[1000]", 4e9, 1, (tuple(range(8)), tuple(range(8, 16))), "")
+  across = hlo.Collective("all-reduce", "f32[1000]", 4e9, 1, ((0, 8), (1, 9)), "")
+  assert cost.collective_seconds(inside, two_nodes) == pytest.approx(4e9 * 2 * 7 / 8 / (facts.nvlink_gb_s * 1e9))
+  assert cost.collective_seconds(across, two_nodes) == pytest.approx(4e9 * 2 * 1 / 2 / (facts.nic_gb_s * 1e9))
+
+
+@needs_plugin
+def test_causal_cudnn_attention_flops_forward_and_backward():
+  b, l, h, d = 2, 512, 4, 64
+
+  def loss(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32).sum()
+  shape = ((b, l, h, d), jnp.bfloat16)
+  r = report(compiled_text(jax.grad(loss, argnums=(0, 1, 2)), shape, shape, shape, target="h100x1"))
+  forward = 2 * b * h * l * l * (d + d) / 2
+  backward = 2 * b * h * l * l * (3 * d + 2 * d) / 2
+  assert r["attention_flops"] == forward + backward
+
+
+@needs_plugin
+def test_an_fp8_gemm_on_the_h100():
+  def f(a, b):
+    return jax.lax.dot(a, b, preferred_element_type=jnp.float32)
+  text = compiled_text(f, ((256, 512), jnp.float8_e4m3fn), ((512, 128), jnp.float8_e4m3fn), target="h100x1")
+  assert hlo.gemm_census(text)["fp8"] == 1
+  assert report(text)["executed_flops"]["fp8"] == 2 * 256 * 512 * 128
+
+
+@needs_plugin
+@pytest.mark.parametrize("m,k,n", [(8192, 8192, 8192), (8192, 64, 8192)])
+def test_the_time_floor_of_one_gemm_is_its_roofline(m, k, n):
+  """Compute-bound (the square GEMM) and memory-bound (the thin one): the floor is the larger of the FLOPs at
+  the bf16 peak and the operands' and result's bytes at HBM bandwidth."""
+  def f(a, b):
+    return jax.lax.dot(a, b, preferred_element_type=jnp.bfloat16)
+  text = compiled_text(f, ((m, k), jnp.bfloat16), ((k, n), jnp.bfloat16), target="h100x1")
+  assert hlo.gemm_census(text)["bf16"] == 1 and not hlo.memory_kernels(hlo.Program(text))
+  facts = hardware.facts("h100")
+  hand = max(2 * m * k * n / (facts.tflops["bf16"] * 1e12), 2 * (m * k + k * n + m * n) / hardware.hbm_bytes_per_s("h100"))
+  assert report(text, "h100x1")["time_floor_s"] == pytest.approx(hand, rel=1e-12)
+
+
+@needs_plugin
+def test_ragged_dot_expanded_by_the_gpu_compiler_shows_as_eight_times_the_work():
+  """XLA's GPU compiler has no grouped GEMM for ragged_dot: each of the 8 groups' GEMMs runs over every row."""
+  groups, rows, k, n = 8, 4096, 1024, 512
+
+  def f(x, w, sizes):
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+  text = compiled_text(f, ((rows, k), jnp.bfloat16), ((groups, k, n), jnp.bfloat16), ((groups,), jnp.int32),
+                       target="h100x1")
+  useful = 2 * rows * k * n  # Every row belongs to one group, whatever the sizes.
+  ratio = sum(report(text)["executed_flops"].values()) / useful
+  assert 7.5 <= ratio <= 8.5, ratio
