@@ -89,11 +89,13 @@ def group_shape(c: hlo.Collective, node_of_partition: tuple[int, ...]) -> tuple[
 
 
 def largest_values(p: hlo.Program) -> list[dict]:
+  """The TOP largest arrays of distinct types (a stacked buffer and its updates, or a gradient and its sum, are
+  one entry: the first op to make it, by size)."""
   seen, out = set(), []
   for v in sorted(hlo.values(p), key=lambda v: -v.bytes):
-    if (v.shape, v.op_name) in seen:
+    if v.shape in seen:
       continue
-    seen.add((v.shape, v.op_name))
+    seen.add(v.shape)
     out.append({"shape": v.shape, "dtype": v.dtype, "bytes": int(v.bytes), "op_name": v.op_name, "count": v.times})
     if len(out) == TOP:
       break

@@ -387,21 +387,42 @@ def _own_bytes(p: Program, i: Instruction) -> float:
       sliced = reads(name) if index < len(operands) else None
       if sliced is not None:
         operands[index] = sum(nbytes(u.shape) for u in sliced)
-    root = next((b for b in body if b.line.lstrip().startswith("ROOT")), None)
-    roots = [p.by_name[n] for n in root.operands if n in p.by_name] if root and root.opcode == "tuple" else [root]
-    for r in roots:
-      if r is None or r.opcode not in ("dynamic-update-slice", "scatter"):
-        continue
-      target = p.by_name.get(r.operands[0])
-      while target is not None and target.opcode == "bitcast":
-        target = p.by_name.get(target.operands[0])
-      if target is not None and target.opcode == "parameter":
-        index = int(re.search(r"parameter\((\d+)\)", target.line).group(1))
-        update = nbytes(p.type_of(r.operands[1 if r.opcode == "dynamic-update-slice" else 2]))
-        if index < len(operands):
-          operands[index] = 0.0
-        result += update - nbytes(r.shape)  # In place: only the update is written.
+    for index, update, whole in in_place_updates(p, i):
+      if index < len(operands):
+        operands[index] = 0.0
+      result += update - whole  # In place: only the update is written.
   return sum(operands) + max(result, 0.0)
+
+
+def _is_fill(p: Program, i: Instruction) -> bool:
+  """A broadcast of a scalar (alone or as a fusion's roots): memory set to a constant."""
+  roots = _fusion_roots(p, i)
+  return i.opcode == "broadcast" or (bool(roots) and all(r.opcode == "broadcast" for r in roots))
+
+
+def _fusion_roots(p: Program, fusion: Instruction) -> list[Instruction]:
+  """The root instructions of a fusion's body (each element of a root tuple); [] for another instruction."""
+  body = p.computations.get(fusion.attribute("calls") or "", []) if fusion.opcode == "fusion" else []
+  root = next((b for b in body if b.line.lstrip().startswith("ROOT")), None)
+  if root is None:
+    return []
+  return [p.by_name[n] for n in root.operands if n in p.by_name] if root.opcode == "tuple" else [root]
+
+
+def in_place_updates(p: Program, fusion: Instruction) -> list[tuple[int, float, float]]:
+  """(operand index, update bytes, whole buffer bytes) of every buffer a fusion updates in place: a root
+  `dynamic-update-slice` or `scatter` into one of its parameters."""
+  out = []
+  for r in _fusion_roots(p, fusion):
+    if r.opcode not in ("dynamic-update-slice", "scatter"):
+      continue
+    target = p.by_name.get(r.operands[0])
+    while target is not None and target.opcode == "bitcast":
+      target = p.by_name.get(target.operands[0])
+    if target is not None and target.opcode == "parameter":
+      update = nbytes(p.type_of(r.operands[1 if r.opcode == "dynamic-update-slice" else 2]))
+      out.append((int(re.search(r"parameter\((\d+)\)", target.line).group(1)), update, nbytes(r.shape)))
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,10 +464,13 @@ class Value:
 
 
 def values(p: Program) -> list[Value]:
-  """Every array the step's kernels produce (loop bodies' once, with how many times they run)."""
+  """Every array the step's kernels compute (loop bodies' once, with how many times they run). A buffer
+  updated in place (a scan's stacked residuals or gradients, one slice a step) and its initialisation (a
+  broadcast of a constant) are not computed values: they show in the peak memory."""
   out = []
   for i in p.kernels():
-    if i.opcode in _NO_KERNEL or i.opcode.endswith("-start"):
+    if (i.opcode in _NO_KERNEL or i.opcode.endswith("-start") or i.opcode in ("dynamic-update-slice", "scatter")
+        or in_place_updates(p, i) or _is_fill(p, i)):
       continue
     for part in _top_level(i.shape):
       if _SHAPE.search(part):
