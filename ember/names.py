@@ -51,6 +51,10 @@ MOE_ROUTER_Z_LOSS = "moe_router_z_loss"
 MOE_DROPPED_TOKENS = "moe_dropped_tokens"
 MOE_ROUTED_TOKENS = "moe_routed_tokens"
 MOE_OVERFLOW_TOKENS = "moe_overflow_tokens"  # Copies beyond the ragged dispatcher's receive buffer.
+# Counts also kept per layer (`<key>_by_layer`, [num_layers]) and summed over every step between two logged
+# steps: a copy dropped on a step that is not logged is still counted, and a warning can name its layer.
+MOE_LAYER_COUNTS = (MOE_DROPPED_TOKENS, MOE_OVERFLOW_TOKENS)
+BY_LAYER = "_by_layer"
 # The name scope around every expert GEMM (forward, dgrad, wgrad): the compile report finds the expert
 # GEMMs of the compiled program by it (op_name metadata), whatever kernel XLA chose for them.
 EXPERT_GEMM_SCOPE = "expert_gemm"

@@ -29,7 +29,8 @@ from ember.layers.mlp import MLP
 from ember.layers.moe import MoE
 from ember.layers.norm import RMSNorm
 from ember.model_config import ModelConfig
-from ember.names import AUX_KEYS, BATCH, EMBED, LAYER_PROJECTIONS, LAYERS, LENGTH, LM_HEAD, VOCAB
+from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, LAYER_PROJECTIONS, LAYERS, LENGTH, LM_HEAD, MOE_LAYER_COUNTS,
+                         VOCAB)
 from ember.parallel.sharding import shard
 
 
@@ -77,12 +78,14 @@ class Block(nnx.Module):
     self.layers = nnx.List([DecoderLayer(model, first + j, rngs) for j in range(model.block_size)])
 
   def __call__(self, x, segment_ids, positions, key=None):
-    aux = zero_aux()
+    """(x, aux summed over the block's layers, MOE_LAYER_COUNTS per layer [block_size])."""
+    aux, per_layer = zero_aux(), []
     for j, layer in enumerate(self.layers):
       layer_key = None if key is None else jax.random.fold_in(key, j)
       x, a = layer(x, segment_ids, positions, layer_key)
       aux = jax.tree.map(jnp.add, aux, a)
-    return x, aux
+      per_layer.append(a)
+    return x, aux, {k: jnp.stack([a[k] for a in per_layer]) for k in MOE_LAYER_COUNTS}
 
   def decode(self, x, positions, cache, valid):
     """`cache`: (k, v) [block_size, B, S, K, H], one entry per layer of the block."""
@@ -109,18 +112,19 @@ class Segment(nnx.Module):
     self.blocks = make(rngs)
 
   def __call__(self, x, segment_ids, positions, key, policy: remat.Preset):
+    """(x, aux summed over the segment's layers, MOE_LAYER_COUNTS per layer [its layers])."""
     graphdef, state = nnx.split(self.blocks)
 
     def body(carry, xs):
       x, aux = carry
       block_state, block_id = xs
       block_key = None if key is None else jax.random.fold_in(key, block_id)
-      y, a = nnx.merge(graphdef, block_state)(x, segment_ids, positions, block_key)
-      return (y, jax.tree.map(jnp.add, aux, a)), None
+      y, a, per_layer = nnx.merge(graphdef, block_state)(x, segment_ids, positions, block_key)
+      return (y, jax.tree.map(jnp.add, aux, a)), per_layer
 
     ids = jnp.asarray(self.block_ids, jnp.int32)
-    (x, aux), _ = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids))
-    return x, aux
+    (x, aux), per_layer = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids))
+    return x, aux, {k: v.reshape(-1) for k, v in per_layer.items()}
 
   def decode(self, x, positions, cache, valid):
     """`cache`: (k, v) [blocks, block_size, B, S, K, H], scanned along with the blocks."""
@@ -217,10 +221,13 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BxL, segment_ids_BxL, positions_BxL, key=None, policy: remat.Preset | None = None):
     x = self.embed(tokens_BxL)
-    aux = zero_aux()
+    aux, per_layer = zero_aux(), []
     for segment in self.segments:
-      x, a = segment(x, segment_ids_BxL, positions_BxL, key, policy or self.policy)
+      x, a, counts = segment(x, segment_ids_BxL, positions_BxL, key, policy or self.policy)
       aux = jax.tree.map(jnp.add, aux, a)
+      per_layer.append(counts)
+    for k in MOE_LAYER_COUNTS:  # Segments are consecutive runs of layers, in order.
+      aux[k + BY_LAYER] = jnp.concatenate([counts[k] for counts in per_layer])
     return self.final_norm(x), aux
 
   def init_cache(self, batch: int, length: int) -> list:

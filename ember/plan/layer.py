@@ -78,7 +78,7 @@ def layer_problem(cfg, *, batch: int | None = None) -> LayerProblem:
 
 def layer_fn(graphdef, preset: remat.Preset):
   """The scan body of ember/layers/decoder.py for one block: (x, state, segment_ids, positions, key)
-  -> (y, aux), under `remat.checkpoint` with the preset's policy."""
+  -> (y, aux, per-layer counts), under `remat.checkpoint` with the preset's policy."""
   def body(x, state, segment_ids, positions, key):
     return nnx.merge(graphdef, state)(x, segment_ids, positions, key)
   return remat.checkpoint(body, preset)

@@ -31,14 +31,14 @@ from ember.errors import ConfigError
 from ember.hf import load as hf_load
 from ember.layers import moe_dispatch
 from ember.model_config import ModelConfig
-from ember.names import MOE_OVERFLOW_TOKENS
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import target_platform, use_rules
-from ember.trainer import precision, quant_stats
+from ember.trainer import moe_counts, precision, quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.checkpointing import Checkpointer, restore_from
 from ember.trainer.metrics import MetricsWriter, console, progress_line
+from ember.trainer.moe_counts import MoeCounts
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import Throughput, compiled_peak_bytes, peak_bytes
 from ember.trainer.state import create_train_state, state_around, state_shardings
@@ -99,6 +99,7 @@ def train(cfg, mesh=None) -> dict:
         progress.compiled, progress.cfg = phase.compiled, phase.cfg
       profiler.before(step)
       state, step_metrics = phase.compiled(state, batch)
+      progress.moe.add(step, step_metrics)
       done = step + 1
       profiler.after(done)
       stopping = preemption.reached(done) and done < cfg.steps
@@ -178,15 +179,18 @@ class _Progress:
     kinds = {cfg.data.source} if not cfg.data.mixture else {source for _, source, *_ in cfg.data.mixture}
     self.reads_records = bool(kinds & {"jsonl", "parquet"})
     self.t_last, self.step_last = time.time(), start
+    self.moe = MoeCounts()  # Summed over every step of a log interval.
 
   def log(self, done: int, step_metrics, writer: MetricsWriter, quant_phase: int = 0, extra=None) -> dict:
-    host = jax.device_get({k: v for k, v in step_metrics.items() if k != "quant_stats"})
+    host = jax.device_get({k: v for k, v in step_metrics.items() if k != "quant_stats" and k not in moe_counts.KEYS})
     now = time.time()
     step_time = (now - self.t_last) / max(done - self.step_last, 1)
     self.t_last, self.step_last = now, done
     perf = Throughput.of(self.cfg, step_time, jax.device_count(), jax.devices()[0].device_kind)
     record = {"step": done, **{k: float(v) for k, v in host.items()}, **perf.to_dict(),
               "eta_s": step_time * (self.cfg.steps - done)}
+    moe, moe_warnings = self.moe.take(done)
+    record.update(moe)
     record["peak_bytes"], record["peak_source"] = peak_bytes(self.compiled)
     if self.cfg.quant.schedule:
       record["quant_phase"] = quant_phase
@@ -196,10 +200,8 @@ class _Progress:
       record["data_skipped_records"] = int(distributed.sum_over_processes(np.int64(records.skipped_records())))
     writer.write(record)
     console(progress_line(record, self.cfg.steps))
-    overflow = record.get(MOE_OVERFLOW_TOKENS) or 0
-    if overflow > 0:  # Never silent: these copies' expert outputs were zero (ember/layers/moe_dispatch.py).
-      console(f"warning: step {done}: {overflow:.0f} MoE token copies did not fit the ragged dispatcher's receive "
-              "buffer (their expert outputs are zero); raise config.model.moe_ragged_buffer")
+    for warning in moe_warnings:  # Never silent: these copies' expert outputs were zero.
+      console(f"warning: {warning}")
     return record
 
 

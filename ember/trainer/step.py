@@ -12,8 +12,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from ember import remat
 from ember.model_config import ModelConfig
-from ember.names import (BATCH, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS,
-                         MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
+from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS,
+                         MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
 from ember.parallel.sharding import logical_to_spec, rules_dict, shard
 from ember.trainer.loss import cross_entropy
 from ember.trainer.state import TrainState, stats_inputs, step_key
@@ -40,6 +40,7 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key, 
     total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
     metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
                     MOE_ROUTED_TOKENS: aux[MOE_ROUTED_TOKENS], MOE_OVERFLOW_TOKENS: aux[MOE_OVERFLOW_TOKENS]})
+    metrics.update({k + BY_LAYER: aux[k + BY_LAYER] for k in MOE_LAYER_COUNTS})
   metrics["total_loss"] = total
   return total, metrics
 

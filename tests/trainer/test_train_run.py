@@ -1,10 +1,14 @@
-"""A short real run: metrics.jsonl holds every contract key, TensorBoard files exist, loss falls."""
+"""A short real run: metrics.jsonl holds every contract key, TensorBoard files exist, loss falls; MoE token
+counts summed over a log interval."""
 
 import glob
 import json
 import os
 
+import numpy as np
+
 from ember.trainer.loop import train
+from ember.trainer.moe_counts import MoeCounts
 from tests.helpers import config
 
 CONTRACT_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
@@ -27,3 +31,34 @@ def test_short_run_writes_metrics_and_tensorboard(tmp_path):
   assert [r["step"] for r in eval_records] == [30] and "loss" not in eval_records[0]
   assert glob.glob(os.path.join(tmp_path, "tensorboard", "events.out.tfevents.*"))
   assert summary["step"] == 30
+
+
+def _moe_records(tmp_path, every: int) -> list[dict]:
+  cfg = config("tiny_moe", **{"workdir": str(tmp_path / f"every_{every}"), "steps": 10, "log.every_steps": every,
+                              "checkpoint.every_steps": 0, "model.capacity_factor": 0.5})
+  train(cfg)
+  return [json.loads(line) for line in open(tmp_path / f"every_{every}" / "metrics.jsonl") if '"loss"' in line]
+
+
+def test_moe_token_counts_are_summed_over_every_step_of_a_log_interval(tmp_path):
+  """Capacity 0.5 drops copies on every step; logged every 10 steps, step 10's record holds the drops and
+  routed copies of steps 1-10, as the same run logged every step shows them."""
+  every_step, every_ten = _moe_records(tmp_path, 1), _moe_records(tmp_path, 10)
+  assert [r["step"] for r in every_ten] == [10] and len(every_step) == 10
+  assert all(r["moe_dropped_tokens"] > 0 for r in every_step[:9])  # Steps the second run does not log.
+  for key in ("moe_dropped_tokens", "moe_routed_tokens", "moe_overflow_tokens"):
+    assert every_ten[0][key] == sum(r[key] for r in every_step), key
+  assert [r["loss"] for r in every_step][-1] == every_ten[0]["loss"]
+
+
+def test_overflow_warnings_name_the_layers_and_steps():
+  counts = MoeCounts()
+  zero = {"moe_dropped_tokens": 0.0, "moe_routed_tokens": 8.0, "moe_overflow_tokens": 0.0,
+          "moe_dropped_tokens_by_layer": np.zeros(3), "moe_overflow_tokens_by_layer": np.zeros(3)}
+  counts.add(10, zero)
+  counts.add(11, {**zero, "moe_overflow_tokens": 5.0, "moe_overflow_tokens_by_layer": np.array([0.0, 2.0, 3.0])})
+  record, warnings = counts.take(12)
+  assert record == {"moe_dropped_tokens": 0.0, "moe_routed_tokens": 16.0, "moe_overflow_tokens": 5.0}
+  assert warnings == ["steps 11-12: 5 MoE token copies did not fit the ragged dispatcher's receive buffer "
+                      "(layer 1: 2, layer 2: 3); their expert outputs are zero: raise config.model.moe_ragged_buffer"]
+  assert counts.take(13) == ({}, [])
