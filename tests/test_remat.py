@@ -75,7 +75,7 @@ def test_every_preset_gives_the_gradients_of_none(recipe):
   def grads(x, state):
     def for_preset(p):
       def loss(x, state):
-        y, aux = nnx.merge(graphdef, state)(x, segment_ids, positions, key, p)
+        y, aux, _ = nnx.merge(graphdef, state)(x, segment_ids, positions, key, p)
         return jnp.sum(y * ct) + sum(jnp.sum(a) for a in aux.values())
       return jax.grad(loss, argnums=(0, 1))(x, state)
     return {name: for_preset(p) for name, p in presets.items()}
