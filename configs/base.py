@@ -45,6 +45,12 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_dispatch = "auto"
   m.moe_ragged_buffer = 2.0  # ragged: receive-buffer rows = this x tokens x k per device; overflow is
   # counted in moe_overflow_tokens.
+  # The expert GEMMs (ember/layers/moe_dispatch.py): "ragged_dot" (jax.lax.ragged_dot over the sorted rows:
+  # exact work on CPUs, every local expert's on GPUs), "capacity" (a slot of rows per local expert and one
+  # batched GEMM: batched FP8 cuBLASLt GEMMs on GPUs), or "auto" (capacity on GPUs with several local experts).
+  m.moe_expert_gemm = "auto"
+  m.moe_expert_buffer = 1.25  # capacity, dropless: a slot holds this x the balanced load; the rest is
+  # counted in moe_overflow_tokens (with capacity_factor > 0 the slot holds exactly what the capacity keeps).
   m.load_balance_weight = 0.01  # Switch load-balancing loss weight.
   m.router_z_weight = 0.001  # Router z-loss weight.
 

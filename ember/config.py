@@ -21,7 +21,7 @@ from ml_collections import config_flags
 from ember import remat
 from ember.errors import ConfigError
 from ember.model_config import resolved_head_dim
-from ember.names import BATCH, EXPERT, LOGICAL_AXES, MESH_AXES
+from ember.names import BATCH, EXPERT, LOGICAL_AXES, MESH_AXES, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import FORWARDS, RECIPES
 
@@ -96,7 +96,8 @@ _SCALARS = {
     "model.experts_per_token": ("int", ">=1"), "model.moe_every": ("int", ">=1"),
     "model.shared_expert_d_ff": ("int", ">=0"), "model.router_softmax_first": ("bool", ""),
     "model.capacity_factor": ("float", ">=0"), "model.moe_dispatch": ("str", ""),
-    "model.moe_ragged_buffer": ("float", ">0"), "model.load_balance_weight": ("float", ">=0"),
+    "model.moe_ragged_buffer": ("float", ">0"), "model.moe_expert_gemm": ("str", ""),
+    "model.moe_expert_buffer": ("float", ">0"), "model.load_balance_weight": ("float", ">=0"),
     "model.router_z_weight": ("float", ">=0"),
     "train.batch_size": ("int", ">=1"), "train.learning_rate": ("float", ">=0"),
     "train.warmup_steps": ("int", ">=0"), "train.decay_steps": ("int", ">=0"),
@@ -129,7 +130,7 @@ _STRING_TUPLES = ("quant.exclude", "remat.save_names", "remat.offload_names", "r
 # Keys with a fixed set of values.
 _CHOICES = {
     "model.param_dtype": DTYPES, "model.dtype": DTYPES, "model.attention": ("auto", "xla", "cudnn"),
-    "model.moe_dispatch": ("auto", "allgather", "alltoall", "ragged"),
+    "model.moe_dispatch": MOE_DISPATCHERS, "model.moe_expert_gemm": MOE_EXPERT_GEMMS,
     "quant.recipe": RECIPES, "quant.amax_compute_algo": ("max", "most_recent"), "quant.forward": FORWARDS,
     "remat.policy": remat.POLICIES,
     "data.source": DATA_SOURCES,

@@ -46,6 +46,8 @@ class ModelConfig:
   capacity_factor: float = 0.0
   moe_dispatch: str = "auto"  # allgather | alltoall | ragged | auto (ember/layers/moe_dispatch.py).
   moe_ragged_buffer: float = 2.0
+  moe_expert_gemm: str = "auto"  # ragged_dot | capacity | auto (ember/layers/moe_dispatch.py).
+  moe_expert_buffer: float = 1.25
   recipe: Recipe = Recipe()
 
   @classmethod
@@ -60,7 +62,8 @@ class ModelConfig:
         num_experts=int(m.num_experts), experts_per_token=int(m.experts_per_token), moe_every=int(m.moe_every),
         shared_expert_d_ff=int(m.shared_expert_d_ff), router_softmax_first=bool(m.router_softmax_first),
         capacity_factor=float(m.capacity_factor), moe_dispatch=str(m.moe_dispatch),
-        moe_ragged_buffer=float(m.moe_ragged_buffer),
+        moe_ragged_buffer=float(m.moe_ragged_buffer), moe_expert_gemm=str(m.moe_expert_gemm),
+        moe_expert_buffer=float(m.moe_expert_buffer),
         recipe=dataclasses.replace(Recipe.from_config(cfg.quant),
                                    stats=int(cfg.log.get("quant_stats_every", 0)) > 0))
 

@@ -51,6 +51,10 @@ MOE_ROUTER_Z_LOSS = "moe_router_z_loss"
 MOE_DROPPED_TOKENS = "moe_dropped_tokens"
 MOE_ROUTED_TOKENS = "moe_routed_tokens"
 MOE_OVERFLOW_TOKENS = "moe_overflow_tokens"  # Copies beyond the ragged dispatcher's receive buffer.
+# MoE layer choices (ember/layers/moe_dispatch.py says what each means): `model.moe_dispatch`, the token
+# exchange under expert parallelism, and `model.moe_expert_gemm`, the expert GEMMs' layout.
+MOE_DISPATCHERS = ("auto", "allgather", "alltoall", "ragged")
+MOE_EXPERT_GEMMS = ("auto", "ragged_dot", "capacity")
 # Counts also kept per layer (`<key>_by_layer`, [num_layers]) and summed over every step between two logged
 # steps: a copy dropped on a step that is not logged is still counted, and a warning can name its layer.
 MOE_LAYER_COUNTS = (MOE_DROPPED_TOKENS, MOE_OVERFLOW_TOKENS)

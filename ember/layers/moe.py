@@ -46,6 +46,7 @@ from ember.names import (BATCH, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MO
                          PROJECTIONS)
 from ember.parallel import sharding
 from ember.quant import health
+from ember.quant.batched import batched_matmul
 from ember.quant.grouped import grouped_matmul
 from ember.quant.recipe import Recipe
 
@@ -64,6 +65,8 @@ class Options:
   wo_recipe: Recipe
   dispatch: str = moe_dispatch.AUTO  # See layers/moe_dispatch.py.
   ragged_buffer: float = 2.0
+  expert_gemm: str = moe_dispatch.AUTO  # ragged_dot | capacity | auto (layers/moe_dispatch.py).
+  expert_buffer: float = 1.25  # capacity: a local expert's slot holds this x its balanced load.
 
   def capacity(self, tokens: int) -> int | None:
     """Copies each expert keeps per token shard; None = dropless."""
@@ -114,7 +117,8 @@ class MoE(nnx.Module):
     self.shared = MLP(model, model.shared_expert_d_ff, layer=layer, rngs=rngs,
                       names=("shared_wi", "shared_wo")) if model.shared_expert_d_ff else None
     self.options = Options(e, model.experts_per_token, model.router_softmax_first, model.capacity_factor,
-                           model.dtype, self.wi.recipe, self.wo.recipe, model.moe_dispatch, model.moe_ragged_buffer)
+                           model.dtype, self.wi.recipe, self.wo.recipe, model.moe_dispatch, model.moe_ragged_buffer,
+                           model.moe_expert_gemm, model.moe_expert_buffer)
 
   def __call__(self, x_BxLxD, segment_ids_BxL, key=None):
     """(y [B, L, D], aux): aux holds names.AUX_KEYS as float32 scalars."""
@@ -176,12 +180,16 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
   if keys is not None and token_axes:  # Distinct stochastic-rounding noise on every token shard.
     keys = tuple(jax.random.fold_in(key, jax.lax.axis_index(token_axes)) for key in keys)
   e_local = wi_ExDx2xF.shape[0]
+  n = math.prod(jax.lax.axis_size(a) for a in expert_axes)
+  dispatch, layout = moe_dispatch.choose(opts.dispatch, opts.expert_gemm, expert_parallel=n, num_local=e_local)
+  slots = functools.partial(moe_dispatch.slot_rows, tokens=t, k=opts.k, num_experts=opts.num_experts, n=n,
+                            capacity=opts.capacity(t), buffer=opts.expert_buffer)
   ffn = functools.partial(_swiglu, wi_ExDx2xF=wi_ExDx2xF, wo_ExFxD=wo_ExFxD, histories=histories, keys=keys,
-                          stats=stats, opts=opts, token_axes=token_axes)
-  dispatch = moe_dispatch.resolve(opts.dispatch) if expert_axes else moe_dispatch.ALLGATHER
-  if dispatch == moe_dispatch.ALLGATHER:
+                          stats=stats, opts=opts, token_axes=token_axes, slots=slots if layout == moe_dispatch.CAPACITY
+                          else None)
+  if dispatch in (moe_dispatch.LOCAL, moe_dispatch.ALLGATHER):
     y_TxKxD, overflow = _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, t=t, e_local=e_local,
-                                           capacity=opts.capacity(t), expert_axes=expert_axes), 0.0
+                                           capacity=opts.capacity(t), expert_axes=expert_axes)
     weights_TxK = jax.lax.all_gather(weights_TxK, expert_axes, axis=0, tiled=True) if expert_axes else weights_TxK
   else:
     y_TxKxD, overflow = _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, dispatch, e_local=e_local,
@@ -190,14 +198,15 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
   aux[MOE_OVERFLOW_TOKENS] = jax.lax.psum(jnp.asarray(overflow, F32), token_axes) if token_axes else \
       jnp.asarray(overflow, F32)
   out_TxD = jnp.einsum("tk,tkd->td", weights_TxK, y_TxKxD.astype(F32)).astype(opts.dtype)
-  if expert_axes and dispatch == moe_dispatch.ALLGATHER:
+  if dispatch == moe_dispatch.ALLGATHER:
     out_TxD = jax.lax.psum_scatter(out_TxD, expert_axes, scatter_dimension=0, tiled=True)
   return out_TxD.reshape(b, l, d), aux
 
 
 def _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, *, t, e_local, capacity, expert_axes):
   """Each device gathers its expert group's tokens and computes the copies bound for its own experts:
-  [n * T, k, D] outputs (zero for copies computed elsewhere), reduce-scattered by the caller."""
+  ([n * T, k, D] outputs (zero for copies computed elsewhere), reduce-scattered by the caller; the copies
+  the expert GEMMs' slots did not hold)."""
   k, d = experts_TxK.shape[1], x_TxD.shape[1]
   first = 0
   if expert_axes:
@@ -208,8 +217,8 @@ def _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, *, t, e_local, capacit
                                 capacity=capacity, ragged_buffer=0.0)
   plan = dispatch_plan(experts_TxK - first, keep_TxK, e_local, rows)
   xs_RxD = take_rows(x_TxD, plan.token_of_row, plan.row_of_copy)
-  y_RxD = ffn(xs_RxD, plan.group_sizes)
-  return take_rows(y_RxD, plan.row_of_copy.reshape(-1), plan.copy_of_row[:, None]).reshape(-1, k, d)
+  y_RxD, overflow = ffn(xs_RxD, plan.group_sizes)
+  return take_rows(y_RxD, plan.row_of_copy.reshape(-1), plan.copy_of_row[:, None]).reshape(-1, k, d), overflow
 
 
 def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, dispatch, *, e_local, capacity, ragged_buffer,
@@ -226,9 +235,8 @@ def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, dispatch, *, e_local, 
     slots = moe_dispatch.gemm_rows(dispatch, tokens=t, k=k, num_local=e_local, n=1, capacity=capacity,
                                    ragged_buffer=ragged_buffer)
     expert_C = jnp.take(experts_TxK.reshape(-1), plan.copy_of_row, mode="fill", fill_value=num_experts)
-    ys_CxD = moe_dispatch.alltoall(xs_CxD, expert_C, plan.group_sizes, num_local=e_local, slots=slots,
-                                   axes=expert_axes, ffn=ffn)
-    overflow = 0.0
+    ys_CxD, overflow = moe_dispatch.alltoall(xs_CxD, expert_C, plan.group_sizes, num_local=e_local, slots=slots,
+                                             axes=expert_axes, ffn=ffn)
   else:
     rows = moe_dispatch.gemm_rows(dispatch, tokens=t, k=k, num_local=e_local, n=n, capacity=capacity,
                                   ragged_buffer=ragged_buffer)
@@ -238,17 +246,40 @@ def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, dispatch, *, e_local, 
   return y_TxKxD, overflow
 
 
-def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, opts: Options, token_axes):
+def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, opts: Options, token_axes,
+            slots=None):
+  """The local experts' SwiGLU on rows sorted by expert: (outputs [R, D], copies not computed). `slots`
+  (rows -> C) runs it in the capacity layout (layers/moe_dispatch.py), None with `ragged_dot`."""
   e, d, _, f = wi_ExDx2xF.shape
   key_wi, key_wo = (None, None) if keys is None else keys
   common = dict(dtype=opts.dtype, reduce_axes=token_axes)
-  h = grouped_matmul(xs_RxD, wi_ExDx2xF.reshape(e, d, 2 * f), group_sizes_E, recipe=opts.wi_recipe, name="moe_wi",
-                     history=histories[0], key=key_wi, stats=stats[0], **common).reshape(-1, 2, f)
-  gate_RxF = checkpoint_name(h[:, 0], remat.MOE_WI_0)
-  up_RxF = checkpoint_name(h[:, 1], remat.MOE_WI_1)
-  y_RxD = grouped_matmul(jax.nn.silu(gate_RxF) * up_RxF, wo_ExFxD, group_sizes_E, recipe=opts.wo_recipe,
-                         name="moe_wo", history=histories[1], key=key_wo, stats=stats[1], **common)
-  return checkpoint_name(y_RxD, remat.MOE_WO)
+  wi = dict(recipe=opts.wi_recipe, name="moe_wi", history=histories[0], key=key_wi, stats=stats[0], **common)
+  wo = dict(recipe=opts.wo_recipe, name="moe_wo", history=histories[1], key=key_wo, stats=stats[1], **common)
+  if slots is None:
+    h = grouped_matmul(xs_RxD, wi_ExDx2xF.reshape(e, d, 2 * f), group_sizes_E, **wi).reshape(-1, 2, f)
+    gate, up = checkpoint_name(h[:, 0], remat.MOE_WI_0), checkpoint_name(h[:, 1], remat.MOE_WI_1)
+    return checkpoint_name(grouped_matmul(jax.nn.silu(gate) * up, wo_ExFxD, group_sizes_E, **wo), remat.MOE_WO), 0
+  c = slots(rows=xs_RxD.shape[0])
+  slot_of_row, row_of_slot = capacity_layout(group_sizes_E, xs_RxD.shape[0], c)
+  x_ExCxD = take_rows(xs_RxD, row_of_slot, slot_of_row[:, None]).reshape(e, c, d)
+  h = batched_matmul(x_ExCxD, wi_ExDx2xF.reshape(e, d, 2 * f), **wi).reshape(e, c, 2, f)
+  gate, up = checkpoint_name(h[:, :, 0], remat.MOE_WI_0), checkpoint_name(h[:, :, 1], remat.MOE_WI_1)
+  y_ExCxD = checkpoint_name(batched_matmul(jax.nn.silu(gate) * up, wo_ExFxD, **wo), remat.MOE_WO)
+  y_RxD = take_rows(y_ExCxD.reshape(e * c, d), slot_of_row, row_of_slot[:, None])
+  return y_RxD, jnp.sum(jnp.maximum(group_sizes_E - c, 0))
+
+
+def capacity_layout(group_sizes_E, rows: int, c: int):
+  """(the slot of each sorted row: expert * C + its rank, or E * C when it is past its expert's C or past the
+  last group; the sorted row of each slot, or `rows` when empty) for slots of C rows per expert."""
+  e = group_sizes_E.shape[0]
+  starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+  expert_R = jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(rows, dtype=jnp.int32), side="right")
+  rank_R = jnp.arange(rows) - starts_E[jnp.minimum(expert_R, e - 1)]
+  slot_of_row = jnp.where((expert_R < e) & (rank_R < c), expert_R * c + rank_R, e * c)
+  rank_ExC = jnp.arange(c)[None, :]
+  row_of_slot = jnp.where(rank_ExC < group_sizes_E[:, None], starts_E[:, None] + rank_ExC, rows)
+  return slot_of_row.astype(jnp.int32), row_of_slot.reshape(-1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- routing

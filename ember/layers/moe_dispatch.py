@@ -19,6 +19,18 @@ to get every kept copy to its expert and its output back (`model.moe_dispatch`):
              ragged-all-to-all: there an exact stand-in built from `all_to_all` of padded buffers
              runs instead (`ragged_all_to_all`), so the CPU tests cover everything around it.
   auto       ragged on a GPU target, allgather elsewhere.
+Without an expert axis (n = 1) there is no exchange: `local`, the allgather code with nothing gathered.
+
+The expert GEMMs themselves (`model.moe_expert_gemm`), on the rows a device holds sorted by local expert:
+  ragged_dot  `jax.lax.ragged_dot` over the sorted rows (quant/grouped.py). Exact work on the CPU; XLA's
+              GPU compiler expands it into a GEMM over every row for every local expert (E_local x the
+              work, in bf16), so on GPUs it is right only for one local expert.
+  capacity    each local expert's rows in a slot of C rows, [E_local, C, D], and one batched GEMM each way
+              (quant/batched.py): batched cuBLASLt GEMMs on GPUs, FP8 under the fp8 recipes. C is
+              `moe_expert_buffer` x the balanced load (n * T * k / E), or n * capacity with a capacity
+              factor; copies past C are not computed (zero output) and counted in `moe_overflow_tokens`.
+  auto        capacity on a GPU target with more than one local expert, ragged_dot elsewhere.
+`choose` is that rule, for the layer, the training log line and the compile report alike.
 
 Everything around the collectives is shared: the sort of a device's copies by global expert (so by
 destination, then local expert: `moe.dispatch_plan`), the counts and offsets, the receiver's sort by
@@ -33,10 +45,13 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.parallel.sharding import target_platform
 
-AUTO, ALLGATHER, ALLTOALL, RAGGED = "auto", "allgather", "alltoall", "ragged"
-DISPATCHERS = (AUTO, ALLGATHER, ALLTOALL, RAGGED)
+AUTO, ALLGATHER, ALLTOALL, RAGGED = DISPATCHERS = MOE_DISPATCHERS
+_, RAGGED_DOT, CAPACITY = EXPERT_GEMMS = MOE_EXPERT_GEMMS
+LOCAL = "local"  # No expert axis: no exchange.
+SLOT_MULTIPLE = 32  # C is rounded up to it: whole blocks along C for the block-scaled recipes' wgrad.
 
 
 def resolve(dispatch: str, platform: str | None = None) -> str:
@@ -44,6 +59,25 @@ def resolve(dispatch: str, platform: str | None = None) -> str:
   if dispatch != AUTO:
     return dispatch
   return RAGGED if (platform or target_platform()) == "gpu" else ALLGATHER
+
+
+def choose(dispatch: str, expert_gemm: str, *, expert_parallel: int, num_local: int,
+           platform: str | None = None) -> tuple[str, str]:
+  """(the token exchange, the expert GEMM layout) an MoE layer runs (see the module doc)."""
+  platform = platform or target_platform()
+  exchange = LOCAL if expert_parallel == 1 else resolve(dispatch, platform)
+  if expert_gemm == AUTO:
+    expert_gemm = CAPACITY if platform == "gpu" and num_local > 1 else RAGGED_DOT
+  return exchange, expert_gemm
+
+
+def slot_rows(*, tokens: int, k: int, num_experts: int, n: int, capacity: int | None, buffer: float,
+              rows: int) -> int:
+  """C, the rows of each local expert's slot in the capacity layout, for `rows` sorted rows on a device
+  (n devices per expert group, T = `tokens` per token shard): n * capacity with a capacity factor (never
+  exceeded), else `buffer` x the balanced load n * T * k / E; at most `rows`."""
+  c = n * capacity if capacity is not None else math.ceil(buffer * n * tokens * k / num_experts)
+  return -(-min(c, rows) // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
 
 def _exclusive_cumsum(a, axis=-1):
@@ -59,18 +93,20 @@ def _gather(a_NxD, index_R):
 
 def _sorted_ffn(rows_RxD, expert_R, num_local: int, ffn):
   """ffn on rows sorted by local expert (rows with expert == num_local are padding: zero outputs),
-  returned in the rows' own order."""
+  returned in the rows' own order, with the copies the ffn did not compute."""
   order = jnp.argsort(expert_R, stable=True)
   sizes = jnp.bincount(expert_R, length=num_local + 1)[:num_local].astype(jnp.int32)
   inverse = jnp.argsort(order)
-  return _gather(ffn(_gather(rows_RxD, order), sizes), inverse)
+  ys, overflow = ffn(_gather(rows_RxD, order), sizes)
+  return _gather(ys, inverse), overflow
 
 
 # ----------------------------------------------------------------------------- alltoall
 
 def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn):
   """Exchange by fixed buffers. `xs_CxD`: this device's copies sorted by global expert (`sizes_E` rows
-  each; rows past their sum are not sent); returns each copy's expert output in the same order."""
+  each; rows past their sum are not sent); returns each copy's expert output in the same order, and the
+  copies received here that the expert GEMMs' slots did not hold."""
   n = sizes_E.shape[0] // num_local
   send_P = sizes_E.reshape(n, num_local).sum(axis=1)
   start_P = _exclusive_cumsum(send_P)
@@ -83,13 +119,13 @@ def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn
   exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
   recv_PxSxD, recv_expert_PxS = exchange(send_PxSxD), exchange(expert_PxS)
   d = recv_PxSxD.shape[-1]
-  ys = _sorted_ffn(recv_PxSxD.reshape(-1, d), recv_expert_PxS.reshape(-1), num_local, ffn)
+  ys, overflow = _sorted_ffn(recv_PxSxD.reshape(-1, d), recv_expert_PxS.reshape(-1), num_local, ffn)
   back_PxSxD = exchange(ys.reshape(n, slots, d))
   # Copy c (sorted) went to destination p = the group holding it, slot c - start_P[p].
   dest_C = jnp.searchsorted(jnp.cumsum(send_P), jnp.arange(xs_CxD.shape[0]), side="right")
   slot_C = jnp.arange(xs_CxD.shape[0]) - _gather(start_P[:, None], dest_C)[:, 0]
   flat = jnp.where(dest_C < n, dest_C * slots + slot_C, n * slots)
-  return _gather(back_PxSxD.reshape(-1, d), flat)
+  return _gather(back_PxSxD.reshape(-1, d), flat), overflow
 
 
 # ----------------------------------------------------------------------------- ragged
@@ -113,7 +149,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
 def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn):
   """Exchange of the copies alone. Returns (each copy's expert output in `xs_CxD`'s order, copies that
-  did not fit the receiver's `buffer_rows` here: not sent, zero output)."""
+  did not fit the receiver's `buffer_rows` here (not sent, zero output) plus those received here that
+  the expert GEMMs' slots did not hold)."""
   n = sizes_E.shape[0] // num_local
   sizes_PxE = sizes_E.reshape(n, num_local)
   send_P = sizes_PxE.sum(axis=1)
@@ -141,10 +178,10 @@ def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn):
   ends_PxE = jnp.cumsum(recv_sizes_PxE, axis=1)
   expert_R = jax.vmap(lambda s, i: jnp.searchsorted(ends_PxE[s], i, side="right"))(source_R, within_R)
   expert_R = jnp.where(live_R, expert_R, num_local)
-  ys_RxD = _sorted_ffn(recv_RxD, expert_R, num_local, ffn)
+  ys_RxD, slot_overflow = _sorted_ffn(recv_RxD, expert_R, num_local, ffn)
   back = ragged_all_to_all(ys_RxD, jnp.zeros_like(xs_CxD), recv_offset_P, recv_P, _source_offsets(sent_NxP, me),
                            send_fit_P, axes=axes)
-  return back, jnp.sum(send_P - send_fit_P)
+  return back, jnp.sum(send_P - send_fit_P) + slot_overflow
 
 
 def _source_offsets(sent_NxP, me):

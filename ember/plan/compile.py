@@ -110,9 +110,10 @@ def moe_figures(cfg, mesh, target: Target, program: hlo.Program) -> dict:
   from ember.model_config import ModelConfig
   m = ModelConfig.from_config(cfg)
   n = int(mesh.shape["expert"])
-  dispatch = moe_dispatch.resolve(m.moe_dispatch, "gpu" if target.is_gpu else "cpu") if n > 1 else "local"
-  return {"dispatch": dispatch, "expert_parallel": n, "tokens_per_shard": per_device_batch(cfg, mesh) * m.seq_len,
-          **cost.expert_gemms(program)}
+  dispatch, layout = moe_dispatch.choose(m.moe_dispatch, m.moe_expert_gemm, expert_parallel=n,
+                                         num_local=m.num_experts // n, platform="gpu" if target.is_gpu else "cpu")
+  return {"dispatch": dispatch, "expert_gemm": layout, "expert_parallel": n,
+          "tokens_per_shard": per_device_batch(cfg, mesh) * m.seq_len, **cost.expert_gemms(program)}
 
 
 def _why_not_cudnn(cfg, mesh) -> str:

@@ -63,11 +63,11 @@ def _grouped_matmul(x_MxK, w_ExKxN, group_sizes_E, *, recipe, name, history, key
   dtype = jnp.dtype(dtype)
   group_sizes_E = group_sizes_E.astype(jnp.int32)
   if not recipe.quantized:
-    return _unquantized(x_MxK.astype(dtype), w_ExKxN.astype(dtype), group_sizes_E, (_vma(x_MxK), _vma(w_ExKxN)))
+    return _unquantized(x_MxK.astype(dtype), w_ExKxN.astype(dtype), group_sizes_E, (vma_of(x_MxK), vma_of(w_ExKxN)))
   if history is None:  # Unused outside fp8_delayed; keeps one signature.
     history = (jnp.zeros((1,), jnp.float32), jnp.zeros((w_ExKxN.shape[0], 1), jnp.float32),
                jnp.zeros((1,), jnp.float32))
-  operand_info = (x_MxK.shape[1], jnp.dtype(x_MxK.dtype), jnp.dtype(w_ExKxN.dtype), _vma(x_MxK), _vma(w_ExKxN))
+  operand_info = (x_MxK.shape[1], jnp.dtype(x_MxK.dtype), jnp.dtype(w_ExKxN.dtype), vma_of(x_MxK), vma_of(w_ExKxN))
   return _gmm(x_MxK, w_ExKxN, group_sizes_E, tuple(history), key, None if stats is None else tuple(stats), recipe,
               name, dtype, tuple(reduce_axes), operand_info)
 
@@ -95,33 +95,33 @@ def _unquantized_bwd(vmas, res, g_MxN):
   dx = jax.lax.ragged_dot(g_MxN, jnp.swapaxes(w_ExKxN, 1, 2), group_sizes_E, preferred_element_type=jnp.float32)
   dw = jax.lax.ragged_dot_general(x_MxK, g_MxN, group_sizes_E, _WGRAD_DIMS, preferred_element_type=jnp.float32)
   x_vma, w_vma = vmas
-  return _sum_to(dx, x_vma).astype(x_MxK.dtype), _sum_to(dw, w_vma).astype(w_ExKxN.dtype), None
+  return sum_to(dx, x_vma).astype(x_MxK.dtype), sum_to(dw, w_vma).astype(w_ExKxN.dtype), None
 
 
 _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
 
 
-def _vma(a) -> frozenset:
+def vma_of(a) -> frozenset:
   """The shard_map axes `a` varies over (empty outside shard_map)."""
   t = jax.typeof(a)
   manual = getattr(t, "manual_axis_type", None)  # JAX >= 0.9; `vma` before.
   return frozenset(manual.varying if manual is not None else getattr(t, "vma", ()) or ())
 
 
-def _sum_to(a, vma: frozenset):
+def sum_to(a, vma: frozenset):
   """Sums a cotangent over the axes its primal was replicated on (a kernel shared by token shards),
   as the transpose of shard_map's implicit broadcast would; the VJP must return the primal's type."""
-  extra = tuple(sorted(_vma(a) - vma))
+  extra = tuple(sorted(vma_of(a) - vma))
   return jax.lax.psum(a, extra) if extra else a
 
 
-def _per_expert(recipe: Recipe, w_ExKxN, h_ExH, axis, stats: bool = False):
+def per_expert(recipe: Recipe, w_ExKxN, h_ExH, axis, stats: bool = False):
   """Each expert's kernel quantized on its own (per-expert amax and scales, per-expert histories);
   leaves gain a leading E."""
   return jax.vmap(lambda w, h: recipe.quantizer(WEIGHT, h).quantize(w, axis=axis, stats=stats))(w_ExKxN, h_ExH)
 
 
-def _dequantize(q, dtype):
+def dequantize_experts(q, dtype):
   return q.dequantize(dtype) if q.data.ndim == 2 else jax.vmap(lambda t: t.dequantize(dtype))(q)
 
 
@@ -166,9 +166,9 @@ def _quantize_operands(x, w, group_sizes, history, recipe: Recipe, name: str, re
       x_layout = _to_layout(x, block_layout(group_sizes, x.shape[0], recipe.block_size))
       q[X_T] = act.quantize(recipe.wgrad_transform(x_layout, 0), axis=0, reduce_axes=reduce_axes)
   with jax.named_scope(SCOPE_WEIGHT):
-    q[KERNEL] = _per_expert(recipe, w, h_k, axis=0, stats=stats)
+    q[KERNEL] = per_expert(recipe, w, h_k, axis=0, stats=stats)
     if recipe.has_kernel_t:
-      q[KERNEL_T] = _per_expert(recipe, w, h_k, axis=1)
+      q[KERNEL_T] = per_expert(recipe, w, h_k, axis=1)
   return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
 
 
@@ -177,7 +177,7 @@ def _forward(x, w, group_sizes, history, recipe, name, dtype, reduce_axes, stats
   xp, wp = pad_to(_mask_rows(x, group_sizes), (1, b)), pad_to(w, (1, b, b))
   q = _quantize_operands(xp, wp, group_sizes, history, recipe, name, reduce_axes, stats)
   if recipe.forward_quantized:
-    y = jax.lax.ragged_dot(q[X].dequantize(dtype), _dequantize(q[KERNEL], dtype), group_sizes,
+    y = jax.lax.ragged_dot(q[X].dequantize(dtype), dequantize_experts(q[KERNEL], dtype), group_sizes,
                            preferred_element_type=jnp.float32)
   else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
     y = jax.lax.ragged_dot(xp.astype(dtype), wp.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
@@ -207,7 +207,7 @@ def _gmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_MxN):
   # dgrad: contract N with each expert's kernel copy quantized along N (per-tensor, 2D tiles: the same).
   with jax.named_scope(SCOPE_GRADIENT):
     g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad, reduce_axes=reduce_axes, stats=with_stats)
-  kernel_n = _dequantize(q.get(KERNEL_T, q[KERNEL]), dtype)
+  kernel_n = dequantize_experts(q.get(KERNEL_T, q[KERNEL]), dtype)
   dx = jax.lax.ragged_dot(g_rows.dequantize(dtype), jnp.swapaxes(kernel_n, 1, 2), group_sizes,
                           preferred_element_type=jnp.float32)
   # wgrad: contract each group's rows. Per-tensor recipes reuse the forward copies; block recipes
@@ -228,7 +228,7 @@ def _gmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_MxN):
                    update_history(h_g, g_rows.amax))
   else:
     new_history = jax.tree.map(jnp.zeros_like, history)
-  dx, dw = _sum_to(dx[:, :k], x_vma).astype(x_dtype), _sum_to(dw[:, :k, :n], w_vma).astype(w_dtype)
+  dx, dw = sum_to(dx[:, :k], x_vma).astype(x_dtype), sum_to(dw[:, :k, :n], w_vma).astype(w_dtype)
   health = (q[X].health, q[KERNEL].health, g_rows.health) if with_stats else None
   return dx, dw, None, new_history, None, health
 

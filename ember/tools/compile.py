@@ -66,7 +66,8 @@ def format_report(r: dict) -> str:
       f"  attention:   {attention}",
       f"  collectives: {collectives} per device per step",
       *_work_lines(r),
-      *([f"  MoE:         dispatch {r['moe']['dispatch']} over {r['moe']['expert_parallel']} devices, "
+      *([f"  MoE:         dispatch {r['moe']['dispatch']} over {r['moe']['expert_parallel']} devices, expert GEMMs "
+         f"{r['moe']['expert_gemm']}, "
          f"{r['moe']['gemm_rows_per_rank']:,} rows per forward expert GEMM per device, expert GEMMs "
          f"{_flops(sum(r['moe']['expert_gemm_flops'].values()))} a step"] if r.get("moe") else []),
       f"  compiled in {r['compile_s']:.1f} s; memory is an estimate: {r['memory_note']}",

@@ -138,8 +138,10 @@ def _compile(step_fn, state, batch, cfg, mesh):
   memory = "no memory analysis" if peak is None else f"compiled peak {peak / 2**30:.2f} GiB/device"
   moe = ""
   if cfg.model.num_experts:
-    dispatch = moe_dispatch.resolve(cfg.model.moe_dispatch, target_platform()) if mesh.shape["expert"] > 1 else "local"
-    moe = f", MoE dispatch {dispatch}"
+    n = int(mesh.shape["expert"])
+    dispatch, layout = moe_dispatch.choose(cfg.model.moe_dispatch, cfg.model.moe_expert_gemm, expert_parallel=n,
+                                           num_local=cfg.model.num_experts // n, platform=target_platform())
+    moe = f", MoE dispatch {dispatch}, expert GEMMs {layout}"
   console(f"compiled the train step in {time.time() - t0:.1f}s ({memory}; remat {cfg.remat.policy}, "
           f"recipe {cfg.quant.recipe}, mesh {dict(mesh.shape)}{moe})")
   return compiled

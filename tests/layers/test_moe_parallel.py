@@ -162,13 +162,16 @@ def test_expert_parallel_with_fsdp_sharded_experts(dispatch):
     assert _rel(g8[name], g1[name])[0] < 1e-5, name
 
 
-@pytest.mark.parametrize("dispatch", ["allgather", "alltoall", "ragged"])
-def test_capacity_under_expert_parallelism_is_per_token_shard(dispatch):
+@pytest.mark.parametrize("dispatch,expert_gemm", [("allgather", "ragged_dot"), ("alltoall", "ragged_dot"),
+                                                 ("ragged", "ragged_dot"), ("allgather", "capacity"),
+                                                 ("ragged", "capacity")])
+def test_capacity_under_expert_parallelism_is_per_token_shard(dispatch, expert_gemm):
   """With a capacity, each token shard keeps at most `capacity` copies per expert, counted over its own
   tokens: under expert=4, data=2 (a shard = one sequence) every sequence's output and drop count equal
-  the one-device layer run on that sequence alone, whatever the dispatcher."""
+  the one-device layer run on that sequence alone, whatever the dispatcher and the expert GEMMs' layout
+  (whose slots then hold exactly what the capacity keeps: nothing overflows)."""
   cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": "bf16", "model.capacity_factor": 0.5,
-                              "model.moe_dispatch": dispatch, **EP})
+                              "model.moe_dispatch": dispatch, "model.moe_expert_gemm": expert_gemm, **EP})
   cfg8, cfg1 = _derive(cfg, 8), _derive(cfg, 1)
   with nnx.use_eager_sharding(False):
     layer = MoE(ModelConfig.from_config(cfg1), layer=0, rngs=nnx.Rngs(params=0))
@@ -187,20 +190,25 @@ def test_capacity_under_expert_parallelism_is_per_token_shard(dispatch):
                    jax.device_put(seg, NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))))
   dropped = sum(float(a["moe_dropped_tokens"]) for _, a in alone)
   assert dropped > 0  # The capacity binds: 12 tokens x 2 copies over 4 experts, 3 kept per expert.
-  assert float(aux8["moe_dropped_tokens"]) == dropped
+  assert float(aux8["moe_dropped_tokens"]) == dropped and float(aux8["moe_overflow_tokens"]) == 0
   assert float(aux8["moe_routed_tokens"]) == sum(float(a["moe_routed_tokens"]) for _, a in alone)
   for i, (y, _) in enumerate(alone):
     assert _rel(y8[i:i + 1], y)[0] < 1e-5, i
 
 
-@pytest.mark.parametrize("dispatch,recipe", [("alltoall", "bf16"), ("alltoall", "fp8_current"), ("ragged", "bf16"),
-                                             ("ragged", "fp8_current")])
-def test_dispatchers_equal_allgather_and_one_device(dispatch, recipe):
+@pytest.mark.parametrize("dispatch,recipe,expert_gemm", [
+    ("alltoall", "bf16", "ragged_dot"), ("alltoall", "fp8_current", "ragged_dot"), ("ragged", "bf16", "ragged_dot"),
+    ("ragged", "fp8_current", "ragged_dot"), ("allgather", "bf16", "capacity"), ("alltoall", "fp8_current", "capacity"),
+    ("ragged", "bf16", "capacity"), ("ragged", "fp8_current", "capacity")])
+def test_dispatchers_equal_allgather_and_one_device(dispatch, recipe, expert_gemm):
   """tiny_moe on expert=4, data=2: alltoall (with a capacity that drops nothing) and ragged (the CPU stand-in
-  of ragged_all_to_all) give the loss and gradients of one device and of allgather, within 1e-5."""
-  extra = {"model.capacity_factor": 4.0} if dispatch == "alltoall" else {}
+  of ragged_all_to_all), with the expert GEMMs over sorted rows or in the capacity layout (slots that hold
+  every copy), give the loss and gradients of one device and of allgather in that layout, within 1e-5 (the
+  two layouts agree on one device: tests/quant/test_batched.py)."""
+  extra = {"model.capacity_factor": 4.0} if dispatch == "alltoall" else {"model.moe_expert_buffer": 8.0}
   cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": recipe, "train.batch_size": 8,
-                              "quant.nvfp4_stochastic_rounding": False, **extra, **EP})
+                              "quant.nvfp4_stochastic_rounding": False, "model.moe_expert_gemm": expert_gemm,
+                              **extra, **EP})
   (loss_1, metrics_1), (grads_1, _) = _loss_and_grads(cfg, 1)
   (loss_ag, _), (grads_ag, _) = _loss_and_grads(cfg, 8)  # auto = allgather on CPU.
   cfg.model.moe_dispatch = dispatch
