@@ -186,12 +186,14 @@ def test_saved_rows_come_with_their_routing():
     assert ("top_k" in _backward_primitives(fn, problem.args)) == recomputes_routing, name
 
 
-@pytest.mark.parametrize("dispatch", ["allgather", "alltoall", "ragged"])
-def test_save_quantized_recomputes_no_quantize_op_under_expert_parallelism(dispatch):
+@pytest.mark.parametrize("dispatch,expert_gemm", [("allgather", "ragged_dot"), ("alltoall", "ragged_dot"),
+                                                 ("ragged", "ragged_dot"), ("ragged", "capacity")])
+def test_save_quantized_recomputes_no_quantize_op_under_expert_parallelism(dispatch, expert_gemm):
   from ember.parallel.mesh import make_mesh
   from ember.parallel.sharding import use_rules
   cfg = config_lib.derive(config("tiny_moe", **{"quant.recipe": "nvfp4", "mesh.data": 2, "mesh.fsdp": 1,
-                                                "mesh.expert": 4, "model.moe_dispatch": dispatch}), 8)
+                                                "mesh.expert": 4, "model.moe_dispatch": dispatch,
+                                                "model.moe_expert_gemm": expert_gemm}), 8)
   with use_rules(make_mesh(cfg.mesh), cfg.mesh.rules):
     problem = analysis.layer_problem(cfg, batch=8)
     saved = analysis.trace_layer(problem, remat.PRESETS["save_quantized"])
