@@ -162,21 +162,21 @@ def test_expert_parallel_with_fsdp_sharded_experts(dispatch):
     assert _rel(g8[name], g1[name])[0] < 1e-5, name
 
 
-@pytest.mark.parametrize("dispatch,expert_gemm", [("allgather", "ragged_dot"), ("alltoall", "ragged_dot"),
-                                                 ("ragged", "ragged_dot"), ("allgather", "capacity"),
-                                                 ("ragged", "capacity")])
-def test_capacity_under_expert_parallelism_is_per_token_shard(dispatch, expert_gemm):
-  """With a capacity, each token shard keeps at most `capacity` copies per expert, counted over its own
-  tokens: under expert=4, data=2 (a shard = one sequence) every sequence's output and drop count equal
-  the one-device layer run on that sequence alone, whatever the dispatcher and the expert GEMMs' layout
-  (whose slots then hold exactly what the capacity keeps: nothing overflows)."""
+def _tight_capacity_layer(dispatch, expert_gemm, router=None):
+  """tiny_moe's MoE layer in float32 with capacity factor 0.5, run on 8 sequences of 16 tokens (the last 4
+  padding): on one device for each sequence alone, and on expert=4 x data=2 for all 8 (a token shard = one
+  sequence). `router(d, e)` replaces the router's kernel. Returns (per-sequence runs, the sharded run, the
+  capacity of one shard's experts)."""
   cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": "bf16", "model.capacity_factor": 0.5,
                               "model.moe_dispatch": dispatch, "model.moe_expert_gemm": expert_gemm, **EP})
   cfg8, cfg1 = _derive(cfg, 8), _derive(cfg, 1)
   with nnx.use_eager_sharding(False):
     layer = MoE(ModelConfig.from_config(cfg1), layer=0, rngs=nnx.Rngs(params=0))
-  graphdef, state = nnx.split(layer)
   x = jax.random.normal(jax.random.key(1), (8, 16, cfg1.model.d_model), jnp.float32)
+  if router is not None:
+    layer.router[...] = router(*layer.router[...].shape)
+    x = jnp.abs(x)
+  graphdef, state = nnx.split(layer)
   seg = jnp.ones((8, 16), jnp.int32).at[:, 12:].set(0)
   run = jax.jit(lambda state, x, seg: nnx.merge(graphdef, state)(x, seg))
 
@@ -188,12 +188,40 @@ def test_capacity_under_expert_parallelism_is_per_token_shard(dispatch, expert_g
     y8, aux8 = run(sharded, jax.device_put(x, NamedSharding(mesh, logical_to_spec(("batch", "length", "embed"),
                                                                                  rules, mesh))),
                    jax.device_put(seg, NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))))
+  return alone, (y8, aux8), layer.options.capacity(16)
+
+
+@pytest.mark.parametrize("dispatch,expert_gemm", [("allgather", "ragged_dot"), ("alltoall", "ragged_dot"),
+                                                 ("ragged", "ragged_dot"), ("allgather", "capacity"),
+                                                 ("ragged", "capacity")])
+def test_capacity_under_expert_parallelism_is_per_token_shard(dispatch, expert_gemm):
+  """With a capacity, each token shard keeps at most `capacity` copies per expert, counted over its own
+  tokens: under expert=4, data=2 (a shard = one sequence) every sequence's output and drop count equal
+  the one-device layer run on that sequence alone, whatever the dispatcher and the expert GEMMs' layout
+  (whose slots then hold exactly what the capacity keeps: nothing overflows)."""
+  alone, (y8, aux8), _ = _tight_capacity_layer(dispatch, expert_gemm)
   dropped = sum(float(a["moe_dropped_tokens"]) for _, a in alone)
-  assert dropped > 0  # The capacity binds: 12 tokens x 2 copies over 4 experts, 3 kept per expert.
+  assert dropped > 0  # The capacity binds.
   assert float(aux8["moe_dropped_tokens"]) == dropped and float(aux8["moe_overflow_tokens"]) == 0
   assert float(aux8["moe_routed_tokens"]) == sum(float(a["moe_routed_tokens"]) for _, a in alone)
   for i, (y, _) in enumerate(alone):
     assert _rel(y8[i:i + 1], y)[0] < 1e-5, i
+
+
+@pytest.mark.parametrize("dispatch,expert_gemm", [("allgather", "ragged_dot"), ("alltoall", "ragged_dot"),
+                                                 ("ragged", "capacity")])
+def test_tight_capacity_drops_the_hand_counted_copies_under_expert_parallelism(dispatch, expert_gemm):
+  """A hand-built routing: positive inputs and a router whose only non-zero columns favour experts 0 and 1,
+  so each of a shard's 12 real tokens sends its 2 copies to experts 0 and 1. Each keeps `capacity` of its 12
+  copies: 8 shards x 2 experts x (12 - capacity) copies dropped and 8 x 2 x capacity routed, counted exactly
+  on expert=4 x data=2."""
+  def router(d, e):
+    return jnp.zeros((d, e), jnp.float32).at[:, 0].set(1.0).at[:, 1].set(0.5)
+
+  _, (_, aux8), capacity = _tight_capacity_layer(dispatch, expert_gemm, router)
+  assert 0 < capacity < 12
+  assert float(aux8["moe_dropped_tokens"]) == 8 * 2 * (12 - capacity)
+  assert float(aux8["moe_routed_tokens"]) == 8 * 2 * capacity and float(aux8["moe_overflow_tokens"]) == 0
 
 
 @pytest.mark.parametrize("dispatch,recipe,expert_gemm", [
