@@ -52,7 +52,10 @@ def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_col
 
 def _explain(argv: list[str], e: Exception) -> str:
   """Turns a config_flags failure into one line naming the offending flag or key."""
-  msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  while isinstance(e, (AttributeError, KeyError)) and e.args and isinstance(e.args[0], KeyError):
+    e = e.args[0]  # ml_collections wraps the KeyError that names the key.
+  text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)  # str(KeyError) is a repr.
+  msg = text.strip().splitlines()[0] if text.strip() else type(e).__name__
   config_arg = next((a for a in argv if a.startswith("--config=")), None)
   if config_arg is not None:
     path = config_arg.split("=", 1)[1].split(":", 1)[0]

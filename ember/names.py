@@ -62,4 +62,10 @@ BY_LAYER = "_by_layer"
 # The name scope around every expert GEMM (forward, dgrad, wgrad): the compile report finds the expert
 # GEMMs of the compiled program by it (op_name metadata), whatever kernel XLA chose for them.
 EXPERT_GEMM_SCOPE = "expert_gemm"
+# The name scope around a block-scaled GEMM emulated in bf16 where the GPU has no kernel for it
+# (ember/quant/gemm.py): the compile report counts those GEMMs as `emulated`.
+EMULATED_GEMM_SCOPE = "emulated_block_scaled_gemm"
+# The name scope around NVFP4's random Hadamard transform (16x16 float32 GEMMs on the wgrad operands): the
+# compile report keeps them out of the expert GEMMs they feed.
+HADAMARD_SCOPE = "random_hadamard_transform"
 AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS, MOE_OVERFLOW_TOKENS)

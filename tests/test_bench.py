@@ -17,7 +17,7 @@ def test_gemm_counts_reads_cublas_fp8_calls():
          "  ROOT %c = f32[8,8]{1,0} dot(%v, %v), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n}")
   counts = bench.gemm_counts(hlo)
   assert counts == {"fp8_gemms": 1, "mxfp8_gemms": 0, "nvfp4_gemms": 0, "bf16_gemms": 1, "f32_gemms": 1,
-                    "attention": "xla"}
+                    "emulated_gemms": 0, "attention": "xla"}
 
 
 def test_bench_runs_a_tiny_config(tmp_path, capsys):

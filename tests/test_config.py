@@ -12,6 +12,7 @@ from tests.helpers import ROOT
 
 CASES = [
     (["--config.no_such_key=1"], "no_such_key: unknown config key"),
+    (["--config.train.steps=3"], "config.train.steps: unknown config key"),  # A near miss: absl suggests a key.
     (["--config.model.d_model=abc"], "config.model.d_model"),
     (["--config.model.num_heads=5"], "config.model.num_heads: 5 heads do not divide model.d_model=64"),
     (["--config.model.num_kv_heads=3"], "config.model.num_kv_heads: 3 kv heads do not divide model.num_heads=4"),
@@ -71,7 +72,8 @@ def test_validation_errors_name_the_key(flags, expected):
 # Each error that once escaped as a traceback (or after one), end to end through train.py.
 EXIT_2 = [["--config.no_such_key=1"], ["--config.model.num_kv_heads=3"], ["--config.data.path=/nonexistent/*.txt"],
           ["--config.model.num_experts=4", "--config.model.moe_every=3"], [f"--config.workdir={ROOT}/README.md/run"],
-          ["--config.data.num_shards=3"], ["--config.quant.exclude=(bad"], ["--config.data.source=tfds"]]
+          ["--config.data.num_shards=3"], ["--config.quant.exclude=(bad"], ["--config.data.source=tfds"],
+          ["--config.workdir=/proc/ember"], ["--config.train.steps=3"]]
 
 
 @pytest.mark.parametrize("flags", EXIT_2, ids=[f[-1].split("=")[0] for f in EXIT_2])

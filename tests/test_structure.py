@@ -12,7 +12,7 @@ PACKAGE = ROOT / "ember"
 
 # Each floor imports only itself and the floors below it (see ember/__init__.py).
 FLOORS = [
-    ("ember", "ember.errors", "ember.names", "ember.hardware"),
+    ("ember", "ember.errors", "ember.names", "ember.hardware", "ember.platform"),
     ("ember.remat",),
     ("ember.quant",),
     ("ember.model_config", "ember.config"),

@@ -19,7 +19,8 @@ from ember.layers.linear import Linear
 from ember.layers.rope import apply_rope
 from ember.model_config import ModelConfig
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV
-from ember.parallel.sharding import shard, target_platform
+from ember.parallel.sharding import shard
+from ember.platform import target_platform
 
 
 def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:

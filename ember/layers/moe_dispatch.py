@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
-from ember.parallel.sharding import target_platform
+from ember.platform import target_platform
 
 AUTO, ALLGATHER, ALLTOALL, RAGGED = DISPATCHERS = MOE_DISPATCHERS
 _, RAGGED_DOT, CAPACITY = EXPERT_GEMMS = MOE_EXPERT_GEMMS

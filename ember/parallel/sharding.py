@@ -16,10 +16,11 @@ from typing import Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ember import platform
+
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, dict] | None] = contextvars.ContextVar("ember_rules", default=None)
-_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("ember_platform", default=None)
 
 
 def rules_dict(rules) -> dict[str, tuple[str, ...]]:
@@ -61,10 +62,12 @@ def named_sharding(names, mesh: Mesh, rules: dict) -> NamedSharding:
 
 @contextlib.contextmanager
 def use_rules(mesh: Mesh, rules):
-  """Activates `mesh` and the rules table for `shard` calls traced inside the block."""
+  """Activates `mesh` and the rules table for `shard` calls traced inside the block, and the mesh's devices
+  as the platform traced for (ember/platform.py)."""
   token = _ACTIVE.set((mesh, rules_dict(rules)))
   try:
-    yield
+    with platform.on_devices(mesh.devices.flat[0]):
+      yield
   finally:
     _ACTIVE.reset(token)
 
@@ -78,28 +81,6 @@ def active_rules() -> dict | None:
   """The active rules table ({logical: (mesh axes...)}), for code that builds shard_map specs."""
   active = _ACTIVE.get()
   return None if active is None else active[1]
-
-
-@contextlib.contextmanager
-def on_platform(platform: str):
-  """Traces inside the block as for `platform` ("gpu", "cpu", ...), whatever the mesh or backend: how a
-  compile for a described GPU traces a layer that has no mesh (ember/plan/target.py)."""
-  token = _PLATFORM.set(platform)
-  try:
-    yield
-  finally:
-    _PLATFORM.reset(token)
-
-
-def target_platform() -> str:
-  """The platform the code being traced will run on: `on_platform`'s, else the active mesh's devices
-  (compile-only devices of a described GPU cluster included), else JAX's default backend. "gpu" for
-  CUDA and ROCm devices."""
-  platform = _PLATFORM.get()
-  if platform is None:
-    mesh = active_mesh()
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-  return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
 def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -118,3 +99,4 @@ def tree_shardings(logical_tree, mesh: Mesh, rules) -> object:
   rd = rules_dict(rules)
   return jax.tree.map(lambda names: named_sharding(tuple(names), mesh, rd), logical_tree,
                       is_leaf=lambda x: isinstance(x, (P, tuple)))
+

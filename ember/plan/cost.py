@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from ember.hardware import DeviceFacts
-from ember.names import EXPERT_GEMM_SCOPE
+from ember.names import EXPERT_GEMM_SCOPE, HADAMARD_SCOPE
 from ember.plan import hlo
 
 TOP = 5  # Largest values and collectives reported.
@@ -45,6 +45,7 @@ def step_cost(text: str, *, model_flops: float, tokens: float, machine: Machine 
   first_pass = sum(executed.values()) + attention
   out = {
       "executed_flops": executed, "recompute_flops": recompute, "attention_flops": attention,
+      "emulated_flops": sum(g.flops_per_step for g in gemms if g.emulated and not g.recomputed),
       "model_flops": model_flops, "executed_over_model": first_pass / model_flops if model_flops else None,
       "largest_values": largest_values(p), "largest_collectives": largest_collectives(p, machine),
   }
@@ -114,15 +115,27 @@ def largest_collectives(p: hlo.Program, machine: Machine | None) -> list[dict]:
 
 
 def expert_gemms(text_or_program) -> dict:
-  """The expert GEMMs of an MoE step (those under EXPERT_GEMM_SCOPE): the rows of the forward GEMMs (the
-  largest, per execution) and the first-pass FLOPs by precision, per device per step."""
+  """The expert GEMMs of an MoE step (those under EXPERT_GEMM_SCOPE, not the Hadamard transforms of their
+  operands): the rows of the forward GEMMs (the largest, per execution) and the first-pass FLOPs by
+  precision, per device per step."""
   p = text_or_program if isinstance(text_or_program, hlo.Program) else hlo.Program(text_or_program)
-  experts = [g for g in hlo.gemms(p) if EXPERT_GEMM_SCOPE in g.op_name]
+  experts = [g for g in hlo.gemms(p) if EXPERT_GEMM_SCOPE in g.op_name and HADAMARD_SCOPE not in g.op_name]
   forward = [g for g in experts if "transpose(" not in g.op_name and not g.recomputed]
   rows = max((_rows(g) for g in forward), default=0)
   flops = {prec: sum(g.flops_per_step for g in experts if g.precision == prec and not g.recomputed)
            for prec in hlo.PRECISIONS}
   return {"gemm_rows_per_rank": rows, "expert_gemm_flops": flops}
+
+
+def largest_expert_copy(p: hlo.Program, *, local_experts: int, rows: int) -> dict | None:
+  """The largest value with the local-expert count as a dimension beside the expert GEMMs' `rows` (per
+  device): a copy of every routed row for each local expert, the mark of a masked ragged_dot expansion;
+  None if there is none."""
+  def per_expert_rows(v):
+    dims = hlo.dims_of(v.shape)
+    return local_experts in dims and rows in dims
+  v = max((v for v in hlo.values(p) if per_expert_rows(v)), key=lambda v: v.bytes, default=None)
+  return None if v is None else {"shape": v.shape, "bytes": int(v.bytes), "op_name": v.op_name}
 
 
 def _rows(g: hlo.Gemm) -> int:

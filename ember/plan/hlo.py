@@ -6,8 +6,10 @@ Rules, in one place:
     `__cublas$lt$matmul$f8`), cuDNN's block-scaled GEMM (`__cudnn$blockScaledDot`), a Triton or cuDNN GEMM
     fusion, a `ragged-dot`, or any other `dot` (the CPU's, fused or not). Its precision is `nvfp4` / `mxfp8`
     for a block-scaled GEMM (E2M1 / E4M3 data with block scales), `fp8` for cuBLASLt's FP8 kernel or float8
-    operands, else `bf16` (bf16 / f16 operands) or `f32`. `gemm_census` counts instructions (a scan body's
-    GEMMs once, whatever the depth).
+    operands, else `bf16` (bf16 / f16 operands) or `f32`. A GEMM under ember's `EMULATED_GEMM_SCOPE` is
+    `emulated`: a block-scaled GEMM run in bf16 on a GPU without a kernel for it (ember/quant/gemm.py).
+    `gemm_census` counts instructions by precision (a scan body's GEMMs once, whatever the depth), and how
+    many of them are emulated.
   * a GEMM's FLOPs are 2 x output elements x contraction size per execution (a ragged dot contracting its
     ragged rows: 2 x rows x output elements per group), times the trip count of every loop around it.
   * a cuDNN attention call (`__cudnn$fmha*`) does 2 x B x H x Lq x Lk x (D + Dv) FLOPs forward (QK^T and
@@ -32,6 +34,8 @@ import dataclasses
 import functools
 import math
 import re
+
+from ember.names import EMULATED_GEMM_SCOPE
 
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
@@ -231,6 +235,10 @@ class Gemm:
   recomputed: bool = False
 
   @property
+  def emulated(self) -> bool:
+    return EMULATED_GEMM_SCOPE in self.op_name
+
+  @property
   def flops_per_step(self) -> float:
     return self.flops * self.times
 
@@ -292,8 +300,10 @@ def _gemm_flops(p: Program, dot: Instruction) -> float:
 
 
 def gemm_census(hlo: str | Program) -> dict[str, int]:
-  counts = collections.Counter(g.precision for g in gemms(hlo))
-  return {p: counts.get(p, 0) for p in PRECISIONS}
+  """GEMM instructions by precision, and `emulated`: how many of them emulate a block-scaled GEMM."""
+  found = gemms(hlo)
+  counts = collections.Counter(g.precision for g in found)
+  return {**{p: counts.get(p, 0) for p in PRECISIONS}, "emulated": sum(g.emulated for g in found)}
 
 
 def _first(shape: str) -> str:

@@ -38,10 +38,16 @@ def is_quantize_cast(eqn) -> bool:
           and jnp.dtype(eqn.params["new_dtype"]) in LOW_PRECISION)
 
 
+# The block-scaled GEMMs of quant/gemm.py (`jax.lax.scaled_dot`; `jax.nn.scaled_matmul`'s primitives): every
+# one a projection (dense or expert), contracting the lhs's last axis unless its dimension numbers say.
+BLOCK_SCALED_GEMMS = ("scaled_dot", "scaled_matmul_wrapper", "scaled_matmul")
+GEMM_PRIMITIVES = ("dot_general", "ragged_dot_general") + BLOCK_SCALED_GEMMS
+
+
 def is_projection_gemm(eqn) -> bool:
-  """Projections are 2-D GEMMs ([M, K] @ [K, N], see quant/dot.py) or grouped ones (MoE experts,
-  `ragged_dot_general`); attention's matmuls are batched dot_generals."""
-  if eqn.primitive.name == "ragged_dot_general":
+  """Projections are 2-D GEMMs ([M, K] @ [K, N], see quant/dot.py), block-scaled ones, or grouped ones
+  (MoE experts, `ragged_dot_general`); attention's matmuls are batched dot_generals."""
+  if eqn.primitive.name == "ragged_dot_general" or eqn.primitive.name in BLOCK_SCALED_GEMMS:
     return True
   if eqn.primitive.name != "dot_general":
     return False
@@ -92,8 +98,9 @@ def jaxpr_flops(jaxpr) -> float:
       total += math.prod(mesh.shape[a] for a in axes) * sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
     elif subs:
       total += sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
-    elif name == "dot_general":
-      (contract_l, _), _ = eqn.params["dimension_numbers"]
+    elif name == "dot_general" or name in BLOCK_SCALED_GEMMS:
+      dims = eqn.params.get("dimension_numbers")
+      contract_l = dims[0][0] if dims is not None else (eqn.invars[0].aval.ndim - 1,)
       k = math.prod(eqn.invars[0].aval.shape[d] for d in contract_l)
       total += 2.0 * _size(eqn.outvars[0]) * k
     elif name == "ragged_dot_general":  # Each lhs element meets the rhs's free dims once (one group).

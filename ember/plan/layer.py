@@ -29,7 +29,7 @@ from jax._src.interpreters import partial_eval as pe
 from ember import remat
 from ember.layers.decoder import Block, segments_of
 from ember.model_config import ModelConfig
-from ember.plan.jaxpr import is_projection_gemm, is_quantize_cast, iter_eqns, name_stack, nbytes
+from ember.plan.jaxpr import GEMM_PRIMITIVES, is_projection_gemm, is_quantize_cast, iter_eqns, name_stack, nbytes
 from ember.quant.dot import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
 
 
@@ -105,7 +105,7 @@ def backward_counts(bwd_jaxpr) -> BackwardCounts:
         gq += 1
       else:
         q += 1
-    elif eqn.primitive.name in ("dot_general", "ragged_dot_general") and not any(s in stack for s in quantizing):
+    elif eqn.primitive.name in GEMM_PRIMITIVES and not any(s in stack for s in quantizing):
       # (NVFP4's Hadamard transform is a matmul inside a quantize scope: part of quantizing.)
       if is_projection_gemm(eqn):
         gemm += 1

@@ -25,7 +25,7 @@ import jax
 
 from ember import hardware
 from ember.errors import ConfigError, one_line
-from ember.parallel.sharding import on_platform
+from ember.platform import on_platform
 
 NODE_SIZE = 8  # GPUs per node: counts above it are whole nodes.
 
@@ -79,6 +79,14 @@ class Target:
       return jax.devices()[0].device_kind
     return re.search(r'device_description_str:\s*"([^"]+)"', self.spec()).group(1)
 
+  @property
+  def compute_capability(self) -> tuple[int, int] | None:
+    """The GPU's CUDA compute capability (major, minor) from its spec; None for `cpu`."""
+    if not self.is_gpu:
+      return None
+    m = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?", self.spec())
+    return tuple(int(x) for x in m.groups(default="0"))
+
   def devices(self) -> list:
     """The target's devices: local ones for `cpu`, compile-only ones (node-major) for a GPU cluster."""
     if not self.is_gpu:
@@ -121,7 +129,7 @@ def plugin_available() -> bool:
 @contextlib.contextmanager
 def targeting(target: Target):
   """Everything traced inside the block is traced for `target`: ember's own platform decisions
-  (attention, MoE dispatch: `sharding.on_platform`), and JAX's cuDNN attention checks, which otherwise
+  (attention, MoE dispatch, block-scaled GEMMs: `ember.platform.on_platform`), and JAX's cuDNN attention checks, which otherwise
   ask the *default* backend (the CPU here) for the compute capability, so refuse what Hopper takes
   (head_dim 256), and ask libcudnn for its version, which a compile-only machine need not have (XLA
   compiles the cuDNN custom calls without it). Private JAX API: if it moves, JAX's checks stay as
@@ -129,7 +137,7 @@ def targeting(target: Target):
   if not target.is_gpu:
     yield
     return
-  with on_platform("gpu"), _cudnn_checks_for(target):
+  with on_platform("gpu", target.compute_capability), _cudnn_checks_for(target):
     yield
 
 
@@ -142,8 +150,7 @@ def _cudnn_checks_for(target: Target):
   except (ImportError, AttributeError):
     yield
     return
-  cc = tuple(int(x) for x in re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?",
-                                       target.spec()).groups(default="0"))
+  cc = target.compute_capability
   version = lambda c: tuple(int(x) for x in c.split("."))
   fa.check_compute_capability = lambda c: cc >= version(c)
   fa.is_cuda_compute_capability_equal = lambda c: cc == version(c)

@@ -14,7 +14,7 @@ amaxes and block scales), activations and gradients with one amax over all rows,
 Per-tensor recipes multiply their scales into the *output* (x's and g's scalar, each expert's kernel scale
 along E) and feed the GEMM the raw E4M3 / E5M2 values: XLA's GPU compiler runs that as one batched
 cuBLASLt FP8 GEMM, where scales inside the operands (a per-expert vector) would leave it a bf16 GEMM.
-Block-scaled recipes run on dequantized operands (exact; emulated where the chip has no kernel for them).
+Block-scaled recipes take quant/gemm.py's path for the platform (cuDNN's block-scaled GEMM on Blackwell).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import jax.numpy as jnp
 
 from ember.names import EXPERT_GEMM_SCOPE
 from ember.quant.dot import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
-from ember.quant.grouped import per_expert, sum_to, vma_of
+from ember.quant.gemm import block_scaled_dot
+from ember.quant.varying import sum_to, vma_of
+from ember.quant.grouped import per_expert
 from ember.quant.naming import name_quantized
 from ember.quant.quantizers import update_history
 from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, X, X_T, Recipe, pad_to
@@ -82,15 +84,11 @@ _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
 
 def product(a, b, dims, dtype):
   """The batched GEMM of two quantized operands (see the module doc): per-tensor ones on their raw values
-  with the scales on the output, block-scaled ones dequantized."""
-  if a.block or b.block:
-    return _dot(_dequantize(a, dtype), _dequantize(b, dtype), dims)
+  with the scales on the output, block-scaled ones by quant/gemm.py."""
+  if a.block:
+    (ca, cb), _ = dims
+    return block_scaled_dot(a, b, (ca[0], cb[0]), batched=True, dtype=dtype)
   return _dot(a.data.astype(dtype), b.data.astype(dtype), dims) * _along_experts(a) * _along_experts(b)
-
-
-def _dequantize(q, dtype):
-  """A per-expert kernel (leaves with a leading E: its amax is [E]) expert by expert, else as one tensor."""
-  return jax.vmap(lambda t: t.dequantize(dtype))(q) if q.amax.ndim else q.dequantize(dtype)
 
 
 def _along_experts(q):

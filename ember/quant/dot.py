@@ -14,9 +14,10 @@ nonlinearity that was not saved), it reuses the saved low-precision operands and
 alone, never a quantize op. Names only inside the forward rule would leave the quantize ops in
 the recompute.
 
-Where the hardware has no native kernel (CPU; MXFP8/NVFP4 on Hopper) the dot runs on dequantized
-values, with identical numerics. For per-tensor FP8 the dequantize is `data.astype(bf16) * scale`,
-the pattern XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM.
+Per-tensor FP8 GEMMs dequantize as `data.astype(bf16) * scale` and dot: the pattern XLA's GPU compiler
+rewrites into a cuBLASLt FP8 GEMM. Block-scaled ones (MXFP8, NVFP4) go through quant/gemm.py, whose one
+rule picks the platform's way: cuDNN's block-scaled GEMM on Blackwell, `jax.lax.scaled_dot` on CPU, an
+emulated bf16 GEMM elsewhere.
 
 Delayed scaling: the histories [3 (x, kernel, grad), H] are an input whose "cotangent" is the
 updated history (the step's amaxes rolled in). Gradient amaxes only exist in the backward pass,
@@ -30,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ember.quant.gemm import block_scaled_dot
 from ember.quant.naming import name_quantized
 from ember.quant.quantizers import update_history
 from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, WEIGHT, X, X_T, Recipe, pad_to
@@ -58,6 +60,15 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   # Static facts the backward rule needs (residuals must be arrays): unpadded K and operand dtypes.
   operand_info = (x_MxK.shape[1], jnp.dtype(x_MxK.dtype), jnp.dtype(w_KxN.dtype))
   return _qmm(x_MxK, w_KxN, history, key, stats, recipe, name, dtype, operand_info)
+
+
+def product(a, b, contracting: tuple[int, int], dtype):
+  """The GEMM of two quantized 2-d operands contracting a's axis `contracting[0]` with b's `contracting[1]`,
+  float32 out (see the module doc)."""
+  if a.block:
+    return block_scaled_dot(a, b, contracting, batched=False, dtype=dtype)
+  dims = ((contracting[:1], contracting[1:]), ((), ()))
+  return jax.lax.dot_general(a.dequantize(dtype), b.dequantize(dtype), dims, preferred_element_type=jnp.float32)
 
 
 def contract_last(a_MxN, b_KxN):
@@ -119,7 +130,7 @@ def _forward(x, w, history, recipe, name, dtype, stats=False):
   xp, wp = pad_to(x, (b, b)), pad_to(w, (b, b))
   q = _quantize_operands(xp, wp, history, recipe, name, stats)
   if recipe.forward_quantized:
-    y = jnp.dot(q[X].dequantize(dtype), q[KERNEL].dequantize(dtype), preferred_element_type=jnp.float32)
+    y = product(q[X], q[KERNEL], (1, 0), dtype)
   else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
     y = jnp.dot(xp.astype(dtype), wp.astype(dtype), preferred_element_type=jnp.float32)
   return y[:m, :n].astype(dtype), q
@@ -149,7 +160,7 @@ def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
   with jax.named_scope(SCOPE_GRADIENT):
     g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad, stats=with_stats)
   kernel_n = q.get(KERNEL_T, q[KERNEL])
-  dx = contract_last(g_rows.dequantize(dtype), kernel_n.dequantize(dtype))
+  dx = product(g_rows, kernel_n, (1, 1), dtype)
   # wgrad: contract M. Per-tensor recipes reuse the forward copies; block recipes quantize along M
   # (NVFP4 after the random Hadamard transform, applied to both operands so it cancels).
   if not recipe.has_x_t:
@@ -158,7 +169,7 @@ def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
     with jax.named_scope(SCOPE_GRADIENT):
       g_cols = grad_q.quantize(recipe.wgrad_transform(g, 0), axis=0, rng=key_wgrad)
     x_m = q[X_T]
-  dw = contract_first(x_m.dequantize(dtype), g_cols.dequantize(dtype))
+  dw = product(x_m, g_cols, (0, 0), dtype)
   if recipe.delayed:
     new_history = jnp.stack([update_history(history[0], q[X].amax), update_history(history[1], q[KERNEL].amax),
                              update_history(history[2], g_rows.amax)])

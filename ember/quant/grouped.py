@@ -21,7 +21,7 @@ in an MoE layer. On CPU the GEMMs run on dequantized values: numerics identical 
 experts of dense GEMMs on the same quantized operands.
 
 Inside `shard_map` the rows vary over the token shards while a kernel may be replicated over some
-of them: the backward rule sums its wgrad over those axes (`_sum_to`), as shard_map's transpose of
+of them: the backward rule sums its wgrad over those axes (`varying.sum_to`), as shard_map's transpose of
 the implicit broadcast would, since a custom VJP must return a cotangent of its primal's type.
 
 Delayed scaling: `history = (x [H], kernel [E, H], grad [H])`, the three row groups of the layer's
@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.names import EXPERT_GEMM_SCOPE
+from ember.quant.varying import sum_to, vma_of
 from ember.quant.dot import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
 from ember.quant.naming import name_quantized
 from ember.quant.quantizers import update_history
@@ -99,20 +100,6 @@ def _unquantized_bwd(vmas, res, g_MxN):
 
 
 _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
-
-
-def vma_of(a) -> frozenset:
-  """The shard_map axes `a` varies over (empty outside shard_map)."""
-  t = jax.typeof(a)
-  manual = getattr(t, "manual_axis_type", None)  # JAX >= 0.9; `vma` before.
-  return frozenset(manual.varying if manual is not None else getattr(t, "vma", ()) or ())
-
-
-def sum_to(a, vma: frozenset):
-  """Sums a cotangent over the axes its primal was replicated on (a kernel shared by token shards),
-  as the transpose of shard_map's implicit broadcast would; the VJP must return the primal's type."""
-  extra = tuple(sorted(vma_of(a) - vma))
-  return jax.lax.psum(a, extra) if extra else a
 
 
 def per_expert(recipe: Recipe, w_ExKxN, h_ExH, axis, stats: bool = False):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ember.names import HADAMARD_SCOPE
 from ember.quant.tensor import normalize_axis
 
 BLOCK = 16
@@ -54,8 +55,8 @@ def _apply(x: jax.Array, axis: int, m: np.ndarray) -> jax.Array:
   lead = x_NxK.shape[:-1]
   x_NxBx16 = x_NxK.reshape(lead + (n // BLOCK, BLOCK))
   # HIGHEST: float32 on GPUs too (the default may use TF32 and lose bits).
-  y_NxBx16 = jnp.einsum("...i,ij->...j", x_NxBx16, jnp.asarray(m),
-                        precision=jax.lax.Precision.HIGHEST)
+  with jax.named_scope(HADAMARD_SCOPE):
+    y_NxBx16 = jnp.einsum("...i,ij->...j", x_NxBx16, jnp.asarray(m), precision=jax.lax.Precision.HIGHEST)
   return jnp.moveaxis(y_NxBx16.reshape(lead + (n,)), -1, axis).astype(x.dtype)
 
 

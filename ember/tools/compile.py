@@ -32,6 +32,8 @@ def _work_lines(r: dict) -> list[str]:
   """Executed work against the model's, the time floor and its ceilings, where the bytes are."""
   ex = r["executed_flops"]
   by_precision = ", ".join(f"{k} {_flops(v)}" for k, v in ex.items() if v) or "none"
+  if r.get("emulated_flops"):
+    by_precision += f"; {_flops(r['emulated_flops'])} of it block-scaled GEMMs emulated in bf16"
   ratio = "n/a" if r["executed_over_model"] is None else f"{r['executed_over_model']:.2f}"
   lines = [f"  work:        GEMMs ({by_precision}) + attention {_flops(r['attention_flops'])} = {ratio} x the "
            f"model's {_flops(r['model_flops'])} per device per step; remat recomputes {_flops(r['recompute_flops'])}"]
@@ -62,16 +64,25 @@ def format_report(r: dict) -> str:
       f"  memory:      arguments {r['argument_bytes'] / gib:.2f} GiB (parameters, optimizer state, batch), outputs "
       f"{r['output_bytes'] / gib:.2f} GiB ({r['alias_bytes'] / gib:.2f} aliased), temporaries "
       f"{r['temp_bytes'] / gib:.2f} GiB, host {r['host_bytes'] / gib:.2f} GiB",
-      f"  GEMMs:       {', '.join(f'{v} {k}' for k, v in g.items())} (each instruction once; a scan body once)",
+      f"  GEMMs:       {', '.join(f'{v} {k}' for k, v in g.items() if k != 'emulated')}"
+      + (f" ({g['emulated']} of them block-scaled GEMMs emulated in bf16: no kernel on this GPU)" if g.get("emulated") else "")
+      + " (each instruction once; a scan body once)",
       f"  attention:   {attention}",
       f"  collectives: {collectives} per device per step",
       *_work_lines(r),
-      *([f"  MoE:         dispatch {r['moe']['dispatch']} over {r['moe']['expert_parallel']} devices, expert GEMMs "
-         f"{r['moe']['expert_gemm']}, "
-         f"{r['moe']['gemm_rows_per_rank']:,} rows per forward expert GEMM per device, expert GEMMs "
-         f"{_flops(sum(r['moe']['expert_gemm_flops'].values()))} a step"] if r.get("moe") else []),
+      *_moe_lines(r.get("moe")),
       f"  compiled in {r['compile_s']:.1f} s; memory is an estimate: {r['memory_note']}",
   ])
+
+
+def _moe_lines(moe: dict | None) -> list[str]:
+  if not moe:
+    return []
+  copy = moe["largest_expert_copy"]
+  return [f"  MoE:         dispatch {moe['dispatch']} over {moe['expert_parallel']} devices, expert GEMMs "
+          f"{moe['expert_gemm']}, {moe['gemm_rows_per_rank']:,} rows per forward expert GEMM per device, expert GEMMs "
+          f"{_flops(sum(moe['expert_gemm_flops'].values()))} a step; largest per-expert copy of the rows: "
+          + (f"{copy['shape']} ({copy['bytes'] / 2**30:.2f} GiB)" if copy else "none")]
 
 
 def main(argv: list[str]) -> int:

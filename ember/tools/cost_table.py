@@ -1,6 +1,8 @@
 """A markdown table of compile reports (`python -m ember.tools.compile ... --out=FILE.json`), one row each:
 what the compiled step executes against the model's FLOPs, its time floor, its MFU and tokens/s ceilings
-and its peak memory on the target.
+and its peak memory on the target; then, for reports of MoE models, one row each on their expert GEMMs: the
+layout the layer ran (ember/layers/moe_dispatch.py), the rows each device's expert GEMMs hold and their executed
+FLOPs by precision, read from the HLO.
 
   python -m ember.tools.cost_table reports/*.json
 """
@@ -23,9 +25,28 @@ def row(r: dict) -> list[str]:
           f"{r['mfu_ceiling']:.1%}", f"{r['tokens_per_s_ceiling']:,.0f}", f"{r['peak_bytes'] / 2**30:.1f}"]
 
 
+MOE_COLUMNS = ("model", "target", "recipe", "exchange", "expert GEMMs", "rows / device", "expert TFLOP (fp8 / mxfp8 / nvfp4 / "
+               "bf16 / f32)", "largest per-expert copy of the rows", "executed / model", "time floor (ms)", "peak GiB")
+
+
+def moe_row(r: dict) -> list[str]:
+  moe = r["moe"]
+  copy = moe.get("largest_expert_copy")
+  return [r["model"], r["target"], r["recipe"], moe["dispatch"], moe["expert_gemm"], f"{moe['gemm_rows_per_rank']:,}",
+          " / ".join(f"{moe['expert_gemm_flops'][p] / 1e12:.1f}" for p in ("fp8", "mxfp8", "nvfp4", "bf16", "f32")),
+          f"{copy['shape']} ({copy['bytes'] / 2**30:.2f} GiB)" if copy else "none", f"{r['executed_over_model']:.2f}",
+          f"{r['time_floor_s'] * 1e3:.0f}", f"{r['peak_bytes'] / 2**30:.1f}"]
+
+
+def _markdown(columns, rows) -> list[str]:
+  return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def table(reports: list[dict]) -> str:
-  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-  lines += ["| " + " | ".join(row(r)) + " |" for r in reports]
+  lines = _markdown(COLUMNS, [row(r) for r in reports])
+  moe = [moe_row(r) for r in reports if r.get("moe")]
+  if moe:
+    lines += [""] + _markdown(MOE_COLUMNS, moe)
   return "\n".join(lines)
 
 

@@ -33,7 +33,8 @@ from ember.layers import moe_dispatch
 from ember.model_config import ModelConfig
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
-from ember.parallel.sharding import target_platform, use_rules
+from ember.parallel.sharding import use_rules
+from ember.platform import target_platform
 from ember.trainer import moe_counts, precision, quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.checkpointing import Checkpointer, restore_from
@@ -57,6 +58,15 @@ def prepare(cfg):
   return cfg, make_mesh(cfg.mesh)
 
 
+def _make_workdir(workdir: str) -> None:
+  """config.validate checks the path without creating it; creating it can still fail where the permission
+  bits allow it (a virtual or read-only file system such as /proc): one line, exit 2."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"config.workdir: cannot create {os.path.abspath(workdir)}: {e.strerror or e}") from None
+
+
 def train(cfg, mesh=None) -> dict:
   """Runs (or resumes) the job the config describes; returns a summary of the final figures.
 
@@ -67,6 +77,7 @@ def train(cfg, mesh=None) -> dict:
   if cfg.remat.policy == "auto":
     raise ConfigError("config.remat.policy: 'auto' must be resolved before training (ember.plan.auto_remat.resolve; "
                       "train.py does it)")
+  _make_workdir(cfg.workdir)
   policy = remat.preset(cfg.remat)
   tx, schedule = make_optimizer(cfg.train)
   with contextlib.ExitStack() as resources, use_rules(mesh, cfg.mesh.rules):

@@ -166,3 +166,5 @@ def test_ragged_dot_expanded_by_the_gpu_compiler_shows_as_eight_times_the_work()
   useful = 2 * rows * k * n  # Every row belongs to one group, whatever the sizes.
   ratio = sum(report(text)["executed_flops"].values()) / useful
   assert 7.5 <= ratio <= 8.5, ratio
+  copy = cost.largest_expert_copy(hlo.Program(text), local_experts=groups, rows=rows)
+  assert copy is not None and copy["bytes"] >= groups * rows * k * 2, copy  # The masked bf16 copy of x per group.

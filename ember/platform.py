@@ -1,0 +1,68 @@
+"""The platform the code being traced will run on, and for a GPU its compute capability: what attention
+(cuDNN or not), the MoE exchange and the block-scaled GEMM path (quant/gemm.py) are chosen by.
+
+A compile for a described GPU cluster traces on the CPU backend, so JAX's default backend is not the
+answer: `on_platform` names the platform outright (ember/plan/target.py), `on_devices` takes it from a
+mesh's devices (compile-only devices of a described GPU included; `parallel.sharding.use_rules` enters
+it), and JAX's default device answers otherwise. An outright `on_platform` wins over any `on_devices`
+inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+
+# (platform, compute capability or None, named outright?)
+_TARGET: contextvars.ContextVar[tuple[str, tuple[int, int] | None, bool] | None] = contextvars.ContextVar(
+    "ember_target", default=None)
+
+
+@contextlib.contextmanager
+def _set(target):
+  token = _TARGET.set(target)
+  try:
+    yield
+  finally:
+    _TARGET.reset(token)
+
+
+def on_platform(platform: str, compute_capability: tuple[int, int] | None = None):
+  """Traces inside the block as for `platform` ("gpu", "cpu", ...) and, for a GPU, its CUDA compute
+  capability, whatever the mesh or backend."""
+  return _set((_normalized(platform), compute_capability, True))
+
+
+def on_devices(device):
+  """Traces inside the block as for `device`'s platform, unless an `on_platform` block already named one."""
+  current = _TARGET.get()
+  if current is not None and current[2]:
+    return contextlib.nullcontext()
+  return _set(_describe(device) + (False,))
+
+
+def target_platform() -> str:
+  """"gpu" (CUDA and ROCm), "cpu", ...: see the module doc."""
+  return _current()[0]
+
+
+def target_compute_capability() -> tuple[int, int] | None:
+  """(major, minor) of the target GPU; None for other platforms."""
+  platform, cc = _current()
+  return cc if platform == "gpu" else None
+
+
+def _current() -> tuple[str, tuple[int, int] | None]:
+  target = _TARGET.get()
+  return target[:2] if target is not None else _describe(jax.devices()[0])
+
+
+def _describe(device) -> tuple[str, tuple[int, int] | None]:
+  cc = getattr(device, "compute_capability", None)
+  return _normalized(device.platform), (tuple(int(v) for v in str(cc).split(".")[:2]) if cc else None)
+
+
+def _normalized(platform: str) -> str:
+  return "gpu" if platform in ("gpu", "cuda", "rocm") else platform

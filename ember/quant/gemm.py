@@ -1,0 +1,147 @@
+"""How a block-scaled GEMM (mxfp8, nvfp4) runs on the platform it is compiled for: one rule, beside the
+recipe table (quant/recipe.py).
+
+    native     GPUs of compute capability >= 10 (Blackwell): `jax.nn.scaled_matmul`, which XLA compiles to
+               cuDNN's block-scaled GEMM (`__cudnn$blockScaledDot`) fed with the operands' own data (E4M3 /
+               E2M1) and block scales (E8M0 per 32 / E4M3 per 16) on the tensor cores' native formats.
+    scaled_dot CPU: `jax.lax.scaled_dot` on the same data and scales, the same product in float32: the
+               reference the native path is tested against.
+    emulated   other GPUs (Hopper has no block-scaled tensor cores): the block-dequantized operands (exact
+               in bf16) and a bf16 GEMM, under the name scope `EMULATED_GEMM_SCOPE` so that the compile report
+               counts these GEMMs as emulated, not as bf16 work of their own.
+
+Every path contracts the operands' own block layout: the contraction axis is the one they were quantized
+along (NVFP4's 16x16 weight tiles serve either axis: each tile's scale is repeated along the other). NVFP4's
+float32 tensor scales multiply the *output* in every path, which is exact (they factor out of the sum); folded
+into bf16 operands they would round. Per-tensor FP8 recipes never come here: their dequantize-then-dot
+pattern is what XLA rewrites into cuBLASLt's FP8 GEMM (quant/dot.py, quant/batched.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ember.names import EMULATED_GEMM_SCOPE
+from ember.platform import target_compute_capability, target_platform
+from ember.quant.tensor import QuantizedTensor, block_axes, block_broadcast
+from ember.quant.varying import varying_as
+
+NATIVE, SCALED_DOT, EMULATED = "native", "scaled_dot", "emulated"
+BLACKWELL = (10, 0)  # The first compute capability with block-scaled tensor cores.
+F32 = jnp.float32
+
+
+def block_gemm_path(platform: str | None = None, compute_capability: tuple[int, int] | None = None) -> str:
+  """The path of a block-scaled GEMM traced now (or for `platform` / `compute_capability`): see the module doc."""
+  platform = platform or target_platform()
+  if platform == "cpu":
+    return SCALED_DOT
+  cc = compute_capability if compute_capability is not None else target_compute_capability()
+  return NATIVE if platform == "gpu" and cc is not None and tuple(cc) >= BLACKWELL else EMULATED
+
+
+def block_scaled_dot(a: QuantizedTensor, b: QuantizedTensor, contracting: tuple[int, int], *, batched: bool,
+                     dtype) -> jax.Array:
+  """a . b contracting a's axis `contracting[0]` with b's `contracting[1]` (each the axis it was quantized
+  along), float32 out: [batch?, a's free axis, b's free axis], as `jax.lax.dot_general` orders them, with
+  the leading axis a batch axis when `batched` (experts in the capacity layout). `dtype`: the emulated
+  GEMM's operand dtype."""
+  path = block_gemm_path()
+  if path == EMULATED:
+    dims = ((contracting[:1], contracting[1:]), ((0,), (0,)) if batched else ((), ()))
+    with jax.named_scope(EMULATED_GEMM_SCOPE):
+      y = jax.lax.dot_general(_dequantize_blocks(a, dtype), _dequantize_blocks(b, dtype), dims,
+                              preferred_element_type=F32)
+  else:
+    (da, sa), (db, sb) = _rows_by_blocks(a, contracting[0], batched), _rows_by_blocks(b, contracting[1], batched)
+    if path == NATIVE:
+      y = _cudnn_block_scaled_matmul(da, db, _bytes(sa), _bytes(sb), sa.dtype)
+    else:
+      y = jax.lax.scaled_dot(da, db, lhs_scale=sa, rhs_scale=sb, dimension_numbers=(((2,), (2,)), ((0,), (0,))),
+                             preferred_element_type=F32)
+    y = varying_as(y, da, db)
+    y = y if batched else y[0]
+  return y * _tensor_scale(a, batched) * _tensor_scale(b, batched)
+
+
+def _bytes(scale: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(scale, jnp.uint8)
+
+
+@functools.partial(custom_partitioning, static_argnums=(4,))
+def _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, scale_dtype):
+  """`jax.nn.scaled_matmul` ([B, M, K] x [B, N, K] -> [B, M, N], float32) with the block scales handed over
+  as bytes. Why: the GEMM's own partitioning moves the scales to its operands' layout (an FSDP gather of a
+  quantized weight, say), and NCCL has no E8M0 type; as uint8 the same collectives run."""
+  scale = lambda s: jax.lax.bitcast_convert_type(s, scale_dtype)
+  return jax.nn.scaled_matmul(a, b, scale(a_scale_bytes), scale(b_scale_bytes), preferred_element_type=F32)
+
+
+def _overlap(x, y) -> bool:
+  as_set = lambda s: set() if s is None else {s} if isinstance(s, str) else set(s)
+  return bool(as_set(x) & as_set(y))
+
+
+def _partition(scale_dtype, mesh, arg_shapes, result_shape):
+  """Each device multiplies its rows (M) by its columns (N) over the contraction (K) that both operands
+  split alike, summed across it; anything else is gathered first. Scales share their data's layout."""
+  (batch, m, k), (_, n, k_b) = arg_shapes[0].sharding.spec, arg_shapes[1].sharding.spec
+  n = None if _overlap(m, n) else n
+  k = k if (k is not None and k == k_b and not _overlap(k, m) and not _overlap(k, n)) else None
+  lhs, rhs = NamedSharding(mesh, P(batch, m, k)), NamedSharding(mesh, P(batch, n, k))
+
+  def per_device(a, b, a_scale_bytes, b_scale_bytes):
+    y = _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, scale_dtype)
+    return jax.lax.psum(y, k) if k is not None else y
+
+  return mesh, per_device, NamedSharding(mesh, P(batch, m, n)), (lhs, rhs, lhs, rhs)
+
+
+def _infer(scale_dtype, mesh, arg_shapes, result_shape):
+  (batch, m, _), (_, n, _) = arg_shapes[0].sharding.spec, arg_shapes[1].sharding.spec
+  return NamedSharding(mesh, P(batch, m, None if _overlap(m, n) else n))
+
+
+_cudnn_block_scaled_matmul.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
+                                         sharding_rule="b m k, b n k, b m k, b n k -> b m n")
+
+
+def _member_axes(q: QuantizedTensor) -> tuple[int, tuple[int, ...], int]:
+  """(offset, blocked axes, contraction axis) of q in its full array: a per-expert kernel (leaves stacked
+  over a leading E by vmap, its amax [E]) keeps its members' static axes, one to the right."""
+  offset = 1 if q.amax.ndim else 0
+  return offset, tuple(d + offset for d in block_axes(q.data.ndim - offset, q.axis, q.block)), q.axis + offset
+
+
+def _rows_by_blocks(q: QuantizedTensor, axis: int, batched: bool) -> tuple[jax.Array, jax.Array]:
+  """q's data [B, R, K] and block scales [B, R, K / block] with the contraction axis `axis` last (the layout
+  both `jax.nn.scaled_matmul` and this module's `scaled_dot` call take); B = 1 unless `batched`."""
+  _, blocked, quantized_axis = _member_axes(q)
+  if axis not in blocked or (len(q.block) == 1 and axis != quantized_axis):
+    raise ValueError(f"block-scaled GEMM: operand blocked along {blocked} cannot contract axis {axis}")
+  scale = q.scale_inv
+  for d, size in zip(blocked, q.block):
+    if d != axis:  # A 16x16 tile's scale serves each of its rows along the contraction.
+      scale = jnp.repeat(scale, size, axis=d)
+  free = [d for d in range(q.data.ndim) if d != axis and not (batched and d == 0)]
+  order = ([0] if batched else []) + free + [axis]
+  data, scale = jnp.transpose(q.data, order), jnp.transpose(scale, order)
+  return (data, scale) if batched else (data[None], scale[None])
+
+
+def _dequantize_blocks(q: QuantizedTensor, dtype) -> jax.Array:
+  """data x block scale in `dtype`, without the tensor scale: exact in bf16 for E4M3 x E8M0 and E2M1 x E4M3."""
+  _, blocked, _ = _member_axes(q)
+  s = block_broadcast(q.scale_inv.astype(F32), q.data.shape, blocked, q.block)
+  return (q.data.astype(F32) * s).astype(dtype)
+
+
+def _tensor_scale(q: QuantizedTensor, batched: bool) -> jax.Array:
+  """NVFP4's float32 tensor scale (1.0 for MXFP8), each expert's along E for a per-expert kernel."""
+  g = q.global_scale_inv.astype(F32)
+  return g.reshape(-1, 1, 1) if (batched and g.ndim == 1) else g

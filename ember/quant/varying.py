@@ -1,0 +1,27 @@
+"""The shard_map axes a value varies over, and the casts a custom VJP needs to return its primal's types."""
+
+from __future__ import annotations
+
+import jax
+
+
+def vma_of(a) -> frozenset:
+  """The shard_map axes `a` varies over (empty outside shard_map)."""
+  t = jax.typeof(a)
+  manual = getattr(t, "manual_axis_type", None)  # JAX >= 0.9; `vma` before.
+  return frozenset(manual.varying if manual is not None else getattr(t, "vma", ()) or ())
+
+
+def sum_to(a, vma: frozenset):
+  """Sums a cotangent over the axes its primal was replicated on (a kernel shared by token shards),
+  as the transpose of shard_map's implicit broadcast would; the VJP must return the primal's type."""
+  extra = tuple(sorted(vma_of(a) - vma))
+  return jax.lax.psum(a, extra) if extra else a
+
+
+def varying_as(y: jax.Array, *operands: jax.Array) -> jax.Array:
+  """y, varying over every axis its operands vary over: `jax.lax.scaled_dot` and `jax.nn.scaled_matmul`
+  (JAX 0.10) type their output as invariant, and a custom VJP around them would then see cotangents of
+  another type."""
+  missing = tuple(sorted(frozenset().union(*map(vma_of, operands)) - vma_of(y)))
+  return jax.lax.pcast(y, missing, to="varying") if missing else y

@@ -1,0 +1,91 @@
+"""The GEMMs of quantized operands on CPU (quant/gemm.py's `scaled_dot` path for block-scaled recipes, the
+dequantize-then-dot of per-tensor ones) against a float64 product of the same dequantized operands, in the
+three contraction layouts of a projection (forward, dgrad, wgrad) and the capacity layout's batched one, for
+shapes that need padding; and the platform rule."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.quant import gemm
+from ember.quant.dot import product
+from ember.quant.batched import product as batched_product
+from ember.quant.grouped import per_expert
+from ember.quant.recipe import ACTIVATION, GRADIENT, QUANTIZED_RECIPES, WEIGHT, Recipe, pad_to
+
+M, K, N, E = 40, 72, 56, 3  # Neither 72 nor 56 a multiple of 32: every operand is padded.
+# float32 accumulation over a padded K of at most 96 terms: a few ulps of the largest partial sums.
+F32_ERROR = 1e-6
+# How far the emulated path (NVFP4 operands dequantized to bf16 with the float32 tensor scale folded in,
+# ember's only path before block-scaled GEMMs) is from the same float64 product, on these operands.
+NVFP4_BF16_FOLDED_ERROR = 1.9e-3  # The new path: 6e-8.
+
+
+def _f64(q):
+  deq = jax.vmap(lambda t: t.dequantize(jnp.float32))(q) if q.amax.ndim else q.dequantize(jnp.float32)
+  return np.asarray(deq, np.float64)
+
+
+def _rel(y, ref):
+  return float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def _operands(recipe: Recipe):
+  """x [M, K], w [K, N] and g [M, N] padded to the recipe's block and quantized as quant/dot.py quantizes them:
+  (forward x along K, the kernel along K, dgrad g along N, the kernel along N, wgrad x and g along M)."""
+  b = recipe.block_size
+  keys = jax.random.split(jax.random.key(0), 3)
+  x, w, g = (pad_to(jax.random.normal(k, s, jnp.float32) * 3, (b, b)) for k, s in zip(keys, ((M, K), (K, N), (M, N))))
+  history = jnp.zeros((1,), jnp.float32)
+  act, weight, grad = (recipe.quantizer(role, history) for role in (ACTIVATION, WEIGHT, GRADIENT))
+  return {"forward": (act.quantize(x, axis=1), weight.quantize(w, axis=0), (1, 0)),
+          "dgrad": (grad.quantize(g, axis=1), weight.quantize(w, axis=1), (1, 1)),
+          "wgrad": (act.quantize(x, axis=0), grad.quantize(g, axis=0), (0, 0))}
+
+
+@pytest.mark.parametrize("recipe", QUANTIZED_RECIPES)
+def test_each_gemm_equals_the_float64_product_of_its_dequantized_operands(recipe):
+  recipe = Recipe(recipe)
+  for name, (a, b, (ca, cb)) in _operands(recipe).items():
+    y = product(a, b, (ca, cb), jnp.float32)
+    ref = np.tensordot(_f64(a), _f64(b), axes=(ca, cb))
+    assert y.shape == ref.shape and _rel(y, ref) < F32_ERROR, (name, _rel(y, ref))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_batched_block_scaled_gemms_with_per_expert_kernels(recipe):
+  """The capacity layout: x [E, C, K] . w [E, K, N] with each expert's kernel quantized on its own (NVFP4: its
+  own tensor scale, 16x16 tiles), forward and dgrad."""
+  recipe = Recipe(recipe)
+  b = recipe.block_size
+  x = pad_to(jax.random.normal(jax.random.key(1), (E, M, K)) * jnp.arange(1, E + 1)[:, None, None], (1, b, b))
+  w = pad_to(jax.random.normal(jax.random.key(2), (E, K, N)) * jnp.arange(E, 0, -1)[:, None, None], (1, b, b))
+  h = jnp.zeros((E, 1), jnp.float32)
+  qx = recipe.quantizer(ACTIVATION, h[0]).quantize(x, axis=2)
+  forward = batched_product(qx, per_expert(recipe, w, h, axis=0), (((2,), (1,)), ((0,), (0,))), jnp.float32)
+  ref = np.einsum("eck,ekn->ecn", _f64(qx), _f64(per_expert(recipe, w, h, axis=0)))
+  assert _rel(forward, ref) < F32_ERROR, _rel(forward, ref)
+  qg = recipe.quantizer(GRADIENT, h[0]).quantize(jnp.einsum("eck,ekn->ecn", x, w), axis=2)
+  kernel_n = per_expert(recipe, w, h, axis=1)
+  dgrad = batched_product(qg, kernel_n, (((2,), (2,)), ((0,), (0,))), jnp.float32)
+  ref = np.einsum("ecn,ekn->eck", _f64(qg), _f64(kernel_n))
+  assert _rel(dgrad, ref) < F32_ERROR, _rel(dgrad, ref)
+
+
+def test_nvfp4_tensor_scales_on_the_output_remove_the_bf16_rounding():
+  """The emulated path folded NVFP4's float32 tensor scale into bf16 operands, which rounds them; with the
+  scale on the output the GEMM is exact to float32 accumulation."""
+  a, b, dims = _operands(Recipe("nvfp4"))["forward"]
+  ref = np.tensordot(_f64(a), _f64(b), axes=dims)
+  folded = jnp.dot(a.dequantize(jnp.bfloat16), b.dequantize(jnp.bfloat16), preferred_element_type=jnp.float32)
+  new = product(a, b, dims, jnp.bfloat16)
+  assert _rel(new, ref) < F32_ERROR, _rel(new, ref)
+  assert NVFP4_BF16_FOLDED_ERROR / 2 < _rel(folded, ref) < NVFP4_BF16_FOLDED_ERROR * 1.5, _rel(folded, ref)
+
+
+def test_the_platform_rule():
+  assert gemm.block_gemm_path("cpu") == gemm.SCALED_DOT
+  assert gemm.block_gemm_path("gpu", (9, 0)) == gemm.EMULATED  # Hopper: no block-scaled tensor cores.
+  assert gemm.block_gemm_path("gpu", (10, 0)) == gemm.NATIVE
+  assert gemm.block_gemm_path("gpu", (12, 0)) == gemm.NATIVE
