@@ -21,8 +21,10 @@ from ml_collections import config_flags
 from ember import remat
 from ember.errors import ConfigError
 from ember.model_config import resolved_head_dim
+from ember.parallel import mesh as mesh_lib
 from ember.names import BATCH, EXPERT, LOGICAL_AXES, MESH_AXES, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.quant import exclude as exclude_lib
+from ember.quant import schedule as schedule_lib
 from ember.quant.recipe import FORWARDS, RECIPES
 
 DATA_SOURCES = ("synthetic", "text", "array_record", "tfds", "jsonl", "parquet")
@@ -238,7 +240,7 @@ def _validate_model(m) -> None:
 
 def _validate_quant(cfg) -> None:
   _validate_exclude(cfg)
-  for index, (start, phase) in enumerate(precision_phases(cfg)[1:]):
+  for index, (start, phase) in enumerate(schedule_lib.precision_phases(cfg)[1:]):
     key = f"quant.schedule[{index}]"
     for q_key, (kind, bound) in _SCALARS.items():
       if q_key.startswith("quant."):
@@ -251,41 +253,6 @@ def _validate_quant(cfg) -> None:
       _validate_exclude(phase)
     except ConfigError as e:
       raise ConfigError(f"config.{key}: from step {start}: {str(e).removeprefix('config.')}") from None
-
-
-def precision_phases(cfg) -> list[tuple[int, ml_collections.ConfigDict]]:
-  """[(first step, config)] of `quant.schedule`: the config itself from step 0, then each entry's overrides
-  of quant.* on top of the phase before, from step `when` (an int >= 1) or round(when * steps) (a float in
-  (0, 1)). Steps count from 0: phase i runs steps [start_i, start_{i+1}). Raises ConfigError on a bad entry."""
-  schedule = cfg.quant.schedule
-  if not isinstance(schedule, (tuple, list)):
-    _fail("quant.schedule", f"must be a tuple of (step or fraction, {{quant key: value}}) entries, got {schedule!r}")
-  phases = [(0, cfg)]
-  for index, entry in enumerate(schedule):
-    key = f"quant.schedule[{index}]"
-    if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[1], dict):
-      _fail(key, f"must be (step or fraction, {{quant key: value}}), got {entry!r}")
-    when, overrides = entry
-    if isinstance(when, bool) or not isinstance(when, (int, float)):
-      _fail(key, f"the step must be an int or a fraction of steps in (0, 1), got {when!r}")
-    start = when if isinstance(when, int) else round(when * cfg.steps)
-    if isinstance(when, float) and not 0 < when < 1:
-      _fail(key, f"a fraction of steps must be in (0, 1), got {when!r}")
-    if not 1 <= start < cfg.steps:
-      _fail(key, f"starts at step {start}, outside [1, steps={cfg.steps})")
-    if start <= phases[-1][0]:
-      _fail(key, f"starts at step {start}, not after the entry before it (step {phases[-1][0]})")
-    unknown = next((k for k in overrides if k not in cfg.quant or k == "schedule"), None)
-    if unknown is not None or not overrides:
-      _fail(key, f"overrides quant.* keys (not schedule), got {unknown if overrides else 'none'!r}")
-    phase = ml_collections.ConfigDict(phases[-1][1].to_dict())
-    for k, v in overrides.items():
-      try:
-        phase.quant[k] = tuple(v) if isinstance(v, list) else v
-      except (TypeError, ValueError) as e:  # ml_collections refuses a value of another type than the key's.
-        _fail(key, f"quant.{k}: {v!r} does not fit this key ({type(e).__name__}: {str(e).splitlines()[0]})")
-    phases.append((start, phase))
-  return phases
 
 
 def _validate_exclude(cfg) -> None:
@@ -391,43 +358,6 @@ def _validate_workdir(workdir: str) -> None:
 # --- The mesh -----------------------------------------------------------------------------------------
 
 
-def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
-  """{axis: size} for data, fsdp, tensor, expert: the -1 axis resolved, dcn (across-host) sizes folded in."""
-  ici, dcn = _ici_dcn(cfg, num_devices)
-  return {a: ici[a] * dcn[a] for a in MESH_AXES}
-
-
-def _ici_dcn(cfg, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
-  """Per-host sizes (`mesh.a`, -1 resolved) and host counts (`mesh.dcn_a`) of each axis."""
-  dcn = {a: cfg.mesh.get(f"dcn_{a}", 1) for a in MESH_AXES}
-  for a, d in dcn.items():
-    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-      _fail(f"mesh.dcn_{a}", f"must be an integer >= 1, got {d!r}")
-  hosts = math.prod(dcn.values())
-  if num_devices % hosts:
-    key = next(f"mesh.dcn_{a}" for a, d in dcn.items() if d > 1)
-    _fail(key, f"the dcn axes ask for {hosts} hosts, which do not divide the {num_devices} devices")
-  per_host = num_devices // hosts
-  ici = {a: cfg.mesh[a] for a in MESH_AXES}
-  for a, s in ici.items():
-    if isinstance(s, bool) or not isinstance(s, int) or s == 0 or s < -1:
-      _fail(f"mesh.{a}", f"must be an integer >= 1 or -1, got {s!r}")
-  fill = [a for a, s in ici.items() if s < 0]
-  if len(fill) > 1:
-    _fail(f"mesh.{fill[1]}", "only one mesh axis may be -1")
-  known = math.prod(s for s in ici.values() if s > 0)
-  if fill:
-    if per_host % known:
-      where = " per host" if hosts > 1 else ""
-      _fail(f"mesh.{fill[0]}", f"cannot fill: {per_host} devices{where} are not divisible by the other axes' "
-            f"product {known}")
-    ici[fill[0]] = per_host // known
-  if math.prod(ici.values()) != per_host:
-    shape = ", ".join(f"{a}={s * dcn[a]}" for a, s in ici.items())
-    _fail("mesh", f"mesh ({shape}) has {math.prod(ici.values()) * hosts} devices but {num_devices} are available")
-  return ici, dcn
-
-
 def _validate_rules(rules) -> dict[str, tuple[str, ...]]:
   """`mesh.rules`: pairs (logical axis, None | mesh axis | tuple of mesh axes)."""
   out = {}
@@ -447,7 +377,7 @@ def _validate_rules(rules) -> dict[str, tuple[str, ...]]:
 
 
 def _validate_mesh(cfg, num_devices):
-  sizes = mesh_shape(cfg, num_devices)
+  sizes = mesh_lib.mesh_shape(cfg.mesh, num_devices)
   rules = _validate_rules(cfg.mesh.rules)
   batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   if cfg.train.batch_size % batch_shards:
@@ -470,7 +400,7 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections.C
   """Returns a copy with derived values filled in; the one place they are computed."""
   out = ml_collections.ConfigDict(cfg.to_dict())
   out.model.head_dim = resolved_head_dim(out.model)
-  ici, _ = _ici_dcn(cfg, num_devices)
+  ici, _ = mesh_lib.ici_dcn(cfg.mesh, num_devices)
   for axis, size in ici.items():
     out.mesh[axis] = size  # Within a host; make_mesh multiplies by mesh.dcn_<axis>.
   if not out.train.decay_steps:

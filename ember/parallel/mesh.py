@@ -8,6 +8,10 @@ one contiguous block of the mesh. A host is a JAX process (one process per node,
 or a slice on TPU. Without dcn axes the devices keep JAX's order (by process, then local id), so
 each process's devices are again one contiguous block along the batch axes and
 `jax.make_array_from_process_local_data` places its rows in process order.
+
+The sizes themselves are worked out here too, the one place (`mesh_shape`, `ici_dcn`: the -1 axis
+resolved, hosts folded in, a one-line ConfigError naming the key otherwise); config.validate and
+config.derive call them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,48 @@ from jax.sharding import Mesh
 
 from ember.errors import ConfigError
 from ember.names import MESH_AXES
+
+
+def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
+  """{axis: size} for data, fsdp, tensor, expert: the -1 axis resolved, dcn (across-host) sizes folded in."""
+  ici, dcn = ici_dcn(mesh_cfg, num_devices)
+  return {a: ici[a] * dcn[a] for a in MESH_AXES}
+
+
+def ici_dcn(mesh_cfg, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+  """Per-host sizes (`mesh.a`, -1 resolved) and host counts (`mesh.dcn_a`) of each axis; ConfigError naming
+  the key when they do not make a mesh of `num_devices`."""
+  dcn = {a: mesh_cfg.get(f"dcn_{a}", 1) for a in MESH_AXES}
+  for a, d in dcn.items():
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+      _fail(f"mesh.dcn_{a}", f"must be an integer >= 1, got {d!r}")
+  hosts = math.prod(dcn.values())
+  if num_devices % hosts:
+    key = next(f"mesh.dcn_{a}" for a, d in dcn.items() if d > 1)
+    _fail(key, f"the dcn axes ask for {hosts} hosts, which do not divide the {num_devices} devices")
+  per_host = num_devices // hosts
+  ici = {a: mesh_cfg[a] for a in MESH_AXES}
+  for a, s in ici.items():
+    if isinstance(s, bool) or not isinstance(s, int) or s == 0 or s < -1:
+      _fail(f"mesh.{a}", f"must be an integer >= 1 or -1, got {s!r}")
+  fill = [a for a, s in ici.items() if s < 0]
+  if len(fill) > 1:
+    _fail(f"mesh.{fill[1]}", "only one mesh axis may be -1")
+  known = math.prod(s for s in ici.values() if s > 0)
+  if fill:
+    if per_host % known:
+      where = " per host" if hosts > 1 else ""
+      _fail(f"mesh.{fill[0]}", f"cannot fill: {per_host} devices{where} are not divisible by the other axes' "
+            f"product {known}")
+    ici[fill[0]] = per_host // known
+  if math.prod(ici.values()) != per_host:
+    shape = ", ".join(f"{a}={s * dcn[a]}" for a, s in ici.items())
+    _fail("mesh", f"mesh ({shape}) has {math.prod(ici.values()) * hosts} devices but {num_devices} are available")
+  return ici, dcn
+
+
+def _fail(key: str, reason: str):
+  raise ConfigError(f"config.{key}: {reason}")
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:

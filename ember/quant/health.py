@@ -18,7 +18,8 @@ the reductions into the quantize fusion instead of reading the tensor again. The
 into fractions and aggregates them per projection and role (ember/trainer/quant_stats.py).
 
 The thresholds of the console warning are here, one table (`THRESHOLDS`): a fraction of a tensor
-underflowing or saturating, or a delayed scale 2**k behind its tensor.
+underflowing or saturating, or a delayed scale 2**k behind its tensor; a recipe's own limits are in its
+row of the recipe table (quant/recipe.py).
 """
 
 from __future__ import annotations
@@ -29,21 +30,19 @@ import jax.numpy as jnp
 STATS = ("amax", "scale", "saturated", "underflow", "nonzero", "staleness")
 NUM_STATS = len(STATS)
 
-# statistic -> (threshold, what it means). A statistic above its threshold in any layer warns. The
-# FP8 thresholds are the defaults; NVFP4's 4-bit blocks underflow a few percent of a Gaussian tensor
-# (elements under 1/12 of their block's amax) and clip a few percent where an E4M3 block scale rounds
-# down, by design, so its thresholds sit above those levels.
+# statistic -> (threshold, what it means). A statistic above its threshold in any layer warns. These
+# are the defaults (set for FP8); a recipe whose format sits above them by design says so in its row of
+# the recipe table (`Scheme.health_limits`, quant/recipe.py).
 THRESHOLDS = {
     "underflow": (0.01, "of the nonzero elements quantized to zero"),
     "saturated": (0.001, "of the nonzero elements saturated at the format's max"),
     "staleness": (2.0**4, "amax above the amax its delayed scale was made for"),
 }
-RECIPE_THRESHOLDS = {"nvfp4": {"underflow": 0.25, "saturated": 0.10}}
 
 
-def thresholds(recipe: str) -> dict[str, tuple[float, str]]:
-  """The warning thresholds of a recipe: THRESHOLDS with RECIPE_THRESHOLDS' overrides."""
-  overrides = RECIPE_THRESHOLDS.get(recipe, {})
+def thresholds(limits=()) -> dict[str, tuple[float, str]]:
+  """The warning thresholds: THRESHOLDS with a recipe's own `(statistic, limit)` pairs in their place."""
+  overrides = dict(limits)
   return {stat: (overrides.get(stat, limit), meaning) for stat, (limit, meaning) in THRESHOLDS.items()}
 
 

@@ -11,7 +11,7 @@ turns it into flat records:
 
 with <role> activation | weight | gradient and <stat> amax, scale, saturated, underflow (fractions of
 the tensor's nonzero elements) and, for delayed scaling, staleness. `Watch` compares the maxima with
-health.THRESHOLDS and says, once per occurrence (until the statistic is back under its threshold),
+health.THRESHOLDS (or the recipe's own limits) and says, once per occurrence (until the statistic is back under its threshold),
 which projection, role, layer and step crossed.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 from ember.layers.decoder import stacked_layers, tree_leaves
 from ember.model_config import ModelConfig
 from ember.quant import health
-from ember.quant.recipe import ACTIVATION, GRADIENT, WEIGHT
+from ember.quant.recipe import ACTIVATION, GRADIENT, SCHEMES, WEIGHT
 
 ROLES = (ACTIVATION, WEIGHT, GRADIENT)  # The rows of a QuantStats input, in order.
 _I = {name: i for i, name in enumerate(health.STATS)}
@@ -91,7 +91,7 @@ class Watch:
   said once per occurrence: again only after it has been back under the threshold."""
 
   def __init__(self, recipe_name: str):
-    self.thresholds = health.thresholds(recipe_name)
+    self.thresholds = health.thresholds(SCHEMES[recipe_name].health_limits)
     self.active: set[str] = set()
 
   def check(self, record: dict, step: int) -> list[str]:

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # For configs/.
 from configs import base  # noqa: E402
 from ember import config as config_lib
+from ember.parallel import mesh as mesh_lib
 from ember.config import ConfigError
 from ember.parallel import distributed
 from ember.parallel.mesh import device_grid, make_mesh
@@ -32,7 +33,7 @@ def _cfg(**mesh):
 ])
 def test_dcn_axes_multiply_the_per_host_axes(mesh, devices, total, per_host):
   cfg = _cfg(**mesh)
-  shape = config_lib.mesh_shape(cfg, devices)
+  shape = mesh_lib.mesh_shape(cfg.mesh, devices)
   assert {a: shape[a] for a in total} == total
   derived = config_lib.derive(cfg, devices)
   assert {a: derived.mesh[a] for a in per_host} == per_host
@@ -49,7 +50,7 @@ def test_dcn_axes_multiply_the_per_host_axes(mesh, devices, total, per_host):
 ])
 def test_bad_mesh_sizes_name_the_key(mesh, devices, key):
   with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-    config_lib.mesh_shape(_cfg(**mesh), devices)
+    mesh_lib.mesh_shape(_cfg(**mesh).mesh, devices)
 
 
 @dataclasses.dataclass(frozen=True)
