@@ -22,12 +22,12 @@ from ember import remat
 from ember.errors import ConfigError
 from ember.model_config import resolved_head_dim
 from ember.parallel import mesh as mesh_lib
-from ember.names import BATCH, EXPERT, LOGICAL_AXES, MESH_AXES, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember.names import (BATCH, DATA_SOURCES, EXPERT, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, MOE_DISPATCHERS,
+                         MOE_EXPERT_GEMMS, SOURCE_NEEDS)
 from ember.quant import exclude as exclude_lib
 from ember.quant import schedule as schedule_lib
 from ember.quant.recipe import FORWARDS, RECIPES
 
-DATA_SOURCES = ("synthetic", "text", "array_record", "tfds", "jsonl", "parquet")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -270,13 +270,10 @@ def _validate_exclude(cfg) -> None:
 
 def _validate_data(cfg, process_count: int) -> None:
   d = cfg.data
-  if d.source in ("array_record", "jsonl", "parquet") and not d.path:
-    _fail("data.path", f"source {d.source} needs a glob of files")
-  if d.source in ("jsonl", "parquet") and not d.text_key:
-    _fail("data.text_key", f"source {d.source} needs the field holding the text")
+  missing = _missing_need(d.source, d)
+  if missing:
+    _fail(f"data.{missing}", f"source {d.source} needs {_NEED_MEANING[missing]}")
   if d.source == "tfds":
-    if not d.tfds_name:
-      _fail("data.tfds_name", "source tfds needs a dataset name")
     if importlib.util.find_spec("tensorflow_datasets") is None:
       _fail("data.source", "'tfds' needs tensorflow-datasets; install the extra: pip install -e '.[tfds]'")
   if d.tokenizer != "byte" and not os.path.isfile(os.path.expanduser(d.tokenizer)):
@@ -291,7 +288,13 @@ def _validate_data(cfg, process_count: int) -> None:
           f"{shards} data shards cannot be split over {process_count} processes")
 
 
-MIXTURE_SOURCES = ("synthetic", "text", "array_record", "jsonl", "parquet")
+_NEED_MEANING = {"path": "a glob of files", "text_key": "the field holding the text (text_key)",
+                 "tfds_name": "a dataset name"}
+
+
+def _missing_need(source: str, fields) -> str | None:
+  """The first thing `source` needs (names.SOURCE_NEEDS) that `fields` leaves empty."""
+  return next((need for need in SOURCE_NEEDS.get(source, ()) if not fields.get(need)), None)
 
 
 def _validate_mixture(d, key: str) -> None:
@@ -307,14 +310,13 @@ def _validate_mixture(d, key: str) -> None:
     if not isinstance(name, str) or not name or name in names:
       _fail(f"data.{key}", f"entry {entry!r}: the name must be a new, non-empty string")
     names.add(name)
-    if source not in MIXTURE_SOURCES:
-      _fail(f"data.{key}", f"source {name!r}: unknown kind {source!r}; choose one of {', '.join(MIXTURE_SOURCES)}")
+    if source not in MIXABLE_SOURCES:
+      _fail(f"data.{key}", f"source {name!r}: unknown kind {source!r}; choose one of {', '.join(MIXABLE_SOURCES)}")
     if not isinstance(path, str) or not isinstance(text_key, str):
       _fail(f"data.{key}", f"source {name!r}: path and text_key must be strings")
-    if source in ("array_record", "jsonl", "parquet") and not path:
-      _fail(f"data.{key}", f"source {name!r}: {source} needs a glob of files")
-    if source in ("jsonl", "parquet") and not text_key:
-      _fail(f"data.{key}", f"source {name!r}: {source} needs a text_key")
+    missing = _missing_need(source, {"path": path, "text_key": text_key})
+    if missing:
+      _fail(f"data.{key}", f"source {name!r}: {source} needs {_NEED_MEANING[missing]}")
     if path and source != "synthetic" and not glob.glob(os.path.expanduser(path), recursive=True):
       _fail(f"data.{key}", f"source {name!r}: no file matches {path!r}")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
@@ -323,7 +325,7 @@ def _validate_mixture(d, key: str) -> None:
 
 def _validate_paths(cfg) -> None:
   d = cfg.data
-  if d.source in ("text", "array_record", "jsonl", "parquet") and d.path and not glob.glob(
+  if d.source not in ("synthetic", "tfds") and d.path and not glob.glob(
       os.path.expanduser(d.path), recursive=True):
     _fail("data.path", f"no file matches {d.path!r}")
   restore = cfg.checkpoint.restore_from

@@ -69,3 +69,19 @@ EMULATED_GEMM_SCOPE = "emulated_block_scaled_gemm"
 # compile report keeps them out of the expert GEMMs they feed.
 HADAMARD_SCOPE = "random_hadamard_transform"
 AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS, MOE_OVERFLOW_TOKENS)
+
+# Data sources (`data.source`, and the kind of a `data.mixture` entry) and what each needs besides its
+# name, one table: the config's checks, the loaders and the progress line read it.
+#   "path": a glob of files; "text_key": the record field that holds the text (jsonl / parquet records);
+#   "tfds_name": a TFDS dataset. `MIXABLE_SOURCES`: the kinds a mixture entry may be (TFDS is not one).
+SOURCE_NEEDS = {
+    "synthetic": (),
+    "text": (),
+    "array_record": ("path",),
+    "tfds": ("tfds_name",),
+    "jsonl": ("path", "text_key"),
+    "parquet": ("path", "text_key"),
+}
+DATA_SOURCES = tuple(SOURCE_NEEDS)
+MIXABLE_SOURCES = tuple(s for s in DATA_SOURCES if s != "tfds")
+RECORD_SOURCES = tuple(s for s, needs in SOURCE_NEEDS.items() if "text_key" in needs)

@@ -21,6 +21,7 @@ import grain
 import numpy as np
 
 from ember.errors import DataError, one_line
+from ember.names import DATA_SOURCES, RECORD_SOURCES
 
 _EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -225,21 +226,18 @@ def open_documents(data_cfg, split: str, *, seed: int, vocab_size: int) -> grain
   if source == "text":
     return text_documents(data_cfg.path, split, frac)
   if source == "array_record":
-    if not data_cfg.path:
-      raise DataError("data.path: array_record needs a glob of .array_record files")
     return array_record_documents(data_cfg.path, split, frac)
   if source == "tfds":
     return tfds_documents(data_cfg.tfds_name, data_cfg.tfds_data_dir, data_cfg.tfds_text_key,
                           split, frac)
-  if source in ("jsonl", "parquet"):
+  if source in RECORD_SOURCES:
     from ember.data import records
     files, root = list_files(data_cfg.path)
     common = dict(split=split, eval_fraction=frac, split_indices=split_indices, name_hash=name_hash, mix64=mix64)
     if source == "jsonl":
       return records.jsonl_documents(files, root, data_cfg.text_key, data_cfg.cache_dir, **common)
     return records.parquet_documents(files, root, data_cfg.text_key, **common)
-  raise DataError(f"data.source: unknown source {source!r}; "
-                  "expected synthetic, text, array_record, tfds, jsonl or parquet")
+  raise DataError(f"data.source: unknown source {source!r}; expected one of {', '.join(DATA_SOURCES)}")
 
 
 _INDEX: dict[str, grain.MapDataset] = {}

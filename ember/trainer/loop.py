@@ -29,6 +29,7 @@ from ember.data import build_tokenizer, records
 from ember.data.sharded import data_iterator, global_batch, source_shares
 from ember.errors import ConfigError
 from ember.hf import load as hf_load
+from ember.names import RECORD_SOURCES
 from ember.layers import moe_dispatch
 from ember.model_config import ModelConfig
 from ember.parallel import distributed
@@ -190,7 +191,7 @@ class _Progress:
   def __init__(self, cfg, *, start: int, shares):
     self.cfg, self.compiled, self.shares = cfg, None, shares
     kinds = {cfg.data.source} if not cfg.data.mixture else {source for _, source, *_ in cfg.data.mixture}
-    self.reads_records = bool(kinds & {"jsonl", "parquet"})
+    self.reads_records = bool(kinds & set(RECORD_SOURCES))
     self.t_last, self.step_last = time.time(), start
     self.moe = MoeCounts()  # Summed over every step of a log interval.
 
