@@ -32,6 +32,7 @@ import ml_collections
 
 from ember.data import packing, sources, tokenizers
 from ember.data.mixing import TokenMix
+from ember.errors import warn
 
 DEFAULT_SHUFFLE_WINDOW = 1024  # Chunks shuffled together before packing.
 MIN_PACKING_BINS = 32  # Rows packed at once; more bins, less padding.
@@ -80,10 +81,24 @@ def _tokens(data_cfg, split: str, *, seed: int, shuffle_seed: int, shard: tuple[
             threads: int) -> grain.IterDataset:
   """One source's documents: this shard's share, shuffled every epoch, forever, tokenized ahead."""
   docs = sources.documents(data_cfg, split, seed=seed, vocab_size=vocab_size)
+  if len(docs) < shard[1]:
+    _warn_once(f"data: source {data_cfg.source}{f' at {data_cfg.path}' if data_cfg.path else ''} has "
+               f"{len(docs)} {split} documents for {shard[1]} data shards: shards share documents (each its "
+               "own shuffle), so rows repeat data within an epoch; lower data.num_shards or add documents")
   docs = sources.shard(docs, *shard).shuffle(shuffle_seed).repeat()
   tokenizer = None if data_cfg.source == "synthetic" else tokenizers.build_tokenizer(data_cfg)
   return docs.map(_tokenize(tokenizer)).to_iter_dataset(
       grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(4, 4 * threads)))
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+  """Every shard's pipeline would say it: once per process."""
+  if msg not in _WARNED:
+    _WARNED.add(msg)
+    warn(msg)
 
 
 def mixture_components(data_cfg, split: str) -> list[tuple[str, object, float]]:

@@ -111,3 +111,21 @@ def test_unknown_source_is_a_data_error(data_cfg):
   with pytest.raises(DataError, match="data.source"):
     make_iterator(data_cfg(source="csv"), seq_len=8, global_batch_size=1, seed=0,
                   split="train")
+
+
+def test_fewer_documents_than_shards_warns_once_with_both_counts(data_cfg, tmp_path, capsys):
+  root = tmp_path / "three"
+  root.mkdir()
+  for i in range(3):
+    (root / f"doc{i}.txt").write_bytes(bytes([40 + i]) * 50)
+  cfg = data_cfg(source="text", path=str(root / "*.txt"), eval_fraction=0.0)
+  for shard in range(8):
+    next(make_iterator(cfg, seq_len=16, global_batch_size=8, seed=0, split="train", process_index=shard,
+                       process_count=8))
+  lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
+  assert len(lines) == 1, lines
+  train_docs = len(sources.documents(cfg, "train", seed=0, vocab_size=256))
+  assert 0 < train_docs < 8
+  assert f"source text at {cfg.path} has {train_docs} train documents for 8 data shards" in lines[0], lines[0]
+  next(make_iterator(cfg, seq_len=16, global_batch_size=8, seed=0, split="train", process_index=0, process_count=2))
+  assert "warning:" not in capsys.readouterr().err  # Enough documents for 2 shards: nothing to say.
