@@ -156,10 +156,14 @@ def test_block_scaled_projections_run_on_blackwells_block_scaled_gemm(recipe, po
   assert r["gemms"]["bf16"] == HEAD_GEMMS and r["gemms"]["emulated"] == 0 and r["gemms"]["fp8"] == 0, r["gemms"]
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed", "bf16"])
 def test_fp8_projections_run_on_fp8_gemms_on_b200(recipe):
+  """On a B200, FP8 recipes put forward, dgrad and wgrad of every quantized projection on cuBLASLt's FP8
+  GEMM; bf16 has neither FP8 nor block-scaled GEMMs."""
   r = report("b200x1", f"--config.quant.recipe={recipe}", "--config.remat.policy=none")
-  assert r["gemms"] == census(fp8=3 * QUANTIZED_PROJECTIONS, bf16=HEAD_GEMMS), r["gemms"]
+  projections = 3 * QUANTIZED_PROJECTIONS
+  expected = census(bf16=projections + HEAD_GEMMS) if recipe == "bf16" else census(fp8=projections, bf16=HEAD_GEMMS)
+  assert r["gemms"] == expected, r["gemms"]
 
 
 def test_block_scaled_gemms_are_emulated_on_hopper():
