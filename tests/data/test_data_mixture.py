@@ -84,9 +84,14 @@ def test_train_logs_each_source_share(tmp_path):
                           "data.mixture": (("alpha", "text", a, "", 3.0), ("beta", "text", b, "", 1.0))})
   train(cfg)
   records = [json.loads(line) for line in open(os.path.join(tmp_path, "run", "metrics.jsonl"))]
+  assert [r["step"] for r in records if "data_share/alpha" in r] == [2, 4]
+  shares = [r["data_share/alpha"] for r in records]
   for r in records:
     assert abs(r["data_share/alpha"] + r["data_share/beta"] - 1.0) < 1e-9
-    assert r["data_share/alpha"] > r["data_share/beta"]
+  # The mixer keeps each shard's drawn tokens within a document of 3:1; the shuffle window moves tokens between
+  # log intervals, so each interval's share is looser than the run's (two intervals of equal token counts).
+  assert all(abs(s - 0.75) < 0.15 for s in shares), shares
+  assert abs(np.mean(shares) - 0.75) < 0.03, shares
 
 
 def test_token_shares_follow_the_weights_whatever_the_document_lengths(tmp_path, data_cfg):
