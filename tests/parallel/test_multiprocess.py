@@ -84,7 +84,8 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tm
 
   # One process with 4 devices, the same mesh (fsdp=4): the same losses.
   sp = tmp_path / "one_process"
-  _one_process(cache, sp, stopped + 1)
+  after = range(stopped + 1, stopped + 4)  # The steps a resumed run takes.
+  _one_process(cache, sp, after[-1])
   mp_losses, sp_losses = _losses(mp), _losses(sp)
   assert [mp_losses[s] for s in range(1, stopped + 1)] == pytest.approx(
       [sp_losses[s] for s in range(1, stopped + 1)], rel=1e-6)
@@ -92,9 +93,11 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tm
   # The two-process checkpoint resumes in one process, with both processes' data positions.
   resumed = tmp_path / "resumed"
   shutil.copytree(mp, resumed)
-  p = _one_process(cache, resumed, stopped + 1)
+  p = _one_process(cache, resumed, after[-1])
   assert f"at step {stopped}" in p.stderr and "warning" not in p.stderr
-  assert _losses(resumed)[stopped + 1] == pytest.approx(sp_losses[stopped + 1], rel=1e-6)
+  assert [r["step"] for r in _records(resumed)] == list(range(1, after[-1] + 1))  # Each step logged once.
+  resumed_losses = _losses(resumed)
+  assert [resumed_losses[s] for s in after] == pytest.approx([sp_losses[s] for s in after], rel=1e-6)
 
 
 def test_local_sh_fails_when_a_process_fails(tmp_path):
