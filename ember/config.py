@@ -22,6 +22,7 @@ from ember import remat
 from ember.errors import ConfigError
 from ember.model_config import resolved_head_dim
 from ember.names import BATCH, EXPERT, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, SOURCE_NEEDS
+from ember.parallel import distributed
 from ember.parallel import mesh as mesh_lib
 from ember.quant import exclude as exclude_lib
 from ember.quant import schedule as schedule_lib
@@ -142,12 +143,7 @@ def _validate_data(cfg, process_count: int) -> None:
     _fail("data.tokenizer", f"no SentencePiece model at {d.tokenizer!r}")
   for key in ("mixture", "eval_mixture"):
     _validate_mixture(d, key)
-  shards = d.num_shards or cfg.train.batch_size  # 0: one shard per row of the global batch.
-  if d.num_shards and cfg.train.batch_size % shards:
-    _fail("data.num_shards", f"{shards} data shards do not divide train.batch_size={cfg.train.batch_size}")
-  if shards % process_count:
-    _fail("data.num_shards" if d.num_shards else "train.batch_size",
-          f"{shards} data shards cannot be split over {process_count} processes")
+  distributed.data_shards(d.num_shards, cfg.train.batch_size, 0, process_count)  # Raises naming the key.
 
 
 _NEED_MEANING = {"path": "a glob of files", "text_key": "the field holding the text (text_key)",

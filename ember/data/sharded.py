@@ -1,9 +1,9 @@
 """What one process feeds the train step: its data shards, read in lockstep, and the global batch.
 
 A global batch of `train.batch_size` rows is cut into `data.num_shards` shards of consecutive rows
-(0, the default: one shard per row), each its own pipeline over its own share of the documents. Each
-process reads a contiguous block of shards, so shard order is the global row order, and
-`global_batch` assembles the jax.Arrays from every process's rows. The global batches are therefore a
+(0, the default: one shard per row), each its own pipeline over its own share of the documents, and
+each process reads a contiguous block of shards: the rule is `distributed.data_shards`. Shard order is
+the global row order, and `global_batch` assembles the jax.Arrays from every process's rows. The global batches are therefore a
 function of the seed and the data config alone: 1, 2, 4 or 8 processes (any count that divides the
 shards) feed the same rows at every step, and a checkpoint's per-shard positions resume on any of
 them.
@@ -54,13 +54,15 @@ class ShardedIterator:
                        "shards": self.shard_states()}).encode()
 
   def set_state(self, state: bytes | str | dict) -> None:
-    """Resumes every shard's position. A position saved for other data (another shard count, sources,
-    mixture or window: the fingerprint) cannot be mapped: the iterator then starts from the beginning
+    """Resumes every shard's position: the one resume rule, whatever process count saved it (the state
+    of several processes' files merged, ember/trainer/checkpointing.py). A position saved for other data
+    (another shard count, sources, mixture or window: the fingerprint) cannot be mapped: the iterator then starts from the beginning
     with a warning, and the checkpoint's model state is restored all the same."""
     state = json.loads(state) if isinstance(state, (bytes, str)) else state
     reason = None
     if state.get("num_shards") != self.num_shards:
-      reason = f"{state.get('num_shards')} data shards, this run reads {self.num_shards}"
+      reason = (f"{state.get('num_shards')} data shards, this run reads {self.num_shards} "
+                "(data.num_shards or train.batch_size changed)")
     elif state.get("fingerprint", "") != self.fingerprint:
       reason = "other data (data.source, path, text_key, mixture or shuffle window changed)"
     elif not all(str(s) in state.get("shards", {}) for s in self.shards):
@@ -85,14 +87,13 @@ class ShardedIterator:
 
 
 def data_iterator(cfg, split: str) -> ShardedIterator:
-  """This process's rows of each global batch of `split` (validated config: the shards divide the batch)."""
-  num_shards = num_data_shards(cfg)
-  shards = distributed.data_shards(num_shards)
-  threads = max(1, int(cfg.data.num_threads) // len(shards))  # The process's read threads, split over its shards.
+  """This process's rows of each global batch of `split` (ember/parallel/distributed.py's `data_shards`)."""
+  shards = distributed.data_shards(cfg.data.num_shards, cfg.train.batch_size)
+  threads = max(1, int(cfg.data.num_threads) // len(shards.mine))  # The process's read threads, over its shards.
   make = lambda shard: make_iterator(cfg.data, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.batch_size,
-                                     seed=cfg.seed, split=split, process_index=shard, process_count=num_shards,
+                                     seed=cfg.seed, split=split, process_index=shard, process_count=shards.count,
                                      vocab_size=cfg.model.vocab_size, read_threads=threads)
-  return ShardedIterator(make, shards, num_shards, data_fingerprint(cfg.data, split))
+  return ShardedIterator(make, list(shards.mine), shards.count, data_fingerprint(cfg.data, split))
 
 
 def data_fingerprint(data_cfg, split: str) -> str:
@@ -106,11 +107,6 @@ def data_fingerprint(data_cfg, split: str) -> str:
 def source_shares(cfg) -> SourceShares:
   """The share counter of the training mixture (counts nothing without one)."""
   return SourceShares([name for name, _, _ in mixture_components(cfg.data, "train")])
-
-
-def num_data_shards(cfg) -> int:
-  """`data.num_shards`, or one shard per row of the global batch (0)."""
-  return int(cfg.data.num_shards) or int(cfg.train.batch_size)
 
 
 def global_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:

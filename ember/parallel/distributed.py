@@ -21,6 +21,7 @@ sets a flag.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -67,20 +68,34 @@ def _initialized() -> bool:
   return jax_distributed.global_state.client is not None
 
 
-def data_shards(num_shards: int, process_index: int | None = None, process_count: int | None = None) -> list[int]:
-  """The data shards this process reads: a contiguous block, so shard order is the global row order.
+@dataclasses.dataclass(frozen=True)
+class DataShards:
+  """Which data shards there are and which this process reads (`data_shards`)."""
+  count: int  # Shards of every global batch, each its own pipeline over its own share of the documents.
+  rows: int  # Rows of the global batch each shard feeds.
+  mine: tuple[int, ...]  # This process's shards: a contiguous block, so shard order is the global row order.
 
-  `num_shards` = 0 means one per process here; the trainer passes its own count (by default one shard
-  per row of the global batch, ember/data/sharded.py), which makes the global batch, and a resumed data
-  position, independent of the process count.
+
+def data_shards(num_shards: int, batch_size: int, process_index: int | None = None,
+                process_count: int | None = None) -> DataShards:
+  """The data-shard rule, the one place it is written.
+
+  A global batch of `batch_size` rows (`train.batch_size`) is cut into `num_shards` shards
+  (`data.num_shards`; 0 means one shard per row) of consecutive rows, and the processes split the shards
+  into equal contiguous blocks. With the default the global batches, and a saved data position, are
+  independent of the process count: any count that divides the batch reads the same rows at every step.
+  Raises ConfigError naming the key when the shards do not divide the batch or the processes the shards.
   """
   index = jax.process_index() if process_index is None else process_index
-  count = jax.process_count() if process_count is None else process_count
-  num_shards = num_shards or count
-  if num_shards % count:
-    raise ConfigError(f"config.data.num_shards: {num_shards} is not a multiple of the process count {count}")
-  per = num_shards // count
-  return list(range(index * per, (index + 1) * per))
+  processes = jax.process_count() if process_count is None else process_count
+  count = num_shards or batch_size
+  if batch_size % count:
+    raise ConfigError(f"config.data.num_shards: {count} data shards do not divide train.batch_size={batch_size}")
+  if count % processes:
+    key = "data.num_shards" if num_shards else "train.batch_size"
+    raise ConfigError(f"config.{key}: {count} data shards cannot be split over {processes} processes")
+  per = count // processes
+  return DataShards(count=count, rows=batch_size // count, mine=tuple(range(index * per, (index + 1) * per)))
 
 
 def sum_over_processes(values: np.ndarray) -> np.ndarray:

@@ -242,17 +242,13 @@ class Checkpointer:
 
 
 def restore_data_position(data_dir: str, data_it: ShardedIterator) -> None:
-  """Sets `data_it` from the files of another process count (shards merged); warns if impossible."""
+  """Sets `data_it` from every process's file of a step's data/ (shards merged, so any process count
+  saved it); `ShardedIterator.set_state` warns if the position cannot serve this run."""
   merged = _merged_data_state(data_dir)
   if merged is None:
     console(f"warning: no data position in {data_dir}: the data iterator starts from the beginning")
     return
-  if merged["num_shards"] != data_it.num_shards or not all(str(s) in merged["shards"] for s in data_it.shards):
-    console(f"warning: the data position in {data_dir} is for {merged['num_shards']} data shards, this run reads "
-            f"{data_it.num_shards} (config.data.num_shards or train.batch_size changed): "
-            "the data iterator starts from the beginning")
-    return
-  data_it.set_state(merged)
+  data_it.set_state(merged)  # Its rule decides whether the position maps onto this run's shards.
 
 
 def _all_processes_ok(ok: bool) -> bool:
