@@ -1,18 +1,28 @@
-"""Shared test helpers: small configs, fixed batches, a one-call train-state factory."""
+"""Shared test helpers: small configs, fixed batches, the trainer's start-up in one call."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 from configs import default  # noqa: E402
+from ember import config as config_lib  # noqa: E402
+from ember import remat  # noqa: E402
+from ember.parallel.mesh import make_mesh  # noqa: E402
+from ember.parallel.sharding import use_rules  # noqa: E402
+from ember.trainer.optimizer import make_optimizer  # noqa: E402
+from ember.trainer.state import TrainState, create_train_state  # noqa: E402
+from ember.trainer.step import batch_sharding, jit_train_step  # noqa: E402
 
 
 def config(preset: str = "tiny", **overrides):
@@ -49,49 +59,49 @@ def devices(n: int):
   return jax.devices()[:n]
 
 
-def one_device_start(**overrides):
-  """A validated, derived `config(**overrides)` on one device and its fresh state:
-  (cfg, mesh, tx, lr schedule, remat preset, graphdef, state, state shardings)."""
-  from ember import config as config_lib
-  from ember import remat
-  from ember.parallel.mesh import make_mesh
-  from ember.parallel.sharding import use_rules
-  from ember.trainer.optimizer import make_optimizer
-  from ember.trainer.state import create_train_state
+@dataclasses.dataclass
+class Start:
+  """What the trainer sets up before its first step (ember/trainer/loop.py): the validated, derived config,
+  the mesh of its first devices, the optimizer and lr schedule, and the fresh sharded train state."""
+  cfg: Any
+  mesh: Mesh
+  tx: Any
+  schedule: Any
+  graphdef: Any
+  state: TrainState
+  shardings: TrainState
 
-  cfg = config(**overrides)
-  config_lib.validate(cfg, 1, 1)
-  cfg = config_lib.derive(cfg, 1)
-  mesh = make_mesh(cfg.mesh, devices(1))
-  tx, schedule = make_optimizer(cfg.train)
-  policy = remat.preset(cfg.remat)
-  with use_rules(mesh, cfg.mesh.rules):
-    graphdef, state, shardings = create_train_state(cfg, mesh, tx, policy)
-  return cfg, mesh, tx, schedule, policy, graphdef, state, shardings
+  def rules(self):
+    """The context the model runs in: the config's logical-axis rules on this mesh."""
+    return use_rules(self.mesh, self.cfg.mesh.rules)
 
 
-def train_losses(cfg, batches, num_devices: int, policy_name: str | None = None):
-  """Losses of len(batches) train steps of `cfg` on the first `num_devices` devices."""
-  from ember import config as config_lib
-  from ember import remat
-  from ember.parallel.mesh import make_mesh
-  from ember.parallel.sharding import use_rules
-  from ember.trainer.optimizer import make_optimizer
-  from ember.trainer.state import create_train_state
-  from ember.trainer.step import batch_sharding, jit_train_step
-
-  config_lib.validate(cfg, num_devices)
+def start(cfg, num_devices: int = 1) -> Start:
+  """The one start-up sequence of the tests: validate, derive, mesh, optimizer, state."""
+  config_lib.validate(cfg, num_devices, 1)
   cfg = config_lib.derive(cfg, num_devices)
   mesh = make_mesh(cfg.mesh, devices(num_devices))
   tx, schedule = make_optimizer(cfg.train)
-  policy = remat.preset(cfg.remat, policy_name)
-  sharding = batch_sharding(cfg, mesh)
   with use_rules(mesh, cfg.mesh.rules):
-    graphdef, state, shardings = create_train_state(cfg, mesh, tx, policy)
-    step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, donate=False)
-    losses = []
+    graphdef, state, shardings = create_train_state(cfg, mesh, tx)
+  return Start(cfg, mesh, tx, schedule, graphdef, state, shardings)
+
+
+def one_device_start(**overrides) -> Start:
+  """`start` of `config(**overrides)` on one device."""
+  return start(config(**overrides), 1)
+
+
+def train_losses(cfg, batches, num_devices: int, policy_name: str | None = None):
+  """Losses of len(batches) train steps of `cfg` on the first `num_devices` devices (under the remat
+  preset `policy_name`, default the config's)."""
+  s = start(cfg, num_devices)
+  policy = remat.preset(s.cfg.remat, policy_name)
+  sharding = batch_sharding(s.cfg, s.mesh)
+  with s.rules():
+    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, policy=policy, donate=False)
+    state, losses = s.state, []
     for batch in batches:
-      batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
-      state, metrics = step(state, batch)
+      state, metrics = step(state, {k: jax.device_put(v, sharding) for k, v in batch.items()})
       losses.append(float(metrics["loss"]))
   return losses

@@ -20,13 +20,11 @@ from ember import config as config_lib
 from ember import remat
 from ember.layers.decoder import Segment
 from ember.model_config import ModelConfig
-from ember.parallel.mesh import make_mesh
 from ember.plan import layer as layer_plan
 from ember.plan import hlo as hlo_plan
 from ember.plan import step as step_plan
-from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import step_key
-from tests.helpers import ROOT, config
+from tests.helpers import ROOT, config, start
 
 RECIPES = ("bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4")
 # Cheaper CPU code generation; the HLO passes (and so the numerics being compared) are unchanged.
@@ -93,11 +91,8 @@ def test_every_preset_gives_the_gradients_of_none(recipe):
 
 
 def _tiny_step(recipe="fp8_current"):
-  cfg = config("tiny", **{"quant.recipe": recipe, "mesh.fsdp": 1})
-  config_lib.validate(cfg, 1)
-  cfg = config_lib.derive(cfg, 1)
-  tx, schedule = make_optimizer(cfg.train)
-  return cfg, make_mesh(cfg.mesh, jax.devices()[:1]), tx, schedule
+  s = start(config("tiny", **{"quant.recipe": recipe, "mesh.fsdp": 1}))
+  return s.cfg, s.mesh, s.tx, s.schedule
 
 
 def test_offloaded_presets_place_their_names_in_host_memory():

@@ -10,7 +10,6 @@ import os
 import jax
 from flax import nnx
 
-from ember import remat
 from ember.errors import ConfigError
 from ember.layers.decoder import Transformer
 from ember.names import MESH_AXES
@@ -54,9 +53,8 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
     if dtype:
       cfg.model.dtype = dtype
   mesh = _mesh_for(cfg, one_device, host)
-  policy = remat.PRESETS["full"]
-  graphdef, param_specs, quant_specs = logical_axes(cfg, policy)
-  abstract_params, abstract_quant = abstract_init(cfg, policy)
+  graphdef, param_specs, quant_specs = logical_axes(cfg)
+  abstract_params, abstract_quant = abstract_init(cfg)
   place = lambda abstract, specs: jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
       sharding.tree_shardings(specs, mesh, cfg.mesh.rules))

@@ -204,8 +204,7 @@ class Transformer(nnx.Module):
   """Decoder-only LM. `__call__` returns the final normed hidden states; `head` maps them to logits
   (the loss applies it chunk by chunk so full [batch, length, vocab] logits never exist)."""
 
-  def __init__(self, model: ModelConfig, rngs: nnx.Rngs, policy: remat.Preset = remat.PRESETS["full"]):
-    self.policy = policy
+  def __init__(self, model: ModelConfig, rngs: nnx.Rngs):
     self.embed = Embed(model.vocab_size, model.d_model, init_std=model.init_std, dtype=model.dtype,
                        param_dtype=model.param_dtype, rngs=rngs)
     self.segments = nnx.List([Segment(model, ids, rngs) for ids in segments_of(model)])
@@ -219,11 +218,14 @@ class Transformer(nnx.Module):
                             recipe=model.recipe_for(LM_HEAD).stateless(), init_std=model.init_std,
                             dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
 
-  def __call__(self, tokens_BxL, segment_ids_BxL, positions_BxL, key=None, policy: remat.Preset | None = None):
+  def __call__(self, tokens_BxL, segment_ids_BxL, positions_BxL, key=None,
+               policy: remat.Preset = remat.PRESETS["none"]):
+    """`policy`: the remat preset each scanned block runs under, the one place it is applied (the train
+    step passes the config's, ember/trainer/step.py); a forward pass alone needs none."""
     x = self.embed(tokens_BxL)
     aux, per_layer = zero_aux(), []
     for segment in self.segments:
-      x, a, counts = segment(x, segment_ids_BxL, positions_BxL, key, policy or self.policy)
+      x, a, counts = segment(x, segment_ids_BxL, positions_BxL, key, policy)
       aux = jax.tree.map(jnp.add, aux, a)
       per_layer.append(counts)
     for k in MOE_LAYER_COUNTS:  # Segments are consecutive runs of layers, in order.

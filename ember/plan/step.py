@@ -33,7 +33,7 @@ def trace_train_step(cfg, mesh, tx, schedule, preset: remat.Preset):
   """The real train step (`trainer.step.train_step`, policy overridden), jitted as the loop jits it
   and traced on abstract sharded inputs: `.jaxpr`, `.lower()`, `.lower(lowering_platforms=...)`."""
   with use_rules(mesh, cfg.mesh.rules):
-    graphdef, shardings, abstract = state_shardings(cfg, mesh, tx, preset)
+    graphdef, shardings, abstract = state_shardings(cfg, mesh, tx)
     batch, _ = abstract_batch(cfg, mesh)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, policy=preset)

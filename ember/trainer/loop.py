@@ -14,9 +14,10 @@ train.py and the tools): the loop only ever runs a preset.
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,25 +25,23 @@ import numpy as np
 
 import ember
 from ember import config as config_lib
-from ember import remat
 from ember.data import build_tokenizer, records
 from ember.data.sharded import data_iterator, global_batch, source_shares
 from ember.errors import ConfigError
 from ember.hf import load as hf_load
-from ember.names import RECORD_SOURCES
-from ember.layers import moe_dispatch
 from ember.model_config import ModelConfig
+from ember.names import RECORD_SOURCES
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import use_rules
-from ember.platform import target_platform
-from ember.trainer import moe_counts, precision, quant_stats
+from ember.trainer import moe_counts, precision
 from ember.trainer import step as step_lib
 from ember.trainer.checkpointing import Checkpointer, restore_from
 from ember.trainer.metrics import MetricsWriter, console, progress_line
 from ember.trainer.moe_counts import MoeCounts
 from ember.trainer.optimizer import make_optimizer
-from ember.trainer.perf import Throughput, compiled_peak_bytes, peak_bytes
+from ember.trainer.perf import Throughput, peak_bytes
+from ember.trainer.phase import Phase
 from ember.trainer.state import create_train_state, state_around, state_shardings
 
 
@@ -71,7 +70,8 @@ def _make_workdir(workdir: str) -> None:
 def train(cfg, mesh=None) -> dict:
   """Runs (or resumes) the job the config describes; returns a summary of the final figures.
 
-  `cfg` is raw (prepared here) unless `mesh` is given, in which case it is the prepared config."""
+  `cfg` is raw (prepared here) unless `mesh` is given, in which case it is the prepared config. The loop is
+  the step and, after it, one named hook each: the phase switch, preemption, log, eval and checkpoint."""
   t_start = time.time()
   if mesh is None:
     cfg, mesh = prepare(cfg)
@@ -79,9 +79,56 @@ def train(cfg, mesh=None) -> dict:
     raise ConfigError("config.remat.policy: 'auto' must be resolved before training (ember.plan.auto_remat.resolve; "
                       "train.py does it)")
   _make_workdir(cfg.workdir)
-  policy = remat.preset(cfg.remat)
-  tx, schedule = make_optimizer(cfg.train)
   with contextlib.ExitStack() as resources, use_rules(mesh, cfg.mesh.rules):
+    run = _Run.open(cfg, mesh, resources)
+    for step in range(int(run.state.step), cfg.steps):
+      _switch_phase(run, step)
+      run.profiler.before(step)
+      run.state, step_metrics = run.phase.compiled(run.state, run.batch)
+      run.moe.add(step, step_metrics)
+      done = step + 1
+      run.profiler.after(done)
+      stopping = _preempted(run, done)
+      _log(run, done, step_metrics, stopping)
+      _evaluate(run, done)
+      _checkpoint(run, done, stopping)
+      if stopping:
+        console(f"preempted (SIGTERM): saved a checkpoint at step {done} in {run.ckpt.directory} and stopped")
+        break
+      if done < cfg.steps:
+        run.batch = run.next_batch()
+  run.last["wall_time_s"] = time.time() - t_start
+  return run.last
+
+
+@dataclasses.dataclass
+class _Run:
+  """Everything the loop's hooks share: the config and mesh, the data, writers and checkpointer, the state,
+  the current precision phase, and the last logged figures (the summary `train` returns)."""
+  cfg: Any
+  mesh: Any
+  train_it: Any
+  metrics: MetricsWriter
+  preemption: distributed.Preemption
+  ckpt: Checkpointer
+  phases: precision.Phases
+  phase: Phase
+  state: Any
+  batch: Any
+  batch_sharding: Any
+  shares: Any
+  meta: dict
+  interval: "_Interval"
+  profiler: "_Profiler"
+  moe: MoeCounts
+  reads_records: bool
+  last: dict
+
+  @classmethod
+  def open(cls, cfg, mesh, resources: contextlib.ExitStack) -> "_Run":
+    """The set-up: data, writers, preemption handler and checkpointer (closed by `resources`), then the state
+    restored or initialised and its first batch."""
+    tx, schedule = make_optimizer(cfg.train)
     train_it = data_iterator(cfg, "train")
     resources.callback(train_it.close)
     metrics = MetricsWriter(cfg.workdir, tensorboard=cfg.log.tensorboard)
@@ -91,149 +138,105 @@ def train(cfg, mesh=None) -> dict:
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every_steps=cfg.checkpoint.every_steps,
                         keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     resources.callback(ckpt.close)
-
     phases = precision.Phases(cfg)
-    targets = lambda step: state_shardings(phases.cfg(phases.state_phase(step)), mesh, tx, policy)[1:]
-    state = _restore_or_init(cfg, ckpt, mesh, tx, policy, targets, metrics, train_it)
+    targets = lambda step: state_shardings(phases.cfg(phases.state_phase(step)), mesh, tx)[1:]
+    state = _restore_or_init(cfg, ckpt, mesh, tx, targets, metrics, train_it)
     _check_phase(ckpt, phases, int(state.step))
     batch_sharding = step_lib.batch_sharding(cfg, mesh)
     shares = source_shares(cfg)
-    batch = _next_batch(train_it, batch_sharding, shares)
-    meta = {"config": cfg.to_dict(), "ember_version": ember.__version__, "mesh": dict(mesh.shape),
-            "process_count": jax.process_count()}
-    phase = _Phase(phases, phases.state_phase(int(state.step)), mesh, tx, schedule, policy, batch_sharding)
-    progress = _Progress(cfg, start=int(state.step), shares=shares)
-    profiler = _Profiler(cfg)
-    last = {"step": int(state.step)}
-    for step in range(int(state.step), cfg.steps):
-      if phases.at(step) != phase.index or phase.compiled is None:
-        phase, state = phase.enter(phases.at(step), state, batch)
-        progress.compiled, progress.cfg = phase.compiled, phase.cfg
-      profiler.before(step)
-      state, step_metrics = phase.compiled(state, batch)
-      progress.moe.add(step, step_metrics)
-      done = step + 1
-      profiler.after(done)
-      stopping = preemption.reached(done) and done < cfg.steps
-      health = phase.quant_health is not None and done % cfg.log.quant_stats_every == 0
-      if done % cfg.log.every_steps == 0 or done == cfg.steps or stopping or health:
-        extra = phase.quant_health.record(done, step_metrics["quant_stats"]) if health else {}
-        last.update(progress.log(done, step_metrics, metrics, quant_phase=phase.index, extra=extra))
-      if cfg.train.eval_every_steps and (done % cfg.train.eval_every_steps == 0 or done == cfg.steps):
-        last["eval_loss"] = evaluate(cfg, state, phase.eval_fn, batch_sharding)
-        metrics.write({"step": done, "eval_loss": last["eval_loss"]})
-        console(f"step {done:>6}/{cfg.steps}  eval_loss {last['eval_loss']:.4f}")
-      if ckpt.should_save(done, cfg.steps) or stopping:
-        ckpt.save(done, state, train_it, seed=cfg.seed, metadata={**meta, "quant_phase": phase.index},
-                  force_sync=stopping)
-      if stopping:
-        console(f"preempted (SIGTERM): saved a checkpoint at step {done} in {ckpt.directory} and stopped")
-        break
-      if done < cfg.steps:
-        batch = _next_batch(train_it, batch_sharding, shares)
-  last["wall_time_s"] = time.time() - t_start
-  return last
+    run = cls(cfg=cfg, mesh=mesh, train_it=train_it, metrics=metrics, preemption=preemption, ckpt=ckpt,
+              phases=phases, phase=Phase(phases, phases.state_phase(int(state.step)), mesh, tx, schedule,
+                                          batch_sharding),
+              state=state, batch=None, batch_sharding=batch_sharding, shares=shares,
+              meta={"config": cfg.to_dict(), "ember_version": ember.__version__, "mesh": dict(mesh.shape),
+                    "process_count": jax.process_count()},
+              interval=_Interval(cfg, start=int(state.step)), profiler=_Profiler(cfg), moe=MoeCounts(),
+              reads_records=_reads_records(cfg), last={"step": int(state.step)})
+    run.batch = run.next_batch()
+    return run
+
+  def next_batch(self):
+    """The next global batch; a mixture's per-token sources are counted here and stay on the host."""
+    rows = next(self.train_it)
+    self.shares.count(rows)
+    return global_batch(rows, self.batch_sharding)
 
 
-def _next_batch(it, sharding, shares):
-  """The next global batch; a mixture's per-token sources are counted here and stay on the host."""
-  rows = next(it)
-  shares.count(rows)
-  return global_batch(rows, sharding)
+def _reads_records(cfg) -> bool:
+  kinds = {cfg.data.source} if not cfg.data.mixture else {source for _, source, *_ in cfg.data.mixture}
+  return bool(kinds & set(RECORD_SOURCES))
 
 
-def _compile(step_fn, state, batch, cfg, mesh):
-  """The train step compiled ahead of time for these arguments (logged with its memory estimate)."""
-  t0 = time.time()
-  compiled = step_fn.lower(state, batch).compile()
-  peak = compiled_peak_bytes(compiled)
-  memory = "no memory analysis" if peak is None else f"compiled peak {peak / 2**30:.2f} GiB/device"
-  moe = ""
-  if cfg.model.num_experts:
-    n = int(mesh.shape["expert"])
-    dispatch, layout = moe_dispatch.choose(cfg.model.moe_dispatch, cfg.model.moe_expert_gemm, expert_parallel=n,
-                                           num_local=cfg.model.num_experts // n, platform=target_platform())
-    moe = f", MoE dispatch {dispatch}, expert GEMMs {layout}"
-  console(f"compiled the train step in {time.time() - t0:.1f}s ({memory}; remat {cfg.remat.policy}, "
-          f"recipe {cfg.quant.recipe}, mesh {dict(mesh.shape)}{moe})")
-  return compiled
+# --- The hooks, in the order the loop calls them after each step ----------------------------------------------
 
 
-class _Phase:
-  """One precision phase (ember/trainer/precision.py): its config, compiled train step and eval step, and
-  quantization-health watch. `enter` moves the state into another phase and compiles that one."""
-
-  def __init__(self, phases: precision.Phases, index: int, mesh, tx, schedule, policy, batch_sharding):
-    self.phases, self.index, self.cfg = phases, index, phases.cfg(index)
-    self.mesh, self.tx, self.schedule, self.policy, self.batch_sharding = mesh, tx, schedule, policy, batch_sharding
-    self.compiled = self.eval_fn = self.quant_health = None
-
-  def enter(self, index: int, state, batch):
-    """(the phase `index` compiled, `state` moved into its structure)."""
-    phase = _Phase(self.phases, index, self.mesh, self.tx, self.schedule, self.policy, self.batch_sharding)
-    cfg = phase.cfg
-    graphdef, shardings, abstract = state_shardings(cfg, self.mesh, self.tx, self.policy)
-    if index != self.index:
-      state = precision.carry(state, self.cfg, cfg, abstract, shardings)
-      console(f"precision schedule: {self.phases.describe(index)} from step {int(state.step) + 1}")
-    phase.compiled = _compile(step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings),
-                              state, batch, cfg, self.mesh)
-    phase.eval_fn = jax.jit(functools.partial(step_lib.eval_step, graphdef=graphdef, cfg=cfg),
-                            in_shardings=(shardings, self.batch_sharding))
-    phase.quant_health = _QuantHealth(cfg) if cfg.log.quant_stats_every else None
-    return phase, state
+def _switch_phase(run: _Run, step: int) -> None:
+  """Before a step: compiles the first phase, or moves the state into the precision phase `step` starts."""
+  if run.phases.at(step) != run.phase.index or run.phase.compiled is None:
+    run.phase, run.state = run.phase.enter(run.phases.at(step), run.state, run.batch)
 
 
-class _Progress:
-  """Turns the metrics fetched once per log interval into a record: step time since the last log,
-  throughput, MFU, ETA and peak memory; writes it and prints the progress line."""
+def _preempted(run: _Run, done: int) -> bool:
+  """True at the step where every process saves and stops (a SIGTERM, agreed on by all processes)."""
+  return run.preemption.reached(done) and done < run.cfg.steps
 
-  def __init__(self, cfg, *, start: int, shares):
-    self.cfg, self.compiled, self.shares = cfg, None, shares
-    kinds = {cfg.data.source} if not cfg.data.mixture else {source for _, source, *_ in cfg.data.mixture}
-    self.reads_records = bool(kinds & set(RECORD_SOURCES))
-    self.t_last, self.step_last = time.time(), start
-    self.moe = MoeCounts()  # Summed over every step of a log interval.
 
-  def log(self, done: int, step_metrics, writer: MetricsWriter, quant_phase: int = 0, extra=None) -> dict:
-    host = jax.device_get({k: v for k, v in step_metrics.items() if k != "quant_stats" and k not in moe_counts.KEYS})
+def _log(run: _Run, done: int, step_metrics, stopping: bool) -> None:
+  """Every `log.every_steps` (and the last, a preemption's and a statistics step): one record in
+  metrics.jsonl and TensorBoard, the progress line, and the warnings of the interval."""
+  cfg, phase = run.cfg, run.phase
+  health = phase.quant_health is not None and done % cfg.log.quant_stats_every == 0
+  if not (done % cfg.log.every_steps == 0 or done == cfg.steps or stopping or health):
+    return
+  host = jax.device_get({k: v for k, v in step_metrics.items() if k != "quant_stats" and k not in moe_counts.KEYS})
+  record = {"step": done, **{k: float(v) for k, v in host.items()}, **run.interval.take(done)}
+  moe, moe_warnings = run.moe.take(done)
+  record.update(moe)
+  record["peak_bytes"], record["peak_source"] = peak_bytes(phase.compiled)
+  if cfg.quant.schedule:
+    record["quant_phase"] = phase.index
+  if health:
+    record.update(phase.quant_health.record(done, step_metrics["quant_stats"]))
+  record.update(run.shares.report())
+  if run.reads_records:  # Bad records skipped by rule (ember/data/records.py), over all processes.
+    record["data_skipped_records"] = int(distributed.sum_over_processes(np.int64(records.skipped_records())))
+  run.metrics.write(record)
+  console(progress_line(record, cfg.steps))
+  for warning in moe_warnings:  # Never silent: these copies' expert outputs were zero.
+    console(f"warning: {warning}")
+  run.last.update(record)
+
+
+def _evaluate(run: _Run, done: int) -> None:
+  """Every `train.eval_every_steps` and at the end: the held-out loss, recorded and printed."""
+  cfg = run.cfg
+  if not cfg.train.eval_every_steps or (done % cfg.train.eval_every_steps and done != cfg.steps):
+    return
+  run.last["eval_loss"] = evaluate(cfg, run.state, run.phase.eval_fn, run.batch_sharding)
+  run.metrics.write({"step": done, "eval_loss": run.last["eval_loss"]})
+  console(f"step {done:>6}/{cfg.steps}  eval_loss {run.last['eval_loss']:.4f}")
+
+
+def _checkpoint(run: _Run, done: int, stopping: bool) -> None:
+  """Every `checkpoint.every_steps`, at the end, and synchronously when stopping for a preemption."""
+  if run.ckpt.should_save(done, run.cfg.steps) or stopping:
+    run.ckpt.save(done, run.state, run.train_it, seed=run.cfg.seed,
+                  metadata={**run.meta, "quant_phase": run.phase.index}, force_sync=stopping)
+
+
+class _Interval:
+  """Step time since the last logged step (the metrics fetch there is where the device is waited for), and
+  the throughput, MFU and ETA that follow from it."""
+
+  def __init__(self, cfg, *, start: int):
+    self.cfg, self.t_last, self.step_last = cfg, time.time(), start
+
+  def take(self, done: int) -> dict:
     now = time.time()
     step_time = (now - self.t_last) / max(done - self.step_last, 1)
     self.t_last, self.step_last = now, done
     perf = Throughput.of(self.cfg, step_time, jax.device_count(), jax.devices()[0].device_kind)
-    record = {"step": done, **{k: float(v) for k, v in host.items()}, **perf.to_dict(),
-              "eta_s": step_time * (self.cfg.steps - done)}
-    moe, moe_warnings = self.moe.take(done)
-    record.update(moe)
-    record["peak_bytes"], record["peak_source"] = peak_bytes(self.compiled)
-    if self.cfg.quant.schedule:
-      record["quant_phase"] = quant_phase
-    record.update(extra or {})
-    record.update(self.shares.report())
-    if self.reads_records:  # Bad records skipped by rule (ember/data/records.py), over all processes.
-      record["data_skipped_records"] = int(distributed.sum_over_processes(np.int64(records.skipped_records())))
-    writer.write(record)
-    console(progress_line(record, self.cfg.steps))
-    for warning in moe_warnings:  # Never silent: these copies' expert outputs were zero.
-      console(f"warning: {warning}")
-    return record
-
-
-class _QuantHealth:
-  """Every `log.quant_stats_every` steps (a logged step): the quantization health figures
-  (ember/trainer/quant_stats.py) for that step's record, and their warnings, on the console and in the
-  record (`quant_warnings`)."""
-
-  def __init__(self, cfg):
-    self.model = ModelConfig.from_config(cfg)
-    self.watch = quant_stats.Watch(self.model.recipe.name)
-
-  def record(self, done: int, stats_tree) -> dict:
-    record = quant_stats.summarize(jax.device_get(stats_tree), self.model)
-    warnings = self.watch.check(record, done)
-    for w in warnings:
-      console(f"warning: quantization: {w}")
-    return {**record, "quant_warnings": warnings}
+    return {**perf.to_dict(), "eta_s": step_time * (self.cfg.steps - done)}
 
 
 class _Profiler:
@@ -255,7 +258,7 @@ class _Profiler:
       self.active = False
 
 
-def _restore_or_init(cfg, ckpt, mesh, tx, policy, targets, metrics, train_it):
+def _restore_or_init(cfg, ckpt, mesh, tx, targets, metrics, train_it):
   """Resumes from the workdir's latest checkpoint, else starts from checkpoint.init_from_hf, checkpoint.restore_from
   or init. `targets(step)`: (shardings, abstract) of the state after `step` steps (its precision phase's)."""
   restored = ckpt.restore_latest(targets, train_it, seed=cfg.seed)
@@ -265,11 +268,11 @@ def _restore_or_init(cfg, ckpt, mesh, tx, policy, targets, metrics, train_it):
     console(f"resumed from {ckpt.directory} at step {step}")
     return state
   shardings, abstract = targets(0)
-  init = lambda: create_train_state(cfg, mesh, tx, policy)[1]
+  init = lambda: create_train_state(cfg, mesh, tx)[1]
   if cfg.checkpoint.init_from_hf:
     params = hf_load.load_params(cfg.checkpoint.init_from_hf, ModelConfig.from_config(cfg), abstract.params,
                                  shardings.params)
-    state = state_around(cfg, tx, policy, params, shardings)
+    state = state_around(cfg, tx, params, shardings)
     console(f"started from the Hugging Face model in {cfg.checkpoint.init_from_hf}")
   elif cfg.checkpoint.restore_from:
     state = restore_from(cfg.checkpoint.restore_from, abstract, shardings, train_it,

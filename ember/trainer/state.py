@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ember import remat
 from ember.layers.decoder import Transformer
 from ember.layers.linear import QuantState, QuantStats
 from ember.model_config import ModelConfig
@@ -31,9 +30,9 @@ class TrainState:
   quant_state: Any  # Nested dict of delayed-scaling amax histories ({} for other recipes).
 
 
-def build_model(cfg, key: jax.Array, policy: remat.Preset) -> Transformer:
+def build_model(cfg, key: jax.Array) -> Transformer:
   with nnx.use_eager_sharding(False):
-    return Transformer(ModelConfig.from_config(cfg), nnx.Rngs(params=key), policy=policy)
+    return Transformer(ModelConfig.from_config(cfg), nnx.Rngs(params=key))
 
 
 def split_model(model: Transformer):
@@ -42,17 +41,17 @@ def split_model(model: Transformer):
   return nnx.split(model, nnx.Param, QuantState, QuantStats)
 
 
-def stats_inputs(cfg, policy: remat.Preset) -> dict:
+def stats_inputs(cfg) -> dict:
   """The zeros the projections' QuantStats take in a step (their "gradients" are the step's health
   statistics, ember/trainer/quant_stats.py); {} when statistics are off."""
-  abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0), policy))
+  abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0)))
   stats = nnx.to_pure_dict(split_model(abstract)[3])
   return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
 
 
-def logical_axes(cfg, policy: remat.Preset):
+def logical_axes(cfg):
   """(graphdef, logical-axis PartitionSpecs of params, of quant state), without allocating anything."""
-  abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0), policy))
+  abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0)))
   graphdef, params, quant_state, _ = split_model(abstract)
   specs = lambda state: nnx.to_pure_dict(nnx.get_partition_spec(state))
   return graphdef, specs(params), specs(quant_state)
@@ -73,12 +72,12 @@ def _match_opt_shardings(abstract_opt, param_shardings, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(pick, abstract_opt)
 
 
-def state_shardings(cfg, mesh: Mesh, tx, policy: remat.Preset):
+def state_shardings(cfg, mesh: Mesh, tx):
   """(graphdef, TrainState of NamedShardings, abstract TrainState)."""
-  graphdef, param_specs, quant_specs = logical_axes(cfg, policy)
+  graphdef, param_specs, quant_specs = logical_axes(cfg)
   to_shardings = lambda specs: sharding.tree_shardings(specs, mesh, cfg.mesh.rules)
   param_sh, quant_sh = to_shardings(param_specs), to_shardings(quant_specs)
-  abstract_params, abstract_quant = abstract_init(cfg, policy)
+  abstract_params, abstract_quant = abstract_init(cfg)
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   opt_sh = _match_opt_shardings(abstract_opt, param_sh, mesh)
   replicated = NamedSharding(mesh, P())
@@ -88,19 +87,19 @@ def state_shardings(cfg, mesh: Mesh, tx, policy: remat.Preset):
   return graphdef, shardings, abstract
 
 
-def abstract_init(cfg, policy):
+def abstract_init(cfg):
   def init():
-    _, params, quant_state, _ = split_model(build_model(cfg, jax.random.key(0), policy))
+    _, params, quant_state, _ = split_model(build_model(cfg, jax.random.key(0)))
     return nnx.to_pure_dict(params), nnx.to_pure_dict(quant_state)
   return jax.eval_shape(init)
 
 
-def create_train_state(cfg, mesh: Mesh, tx, policy: remat.Preset):
+def create_train_state(cfg, mesh: Mesh, tx):
   """Initialises parameters directly into their shardings (no full copy on one device)."""
-  graphdef, shardings, _ = state_shardings(cfg, mesh, tx, policy)
+  graphdef, shardings, _ = state_shardings(cfg, mesh, tx)
 
   def init(key):
-    _, params, quant_state, _ = split_model(build_model(cfg, key, policy))
+    _, params, quant_state, _ = split_model(build_model(cfg, key))
     params = nnx.to_pure_dict(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       quant_state=nnx.to_pure_dict(quant_state))
@@ -109,10 +108,10 @@ def create_train_state(cfg, mesh: Mesh, tx, policy: remat.Preset):
   return graphdef, state, shardings
 
 
-def state_around(cfg, tx, policy: remat.Preset, params, shardings: TrainState) -> TrainState:
+def state_around(cfg, tx, params, shardings: TrainState) -> TrainState:
   """A new run's TrainState (step 0, fresh optimizer and quantization state) around given parameters."""
   def init(params):
-    _, _, quant_state, _ = split_model(build_model(cfg, init_key(cfg.seed), policy))
+    _, _, quant_state, _ = split_model(build_model(cfg, init_key(cfg.seed)))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       quant_state=nnx.to_pure_dict(quant_state))
 

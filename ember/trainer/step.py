@@ -24,9 +24,11 @@ def _batch_views(batch):
   return (shard(batch[INPUTS], rows), shard(batch[SEGMENT_IDS], rows), shard(batch[POSITIONS], rows), batch[TARGETS])
 
 
-def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key, policy: remat.Preset | None = None):
+def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
+                 policy: remat.Preset = remat.PRESETS["none"]):
   """(total loss, metrics) for one batch: next-token CE + z-loss (+ the MoE auxiliary losses of MoE models).
-  `stats`: the health-statistics inputs (state.stats_inputs) when log.quant_stats_every > 0."""
+  `stats`: the health-statistics inputs (state.stats_inputs) when log.quant_stats_every > 0; `policy`: the
+  remat preset the layers run under."""
   model = nnx.merge(graphdef, params, quant_state, *([stats] if stats else []))
   inputs, segment_ids, positions, targets = _batch_views(batch)
   hidden, aux = model(inputs, segment_ids, positions, key=key, policy=policy)
@@ -45,14 +47,14 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key, 
   return total, metrics
 
 
-def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy: remat.Preset | None = None):
+def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy: remat.Preset):
   """One optimizer step. Delayed-scaling histories come back as the quant state's "gradient", and with
   log.quant_stats_every > 0 the projections' health statistics as the stats inputs' (metrics["quant_stats"])."""
   key = step_key(cfg.seed, state.step)
   loss_fn = functools.partial(forward_loss, graphdef=graphdef, cfg=cfg, key=key, policy=policy)
   if cfg.log.quant_stats_every:
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 3), has_aux=True)
-    stats = stats_inputs(cfg, remat.PRESETS["full"])
+    stats = stats_inputs(cfg)
     (_, metrics), (grads, new_quant_state, health) = grad_fn(state.params, state.quant_state, batch, stats)
     metrics = dict(metrics, quant_stats=health)
   else:
@@ -73,7 +75,9 @@ def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:
 def jit_train_step(cfg, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy: remat.Preset | None = None,
                    donate: bool = True):
   """`train_step` jitted the one way the loop, the tools and the tests run it: state in and out on
-  its shardings, the batch on `batch_sharding`, the old state donated."""
+  its shardings, the batch on `batch_sharding`, the old state donated. The remat preset is chosen here:
+  `policy`, or the config's (`remat.policy`, resolved; the plan tools pass each preset they compare)."""
+  policy = remat.preset(cfg.remat) if policy is None else policy
   step = functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy)
   return jax.jit(step, in_shardings=(shardings, batch_sharding(cfg, mesh)), out_shardings=(shardings, None),
                  donate_argnums=0 if donate else ())
@@ -81,8 +85,7 @@ def jit_train_step(cfg, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy
 
 def eval_step(state: TrainState, batch, *, graphdef, cfg):
   """Mean next-token loss on a batch, with no quantization noise (no stochastic-rounding key)."""
-  stats = stats_inputs(cfg, remat.PRESETS["none"]) if cfg.log.quant_stats_every else None
-  _, metrics = forward_loss(state.params, state.quant_state, batch, stats, graphdef=graphdef, cfg=cfg, key=None,
-                            policy=remat.PRESETS["none"])
+  stats = stats_inputs(cfg) if cfg.log.quant_stats_every else None
+  _, metrics = forward_loss(state.params, state.quant_state, batch, stats, graphdef=graphdef, cfg=cfg, key=None)
   return metrics["loss"]
 

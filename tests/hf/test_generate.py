@@ -74,14 +74,10 @@ def test_generation_under_expert_parallelism_equals_one_device(dispatch):
   cfg = helpers.config(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.init_std": 0.2,
                           "model.num_experts": 4, "model.experts_per_token": 2, "mesh.expert": 4, "mesh.fsdp": 2,
                           "model.moe_dispatch": dispatch})
-  config_lib.validate(cfg, 8, 1)
-  cfg = config_lib.derive(cfg, 8)
-  mesh = make_mesh(cfg.mesh, helpers.devices(8))
-  tx, _ = make_optimizer(cfg.train)
-  policy = remat.preset(cfg.remat)
+  s = helpers.start(cfg, 8)
+  graphdef, state = s.graphdef, s.state
   prompts = [np.asarray([100, 101, 102, 32], np.int32), np.arange(7, dtype=np.int32) + 50]
-  with use_rules(mesh, cfg.mesh.rules):
-    graphdef, state, _ = create_train_state(cfg, mesh, tx, policy)
+  with s.rules():
     sharded = generate(nnx.merge(graphdef, state.params, state.quant_state), prompts, max_new_tokens=8,
                        batch_multiple=8)
   alone = nnx.merge(graphdef, jax.device_get(state.params), jax.device_get(state.quant_state))

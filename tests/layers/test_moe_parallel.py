@@ -41,7 +41,7 @@ def _loss_and_grads(cfg, num_devices):
   `num_devices` devices (params, quant state and batch sharded as the trainer shards them)."""
   cfg = _derive(cfg, num_devices)
   policy = remat.preset(cfg.remat)
-  graphdef, params, quant, _ = split_model(build_model(cfg, jax.random.key(0), policy))
+  graphdef, params, quant, _ = split_model(build_model(cfg, jax.random.key(0)))
   params, quant, batch = nnx.to_pure_dict(params), nnx.to_pure_dict(quant), random_batch(cfg)
   fn = jax.jit(jax.value_and_grad(functools.partial(forward_loss, graphdef=graphdef, cfg=cfg, key=jax.random.key(5),
                                                     policy=policy), argnums=(0, 1), has_aux=True))
@@ -49,7 +49,7 @@ def _loss_and_grads(cfg, num_devices):
     return fn(params, quant, batch)
   mesh = make_mesh(cfg.mesh, jax.devices()[:num_devices])
   with use_rules(mesh, cfg.mesh.rules):
-    _, param_specs, quant_specs = logical_axes(cfg, policy)
+    _, param_specs, quant_specs = logical_axes(cfg)
     params = jax.device_put(params, tree_shardings(param_specs, mesh, cfg.mesh.rules))
     quant = jax.device_put(quant, tree_shardings(quant_specs, mesh, cfg.mesh.rules))
     rules = rules_dict(cfg.mesh.rules)

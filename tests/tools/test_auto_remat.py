@@ -1,13 +1,10 @@
 """`remat.policy=auto`: the least-recompute preset whose compiled peak fits the budget."""
 
-import jax
 import pytest
 
 from ember import config as config_lib
-from ember.parallel.mesh import make_mesh
 from ember.plan import auto_remat
-from ember.trainer.optimizer import make_optimizer
-from tests.helpers import config
+from tests.helpers import config, start
 
 CANDIDATES = ("none", "minimal_quantized", "save_quantized")
 
@@ -15,10 +12,8 @@ CANDIDATES = ("none", "minimal_quantized", "save_quantized")
 def test_auto_picks_the_least_recompute_preset_that_fits():
   cfg = config("tiny", **{"quant.recipe": "fp8_current", "mesh.fsdp": 1, "remat.policy": "auto",
                           "remat.memory_budget_gb": 1.0, "remat.auto_candidates": CANDIDATES})
-  config_lib.validate(cfg, 1)
-  cfg = config_lib.derive(cfg, 1)
-  mesh = make_mesh(cfg.mesh, jax.devices()[:1])
-  tx, schedule = make_optimizer(cfg.train)
+  s = start(cfg)
+  cfg, mesh, tx, schedule = s.cfg, s.mesh, s.tx, s.schedule
   found = {c.name: c for c in auto_remat.measure(cfg, mesh, tx, schedule, CANDIDATES)}  # Compiles each once.
   # Saving less costs recompute and buys memory, in this order.
   assert found["none"].flops < found["minimal_quantized"].flops < found["save_quantized"].flops

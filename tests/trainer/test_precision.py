@@ -6,13 +6,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ember import config as config_lib
+from ember.errors import ConfigError
+from ember.layers.decoder import layer_slots
+from ember.model_config import ModelConfig
+from ember.quant import dot
+from ember.quant.recipe import Recipe
+from ember.trainer import precision
+from ember.trainer.checkpointing import Checkpointer
+from ember.trainer.loop import _check_phase
+from ember.trainer.state import state_shardings
 from tests import helpers
 
 
 def _phases(schedule, steps=100, **overrides):
-  from ember.trainer.precision import Phases
   cfg = helpers.config(**{"steps": steps, "quant.recipe": "nvfp4", "quant.schedule": schedule, **overrides})
-  return Phases(cfg)
+  return precision.Phases(cfg)
 
 
 def test_phases_from_steps_and_fractions():
@@ -34,35 +43,30 @@ def test_phases_from_steps_and_fractions():
     ((("half", {"forward": "bf16"}),), r"quant\.schedule\[0\].*int or a fraction"),
 ])
 def test_bad_schedules_name_the_entry(schedule, message):
-  from ember import config as config_lib
-  from ember.errors import ConfigError
   cfg = helpers.config(**{"steps": 100, "quant.schedule": schedule})
   with pytest.raises(ConfigError, match=message):
     config_lib.validate(cfg, 1, 1)
 
 
 def _one_device_start(**overrides):
-  """(phases, mesh, optimizer, remat preset, initial state) of a 10-step one-device run of the config."""
-  from ember.trainer import precision
-  cfg, mesh, tx, _, policy, _, state, _ = helpers.one_device_start(**{"steps": 10, **overrides})
-  return precision.Phases(cfg), mesh, tx, policy, state
+  """(phases, the start-up) of a 10-step one-device run of the config."""
+  start = helpers.one_device_start(**{"steps": 10, **overrides})
+  return precision.Phases(start.cfg), start
 
 
 def test_histories_carry_over_where_the_next_phase_keeps_them():
-  from ember.parallel.sharding import use_rules
-  from ember.trainer import precision
-  from ember.trainer.state import state_shardings
 
-  phases, mesh, tx, policy, state = _one_device_start(**{
+  phases, start = _one_device_start(**{
       "quant.recipe": "fp8_delayed",
       "quant.schedule": ((4, {"forward": "bf16"}), (6, {"recipe": "fp8_current"}),
                          (8, {"recipe": "fp8_delayed", "amax_history_len": 8}))})
-  with use_rules(mesh, phases.cfg(0).mesh.rules):
+  state = start.state
+  with start.rules():
     filled = jax.tree.map(lambda h: h + 3.0, state.quant_state)
     state = state.__class__(state.step, state.params, state.opt_state, filled)
     moved = [state]
     for phase in (1, 2, 3):
-      _, shardings, abstract = state_shardings(phases.cfg(phase), mesh, tx, policy)
+      _, shardings, abstract = state_shardings(phases.cfg(phase), start.mesh, start.tx)
       moved.append(precision.carry(moved[-1], phases.cfg(phase - 1), phases.cfg(phase), abstract, shardings))
   same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), moved[0].quant_state, moved[1].quant_state)
   assert all(jax.tree.leaves(same))  # bf16 forward keeps fp8_delayed's histories.
@@ -73,8 +77,6 @@ def test_histories_carry_over_where_the_next_phase_keeps_them():
 
 def test_bf16_forward_keeps_the_recipes_backward():
   """forward="bf16": the output is the unquantized product; the gradients are the recipe's (bitwise)."""
-  from ember.quant import dot
-  from ember.quant.recipe import Recipe
   x = jax.random.normal(jax.random.key(0), (32, 64), jnp.float32)
   w = jax.random.normal(jax.random.key(1), (64, 48), jnp.float32) * 0.1
   g = jax.random.normal(jax.random.key(2), (32, 48), jnp.float32)
@@ -92,16 +94,12 @@ def test_bf16_forward_keeps_the_recipes_backward():
 def test_histories_follow_their_layer_when_exclude_regroups_the_segments():
   """quant.exclude of layer 1 makes segments [0], [1], [2, 3]; without it one segment [0..3]: each layer's
   history must land on the same layer."""
-  from ember.layers.decoder import layer_slots
-  from ember.model_config import ModelConfig
-  from ember.parallel.sharding import use_rules
-  from ember.trainer import precision
-  from ember.trainer.state import state_shardings
 
-  phases, mesh, tx, policy, state = _one_device_start(**{
+  phases, start = _one_device_start(**{
       "quant.recipe": "fp8_delayed", "model.num_layers": 4, "quant.exclude": ("lm_head", "layers[1]"),
       "quant.schedule": ((5, {"exclude": ("lm_head",)}),)})
-  with use_rules(mesh, phases.cfg(0).mesh.rules):
+  state = start.state
+  with start.rules():
     # Mark each layer's qkv history with its layer number + 1 (layer 1, in bf16, has none).
     quant = jax.tree.map(lambda a: a, state.quant_state)
     assert set(quant["segments"]) == {0, 2}
@@ -111,7 +109,7 @@ def test_histories_follow_their_layer_when_exclude_regroups_the_segments():
       node = quant["segments"][slot.segment]["blocks"]["layers"][slot.j]["attn"]["qkv"]
       node["amax_history"] = node["amax_history"].at[slot.index].set(slot.layer + 1.0)
     state = state.__class__(state.step, state.params, state.opt_state, quant)
-    _, shardings, abstract = state_shardings(phases.cfg(1), mesh, tx, policy)
+    _, shardings, abstract = state_shardings(phases.cfg(1), start.mesh, start.tx)
     moved = precision.carry(state, phases.cfg(0), phases.cfg(1), abstract, shardings)
   assert len(moved.quant_state["segments"]) == 1
   history = moved.quant_state["segments"][0]["blocks"]["layers"][0]["attn"]["qkv"]["amax_history"]
@@ -121,10 +119,9 @@ def test_histories_follow_their_layer_when_exclude_regroups_the_segments():
 
 def test_a_checkpoint_of_another_phase_is_warned_about(tmp_path, capsys):
   """The phase a checkpoint was saved in is in its metadata; a schedule edited since is said on resume."""
-  from ember.trainer.checkpointing import Checkpointer
-  from ember.trainer.loop import _check_phase
 
-  phases, _, _, _, state = _one_device_start(**{"quant.schedule": ((2, {"forward": "bf16"}),)})
+  phases, start = _one_device_start(**{"quant.schedule": ((2, {"forward": "bf16"}),)})
+  state = start.state
   cfg = phases.cfg(0)
   ckpt = Checkpointer(str(tmp_path / "checkpoints"), every_steps=1, keep=2, async_save=False)
   ckpt.save(4, state, None, seed=cfg.seed, metadata={"quant_phase": 1})

@@ -43,12 +43,12 @@ def _forced_step(recipe: str = "fp8_delayed"):
   from ember.parallel.sharding import use_rules
   from ember.trainer.step import batch_sharding, jit_train_step
 
-  cfg, mesh, tx, schedule, _, graphdef, state, shardings = helpers.one_device_start(
-      **{"quant.recipe": recipe, "log.quant_stats_every": 1})
-  with use_rules(mesh, cfg.mesh.rules):
-    step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, donate=False)
-    batch = jax.device_put(helpers.random_batch(cfg), batch_sharding(cfg, mesh))
-    state, _ = step(state, batch)  # Histories of real amaxes.
+  s = helpers.one_device_start(**{"quant.recipe": recipe, "log.quant_stats_every": 1})
+  cfg = s.cfg
+  with s.rules():
+    step = jit_train_step(cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
+    batch = jax.device_put(helpers.random_batch(cfg), batch_sharding(cfg, s.mesh))
+    state, _ = step(s.state, batch)  # Histories of real amaxes.
     quant_state = jax.tree.map(lambda a: a, state.quant_state)
     layers = quant_state["segments"][0]["blocks"]["layers"][0]
     wi = layers["mlp"]["wi"]["amax_history"]  # [layers, 3 (x, kernel, grad), H]
@@ -61,7 +61,7 @@ def _forced_step(recipe: str = "fp8_delayed"):
 def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys):
   from ember.model_config import ModelConfig
   from ember.trainer import quant_stats
-  from ember.trainer.loop import _QuantHealth
+  from ember.trainer.phase import QuantHealth
 
   cfg, metrics = _forced_step()
   record = quant_stats.summarize(jax.device_get(metrics["quant_stats"]), ModelConfig.from_config(cfg))
@@ -74,7 +74,7 @@ def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys):
               "quant/wo/activation/saturated_max", "quant/qkv/weight/underflow_max"):
     assert record[key] < 0.01, (key, record[key])
 
-  health = _QuantHealth(cfg)
+  health = QuantHealth(cfg)
   first = health.record(7, metrics["quant_stats"])
   err = capsys.readouterr().err
   assert "step 7: wi gradient in layer 0" in err and "quantized to zero" in err
@@ -114,12 +114,13 @@ def test_stats_off_traces_no_statistic(recipe, experts, monkeypatch):
   counted = {}
   for every in (1, 0):
     calls.clear()
-    cfg, mesh, tx, schedule, _, graphdef, state, shardings = helpers.one_device_start(
+    s = helpers.one_device_start(
         **{"quant.recipe": recipe, "model.num_experts": experts, "log.quant_stats_every": every})
-    with use_rules(mesh, cfg.mesh.rules):
-      step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, donate=False)
-      batch = jax.device_put(helpers.random_batch(cfg), batch_sharding(cfg, mesh))
-      _, metrics = jax.eval_shape(step, state, batch)
+    with s.rules():
+      step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
+      batch = jax.device_put(helpers.random_batch(s.cfg), batch_sharding(s.cfg, s.mesh))
+      _, metrics = jax.eval_shape(step, s.state, batch)
+    state = s.state
     counted[every] = (len(calls), "quant_stats" in metrics,
                       any("quant_stats" in jax.tree_util.keystr(path) for path, _ in jax.tree.leaves_with_path(state)))
   assert counted[1][0] > 0 and counted[1][1], counted

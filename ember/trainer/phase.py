@@ -1,0 +1,79 @@
+"""One precision phase of a run (ember/trainer/precision.py), ready to step: its config, the train step
+compiled ahead of time, the eval step, and the quantization-health watch. A run has one phase unless
+`quant.schedule` switches; `Phase.enter` moves the state into the next phase's structure and compiles it.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+
+from ember.layers import moe_dispatch
+from ember.model_config import ModelConfig
+from ember.platform import target_platform
+from ember.trainer import precision, quant_stats
+from ember.trainer import step as step_lib
+from ember.trainer.metrics import console
+from ember.trainer.perf import compiled_peak_bytes
+from ember.trainer.state import state_shardings
+
+
+def compile_step(step_fn, state, batch, cfg, mesh):
+  """The train step compiled ahead of time for these arguments (logged with its memory estimate)."""
+  t0 = time.time()
+  compiled = step_fn.lower(state, batch).compile()
+  peak = compiled_peak_bytes(compiled)
+  memory = "no memory analysis" if peak is None else f"compiled peak {peak / 2**30:.2f} GiB/device"
+  moe = ""
+  if cfg.model.num_experts:
+    n = int(mesh.shape["expert"])
+    dispatch, layout = moe_dispatch.choose(cfg.model.moe_dispatch, cfg.model.moe_expert_gemm, expert_parallel=n,
+                                           num_local=cfg.model.num_experts // n, platform=target_platform())
+    moe = f", MoE dispatch {dispatch}, expert GEMMs {layout}"
+  console(f"compiled the train step in {time.time() - t0:.1f}s ({memory}; remat {cfg.remat.policy}, "
+          f"recipe {cfg.quant.recipe}, mesh {dict(mesh.shape)}{moe})")
+  return compiled
+
+
+class Phase:
+  """One precision phase (ember/trainer/precision.py): its config, compiled train step and eval step, and
+  quantization-health watch. `enter` moves the state into another phase and compiles that one."""
+
+  def __init__(self, phases: precision.Phases, index: int, mesh, tx, schedule, batch_sharding):
+    self.phases, self.index, self.cfg = phases, index, phases.cfg(index)
+    self.mesh, self.tx, self.schedule, self.batch_sharding = mesh, tx, schedule, batch_sharding
+    self.compiled = self.eval_fn = self.quant_health = None
+
+  def enter(self, index: int, state, batch):
+    """(the phase `index` compiled, `state` moved into its structure)."""
+    phase = Phase(self.phases, index, self.mesh, self.tx, self.schedule, self.batch_sharding)
+    cfg = phase.cfg
+    graphdef, shardings, abstract = state_shardings(cfg, self.mesh, self.tx)
+    if index != self.index:
+      state = precision.carry(state, self.cfg, cfg, abstract, shardings)
+      console(f"precision schedule: {self.phases.describe(index)} from step {int(state.step) + 1}")
+    phase.compiled = compile_step(step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings),
+                              state, batch, cfg, self.mesh)
+    phase.eval_fn = jax.jit(functools.partial(step_lib.eval_step, graphdef=graphdef, cfg=cfg),
+                            in_shardings=(shardings, self.batch_sharding))
+    phase.quant_health = QuantHealth(cfg) if cfg.log.quant_stats_every else None
+    return phase, state
+
+
+class QuantHealth:
+  """Every `log.quant_stats_every` steps (a logged step): the quantization health figures
+  (ember/trainer/quant_stats.py) for that step's record, and their warnings, on the console and in the
+  record (`quant_warnings`)."""
+
+  def __init__(self, cfg):
+    self.model = ModelConfig.from_config(cfg)
+    self.watch = quant_stats.Watch(self.model.recipe.name)
+
+  def record(self, done: int, stats_tree) -> dict:
+    record = quant_stats.summarize(jax.device_get(stats_tree), self.model)
+    warnings = self.watch.check(record, done)
+    for w in warnings:
+      console(f"warning: quantization: {w}")
+    return {**record, "quant_warnings": warnings}
