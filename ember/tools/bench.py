@@ -4,15 +4,17 @@
       --steps=20 [--warmup=3] [--out=bench.json] [--hlo_out=step.hlo.txt]
 
 It compiles the real train step once, runs `warmup` steps, then times `steps` steps one by one
-(each ends with a device sync) and prints one JSON object: the median step time, tokens/s,
-TFLOP/s per device, MFU, the peak device memory (the device's own statistics where it has them,
+(each ends with a device sync) and prints one JSON object: the measured step times and their median,
+tokens/s, TFLOP/s per device, MFU, the peak device memory (the device's own statistics where it has them,
 the compiled estimate otherwise: `peak_source` says which), and a count of the GEMM kinds in the
 optimised HLO. On a GPU, `fp8_gemms` > 0 shows that FP8 matmuls reached cuBLASLt's FP8 kernels.
+`health_figures` counts the quantization health figures the step returned (0 unless log.quant_stats_every).
 Synthetic data, so input reading never limits the figure.
 
 `--quant_stats` measures the step twice, without and with the quantization health statistics
-(`log.quant_stats_every`, ember/quant/health.py), and adds their step time and relative cost:
-`quant_stats_step_time_s`, `quant_stats_overhead`.
+(`log.quant_stats_every`, ember/quant/health.py), and adds the second program's step times, their
+median, the count of health figures it returned and its relative cost: `quant_stats_step_times_s`,
+`quant_stats_step_time_s`, `quant_stats_health_figures`, `quant_stats_overhead`.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import jax
 import numpy as np
 
 from ember import config as config_lib
-from ember import remat
 from ember.data.sharded import data_iterator, global_batch
 from ember.errors import ConfigError, EmberError, fail_and_exit
+from ember.model_config import ModelConfig
 from ember.parallel.sharding import use_rules
 from ember.plan import hlo
 from ember.plan.auto_remat import resolve
+from ember.trainer import quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.loop import prepare
 from ember.trainer.optimizer import make_optimizer
@@ -51,7 +54,7 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
   cfg = resolve(cfg, mesh)
   tx, schedule = make_optimizer(cfg.train)
   with use_rules(mesh, cfg.mesh.rules):
-    graphdef, state, shardings = create_train_state(cfg, mesh, tx, remat.preset(cfg.remat))
+    graphdef, state, shardings = create_train_state(cfg, mesh, tx)
     step_fn = step_lib.jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings)
     it = data_iterator(cfg, "train")
     try:
@@ -74,22 +77,29 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
         times.append(time.perf_counter() - t)
   perf = Throughput.of(cfg, statistics.median(times), jax.device_count(), jax.devices()[0].device_kind)
   memory, source = peak_bytes(compiled)
+  # The quant/... health figures the measured step returned (0 without log.quant_stats_every).
+  health = (len(quant_stats.summarize(jax.device_get(metrics["quant_stats"]), ModelConfig.from_config(cfg)))
+            if "quant_stats" in metrics else 0)
   return {
       "model": cfg.model.name, "recipe": cfg.quant.recipe, "remat": cfg.remat.policy,
       "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "mesh": dict(mesh.shape),
       "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "compile_s": compile_s,
-      **perf.to_dict(), "step_time_iqr_s": float(np.subtract(*np.percentile(times, [75, 25]))),
-      "peak_bytes": memory, "peak_source": source, "final_loss": float(metrics["loss"]), **gemm_counts(hlo),
+      **perf.to_dict(), "step_times_s": times, "step_time_iqr_s": float(np.subtract(*np.percentile(times, [75, 25]))),
+      "health_figures": health, "peak_bytes": memory, "peak_source": source, "final_loss": float(metrics["loss"]),
+      **gemm_counts(hlo),
   }
 
 
 def with_quant_stats(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
-  """`run` without and with quantization health statistics; the first's figures plus the second's step time."""
+  """`run` without and with quantization health statistics; the first's figures plus the second's step times,
+  their median and its health figures."""
   off, on = cfg.copy_and_resolve_references(), cfg.copy_and_resolve_references()
   off.log.quant_stats_every, on.log.quant_stats_every = 0, 1
   result = run(off, steps=steps, warmup=warmup, hlo_out=hlo_out)
   stats = run(on, steps=steps, warmup=warmup)
+  result["quant_stats_step_times_s"] = stats["step_times_s"]
   result["quant_stats_step_time_s"] = stats["step_time_s"]
+  result["quant_stats_health_figures"] = stats["health_figures"]
   result["quant_stats_overhead"] = stats["step_time_s"] / result["step_time_s"] - 1
   return result
 

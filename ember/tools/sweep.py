@@ -150,9 +150,9 @@ def _labeller(grid):
   return varied, lambda r: ", ".join(str(r["overrides"][k]) for k in varied)
 
 
-def plot_curves(path: str, grid, results: list[dict]) -> None:
+def plot_curves(path: str, grid, results: list[dict]):
   """Train loss and eval loss against step, one line per run that logged any (failed runs too, up to where
-  they stopped)."""
+  they stopped). Returns the (closed) Figure it saved: its axes are the train and the eval panel."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -182,6 +182,7 @@ def plot_curves(path: str, grid, results: list[dict]) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+  return fig
 
 
 def plot(path: str, grid, results: list[dict]) -> None:

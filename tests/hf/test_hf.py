@@ -23,19 +23,12 @@ TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.path.join('a
 
 
 def _save_checkpoint(workdir, **overrides):
-  from ember import remat
-  from ember.parallel.sharding import use_rules
   from ember.trainer.checkpointing import Checkpointer
-  from ember.trainer.loop import prepare
-  from ember.trainer.optimizer import make_optimizer
-  from ember.trainer.state import create_train_state
 
   cfg = helpers.config(**{"workdir": str(workdir), "model.init_std": 0.2, "model.rope_theta": 50000.0,
                           "model.dtype": "float32", "quant.recipe": "bf16", **overrides})
-  cfg, mesh = prepare(cfg)
-  tx, _ = make_optimizer(cfg.train)
-  with use_rules(mesh, cfg.mesh.rules):
-    _, state, _ = create_train_state(cfg, mesh, tx, remat.preset(cfg.remat))
+  start = helpers.start(cfg, jax.device_count())
+  cfg, state = start.cfg, start.state
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=1, keep=1, async_save=False)
   ckpt.save(1, state, None, seed=cfg.seed, metadata={"config": cfg.to_dict()})
   ckpt.close()
@@ -109,7 +102,6 @@ def test_transformers_logits_equal_embers(exported):
 
 def test_export_then_import_is_bit_identical(exported):
   """The exported directory loads back, sharded over 4 devices, into the very same parameters."""
-  from ember import remat
   from ember.hf import load
   from ember.model_config import ModelConfig
   from ember.parallel.mesh import make_mesh
@@ -123,7 +115,7 @@ def test_export_then_import_is_bit_identical(exported):
     mesh_cfg.fsdp, mesh_cfg.tensor, mesh_cfg.expert = 2, 1, 2
   mesh = make_mesh(mesh_cfg, helpers.devices(4))
   tx, _ = make_optimizer(cfg.train)
-  _, shardings, abstract = state_shardings(cfg, mesh, tx, remat.preset(cfg.remat))
+  _, shardings, abstract = state_shardings(cfg, mesh, tx)
   params = load.load_params(out, ModelConfig.from_config(cfg), abstract.params, shardings.params)
   got, want = jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(state.params)
   assert [p for p, _ in got] == [p for p, _ in want]
@@ -155,7 +147,6 @@ def test_greedy_sampling_equals_transformers_generate(exported):
 
 
 def test_import_mismatch_names_the_tensor(exported, tmp_path):
-  from ember import remat
   from ember.errors import CheckpointError
   from ember.hf import load
   from ember.model_config import ModelConfig
@@ -164,25 +155,61 @@ def test_import_mismatch_names_the_tensor(exported, tmp_path):
   _, cfg, _, _, out = exported
   other = cfg.copy_and_resolve_references()
   other.model.d_ff = 96
-  abstract, _ = abstract_init(other, remat.PRESETS["full"])
+  abstract, _ = abstract_init(other)
   with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\..*(mlp|experts).* has shape .* but"):
     load.check(out, ModelConfig.from_config(other), abstract)
   other = cfg.copy_and_resolve_references()
   other.model.num_layers = 1
-  abstract, _ = abstract_init(other, remat.PRESETS["full"])
+  abstract, _ = abstract_init(other)
   with pytest.raises(CheckpointError, match=r"model\.layers\.1\..* has no place in this config"):
     load.check(out, ModelConfig.from_config(other), abstract)
 
 
+def _hf_loss(out_dir, batch):
+  """transformers' mean next-token loss on a packed batch: each document run on its own, at its own positions."""
+  model = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+  nll, count = 0.0, 0
+  for row in range(batch["inputs"].shape[0]):
+    segments = batch["segment_ids"][row]
+    for s in np.unique(segments[segments > 0]):
+      at = segments == s
+      inputs = torch.tensor(batch["inputs"][row][at][None], dtype=torch.long)
+      positions = torch.tensor(batch["positions"][row][at][None], dtype=torch.long)
+      with torch.no_grad():
+        logits = model(inputs, position_ids=positions).logits[0].double()
+      targets = torch.tensor(batch["targets"][row][at], dtype=torch.long)
+      nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+      count += int(at.sum())
+  return nll / count
+
+
 def test_a_run_starts_from_the_hf_directory(exported_dense, tmp_path, capsys):
+  """The first step's loss is transformers' loss of the exported model on that step's batch; without
+  init_from_hf the same config (its own init, init_std 0.02 against the export's 0.2) logs another loss."""
+  from ember import config as config_lib
+  from ember.data.sharded import data_iterator
   from ember.trainer.loop import train
+  from ember.trainer.metrics import read_records
   _, _, _, _, out = exported_dense
-  cfg = helpers.config(**{"workdir": str(tmp_path / "run"), "model.init_std": 0.2, "model.rope_theta": 50000.0,
-                          "model.dtype": "float32", "quant.recipe": "bf16", "steps": 1, "checkpoint.every_steps": -1,
-                          "checkpoint.init_from_hf": out})
-  summary = train(cfg)
+  overrides = {"model.rope_theta": 50000.0, "model.dtype": "float32", "quant.recipe": "bf16", "steps": 1,
+               "checkpoint.every_steps": -1}
+  cfg = helpers.config(**{**overrides, "workdir": str(tmp_path / "hf"), "checkpoint.init_from_hf": out})
+  data_cfg = cfg.copy_and_resolve_references()
+  config_lib.validate(data_cfg, jax.device_count(), jax.process_count())
+  it = data_iterator(config_lib.derive(data_cfg, jax.device_count()), "train")
+  try:
+    batch = next(it)  # The batch of the run's first step.
+  finally:
+    it.close()
+  want = _hf_loss(out, batch)
+
+  train(cfg)
   assert "started from the Hugging Face model" in capsys.readouterr().err
-  assert np.isfinite(summary["loss"])
+  first = [r for r in read_records(str(tmp_path / "hf" / "metrics.jsonl")) if r["step"] == 1]
+  assert len(first) == 1 and first[0]["loss"] == pytest.approx(want, rel=1e-5)
+  train(helpers.config(**{**overrides, "workdir": str(tmp_path / "init")}))
+  first_init = [r for r in read_records(str(tmp_path / "init" / "metrics.jsonl")) if r["step"] == 1]
+  assert abs(first_init[0]["loss"] - want) > 0.1 * want, (first_init[0]["loss"], want)
 
 
 def test_bad_hf_input_is_one_line(tmp_path):
@@ -237,21 +264,15 @@ def test_export_over_an_earlier_export_leaves_none_of_its_files(exported_dense):
 def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path):
   """A randomly initialised Llama / Mixtral saved by transformers itself (not by ember's export) starts
   an ember model with transformers' logits."""
-  from ember import remat
   from ember.hf import layout, load
   from ember.model_config import ModelConfig
-  from ember.parallel.mesh import make_mesh
-  from ember.parallel.sharding import use_rules
-  from ember.trainer.optimizer import make_optimizer
-  from ember.trainer.state import build_model, split_model, state_shardings
-  from ember import config as config_lib
   from flax import nnx
 
   overrides = {"model.num_experts": 4, "model.experts_per_token": 2} if kind == "moe" else {}
   cfg = helpers.config(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.rope_theta": 50000.0,
                           **overrides})
-  config_lib.validate(cfg, 1, 1)
-  cfg = config_lib.derive(cfg, 1)
+  start = helpers.start(cfg)
+  cfg = start.cfg
   m = ModelConfig.from_config(cfg)
   hf_config = layout.hf_config(m, "float32")
   hf_config["initializer_range"] = 0.2
@@ -263,14 +284,9 @@ def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path)
   with torch.no_grad():
     theirs = theirs_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
-  mesh = make_mesh(cfg.mesh, helpers.devices(1))
-  tx, _ = make_optimizer(cfg.train)
-  policy = remat.preset(cfg.remat)
-  with use_rules(mesh, cfg.mesh.rules):
-    _, shardings, abstract = state_shardings(cfg, mesh, tx, policy)
-    params = load.load_params(str(tmp_path / "hf"), m, abstract.params, shardings.params)
-    graphdef, _, quant_state, _ = split_model(build_model(cfg, jax.random.key(0), policy))
-    model = nnx.merge(graphdef, params, quant_state)
+  with start.rules():
+    params = load.load_params(str(tmp_path / "hf"), m, start.state.params, start.shardings.params)
+    model = nnx.merge(start.graphdef, params, start.state.quant_state)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     h, _ = model(jnp.asarray(tokens), jnp.ones_like(tokens), positions)
     ours = np.asarray(model.head(h))

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 
+import matplotlib.image
 import pytest
 
 from ember.tools import sweep
@@ -81,17 +82,29 @@ def test_bad_grid_exits_2(capsys):
 def test_curves_plot_train_and_eval_loss_per_combination(tmp_path):
   """The fidelity figure: one train and one eval line per run, from each workdir's metrics.jsonl."""
   grid = [("quant.recipe", ["bf16", "nvfp4"])]
-  results = []
+  results, want = [], {}
   for i, recipe in enumerate(("bf16", "nvfp4")):
     workdir = tmp_path / recipe
     workdir.mkdir()
-    records = [{"step": s, "loss": 3.0 - 0.1 * s + 0.05 * i, "step_time_s": 0.1, "tokens_per_s": 100.0}
-               for s in range(1, 11)] + [{"step": 5, "eval_loss": 2.7 + i}, {"step": 10, "eval_loss": 2.2 + i}]
+    train = [(s, 3.0 - 0.1 * s + 0.05 * i) for s in range(1, 11)]
+    evals = [(5, 2.7 + i), (10, 2.2 + i)]
+    records = ([{"step": s, "loss": loss, "step_time_s": 0.1, "tokens_per_s": 100.0} for s, loss in train]
+               + [{"step": s, "eval_loss": loss} for s, loss in evals])
     (workdir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     results.append({"overrides": {"quant.recipe": recipe}, "status": "ok", "workdir": str(workdir),
                     **sweep.summarize(records)})
+    want[recipe] = (train, evals)
   assert [r["final_eval_loss"] for r in results] == [2.2, 3.2]
-  sweep.plot_curves(str(tmp_path / "curves.png"), grid, results)
-  import matplotlib.image
+  fig = sweep.plot_curves(str(tmp_path / "curves.png"), grid, results)
+  train_ax, eval_ax = fig.axes
+  for ax, which in ((train_ax, 0), (eval_ax, 1)):
+    lines = ax.get_lines()
+    assert [line.get_label() for line in lines] == ["bf16", "nvfp4"]
+    for line in lines:
+      steps, losses = zip(*want[line.get_label()][which])
+      assert list(line.get_xdata()) == list(steps) and list(line.get_ydata()) == list(losses), line.get_label()
+  # A run's eval line takes its train line's colour.
+  assert [line.get_color() for line in eval_ax.get_lines()] == [line.get_color() for line in train_ax.get_lines()]
+  assert train_ax.get_ylabel() == "train loss" and eval_ax.get_ylabel() == "eval loss"
   image = matplotlib.image.imread(str(tmp_path / "curves.png"))
   assert image.shape[1] > image.shape[0] > 300  # Two panels side by side.
