@@ -7,6 +7,7 @@ import numpy as np
 
 from ember.data import make_iterator
 from ember.names import SEGMENT_IDS, SOURCE
+from ember.trainer.loop import train
 from tests.helpers import config
 
 
@@ -76,7 +77,6 @@ def test_eval_mixture_may_differ(tmp_path, data_cfg):
 
 
 def test_train_logs_each_source_share(tmp_path):
-  from ember.trainer.loop import train
   a = _corpus(tmp_path / "a", b"a", 30, 0)
   b = _corpus(tmp_path / "b", b"b", 30, 1)
   cfg = config("tiny", **{"workdir": str(tmp_path / "run"), "steps": 4, "log.every_steps": 2,

@@ -2,12 +2,19 @@
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 from ember.data import make_iterator, records, sources
 from ember.errors import DataError
+from tests.helpers import ROOT
 
 
 def _docs(cfg, split):
@@ -53,7 +60,6 @@ def test_compressed_jsonl_reads_like_plain(tmp_path, data_cfg, suffix):
   if suffix == ".gz":
     packed.write_bytes(gzip.compress(plain.read_bytes()))
   else:
-    import zstandard
     packed.write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
   cache = tmp_path / "cache"
   cfg = lambda p: data_cfg(source="jsonl", path=str(p), cache_dir=str(cache))
@@ -64,8 +70,6 @@ def test_compressed_jsonl_reads_like_plain(tmp_path, data_cfg, suffix):
 
 
 def _write_parquet(path, texts, row_group_size):
-  import pyarrow as pa
-  import pyarrow.parquet as pq
   pq.write_table(pa.table({"body": texts, "n": list(range(len(texts)))}), path, row_group_size=row_group_size)
 
 
@@ -102,10 +106,6 @@ def test_jsonl_feeds_the_pipeline(tmp_path, data_cfg):
 
 
 def test_bad_parquet_file_ends_train_py_with_one_line(tmp_path):
-  import os
-  import subprocess
-  import sys
-  from tests.helpers import ROOT
   _write_parquet(tmp_path / "a.parquet", GOOD, row_group_size=10)
   data = (tmp_path / "a.parquet").read_bytes()
   (tmp_path / "a.parquet").write_bytes(data[: len(data) // 2])
@@ -123,8 +123,6 @@ def test_a_wrong_text_key_is_an_error_not_a_silent_skip(tmp_path, data_cfg):
   with pytest.raises(DataError, match=r"data.text_key: none of the first \d+ lines of .*a.jsonl .* 'body' field"):
     sources.open_documents(data_cfg(source="jsonl", path=str(tmp_path / "a.jsonl"), text_key="body"), "train",
                            seed=0, vocab_size=256)
-  import pyarrow as pa
-  import pyarrow.parquet as pq
   pq.write_table(pa.table({"body": [b"bytes"] * 4}), tmp_path / "b.parquet")
   with pytest.raises(DataError, match=r"data.text_key: column 'body' of .*b.parquet holds binary, not strings"):
     sources.open_documents(data_cfg(source="parquet", path=str(tmp_path / "b.parquet"), text_key="body"), "train",

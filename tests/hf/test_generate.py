@@ -4,16 +4,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from ember.inference.generate import generate, pick
+from ember.trainer.state import build_model
 from tests import helpers
 
 
 def _model(**overrides):
-  from ember import remat
-  from ember.trainer.state import build_model
   cfg = helpers.config(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.num_layers": 3,
                           "model.init_std": 0.2, **overrides})
-  return build_model(cfg, jax.random.key(0), remat.PRESETS["full"])
+  return build_model(cfg, jax.random.key(0))
 
 
 @pytest.mark.parametrize("overrides", [{}, {"model.num_experts": 4, "model.experts_per_token": 2},
@@ -38,7 +39,6 @@ def test_cached_decoding_gives_the_forward_pass_logits(overrides):
 
 
 def test_batched_prompts_of_different_lengths_decode_as_alone():
-  from ember.inference.generate import generate
   model = _model()
   prompts = [np.arange(3, dtype=np.int32) + 40, np.arange(9, dtype=np.int32) + 60]
   together = generate(model, prompts, max_new_tokens=8)
@@ -48,7 +48,6 @@ def test_batched_prompts_of_different_lengths_decode_as_alone():
 
 
 def test_sampling_follows_temperature_and_top_p():
-  from ember.inference.generate import pick
   logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
   keys = jax.random.split(jax.random.key(0), 2000)
   draws = np.asarray(jax.vmap(lambda k: pick(logits, k, 1.0, 0.7))(keys))[:, 0]
@@ -62,14 +61,6 @@ def test_sampling_follows_temperature_and_top_p():
 @pytest.mark.parametrize("dispatch", ["allgather", "ragged"])
 def test_generation_under_expert_parallelism_equals_one_device(dispatch):
   """An MoE model sharded fsdp=2 x expert=4 generates the tokens it generates on one device."""
-  from flax import nnx
-  from ember import config as config_lib
-  from ember import remat
-  from ember.inference.generate import generate
-  from ember.parallel.mesh import make_mesh
-  from ember.parallel.sharding import use_rules
-  from ember.trainer.optimizer import make_optimizer
-  from ember.trainer.state import create_train_state
 
   cfg = helpers.config(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.init_std": 0.2,
                           "model.num_experts": 4, "model.experts_per_token": 2, "mesh.expert": 4, "mesh.fsdp": 2,

@@ -6,6 +6,7 @@ routing are far from uniform), through the trainer's own Checkpointer with the c
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +14,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from ember import config as config_lib
+from ember.data import train_tokenizer
+from ember.data.sharded import data_iterator
+from ember.data.tokenizers import SentencePieceTokenizer
+from ember.errors import CheckpointError
+from ember.hf import layout, load, tokenizer
+from ember.inference.checkpoint import load_model
+from ember.inference.generate import generate
+from ember.model_config import ModelConfig
+from ember.parallel.mesh import make_mesh
+from ember.parallel.sharding import use_rules
+from ember.trainer.checkpointing import Checkpointer
+from ember.trainer.loop import train
+from ember.trainer.metrics import read_records
+from ember.trainer.optimizer import make_optimizer
+from ember.trainer.state import abstract_init, state_shardings
 from tests import helpers
 
 torch = pytest.importorskip("torch")
@@ -23,8 +41,6 @@ TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.path.join('a
 
 
 def _save_checkpoint(workdir, **overrides):
-  from ember.trainer.checkpointing import Checkpointer
-
   cfg = helpers.config(**{"workdir": str(workdir), "model.init_std": 0.2, "model.rope_theta": 50000.0,
                           "model.dtype": "float32", "quant.recipe": "bf16", **overrides})
   start = helpers.start(cfg, jax.device_count())
@@ -41,8 +57,6 @@ def _tool(module, *args, text=True):
 
 
 def _ember_logits(workdir, tokens):
-  from ember.inference.checkpoint import load_model
-  from ember.parallel.sharding import use_rules
   cfg, mesh, model = load_model(str(workdir), what="test", one_device=True)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   with use_rules(mesh, cfg.mesh.rules):
@@ -102,11 +116,6 @@ def test_transformers_logits_equal_embers(exported):
 
 def test_export_then_import_is_bit_identical(exported):
   """The exported directory loads back, sharded over 4 devices, into the very same parameters."""
-  from ember.hf import load
-  from ember.model_config import ModelConfig
-  from ember.parallel.mesh import make_mesh
-  from ember.trainer.optimizer import make_optimizer
-  from ember.trainer.state import state_shardings
 
   _, cfg, state, _, out = exported
   mesh_cfg = cfg.mesh.copy_and_resolve_references()
@@ -135,9 +144,6 @@ def test_greedy_sampling_equals_transformers_generate(exported):
   theirs = model.generate(prompt, max_new_tokens=24, do_sample=False)[0].tolist()
   tokenizer = transformers.AutoTokenizer.from_pretrained(out)
   assert ours.decode() == tokenizer.decode(theirs[4:])  # The tool's continuation (invalid UTF-8 replaced alike)...
-  from ember.inference.checkpoint import load_model
-  from ember.inference.generate import generate
-  from ember.parallel.sharding import use_rules
   cfg, mesh, model = load_model(str(run), what="test", recipe="bf16")
   assert mesh.size == 8  # ...and the tokens themselves, on the 8-device mesh the checkpoint was saved from.
   with use_rules(mesh, cfg.mesh.rules):
@@ -147,11 +153,6 @@ def test_greedy_sampling_equals_transformers_generate(exported):
 
 
 def test_import_mismatch_names_the_tensor(exported, tmp_path):
-  from ember.errors import CheckpointError
-  from ember.hf import load
-  from ember.model_config import ModelConfig
-  from ember.trainer.state import abstract_init
-
   _, cfg, _, _, out = exported
   other = cfg.copy_and_resolve_references()
   other.model.d_ff = 96
@@ -186,10 +187,6 @@ def _hf_loss(out_dir, batch):
 def test_a_run_starts_from_the_hf_directory(exported_dense, tmp_path, capsys):
   """The first step's loss is transformers' loss of the exported model on that step's batch; without
   init_from_hf the same config (its own init, init_std 0.02 against the export's 0.2) logs another loss."""
-  from ember import config as config_lib
-  from ember.data.sharded import data_iterator
-  from ember.trainer.loop import train
-  from ember.trainer.metrics import read_records
   _, _, _, _, out = exported_dense
   overrides = {"model.rope_theta": 50000.0, "model.dtype": "float32", "quant.recipe": "bf16", "steps": 1,
                "checkpoint.every_steps": -1}
@@ -229,9 +226,6 @@ def test_bad_hf_input_is_one_line(tmp_path):
 def test_sentencepiece_tokenizer_files_give_embers_ids(tmp_path):
   """ember's SentencePiece tokenizer (BPE, as ember.data.train_tokenizer trains it) and transformers' reading
   of the exported tokenizer.model give the same ids (text that starts with spaces aside: see ember/hf/tokenizer.py)."""
-  from ember.data import train_tokenizer
-  from ember.data.tokenizers import SentencePieceTokenizer
-  from ember.hf import tokenizer
   words = ["alpha", "beta", "gamma", "return", "lambda", "import", "class", "def"]
   rng = np.random.default_rng(0)
   (tmp_path / "corpus").mkdir()
@@ -253,7 +247,6 @@ def test_export_over_an_earlier_export_leaves_none_of_its_files(exported_dense):
   """An earlier sharded export's index would win over a new single file: it is removed first."""
   _, _, _, run, out = exported_dense
   scratch = os.path.join(os.path.dirname(out), "again")
-  import shutil
   shutil.copytree(out, scratch)
   result = _tool("export_hf", f"--checkpoint={run}", f"--out={scratch}", "--dtype=float32")
   assert result.returncode == 0, result.stderr
@@ -264,9 +257,6 @@ def test_export_over_an_earlier_export_leaves_none_of_its_files(exported_dense):
 def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path):
   """A randomly initialised Llama / Mixtral saved by transformers itself (not by ember's export) starts
   an ember model with transformers' logits."""
-  from ember.hf import layout, load
-  from ember.model_config import ModelConfig
-  from flax import nnx
 
   overrides = {"model.num_experts": 4, "model.experts_per_token": 2} if kind == "moe" else {}
   cfg = helpers.config(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.rope_theta": 50000.0,

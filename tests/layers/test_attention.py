@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ember.config import derive
 from ember.layers.decoder import Transformer
 from ember.model_config import ModelConfig
 from tests.helpers import config
@@ -13,7 +14,6 @@ from tests.helpers import config
 def test_changing_one_segment_leaves_the_other_unchanged():
   # bf16: a per-tensor FP8 scale is shared by all tokens, so it would couple segments by design.
   cfg = config("tiny", **{"model.dtype": "float32", "model.seq_len": 32, "quant.recipe": "bf16"})
-  from ember.config import derive
   cfg = derive(cfg, 1)
   with nnx.use_eager_sharding(False):
     model = Transformer(ModelConfig.from_config(cfg), nnx.Rngs(params=0))
@@ -34,7 +34,6 @@ def test_changing_one_segment_leaves_the_other_unchanged():
 def test_segment_positions_restart():
   """A document packed after another gives the same logits as the document alone."""
   cfg = config("tiny", **{"model.dtype": "float32", "model.seq_len": 16, "quant.recipe": "bf16"})
-  from ember.config import derive
   cfg = derive(cfg, 1)
   with nnx.use_eager_sharding(False):
     model = Transformer(ModelConfig.from_config(cfg), nnx.Rngs(params=0))

@@ -10,9 +10,11 @@ from flax import nnx
 
 from ember import config as config_lib
 from ember import remat
+from ember.layers.moe import MoE, keep_mask
 from ember.model_config import ModelConfig
 from ember.names import AUX_KEYS
-from ember.layers.moe import MoE, keep_mask
+from ember.parallel.mesh import make_mesh
+from ember.parallel.sharding import use_rules
 from ember.plan import layer as analysis
 from ember.plan.jaxpr import iter_eqns
 from ember.trainer import perf
@@ -189,8 +191,6 @@ def test_saved_rows_come_with_their_routing():
 @pytest.mark.parametrize("dispatch,expert_gemm", [("allgather", "ragged_dot"), ("alltoall", "ragged_dot"),
                                                  ("ragged", "ragged_dot"), ("ragged", "capacity")])
 def test_save_quantized_recomputes_no_quantize_op_under_expert_parallelism(dispatch, expert_gemm):
-  from ember.parallel.mesh import make_mesh
-  from ember.parallel.sharding import use_rules
   cfg = config_lib.derive(config("tiny_moe", **{"quant.recipe": "nvfp4", "mesh.data": 2, "mesh.fsdp": 1,
                                                 "mesh.expert": 4, "model.moe_dispatch": dispatch,
                                                 "model.moe_expert_gemm": expert_gemm}), 8)

@@ -11,7 +11,8 @@ from jax.sharding import NamedSharding
 
 from ember import config as config_lib
 from ember import remat
-from ember.layers.moe import MoE
+from ember.layers import moe_dispatch
+from ember.layers.moe import MoE, route
 from ember.model_config import ModelConfig
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import logical_to_spec, rules_dict, tree_shardings, use_rules
@@ -253,8 +254,6 @@ def test_dispatchers_equal_allgather_and_one_device(dispatch, recipe, expert_gem
 def test_ragged_overflow_is_counted_and_zeroed():
   """A receive buffer below the arrivals: the copies past it (in source order) are not computed, their
   outputs are zero and `moe_overflow_tokens` counts them exactly."""
-  from ember.layers import moe_dispatch
-  from ember.layers.moe import route
   cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": "bf16", "model.moe_dispatch": "ragged",
                               "model.moe_ragged_buffer": 0.5, **EP})
   cfg8, cfg1 = _derive(cfg, 8), _derive(cfg, 1)

@@ -11,6 +11,7 @@ from ember import config as config_lib
 from ember import remat
 from ember.plan import target as target_lib
 from ember.plan.compile import compile_report
+from ember.tools import compile as tool
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.skipif(not target_lib.plugin_available(),
@@ -81,7 +82,6 @@ def test_offloaded_residuals_live_on_the_host():
 
 
 def test_compile_tool_exit_codes(tmp_path, capsys):
-  from ember.tools import compile as tool
   llama = [f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
            "--config.quant.recipe=fp8_current", "--target=h100x8"]
   out = tmp_path / "fits.json"
@@ -108,7 +108,6 @@ def test_compile_tool_exit_codes(tmp_path, capsys):
 
 
 def test_unknown_target_is_one_line_exit_2(capsys):
-  from ember.tools import compile as tool
   with pytest.raises(SystemExit) as e:
     tool.main(["compile", *TINY, "--target=a100x3"])
   assert e.value.code == 2
@@ -178,7 +177,6 @@ def test_llama3_8b_block_scaled_compiles_for_eight_b200s(recipe, tmp_path):
   """The full model through the tool: exit 0; its 4 projections a layer in block-scaled GEMMs (with its
   preset's recomputes), only the LM head's 4 GEMMs (forward, its recompute in the chunked loss, dgrad, wgrad)
   in bf16."""
-  from ember.tools import compile as tool
   out = tmp_path / "llama.json"
   assert tool.main(["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
                     "--config.train.batch_size=8", f"--config.quant.recipe={recipe}", "--target=b200x8",

@@ -6,6 +6,8 @@ import os
 import struct
 import time
 
+from tensorboardX.proto import event_pb2
+
 from ember.trainer.metrics import MetricsWriter, read_records
 
 
@@ -37,7 +39,6 @@ def test_resume_truncates_records_after_the_restored_step(tmp_path):
 
 def _events(directory):
   """Every event of the TensorBoard files in `directory`, as (step, tag or 'session_log:<status>')."""
-  from tensorboardX.proto import event_pb2
   out = []
   for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
     data = open(path, "rb").read()

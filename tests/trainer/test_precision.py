@@ -55,7 +55,6 @@ def _one_device_start(**overrides):
 
 
 def test_histories_carry_over_where_the_next_phase_keeps_them():
-
   phases, start = _one_device_start(**{
       "quant.recipe": "fp8_delayed",
       "quant.schedule": ((4, {"forward": "bf16"}), (6, {"recipe": "fp8_current"}),

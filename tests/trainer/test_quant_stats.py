@@ -10,12 +10,19 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ember.model_config import ModelConfig
+from ember.quant import health
+from ember.quant.quantizers import CurrentScaling, DelayedScaling
+from ember.trainer import quant_stats
+from ember.trainer.loop import train
+from ember.trainer.phase import QuantHealth
+from ember.trainer.step import batch_sharding, jit_train_step
 from tests import helpers
+from tests.trainer.test_metrics import _events
+
 
 def test_per_tensor_statistics_match_a_numpy_reference():
   """fp8_current on x with one outlier: the rest underflows; counts as NumPy's E4M3 cast says."""
-  from ember.quant import health
-  from ember.quant.quantizers import CurrentScaling, DelayedScaling
   rng = np.random.default_rng(0)
   x = (rng.standard_normal((64, 48)) * 1e-3).astype(np.float32)
   x[3, 5] = 1e3  # An outlier sets the per-tensor scale: small values fall under E4M3's smallest subnormal.
@@ -40,8 +47,6 @@ def _forced_step(recipe: str = "fp8_delayed"):
   """One train step of the tiny model whose delayed-scaling state forces trouble into one projection each:
   layer 0's wi gradient scale from a huge old amax (its gradients underflow), layer 1's qkv activation
   scale from a tiny one (its activations saturate)."""
-  from ember.parallel.sharding import use_rules
-  from ember.trainer.step import batch_sharding, jit_train_step
 
   s = helpers.one_device_start(**{"quant.recipe": recipe, "log.quant_stats_every": 1})
   cfg = s.cfg
@@ -59,10 +64,6 @@ def _forced_step(recipe: str = "fp8_delayed"):
 
 
 def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys):
-  from ember.model_config import ModelConfig
-  from ember.trainer import quant_stats
-  from ember.trainer.phase import QuantHealth
-
   cfg, metrics = _forced_step()
   record = quant_stats.summarize(jax.device_get(metrics["quant_stats"]), ModelConfig.from_config(cfg))
   assert record["quant/wi/gradient/underflow_max"] > 0.9 and record["quant/wi/gradient/underflow_layer"] == 0
@@ -86,8 +87,6 @@ def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys):
 
 
 def test_a_run_writes_statistics_to_metrics_and_tensorboard(tmp_path):
-  from ember.trainer.loop import train
-  from tests.trainer.test_metrics import _events
   cfg = helpers.config(**{"workdir": str(tmp_path), "steps": 4, "log.every_steps": 4, "log.tensorboard": True,
                           "log.quant_stats_every": 2, "quant.recipe": "fp8_current", "checkpoint.every_steps": -1})
   train(cfg)
@@ -105,9 +104,6 @@ def test_stats_off_traces_no_statistic(recipe, experts, monkeypatch):
   """With log.quant_stats_every = 0 the train step measures nothing: tracing it (dense and grouped matmuls)
   never reaches health.measure, the one place a statistic is computed, and the state holds no statistics
   inputs; with statistics on, the same probe sees every projection's operands measured."""
-  from ember.parallel.sharding import use_rules
-  from ember.quant import health
-  from ember.trainer.step import batch_sharding, jit_train_step
 
   measure, calls = health.measure, []
   monkeypatch.setattr(health, "measure", lambda *a, **k: calls.append(1) or measure(*a, **k))
