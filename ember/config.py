@@ -1,10 +1,11 @@
 """Load, override, validate and derive the one config tree.
 
-`load(argv)` reads `--config=FILE[:ARG]` with ml_collections' `config_flags` and applies
-`--config.a.b=v` overrides. `validate(cfg, num_devices)` checks the whole tree once at start-up
-(each key's own type, bound or choices: ember/config_schema.py; here, the rules across keys) and `derive(...)` fills the values computed from others (head_dim, the mesh's -1 axis, the
-decay length) in this one place. Any problem raises `ConfigError` whose message is one line
-naming the key; `train.py` prints it and exits with status 2.
+`load(argv)` reads `--config=FILE[:ARG]` with ml_collections' `config_flags` (the file alone first, so
+that its own errors name it) and applies `--config.a.b=v` overrides. `validate(cfg, num_devices)`
+checks the whole tree once at start-up (each key's own type, bound or choices:
+ember/config_schema.py; here, the rules across keys) and `derive(...)` fills the values computed
+from others (head_dim, the mesh's -1 axis, the decay length) in this one place. Any problem raises
+`ConfigError` whose message is one line naming the key; `train.py` prints it and exits with status 2.
 """
 
 from __future__ import annotations
@@ -12,14 +13,17 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import re
+import sys
 
 import ml_collections
 from absl import flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from ember import config_schema as schema
 from ember import remat
-from ember.errors import ConfigError
+from ember.errors import ConfigError, one_line
 from ember.model_config import resolved_head_dim
 from ember.names import BATCH, EXPERT, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, SOURCE_NEEDS
 from ember.parallel import distributed
@@ -29,6 +33,10 @@ from ember.quant import schedule as schedule_lib
 
 def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_collections.ConfigDict:
   """Parses `argv` (argv[0] is the program) into a config; raises ConfigError."""
+  files = [a for a in argv[1:] if a == "--config" or a.startswith("--config=")]
+  if not files:
+    raise ConfigError("--config: missing; pass --config=configs/default.py")
+  _load_file(argv[0], files[-1])  # The file alone first: its own errors are the file's, not an override's.
   fv = flag_values or flags.FlagValues()
   holder = config_flags.DEFINE_config_file("config", None, "Config file[:arg].", flag_values=fv, lock_config=True,
                                           sys_argv=list(argv))
@@ -36,11 +44,7 @@ def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_col
   try:
     fv([argv[0]] + [a for a in argv[1:] if a.startswith("--config")], known_only=False)
     cfg = holder.value
-    if cfg is None:
-      raise ConfigError("--config: missing; pass --config=configs/default.py")
     cfg.keys()  # A file that failed to load raises here.
-  except ConfigError:
-    raise
   except Exception as e:  # absl/ml_collections raise many types; one line each.
     raise ConfigError(_explain(argv, e)) from None
   if extra:
@@ -48,36 +52,77 @@ def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_col
   return cfg
 
 
+def _load_file(prog: str, arg: str) -> None:
+  """Loads `--config=FILE[:ARG]` with no overrides; ConfigError naming the file and what is wrong with it."""
+  spec = arg.split("=", 1)[1] if "=" in arg else ""
+  path = spec.split(":", 1)[0]
+  if not path:
+    raise ConfigError("--config: empty; pass --config=FILE[:ARG], e.g. --config=configs/default.py")
+  if not os.path.isfile(path):
+    raise ConfigError(f"--config: no such config file: {path}")
+  if not os.access(path, os.R_OK):
+    raise ConfigError(f"--config: cannot read {path}: no read permission")
+  sys.modules.pop("config_config", None)  # ml_collections would load the file into an earlier load's module.
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", None, "", flag_values=fv, sys_argv=[prog, arg])
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.ERROR)  # ml_collections' warning for a None config: said below.
+  try:
+    fv([prog, arg], known_only=False)
+    cfg = holder.value
+  except Exception as e:  # Anything the file (or its get_config) raises.
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if isinstance(e, AttributeError) and "get_config" in str(e):
+      reason = "defines no get_config()"
+    elif isinstance(e, SyntaxError) or not lines:
+      reason = one_line(e)
+    elif "Error whilst parsing config file" in lines[0]:
+      reason = lines[-1]  # The traceback's last line: the exception get_config raised.
+    else:
+      reason = f"{type(e).__name__}: {lines[0]}"
+    raise ConfigError(f"--config: {spec}: {reason}") from None
+  finally:
+    absl_logging.set_verbosity(verbosity)
+  if not isinstance(cfg, ml_collections.ConfigDict):
+    raise ConfigError(f"--config: {spec}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
+
+
 def _explain(argv: list[str], e: Exception) -> str:
-  """Turns a config_flags failure into one line naming the offending flag or key."""
+  """Turns a failed override into one line naming the offending flag or key."""
   while isinstance(e, (AttributeError, KeyError)) and e.args and isinstance(e.args[0], KeyError):
     e = e.args[0]  # ml_collections wraps the KeyError that names the key.
   text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)  # str(KeyError) is a repr.
   msg = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-  config_arg = next((a for a in argv if a.startswith("--config=")), None)
-  if config_arg is not None:
-    path = config_arg.split("=", 1)[1].split(":", 1)[0]
-    if not os.path.isfile(path):
-      return f"--config: no such config file: {path}"
   if msg.startswith("Unknown command line flag 'config."):
     return f"{msg.split(chr(39))[1]}: unknown config key"
   if isinstance(e, (AttributeError, KeyError)):
     key = msg.strip("'\"")
-    for a in argv:
-      if a.startswith("--config.") and key in a.split("=", 1)[0].split("."):
-        return f"{a.split('=', 1)[0][2:]}: unknown config key"
+    named = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--config.")]
+    named = [n for n in named if key in n.split(".")]
+    unknown = [n for n in named if not schema.is_key(n.removeprefix("config."))]  # Not another flag's good key.
+    if unknown or named:
+      return f"{(unknown or named)[0]}: unknown config key"
     return f"config.{key}: unknown config key"
-  if msg.startswith("flag --"):
-    return msg[len("flag --"):]
-  return msg
+  bad = re.fullmatch(r"flag --(config\.[\w.]+)=(.*?): (.*)", msg)  # absl could not parse the value.
+  if bad:
+    key, value, reason = bad.groups()
+    reason = "must be true or false" if "Non-boolean" in reason else reason.split(" If you intended")[0]
+    return f"{key}: cannot parse {value!r}: {reason}"
+  missing = re.fullmatch(r"Missing value for flag --(config\.[\w.]+)", msg)
+  if missing:
+    return f"{missing.group(1)}: no value; pass --{missing.group(1)}=VALUE"
+  return msg.removeprefix("flag --")
 
 
 def _fail(key: str, reason: str):
   raise ConfigError(f"config.{key}: {reason}")
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: int = 1) -> None:
-  """Checks every key before anything is built; raises ConfigError naming the first bad key."""
+def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_count: int = 1) -> None:
+  """Checks every key before anything is built; raises ConfigError naming the first bad key.
+
+  `num_devices=None`: the devices are not known here (a sweep checks its runs before starting any); the
+  mesh's sizes are then left to the run."""
   schema.check(cfg)
   _validate_model(cfg.model)
   _validate_quant(cfg)
@@ -201,18 +246,26 @@ def _validate_paths(cfg) -> None:
 def _validate_workdir(workdir: str) -> None:
   """The run writes metrics and checkpoints under `workdir`: it must be (or be creatable as) a writable
   directory. Checked without creating anything."""
-  if not workdir:
-    _fail("workdir", "must name a directory")
-  path = os.path.abspath(os.path.expanduser(workdir))
+  problem = directory_problem(workdir)
+  if problem:
+    _fail("workdir", problem)
+
+
+def directory_problem(directory: str) -> str | None:
+  """Why `directory` cannot be (or be created as) a writable directory, or None; nothing is created."""
+  if not directory:
+    return "must name a directory"
+  path = os.path.abspath(os.path.expanduser(directory))
   if os.path.exists(path) and not os.path.isdir(path):
-    _fail("workdir", f"{path} exists and is not a directory")
+    return f"{path} exists and is not a directory"
   existing = path
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
-    _fail("workdir", f"cannot create {path}: {existing} is not a directory")
+    return f"cannot create {path}: {existing} is not a directory"
   if not os.access(existing, os.W_OK | os.X_OK):
-    _fail("workdir", f"cannot write to {path}: no write permission on {existing}")
+    return f"cannot write to {path}: no write permission on {existing}"
+  return None
 
 
 # --- The mesh -----------------------------------------------------------------------------------------
@@ -237,8 +290,10 @@ def _validate_rules(rules) -> dict[str, tuple[str, ...]]:
 
 
 def _validate_mesh(cfg, num_devices):
-  sizes = mesh_lib.mesh_shape(cfg.mesh, num_devices)
   rules = _validate_rules(cfg.mesh.rules)
+  if num_devices is None:
+    return
+  sizes = mesh_lib.mesh_shape(cfg.mesh, num_devices)
   batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   if cfg.train.batch_size % batch_shards:
     _fail("train.batch_size", f"{cfg.train.batch_size} is not divisible by the data-parallel size "

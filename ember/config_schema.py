@@ -143,6 +143,18 @@ def _base_config() -> ml_collections.ConfigDict | None:
   return module.get_config()
 
 
+def is_key(dotted: str) -> bool:
+  """Whether `dotted` (e.g. "train.batch_size") is a key of configs/base.py (True where it is not shipped)."""
+  node = _base_config()
+  if node is None:
+    return True
+  for part in dotted.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      return False
+    node = node[part]
+  return True
+
+
 def _check_known_keys(cfg) -> None:
   """Exactly the keys of configs/base.py: an extra key is a typo, a missing one a config file that did
   not start from `base.get_config()`."""

@@ -6,6 +6,8 @@ Each message names the config key, flag or path at fault and the reason.
 
 from __future__ import annotations
 
+import argparse
+import re
 import sys
 
 
@@ -25,6 +27,25 @@ class CheckpointError(EmberError):
   """A checkpoint that cannot serve this run (shape mismatch, missing directory, other seed)."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse whose errors (a missing, malformed or out-of-choice flag) raise ConfigError naming the flag,
+  so a command's bad flag ends like any bad input: one line, exit 2, no usage text. `-h` still prints
+  the usage and exits 0."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault("allow_abbrev", False)
+    super().__init__(*args, **kwargs)
+
+  def error(self, message: str):
+    required = re.fullmatch(r"the following arguments are required: (.*)", message)
+    if required:
+      raise ConfigError(f"{required.group(1)}: required, not given")
+    argument = re.fullmatch(r"argument ([^:]+): (.*)", message, re.DOTALL)
+    if argument:
+      raise ConfigError(f"{argument.group(1).split('/')[-1]}: {argument.group(2)}")
+    raise ConfigError(message)
+
+
 def one_line(e: BaseException) -> str:
   """The first line of an exception's message (library errors can span many)."""
   return (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -38,6 +59,9 @@ def warn(msg: str) -> None:
 
 
 def fail_and_exit(err: BaseException) -> None:
-  """Prints one line and exits with status 2 (bad command line, config or input path)."""
-  print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+  """Prints one line and exits with status 2 (bad command line, config or input path).
+
+  The line is one write, so the lines of processes sharing a stderr (launch/local.sh) never interleave."""
+  sys.stderr.write(f"error: {one_line(err)}\n")
+  sys.stderr.flush()
   sys.exit(2)

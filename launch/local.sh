@@ -8,7 +8,8 @@
 # jax.distributed.initialize (CPU collectives over gloo). The coordinator is process 0 on a free
 # port of 127.0.0.1 (EMBER_PORT to choose one). SIGTERM / SIGINT to this script go to every process
 # (ember saves a checkpoint and exits 0); if one process fails the others are stopped. Exits 0 if
-# every process did, else with the first failure's status.
+# every process did, else with the first failure's status. An error line that several processes print
+# alike ("error: ...", bad input, status 2) is printed once.
 set -uo pipefail
 
 if [[ $# -lt 3 ]] || ! [[ $1 =~ ^[1-9][0-9]*$ && $2 =~ ^[1-9][0-9]*$ ]]; then
@@ -20,6 +21,12 @@ devices=$2
 shift 2
 
 port=${EMBER_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+
+# Every process writes to one stderr through this filter: each line goes on at once, except an "error: "
+# line another process already printed. A bad flag, config value or path fails every process alike and
+# is said once (one line, exit 2, as with one process). The filter ignores Ctrl-C and SIGTERM: it ends
+# when the last process has closed its stderr, so a stopping process's last lines still get through.
+exec 2> >(trap '' INT TERM; exec awk '!/^error: / || !seen[$0]++ { print; fflush() }' >&2)
 
 pids=()
 forward() {  # forward SIGNAL: pass it to every process still running.
@@ -51,7 +58,8 @@ while ((${#running[@]} > 0)); do
   running=("${left[@]}")
   if ((rc != 0 && status == 0)); then
     status=$rc
-    echo "launch/local.sh: process $finished exited with status $rc; stopping the others" >&2
+    # Status 2 is bad input, which the process has said in its one line.
+    ((rc != 2)) && echo "launch/local.sh: process $finished exited with status $rc; stopping the others" >&2
     forward TERM
     # A process blocked in a collective with the failed one never reaches its SIGTERM step.
     ( sleep "${EMBER_KILL_AFTER_S:-20}"; forward KILL ) >/dev/null 2>&1 &

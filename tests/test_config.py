@@ -45,6 +45,14 @@ CASES = [
      "config.data.eval_mixture: source 'a': no file matches '/nonexistent/*.jsonl'"),
     (["--config.checkpoint.restore_from=/nonexistent/run"],
      "config.checkpoint.restore_from: no checkpoint directory at /nonexistent/run"),
+    # The unknown key is the one no flag names right, not the first flag ending in the same name.
+    (["--config.steps=2", "--config.train.steps=3"], "config.train.steps: unknown config key"),
+    (["--config.steps=abc"], "config.steps: cannot parse 'abc': invalid literal for int()"),
+    (["--config.model.tie_embeddings=maybe"], "config.model.tie_embeddings: cannot parse 'maybe': must be true or false"),
+    (["--config.model.d_model"], "config.model.d_model: no value; pass --config.model.d_model=VALUE"),
+    (["--config=configs/default.py:nope"], "--config: configs/default.py:nope: ValueError: unknown model preset 'nope'"),
+    (["--config="], "--config: empty; pass --config=FILE[:ARG]"),
+    (["--config=configs"], "--config: no such config file: configs"),
 ]
 if importlib.util.find_spec("tensorflow_datasets") is None:  # The [tfds] extra is not installed here.
   CASES.append((["--config.data.source=tfds", "--config.data.tfds_name=lm1b"],
@@ -90,6 +98,47 @@ def test_train_py_exits_2_with_one_line(flags):
 def test_missing_config_file():
   with pytest.raises(config_lib.ConfigError, match="no such config file: configs/nope.py"):
     config_lib.load(["train.py", "--config=configs/nope.py"])
+
+
+# A config file that does not load: the error names the file and what is wrong with it, not a config key.
+BAD_FILES = [
+    ("x = (\n", "'(' was never closed"),
+    ("X = 1\n", "defines no get_config()"),
+    ("def get_config():\n  raise RuntimeError('boom')\n", "RuntimeError: boom"),
+    ("import no_such_module_xyz\n", "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+    ("def get_config():\n  return 3\n", "get_config() returned int, not a ConfigDict"),
+    ("def get_config():\n  pass\n", "get_config() returned NoneType, not a ConfigDict"),
+]
+
+
+@pytest.mark.parametrize("text,expected", BAD_FILES, ids=[e.split(":")[0][:20] for _, e in BAD_FILES])
+def test_a_config_file_that_does_not_load(tmp_path, capfd, text, expected):
+  path = tmp_path / "bad_config.py"
+  path.write_text(text)
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.load(["train.py", f"--config={path}", "--config.steps=3"])
+  assert str(err.value).startswith(f"--config: {path}: {expected}") and "\n" not in str(err.value), str(err.value)
+  assert not capfd.readouterr().err  # No warning of ml_collections' own beside the one line.
+
+
+def test_validate_without_devices_checks_all_but_the_mesh_sizes():
+  """num_devices=None (a sweep checks its runs before starting any): every rule but the mesh's sizes."""
+  cfg = config_lib.load(["train.py", f"--config={ROOT}/configs/default.py:tiny", "--config.mesh.data=3",
+                         "--config.mesh.fsdp=1"])
+  config_lib.validate(cfg, num_devices=None)
+  cfg.model.num_kv_heads = 3
+  with pytest.raises(config_lib.ConfigError, match="config.model.num_kv_heads: 3 kv heads"):
+    config_lib.validate(cfg, num_devices=None)
+
+
+def test_local_sh_says_a_bad_flag_once():
+  """Every process of launch/local.sh fails alike on a bad flag: one line on stderr, exit 2 (no line per
+  process, no line of the launcher's own)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(["launch/local.sh", "2", "1", sys.executable, "train.py", "--config=configs/default.py:tiny",
+                         "--config.no_such_key=1"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.splitlines() == ["error: config.no_such_key: unknown config key"], proc.stderr
 
 
 def test_derive_fills_head_dim_and_mesh():

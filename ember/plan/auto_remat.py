@@ -16,6 +16,7 @@ on the CPU backend, whose compiler strips memory-placement annotations).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import ml_collections
@@ -27,6 +28,7 @@ from ember.plan.units import GiB, format_flops
 from ember.quant.recipe import Recipe
 from ember.trainer.metrics import console
 from ember.trainer.optimizer import make_optimizer
+from ember.trainer.state import state_shardings
 
 _QUANTIZED_ONLY = ("save_quantized", "minimal_quantized", "save_quantized_offloaded", "save_quantized_x_offloaded")
 _cache: dict[tuple, step_plan.StepFigures] = {}
@@ -89,9 +91,21 @@ def pick(found: list[Candidate], budget_gb: float) -> Candidate:
   return min(fits, key=lambda c: (c.flops, c.offloads, c.peak_bytes, order[c.name]))
 
 
+def state_bytes_per_device(cfg, mesh, tx) -> int:
+  """One device's share of the train state (parameters, optimizer and quantization state): every preset's
+  compiled peak holds it."""
+  _, shardings, abstract = state_shardings(cfg, mesh, tx)
+  sizes = jax.tree.map(lambda a, s: math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize, abstract, shardings)
+  return int(sum(jax.tree.leaves(sizes)))
+
+
 def choose(cfg, mesh, tx, schedule, *, compiler_options: dict | None = None) -> str:
   """The preset name `auto` resolves to for this config, mesh and optimizer (logged)."""
   budget = cfg.remat.memory_budget_gb
+  state = state_bytes_per_device(cfg, mesh, tx)
+  if state > budget * GiB:  # No preset can fit: say so before compiling any.
+    raise ConfigError(f"config.remat.memory_budget_gb: {budget:g} GiB per device is less than the train state alone "
+                      f"({state / GiB:.4g} GiB per device: parameters, optimizer state); no remat preset fits")
   console(f"remat auto: compiling the train step for {len(candidates(cfg, mesh))} presets (budget {budget:g} "
           "GiB/device)")
   best = pick(measure(cfg, mesh, tx, schedule, candidates(cfg, mesh), compiler_options=compiler_options), budget)

@@ -87,32 +87,28 @@ def _moe_lines(moe: dict | None) -> list[str]:
 
 def main(argv: list[str]) -> int:
   target_env.prepare_environment(argv)
-  import argparse
-  import json
-
   from ember import config as config_lib
-  from ember.errors import ConfigError, EmberError, fail_and_exit
+  from ember.errors import ArgumentParser, EmberError, fail_and_exit
   from ember.plan import target as target_lib
   from ember.plan.compile import compile_report
+  from ember.tools import cli
 
-  parser = argparse.ArgumentParser(prog="python -m ember.tools.compile", allow_abbrev=False)
+  parser = ArgumentParser(prog="python -m ember.tools.compile")
   parser.add_argument("--target", required=True, help="cpu or <gpu>x<count>, e.g. h100x8")
   parser.add_argument("--out", default="", help="JSON file to write")
   parser.add_argument("--hlo_out", default="", help="file for the optimised HLO text")
   try:
-    args, unknown = parser.parse_known_args([a for a in argv[1:] if not a.startswith("--config")])
-    if unknown:
-      raise ConfigError(f"{unknown[0]}: unknown command-line argument")
+    args = cli.parse(parser, [a for a in argv[1:] if not a.startswith("--config")])
     target = target_lib.parse(args.target)
+    for flag, path in (("--out", args.out), ("--hlo_out", args.hlo_out)):
+      if path:
+        cli.check_out_file(flag, path)
     cfg = config_lib.load([argv[0]] + [a for a in argv[1:] if a.startswith("--config")])
     report = compile_report(cfg, target, hlo_out=args.hlo_out)
+    if args.out:
+      cli.write_json("--out", args.out, report)
   except EmberError as e:
     fail_and_exit(e)
-  except SystemExit as e:  # argparse: a missing --target.
-    return 2 if e.code else 0
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(report, f, indent=1)
   print(format_report(report))
   if not report["fits"]:
     gib = 2**30

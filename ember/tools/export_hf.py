@@ -40,7 +40,7 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
   from flax import nnx
 
   from ember.data import build_tokenizer
-  from ember.errors import CheckpointError, warn
+  from ember.errors import CheckpointError, ConfigError, warn
   from ember.hf import layout, safetensors, tokenizer
   from ember.inference.checkpoint import load_model
   from ember.model_config import ModelConfig
@@ -57,7 +57,10 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
   params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
   tensors = {name: w.astype(np_dtype) for name, w in layout.to_hf(m, params).items()}
-  os.makedirs(out, exist_ok=True)
+  try:
+    os.makedirs(out, exist_ok=True)
+  except OSError as e:  # Where the permission bits allow it but the file system does not (/proc, read-only).
+    raise ConfigError(f"--out: cannot create {out}: {e.strerror or e}") from None
   for stale in glob.glob(os.path.join(out, "model*.safetensors*")) + glob.glob(os.path.join(out, "tokenizer*")):
     os.remove(stale)  # An earlier export's files would win over this one's (an old index, tokenizer.json).
   files = safetensors.write_dir(out, tensors, max_shard_bytes)
@@ -71,32 +74,26 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
 
 
 def main(argv: list[str]) -> int:
-  import argparse
+  from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
+  from ember.tools import cli
 
-  from ember.errors import ConfigError, EmberError, fail_and_exit
-
-  parser = argparse.ArgumentParser(prog="python -m ember.tools.export_hf", allow_abbrev=False)
+  parser = ArgumentParser(prog="python -m ember.tools.export_hf")
   parser.add_argument("--checkpoint", required=True, help="workdir, checkpoints/ directory or step directory")
   parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
   parser.add_argument("--dtype", default="bfloat16", help="tensor dtype: " + ", ".join(DTYPES))
   parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file before splitting")
   try:
-    args, unknown = parser.parse_known_args(argv[1:])
-    if unknown:
-      raise ConfigError(f"{unknown[0]}: unknown command-line argument")
+    args = cli.parse(parser, argv[1:])
     if args.dtype not in DTYPES:
       raise ConfigError(f"--dtype: {args.dtype!r} is not one of {', '.join(DTYPES)}")
     try:
       max_bytes = parse_size(args.max_shard_size)
     except ValueError:
       raise ConfigError(f"--max_shard_size: {args.max_shard_size!r} is not a size like 5GB or 500MB") from None
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-      raise ConfigError(f"--out: {args.out} exists and is not a directory")
+    cli.check_out_dir("--out", args.out)
     files = export(args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=max_bytes)
   except EmberError as e:
     fail_and_exit(e)
-  except SystemExit as e:  # argparse: a missing flag.
-    return 2 if e.code else 0
   print(f"wrote {args.out}: {', '.join(files)}")
   return 0
 

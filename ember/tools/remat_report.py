@@ -18,8 +18,6 @@ The JSON file holds the same figures; ember/plan/layer.py and ember/plan/step.py
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 from ember.tools import target_env
@@ -30,13 +28,14 @@ import jax  # noqa: E402
 
 from ember import config as config_lib  # noqa: E402
 from ember import remat  # noqa: E402
-from ember.errors import ConfigError, EmberError, fail_and_exit  # noqa: E402
+from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit  # noqa: E402
 from ember.parallel.mesh import make_mesh  # noqa: E402
 from ember.plan import compile as compile_plan  # noqa: E402
 from ember.plan import layer as layer_plan  # noqa: E402
 from ember.plan import step as step_plan  # noqa: E402
 from ember.plan import target as target_lib  # noqa: E402
 from ember.plan.units import format_bytes, format_flops  # noqa: E402
+from ember.tools import cli  # noqa: E402
 from ember.trainer.optimizer import make_optimizer  # noqa: E402
 
 COLUMNS = (("policy", "policy"), ("residual_bytes_per_layer", "residuals/layer"),
@@ -127,7 +126,7 @@ def format_residuals(report: dict) -> str:
 
 
 def _parse(argv: list[str]):
-  parser = argparse.ArgumentParser(prog="python -m ember.tools.remat_report", allow_abbrev=False)
+  parser = ArgumentParser(prog="python -m ember.tools.remat_report")
   parser.add_argument("--policies", default="", help="comma-separated presets (default: all)")
   parser.add_argument("--out", required=True, help="JSON file to write")
   parser.add_argument("--compile", default="true", choices=("true", "false"),
@@ -135,9 +134,8 @@ def _parse(argv: list[str]):
   parser.add_argument("--layer_batch", type=int, default=0, help="sequences per device for the residuals (0 = config)")
   parser.add_argument("--residuals", default="true", choices=("true", "false"), help="print the per-residual table")
   parser.add_argument("--target", default="cpu", help="compile for this target (cpu, h100x8, ...): peaks are its")
-  args, unknown = parser.parse_known_args(argv)
-  if unknown:
-    raise ConfigError(f"{unknown[0]}: unknown command-line argument")
+  args = cli.parse(parser, argv)
+  cli.check_out_file("--out", args.out)
   return args
 
 
@@ -151,10 +149,9 @@ def main(argv: list[str]) -> int:
       names = policy_names(args.policies, cfg)
       report = build_report(cfg, names, compile=args.compile == "true", batch=args.layer_batch or None, mesh=mesh,
                             compiler_options=compile_plan.compiler_options(target), target=target.name)
+    cli.write_json("--out", args.out, report)
   except EmberError as e:
     fail_and_exit(e)
-  with open(args.out, "w") as f:
-    json.dump(report, f, indent=1)
   print(format_table(report))
   if args.residuals == "true":
     print("\nresidual bytes per layer, by name\n")

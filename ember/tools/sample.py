@@ -18,11 +18,10 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-  import argparse
+  from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
+  from ember.tools import cli
 
-  from ember.errors import ConfigError, EmberError, fail_and_exit
-
-  parser = argparse.ArgumentParser(prog="python -m ember.tools.sample", allow_abbrev=False)
+  parser = ArgumentParser(prog="python -m ember.tools.sample")
   parser.add_argument("--checkpoint", required=True, help="workdir, checkpoints/ directory or step directory")
   parser.add_argument("--prompt", default=None, help="the text to continue")
   parser.add_argument("--prompt_file", default="", help="one prompt per line, sampled as one batch")
@@ -34,12 +33,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--dtype", default="", help="compute dtype (default: the trained model.dtype)")
   parser.add_argument("--one_device", action="store_true", help="one device, whatever the trained mesh")
   try:
-    try:
-      args, unknown = parser.parse_known_args(argv[1:])
-    except SystemExit as e:  # argparse printed why (a missing flag, a bad number).
-      return 2 if e.code else 0
-    if unknown:
-      raise ConfigError(f"{unknown[0]}: unknown command-line argument")
+    args = cli.parse(parser, argv[1:])
     if (args.prompt is None) == (not args.prompt_file):
       raise ConfigError("--prompt / --prompt_file: give exactly one of them")
     if args.max_new_tokens < 1:

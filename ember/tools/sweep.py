@@ -27,7 +27,6 @@ Unless overridden, runs log every step, skip evaluation and save no checkpoint
 
 from __future__ import annotations
 
-import argparse
 import csv
 import itertools
 import json
@@ -38,7 +37,8 @@ import subprocess
 import sys
 import time
 
-from ember.errors import ConfigError, fail_and_exit
+from ember.errors import ArgumentParser, ConfigError, fail_and_exit
+from ember.tools import cli
 
 DEFAULTS = {"log.every_steps": "1", "train.eval_every_steps": "0", "checkpoint.every_steps": "-1",
             "log.tensorboard": "False"}
@@ -226,8 +226,22 @@ def sweep(config: str, grid, steps: int, out: str, fixed: dict | None = None, ti
   return results
 
 
+def check(config: str, grid, fixed: dict[str, str], steps: int, out: str) -> None:
+  """Every combination's config, validated as train.py would before starting any run (the devices aside:
+  the mesh's sizes are each run's to check), so a bad key, value or path is one line and exit 2 rather
+  than a sweep of failed runs. A combination's workdir is its run's to check (it may be taken)."""
+  from ember import config as config_lib
+  for overrides in combinations(grid):
+    argv = command(config, fixed, overrides, steps, out)[1:]
+    try:
+      config_lib.validate(config_lib.load(argv), num_devices=None)
+    except ConfigError as e:
+      named = any(f"config.{k}" in str(e) for k in overrides)  # Else the same error fails every run.
+      raise ConfigError(f"{e} (the run {combo_name(overrides)})" if named else str(e)) from None
+
+
 def _parse(argv: list[str]):
-  parser = argparse.ArgumentParser(prog="python -m ember.tools.sweep", allow_abbrev=False)
+  parser = ArgumentParser(prog="python -m ember.tools.sweep")
   parser.add_argument("--config", required=True, help="config file[:arg], as for train.py")
   parser.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... (repeatable)")
   parser.add_argument("--steps", type=int, required=True, help="training steps per run")
@@ -244,6 +258,9 @@ def _parse(argv: list[str]):
     raise ConfigError("--grid: give at least one KEY=V1,V2,...")
   if args.steps < 1:
     raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
+  if args.timeout is not None and not args.timeout > 0:
+    raise ConfigError(f"--timeout: must be > 0 seconds, got {args.timeout:g}")
+  cli.check_out_dir("--out", args.out)
   return args, fixed
 
 
@@ -251,6 +268,7 @@ def main(argv: list[str]) -> int:
   try:
     args, fixed = _parse(argv[1:])
     grid = parse_grid(args.grid)
+    check(args.config, grid, fixed, args.steps, args.out)
   except ConfigError as e:
     fail_and_exit(e)
   results = sweep(args.config, grid, args.steps, args.out, fixed, args.timeout)

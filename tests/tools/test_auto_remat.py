@@ -1,5 +1,6 @@
 """`remat.policy=auto`: the least-recompute preset whose compiled peak fits the budget."""
 
+import jax
 import pytest
 
 from ember import config as config_lib
@@ -52,3 +53,17 @@ def test_default_candidates():
   assert not any("offloaded" in n for n in names)  # The CPU backend cannot offload.
   cfg.quant.recipe = "nvfp4"
   assert "save_quantized" in auto_remat.candidates(cfg)
+
+
+def test_a_budget_below_the_train_state_fails_before_compiling(capsys):
+  """No preset can fit under the train state's own bytes: one line, before any compile or progress line."""
+  s = start(config("tiny", **{"mesh.fsdp": 2, "remat.policy": "auto", "remat.memory_budget_gb": 1e-6}), 2)
+  state = auto_remat.state_bytes_per_device(s.cfg, s.mesh, s.tx)
+  assert state == sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(s.state))  # Exactly.
+  capsys.readouterr()
+  with pytest.raises(config_lib.ConfigError) as err:
+    auto_remat.choose(s.cfg, s.mesh, s.tx, s.schedule)
+  assert str(err.value) == (f"config.remat.memory_budget_gb: 1e-06 GiB per device is less than the train state alone "
+                            f"({state / auto_remat.GiB:.4g} GiB per device: parameters, optimizer state); no remat "
+                            "preset fits")
+  assert not capsys.readouterr().err

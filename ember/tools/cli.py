@@ -1,0 +1,50 @@
+"""What the command-line tools share besides ember.errors.ArgumentParser: unknown flags refused, and the
+checks of the paths a tool writes, made before any work so that a long compile never ends in a traceback
+about its output file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ember.errors import ConfigError
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+  """`parser.parse_known_args(argv)`; an argument it does not know is a ConfigError naming it."""
+  args, unknown = parser.parse_known_args(argv)
+  if unknown:
+    raise ConfigError(f"{unknown[0]}: unknown command-line argument")
+  return args
+
+
+def check_out_file(flag: str, path: str) -> None:
+  """`path` can be written as a file: not a directory, in an existing directory this process may write."""
+  if not path:
+    raise ConfigError(f"{flag}: empty; name the file to write")
+  full = os.path.abspath(os.path.expanduser(path))
+  if os.path.isdir(full):
+    raise ConfigError(f"{flag}: {path} is a directory; name a file")
+  parent = os.path.dirname(full)
+  if not os.path.isdir(parent):
+    raise ConfigError(f"{flag}: cannot write {path}: no directory {parent}")
+  if not os.access(parent, os.W_OK | os.X_OK) or os.path.exists(full) and not os.access(full, os.W_OK):
+    raise ConfigError(f"{flag}: cannot write {path}: no write permission")
+
+
+def check_out_dir(flag: str, path: str) -> None:
+  """`path` is, or can be created as, a directory this process may write (nothing is created)."""
+  from ember.config import directory_problem
+  problem = directory_problem(path)
+  if problem:
+    raise ConfigError(f"{flag}: {problem}")
+
+
+def write_json(flag: str, path: str, obj) -> None:
+  """Writes `obj` as JSON; a failure (a full disk, a path gone since the check) is a ConfigError naming it."""
+  try:
+    with open(path, "w") as f:
+      json.dump(obj, f, indent=1)
+  except OSError as e:
+    raise ConfigError(f"{flag}: cannot write {path}: {e.strerror or e}") from None
