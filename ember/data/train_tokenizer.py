@@ -11,13 +11,12 @@ never saw. The settings suit source code as well as prose: no text normalisation
 whitespace folding (indentation is meaningful), and byte fallback so any input encodes.
 """
 
-import argparse
 import itertools
 import os
 import sys
 
 from ember.data import sources
-from ember.errors import DataError
+from ember.errors import ArgumentParser, DataError, EmberError, fail_and_exit
 
 
 def _sentences(docs, max_docs: int):
@@ -65,7 +64,7 @@ def train(*, source: str, path: str, vocab_size: int, out: str, max_docs: int = 
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--source", default="text", help="text | tfds")
   p.add_argument("--path", default="", help="glob of text files ('' = stdlib *.py)")
   p.add_argument("--vocab_size", type=int, default=8192)
@@ -79,12 +78,10 @@ def main(argv=None) -> int:
   p.add_argument("--tfds_name", default="")
   p.add_argument("--tfds_data_dir", default="")
   p.add_argument("--tfds_text_key", default="text")
-  args = p.parse_args(argv)
   try:
-    model = train(**vars(args))
-  except (DataError, RuntimeError) as e:  # SentencePiece reports bad settings so.
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    model = train(**vars(p.parse_args(argv)))
+  except (EmberError, RuntimeError) as e:  # SentencePiece reports bad settings as RuntimeErrors.
+    fail_and_exit(e)
   print(model)
   return 0
 

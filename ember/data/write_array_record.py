@@ -10,7 +10,6 @@ position, like every other source. With --num_shards > 1 the files are named
 `OUT-00000-of-0000N`; documents go round-robin so shards are equal in size.
 """
 
-import argparse
 import os
 import sys
 
@@ -18,7 +17,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from ember.data import sources, tokenizers
 from ember.data.sources import encode_record
-from ember.errors import DataError
+from ember.errors import ArgumentParser, DataError, EmberError, fail_and_exit
 
 
 def shard_paths(out: str, num_shards: int) -> list[str]:
@@ -30,7 +29,7 @@ def shard_paths(out: str, num_shards: int) -> list[str]:
 def write(*, source_glob: str, out: str, tokenizer: str = "byte", num_shards: int = 1) -> list[str]:
   """Tokenizes every file matching `source_glob` ("" = stdlib *.py); returns the paths written."""
   if num_shards < 1:
-    raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    raise DataError(f"--num_shards: must be >= 1, got {num_shards}")
   files, _ = sources.list_files(source_glob, key="--source_glob")
   tok = tokenizers.build_tokenizer(_TokenizerConfig(tokenizer))
   paths = shard_paths(out, num_shards)
@@ -56,17 +55,15 @@ class _TokenizerConfig:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--source_glob", default="", help="glob of text files ('' = stdlib *.py)")
   p.add_argument("--out", required=True, help="output file (or prefix with --num_shards > 1)")
   p.add_argument("--tokenizer", default="byte", help="'byte' or a SentencePiece .model path")
   p.add_argument("--num_shards", type=int, default=1)
-  args = p.parse_args(argv)
   try:
-    paths = write(**vars(args))
-  except DataError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    paths = write(**vars(p.parse_args(argv)))
+  except EmberError as e:
+    fail_and_exit(e)
   print("\n".join(paths))
   return 0
 

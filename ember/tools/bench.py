@@ -33,6 +33,7 @@ from ember.errors import ConfigError, EmberError, fail_and_exit
 from ember.model_config import ModelConfig
 from ember.parallel.sharding import use_rules
 from ember.plan import hlo
+from ember.tools import cli
 from ember.plan.auto_remat import resolve
 from ember.trainer import quant_stats
 from ember.trainer import step as step_lib
@@ -121,17 +122,21 @@ def main(argv: list[str]) -> int:
     fail_and_exit(ConfigError(f"--steps/--warmup: need integers >= 1 / >= 0, got {own['--steps']!r} / "
                               f"{own['--warmup']!r}"))
   try:
+    for flag in ("--out", "--hlo_out"):
+      if own[flag]:
+        cli.check_out_file(flag, own[flag])  # Before the work, not after it.
     cfg = config_lib.load([argv[0], *rest])
     stats = own["--quant_stats"] is not None and own["--quant_stats"].lower() not in ("false", "0", "no")
     measure = with_quant_stats if stats else run
     result = measure(cfg, steps=steps, warmup=warmup, hlo_out=own["--hlo_out"] or None)
   except EmberError as e:
     fail_and_exit(e)
-  text = json.dumps(result, indent=2)
-  print(text)
+  print(json.dumps(result, indent=2))
   if own["--out"]:
-    with open(own["--out"], "w") as f:
-      f.write(text + "\n")
+    try:
+      cli.write_json("--out", own["--out"], result)
+    except EmberError as e:
+      fail_and_exit(e)
   return 0
 
 
