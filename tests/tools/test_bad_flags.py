@@ -3,6 +3,8 @@
 
 import pytest
 
+from ember.data import train_tokenizer, write_array_record
+from ember.tools import bench
 from ember.tools import compile as compile_tool
 from ember.tools import export_hf, remat_report, sample, sweep
 from tests.helpers import ROOT
@@ -36,6 +38,7 @@ CASES = [
     (sample, [f"--checkpoint={NOWHERE}", "--prompt=x", "--top_p=high"], "--top_p: invalid float value: 'high'"),
     (export_hf, [f"--checkpoint={NOWHERE}"], "--out: required, not given"),
     (export_hf, [f"--checkpoint={NOWHERE}", f"--out={FILE}/hf"], f"--out: cannot create {FILE}/hf"),
+    (bench, [TINY, f"--out={NOWHERE}/b.json"], f"--out: cannot write {NOWHERE}/b.json: no directory"),
 ]
 
 
@@ -56,3 +59,15 @@ def test_help_still_prints_the_usage(capsys):
   with pytest.raises(SystemExit) as exit_:
     sample.main(["sample", "--help"])
   assert exit_.value.code == 0 and "--checkpoint" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tool,flags,expected", [
+    (train_tokenizer, ["--out=t", "--vocab_size=abc"], "--vocab_size: invalid int value: 'abc'"),
+    (write_array_record, [], "--out: required, not given"),
+    (write_array_record, ["--out={tmp}", "--num_shards=0"], "--num_shards: must be >= 1, got 0"),
+], ids=["train_tokenizer:--vocab_size", "write_array_record:--out", "write_array_record:--num_shards"])
+def test_data_tools_bad_flag_is_one_line_and_exit_2(tool, flags, expected, tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    tool.main([f.replace("{tmp}", str(tmp_path / "out")) for f in flags])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err.splitlines() == [f"error: {expected}"]
