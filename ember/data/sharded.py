@@ -3,10 +3,10 @@
 A global batch of `train.batch_size` rows is cut into `data.num_shards` shards of consecutive rows
 (0, the default: one shard per row), each its own pipeline over its own share of the documents, and
 each process reads a contiguous block of shards: the rule is `distributed.data_shards`. Shard order is
-the global row order, and `global_batch` assembles the jax.Arrays from every process's rows. The global batches are therefore a
-function of the seed and the data config alone: 1, 2, 4 or 8 processes (any count that divides the
-shards) feed the same rows at every step, and a checkpoint's per-shard positions resume on any of
-them.
+the global row order, and `global_batch` assembles the jax.Arrays from every process's rows. The
+global batches are therefore a function of the seed and the data config alone: 1, 2, 4 or 8 processes
+(any count that divides the shards) feed the same rows at every step, and a checkpoint's per-shard
+positions resume on any of them.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ class ShardedIterator:
   def set_state(self, state: bytes | str | dict) -> None:
     """Resumes every shard's position: the one resume rule, whatever process count saved it (the state
     of several processes' files merged, ember/trainer/checkpointing.py). A position saved for other data
-    (another shard count, sources, mixture or window: the fingerprint) cannot be mapped: the iterator then starts from the beginning
-    with a warning, and the checkpoint's model state is restored all the same."""
+    (another shard count, sources, mixture or window: the fingerprint) cannot be mapped: the iterator
+    then starts from the beginning with a warning, and the checkpoint's model state is restored all the
+    same."""
     state = json.loads(state) if isinstance(state, (bytes, str)) else state
     reason = None
     if state.get("num_shards") != self.num_shards:

@@ -33,8 +33,8 @@ from ember.errors import ConfigError, EmberError, fail_and_exit
 from ember.model_config import ModelConfig
 from ember.parallel.sharding import use_rules
 from ember.plan import hlo
-from ember.tools import cli
 from ember.plan.auto_remat import resolve
+from ember.tools import cli
 from ember.trainer import quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.loop import prepare
@@ -122,9 +122,7 @@ def main(argv: list[str]) -> int:
     fail_and_exit(ConfigError(f"--steps/--warmup: need integers >= 1 / >= 0, got {own['--steps']!r} / "
                               f"{own['--warmup']!r}"))
   try:
-    for flag in ("--out", "--hlo_out"):
-      if own[flag]:
-        cli.check_out_file(flag, own[flag])  # Before the work, not after it.
+    cli.check_out_files({flag: own[flag] for flag in ("--out", "--hlo_out")})  # Before the work, not after it.
     cfg = config_lib.load([argv[0], *rest])
     stats = own["--quant_stats"] is not None and own["--quant_stats"].lower() not in ("false", "0", "no")
     measure = with_quant_stats if stats else run

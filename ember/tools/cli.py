@@ -33,6 +33,13 @@ def check_out_file(flag: str, path: str) -> None:
     raise ConfigError(f"{flag}: cannot write {path}: no write permission")
 
 
+def check_out_files(paths: dict[str, str]) -> None:
+  """`check_out_file` for each {flag: path} given a path (an empty one: that file is not wanted)."""
+  for flag, path in paths.items():
+    if path:
+      check_out_file(flag, path)
+
+
 def check_out_dir(flag: str, path: str) -> None:
   """`path` is, or can be created as, a directory this process may write (nothing is created)."""
   from ember.config import directory_problem

@@ -100,9 +100,7 @@ def main(argv: list[str]) -> int:
   try:
     args = cli.parse(parser, [a for a in argv[1:] if not a.startswith("--config")])
     target = target_lib.parse(args.target)
-    for flag, path in (("--out", args.out), ("--hlo_out", args.hlo_out)):
-      if path:
-        cli.check_out_file(flag, path)
+    cli.check_out_files({"--out": args.out, "--hlo_out": args.hlo_out})
     cfg = config_lib.load([argv[0]] + [a for a in argv[1:] if a.startswith("--config")])
     report = compile_report(cfg, target, hlo_out=args.hlo_out)
     if args.out:
