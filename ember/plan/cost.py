@@ -23,6 +23,8 @@ from ember.names import EXPERT_GEMM_SCOPE, HADAMARD_SCOPE
 from ember.plan import hlo
 
 TOP = 5  # Largest values and collectives reported.
+TOP_MEMORY_OPS = 15  # Rows of `memory_by_op`.
+FORWARD, BACKWARD, REMAT = "fwd", "bwd", "remat"  # The passes `memory_by_op` tells apart.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,7 @@ def step_cost(text: str, *, model_flops: float, tokens: float, machine: Machine 
       "emulated_flops": sum(g.flops_per_step for g in gemms if g.emulated and not g.recomputed),
       "model_flops": model_flops, "executed_over_model": first_pass / model_flops if model_flops else None,
       "largest_values": largest_values(p), "largest_collectives": largest_collectives(p, machine),
+      "memory_by_op": memory_by_op(p),
   }
   out.update(roofline(p, gemms, calls, model_flops=model_flops, tokens=tokens, machine=machine))
   return out
@@ -101,6 +104,27 @@ def largest_values(p: hlo.Program) -> list[dict]:
     if len(out) == TOP:
       break
   return out
+
+
+def pass_of(op_name: str) -> str:
+  """The pass a kernel belongs to, from its op name: `remat` (a checkpointed forward run again in the backward
+  pass), `bwd` (JAX's transpose of the forward: every cotangent and custom-VJP backward rule), else `fwd`."""
+  if hlo.RECOMPUTE_SCOPE in op_name:
+    return REMAT
+  return BACKWARD if "transpose(" in op_name else FORWARD
+
+
+def memory_by_op(p: hlo.Program, top: int = TOP_MEMORY_OPS) -> list[dict]:
+  """Where the memory term's bytes go: the memory kernels' bytes per device per step grouped by the last part
+  of their op name (the JAX primitive that made the fusion's root: `reduce_max`, `transpose`, ...; the opcode in
+  parentheses where XLA recorded none) and the pass, largest first."""
+  totals: dict[tuple[str, str], float] = {}
+  for k in hlo.memory_kernels(p):
+    name = p.by_name[k.name].op_name
+    key = (name.rsplit("/", 1)[-1] if name else f"({k.opcode})", pass_of(name))
+    totals[key] = totals.get(key, 0.0) + k.bytes * k.times
+  rows = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+  return [{"op": op, "pass": pass_, "bytes": int(b)} for (op, pass_), b in rows]
 
 
 def largest_collectives(p: hlo.Program, machine: Machine | None) -> list[dict]:

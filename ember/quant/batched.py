@@ -82,13 +82,14 @@ def _unquantized_bwd(vmas, res, g_ExCxN):
 _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
 
 
-def product(a, b, dims, dtype):
-  """The batched GEMM of two quantized operands (see the module doc): per-tensor ones on their raw values
-  with the scales on the output, block-scaled ones by quant/gemm.py."""
+def product(a, b, dims, dtype, out):
+  """The batched GEMM of two quantized operands (see the module doc) for a consumer of dtype `out`: per-tensor
+  ones on their raw values with the scales on the float32 output (a per-expert scale is no GEMM epilogue's
+  scalar), block-scaled ones by quant/gemm.py."""
   if a.block:
     (ca, cb), _ = dims
-    return block_scaled_dot(a, b, (ca[0], cb[0]), batched=True, dtype=dtype)
-  return _dot(a.data.astype(dtype), b.data.astype(dtype), dims) * _along_experts(a) * _along_experts(b)
+    return block_scaled_dot(a, b, (ca[0], cb[0]), batched=True, dtype=dtype, out=out)
+  return (_dot(a.data.astype(dtype), b.data.astype(dtype), dims) * _along_experts(a) * _along_experts(b)).astype(out)
 
 
 def _along_experts(q):
@@ -117,7 +118,7 @@ def _forward(x, w, history, recipe, name, dtype, reduce_axes, stats=False):
   xp, wp = pad_to(x, (1, b, b)), pad_to(w, (1, b, b))
   q = _quantize_operands(xp, wp, history, recipe, name, reduce_axes, stats)
   if recipe.forward_quantized:
-    y = product(q[X], q[KERNEL], FORWARD, dtype)
+    y = product(q[X], q[KERNEL], FORWARD, dtype, dtype)
   else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
     y = _dot(xp.astype(dtype), wp.astype(dtype), FORWARD)
   return y[:, :x.shape[1], :w.shape[2]].astype(dtype), q
@@ -145,14 +146,14 @@ def _bmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_ExCxN):
     key_dgrad, key_wgrad = jax.random.split(key)
   with jax.named_scope(SCOPE_GRADIENT):
     g_rows = grad_q.quantize(g, axis=2, rng=key_dgrad, reduce_axes=reduce_axes, stats=with_stats)
-  dx = product(g_rows, q.get(KERNEL_T, q[KERNEL]), DGRAD, dtype)
+  dx = product(g_rows, q.get(KERNEL_T, q[KERNEL]), DGRAD, dtype, x_dtype)
   if not recipe.has_x_t:  # Per-tensor: the forward copies serve wgrad too.
     g_cols, x_c = g_rows, q[X]
   else:  # Block-scaled: both operands along C (NVFP4 after the Hadamard transform).
     with jax.named_scope(SCOPE_GRADIENT):
       g_cols = grad_q.quantize(recipe.wgrad_transform(g, 1), axis=1, rng=key_wgrad, reduce_axes=reduce_axes)
     x_c = q[X_T]
-  dw = product(x_c, g_cols, WGRAD, dtype)
+  dw = product(x_c, g_cols, WGRAD, dtype, w_dtype)
   h_x, h_k, h_g = history
   if recipe.delayed:
     new_history = (update_history(h_x, q[X].amax), jax.vmap(update_history)(h_k, q[KERNEL].amax),

@@ -31,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ember.quant.gemm import block_scaled_dot
+from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.naming import name_quantized
 from ember.quant.quantizers import update_history
 from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, WEIGHT, X, X_T, Recipe, pad_to
@@ -62,13 +62,14 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   return _qmm(x_MxK, w_KxN, history, key, stats, recipe, name, dtype, operand_info)
 
 
-def product(a, b, contracting: tuple[int, int], dtype):
+def product(a, b, contracting: tuple[int, int], dtype, out):
   """The GEMM of two quantized 2-d operands contracting a's axis `contracting[0]` with b's `contracting[1]`,
-  float32 out (see the module doc)."""
+  for a consumer of dtype `out` (quant/gemm.py's `output_dtype` rule; see the module doc)."""
   if a.block:
-    return block_scaled_dot(a, b, contracting, batched=False, dtype=dtype)
+    return block_scaled_dot(a, b, contracting, batched=False, dtype=dtype, out=out)
   dims = ((contracting[:1], contracting[1:]), ((), ()))
-  return jax.lax.dot_general(a.dequantize(dtype), b.dequantize(dtype), dims, preferred_element_type=jnp.float32)
+  y = jax.lax.dot_general(a.dequantize(dtype), b.dequantize(dtype), dims, preferred_element_type=output_dtype(out))
+  return y.astype(out)
 
 
 def contract_last(a_MxN, b_KxN):
@@ -130,7 +131,7 @@ def _forward(x, w, history, recipe, name, dtype, stats=False):
   xp, wp = pad_to(x, (b, b)), pad_to(w, (b, b))
   q = _quantize_operands(xp, wp, history, recipe, name, stats)
   if recipe.forward_quantized:
-    y = product(q[X], q[KERNEL], (1, 0), dtype)
+    y = product(q[X], q[KERNEL], (1, 0), dtype, dtype)
   else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
     y = jnp.dot(xp.astype(dtype), wp.astype(dtype), preferred_element_type=jnp.float32)
   return y[:m, :n].astype(dtype), q
@@ -160,7 +161,7 @@ def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
   with jax.named_scope(SCOPE_GRADIENT):
     g_rows = grad_q.quantize(g, axis=1, rng=key_dgrad, stats=with_stats)
   kernel_n = q.get(KERNEL_T, q[KERNEL])
-  dx = product(g_rows, kernel_n, (1, 1), dtype)
+  dx = product(g_rows, kernel_n, (1, 1), dtype, x_dtype)
   # wgrad: contract M. Per-tensor recipes reuse the forward copies; block recipes quantize along M
   # (NVFP4 after the random Hadamard transform, applied to both operands so it cancels).
   if not recipe.has_x_t:
@@ -169,7 +170,7 @@ def _qmm_bwd(recipe, name, dtype, operand_info, res, g_MxN):
     with jax.named_scope(SCOPE_GRADIENT):
       g_cols = grad_q.quantize(recipe.wgrad_transform(g, 0), axis=0, rng=key_wgrad)
     x_m = q[X_T]
-  dw = product(x_m, g_cols, (0, 0), dtype)
+  dw = product(x_m, g_cols, (0, 0), dtype, w_dtype)
   if recipe.delayed:
     new_history = jnp.stack([update_history(history[0], q[X].amax), update_history(history[1], q[KERNEL].amax),
                              update_history(history[2], g_rows.amax)])

@@ -10,6 +10,13 @@ recipe table (quant/recipe.py).
                in bf16) and a bf16 GEMM, under the name scope `EMULATED_GEMM_SCOPE` so that the compile report
                counts these GEMMs as emulated, not as bf16 work of their own.
 
+Output dtype (`output_dtype`, the one rule for every quantized GEMM, per-tensor ones included): on a GPU a GEMM
+writes its consumer's dtype (bf16 for the next layer's math, float32 for a weight gradient): cuBLASLt and cuDNN
+round their float32 accumulators in the epilogue, so no float32 result is written to memory and read back to be
+cast. That is the same value as float32 out and a cast after. On the CPU, the reference, GEMMs write float32 and
+the caller casts: the CPU's kernels for a bf16 result accumulate differently. A result that still has a float32
+factor to take (NVFP4's tensor scales, a per-expert FP8 scale) is written in float32 and cast after that product.
+
 Every path contracts the operands' own block layout: the contraction axis is the one they were quantized
 along (NVFP4's 16x16 weight tiles serve either axis: each tile's scale is repeated along the other). NVFP4's
 float32 tensor scales multiply the *output* in every path, which is exact (they factor out of the sum); folded
@@ -28,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ember.names import EMULATED_GEMM_SCOPE
 from ember.platform import target_compute_capability, target_platform
+from ember.quant.recipe import SCHEMES
 from ember.quant.tensor import QuantizedTensor, block_axes, block_broadcast
 from ember.quant.varying import varying_as
 
@@ -45,41 +53,51 @@ def block_gemm_path(platform: str | None = None, compute_capability: tuple[int, 
   return NATIVE if platform == "gpu" and cc is not None and tuple(cc) >= BLACKWELL else EMULATED
 
 
+def output_dtype(dtype, platform: str | None = None) -> jnp.dtype:
+  """The dtype a quantized GEMM whose consumer wants `dtype` writes (see the module doc)."""
+  return jnp.dtype(dtype) if (platform or target_platform()) == "gpu" else jnp.dtype(F32)
+
+
 def block_scaled_dot(a: QuantizedTensor, b: QuantizedTensor, contracting: tuple[int, int], *, batched: bool,
-                     dtype) -> jax.Array:
+                     dtype, out=F32) -> jax.Array:
   """a . b contracting a's axis `contracting[0]` with b's `contracting[1]` (each the axis it was quantized
-  along), float32 out: [batch?, a's free axis, b's free axis], as `jax.lax.dot_general` orders them, with
-  the leading axis a batch axis when `batched` (experts in the capacity layout). `dtype`: the emulated
-  GEMM's operand dtype."""
+  along): [batch?, a's free axis, b's free axis], as `jax.lax.dot_general` orders them, with the leading axis
+  a batch axis when `batched` (experts in the capacity layout). `dtype`: the emulated GEMM's operand dtype;
+  `out`: the dtype the consumer wants (the GEMM writes `output_dtype(out)`; float32 first where tensor scales
+  are still to be taken)."""
+  scaled = _has_tensor_scale(a) or _has_tensor_scale(b)
+  written = F32 if scaled else output_dtype(out)
   path = block_gemm_path()
   if path == EMULATED:
     dims = ((contracting[:1], contracting[1:]), ((0,), (0,)) if batched else ((), ()))
     with jax.named_scope(EMULATED_GEMM_SCOPE):
       y = jax.lax.dot_general(_dequantize_blocks(a, dtype), _dequantize_blocks(b, dtype), dims,
-                              preferred_element_type=F32)
+                              preferred_element_type=written)
   else:
     (da, sa), (db, sb) = _rows_by_blocks(a, contracting[0], batched), _rows_by_blocks(b, contracting[1], batched)
     if path == NATIVE:
-      y = _cudnn_block_scaled_matmul(da, db, _bytes(sa), _bytes(sb), sa.dtype)
+      y = _cudnn_block_scaled_matmul(da, db, _bytes(sa), _bytes(sb), sa.dtype, jnp.dtype(written))
     else:
       y = jax.lax.scaled_dot(da, db, lhs_scale=sa, rhs_scale=sb, dimension_numbers=(((2,), (2,)), ((0,), (0,))),
-                             preferred_element_type=F32)
+                             preferred_element_type=written)
     y = varying_as(y, da, db)
     y = y if batched else y[0]
-  return y * _tensor_scale(a, batched) * _tensor_scale(b, batched)
+  if scaled:
+    y = y * _tensor_scale(a, batched) * _tensor_scale(b, batched)
+  return y.astype(out)
 
 
 def _bytes(scale: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(scale, jnp.uint8)
 
 
-@functools.partial(custom_partitioning, static_argnums=(4,))
-def _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, scale_dtype):
-  """`jax.nn.scaled_matmul` ([B, M, K] x [B, N, K] -> [B, M, N], float32) with the block scales handed over
+@functools.partial(custom_partitioning, static_argnums=(4, 5))
+def _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, scale_dtype, out_dtype):
+  """`jax.nn.scaled_matmul` ([B, M, K] x [B, N, K] -> [B, M, N] in `out_dtype`) with the block scales handed over
   as bytes. Why: the GEMM's own partitioning moves the scales to its operands' layout (an FSDP gather of a
   quantized weight, say), and NCCL has no E8M0 type; as uint8 the same collectives run."""
   scale = lambda s: jax.lax.bitcast_convert_type(s, scale_dtype)
-  return jax.nn.scaled_matmul(a, b, scale(a_scale_bytes), scale(b_scale_bytes), preferred_element_type=F32)
+  return jax.nn.scaled_matmul(a, b, scale(a_scale_bytes), scale(b_scale_bytes), preferred_element_type=out_dtype)
 
 
 def _overlap(x, y) -> bool:
@@ -87,7 +105,7 @@ def _overlap(x, y) -> bool:
   return bool(as_set(x) & as_set(y))
 
 
-def _partition(scale_dtype, mesh, arg_shapes, result_shape):
+def _partition(scale_dtype, out_dtype, mesh, arg_shapes, result_shape):
   """Each device multiplies its rows (M) by its columns (N) over the contraction (K) that both operands
   split alike, summed across it; anything else is gathered first. Scales share their data's layout."""
   (batch, m, k), (_, n, k_b) = arg_shapes[0].sharding.spec, arg_shapes[1].sharding.spec
@@ -96,13 +114,16 @@ def _partition(scale_dtype, mesh, arg_shapes, result_shape):
   lhs, rhs = NamedSharding(mesh, P(batch, m, k)), NamedSharding(mesh, P(batch, n, k))
 
   def per_device(a, b, a_scale_bytes, b_scale_bytes):
-    y = _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, scale_dtype)
-    return jax.lax.psum(y, k) if k is not None else y
+    if k is None:
+      return _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, scale_dtype, out_dtype)
+    # Partial sums over a split contraction are added in float32, rounded once.
+    y = _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, scale_dtype, jnp.dtype(F32))
+    return jax.lax.psum(y, k).astype(out_dtype)
 
   return mesh, per_device, NamedSharding(mesh, P(batch, m, n)), (lhs, rhs, lhs, rhs)
 
 
-def _infer(scale_dtype, mesh, arg_shapes, result_shape):
+def _infer(scale_dtype, out_dtype, mesh, arg_shapes, result_shape):
   (batch, m, _), (_, n, _) = arg_shapes[0].sharding.spec, arg_shapes[1].sharding.spec
   return NamedSharding(mesh, P(batch, m, None if _overlap(m, n) else n))
 
@@ -139,6 +160,11 @@ def _dequantize_blocks(q: QuantizedTensor, dtype) -> jax.Array:
   _, blocked, _ = _member_axes(q)
   s = block_broadcast(q.scale_inv.astype(F32), q.data.shape, blocked, q.block)
   return (q.data.astype(F32) * s).astype(dtype)
+
+
+def _has_tensor_scale(q: QuantizedTensor) -> bool:
+  """Whether q carries a float32 tensor scale beside its block scales (NVFP4; MXFP8's is always 1.0)."""
+  return SCHEMES[q.recipe].tensor_scale
 
 
 def _tensor_scale(q: QuantizedTensor, batched: bool) -> jax.Array:

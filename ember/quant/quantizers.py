@@ -43,9 +43,16 @@ def _reduce(amax: jax.Array, reduce_axes) -> jax.Array:
   return jax.lax.pmax(amax, tuple(reduce_axes)) if reduce_axes else amax
 
 
-def tensor_amax(x32: jax.Array, reduce_axes: tuple[str, ...] = ()) -> jax.Array:
-  """max |x| over the whole tensor; NaN if any element is NaN."""
-  return _reduce(jnp.max(jnp.abs(x32)), reduce_axes)
+def tensor_amax(x: jax.Array, reduce_axes: tuple[str, ...] = ()) -> jax.Array:
+  """max |x| over the whole tensor, as float32; NaN if any element is NaN. Taken in x's own dtype: abs and
+  max are exact in every float format (and the widening after them too), so the pass reads bf16 bytes, not
+  a float32 copy."""
+  return _reduce(jnp.max(jnp.abs(x)).astype(jnp.float32), reduce_axes)
+
+
+def block_amax(x: jax.Array, axes, block) -> jax.Array:
+  """max |x| over each block, as float32, taken in x's own dtype (see `tensor_amax`)."""
+  return block_reduce_max(jnp.abs(x), axes, block).astype(jnp.float32)
 
 
 def scale_from_amax(numerator: float, amax: jax.Array, margin: int = 0):
@@ -87,7 +94,7 @@ class CurrentScaling:
 
   def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False):
     del rng  # Round to nearest.
-    amax = tensor_amax(x.astype(jnp.float32), reduce_axes)
+    amax = tensor_amax(x, reduce_axes)
     scale = scale_from_amax(self.fmt.max, amax)
     return _per_tensor(x, axis, self.fmt, scale, amax, "fp8_current", stats=stats, reduce_axes=reduce_axes)
 
@@ -135,7 +142,7 @@ class DelayedScaling:
 
   def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False):
     del rng  # Round to nearest.
-    amax = tensor_amax(x.astype(jnp.float32), reduce_axes)
+    amax = tensor_amax(x, reduce_axes)
     scale = self.scale
     # amax over the amax the scale was made for (fmt.max / scale, margin undone).
     staleness = amax * scale * jnp.float32(2.0**self.margin) / jnp.float32(self.fmt.max)
@@ -166,7 +173,7 @@ class MXFP8Scaling:
     x32 = x.astype(jnp.float32)
     axis = normalize_axis(axis, x.ndim)
     axes, block = (axis,), (self.block,)
-    amax_B = block_reduce_max(jnp.abs(x32), axes, block)
+    amax_B = block_amax(x, axes, block)
     # E4M3 max = 448 = 0.875 * 2**9, amax = m * 2**e, m in [0.5, 1):
     # amax / 2**k <= 448  <=>  k >= e - 9 + (m > 0.875).
     max_m, max_e = np.frexp(E4M3.max)
@@ -220,7 +227,7 @@ class NVFP4Scaling:
     axis = normalize_axis(axis, x.ndim)
     block = (self.block,) * (2 if self.tile_2d else 1)
     axes = block_axes(x.ndim, axis, block)
-    amax_B = block_reduce_max(jnp.abs(x32), axes, block)
+    amax_B = block_amax(x, axes, block)
     amax = _reduce(jnp.max(amax_B), reduce_axes)  # One pass over x for both.
     global_scale = scale_from_amax(6.0 * E4M3.max, amax)
     scale_B = formats.cast((amax_B / 6.0) * global_scale, E4M3)

@@ -57,6 +57,7 @@ class Scheme:
   delayed: bool = False  # Scales come from amax histories in the train state.
   transposed_copies: bool = False  # Block-scaled: x_t for wgrad, kernel_t for dgrad (see module doc).
   hadamard: bool = False  # The wgrad operands may go through the random Hadamard transform.
+  tensor_scale: bool = False  # Block-scaled data also carries a float32 per-tensor scale (NVFP4).
   # (statistic, limit) pairs replacing quant/health.py's default warning thresholds for this format.
   health_limits: tuple[tuple[str, float], ...] = ()
 
@@ -69,7 +70,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("mxfp8", lambda r, role, h: MXFP8Scaling(), block_size=32, transposed_copies=True),
     Scheme("nvfp4", lambda r, role, h: NVFP4Scaling(tile_2d=role == WEIGHT and r.nvfp4_2d_weights,
                                                     stochastic_rounding=role == GRADIENT and r.nvfp4_stochastic_rounding),
-           block_size=16, transposed_copies=True, hadamard=True,
+           block_size=16, transposed_copies=True, hadamard=True, tensor_scale=True,
            # 4-bit blocks underflow a few percent of a Gaussian tensor (elements under 1/12 of their block's
            # amax) and clip a few percent where an E4M3 block scale rounds down, by design.
            health_limits=(("underflow", 0.25), ("saturated", 0.10))),

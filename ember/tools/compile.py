@@ -43,6 +43,9 @@ def _work_lines(r: dict) -> list[str]:
                  f"{_ms(parts['memory'])}, overlapped with collectives {_ms(parts['collectives'])}; serial "
                  f"{_ms(r['time_serial_s'])}): MFU at most {r['mfu_ceiling']:.1%}, at most "
                  f"{r['tokens_per_s_ceiling']:,.0f} tokens/s per device")
+  if r.get("memory_by_op"):
+    ops = ", ".join(f"{m['op']} ({m['pass']}) {m['bytes'] / 1e9:,.1f} GB" for m in r["memory_by_op"][:10])
+    lines.append(f"  memory by op: {ops}")
   gib = 2**30
   for v in r["largest_values"][:3]:
     lines.append(f"  value:       {v['shape']} {v['bytes'] / gib:.2f} GiB x{v['count']}  {v['op_name']}")

@@ -168,3 +168,26 @@ def test_ragged_dot_expanded_by_the_gpu_compiler_shows_as_eight_times_the_work()
   assert 7.5 <= ratio <= 8.5, ratio
   copy = cost.largest_expert_copy(hlo.Program(text), local_experts=groups, rows=rows)
   assert copy is not None and copy["bytes"] >= groups * rows * k * 2, copy  # The masked bf16 copy of x per group.
+
+
+def test_memory_by_op_groups_the_memory_term_by_op_and_pass():
+  """A hand-written program: two forward kernels of one op, one backward, one recomputed; the rows add up to the
+  memory term, largest first, and name each op by its last part and its pass."""
+  op = lambda name: f'metadata={{op_name="jit(f)/{name}"}}'
+  text = f"""HloModule m
+
+ENTRY %main (a: f32[1024], b: f32[256]) -> (f32[1024], f32[1024], f32[256], f32[256]) {{
+  %a = f32[1024]{{0}} parameter(0)
+  %b = f32[256]{{0}} parameter(1)
+  %x = f32[1024]{{0}} negate(%a), {op("jvp()/quantize/convert_element_type")}
+  %y = f32[1024]{{0}} abs(%a), {op("jvp()/quantize/convert_element_type")}
+  %z = f32[256]{{0}} exponential(%b), {op("transpose(jvp())/quantize/reduce_max")}
+  %r = f32[256]{{0}} sine(%b), {op("transpose(jvp())/checkpoint/rematted_computation/sin")}
+  ROOT %t = (f32[1024]{{0}}, f32[1024]{{0}}, f32[256]{{0}}, f32[256]{{0}}) tuple(%x, %y, %z, %r)
+}}"""
+  p = hlo.Program(text)
+  rows = cost.memory_by_op(p)
+  assert rows == [{"op": "convert_element_type", "pass": "fwd", "bytes": 2 * 2 * 1024 * 4},
+                  {"op": "reduce_max", "pass": "bwd", "bytes": 2 * 256 * 4},
+                  {"op": "sin", "pass": "remat", "bytes": 2 * 256 * 4}]
+  assert sum(r["bytes"] for r in rows) == sum(k.bytes * k.times for k in hlo.memory_kernels(p))

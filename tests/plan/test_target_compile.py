@@ -3,12 +3,14 @@
 Needs JAX's CUDA plugin (launch/install_compile_plugin.sh; .ci/run installs it in a venv of its own and
 runs this file there). Without it every test here skips with that one reason."""
 
+import collections
 import json
 
 import pytest
 
 from ember import config as config_lib
 from ember import remat
+from ember.plan import hlo
 from ember.plan import target as target_lib
 from ember.plan.compile import compile_report
 from ember.tools import compile as tool
@@ -224,3 +226,16 @@ def test_moe_expert_gemms_do_the_routed_work_in_fp8():
   assert r["peak_bytes"] <= 56.5 * 2**30, r["peak_bytes"] / 2**30
   copy = moe["largest_expert_copy"]
   assert copy is None or copy["bytes"] <= 2**30, copy
+
+
+@pytest.mark.parametrize("target,recipe,gemm", [("h100x1", "fp8_current", "__cublas$lt$matmul$f8"),
+                                                 ("b200x1", "mxfp8", "__cudnn$blockScaledDot")])
+def test_quantized_gemms_write_the_dtype_their_consumer_reads(target, recipe, gemm, tmp_path):
+  """Forward and dgrad GEMMs feed bf16 math and write bf16; wgrad GEMMs write the float32 weight gradient. None
+  writes a float32 result for another kernel to read back and cast."""
+  path = tmp_path / "step.hlo"
+  compile_report(config_lib.load(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.remat.policy=none"]),
+                 target_lib.parse(target), hlo_out=str(path))
+  written = collections.Counter(hlo.dtype_of(i.shape) for i in hlo.Program(path.read_text()).instructions
+                                if i.opcode == "custom-call" and i.attribute("custom_call_target") == gemm)
+  assert written == {"bf16": 2 * QUANTIZED_PROJECTIONS, "f32": QUANTIZED_PROJECTIONS}, written

@@ -48,7 +48,7 @@ def _operands(recipe: Recipe):
 def test_each_gemm_equals_the_float64_product_of_its_dequantized_operands(recipe):
   recipe = Recipe(recipe)
   for name, (a, b, (ca, cb)) in _operands(recipe).items():
-    y = product(a, b, (ca, cb), jnp.float32)
+    y = product(a, b, (ca, cb), jnp.float32, jnp.float32)
     ref = np.tensordot(_f64(a), _f64(b), axes=(ca, cb))
     assert y.shape == ref.shape and _rel(y, ref) < F32_ERROR, (name, _rel(y, ref))
 
@@ -63,12 +63,12 @@ def test_batched_block_scaled_gemms_with_per_expert_kernels(recipe):
   w = pad_to(jax.random.normal(jax.random.key(2), (E, K, N)) * jnp.arange(E, 0, -1)[:, None, None], (1, b, b))
   h = jnp.zeros((E, 1), jnp.float32)
   qx = recipe.quantizer(ACTIVATION, h[0]).quantize(x, axis=2)
-  forward = batched_product(qx, per_expert(recipe, w, h, axis=0), (((2,), (1,)), ((0,), (0,))), jnp.float32)
+  forward = batched_product(qx, per_expert(recipe, w, h, axis=0), (((2,), (1,)), ((0,), (0,))), jnp.float32, jnp.float32)
   ref = np.einsum("eck,ekn->ecn", _f64(qx), _f64(per_expert(recipe, w, h, axis=0)))
   assert _rel(forward, ref) < F32_ERROR, _rel(forward, ref)
   qg = recipe.quantizer(GRADIENT, h[0]).quantize(jnp.einsum("eck,ekn->ecn", x, w), axis=2)
   kernel_n = per_expert(recipe, w, h, axis=1)
-  dgrad = batched_product(qg, kernel_n, (((2,), (2,)), ((0,), (0,))), jnp.float32)
+  dgrad = batched_product(qg, kernel_n, (((2,), (2,)), ((0,), (0,))), jnp.float32, jnp.float32)
   ref = np.einsum("ecn,ekn->eck", _f64(qg), _f64(kernel_n))
   assert _rel(dgrad, ref) < F32_ERROR, _rel(dgrad, ref)
 
@@ -79,7 +79,7 @@ def test_nvfp4_tensor_scales_on_the_output_remove_the_bf16_rounding():
   a, b, dims = _operands(Recipe("nvfp4"))["forward"]
   ref = np.tensordot(_f64(a), _f64(b), axes=dims)
   folded = jnp.dot(a.dequantize(jnp.bfloat16), b.dequantize(jnp.bfloat16), preferred_element_type=jnp.float32)
-  new = product(a, b, dims, jnp.bfloat16)
+  new = product(a, b, dims, jnp.bfloat16, jnp.float32)
   assert _rel(new, ref) < F32_ERROR, _rel(new, ref)
   assert NVFP4_BF16_FOLDED_ERROR / 2 < _rel(folded, ref) < NVFP4_BF16_FOLDED_ERROR * 1.5, _rel(folded, ref)
 
@@ -89,3 +89,6 @@ def test_the_platform_rule():
   assert gemm.block_gemm_path("gpu", (9, 0)) == gemm.EMULATED  # Hopper: no block-scaled tensor cores.
   assert gemm.block_gemm_path("gpu", (10, 0)) == gemm.NATIVE
   assert gemm.block_gemm_path("gpu", (12, 0)) == gemm.NATIVE
+  # A GEMM writes its consumer's dtype on a GPU (rounded in the epilogue), float32 on the CPU (the reference).
+  assert gemm.output_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16
+  assert gemm.output_dtype(jnp.bfloat16, "cpu") == jnp.float32
