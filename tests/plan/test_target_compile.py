@@ -75,8 +75,10 @@ def test_xla_attention_says_why():
 
 
 def test_offloaded_residuals_live_on_the_host():
-  """Batch 32 x 512: the quantized activation copies are big enough for offloading to lower the device peak."""
-  big = ["--config.quant.recipe=fp8_current", "--config.train.batch_size=32", "--config.model.seq_len=512"]
+  """Batch 32 x 512, 8 layers: the quantized activation copies are big enough for offloading to lower the device
+  peak."""
+  big = ["--config.quant.recipe=fp8_current", "--config.train.batch_size=32", "--config.model.seq_len=512",
+         "--config.model.num_layers=8"]
   kept = report("h100x1", *big, "--config.remat.policy=save_quantized")
   moved = report("h100x1", *big, "--config.remat.policy=save_quantized_offloaded")
   assert kept["host_bytes"] == 0 and moved["host_bytes"] > 0
