@@ -144,7 +144,7 @@ def expert_gemms(text_or_program) -> dict:
   precision, per device per step."""
   p = text_or_program if isinstance(text_or_program, hlo.Program) else hlo.Program(text_or_program)
   experts = [g for g in hlo.gemms(p) if EXPERT_GEMM_SCOPE in g.op_name and HADAMARD_SCOPE not in g.op_name]
-  forward = [g for g in experts if "transpose(" not in g.op_name and not g.recomputed]
+  forward = [g for g in experts if pass_of(g.op_name) == FORWARD]
   rows = max((_rows(g) for g in forward), default=0)
   flops = {prec: sum(g.flops_per_step for g in experts if g.precision == prec and not g.recomputed)
            for prec in hlo.PRECISIONS}
