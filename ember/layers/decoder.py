@@ -14,6 +14,7 @@ into segments instead of branching inside the scanned body.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -24,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ember import remat
 from ember.layers.attention import Attention
 from ember.layers.embed import Embed
-from ember.layers.linear import Linear
+from ember.layers.linear import Linear, projection_key
 from ember.layers.mlp import MLP
 from ember.layers.moe import MoE
 from ember.layers.norm import RMSNorm
@@ -32,6 +33,7 @@ from ember.model_config import ModelConfig
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, LAYER_PROJECTIONS, LAYERS, LENGTH, LM_HEAD, MOE_LAYER_COUNTS,
                          VOCAB)
 from ember.parallel.sharding import shard
+from ember.quant import dot
 
 
 def zero_aux() -> dict[str, jax.Array]:
@@ -212,7 +214,7 @@ class Transformer(nnx.Module):
     self.tie_embeddings = model.tie_embeddings
     self.kv_shape, self.kv_dtype, self.max_len = (model.num_kv_heads, model.head_dim), model.dtype, model.seq_len
     if not model.tie_embeddings:
-      # The chunked loss calls the head once per chunk, and delayed scaling's history update assumes
+      # The loss calls the head once per vocab slice, and delayed scaling's history update assumes
       # one call per step, so the head's recipe keeps no amax history (`Recipe.stateless`).
       self.lm_head = Linear((model.d_model,), (model.vocab_size,), (EMBED, VOCAB), name=LM_HEAD,
                             recipe=model.recipe_for(LM_HEAD).stateless(), init_std=model.init_std,
@@ -256,10 +258,28 @@ class Transformer(nnx.Module):
     return self.final_norm(x), new_cache
 
   def head(self, h_BxCxD, key=None):
-    """Logits (float32) for a chunk of final hidden states."""
+    """Logits (float32) for a chunk of final hidden states: the whole vocab at once (inference; training
+    applies the head slice by slice, `head_parts`)."""
+    w_DxV, logits = self.head_parts()
+    return shard(logits(h_BxCxD, w_DxV, key), (BATCH, LENGTH, VOCAB))
+
+  def head_parts(self):
+    """The LM head as (weight [D, V], logits), `logits(h [B, C, D], w [D, V'], key)` giving float32 logits
+    for any vocab slice `w` of that weight: a pure function, which the loss calls once per slice
+    (ember/trainer/loss.py)."""
     if self.tie_embeddings:
-      table = self.embed.embedding[...].astype(h_BxCxD.dtype)
-      logits = jnp.einsum("bcd,vd->bcv", h_BxCxD, table, preferred_element_type=jnp.float32)
-    else:
-      logits = self.lm_head(h_BxCxD, key).astype(jnp.float32)
-    return shard(logits, (BATCH, LENGTH, VOCAB))
+      return self.embed.embedding[...].T, _tied_logits
+    head = self.lm_head
+    return head.kernel[...], functools.partial(_linear_logits, recipe=head.recipe, dtype=head.dtype)
+
+
+def _tied_logits(h_BxCxD, w_DxV, key=None):
+  del key  # The tied head is never quantized.
+  return jnp.einsum("bcd,dv->bcv", h_BxCxD, w_DxV.astype(h_BxCxD.dtype), preferred_element_type=jnp.float32)
+
+
+def _linear_logits(h_BxCxD, w_DxV, key=None, *, recipe, dtype):
+  b, c, d = h_BxCxD.shape
+  y = dot.quantized_matmul(h_BxCxD.reshape(b * c, d), w_DxV, recipe=recipe, name=LM_HEAD,
+                           key=projection_key(key, LM_HEAD), dtype=dtype)
+  return y.reshape(b, c, -1).astype(jnp.float32)

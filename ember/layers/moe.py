@@ -18,9 +18,12 @@ Expert parallelism (a mesh whose `expert` axis has size n > 1): inside `jax.shar
 holds a slice of the tokens (batch -> data, fsdp, expert) and E/n experts. `model.moe_dispatch` picks
 how copies reach their experts' devices: all-gather / reduce-scatter over the expert axis, fixed
 all-to-all buffers, or `ragged_all_to_all` of the routed copies alone (ember/layers/moe_dispatch.py,
-which says what each costs). Expert weights enter the shard_map
-sharded over `expert` only: FSDP / tensor shards are all-gathered at its boundary and their
-gradients reduced there. Per-tensor amaxes of activations and gradients are pmax-ed over the token
+which says what each costs). Expert weights enter the shard_map sharded over `expert` and, when their
+recipe quantizes them, over the axes of their `embed` dim (FSDP): each device quantizes its shard (amaxes
+reduced over the shard axes), the GEMMs gather the quantized copies (FP8, or E2M1 with its scales: a
+quarter or less of the float32 bytes), and the weight gradient is reduce-scattered back (quant/grouped.py,
+`gathered`). Other shards (bf16 experts, a `tensor`-sharded `mlp` dim) are all-gathered in float32 at the
+boundary and their gradients reduced there. Per-tensor amaxes of activations and gradients are pmax-ed over the token
 axes (`reduce_axes`), so every shard quantizes with the global scale, as on one device.
 """
 
@@ -153,10 +156,12 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
     raise ValueError(f"{opts.num_experts} experts do not split over an expert axis of {n_ep} devices")
   # Histories and statistics: (x, kernels, grad); the kernels' rows go with their experts.
   specs_of = lambda trees: tuple(None if t is None else (P(), P(e_spec, None), P()) for t in trees)
-  body = functools.partial(_experts, opts=opts, token_axes=token_axes, expert_axes=expert_axes)
+  d_spec = _embed_shards(wi_ExDx2xF.shape[1], opts, mesh, rules, expert_axes)
+  body = functools.partial(_experts, opts=opts, token_axes=token_axes, expert_axes=expert_axes,
+                           embed_axes=_axes(d_spec))
   fn = jax.shard_map(body, mesh=mesh,
-                     in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec), P(e_spec), specs_of(histories),
-                               None if keys is None else (P(), P()), specs_of(stats)),
+                     in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec, d_spec), P(e_spec, None, d_spec),
+                               specs_of(histories), None if keys is None else (P(), P()), specs_of(stats)),
                      out_specs=(x_spec, P()))
   return fn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats)
 
@@ -165,10 +170,22 @@ def _axes(entry) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _embed_shards(d: int, opts: Options, mesh, rules, expert_axes):
+  """The mesh axes the expert kernels' `embed` dim stays sharded over inside the shard_map (a PartitionSpec
+  entry), or None: gathered whole at the boundary. Sharded when both kernels are quantized and a shard holds
+  whole scaling blocks (every real model: d_model / fsdp is a multiple of 32)."""
+  axes = tuple(a for a in _axes(sharding.logical_to_spec((EMBED,), rules, mesh)[0]) if a not in expert_axes)
+  size = math.prod(mesh.shape[a] for a in axes)
+  recipes = (opts.wi_recipe, opts.wo_recipe)
+  if size == 1 or not all(r.quantized for r in recipes) or d % size or (d // size) % max(r.block_size for r in recipes):
+    return None
+  return axes[0] if len(axes) == 1 else axes
+
+
 # ----------------------------------------------------------------------------- one token shard
 
 def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, *,
-             opts: Options, token_axes, expert_axes):
+             opts: Options, token_axes, expert_axes, embed_axes=()):
   b, l, d = x_BxLxD.shape
   t = b * l
   x_TxD = x_BxLxD.reshape(t, d)
@@ -185,8 +202,8 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
   slots = functools.partial(moe_dispatch.slot_rows, tokens=t, k=opts.k, num_experts=opts.num_experts, n=n,
                             capacity=opts.capacity(t), buffer=opts.expert_buffer)
   ffn = functools.partial(_swiglu, wi_ExDx2xF=wi_ExDx2xF, wo_ExFxD=wo_ExFxD, histories=histories, keys=keys,
-                          stats=stats, opts=opts, token_axes=token_axes, slots=slots if layout == moe_dispatch.CAPACITY
-                          else None)
+                          stats=stats, opts=opts, token_axes=token_axes, embed_axes=embed_axes,
+                          slots=slots if layout == moe_dispatch.CAPACITY else None)
   if dispatch in (moe_dispatch.LOCAL, moe_dispatch.ALLGATHER):
     y_TxKxD, overflow = _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, t=t, e_local=e_local,
                                            capacity=opts.capacity(t), expert_axes=expert_axes)
@@ -247,22 +264,27 @@ def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, dispatch, *, e_local, 
 
 
 def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, opts: Options, token_axes,
-            slots=None):
+            embed_axes=(), slots=None):
   """The local experts' SwiGLU on rows sorted by expert: (outputs [R, D], copies not computed). `slots`
-  (rows -> C) runs it in the capacity layout (layers/moe_dispatch.py), None with `ragged_dot`."""
-  e, d, _, f = wi_ExDx2xF.shape
+  (rows -> C) runs it in the capacity layout (layers/moe_dispatch.py), None with `ragged_dot`. `embed_axes`:
+  the kernels hold this device's shard of D over them (`_embed_shards`)."""
+  e, d_local, _, f = wi_ExDx2xF.shape
+  d = xs_RxD.shape[1]
   key_wi, key_wo = (None, None) if keys is None else keys
   common = dict(dtype=opts.dtype, reduce_axes=token_axes)
-  wi = dict(recipe=opts.wi_recipe, name="moe_wi", history=histories[0], key=key_wi, stats=stats[0], **common)
-  wo = dict(recipe=opts.wo_recipe, name="moe_wo", history=histories[1], key=key_wo, stats=stats[1], **common)
+  shards = lambda dim: (dim, embed_axes) if embed_axes else None  # D: wi's K (dim 1), wo's N (dim 2).
+  wi = dict(recipe=opts.wi_recipe, name="moe_wi", history=histories[0], key=key_wi, stats=stats[0],
+            kernel_shards=shards(1), **common)
+  wo = dict(recipe=opts.wo_recipe, name="moe_wo", history=histories[1], key=key_wo, stats=stats[1],
+            kernel_shards=shards(2), **common)
   if slots is None:
-    h = grouped_matmul(xs_RxD, wi_ExDx2xF.reshape(e, d, 2 * f), group_sizes_E, **wi).reshape(-1, 2, f)
+    h = grouped_matmul(xs_RxD, wi_ExDx2xF.reshape(e, d_local, 2 * f), group_sizes_E, **wi).reshape(-1, 2, f)
     gate, up = checkpoint_name(h[:, 0], remat.MOE_WI_0), checkpoint_name(h[:, 1], remat.MOE_WI_1)
     return checkpoint_name(grouped_matmul(jax.nn.silu(gate) * up, wo_ExFxD, group_sizes_E, **wo), remat.MOE_WO), 0
   c = slots(rows=xs_RxD.shape[0])
   slot_of_row, row_of_slot = capacity_layout(group_sizes_E, xs_RxD.shape[0], c)
   x_ExCxD = take_rows(xs_RxD, row_of_slot, slot_of_row[:, None]).reshape(e, c, d)
-  h = batched_matmul(x_ExCxD, wi_ExDx2xF.reshape(e, d, 2 * f), **wi).reshape(e, c, 2, f)
+  h = batched_matmul(x_ExCxD, wi_ExDx2xF.reshape(e, d_local, 2 * f), **wi).reshape(e, c, 2, f)
   gate, up = checkpoint_name(h[:, :, 0], remat.MOE_WI_0), checkpoint_name(h[:, :, 1], remat.MOE_WI_1)
   y_ExCxD = checkpoint_name(batched_matmul(jax.nn.silu(gate) * up, wo_ExFxD, **wo), remat.MOE_WO)
   y_RxD = take_rows(y_ExCxD.reshape(e * c, d), slot_of_row, row_of_slot[:, None])

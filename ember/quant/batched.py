@@ -28,7 +28,7 @@ from ember.names import EXPERT_GEMM_SCOPE
 from ember.quant.dot import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
 from ember.quant.gemm import block_scaled_dot
 from ember.quant.varying import sum_to, vma_of
-from ember.quant.grouped import per_expert
+from ember.quant.grouped import Shards, gathered, per_expert, scattered, whole, whole_shape
 from ember.quant.naming import name_quantized
 from ember.quant.quantizers import update_history
 from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, X, X_T, Recipe, pad_to
@@ -43,19 +43,21 @@ WGRAD = (((1,), (1,)), ((0,), (0,)))
 def batched_matmul(x_ExCxK: jax.Array, w_ExKxN: jax.Array, *, recipe: Recipe, name: str,
                    history: tuple[jax.Array, jax.Array, jax.Array] | None = None, key: jax.Array | None = None,
                    dtype=jnp.bfloat16, reduce_axes: tuple[str, ...] = (),
-                   stats: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+                   stats: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                   kernel_shards: Shards = None) -> jax.Array:
   """Each expert's slot of rows times its kernel, in `recipe`'s format; the arguments are
   `grouped_matmul`'s (quant/grouped.py), with the rows in the capacity layout instead of sorted."""
   dtype = jnp.dtype(dtype)
   with jax.named_scope(EXPERT_GEMM_SCOPE):
     if not recipe.quantized:
+      assert kernel_shards is None, "an unquantized kernel is gathered whole before the GEMM"
       return _unquantized(x_ExCxK.astype(dtype), w_ExKxN.astype(dtype), (vma_of(x_ExCxK), vma_of(w_ExKxN)))
     if history is None:  # Unused outside fp8_delayed; keeps one signature.
       history = (jnp.zeros((1,), F32), jnp.zeros((w_ExKxN.shape[0], 1), F32), jnp.zeros((1,), F32))
     operand_info = (x_ExCxK.shape[1:], jnp.dtype(x_ExCxK.dtype), jnp.dtype(w_ExKxN.dtype), vma_of(x_ExCxK),
                     vma_of(w_ExKxN))
     return _bmm(x_ExCxK, w_ExKxN, tuple(history), key, None if stats is None else tuple(stats), recipe, name, dtype,
-                tuple(reduce_axes), operand_info)
+                tuple(reduce_axes), operand_info, kernel_shards)
 
 
 def _dot(a, b, dims):
@@ -98,7 +100,8 @@ def _along_experts(q):
   return s.reshape(-1, 1, 1) if s.ndim == 1 else s
 
 
-def _quantize_operands(x, w, history, recipe: Recipe, name: str, reduce_axes, stats: bool = False):
+def _quantize_operands(x, w, history, recipe: Recipe, name: str, reduce_axes, stats: bool = False,
+                       shards: Shards = None):
   h_x, h_k, _ = history
   act = recipe.quantizer(ACTIVATION, h_x)
   q = {}
@@ -107,34 +110,34 @@ def _quantize_operands(x, w, history, recipe: Recipe, name: str, reduce_axes, st
     if recipe.has_x_t:
       q[X_T] = act.quantize(recipe.wgrad_transform(x, 1), axis=1, reduce_axes=reduce_axes)
   with jax.named_scope(SCOPE_WEIGHT):
-    q[KERNEL] = per_expert(recipe, w, h_k, axis=0, stats=stats)
+    q[KERNEL] = per_expert(recipe, w, h_k, axis=0, stats=stats, shards=shards)
     if recipe.has_kernel_t:
-      q[KERNEL_T] = per_expert(recipe, w, h_k, axis=1)
+      q[KERNEL_T] = per_expert(recipe, w, h_k, axis=1, shards=shards)
   return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
 
 
-def _forward(x, w, history, recipe, name, dtype, reduce_axes, stats=False):
+def _forward(x, w, history, recipe, name, dtype, reduce_axes, stats=False, shards: Shards = None):
   b = recipe.block_size
   xp, wp = pad_to(x, (1, b, b)), pad_to(w, (1, b, b))
-  q = _quantize_operands(xp, wp, history, recipe, name, reduce_axes, stats)
+  q = _quantize_operands(xp, wp, history, recipe, name, reduce_axes, stats, shards)
   if recipe.forward_quantized:
-    y = product(q[X], q[KERNEL], FORWARD, dtype, dtype)
+    y = product(q[X], gathered(q[KERNEL], shards), FORWARD, dtype, dtype)
   else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
-    y = _dot(xp.astype(dtype), wp.astype(dtype), FORWARD)
-  return y[:, :x.shape[1], :w.shape[2]].astype(dtype), q
+    y = _dot(xp.astype(dtype), whole(wp.astype(dtype), shards), FORWARD)
+  return y[:, :x.shape[1], :whole_shape(w, shards)[2]].astype(dtype), q
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _bmm(x, w, history, key, stats, recipe, name, dtype, reduce_axes, operand_info):
-  return _forward(x, w, history, recipe, name, dtype, reduce_axes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _bmm(x, w, history, key, stats, recipe, name, dtype, reduce_axes, operand_info, shards):
+  return _forward(x, w, history, recipe, name, dtype, reduce_axes, shards=shards)[0]
 
 
-def _bmm_fwd(x, w, history, key, stats, recipe, name, dtype, reduce_axes, operand_info):
-  y, q = _forward(x, w, history, recipe, name, dtype, reduce_axes, stats is not None)
+def _bmm_fwd(x, w, history, key, stats, recipe, name, dtype, reduce_axes, operand_info, shards):
+  y, q = _forward(x, w, history, recipe, name, dtype, reduce_axes, stats is not None, shards)
   return y, (q, history, key)
 
 
-def _bmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_ExCxN):
+def _bmm_bwd(recipe, name, dtype, reduce_axes, operand_info, shards, res, g_ExCxN):
   q, history, key = res
   with_stats = q[X].health is not None
   (c, k), x_dtype, w_dtype, x_vma, w_vma = operand_info
@@ -146,7 +149,7 @@ def _bmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_ExCxN):
     key_dgrad, key_wgrad = jax.random.split(key)
   with jax.named_scope(SCOPE_GRADIENT):
     g_rows = grad_q.quantize(g, axis=2, rng=key_dgrad, reduce_axes=reduce_axes, stats=with_stats)
-  dx = product(g_rows, q.get(KERNEL_T, q[KERNEL]), DGRAD, dtype, x_dtype)
+  dx = product(g_rows, gathered(q.get(KERNEL_T, q[KERNEL]), shards), DGRAD, dtype, x_dtype)
   if not recipe.has_x_t:  # Per-tensor: the forward copies serve wgrad too.
     g_cols, x_c = g_rows, q[X]
   else:  # Block-scaled: both operands along C (NVFP4 after the Hadamard transform).
@@ -161,7 +164,7 @@ def _bmm_bwd(recipe, name, dtype, reduce_axes, operand_info, res, g_ExCxN):
   else:
     new_history = jax.tree.map(jnp.zeros_like, history)
   dx = sum_to(dx[:, :c, :k], x_vma).astype(x_dtype)
-  dw = sum_to(dw[:, :k, :n], w_vma).astype(w_dtype)
+  dw = sum_to(scattered(dw[:, :k, :n], shards), w_vma).astype(w_dtype)
   health = (q[X].health, q[KERNEL].health, g_rows.health) if with_stats else None
   return dx, dw, new_history, None, health
 

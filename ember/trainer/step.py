@@ -33,7 +33,8 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
   inputs, segment_ids, positions, targets = _batch_views(batch)
   hidden, aux = model(inputs, segment_ids, positions, key=key, policy=policy)
   weights = (segment_ids > 0).astype(jnp.float32)
-  ce, z = cross_entropy(hidden, targets, weights, lambda h: model.head(h, key), chunk_size=cfg.train.loss_chunk_size)
+  w_head, logits = model.head_parts()
+  ce, z = cross_entropy(hidden, targets, weights, w_head, logits, key=key, chunk_size=cfg.train.loss_chunk_size)
   total = ce + cfg.train.z_loss_weight * z
   metrics = {"loss": ce, "z_loss": z}
   num_moe = ModelConfig.from_config(cfg).num_moe_layers

@@ -108,7 +108,7 @@ def test_tied_embeddings_share_one_table():
 
 
 def test_delayed_scaling_lm_head_falls_back_to_current_scaling():
-  """The chunked loss calls the head once per chunk, so an amax history cannot be kept for it: under
+  """The loss calls the head once per vocab slice, so an amax history cannot be kept for it: under
   fp8_delayed (head not excluded) the head runs fp8_current and owns no history; layers keep theirs."""
   model, cfg = _model(**{"quant.recipe": "fp8_delayed", "quant.exclude": (), "quant.amax_history_len": 4})
   assert model.lm_head.recipe.name == "fp8_current"

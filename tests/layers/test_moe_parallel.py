@@ -15,6 +15,7 @@ from ember.layers import moe_dispatch
 from ember.layers.moe import MoE, route
 from ember.model_config import ModelConfig
 from ember.parallel.mesh import make_mesh
+from ember.plan import hlo as hlo_lib
 from ember.parallel.sharding import logical_to_spec, rules_dict, tree_shardings, use_rules
 from ember.trainer.state import build_model, logical_axes, split_model
 from ember.trainer.step import forward_loss
@@ -77,8 +78,9 @@ def test_expert_parallel_model_equals_one_device_float32():
 
 # ----------------------------------------------------------------------------- one layer, every recipe
 
-def _layer(recipe: str, num_devices: int, mesh_axes: dict, num_experts: int = 4):
-  """y, aux and the gradients of sum(y * ct) + load-balance loss for one MoE layer, float32."""
+def _layer(recipe: str, num_devices: int, mesh_axes: dict, num_experts: int = 4, hlo: list | None = None):
+  """y, aux and the gradients of sum(y * ct) + load-balance loss for one MoE layer, float32. `hlo`: a list the
+  compiled program's text is appended to."""
   cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": recipe, "quant.amax_history_len": 4,
                               "quant.nvfp4_stochastic_rounding": False, "model.num_experts": num_experts,
                               **mesh_axes})
@@ -110,6 +112,8 @@ def _layer(recipe: str, num_devices: int, mesh_axes: dict, num_experts: int = 4)
     state = jax.device_put(state, tree_shardings(specs, mesh, cfg.mesh.rules))
     x = jax.device_put(x, NamedSharding(mesh, logical_to_spec(("batch", "length", "embed"),
                                                               rules_dict(cfg.mesh.rules), mesh)))
+    if hlo is not None:
+      hlo.append(run.lower(state, x).compile().as_text())
     return run(state, x)
 
 
@@ -117,10 +121,9 @@ def _grads_by_name(grads):
   return {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed", "mxfp8", "nvfp4"])
-def test_expert_parallel_layer_equals_one_device_quantized(recipe):
-  (grads_1, dx_1), (y_1, aux_1) = _layer(recipe, 1, {})
-  (grads_8, dx_8), (y_8, aux_8) = _layer(recipe, 8, EP)
+def _assert_layer_matches_one_device(recipe, one, sharded):
+  (grads_1, dx_1), (y_1, aux_1) = one
+  (grads_8, dx_8), (y_8, aux_8) = sharded
   # The forward pass and dgrad quantize every row exactly as on one device (global amaxes).
   assert _rel(y_8, y_1)[0] < 1e-5 and _rel(dx_8, dx_1)[0] < 1e-5
   for k in aux_1:
@@ -139,6 +142,11 @@ def test_expert_parallel_layer_equals_one_device_quantized(recipe):
       assert max_rel < 1e-4, name
 
 
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed", "mxfp8", "nvfp4"])
+def test_expert_parallel_layer_equals_one_device_quantized(recipe):
+  _assert_layer_matches_one_device(recipe, _layer(recipe, 1, {}), _layer(recipe, 8, EP))
+
+
 def test_nvfp4_expert_gradients_are_exact_when_a_device_holds_whole_groups():
   """expert=8, data=1: each device sees every row of its experts, in token order, so even the
   wgrad blocks along the rows are the one-device blocks."""
@@ -151,9 +159,29 @@ def test_nvfp4_expert_gradients_are_exact_when_a_device_holds_whole_groups():
     assert _rel(g8[name], g1[name])[0] < 1e-4, name
 
 
+@pytest.mark.parametrize("recipe,dispatch,expert_gemm", [("fp8_current", "ragged", "capacity"),
+                                                         ("fp8_delayed", "allgather", "ragged_dot"),
+                                                         ("mxfp8", "ragged", "ragged_dot"),
+                                                         ("nvfp4", "allgather", "capacity")])
+def test_fsdp_sharded_experts_are_quantized_on_their_shard(recipe, dispatch, expert_gemm):
+  """Expert kernels sharded over fsdp as well (embed -> fsdp), both GEMM layouts: each device quantizes its
+  shard with the whole kernel's scales and the GEMMs gather the quantized copies, so the layer equals one
+  device's and no float32 expert kernel crosses the mesh."""
+  hlo = []
+  sharded = _layer(recipe, 8, {"mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 4, "model.moe_dispatch": dispatch,
+                               "model.moe_expert_gemm": expert_gemm}, hlo=hlo)
+  _assert_layer_matches_one_device(recipe, _layer(recipe, 1, {}), sharded)
+  # tiny_moe: 4 experts of [64, 2, 128] and [128, 64]; an expert-axis shard holds 1 expert, d_model 64 is split in 2.
+  # (The CPU compiler carries 8-bit floats through collectives as f16; tests/plan compiles the GPU program.)
+  kernel_shapes = ("[1,64,256]", "[1,128,64]", "[1,64,2,128]")
+  kernel_gathers = [c.shape for c in hlo_lib.collective_ops(hlo[0])
+                    if c.kind == "all-gather" and any(s in c.shape for s in kernel_shapes)]
+  assert kernel_gathers and not [s for s in kernel_gathers if s.startswith("f32")], kernel_gathers
+
+
 @pytest.mark.parametrize("dispatch", ["allgather", "ragged"])
 def test_expert_parallel_with_fsdp_sharded_experts(dispatch):
-  """Expert kernels sharded over fsdp too (embed -> fsdp): gathered at the shard_map boundary."""
+  """Unquantized expert kernels sharded over fsdp too (embed -> fsdp): gathered at the shard_map boundary."""
   (grads_1, dx_1), (y_1, _) = _layer("bf16", 1, {})
   (grads_8, dx_8), (y_8, _) = _layer("bf16", 8, {"mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 4,
                                                  "model.moe_dispatch": dispatch})

@@ -57,6 +57,39 @@ def test_fsdp_keeps_dgrad_in_fp8():
     assert r["collectives"]["all-gather"] > 0 and r["collectives"]["reduce-scatter"] > 0
 
 
+def test_lm_head_gradient_is_reduced_once_a_step(tmp_path):
+  """FSDP over 8 GPUs, the loss in 8 vocab slices: the head's float32 gradient [64, 320] crosses the network once a
+  step (an eighth per slice), never whole once per loss chunk; its bf16 weight is gathered once per pass."""
+  path = tmp_path / "step.hlo"
+  d_model, vocab = 64, 320  # A vocab no layer's shape shares: the head's collectives are found by shape.
+  compile_report(config_lib.load(["compile", *TINY, "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=8",
+                                   "--config.train.batch_size=16", f"--config.model.vocab_size={vocab}",
+                                   "--config.train.loss_chunk_size=8"]),
+                 target_lib.parse("h100x8"), hlo_out=str(path))
+  moved = collections.Counter()
+  for c in hlo.collective_ops(path.read_text()):
+    if c.shape.split("{")[0] in (f"f32[{d_model},{vocab}]", f"f32[{d_model},{vocab // 8}]") or "lm_head" in c.op_name:
+      moved[c.kind, hlo.dtype_of(c.shape)] += c.bytes_per_step
+  assert moved == {("reduce-scatter", "f32"): d_model * vocab * 4, ("all-gather", "bf16"): 2 * d_model * vocab * 2}, moved
+
+
+def test_fsdp_expert_kernels_are_gathered_in_fp8(tmp_path):
+  """tiny_moe with its experts sharded over FSDP 8 (no expert parallelism): the expert kernels cross the network
+  as FP8 (quantized on their shard), never as float32; only the float32 router is gathered in float32."""
+  path = tmp_path / "step.hlo"
+  compile_report(config_lib.load(["compile", f"--config={ROOT}/configs/default.py:tiny_moe", "--config.data.source=synthetic",
+                                   "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=8", "--config.train.batch_size=8"]),
+                 target_lib.parse("h100x8"), hlo_out=str(path))
+  gathered = collections.Counter()
+  for c in hlo.collective_ops(path.read_text()):
+    if c.kind == "all-gather":
+      for part in c.shape.split(" "):
+        gathered[hlo.dtype_of(part), tuple(hlo.dims_of(part))] += 1
+  experts = [(dtype, dims) for dtype, dims in gathered if len(dims) == 3]  # [E, K, N] in some order: the experts.
+  assert experts and {dtype for dtype, _ in experts} == {"f8e4m3fn"}, gathered
+  assert {dims for dtype, dims in gathered if dtype == "f32"} <= {(64, 4)}, gathered  # The router's [D, E].
+
+
 def test_bf16_recipe_has_no_fp8_gemm():
   r = report("h100x1", "--config.quant.recipe=bf16", "--config.remat.policy=none")
   assert r["gemms"]["fp8"] == 0 and r["gemms"]["f32"] == 0 and r["gemms"]["bf16"] > 0
@@ -179,7 +212,7 @@ def test_block_scaled_gemms_are_emulated_on_hopper():
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_llama3_8b_block_scaled_compiles_for_eight_b200s(recipe, tmp_path):
   """The full model through the tool: exit 0; its 4 projections a layer in block-scaled GEMMs (with its
-  preset's recomputes), only the LM head's 4 GEMMs (forward, its recompute in the chunked loss, dgrad, wgrad)
+  preset's recomputes), only the LM head's 4 GEMMs (forward, its recompute in the loss's backward, dgrad, wgrad)
   in bf16."""
   out = tmp_path / "llama.json"
   assert tool.main(["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
