@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from ember.names import EXPERT_GEMM_SCOPE
 from ember.quant.dot import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
-from ember.quant.gemm import block_scaled_dot
+from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.varying import sum_to, vma_of
 from ember.quant.grouped import Shards, gathered, per_expert, scattered, whole, whole_shape
 from ember.quant.naming import name_quantized
@@ -60,15 +60,16 @@ def batched_matmul(x_ExCxK: jax.Array, w_ExKxN: jax.Array, *, recipe: Recipe, na
                 tuple(reduce_axes), operand_info, kernel_shards)
 
 
-def _dot(a, b, dims):
-  return jax.lax.dot_general(a, b, dims, preferred_element_type=F32)
+def _dot(a, b, dims, out=F32):
+  """f32 accumulation; written in `out` on GPUs (quant/gemm.py's `output_dtype`)."""
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=output_dtype(out)).astype(out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _unquantized(x_ExCxK, w_ExKxN, vmas):
   """In the compute dtype with f32 accumulation; the backward GEMMs on compute-dtype operands too (as
   quant/dot.py's `_unquantized`)."""
-  return _dot(x_ExCxK, w_ExKxN, FORWARD).astype(x_ExCxK.dtype)
+  return _dot(x_ExCxK, w_ExKxN, FORWARD, x_ExCxK.dtype)
 
 
 def _unquantized_fwd(x_ExCxK, w_ExKxN, vmas):
@@ -78,7 +79,8 @@ def _unquantized_fwd(x_ExCxK, w_ExKxN, vmas):
 def _unquantized_bwd(vmas, res, g_ExCxN):
   x, w = res
   g = g_ExCxN.astype(x.dtype)
-  return sum_to(_dot(g, w, DGRAD), vmas[0]).astype(x.dtype), sum_to(_dot(x, g, WGRAD), vmas[1]).astype(w.dtype)
+  dx = sum_to(_dot(g, w, DGRAD, output_dtype(x.dtype)), vmas[0]).astype(x.dtype)
+  return dx, sum_to(_dot(x, g, WGRAD), vmas[1]).astype(w.dtype)
 
 
 _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)

@@ -72,11 +72,11 @@ def product(a, b, contracting: tuple[int, int], dtype, out):
   return y.astype(out)
 
 
-def contract_last(a_MxN, b_KxN):
-  """a @ b.T with f32 accumulation, written as one dot_general: no transpose between a dequantize and
-  the dot, so that XLA's GPU compiler still sees `convert(f8) * scale` at the dot (an FP8 GEMM) and,
-  under FSDP, all-gathers the kernel in its low-precision form, not a transposed bf16 copy."""
-  return jax.lax.dot_general(a_MxN, b_KxN, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+def contract_last(a_MxN, b_KxN, out=jnp.float32):
+  """a @ b.T with f32 accumulation, written as one dot_general (no transpose before the dot, so that under
+  FSDP the kernel is all-gathered as it is, not as a transposed copy), for a consumer of dtype `out`."""
+  y = jax.lax.dot_general(a_MxN, b_KxN, (((1,), (1,)), ((), ())), preferred_element_type=output_dtype(out))
+  return y.astype(out)
 
 
 def contract_first(a_MxK, b_MxN):
@@ -86,14 +86,16 @@ def contract_first(a_MxK, b_MxN):
 
 @jax.custom_vjp
 def _unquantized(x_MxK, w_KxN):
-  """x @ w in the operands' (compute) dtype with f32 accumulation, rounded to that dtype.
+  """x @ w in the operands' (compute) dtype with f32 accumulation, rounded to that dtype: written in it by
+  the GEMM itself on GPUs (quant/gemm.py's `output_dtype`, the rule of every GEMM whose consumer reads
+  bf16), in float32 and then rounded on the CPU (the reference).
 
   The custom VJP keeps the backward GEMMs on compute-dtype operands: autodiff of the plain dot would
   pair the f32 cotangent of `preferred_element_type=f32` with the operand and XLA would run dgrad and
   wgrad as f32 x f32 GEMMs. The cotangent of a bf16 output is bf16-exact, so casting it back changes no
   value. Both GEMMs accumulate in f32 and are rounded to the compute dtype, as autodiff of the plain
   dot rounds them; under FSDP XLA reduce-scatters the weight gradient before that rounding (in f32)."""
-  return jnp.dot(x_MxK, w_KxN, preferred_element_type=jnp.float32).astype(x_MxK.dtype)
+  return jnp.dot(x_MxK, w_KxN, preferred_element_type=output_dtype(x_MxK.dtype)).astype(x_MxK.dtype)
 
 
 def _unquantized_fwd(x_MxK, w_KxN):
@@ -103,7 +105,7 @@ def _unquantized_fwd(x_MxK, w_KxN):
 def _unquantized_bwd(res, g_MxN):
   x_MxK, w_KxN = res
   g_MxN = g_MxN.astype(x_MxK.dtype)
-  return contract_last(g_MxN, w_KxN).astype(x_MxK.dtype), contract_first(x_MxK, g_MxN).astype(w_KxN.dtype)
+  return contract_last(g_MxN, w_KxN, x_MxK.dtype), contract_first(x_MxK, g_MxN).astype(w_KxN.dtype)
 
 
 _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)

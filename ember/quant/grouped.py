@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from ember.names import EXPERT_GEMM_SCOPE
 from ember.quant.varying import sum_to, vma_of
 from ember.quant.dot import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
+from ember.quant.gemm import output_dtype
 from ember.quant.naming import name_quantized
 from ember.quant.quantizers import update_history
 from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, WEIGHT, X, X_T, Recipe, pad_to
@@ -90,7 +91,8 @@ def _unquantized(x_MxK, w_ExKxN, group_sizes_E, vmas):
   """The grouped GEMM in the compute dtype, f32 accumulation, rounded to it. As `dot._unquantized`, the
   custom VJP keeps dgrad and wgrad on compute-dtype operands (autodiff would pair the f32 cotangent with
   them and run f32 GEMMs); the cotangent of a compute-dtype output is exact in it."""
-  return jax.lax.ragged_dot(x_MxK, w_ExKxN, group_sizes_E, preferred_element_type=jnp.float32).astype(x_MxK.dtype)
+  out = output_dtype(x_MxK.dtype)  # The GEMM writes the compute dtype on GPUs (quant/gemm.py).
+  return jax.lax.ragged_dot(x_MxK, w_ExKxN, group_sizes_E, preferred_element_type=out).astype(x_MxK.dtype)
 
 
 def _unquantized_fwd(x_MxK, w_ExKxN, group_sizes_E, vmas):
@@ -100,7 +102,8 @@ def _unquantized_fwd(x_MxK, w_ExKxN, group_sizes_E, vmas):
 def _unquantized_bwd(vmas, res, g_MxN):
   x_MxK, w_ExKxN, group_sizes_E = res
   g_MxN = g_MxN.astype(x_MxK.dtype)
-  dx = jax.lax.ragged_dot(g_MxN, jnp.swapaxes(w_ExKxN, 1, 2), group_sizes_E, preferred_element_type=jnp.float32)
+  dx = jax.lax.ragged_dot(g_MxN, jnp.swapaxes(w_ExKxN, 1, 2), group_sizes_E,
+                          preferred_element_type=output_dtype(x_MxK.dtype))
   dw = jax.lax.ragged_dot_general(x_MxK, g_MxN, group_sizes_E, _WGRAD_DIMS, preferred_element_type=jnp.float32)
   x_vma, w_vma = vmas
   return sum_to(dx, x_vma).astype(x_MxK.dtype), sum_to(dw, w_vma).astype(w_ExKxN.dtype), None

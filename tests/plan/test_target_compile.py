@@ -264,13 +264,15 @@ def test_moe_expert_gemms_do_the_routed_work_in_fp8():
 
 
 @pytest.mark.parametrize("target,recipe,gemm", [("h100x1", "fp8_current", "__cublas$lt$matmul$f8"),
-                                                 ("b200x1", "mxfp8", "__cudnn$blockScaledDot")])
+                                                 ("b200x1", "mxfp8", "__cudnn$blockScaledDot"),
+                                                 ("h100x1", "bf16", "__cublas$lt$matmul")])
 def test_quantized_gemms_write_the_dtype_their_consumer_reads(target, recipe, gemm, tmp_path):
-  """Forward and dgrad GEMMs feed bf16 math and write bf16; wgrad GEMMs write the float32 weight gradient. None
-  writes a float32 result for another kernel to read back and cast."""
+  """Forward and dgrad GEMMs feed bf16 math and write bf16, quantized or not; wgrad GEMMs write the float32 weight
+  gradient. None writes a float32 result for another kernel to read back and cast."""
   path = tmp_path / "step.hlo"
   compile_report(config_lib.load(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.remat.policy=none"]),
                  target_lib.parse(target), hlo_out=str(path))
   written = collections.Counter(hlo.dtype_of(i.shape) for i in hlo.Program(path.read_text()).instructions
                                 if i.opcode == "custom-call" and i.attribute("custom_call_target") == gemm)
-  assert written == {"bf16": 2 * QUANTIZED_PROJECTIONS, "f32": QUANTIZED_PROJECTIONS}, written
+  projections = QUANTIZED_PROJECTIONS + (recipe == "bf16")  # bf16 GEMMs: the layers' and the LM head's.
+  assert written == {"bf16": 2 * projections, "f32": projections}, written
