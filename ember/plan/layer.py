@@ -30,7 +30,7 @@ from ember import remat
 from ember.layers.decoder import Block, segments_of
 from ember.model_config import ModelConfig
 from ember.plan.jaxpr import GEMM_PRIMITIVES, is_projection_gemm, is_quantize_cast, iter_eqns, name_stack, nbytes
-from ember.quant.dot import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
+from ember.quant.core import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
 
 
 @dataclasses.dataclass(frozen=True)

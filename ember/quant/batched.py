@@ -1,15 +1,15 @@
 """The expert GEMMs over the capacity layout: y[e] = x[e] @ w[e] for x [E, C, K] (each local expert's rows
-in a slot of C, zero rows past its count) and w [E, K, N], as one batched `dot_general` each way, custom VJP:
+in a slot of C, zero rows past its count) and w [E, K, N], as one batched `dot_general` each way:
   forward  y[E, C, N]  = x[E, C, K] . w[E, K, N]     (batch E, contract K),
   dgrad    dx[E, C, K] = g[E, C, N] . w[E, K, N]     (batch E, contract N),
   wgrad    dw[E, K, N] = x[E, C, K] . g[E, C, N]     (batch E, contract C).
 Unlike `ragged_dot` (quant/grouped.py), which XLA's GPU compiler expands into a GEMM over every row for every
 local expert, these are batched GEMMs whose work is E x C rows: the routed copies and the slots' slack.
 
-Quantization is grouped.py's, operand for operand and name for name (`quantized.<projection>.<operand>`), so
-`save_quantized` keeps the same residuals and recomputes no quantize op: kernels per expert (per-expert
-amaxes and block scales), activations and gradients with one amax over all rows, reduced over
-`reduce_axes`. Block-scaled wgrad operands are quantized along C, so a block never spans two experts.
+The quantized GEMM and its custom VJP are quant/core.py's, with `CapacityLayout`: kernels as grouped.py's
+(`ExpertLayout`: per expert, possibly on their shard), activations and gradients with one amax over all rows,
+reduced over `reduce_axes`, and block-scaled wgrad operands quantized along C, so a block never spans two
+experts.
 
 Per-tensor recipes multiply their scales into the *output* (x's and g's scalar, each expert's kernel scale
 along E) and feed the GEMM the raw E4M3 / E5M2 values: XLA's GPU compiler runs that as one batched
@@ -19,20 +19,19 @@ Block-scaled recipes take quant/gemm.py's path for the platform (cuDNN's block-s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from ember.names import EXPERT_GEMM_SCOPE
-from ember.quant.dot import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
+from ember.quant.core import quantized_gemm
 from ember.quant.gemm import block_scaled_dot, output_dtype
+from ember.quant.grouped import ExpertLayout, Shards
+from ember.quant.recipe import Recipe, pad_to
+from ember.quant.tensor import QuantizedTensor
 from ember.quant.varying import sum_to, vma_of
-from ember.quant.grouped import Shards, gathered, per_expert, scattered, whole, whole_shape
-from ember.quant.naming import name_quantized
-from ember.quant.quantizers import update_history
-from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, X, X_T, Recipe, pad_to
-from ember.remat import quantized_name
 
 F32 = jnp.float32
 FORWARD = (((2,), (1,)), ((0,), (0,)))
@@ -52,12 +51,9 @@ def batched_matmul(x_ExCxK: jax.Array, w_ExKxN: jax.Array, *, recipe: Recipe, na
     if not recipe.quantized:
       assert kernel_shards is None, "an unquantized kernel is gathered whole before the GEMM"
       return _unquantized(x_ExCxK.astype(dtype), w_ExKxN.astype(dtype), (vma_of(x_ExCxK), vma_of(w_ExKxN)))
-    if history is None:  # Unused outside fp8_delayed; keeps one signature.
-      history = (jnp.zeros((1,), F32), jnp.zeros((w_ExKxN.shape[0], 1), F32), jnp.zeros((1,), F32))
-    operand_info = (x_ExCxK.shape[1:], jnp.dtype(x_ExCxK.dtype), jnp.dtype(w_ExKxN.dtype), vma_of(x_ExCxK),
-                    vma_of(w_ExKxN))
-    return _bmm(x_ExCxK, w_ExKxN, tuple(history), key, None if stats is None else tuple(stats), recipe, name, dtype,
-                tuple(reduce_axes), operand_info, kernel_shards)
+    layout = CapacityLayout(reduce_axes=tuple(reduce_axes), shards=kernel_shards)
+    return quantized_gemm(x_ExCxK, w_ExKxN, None, history, key, stats, layout=layout, recipe=recipe, name=name,
+                          dtype=dtype)
 
 
 def _dot(a, b, dims, out=F32):
@@ -102,73 +98,25 @@ def _along_experts(q):
   return s.reshape(-1, 1, 1) if s.ndim == 1 else s
 
 
-def _quantize_operands(x, w, history, recipe: Recipe, name: str, reduce_axes, stats: bool = False,
-                       shards: Shards = None):
-  h_x, h_k, _ = history
-  act = recipe.quantizer(ACTIVATION, h_x)
-  q = {}
-  with jax.named_scope(SCOPE_ACTIVATION):
-    q[X] = act.quantize(x, axis=2, reduce_axes=reduce_axes, stats=stats)
-    if recipe.has_x_t:
-      q[X_T] = act.quantize(recipe.wgrad_transform(x, 1), axis=1, reduce_axes=reduce_axes)
-  with jax.named_scope(SCOPE_WEIGHT):
-    q[KERNEL] = per_expert(recipe, w, h_k, axis=0, stats=stats, shards=shards)
-    if recipe.has_kernel_t:
-      q[KERNEL_T] = per_expert(recipe, w, h_k, axis=1, shards=shards)
-  return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
+@dataclasses.dataclass(frozen=True)
+class CapacityLayout(ExpertLayout):
+  """Each local expert's rows in a slot of C: x [E, C, K] (see the module doc)."""
+  x_axis = 2
+  row_axis = 1
 
+  def prepare(self, a_ExCxK, rows, block):
+    return pad_to(a_ExCxK, (1, block, block))
 
-def _forward(x, w, history, recipe, name, dtype, reduce_axes, stats=False, shards: Shards = None):
-  b = recipe.block_size
-  xp, wp = pad_to(x, (1, b, b)), pad_to(w, (1, b, b))
-  q = _quantize_operands(xp, wp, history, recipe, name, reduce_axes, stats, shards)
-  if recipe.forward_quantized:
-    y = product(q[X], gathered(q[KERNEL], shards), FORWARD, dtype, dtype)
-  else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
-    y = _dot(xp.astype(dtype), whole(wp.astype(dtype), shards), FORWARD)
-  return y[:, :x.shape[1], :whole_shape(w, shards)[2]].astype(dtype), q
+  def wgrad_rows(self, a_ExCxK, rows, block):
+    return a_ExCxK
 
+  def forward(self, x, w, rows, dtype):
+    if isinstance(x, QuantizedTensor):
+      return product(x, w, FORWARD, dtype, dtype)
+    return _dot(x.astype(dtype), w, FORWARD)
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _bmm(x, w, history, key, stats, recipe, name, dtype, reduce_axes, operand_info, shards):
-  return _forward(x, w, history, recipe, name, dtype, reduce_axes, shards=shards)[0]
+  def dgrad(self, g, w, rows, dtype, out):
+    return product(g, w, DGRAD, dtype, out)
 
-
-def _bmm_fwd(x, w, history, key, stats, recipe, name, dtype, reduce_axes, operand_info, shards):
-  y, q = _forward(x, w, history, recipe, name, dtype, reduce_axes, stats is not None, shards)
-  return y, (q, history, key)
-
-
-def _bmm_bwd(recipe, name, dtype, reduce_axes, operand_info, shards, res, g_ExCxN):
-  q, history, key = res
-  with_stats = q[X].health is not None
-  (c, k), x_dtype, w_dtype, x_vma, w_vma = operand_info
-  n, b = g_ExCxN.shape[2], recipe.block_size
-  g = pad_to(g_ExCxN, (1, b, b))
-  grad_q = recipe.quantizer(GRADIENT, history[2])
-  key_dgrad = key_wgrad = None
-  if key is not None:
-    key_dgrad, key_wgrad = jax.random.split(key)
-  with jax.named_scope(SCOPE_GRADIENT):
-    g_rows = grad_q.quantize(g, axis=2, rng=key_dgrad, reduce_axes=reduce_axes, stats=with_stats)
-  dx = product(g_rows, gathered(q.get(KERNEL_T, q[KERNEL]), shards), DGRAD, dtype, x_dtype)
-  if not recipe.has_x_t:  # Per-tensor: the forward copies serve wgrad too.
-    g_cols, x_c = g_rows, q[X]
-  else:  # Block-scaled: both operands along C (NVFP4 after the Hadamard transform).
-    with jax.named_scope(SCOPE_GRADIENT):
-      g_cols = grad_q.quantize(recipe.wgrad_transform(g, 1), axis=1, rng=key_wgrad, reduce_axes=reduce_axes)
-    x_c = q[X_T]
-  dw = product(x_c, g_cols, WGRAD, dtype, w_dtype)
-  h_x, h_k, h_g = history
-  if recipe.delayed:
-    new_history = (update_history(h_x, q[X].amax), jax.vmap(update_history)(h_k, q[KERNEL].amax),
-                   update_history(h_g, g_rows.amax))
-  else:
-    new_history = jax.tree.map(jnp.zeros_like, history)
-  dx = sum_to(dx[:, :c, :k], x_vma).astype(x_dtype)
-  dw = sum_to(scattered(dw[:, :k, :n], shards), w_vma).astype(w_dtype)
-  health = (q[X].health, q[KERNEL].health, g_rows.health) if with_stats else None
-  return dx, dw, new_history, None, health
-
-
-_bmm.defvjp(_bmm_fwd, _bmm_bwd)
+  def wgrad(self, x, g, rows, block, dtype, out):
+    return product(x, g, WGRAD, dtype, out)

@@ -11,7 +11,7 @@ import pytest
 from ember.quant import gemm
 from ember.quant.dot import product
 from ember.quant.batched import product as batched_product
-from ember.quant.grouped import per_expert
+from ember.quant.grouped import quantize_per_expert
 from ember.quant.recipe import ACTIVATION, GRADIENT, QUANTIZED_RECIPES, WEIGHT, Recipe, pad_to
 
 M, K, N, E = 40, 72, 56, 3  # Neither 72 nor 56 a multiple of 32: every operand is padded.
@@ -63,11 +63,12 @@ def test_batched_block_scaled_gemms_with_per_expert_kernels(recipe):
   w = pad_to(jax.random.normal(jax.random.key(2), (E, K, N)) * jnp.arange(E, 0, -1)[:, None, None], (1, b, b))
   h = jnp.zeros((E, 1), jnp.float32)
   qx = recipe.quantizer(ACTIVATION, h[0]).quantize(x, axis=2)
-  forward = batched_product(qx, per_expert(recipe, w, h, axis=0), (((2,), (1,)), ((0,), (0,))), jnp.float32, jnp.float32)
-  ref = np.einsum("eck,ekn->ecn", _f64(qx), _f64(per_expert(recipe, w, h, axis=0)))
+  qw = quantize_per_expert(recipe, w, h, axis=0)
+  forward = batched_product(qx, qw, (((2,), (1,)), ((0,), (0,))), jnp.float32, jnp.float32)
+  ref = np.einsum("eck,ekn->ecn", _f64(qx), _f64(qw))
   assert _rel(forward, ref) < F32_ERROR, _rel(forward, ref)
   qg = recipe.quantizer(GRADIENT, h[0]).quantize(jnp.einsum("eck,ekn->ecn", x, w), axis=2)
-  kernel_n = per_expert(recipe, w, h, axis=1)
+  kernel_n = quantize_per_expert(recipe, w, h, axis=1)
   dgrad = batched_product(qg, kernel_n, (((2,), (2,)), ((0,), (0,))), jnp.float32, jnp.float32)
   ref = np.einsum("ecn,ekn->eck", _f64(qg), _f64(kernel_n))
   assert _rel(dgrad, ref) < F32_ERROR, _rel(dgrad, ref)
