@@ -66,6 +66,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.weight_decay = 0.1  # Decoupled weight decay.
   t.decay_norms_and_embeddings = False  # Apply weight decay to norm scales and embeddings too.
   t.grad_clip_norm = 1.0  # Clip by global norm; 0 = off.
+  t.grad_accum_steps = 1  # Micro-batches per optimizer step: batch_size / grad_accum_steps sequences each, run
+  # one after another with their gradients summed; batch_size stays the step's global batch.
   t.loss_chunk_size = 1024  # Live logits of the cross-entropy: as many as this many tokens' full-vocab logits
   # (the vocab is cut into ceil(seq_len / loss_chunk_size) slices; ember/trainer/loss.py); 0 = all at once.
   t.z_loss_weight = 0.0  # Weight of the log(Z)^2 auxiliary loss.

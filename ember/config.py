@@ -298,6 +298,10 @@ def _validate_mesh(cfg, num_devices):
   if cfg.train.batch_size % batch_shards:
     _fail("train.batch_size", f"{cfg.train.batch_size} is not divisible by the data-parallel size "
           f"data*fsdp*expert={batch_shards}")
+  accum = cfg.train.grad_accum_steps
+  if (cfg.train.batch_size // batch_shards) % accum:
+    _fail("train.grad_accum_steps", f"{accum} does not divide the sequences each device holds: train.batch_size="
+          f"{cfg.train.batch_size} / data*fsdp*expert={batch_shards} = {cfg.train.batch_size // batch_shards}")
   m = cfg.model
   if sizes["tensor"] > 1 and m.num_kv_heads % sizes["tensor"]:
     _fail("mesh.tensor", f"{sizes['tensor']} does not divide model.num_kv_heads={m.num_kv_heads}")

@@ -61,7 +61,7 @@ SCALARS = {
     "train.min_lr_ratio": ("float", "[0,1]"), "train.b1": ("float", "[0,1)"), "train.b2": ("float", "[0,1)"),
     "train.eps": ("float", ">0"), "train.weight_decay": ("float", ">=0"),
     "train.decay_norms_and_embeddings": ("bool", ""), "train.grad_clip_norm": ("float", ">=0"),
-    "train.loss_chunk_size": ("int", ">=0"), "train.z_loss_weight": ("float", ">=0"),
+    "train.loss_chunk_size": ("int", ">=0"), "train.grad_accum_steps": ("int", ">=1"), "train.z_loss_weight": ("float", ">=0"),
     "train.eval_every_steps": ("int", ">=0"), "train.eval_batches": ("int", ">=1"),
     "train.profile_start_step": ("int", ">=-1"), "train.profile_steps": ("int", ">=1"),
     "quant.recipe": ("str", ""), "quant.amax_history_len": ("int", ">=1"),

@@ -19,6 +19,10 @@ CASES = [
     (["--config.mesh.data=3", "--config.mesh.fsdp=1"], "config.mesh: mesh (data=3, fsdp=1, tensor=1, expert=1) has 3"),
     (["--config.train.batch_size=6", "--config.mesh.fsdp=4", "--config.mesh.data=2"],
      "config.train.batch_size: 6 is not divisible by the data-parallel size"),
+    (["--config.train.grad_accum_steps=3"],
+     "config.train.grad_accum_steps: 3 does not divide the sequences each device holds: train.batch_size=8 / "
+     "data*fsdp*expert=8 = 1"),
+    (["--config.train.grad_accum_steps=0"], "config.train.grad_accum_steps: must be >= 1, got 0"),
     (["--config.data.path=/nonexistent/*.txt"], "config.data.path: no file matches '/nonexistent/*.txt'"),
     (["--config.quant.recipe=fp7"], "config.quant.recipe: unknown value 'fp7'; choose one of bf16, fp8_delayed"),
     (["--config.remat.policy=custom", "--config.remat.save_names=('bogus',)"],

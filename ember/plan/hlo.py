@@ -152,8 +152,10 @@ _KERNEL_CALLEES = {"while": ("body", "condition"), "conditional": ("branch_compu
 
 def _callees(line: str, key: str = "body|condition|calls|to_apply|branch_computations|called_computations"
              ) -> list[str]:
-  found = re.findall(rf"(?:{key})=\{{?(%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)", line)
-  return [c.strip().lstrip("%") for group in found for c in group.split(",")]
+  # `key={%a, %b}` lists or `key=%a`; a list never runs on into the next attribute (`condition=%c, body=%b`).
+  found = re.findall(rf"\b(?:{key})=(?:\{{([^}}]*)\}}|(%?[\w.\-]+))", line)
+  return [c.strip().lstrip("%") for braced, single in found for c in (braced.split(",") if braced else [single])
+          if c.strip()]
 
 
 def instructions(hlo: str) -> list[Instruction]:

@@ -50,11 +50,12 @@ class LayerProblem:
 
 
 def per_device_batch(cfg, mesh=None) -> int:
-  """Sequences per device along the batch's mesh axes (at least 1): the mesh's, or those of a derived
-  config (per-host sizes times the `dcn_*` host counts)."""
+  """Sequences per device of one micro-batch (train.grad_accum_steps; at least 1), along the batch's mesh
+  axes: the mesh's, or those of a derived config (per-host sizes times the `dcn_*` host counts)."""
   size = lambda a: int(mesh.shape[a]) if mesh is not None else max(int(cfg.mesh[a]), 1) * int(
       cfg.mesh.get(f"dcn_{a}", 1))
-  return max(cfg.train.batch_size // (size("data") * size("fsdp") * size("expert")), 1)
+  shards = size("data") * size("fsdp") * size("expert")
+  return max(cfg.train.batch_size // shards // cfg.train.grad_accum_steps, 1)
 
 
 def representative_block(model: ModelConfig) -> int:

@@ -57,3 +57,29 @@ def measure(x32: jax.Array, scaled: jax.Array, data: jax.Array, fmt_max: float, 
   if reduce_axes:
     counts = jax.lax.psum(counts, tuple(reduce_axes))
   return jnp.stack([amax, scale, counts[0], counts[1], counts[2], staleness]).astype(jnp.float32)
+
+
+# How two micro-batches' measurements of a projection combine into the step's (ember/trainer/step.py). A
+# projection's statistics are rows [..., R, STATS]: the first (x) and the last (the gradient) measure a
+# different tensor in every micro-batch: the largest amax and staleness, the smallest scale (that of the
+# largest amax), the counts summed. The rows between are its kernel(s), the same tensor every time: kept.
+_COMBINE = {"amax": jnp.maximum, "scale": jnp.minimum, "saturated": jnp.add, "underflow": jnp.add,
+            "nonzero": jnp.add, "staleness": jnp.maximum}
+_IDENTITY = {"amax": 0.0, "scale": float("inf"), "saturated": 0.0, "underflow": 0.0, "nonzero": 0.0, "staleness": 0.0}
+
+
+def _kernel_rows(shape) -> jax.Array:
+  rows = jnp.arange(shape[-2])
+  return ((rows > 0) & (rows < shape[-2] - 1))[:, None]
+
+
+def combine(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Two micro-batches' statistics of the same projections combined, as if the step had measured them at once."""
+  across = jnp.stack([_COMBINE[s](a[..., i], b[..., i]) for i, s in enumerate(STATS)], axis=-1)
+  return jnp.where(_kernel_rows(a.shape), jnp.maximum(a, b), across)
+
+
+def combine_identity(shape) -> jax.Array:
+  """The statistics that `combine` leaves any measurement unchanged with."""
+  across = jnp.broadcast_to(jnp.asarray([_IDENTITY[s] for s in STATS], jnp.float32), shape)
+  return jnp.where(_kernel_rows(shape), 0.0, across)

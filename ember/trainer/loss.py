@@ -36,12 +36,13 @@ def num_slices(length: int, vocab: int, chunk_size: int) -> int:
 
 
 def cross_entropy(hidden_BxLxD, targets_BxL, weights_BxL, w_DxV, logits: Callable, *, key=None,
-                  chunk_size: int = 0):
+                  chunk_size: int = 0, count=None):
   """Returns (mean next-token NLL, mean log(Z)^2) over tokens with weight > 0.
 
   `logits(h [B, L, D], w [D, C], key)` is the LM head applied to a vocab slice `w` of its weight
   `w_DxV` (float32 logits [B, L, C]); it must be a pure function of its arguments (it is called in
-  both passes). `chunk_size` bounds the live logits (see `num_slices`).
+  both passes). `chunk_size` bounds the live logits (see `num_slices`). `count`: the denominator, when
+  these tokens are one micro-batch of a larger step (its weighted tokens); default these tokens' own.
   """
   _, length, d = hidden_BxLxD.shape
   vocab = w_DxV.shape[1]
@@ -51,8 +52,13 @@ def cross_entropy(hidden_BxLxD, targets_BxL, weights_BxL, w_DxV, logits: Callabl
   w_NxDxC = shard(jnp.moveaxis(w_DxV.reshape(d, (vocab + pad) // n, n), 2, 0), (None, EMBED, VOCAB))
   weights_BxL = weights_BxL.astype(F32)
   nll_sum, z_sum = _sliced_sums(logits, vocab, hidden_BxLxD, w_NxDxC, targets_BxL, weights_BxL, key)
-  count = jnp.maximum(jnp.sum(weights_BxL), 1.0)
+  count = token_count(weights_BxL) if count is None else count
   return nll_sum / count, z_sum / count
+
+
+def token_count(weights_BxL):
+  """The loss's denominator: the tokens with weight > 0 (at least 1)."""
+  return jnp.maximum(jnp.sum(weights_BxL.astype(F32)), 1.0)
 
 
 def _slice_logits(logits: Callable, vocab: int, n: int, h, w_DxC, c, key):

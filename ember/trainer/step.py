@@ -15,8 +15,11 @@ from ember.model_config import ModelConfig
 from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS,
                          MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
 from ember.parallel.sharding import logical_to_spec, rules_dict, shard
-from ember.trainer.loss import cross_entropy
+from ember.quant import health
+from ember.trainer.loss import cross_entropy, token_count
 from ember.trainer.state import TrainState, stats_inputs, step_key
+
+F32 = jnp.float32
 
 
 def _batch_views(batch):
@@ -25,21 +28,25 @@ def _batch_views(batch):
 
 
 def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
-                 policy: remat.Preset = remat.PRESETS["none"]):
+                 policy: remat.Preset = remat.PRESETS["none"], count=None, micro_batches: int = 1):
   """(total loss, metrics) for one batch: next-token CE + z-loss (+ the MoE auxiliary losses of MoE models).
   `stats`: the health-statistics inputs (state.stats_inputs) when log.quant_stats_every > 0; `policy`: the
-  remat preset the layers run under."""
+  remat preset the layers run under. `count`, `micro_batches`: the batch is one of `micro_batches` of a step
+  whose weighted tokens number `count`; its CE and z-loss are divided by the step's tokens and its MoE
+  auxiliary losses by `micro_batches`, so the step's losses, metrics and gradients are sums over its
+  micro-batches (`train_step`)."""
   model = nnx.merge(graphdef, params, quant_state, *([stats] if stats else []))
   inputs, segment_ids, positions, targets = _batch_views(batch)
   hidden, aux = model(inputs, segment_ids, positions, key=key, policy=policy)
   weights = (segment_ids > 0).astype(jnp.float32)
   w_head, logits = model.head_parts()
-  ce, z = cross_entropy(hidden, targets, weights, w_head, logits, key=key, chunk_size=cfg.train.loss_chunk_size)
+  ce, z = cross_entropy(hidden, targets, weights, w_head, logits, key=key, chunk_size=cfg.train.loss_chunk_size,
+                        count=count)
   total = ce + cfg.train.z_loss_weight * z
   metrics = {"loss": ce, "z_loss": z}
   num_moe = ModelConfig.from_config(cfg).num_moe_layers
   if num_moe:  # Dense models log no MoE keys (they would always be zero).
-    lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / num_moe, aux[MOE_ROUTER_Z_LOSS] / num_moe
+    lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / (num_moe * micro_batches), aux[MOE_ROUTER_Z_LOSS] / (num_moe * micro_batches)
     total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
     metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
                     MOE_ROUTED_TOKENS: aux[MOE_ROUTED_TOKENS], MOE_OVERFLOW_TOKENS: aux[MOE_OVERFLOW_TOKENS]})
@@ -48,24 +55,76 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
   return total, metrics
 
 
-def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy: remat.Preset):
+def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy: remat.Preset,
+               batch_shards: int = 1):
   """One optimizer step. Delayed-scaling histories come back as the quant state's "gradient", and with
-  log.quant_stats_every > 0 the projections' health statistics as the stats inputs' (metrics["quant_stats"])."""
+  log.quant_stats_every > 0 the projections' health statistics as the stats inputs' (metrics["quant_stats"]).
+  With train.grad_accum_steps > 1 the batch runs as that many micro-batches (`_accumulate`); `batch_shards`:
+  the devices the batch's rows are sharded over."""
   key = step_key(cfg.seed, state.step)
-  loss_fn = functools.partial(forward_loss, graphdef=graphdef, cfg=cfg, key=key, policy=policy)
-  if cfg.log.quant_stats_every:
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 3), has_aux=True)
-    stats = stats_inputs(cfg)
-    (_, metrics), (grads, new_quant_state, health) = grad_fn(state.params, state.quant_state, batch, stats)
-    metrics = dict(metrics, quant_stats=health)
+  with_stats = bool(cfg.log.quant_stats_every)
+  loss_fn = functools.partial(forward_loss, graphdef=graphdef, cfg=cfg, policy=policy)
+  grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 3) if with_stats else (0, 1), has_aux=True)
+  stats = stats_inputs(cfg) if with_stats else None
+  accum = cfg.train.grad_accum_steps
+  if accum == 1:
+    (_, metrics), outs = grad_fn(state.params, state.quant_state, batch, stats, key=key)
   else:
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-    (_, metrics), (grads, new_quant_state) = grad_fn(state.params, state.quant_state, batch)
+    metrics, outs = _accumulate(grad_fn, state, batch, stats, key, accum, batch_shards)
+  grads, new_quant_state = outs[0], outs[1]
+  if with_stats:
+    metrics = dict(metrics, quant_stats=outs[2])
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, quant_state=new_quant_state)
   return new_state, metrics
+
+
+def micro_batches(a, accum: int, batch_shards: int):
+  """[B, ...] -> [accum, B / accum, ...]: micro-batch i takes rows [i * m, (i + 1) * m) of every device's B /
+  batch_shards rows (m = B / batch_shards / accum), so each micro-batch is sharded as the batch is and no
+  row moves between devices."""
+  b = a.shape[0]
+  m = b // batch_shards // accum
+  split = a.reshape(batch_shards, accum, m, *a.shape[1:]).swapaxes(0, 1).reshape(accum, b // accum, *a.shape[1:])
+  return shard(split, (None, BATCH, LENGTH) + (None,) * (a.ndim - 2))
+
+
+def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int):
+  """(metrics, (grads, quant state[, health])) of a step run as `accum` micro-batches in a scan, one
+  micro-batch's activations alive at a time. Each micro-batch's losses are its share of the step's
+  (`forward_loss`), so losses, counts and gradients add up; gradients are summed in float32. Delayed-scaling
+  histories combine by max (every micro-batch rolls its amax into the same start-of-step history, so the
+  step rolls in the largest) and health statistics by `health.combine`. Micro-batch i's stochastic rounding
+  draws from `fold_in(key, i)`."""
+  count = token_count(batch[SEGMENT_IDS] > 0)
+  xs = (jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch), jnp.arange(accum))
+
+  def run(micro, i):
+    return grad_fn(state.params, state.quant_state, micro, stats, key=jax.random.fold_in(key, i), count=count,
+                   micro_batches=accum)
+
+  (_, metrics_shape), outs_shape = jax.eval_shape(run, *jax.tree.map(lambda a: a[0], xs))
+  f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
+  init = (f32_zeros(metrics_shape), f32_zeros(outs_shape[0]), f32_zeros(outs_shape[1]))
+  if stats is not None:
+    init += (jax.tree.map(lambda a: health.combine_identity(a.shape), outs_shape[2]),)
+
+  def body(carry, x):
+    (_, metrics), outs = run(*x)
+    add = lambda acc, a: acc + a.astype(F32)
+    new = (jax.tree.map(add, carry[0], metrics), jax.tree.map(add, carry[1], outs[0]),
+           jax.tree.map(jnp.maximum, carry[2], outs[1]))
+    if stats is not None:
+      new += (jax.tree.map(health.combine, carry[3], outs[2]),)
+    return new, None
+
+  total, _ = jax.lax.scan(body, init, xs)
+  like = lambda tree, shapes: jax.tree.map(lambda a, s: a.astype(s.dtype), tree, shapes)
+  metrics = like(total[0], metrics_shape)
+  outs = (like(total[1], outs_shape[0]), like(total[2], outs_shape[1])) + tuple(total[3:])
+  return metrics, outs
 
 
 def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:
@@ -79,8 +138,11 @@ def jit_train_step(cfg, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy
   its shardings, the batch on `batch_sharding`, the old state donated. The remat preset is chosen here:
   `policy`, or the config's (`remat.policy`, resolved; the plan tools pass each preset they compare)."""
   policy = remat.preset(cfg.remat) if policy is None else policy
-  step = functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy)
-  return jax.jit(step, in_shardings=(shardings, batch_sharding(cfg, mesh)), out_shardings=(shardings, None),
+  rows = batch_sharding(cfg, mesh)
+  shards = cfg.train.batch_size // rows.shard_shape((cfg.train.batch_size, cfg.model.seq_len))[0]
+  step = functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy,
+                           batch_shards=shards)
+  return jax.jit(step, in_shardings=(shardings, rows), out_shardings=(shardings, None),
                  donate_argnums=0 if donate else ())
 
 

@@ -57,6 +57,30 @@ def test_collective_bytes_per_step_count_loop_trips():
   assert got["all-reduce"] == 16 * 4  # Outside the loop: once.
 
 
+def test_nested_loops_multiply_their_trip_counts():
+  """A loop inside a loop (micro-batches around layers) runs its body outer x inner times, whatever the order of
+  the while's `condition=` and `body=` attributes."""
+  text = """HloModule m
+
+%layer (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %g = f32[8]{0} parameter(1)
+  ROOT %rs = f32[1]{0} reduce-scatter(%g), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+}
+
+%micro (q: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %q = (s32[], f32[8]{0}) parameter(0)
+  ROOT %inner = (s32[], f32[8]{0}) while(%q), condition=%cond, body=%layer, backend_config={"known_trip_count":{"n":"5"}}
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = (s32[], f32[8]{0}) parameter(0)
+  ROOT %outer = (s32[], f32[8]{0}) while(%x), condition=%cond, body=%micro, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+  assert hlo.collectives(text)["reduce-scatter"] == 3 * 5 * 8 * 4
+
+
 def test_real_cpu_reduce_scatter_counts_its_input():
   mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
   f = jax.shard_map(lambda a: jax.lax.psum_scatter(a, "x", tiled=True), mesh=mesh, in_specs=P(), out_specs=P("x"),

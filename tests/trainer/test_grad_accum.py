@@ -1,0 +1,79 @@
+"""Gradient accumulation: a step of micro-batches is the step of the whole batch (8 CPU devices), resumes
+exactly, and its throughput counts the whole step."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from ember.trainer.loop import train
+from ember.trainer.step import batch_sharding, jit_train_step, micro_batches
+from tests.helpers import config, random_batch, start
+
+MESH = {"mesh.data": 2, "mesh.fsdp": 4}
+
+
+def _step(cfg):
+  """(metrics, new state) of one train step of `cfg` on 8 devices, on a packed batch with padding."""
+  s = start(cfg, 8)
+  sharding = batch_sharding(s.cfg, s.mesh)
+  with s.rules():
+    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
+    new_state, metrics = step(s.state, {k: jax.device_put(v, sharding) for k, v in random_batch(s.cfg).items()})
+  return metrics, new_state
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
+
+
+@pytest.mark.parametrize("preset,recipe", [("tiny", "bf16"), ("tiny_moe", "bf16"), ("tiny", "fp8_delayed")])
+def test_four_micro_batches_equal_one_batch(preset, recipe):
+  """float32, data 2 x fsdp 4, 32 sequences: 4 micro-batches of 8 give the loss, the metrics, the gradients (the
+  optimizer's first and second moments), the updated parameters and the delayed-scaling histories (each rolls
+  in the largest micro-batch amax: the whole batch's) and health statistics of one batch of 32. tiny_moe: dropless and without the
+  load-balance loss, which is per micro-batch by design (docs/moe.md)."""
+  overrides = {"model.dtype": "float32", "quant.recipe": recipe, "train.batch_size": 32, "train.z_loss_weight": 1e-3,
+               **MESH}
+  if preset == "tiny_moe":
+    overrides.update({"model.capacity_factor": 0.0, "model.load_balance_weight": 0.0})
+  if recipe == "fp8_delayed":  # Health statistics too: counts add up, amaxes and staleness take the max.
+    overrides["log.quant_stats_every"] = 1
+  one, state_one = _step(config(preset, **overrides))
+  four, state_four = _step(config(preset, **overrides, **{"train.grad_accum_steps": 4}))
+  for k in one:
+    if k != "moe_load_balance_loss":
+      for a, b in zip(jax.tree.leaves(one[k]), jax.tree.leaves(four[k]), strict=True):
+        assert _rel(b, a) < 1e-6, (k, b, a)
+  flat_one = jax.tree_util.tree_flatten_with_path(state_one)[0]
+  flat_four = jax.tree.leaves(state_four)
+  assert len(flat_one) == len(flat_four)
+  for (path, a), b in zip(flat_one, flat_four):
+    assert _rel(b, a) < 1e-6, jax.tree_util.keystr(path)
+
+
+def test_micro_batches_keep_every_row_on_its_device():
+  """Micro-batch i holds rows [i * m, (i + 1) * m) of every device's block: no row changes device."""
+  rows = np.arange(16)[:, None]  # 4 devices x 4 rows, 2 micro-batches of 2 rows per device.
+  split = np.asarray(micro_batches(rows, 2, 4))[..., 0]
+  assert split.tolist() == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+
+
+def _records(workdir):
+  return [json.loads(line) for line in open(workdir / "metrics.jsonl") if '"loss"' in line]
+
+
+def test_resume_mid_way_and_tokens_per_s_count_the_step(tmp_path):
+  """fp8_delayed (histories combine by max), 2 micro-batches: 4 steps straight, and 2 steps then a resume to 4,
+  log the same losses bit for bit; tokens/s is the whole batch's tokens over the step time."""
+  common = {"quant.recipe": "fp8_delayed", "train.batch_size": 16, "train.grad_accum_steps": 2,
+            "checkpoint.every_steps": 2, "log.every_steps": 1}
+  train(config("tiny", **common, steps=4, workdir=str(tmp_path / "straight")))
+  train(config("tiny", **common, steps=2, workdir=str(tmp_path / "resumed")))
+  train(config("tiny", **common, steps=4, workdir=str(tmp_path / "resumed")))
+  straight, resumed = _records(tmp_path / "straight"), _records(tmp_path / "resumed")
+  assert [r["loss"] for r in resumed if r["step"] > 2] == [r["loss"] for r in straight if r["step"] > 2]
+  for r in straight:
+    assert abs(r["tokens_per_s"] * r["step_time_s"] / (16 * config("tiny").model.seq_len) - 1) < 1e-6
