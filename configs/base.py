@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.seq_len = 128  # Tokens per training sequence (packed).
   m.rope_theta = 10000.0  # Rotary embedding base.
   m.norm_eps = 1e-5  # RMSNorm epsilon.
+  m.qk_norm = False  # RMSNorm over each head's dims on queries and keys, before RoPE (Qwen3's QK-norm).
   m.tie_embeddings = False  # Use the token embedding as the LM head.
   m.param_dtype = "float32"  # Master weights and optimizer state.
   m.dtype = "bfloat16"  # Activation / compute dtype.

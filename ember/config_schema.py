@@ -47,6 +47,7 @@ SCALARS = {
     "model.num_heads": ("int", ">=1"), "model.num_kv_heads": ("int", ">=1"), "model.head_dim": ("int", ">=0"),
     "model.d_ff": ("int", ">=1"), "model.vocab_size": ("int", ">=1"), "model.seq_len": ("int", ">=1"),
     "model.rope_theta": ("float", ">0"), "model.norm_eps": ("float", ">=0"),
+    "model.qk_norm": ("bool", ""),
     "model.tie_embeddings": ("bool", ""), "model.param_dtype": ("str", ""),
     "model.dtype": ("str", ""), "model.attention": ("str", ""),
     "model.init_std": ("float", ">=0"), "model.num_experts": ("int", ">=0"),

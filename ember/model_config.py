@@ -38,6 +38,7 @@ class ModelConfig:
   dtype: jnp.dtype
   attention: str  # auto | xla | cudnn
   init_std: float
+  qk_norm: bool = False  # RMSNorm over head_dim on queries and keys, before RoPE (Qwen3).
   num_experts: int = 0  # 0 = dense.
   experts_per_token: int = 2
   moe_every: int = 1
@@ -59,7 +60,7 @@ class ModelConfig:
         vocab_size=int(m.vocab_size), seq_len=int(m.seq_len), rope_theta=float(m.rope_theta),
         norm_eps=float(m.norm_eps), tie_embeddings=bool(m.tie_embeddings), param_dtype=jnp.dtype(m.param_dtype),
         dtype=jnp.dtype(m.dtype), attention=str(m.attention), init_std=float(m.init_std),
-        num_experts=int(m.num_experts), experts_per_token=int(m.experts_per_token), moe_every=int(m.moe_every),
+        qk_norm=bool(m.qk_norm), num_experts=int(m.num_experts), experts_per_token=int(m.experts_per_token), moe_every=int(m.moe_every),
         shared_expert_d_ff=int(m.shared_expert_d_ff), router_softmax_first=bool(m.router_softmax_first),
         capacity_factor=float(m.capacity_factor), moe_dispatch=str(m.moe_dispatch),
         moe_ragged_buffer=float(m.moe_ragged_buffer), moe_expert_gemm=str(m.moe_expert_gemm),

@@ -126,6 +126,8 @@ def unsupported(m: ModelConfig) -> str | None:
     return "an MoE with a shared expert (model.shared_expert_d_ff > 0) has no Mixtral form"
   if m.is_moe and m.moe_every != 1:
     return f"dense layers between MoE layers (model.moe_every = {m.moe_every}) have no Mixtral form"
+  if m.qk_norm:
+    return "QK-norm (model.qk_norm) has no Llama / Mixtral form"
   return None
 
 

@@ -40,6 +40,9 @@ def expected_tensors(m: ModelConfig, abstract_params: dict) -> dict[str, tuple[i
 
 def check(directory: str, m: ModelConfig, abstract_params: dict) -> Reader:
   """The directory's reader once config.json and every tensor agree with the model; else CheckpointError."""
+  problem = layout.unsupported(m)
+  if problem:
+    raise CheckpointError(f"{WHAT}: {problem}")
   try:
     with open(os.path.join(directory, "config.json")) as f:
       hf_config = json.load(f)

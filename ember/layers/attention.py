@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ember import remat
 from ember.errors import one_line
 from ember.layers.linear import Linear
+from ember.layers.norm import RMSNorm
 from ember.layers.rope import apply_rope
 from ember.model_config import ModelConfig
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV
@@ -68,6 +69,9 @@ class Attention(nnx.Module):
                       init_std=model.init_std, **common)
     self.out = Linear((model.num_heads, model.head_dim), (model.d_model,), (HEADS, HEAD_DIM, EMBED), name="out",
                       recipe=model.recipe_for("out", layer), init_std=model.out_init_std, **common)
+    if model.qk_norm:  # One scale over head_dim shared by all heads, for queries and for keys (Qwen3).
+      norm = dict(eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
+      self.q_norm, self.k_norm = RMSNorm(model.head_dim, **norm), RMSNorm(model.head_dim, **norm)
 
   def _qkv(self, x_BxLxD, positions_BxL, key):
     """Q, K, V of the fused projection, named for remat (before RoPE), then rotated."""
@@ -78,6 +82,8 @@ class Attention(nnx.Module):
     q_BxLxNxH = checkpoint_name(shard(q_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY)
     k_BxLxKxH = checkpoint_name(shard(k_BxLxKxH, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), remat.KEY)
     v_BxLxKxH = checkpoint_name(shard(v_BxLxKxH, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), remat.VALUE)
+    if hasattr(self, "q_norm"):
+      q_BxLxNxH, k_BxLxKxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxKxH)
     q_BxLxNxH = apply_rope(q_BxLxNxH, positions_BxL, self.rope_theta)
     k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope_theta)
     return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH

@@ -221,6 +221,16 @@ def test_bad_hf_input_is_one_line(tmp_path):
   assert result.returncode == 2 and "shared expert" in result.stderr, result.stderr
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr
   assert not os.path.exists(tmp_path / "shared_hf" / "config.json")
+  # Nor has QK-norm a Llama form: refused on export and on import.
+  _save_checkpoint(tmp_path / "qk", **{"model.qk_norm": True})
+  result = _tool("export_hf", f"--checkpoint={tmp_path / 'qk'}", f"--out={tmp_path / 'qk_hf'}")
+  assert result.returncode == 2 and "QK-norm" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+  (tmp_path / "llama_hf").mkdir()
+  (tmp_path / "llama_hf" / "config.json").write_text('{"model_type": "llama"}')
+  result = subprocess.run([sys.executable, "train.py", "--config=configs/default.py:tiny", "--config.model.qk_norm=True",
+                           f"--config.workdir={tmp_path / 'w2'}", f"--config.checkpoint.init_from_hf={tmp_path / 'llama_hf'}"],
+                          capture_output=True, text=True, cwd=helpers.ROOT)
+  assert result.returncode == 2 and "QK-norm" in result.stderr, result.stderr
 
 
 def test_sentencepiece_tokenizer_files_give_embers_ids(tmp_path):

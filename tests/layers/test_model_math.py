@@ -121,3 +121,42 @@ def test_delayed_scaling_lm_head_falls_back_to_current_scaling():
   excluded, _ = _model(**{"quant.recipe": "fp8_delayed", "quant.exclude": ("lm_head",)})
   assert excluded.lm_head.recipe.name == "bf16"
   assert dataclasses.replace(excluded.lm_head.recipe, name="fp8_delayed").stateless().name == "fp8_current"
+
+
+def _rope64(x, pos, theta):
+  """RoPE in float64 numpy (the half-split rotation `test_rope_matches_complex_rotation` checks)."""
+  h = x.shape[-1]
+  z = (x[..., : h // 2] + 1j * x[..., h // 2:]) * np.exp(1j * pos[:, :, None, None] * theta ** (-np.arange(0, h, 2) / h))
+  return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def test_qk_norm_attention_matches_numpy():
+  """model.qk_norm (Qwen3): each query and key head is RMS-normalised over its dims with one learned scale for
+  queries and one for keys, before RoPE; the layer equals that computed in float64 numpy from its own weights."""
+  from ember.layers.attention import Attention
+  cfg = derive(config("tiny", **{"model.dtype": "float32", "quant.recipe": "bf16", "model.qk_norm": True}), 1)
+  m = ModelConfig.from_config(cfg)
+  with nnx.use_eager_sharding(False):
+    attn = Attention(m, layer=0, rngs=nnx.Rngs(params=0))
+  rng = np.random.default_rng(3)
+  attn.q_norm.scale[...] = jnp.asarray(rng.uniform(0.5, 2.0, m.head_dim), jnp.float32)
+  attn.k_norm.scale[...] = jnp.asarray(rng.uniform(0.5, 2.0, m.head_dim), jnp.float32)
+  b, l = 2, 16
+  x = rng.standard_normal((b, l, m.d_model)).astype(np.float32)
+  pos = np.tile(np.arange(l), (b, 1))
+  got = attn(jnp.asarray(x), jnp.ones((b, l), jnp.int32), jnp.asarray(pos))
+
+  f64 = lambda a: np.asarray(a, np.float64)
+  qkv = np.einsum("bld,dkgh->blkgh", f64(x), f64(attn.qkv.kernel[...]))
+  g = m.num_heads // m.num_kv_heads
+  q, k, v = qkv[:, :, :, :g].reshape(b, l, m.num_heads, m.head_dim), qkv[:, :, :, g], qkv[:, :, :, g + 1]
+  rms = lambda a, s: a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + m.norm_eps) * f64(s)
+  q = _rope64(rms(q, attn.q_norm.scale[...]), pos, m.rope_theta)
+  k = _rope64(rms(k, attn.k_norm.scale[...]), pos, m.rope_theta)
+  k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # Query head n reads kv head n // g.
+  scores = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(m.head_dim)
+  scores = np.where(np.tril(np.ones((l, l), bool)), scores, -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  ctx = np.einsum("bnqk,bknh->bqnh", p / p.sum(-1, keepdims=True), v)
+  expected = np.einsum("bqnh,nhd->bqd", ctx, f64(attn.out.kernel[...]))
+  np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-5)
