@@ -1,4 +1,5 @@
-"""ember's parameters in Hugging Face's Llama / Mixtral layout, both ways: the one place for the rule.
+"""ember's parameters in Hugging Face's Llama / Mixtral / Qwen3 / Qwen3-MoE layouts, both ways: the one place
+for the rule.
 
 ember keeps projections fused and input-major (`y = x @ kernel`); Hugging Face keeps them split and
 output-major (`y = x @ weight.T`). Per layer (HF names below `model.layers.{i}.`):
@@ -15,14 +16,19 @@ output-major (`y = x @ weight.T`). Per layer (HF names below `model.layers.{i}.`
   moe.router                     [D, E]             block_sparse_moe.gate.weight [E, D]
   moe.wi.kernel                  [E, D, 2, F]       block_sparse_moe.experts.{e}.w1 (gate), .w3 (up) [F, D]
   moe.wo.kernel                  [E, F, D]          block_sparse_moe.experts.{e}.w2 [D, F]
+  attn.q_norm.scale, k_norm      [H]                self_attn.q_norm.weight, self_attn.k_norm.weight (Qwen3)
+
+The family follows the model (`family`): Llama (dense), Mixtral (MoE), Qwen3 (dense with `model.qk_norm`) and
+Qwen3-MoE (MoE with `model.qk_norm`), whose router is `mlp.gate.weight` and experts
+`mlp.experts.{e}.{gate,up,down}_proj.weight` (the names transformers' `save_pretrained` writes).
 
 and embed.embedding [V, D] = model.embed_tokens.weight, final_norm.scale = model.norm.weight,
 lm_head.kernel [D, V] = lm_head.weight [V, D] (absent when the embeddings are tied).
 
 The rest agrees without conversion: RoPE's half-split layout is HF's `rotate_half` with the same
 frequencies, RMSNorm is HF's, and ember's router (softmax over the top-k logits, or softmax, top-k,
-renormalise) is Mixtral's softmax, top-k, renormalise. What the format cannot say is refused
-(`unsupported`): a shared expert, dense layers between MoE layers.
+renormalise) is Mixtral's softmax, top-k, renormalise, and Qwen3-MoE's with `norm_topk_prob`. What the
+format cannot say is refused (`unsupported`): a shared expert, dense layers between MoE layers.
 
 In ember's parameter tree, layers are stacked per segment: `decoder.layer_slots` says where each is.
 """
@@ -66,19 +72,23 @@ def _norm(hf: str) -> Rule:
   return Rule(lambda m, w: {hf: w}, lambda m, get: get(hf, (m.d_model,)))
 
 
-def _experts_wi_to_hf(m: ModelConfig, w):
-  out = {}
-  for e in range(w.shape[0]):
-    out[f"block_sparse_moe.experts.{e}.w1.weight"] = w[e, :, 0].T
-    out[f"block_sparse_moe.experts.{e}.w3.weight"] = w[e, :, 1].T
-  return out
-
-
-def _experts_wi_from_hf(m: ModelConfig, get: Get):
-  f, d = m.d_ff, m.d_model
-  return np.stack([np.stack([get(f"block_sparse_moe.experts.{e}.w1.weight", (f, d)).T,
-                             get(f"block_sparse_moe.experts.{e}.w3.weight", (f, d)).T], axis=1)
-                   for e in range(m.num_experts)])
+def _moe_rules(router: str, expert: str, gate: str, up: str, down: str) -> dict[tuple, Rule]:
+  """An MoE family's router and expert rules: `expert` is the expert's prefix with `{e}`, gate / up / down its
+  projections' names."""
+  name = lambda e, proj: f"{expert.format(e=e)}.{proj}.weight"
+  f_d = lambda m: (m.d_ff, m.d_model)
+  return {
+      ("moe", "router"): Rule(
+          lambda m, w: {router: w.T}, lambda m, get: get(router, (m.num_experts, m.d_model)).T),
+      ("moe", "wi", "kernel"): Rule(
+          lambda m, w: {n: a for e in range(w.shape[0]) for n, a in ((name(e, gate), w[e, :, 0].T),
+                                                                    (name(e, up), w[e, :, 1].T))},
+          lambda m, get: np.stack([np.stack([get(name(e, gate), f_d(m)).T, get(name(e, up), f_d(m)).T], axis=1)
+                                   for e in range(m.num_experts)])),
+      ("moe", "wo", "kernel"): Rule(
+          lambda m, w: {name(e, down): w[e].T for e in range(w.shape[0])},
+          lambda m, get: np.stack([get(name(e, down), (m.d_model, m.d_ff)).T for e in range(m.num_experts)])),
+  }
 
 
 LAYER_RULES = {
@@ -96,15 +106,29 @@ LAYER_RULES = {
     ("mlp", "wo", "kernel"): Rule(
         lambda m, w: {"mlp.down_proj.weight": w.T},
         lambda m, get: get("mlp.down_proj.weight", (m.d_model, m.d_ff)).T),
-    ("moe", "router"): Rule(
-        lambda m, w: {"block_sparse_moe.gate.weight": w.T},
-        lambda m, get: get("block_sparse_moe.gate.weight", (m.num_experts, m.d_model)).T),
-    ("moe", "wi", "kernel"): Rule(_experts_wi_to_hf, _experts_wi_from_hf),
-    ("moe", "wo", "kernel"): Rule(
-        lambda m, w: {f"block_sparse_moe.experts.{e}.w2.weight": w[e].T for e in range(w.shape[0])},
-        lambda m, get: np.stack([get(f"block_sparse_moe.experts.{e}.w2.weight", (m.d_model, m.d_ff)).T
-                                 for e in range(m.num_experts)])),
 }
+
+_HEAD_NORMS = {("attn", f"{n}_norm", "scale"): Rule(lambda m, w, n=n: {f"self_attn.{n}_norm.weight": w},
+                                                    lambda m, get, n=n: get(f"self_attn.{n}_norm.weight", (m.head_dim,)))
+               for n in ("q", "k")}
+_MOE_RULES = {
+    "mixtral": _moe_rules("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}", "w1", "w3", "w2"),
+    "qwen3_moe": _moe_rules("mlp.gate.weight", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
+}
+# family -> (architecture, model_type).
+FAMILIES = {"llama": ("LlamaForCausalLM", "llama"), "mixtral": ("MixtralForCausalLM", "mixtral"),
+            "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+
+
+def family(m: ModelConfig) -> str:
+  if m.qk_norm:
+    return "qwen3_moe" if m.is_moe else "qwen3"
+  return "mixtral" if m.is_moe else "llama"
+
+
+def layer_rules(m: ModelConfig) -> dict[tuple, Rule]:
+  """The rules of one layer's tensors in `m`'s family."""
+  return {**LAYER_RULES, **_MOE_RULES.get(family(m), {}), **(_HEAD_NORMS if m.qk_norm else {})}
 
 TOP_RULES = {
     ("embed", "embedding"): Rule(
@@ -123,11 +147,9 @@ def layer_prefix(layer: int) -> str:
 def unsupported(m: ModelConfig) -> str | None:
   """Why this architecture has no Llama / Mixtral form (None if it has one)."""
   if m.shared_expert_d_ff:
-    return "an MoE with a shared expert (model.shared_expert_d_ff > 0) has no Mixtral form"
+    return "an MoE with a shared expert (model.shared_expert_d_ff > 0) has no Mixtral or Qwen3-MoE form"
   if m.is_moe and m.moe_every != 1:
-    return f"dense layers between MoE layers (model.moe_every = {m.moe_every}) have no Mixtral form"
-  if m.qk_norm:
-    return "QK-norm (model.qk_norm) has no Llama / Mixtral form"
+    return f"dense layers between MoE layers (model.moe_every = {m.moe_every}) have no Mixtral or Qwen3-MoE form"
   return None
 
 
@@ -141,7 +163,7 @@ def to_hf(m: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   for slot in layer_slots(m):
     layer = params["segments"][slot.segment]["blocks"]["layers"][slot.j]
     for path, stacked in tree_leaves(layer):
-      for name, w in LAYER_RULES[path].to_hf(m, np.asarray(stacked[slot.index])).items():
+      for name, w in layer_rules(m)[path].to_hf(m, np.asarray(stacked[slot.index])).items():
         out[layer_prefix(slot.layer) + name] = np.ascontiguousarray(w)
   out.update(TOP_RULES[("final_norm", "scale")].to_hf(m, np.asarray(params["final_norm"]["scale"])))
   if "lm_head" in params:
@@ -157,14 +179,14 @@ def leaf_source(m: ModelConfig, path: tuple) -> tuple[Rule, list[int] | None]:
   """For a leaf of ember's parameter tree: its rule and, for stacked layer leaves, the layer of each
   index of the leading axis (None for leaves outside the layers)."""
   layers = stacked_layers(m, path)
-  return (TOP_RULES[tuple(path)] if layers is None else LAYER_RULES[within_layer(path)]), layers
+  return (TOP_RULES[tuple(path)] if layers is None else layer_rules(m)[within_layer(path)]), layers
 
 
 def hf_config(m: ModelConfig, dtype: str) -> dict:
-  """config.json of the LlamaForCausalLM / MixtralForCausalLM with ember's shapes."""
+  """config.json of the family's model (`FAMILIES`) with ember's shapes."""
+  architecture, model_type = FAMILIES[family(m)]
   c = {
-      "architectures": ["MixtralForCausalLM" if m.is_moe else "LlamaForCausalLM"],
-      "model_type": "mixtral" if m.is_moe else "llama",
+      "architectures": [architecture], "model_type": model_type,
       "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,
       "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
       "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
@@ -175,7 +197,11 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
       # ember trains without BOS/EOS tokens (document boundaries are segment ids).
       "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
   }
-  if m.is_moe:
+  if family(m) == "qwen3_moe":  # Every layer MoE; the renormalised top-k is ember's router.
+    c.update(num_experts=m.num_experts, num_experts_per_tok=m.experts_per_token, moe_intermediate_size=m.d_ff,
+             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+             router_aux_loss_coef=0.0, use_sliding_window=False, sliding_window=None)
+  elif m.is_moe:
     c.update(num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token, output_router_logits=False,
              sliding_window=None, router_jitter_noise=0.0)
   else:
@@ -186,9 +212,14 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
 def config_mismatch(m: ModelConfig, hf: dict) -> str | None:
   """The first hyper-parameter of config.json that disagrees with ember's model (shapes are checked per tensor)."""
   model_type = hf.get("model_type")
-  want_type = "mixtral" if m.is_moe else "llama"
+  want_type = FAMILIES[family(m)][1]
   if model_type != want_type:
-    return f"model_type is {model_type!r}, a{'n MoE' if m.is_moe else ' dense'} ember model reads {want_type!r}"
+    kind = ("an MoE" if m.is_moe else "a dense") + (" QK-norm" if m.qk_norm else "")
+    return f"model_type is {model_type!r}, {kind} ember model reads {want_type!r}"
+  if want_type == "qwen3_moe" and (not hf.get("norm_topk_prob", False) or hf.get("mlp_only_layers")
+                                   or hf.get("decoder_sparse_step", 1) != 1):
+    return ("norm_topk_prob is off, or some layers are dense (mlp_only_layers, decoder_sparse_step): ember's "
+            "MoE renormalises the top-k weights in every layer")
   rope = hf.get("rope_parameters") or {}
   theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
   if (rope.get("rope_type") or "default") != "default" or hf.get("rope_scaling"):
