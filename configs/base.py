@@ -105,7 +105,7 @@ def get_config() -> ml_collections.ConfigDict:
   d = c.data = ml_collections.ConfigDict()
   d.source = "text"  # synthetic | text | array_record | tfds | jsonl | parquet.
   d.path = ""  # text: glob of files ("" = this interpreter's stdlib *.py); array_record: glob of files.
-  d.tokenizer = "byte"  # "byte" or the path of a SentencePiece .model file.
+  d.tokenizer = "byte"  # "byte", a SentencePiece .model file, or a Hugging Face tokenizer.json (or its directory).
   d.eval_fraction = 0.05  # Share of documents held out for eval (by a hash of their name); the default
   # corpus has ~1,800 files, and at 2% a few large ones would dominate the eval bytes.
   d.chunk_shuffle_window = 16384  # Chunks shuffled together before packing (~200 stdlib files): batches

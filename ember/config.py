@@ -184,8 +184,9 @@ def _validate_data(cfg, process_count: int) -> None:
   if d.source == "tfds":
     if importlib.util.find_spec("tensorflow_datasets") is None:
       _fail("data.source", "'tfds' needs tensorflow-datasets; install the extra: pip install -e '.[tfds]'")
-  if d.tokenizer != "byte" and not os.path.isfile(os.path.expanduser(d.tokenizer)):
-    _fail("data.tokenizer", f"no SentencePiece model at {d.tokenizer!r}")
+  if d.tokenizer != "byte" and not os.path.isfile(os.path.expanduser(d.tokenizer)) and not hf_tokenizer_json(
+      d.tokenizer):
+    _fail("data.tokenizer", f"no SentencePiece model, tokenizer.json or directory holding one at {d.tokenizer!r}")
   for key in ("mixture", "eval_mixture"):
     _validate_mixture(d, key)
   distributed.data_shards(d.num_shards, cfg.train.batch_size, 0, process_count)  # Raises naming the key.
@@ -198,6 +199,15 @@ _NEED_MEANING = {"path": "a glob of files", "text_key": "the field holding the t
 def _missing_need(source: str, fields) -> str | None:
   """The first thing `source` needs (names.SOURCE_NEEDS) that `fields` leaves empty."""
   return next((need for need in SOURCE_NEEDS.get(source, ()) if not fields.get(need)), None)
+
+
+def hf_tokenizer_json(path: str) -> str | None:
+  """The Hugging Face `tokenizer.json` that a `data.tokenizer` value names (the file, or one in the named
+  directory), or None."""
+  path = os.path.expanduser(path)
+  if os.path.isdir(path):
+    path = os.path.join(path, "tokenizer.json")
+  return path if path.endswith(".json") and os.path.isfile(path) else None
 
 
 def _validate_mixture(d, key: str) -> None:

@@ -1,18 +1,23 @@
-"""Tokenizers: bytes by default (no download, no training), or a SentencePiece model.
+"""Tokenizers: bytes by default (no download, no training), a SentencePiece model, or a Hugging Face tokenizer.
 
-Both take `str` or raw `bytes` and return int32 numpy arrays, so the pipeline can hand a
+All take `str` or raw `bytes` and return int32 numpy arrays, so the pipeline can hand a
 file's bytes straight over: the byte tokenizer then keeps every byte exactly (invalid
 UTF-8 included) and never pays for a decode.
 
-No BOS/EOS tokens are added: the packed batch carries document boundaries in
-`segment_ids`, and the byte vocabulary has no spare ids for them.
+Bytes and SentencePiece add no BOS/EOS tokens: the packed batch carries document boundaries in
+`segment_ids`, and the byte vocabulary has no spare ids for them. A Hugging Face tokenizer (Llama-3's,
+Qwen3's byte-level BPE: a `tokenizer.json`, or a directory holding one) gives each document the special
+tokens it defines: its post-processor's (Llama-3's `<|begin_of_text|>`) and, when the directory's
+`tokenizer_config.json` names an `eos_token`, that token at the end.
 """
 
 import functools
+import json
 import os
 
 import numpy as np
 
+from ember.config import hf_tokenizer_json
 from ember.errors import DataError
 
 
@@ -55,19 +60,60 @@ class SentencePieceTokenizer:
     self.__init__(state["model_path"])
 
 
-def build_tokenizer(data_cfg) -> ByteTokenizer | SentencePieceTokenizer:
-  """The tokenizer named by `data.tokenizer`: "byte" or the path of a SentencePiece model (loaded once per
-  process: every data shard shares it)."""
+class HFTokenizer:
+  """A Hugging Face `tokenizers` tokenizer: `path` is its `tokenizer.json` or a directory holding one (and
+  possibly `tokenizer_config.json`, for the EOS token)."""
+
+  def __init__(self, path: str):
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    self.path = path
+    self.json_path = hf_tokenizer_json(path)
+    self._tok = tokenizers.Tokenizer.from_file(self.json_path)
+    self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+    self.eos_id = None
+    config = os.path.join(os.path.dirname(self.json_path), "tokenizer_config.json")
+    if os.path.isfile(config):
+      with open(config) as f:
+        eos = json.load(f).get("eos_token")
+      eos = eos.get("content") if isinstance(eos, dict) else eos
+      self.eos_id = None if eos is None else self._tok.token_to_id(eos)
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    if not isinstance(text, str):
+      text = bytes(text).decode("utf-8", errors="replace")
+    ids = self._tok.encode(text, add_special_tokens=True).ids
+    if self.eos_id is not None:
+      ids = ids + [self.eos_id]
+    return np.asarray(ids, np.int32)
+
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
+
+  def __getstate__(self):
+    return {"path": self.path}
+
+  def __setstate__(self, state):
+    self.__init__(state["path"])
+
+
+def build_tokenizer(data_cfg) -> ByteTokenizer | SentencePieceTokenizer | HFTokenizer:
+  """The tokenizer named by `data.tokenizer`: "byte", the path of a SentencePiece model, or a Hugging Face
+  `tokenizer.json` (or its directory); loaded once per process: every data shard shares it."""
   return _tokenizer(data_cfg.tokenizer)
 
 
 @functools.lru_cache(maxsize=8)
-def _tokenizer(name: str) -> ByteTokenizer | SentencePieceTokenizer:
+def _tokenizer(name: str) -> ByteTokenizer | SentencePieceTokenizer | HFTokenizer:
   if name in ("", "byte"):
     return ByteTokenizer()
+  if hf_tokenizer_json(name):
+    try:
+      return HFTokenizer(name)
+    except Exception as e:  # tokenizers raises its own Exception type for a bad file.
+      raise DataError(f"data.tokenizer: cannot load {name!r} as a Hugging Face tokenizer ({e})") from e
   if not os.path.isfile(name):
-    raise DataError(f"data.tokenizer: {name!r} is neither 'byte' nor an existing "
-                    "SentencePiece .model file")
+    raise DataError(f"data.tokenizer: {name!r} is neither 'byte', a SentencePiece .model file nor a "
+                    "tokenizer.json (or a directory holding one)")
   try:
     return SentencePieceTokenizer(name)
   except (RuntimeError, OSError) as e:

@@ -6,7 +6,8 @@ ByteTokenizer; its byte-level decoder turns ids back into the bytes. SentencePie
 file itself as `tokenizer.model`, read by LlamaTokenizer with BOS/EOS off (ember adds neither) and
 SentencePiece's dummy-prefix space. transformers converts that model into its own tokenizer, which
 gives SentencePiece's ids except for text that *starts* with spaces (SentencePiece merges the dummy
-prefix with them); spaces anywhere else, indentation included, tokenize alike (tests/hf).
+prefix with them); spaces anywhere else, indentation included, tokenize alike (tests/hf). A Hugging Face
+tokenizer: its own `tokenizer.json`, and its `tokenizer_config.json` where it has one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+
+from ember.config import hf_tokenizer_json
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -42,7 +45,19 @@ def byte_tokenizer_json() -> dict:
 
 
 def write(directory: str, tokenizer: str, max_length: int) -> list[str]:
-  """Writes the tokenizer files for ember's `data.tokenizer` ("byte" or a SentencePiece .model path)."""
+  """Writes the tokenizer files for ember's `data.tokenizer` ("byte", a SentencePiece .model path, or a Hugging
+  Face tokenizer.json or its directory)."""
+  source = hf_tokenizer_json(tokenizer) if tokenizer not in ("", "byte") else None
+  if source:
+    shutil.copyfile(source, os.path.join(directory, "tokenizer.json"))
+    config_path = os.path.join(os.path.dirname(source), "tokenizer_config.json")
+    if os.path.isfile(config_path):
+      shutil.copyfile(config_path, os.path.join(directory, "tokenizer_config.json"))
+    else:
+      with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+                   "clean_up_tokenization_spaces": False}, f, indent=2)
+    return ["tokenizer.json", "tokenizer_config.json"]
   common = {"model_max_length": max_length, "clean_up_tokenization_spaces": False, "add_bos_token": False,
             "add_eos_token": False, "bos_token": None, "eos_token": None, "pad_token": None, "unk_token": None}
   if tokenizer in ("", "byte"):

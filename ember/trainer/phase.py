@@ -10,6 +10,7 @@ import time
 
 import jax
 
+from ember.data import build_tokenizer
 from ember.layers import moe_dispatch
 from ember.model_config import ModelConfig
 from ember.platform import target_platform
@@ -32,6 +33,9 @@ def compile_step(step_fn, state, batch, cfg, mesh):
     dispatch, layout = moe_dispatch.choose(cfg.model.moe_dispatch, cfg.model.moe_expert_gemm, expert_parallel=n,
                                            num_local=cfg.model.num_experts // n, platform=target_platform())
     moe = f", MoE dispatch {dispatch}, expert GEMMs {layout}"
+  if cfg.data.source != "synthetic":  # The first batch is read by now: the data and its tokenizer work.
+    console(f"tokenizer {cfg.data.tokenizer}: vocabulary {build_tokenizer(cfg.data).vocab_size} "
+            f"(model.vocab_size {cfg.model.vocab_size})")
   console(f"compiled the train step in {time.time() - t0:.1f}s ({memory}; remat {cfg.remat.policy}, "
           f"recipe {cfg.quant.recipe}, mesh {dict(mesh.shape)}{moe})")
   return compiled

@@ -19,7 +19,7 @@ from flax import nnx
 from ember import config as config_lib
 from ember.data import train_tokenizer
 from ember.data.sharded import data_iterator
-from ember.data.tokenizers import SentencePieceTokenizer
+from ember.data.tokenizers import SentencePieceTokenizer, build_tokenizer
 from ember.errors import CheckpointError
 from ember.hf import layout, load, tokenizer
 from ember.inference.checkpoint import load_model
@@ -245,6 +245,39 @@ def test_sentencepiece_tokenizer_files_give_embers_ids(tmp_path):
   for text in ["alpha beta return lambda", "def f():\n    return x\n\n", "\n\nimport é€ class", "a  b   c"]:
     assert theirs(text)["input_ids"] == ours.encode(text).tolist(), text
     assert theirs.decode(theirs(text)["input_ids"]) == text
+
+
+def test_a_run_on_a_hugging_face_tokenizer_exports_it(tmp_path, capsys):
+  """A byte-level BPE trained by `tokenizers` (Llama-3's and Qwen3's kind) with a BOS post-processor: a run on it
+  trains and logs its vocabulary, documents start with its BOS, and the export's tokenizer gives transformers the
+  same ids as ember's for a sample text."""
+  tokenizers = pytest.importorskip("tokenizers")
+  words = ["alpha", "beta", "gamma", "return", "lambda", "import", "class", "def"]
+  rng = np.random.default_rng(0)
+  (tmp_path / "corpus").mkdir()
+  for i in range(8):
+    (tmp_path / "corpus" / f"{i}.txt").write_text("\n".join(" ".join(rng.choice(words, size=8)) for _ in range(40)))
+  bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+  bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  bpe.decoder = tokenizers.decoders.ByteLevel()
+  bpe.train([str(p) for p in sorted((tmp_path / "corpus").glob("*.txt"))],
+            tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"],
+                                           initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  bpe.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+  bpe.save(str(tmp_path / "tokenizer.json"))
+
+  cfg = helpers.config(**{"workdir": str(tmp_path / "run"), "steps": 2, "data.source": "text",
+                          "data.path": str(tmp_path / "corpus" / "*.txt"), "data.tokenizer": str(tmp_path / "tokenizer.json"),
+                          "model.vocab_size": 320, "checkpoint.every_steps": 2, "log.every_steps": 1})
+  train(cfg)
+  assert f"tokenizer {tmp_path / 'tokenizer.json'}: vocabulary {bpe.get_vocab_size()}" in capsys.readouterr().err
+  ours = build_tokenizer(cfg.data)
+  sample = "lambda alpha return beta"
+  assert ours.encode(sample)[0] == 0  # The document's BOS.
+  result = _tool("export_hf", f"--checkpoint={tmp_path / 'run'}", f"--out={tmp_path / 'hf'}")
+  assert result.returncode == 0, result.stderr
+  theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  assert theirs(sample)["input_ids"] == ours.encode(sample).tolist()
 
 
 def test_export_over_an_earlier_export_leaves_none_of_its_files(exported_dense):
