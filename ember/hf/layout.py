@@ -108,9 +108,9 @@ LAYER_RULES = {
         lambda m, get: get("mlp.down_proj.weight", (m.d_model, m.d_ff)).T),
 }
 
-_HEAD_NORMS = {("attn", f"{n}_norm", "scale"): Rule(lambda m, w, n=n: {f"self_attn.{n}_norm.weight": w},
-                                                    lambda m, get, n=n: get(f"self_attn.{n}_norm.weight", (m.head_dim,)))
-               for n in ("q", "k")}
+_HEAD_NORMS = {("attn", f"{n}_norm", "scale"): Rule(
+    lambda m, w, n=n: {f"self_attn.{n}_norm.weight": w},
+    lambda m, get, n=n: get(f"self_attn.{n}_norm.weight", (m.head_dim,))) for n in ("q", "k")}
 _MOE_RULES = {
     "mixtral": _moe_rules("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}", "w1", "w3", "w2"),
     "qwen3_moe": _moe_rules("mlp.gate.weight", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
@@ -145,7 +145,7 @@ def layer_prefix(layer: int) -> str:
 
 
 def unsupported(m: ModelConfig) -> str | None:
-  """Why this architecture has no Llama / Mixtral form (None if it has one)."""
+  """Why this architecture has no form in any family of `FAMILIES` (None if it has one)."""
   if m.shared_expert_d_ff:
     return "an MoE with a shared expert (model.shared_expert_d_ff > 0) has no Mixtral or Qwen3-MoE form"
   if m.is_moe and m.moe_every != 1:

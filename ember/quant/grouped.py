@@ -178,12 +178,17 @@ def _mask_rows(a_MxK, group_sizes_E):
   return jnp.where(live[:, None], a_MxK, jnp.zeros((), a_MxK.dtype))
 
 
+def padded_sizes(group_sizes_E: jax.Array, block: int) -> jax.Array:
+  """Each group's rows rounded up to a multiple of `block`: the groups of `block_layout`."""
+  return -(-group_sizes_E // block) * block
+
+
 def block_layout(group_sizes_E: jax.Array, m: int, block: int):
   """(destination row of each sorted row, padded group sizes, layout length) of the layout in which
   every group starts at a multiple of `block` (rows past the last group go nowhere)."""
   e = group_sizes_E.shape[0]
   length = -(-(m + e * (block - 1)) // block) * block
-  padded_E = -(-group_sizes_E // block) * block
+  padded_E = padded_sizes(group_sizes_E, block)
   starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
   padded_starts_E = jnp.cumsum(padded_E) - padded_E
   gid = group_ids(group_sizes_E, m)
@@ -218,6 +223,6 @@ class RaggedLayout(ExpertLayout):
     return jax.lax.ragged_dot(g.dequantize(dtype), w_ExNxK, group_sizes_E, preferred_element_type=jnp.float32)
 
   def wgrad(self, x, g, group_sizes_E, block, dtype, out):
-    sizes = group_sizes_E if block is None else -(-group_sizes_E // block) * block  # block_layout's groups.
+    sizes = group_sizes_E if block is None else padded_sizes(group_sizes_E, block)
     return jax.lax.ragged_dot_general(x.dequantize(dtype), g.dequantize(dtype), sizes, _WGRAD_DIMS,
                                       preferred_element_type=jnp.float32)
