@@ -69,6 +69,9 @@ def get_config() -> ml_collections.ConfigDict:
   t.grad_clip_norm = 1.0  # Clip by global norm; 0 = off.
   t.grad_accum_steps = 1  # Micro-batches per optimizer step: batch_size / grad_accum_steps sequences each, run
   # one after another with their gradients summed; batch_size stays the step's global batch.
+  t.grad_reduce_dtype = "float32"  # The dtype each weight gradient leaves its GEMM in, and so the dtype it is
+  # reduced in across data-parallel / FSDP devices: "bfloat16" halves those bytes (the GEMM still sums in
+  # float32; micro-batch accumulation and the optimizer stay float32).
   t.loss_chunk_size = 1024  # Live logits of the cross-entropy: as many as this many tokens' full-vocab logits
   # (the vocab is cut into ceil(seq_len / loss_chunk_size) slices; ember/trainer/loss.py); 0 = all at once.
   t.z_loss_weight = 0.0  # Weight of the log(Z)^2 auxiliary loss.
@@ -133,6 +136,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.expert = 1  # Expert parallelism (MoE).
   mesh.dcn_data = 1  # Across hosts (slow network): multiplies `data`.
   mesh.dcn_fsdp = 1  # Across hosts: multiplies `fsdp`.
+  mesh.dcn_expert = 1  # Across hosts: multiplies `expert` (expert parallelism over the network).
   # Logical axis -> mesh axes. Layer code names logical axes only; this table decides the rest.
   mesh.rules = (
       ("batch", ("data", "fsdp", "expert")),

@@ -14,7 +14,7 @@ import ml_collections
 from ember import remat
 from ember.errors import ConfigError
 from ember.names import DATA_SOURCES, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
-from ember.quant.recipe import FORWARDS, RECIPES
+from ember.quant.recipe import FORWARDS, RECIPES, WGRAD_DTYPES
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -63,6 +63,7 @@ SCALARS = {
     "train.eps": ("float", ">0"), "train.weight_decay": ("float", ">=0"),
     "train.decay_norms_and_embeddings": ("bool", ""), "train.grad_clip_norm": ("float", ">=0"),
     "train.loss_chunk_size": ("int", ">=0"), "train.grad_accum_steps": ("int", ">=1"),
+    "train.grad_reduce_dtype": ("str", ""),
     "train.z_loss_weight": ("float", ">=0"),
     "train.eval_every_steps": ("int", ">=0"), "train.eval_batches": ("int", ">=1"),
     "train.profile_start_step": ("int", ">=-1"), "train.profile_steps": ("int", ">=1"),
@@ -76,7 +77,7 @@ SCALARS = {
     "data.tfds_name": ("str", ""), "data.tfds_data_dir": ("str", ""),
     "data.tfds_text_key": ("str", ""), "data.text_key": ("str", ""), "data.cache_dir": ("str", ""),
     "data.num_threads": ("int", ">=1"), "data.num_shards": ("int", ">=0"),
-    "mesh.dcn_data": ("int", ">=1"), "mesh.dcn_fsdp": ("int", ">=1"),
+    "mesh.dcn_data": ("int", ">=1"), "mesh.dcn_fsdp": ("int", ">=1"), "mesh.dcn_expert": ("int", ">=1"),
     "checkpoint.every_steps": ("int", ">=-1"), "checkpoint.keep": ("int", ">=1"),
     "checkpoint.async_save": ("bool", ""), "checkpoint.restore_from": ("str", ""),
     "checkpoint.params_only": ("bool", ""), "checkpoint.init_from_hf": ("str", ""),
@@ -91,7 +92,7 @@ CHOICES = {
     "model.param_dtype": DTYPES, "model.dtype": DTYPES, "model.attention": ("auto", "xla", "cudnn"),
     "model.moe_dispatch": MOE_DISPATCHERS, "model.moe_expert_gemm": MOE_EXPERT_GEMMS,
     "quant.recipe": RECIPES, "quant.amax_compute_algo": ("max", "most_recent"), "quant.forward": FORWARDS,
-    "remat.policy": remat.POLICIES,
+    "train.grad_reduce_dtype": WGRAD_DTYPES, "remat.policy": remat.POLICIES,
     "data.source": DATA_SOURCES,
 }
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}

@@ -67,7 +67,8 @@ class ModelConfig:
         moe_ragged_buffer=float(m.moe_ragged_buffer), moe_expert_gemm=str(m.moe_expert_gemm),
         moe_expert_buffer=float(m.moe_expert_buffer),
         recipe=dataclasses.replace(Recipe.from_config(cfg.quant),
-                                   stats=int(cfg.log.get("quant_stats_every", 0)) > 0))
+                                   stats=int(cfg.log.get("quant_stats_every", 0)) > 0,
+                                   wgrad_dtype=str(cfg.train.get("grad_reduce_dtype", "float32"))))
 
   # --- Attention ------------------------------------------------------------------------------------
 

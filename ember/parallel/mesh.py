@@ -1,7 +1,7 @@
 """The device mesh: axes (data, fsdp, tensor, expert), hybrid across hosts.
 
 A derived config's `mesh.data|fsdp|tensor|expert` are the sizes *within* a host (the fast
-network: NVLink, ICI) and `mesh.dcn_data|dcn_fsdp` the number of hosts along that axis (the slow
+network: NVLink, ICI) and `mesh.dcn_data|dcn_fsdp|dcn_expert` the number of hosts along that axis (the slow
 network: InfiniBand / Ethernet, "DCN"). The mesh axis `a` has size `mesh.a * mesh.dcn_a`, laid out
 by `mesh_utils.create_hybrid_device_mesh` so that only the dcn axes cross hosts: each host holds
 one contiguous block of the mesh. A host is a JAX process (one process per node, all its GPUs),

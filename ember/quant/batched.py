@@ -50,7 +50,8 @@ def batched_matmul(x_ExCxK: jax.Array, w_ExKxN: jax.Array, *, recipe: Recipe, na
   with jax.named_scope(EXPERT_GEMM_SCOPE):
     if not recipe.quantized:
       assert kernel_shards is None, "an unquantized kernel is gathered whole before the GEMM"
-      return _unquantized(x_ExCxK.astype(dtype), w_ExKxN.astype(dtype), (vma_of(x_ExCxK), vma_of(w_ExKxN)))
+      return _unquantized(x_ExCxK.astype(dtype), w_ExKxN.astype(dtype),
+                          (vma_of(x_ExCxK), vma_of(w_ExKxN), recipe.wgrad_out(w_ExKxN.dtype)))
     layout = CapacityLayout(reduce_axes=tuple(reduce_axes), shards=kernel_shards)
     return quantized_gemm(x_ExCxK, w_ExKxN, None, history, key, stats, layout=layout, recipe=recipe, name=name,
                           dtype=dtype)
@@ -64,7 +65,7 @@ def _dot(a, b, dims, out=F32):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _unquantized(x_ExCxK, w_ExKxN, vmas):
   """In the compute dtype with f32 accumulation; the backward GEMMs on compute-dtype operands too (as
-  quant/dot.py's `_unquantized`)."""
+  quant/dot.py's `_unquantized`). `vmas`: the operands' varying manual axes and the dtype wgrad writes."""
   return _dot(x_ExCxK, w_ExKxN, FORWARD, x_ExCxK.dtype)
 
 
@@ -76,7 +77,7 @@ def _unquantized_bwd(vmas, res, g_ExCxN):
   x, w = res
   g = g_ExCxN.astype(x.dtype)
   dx = sum_to(_dot(g, w, DGRAD, output_dtype(x.dtype)), vmas[0]).astype(x.dtype)
-  return dx, sum_to(_dot(x, g, WGRAD), vmas[1]).astype(w.dtype)
+  return dx, sum_to(_dot(x, g, WGRAD, vmas[2]), vmas[1]).astype(w.dtype)
 
 
 _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)

@@ -153,7 +153,7 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
       g_m = grad_q.quantize(recipe.wgrad_transform(layout.wgrad_rows(g, rows, b), layout.row_axis),
                             axis=layout.row_axis, rng=key_wgrad, reduce_axes=layout.reduce_axes)
     x_m = q[X_T]
-  dw = layout.wgrad(x_m, g_m, rows, b if recipe.has_x_t else None, dtype, w_dtype)
+  dw = layout.wgrad(x_m, g_m, rows, b if recipe.has_x_t else None, dtype, recipe.wgrad_out(w_dtype))
   h_x, h_k, h_g = history
   if recipe.delayed:
     update_kernel = jax.vmap(update_history) if layout.per_expert else update_history

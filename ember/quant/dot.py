@@ -13,6 +13,7 @@ Delayed scaling: a projection's histories are one [3 (x, kernel, grad), H] array
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   (ember/quant/health.py), or None: no statistics, and no trace of them in the program."""
   dtype = jnp.dtype(dtype)
   if not recipe.quantized:
-    return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype))
+    return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype))
   # The [3, H] and [3, S] arrays as (x, kernel, grad) rows; autodiff stacks their cotangents back.
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=DenseLayout(),
@@ -56,13 +57,14 @@ def contract_last(a_MxN, b_KxN, out=jnp.float32):
   return y.astype(out)
 
 
-def contract_first(a_MxK, b_MxN):
-  """a.T @ b with f32 accumulation, as one dot_general (see `contract_last`)."""
-  return jax.lax.dot_general(a_MxK, b_MxN, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def contract_first(a_MxK, b_MxN, out=jnp.float32):
+  """a.T @ b with f32 accumulation, as one dot_general (see `contract_last`), for a consumer of dtype `out`."""
+  y = jax.lax.dot_general(a_MxK, b_MxN, (((0,), (0,)), ((), ())), preferred_element_type=output_dtype(out))
+  return y.astype(out)
 
 
-@jax.custom_vjp
-def _unquantized(x_MxK, w_KxN):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _unquantized(x_MxK, w_KxN, wgrad_dtype):
   """x @ w in the operands' (compute) dtype with f32 accumulation, rounded to that dtype: written in it by
   the GEMM itself on GPUs (quant/gemm.py's `output_dtype`, the rule of every GEMM whose consumer reads
   bf16), in float32 and then rounded on the CPU (the reference).
@@ -71,18 +73,19 @@ def _unquantized(x_MxK, w_KxN):
   pair the f32 cotangent of `preferred_element_type=f32` with the operand and XLA would run dgrad and
   wgrad as f32 x f32 GEMMs. The cotangent of a bf16 output is bf16-exact, so casting it back changes no
   value. Both GEMMs accumulate in f32 and are rounded to the compute dtype, as autodiff of the plain
-  dot rounds them; under FSDP XLA reduce-scatters the weight gradient before that rounding (in f32)."""
+  dot rounds them. wgrad writes `wgrad_dtype` (Recipe.wgrad_out): the weight's own (float32: under FSDP XLA
+  reduce-scatters the f32 sum, before any rounding) or bfloat16 (the reduction in bf16)."""
   return jnp.dot(x_MxK, w_KxN, preferred_element_type=output_dtype(x_MxK.dtype)).astype(x_MxK.dtype)
 
 
-def _unquantized_fwd(x_MxK, w_KxN):
-  return _unquantized(x_MxK, w_KxN), (x_MxK, w_KxN)
+def _unquantized_fwd(x_MxK, w_KxN, wgrad_dtype):
+  return _unquantized(x_MxK, w_KxN, wgrad_dtype), (x_MxK, w_KxN)
 
 
-def _unquantized_bwd(res, g_MxN):
+def _unquantized_bwd(wgrad_dtype, res, g_MxN):
   x_MxK, w_KxN = res
   g_MxN = g_MxN.astype(x_MxK.dtype)
-  return contract_last(g_MxN, w_KxN, x_MxK.dtype), contract_first(x_MxK, g_MxN).astype(w_KxN.dtype)
+  return contract_last(g_MxN, w_KxN, x_MxK.dtype), contract_first(x_MxK, g_MxN, wgrad_dtype).astype(w_KxN.dtype)
 
 
 _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)

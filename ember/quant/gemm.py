@@ -63,23 +63,27 @@ def block_scaled_dot(a: QuantizedTensor, b: QuantizedTensor, contracting: tuple[
   """a . b contracting a's axis `contracting[0]` with b's `contracting[1]` (each the axis it was quantized
   along): [batch?, a's free axis, b's free axis], as `jax.lax.dot_general` orders them, with the leading axis
   a batch axis when `batched` (experts in the capacity layout). `dtype`: the emulated GEMM's operand dtype;
-  `out`: the dtype the consumer wants (the GEMM writes `output_dtype(out)`; float32 first where tensor scales
-  are still to be taken)."""
+  `out`: the dtype the consumer wants (the GEMM writes `output_dtype(out)`; where tensor scales are still to be
+  taken, cuDNN's GEMM takes them as its alpha and the others write float32 first)."""
   scaled = _has_tensor_scale(a) or _has_tensor_scale(b)
-  written = F32 if scaled else output_dtype(out)
   path = block_gemm_path()
   if path == EMULATED:
     dims = ((contracting[:1], contracting[1:]), ((0,), (0,)) if batched else ((), ()))
     with jax.named_scope(EMULATED_GEMM_SCOPE):
       y = jax.lax.dot_general(_dequantize_blocks(a, dtype), _dequantize_blocks(b, dtype), dims,
-                              preferred_element_type=written)
+                              preferred_element_type=F32 if scaled else output_dtype(out))
   else:
     (da, sa), (db, sb) = _rows_by_blocks(a, contracting[0], batched), _rows_by_blocks(b, contracting[1], batched)
     if path == NATIVE:
-      y = _cudnn_block_scaled_matmul(da, db, _bytes(sa), _bytes(sb), sa.dtype, jnp.dtype(written))
+      alpha = jnp.ones((da.shape[0],), F32)
+      if scaled:
+        alpha = jnp.broadcast_to((_tensor_scale(a, batched) * _tensor_scale(b, batched)).reshape(-1), alpha.shape)
+      y = _cudnn_block_scaled_matmul(da, db, _bytes(sa), _bytes(sb), alpha, sa.dtype, jnp.dtype(output_dtype(out)),
+                                     scaled)
+      scaled = False  # Taken.
     else:
       y = jax.lax.scaled_dot(da, db, lhs_scale=sa, rhs_scale=sb, dimension_numbers=(((2,), (2,)), ((0,), (0,))),
-                             preferred_element_type=written)
+                             preferred_element_type=F32)
     y = varying_as(y, da, db)
     y = y if batched else y[0]
   if scaled:
@@ -91,13 +95,18 @@ def _bytes(scale: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(scale, jnp.uint8)
 
 
-@functools.partial(custom_partitioning, static_argnums=(4, 5))
-def _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, scale_dtype, out_dtype):
-  """`jax.nn.scaled_matmul` ([B, M, K] x [B, N, K] -> [B, M, N] in `out_dtype`) with the block scales handed over
-  as bytes. Why: the GEMM's own partitioning moves the scales to its operands' layout (an FSDP gather of a
-  quantized weight, say), and NCCL has no E8M0 type; as uint8 the same collectives run."""
+@functools.partial(custom_partitioning, static_argnums=(5, 6, 7))
+def _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, alpha_B, scale_dtype, out_dtype, scaled):
+  """`jax.nn.scaled_matmul` ([B, M, K] x [B, N, K] -> [B, M, N]), times alpha (float32 [B]: NVFP4's tensor scales;
+  only when `scaled`), written in `out_dtype`, with the block scales handed over as bytes.
+  Why bytes: the GEMM's own partitioning moves the scales to its operands' layout (an FSDP gather of a quantized
+  weight, say), and NCCL has no E8M0 type; as uint8 the same collectives run. Why alpha inside: the result
+  leaves in `out_dtype` already scaled, so partial sums over a split contraction are added in that dtype."""
   scale = lambda s: jax.lax.bitcast_convert_type(s, scale_dtype)
-  return jax.nn.scaled_matmul(a, b, scale(a_scale_bytes), scale(b_scale_bytes), preferred_element_type=out_dtype)
+  if not scaled:
+    return jax.nn.scaled_matmul(a, b, scale(a_scale_bytes), scale(b_scale_bytes), preferred_element_type=out_dtype)
+  y = jax.nn.scaled_matmul(a, b, scale(a_scale_bytes), scale(b_scale_bytes), preferred_element_type=F32)
+  return (y * alpha_B[:, None, None]).astype(out_dtype)
 
 
 def _overlap(x, y) -> bool:
@@ -105,7 +114,7 @@ def _overlap(x, y) -> bool:
   return bool(as_set(x) & as_set(y))
 
 
-def _partition(scale_dtype, out_dtype, mesh, arg_shapes, result_shape):
+def _partition(scale_dtype, out_dtype, scaled, mesh, arg_shapes, result_shape):
   """Each device multiplies its rows (M) by its columns (N) over the contraction (K) that both operands
   split alike, summed across it; anything else is gathered first. Scales share their data's layout."""
   (batch, m, k), (_, n, k_b) = arg_shapes[0].sharding.spec, arg_shapes[1].sharding.spec
@@ -113,23 +122,23 @@ def _partition(scale_dtype, out_dtype, mesh, arg_shapes, result_shape):
   k = k if (k is not None and k == k_b and not _overlap(k, m) and not _overlap(k, n)) else None
   lhs, rhs = NamedSharding(mesh, P(batch, m, k)), NamedSharding(mesh, P(batch, n, k))
 
-  def per_device(a, b, a_scale_bytes, b_scale_bytes):
-    if k is None:
-      return _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, scale_dtype, out_dtype)
-    # Partial sums over a split contraction are added in float32, rounded once.
-    y = _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, scale_dtype, jnp.dtype(F32))
-    return jax.lax.psum(y, k).astype(out_dtype)
+  def per_device(a, b, a_scale_bytes, b_scale_bytes, alpha_B):
+    # Partial sums over a split contraction are added in the dtype the GEMM writes, as XLA adds those of any
+    # other GEMM (a float32 weight gradient in float32, a bf16 one in bf16): the sum followed by the slice
+    # of the result's sharding is then one reduce-scatter.
+    y = _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, alpha_B, scale_dtype, out_dtype, scaled)
+    return y if k is None else jax.lax.psum(y, k)
 
-  return mesh, per_device, NamedSharding(mesh, P(batch, m, n)), (lhs, rhs, lhs, rhs)
+  return mesh, per_device, NamedSharding(mesh, P(batch, m, n)), (lhs, rhs, lhs, rhs, NamedSharding(mesh, P(batch)))
 
 
-def _infer(scale_dtype, out_dtype, mesh, arg_shapes, result_shape):
+def _infer(scale_dtype, out_dtype, scaled, mesh, arg_shapes, result_shape):
   (batch, m, _), (_, n, _) = arg_shapes[0].sharding.spec, arg_shapes[1].sharding.spec
   return NamedSharding(mesh, P(batch, m, None if _overlap(m, n) else n))
 
 
 _cudnn_block_scaled_matmul.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
-                                         sharding_rule="b m k, b n k, b m k, b n k -> b m n")
+                                         sharding_rule="b m k, b n k, b m k, b n k, b -> b m n")
 
 
 def _member_axes(q: QuantizedTensor) -> tuple[int, tuple[int, ...], int]:

@@ -68,7 +68,8 @@ def _grouped_matmul(x_MxK, w_ExKxN, group_sizes_E, *, recipe, name, history, key
   group_sizes_E = group_sizes_E.astype(jnp.int32)
   if not recipe.quantized:
     assert kernel_shards is None, "an unquantized kernel is gathered whole before the GEMM"
-    return _unquantized(x_MxK.astype(dtype), w_ExKxN.astype(dtype), group_sizes_E, (vma_of(x_MxK), vma_of(w_ExKxN)))
+    return _unquantized(x_MxK.astype(dtype), w_ExKxN.astype(dtype), group_sizes_E,
+                        (vma_of(x_MxK), vma_of(w_ExKxN), recipe.wgrad_out(w_ExKxN.dtype)))
   layout = RaggedLayout(reduce_axes=tuple(reduce_axes), shards=kernel_shards)
   return quantized_gemm(x_MxK, w_ExKxN, group_sizes_E, history, key, stats, layout=layout, recipe=recipe, name=name,
                         dtype=dtype)
@@ -83,7 +84,8 @@ _WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]
 def _unquantized(x_MxK, w_ExKxN, group_sizes_E, vmas):
   """The grouped GEMM in the compute dtype, f32 accumulation, rounded to it. As `dot._unquantized`, the
   custom VJP keeps dgrad and wgrad on compute-dtype operands (autodiff would pair the f32 cotangent with
-  them and run f32 GEMMs); the cotangent of a compute-dtype output is exact in it."""
+  them and run f32 GEMMs); the cotangent of a compute-dtype output is exact in it. `vmas`: the operands'
+  varying manual axes and the dtype wgrad writes (Recipe.wgrad_out)."""
   out = output_dtype(x_MxK.dtype)  # The GEMM writes the compute dtype on GPUs (quant/gemm.py).
   return jax.lax.ragged_dot(x_MxK, w_ExKxN, group_sizes_E, preferred_element_type=out).astype(x_MxK.dtype)
 
@@ -97,8 +99,9 @@ def _unquantized_bwd(vmas, res, g_MxN):
   g_MxN = g_MxN.astype(x_MxK.dtype)
   dx = jax.lax.ragged_dot(g_MxN, jnp.swapaxes(w_ExKxN, 1, 2), group_sizes_E,
                           preferred_element_type=output_dtype(x_MxK.dtype))
-  dw = jax.lax.ragged_dot_general(x_MxK, g_MxN, group_sizes_E, _WGRAD_DIMS, preferred_element_type=jnp.float32)
-  x_vma, w_vma = vmas
+  x_vma, w_vma, wgrad_dtype = vmas
+  dw = jax.lax.ragged_dot_general(x_MxK, g_MxN, group_sizes_E, _WGRAD_DIMS,
+                                  preferred_element_type=output_dtype(wgrad_dtype)).astype(wgrad_dtype)
   return sum_to(dx, x_vma).astype(x_MxK.dtype), sum_to(dw, w_vma).astype(w_ExKxN.dtype), None
 
 
@@ -225,4 +228,4 @@ class RaggedLayout(ExpertLayout):
   def wgrad(self, x, g, group_sizes_E, block, dtype, out):
     sizes = group_sizes_E if block is None else padded_sizes(group_sizes_E, block)
     return jax.lax.ragged_dot_general(x.dequantize(dtype), g.dequantize(dtype), sizes, _WGRAD_DIMS,
-                                      preferred_element_type=jnp.float32)
+                                      preferred_element_type=output_dtype(out)).astype(out)

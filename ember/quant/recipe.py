@@ -77,6 +77,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
 )}
 RECIPES = tuple(SCHEMES)  # Every `quant.recipe` value.
 FORWARDS = ("recipe", "bf16")  # `quant.forward`: the forward GEMMs in the recipe, or in bf16.
+WGRAD_DTYPES = ("float32", "bfloat16")
 QUANTIZED_RECIPES = tuple(n for n, s in SCHEMES.items() if s.make is not None)
 
 
@@ -94,12 +95,19 @@ class Recipe:
   exclude: tuple[str, ...] = ()
   forward: str = "recipe"  # "bf16": the forward GEMM on unquantized operands, the backward GEMMs in the recipe.
   stats: bool = False  # Projections collect health statistics (quant/health.py; log.quant_stats_every > 0).
+  # The dtype the weight-gradient GEMMs write (train.grad_reduce_dtype): under FSDP or data parallelism XLA
+  # reduces each projection's gradient across devices in it, so "bfloat16" halves those bytes (Megatron's
+  # `grad_reduce_in_fp32=False`); the sum stays float32 inside each GEMM, and accumulation over micro-batches
+  # and the optimizer see float32.
+  wgrad_dtype: str = "float32"
 
   def __post_init__(self):
     if self.name not in SCHEMES:
       raise ValueError(f"unknown quantization recipe {self.name!r}; choose one of {', '.join(RECIPES)}")
     if self.forward not in FORWARDS:
       raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {self.forward!r}")
+    if self.wgrad_dtype not in WGRAD_DTYPES:
+      raise ValueError(f"wgrad_dtype must be one of {', '.join(WGRAD_DTYPES)}, got {self.wgrad_dtype!r}")
     if self.amax_compute_algo not in ("max", "most_recent"):
       raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
     object.__setattr__(self, "exclude", tuple(self.exclude))
@@ -115,6 +123,10 @@ class Recipe:
     values.pop("stats", None)  # Set by ModelConfig from log.quant_stats_every, not a quant key.
     values["forward"] = quant_cfg.get("forward", "recipe")
     return cls(**values)
+
+  def wgrad_out(self, param_dtype) -> jnp.dtype:
+    """The dtype a weight-gradient GEMM writes for a parameter of `param_dtype` (see `wgrad_dtype`)."""
+    return jnp.dtype(jnp.bfloat16) if self.wgrad_dtype == "bfloat16" else jnp.dtype(param_dtype)
 
   # --- The table's answers ----------------------------------------------------------------------
 

@@ -73,6 +73,26 @@ def test_lm_head_gradient_is_reduced_once_a_step(tmp_path):
   assert moved == {("reduce-scatter", "f32"): d_model * vocab * 4, ("all-gather", "bf16"): 2 * d_model * vocab * 2}, moved
 
 
+@pytest.mark.parametrize("target,recipe", [("h100x8", "fp8_current"), ("b200x8", "nvfp4")])
+def test_grad_reduce_dtype_is_the_dtype_gradients_are_reduced_in(target, recipe, tmp_path):
+  """FSDP over 8 GPUs: every weight gradient is reduce-scattered in float32 by default and, with
+  `train.grad_reduce_dtype=bfloat16`, the same gradients in bf16 at half the bytes (cuDNN's block-scaled GEMM
+  included: NVFP4's tensor scales are taken inside it)."""
+  moved = {}
+  for dtype in ("float32", "bfloat16"):
+    path = tmp_path / f"{dtype}.hlo"
+    compile_report(config_lib.load(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.mesh.fsdp=8",
+                                     "--config.train.batch_size=16", f"--config.train.grad_reduce_dtype={dtype}"]),
+                   target_lib.parse(target), hlo_out=str(path))
+    moved[dtype] = collections.Counter()
+    for c in hlo.collective_ops(path.read_text()):
+      if c.kind == "reduce-scatter":
+        for part in c.shape.split(" "):
+          moved[dtype][hlo.dtype_of(part), tuple(hlo.dims_of(part))] += hlo.nbytes(part) * c.times
+  assert moved["float32"] and {dtype for dtype, _ in moved["float32"]} == {"f32"}, moved
+  assert moved["bfloat16"] == {("bf16", dims): b / 2 for (_, dims), b in moved["float32"].items()}, moved
+
+
 def test_fsdp_expert_kernels_are_gathered_in_fp8(tmp_path):
   """tiny_moe with its experts sharded over FSDP 8 (no expert parallelism): the expert kernels cross the network
   as FP8 (quantized on their shard), never as float32; only the float32 router is gathered in float32."""

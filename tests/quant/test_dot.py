@@ -57,6 +57,29 @@ def test_gradients_close_to_bf16(recipe, threshold, max_error):
     assert abs(np.linalg.norm(got) / np.linalg.norm(ref) - 1) <= max_error / 4
 
 
+@pytest.mark.parametrize("recipe", ("bf16",) + QUANTIZED_RECIPES)
+def test_wgrad_dtype_rounds_only_the_weight_gradient(recipe):
+  """`wgrad_dtype=bfloat16` (train.grad_reduce_dtype): the weight gradient is the float32 one rounded to bf16 once
+  (what then crosses the network); the output and dgrad do not change."""
+  kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+  x, w, g = jax.random.normal(kx, (64, 96)), jax.random.normal(kw, (96, 80)), jax.random.normal(kg, (64, 80))
+  history = jnp.ones((3, 4)) if recipe == "fp8_delayed" else None
+  out = {}
+  for dtype in ("float32", "bfloat16"):
+    r = Recipe(recipe, amax_history_len=4, wgrad_dtype=dtype)
+    f = lambda x, w: quantized_matmul(x, w, recipe=r, name="wi", history=history, key=jax.random.key(7),
+                                      dtype=jnp.bfloat16)
+    y, vjp = jax.vjp(f, x, w)
+    out[dtype] = (y, *vjp(g.astype(y.dtype)))
+  (y32, dx32, dw32), (y16, dx16, dw16) = out["float32"], out["bfloat16"]
+  np.testing.assert_array_equal(y16, y32)
+  np.testing.assert_array_equal(dx16, dx32)
+  assert dw16.dtype == jnp.float32
+  np.testing.assert_array_equal(dw16, dw32.astype(jnp.bfloat16).astype(jnp.float32))
+  if recipe != "bf16":  # The bf16 recipe's GEMMs already round to their compute dtype.
+    assert not np.array_equal(dw16, dw32)
+
+
 def test_block_recipes_pad_ragged_shapes():
   """Shapes that are not multiples of the block size are padded with zeros, not rejected."""
   x = jax.random.normal(jax.random.key(1), (37, 50))
