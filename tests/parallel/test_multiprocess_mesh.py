@@ -30,6 +30,7 @@ def _cfg(**mesh):
     (dict(data=2, fsdp=-1, dcn_data=2), 8, dict(data=4, fsdp=2), dict(data=2, fsdp=2)),
     (dict(data=1, fsdp=2, dcn_data=2, dcn_fsdp=2), 8, dict(data=2, fsdp=4), dict(data=1, fsdp=2)),
     (dict(fsdp=-1, tensor=2), 8, dict(data=1, fsdp=4), dict(data=1, fsdp=4)),
+    (dict(fsdp=1, expert=-1, dcn_expert=2), 8, dict(fsdp=1, expert=8), dict(fsdp=1, expert=4)),
 ])
 def test_dcn_axes_multiply_the_per_host_axes(mesh, devices, total, per_host):
   cfg = _cfg(**mesh)
@@ -70,7 +71,7 @@ def _devices(processes: int, per_process: int, shuffle: bool = False) -> list[Fa
 
 
 def _mesh_cfg(**sizes):
-  m = dict(data=1, fsdp=1, tensor=1, expert=1, dcn_data=1, dcn_fsdp=1)
+  m = dict(data=1, fsdp=1, tensor=1, expert=1, dcn_data=1, dcn_fsdp=1, dcn_expert=1)
   m.update(sizes)
   return m
 
@@ -89,6 +90,15 @@ def test_hybrid_mesh_puts_only_dcn_axes_across_processes():
   # The tensor axis never crosses a process; the 2x2 host blocks follow process order.
   assert (procs[:, :, 0] == procs[:, :, 1]).all()
   np.testing.assert_array_equal(procs[:, :, 0], [[0, 0, 1, 1], [2, 2, 3, 3]])
+
+
+def test_expert_parallelism_across_hosts():
+  # 2 processes x 4 devices: experts over 4 devices per host and 2 hosts (dcn_expert), fsdp inside each host.
+  grid = device_grid(_mesh_cfg(fsdp=2, expert=2, dcn_expert=2), _devices(2, 4, shuffle=True))
+  assert grid.shape == (1, 2, 1, 4)
+  procs = np.vectorize(lambda d: d.process_index)(grid)[0, :, 0, :]
+  assert (procs[0] == procs[1]).all()  # fsdp stays inside a host ...
+  np.testing.assert_array_equal(procs[0], [0, 0, 1, 1])  # ... and the expert axis spans both.
 
 
 def test_dcn_axes_must_match_the_process_count():
