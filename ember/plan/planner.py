@@ -1,0 +1,356 @@
+"""The layout planner: which mesh, micro-batch and remat preset to run a config with on a target.
+
+A layout is the mesh inside a node (`fsdp`, `tensor`, `expert`; their product is the node's GPUs), the mesh
+across nodes (`dcn_data`, `dcn_fsdp`, `dcn_expert`; their product is the node count), the micro-batch
+(`train.grad_accum_steps`) and the remat preset. `layouts` lists every one that applies to the model: tensor
+sizes that divide the heads, expert sizes that divide the experts, batch shards that divide the batch, every
+micro-batch size, every preset without host offloading (offloading is for when no layout fits; name one in
+the config to plan with it). `data` inside a node is never proposed: FSDP over NVLink moves the same bytes
+and holds less.
+
+Compiling a layout takes seconds to a minute, so each is first *estimated* (`estimate`) from what can be
+counted without compiling: the train state each device holds (its shardings, exact), the activations the
+preset keeps (one decoder block traced; plan/layer.py) times the layers and the micro-batch, the step's
+FLOPs with what the preset recomputes, and the bytes each mesh axis moves per micro-batch (FSDP gathers of
+the weights in the recipe's format, gradient reductions in `train.grad_reduce_dtype`, the MoE token
+exchange, tensor-parallel activation reductions), at NVLink or NIC bandwidth by whether the axis crosses
+nodes. Of the layouts whose estimated peak is within the budget (with `ESTIMATE_SLACK`: the estimate is rough),
+`top` are compiled for the target with the compile report's machinery (plan/compile.py): the fastest by estimate
+of each split of a node in turn (`select`). One whose compiled peak is over the budget is compiled again with a
+smaller micro-batch, up to `SMALLER_MICRO_BATCHES` times. The compiled layouts are ranked by their
+`tokens_per_s_ceiling` among those whose compiled peak is within the budget: the winner is never a layout that
+does not fit, and never slower than another layout compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import ml_collections
+
+from ember import config as config_lib
+from ember import remat
+from ember.errors import ConfigError, EmberError, one_line
+from ember.model_config import ModelConfig
+from ember.parallel.mesh import make_mesh
+from ember.plan import auto_remat, layer
+from ember.plan.compile import compile_report
+from ember.plan.target import Target, targeting
+from ember.plan.units import GiB
+from ember.quant.recipe import Recipe
+from ember.trainer.optimizer import make_optimizer
+from ember.trainer.perf import forward_flops_per_token
+from ember.trainer.state import state_shardings
+
+BUDGET_FRACTION = 0.9  # Default budget: the GPU's memory less 10% (allocator slack, cuDNN workspaces).
+ESTIMATE_SLACK = 1.15  # A layout is compiled if its estimated peak is within the budget times this.
+TOP = 6  # Layouts chosen for compiling by default.
+SMALLER_MICRO_BATCHES = 2  # Retries of a chosen layout whose compiled peak is over the budget, micro-batch halved.
+NODE_AXES = ("fsdp", "tensor", "expert")  # Sized inside a node.
+DCN_AXES = ("data", "fsdp", "expert")  # Sized across nodes.
+BATCH_AXES = ("data", "fsdp", "expert")  # The mesh axes the batch is split over (the default rules).
+
+
+class NoLayoutFits(ConfigError):
+  """Every compiled layout's peak exceeds the budget (the tool exits 1, as the compile tool for a step that does not
+  fit)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  node: tuple[tuple[str, int], ...]  # Mesh sizes inside a node: (("fsdp", 4), ("tensor", 2), ("expert", 1)).
+  dcn: tuple[tuple[str, int], ...]  # Node counts along (data, fsdp, expert).
+  grad_accum_steps: int
+  remat: str
+
+  def mesh(self) -> dict[str, int]:
+    """The whole mesh: each axis's size inside a node times its node count."""
+    inside, across = dict(self.node), dict(self.dcn)
+    return {a: inside.get(a, 1) * across.get(a, 1) for a in ("data", "fsdp", "tensor", "expert")}
+
+  def flags(self) -> list[str]:
+    inside, across = dict(self.node), dict(self.dcn)
+    out = [f"--config.mesh.{a}={inside.get(a, 1)}" for a in ("data", "fsdp", "tensor", "expert")]
+    out += [f"--config.mesh.dcn_{a}={across[a]}" for a in DCN_AXES]
+    return out + [f"--config.train.grad_accum_steps={self.grad_accum_steps}", f"--config.remat.policy={self.remat}"]
+
+  def describe(self) -> str:
+    """Short form for tables: "node fsdp=4 tensor=2 | nodes data=2 | accum 4 | full" (sizes of 1 left out)."""
+    sizes = lambda pairs: " ".join(f"{a}={n}" for a, n in pairs if n > 1) or "-"
+    return (f"node {sizes(self.node)} | nodes {sizes(self.dcn)} | accum {self.grad_accum_steps} | {self.remat}")
+
+  def apply(self, cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    inside, across = dict(self.node), dict(self.dcn)
+    for a in ("data", "fsdp", "tensor", "expert"):
+      out.mesh[a] = inside.get(a, 1)
+    for a in DCN_AXES:
+      out.mesh[f"dcn_{a}"] = across[a]
+    out.train.grad_accum_steps = self.grad_accum_steps
+    out.remat.policy = self.remat
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+  """Ordered k-tuples of positive integers whose product is n."""
+  if k == 1:
+    return [(n,)]
+  return [(d, *rest) for d in _divisors(n) for rest in _factorizations(n // d, k - 1)]
+
+
+def presets(cfg) -> tuple[str, ...]:
+  """The remat presets planned over: `remat.auto_candidates` if set, else every preset `auto` would try that
+  moves nothing to host memory."""
+  if cfg.remat.auto_candidates:
+    return tuple(cfg.remat.auto_candidates)
+  return tuple(n for n in auto_remat.candidates(cfg) if not remat.PRESETS[n].offload)
+
+
+def layouts(cfg, target: Target) -> list[Layout]:
+  """Every layout of the config's model on the target (see the module doc); each passes config.validate."""
+  m = ModelConfig.from_config(cfg)
+  per_node, nodes = target.per_node, target.nodes
+  out = []
+  for tensor in _divisors(per_node):
+    if m.num_heads % tensor or m.num_kv_heads % tensor or m.d_ff % tensor:
+      continue
+    for expert in _divisors(per_node // tensor) if m.num_experts else [1]:
+      if m.num_experts and m.num_experts % expert:
+        continue
+      node = (("fsdp", per_node // tensor // expert), ("tensor", tensor), ("expert", expert))
+      for dd, df, de in _factorizations(nodes, 3):
+        if de > 1 and (not m.num_experts or m.num_experts % (expert * de)):
+          continue
+        dcn = (("data", dd), ("fsdp", df), ("expert", de))
+        shards = math.prod(Layout(node, dcn, 1, "").mesh()[a] for a in BATCH_AXES)
+        if cfg.train.batch_size % shards:
+          continue
+        for accum in _divisors(cfg.train.batch_size // shards):
+          for preset in presets(cfg):
+            candidate = Layout(node, dcn, accum, preset)
+            try:
+              config_lib.validate(candidate.apply(cfg), target.count, 1)
+            except ConfigError:
+              continue
+            out.append(candidate)
+  return out
+
+
+# ----------------------------------------------------------------------------- the quick estimate
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  seconds: float  # The step: the larger of its GEMM time and its collectives' time.
+  compute_s: float
+  network_s: float
+  peak_bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+  """What one decoder block costs under a preset, per sequence of the micro-batch (traced once per preset)."""
+  residual_bytes: float  # Kept from the forward pass to the backward, per layer.
+  working_bytes: float  # Everything the block saves with no remat: live while its backward runs.
+  recompute_fraction: float  # Of the step's GEMM FLOPs, run again in the backward pass.
+
+
+def _blocks(cfg, names) -> dict[str, _Block]:
+  report = layer.layer_report(cfg, {n: remat.PRESETS[n] for n in (*names, "none")}, batch=1)
+  problem = layer.layer_problem(cfg, batch=1)
+  forward_gemms = layer.trace_layer(problem, remat.PRESETS["none"]).backward.projection_gemms / 2
+  forward_gemms /= problem.layers_per_block
+  working = report["none"]["residual_bytes_per_layer"]
+  return {n: _Block(report[n]["residual_bytes_per_layer"], working,
+                    report[n]["recomputed_gemms_per_layer"] / (3 * forward_gemms) if forward_gemms else 0.0)
+          for n in names}
+
+
+def _weight_bytes(recipe: Recipe) -> float:
+  """Bytes per element of a projection kernel as FSDP gathers it: in the recipe's format with its scales."""
+  return {"bf16": 2.0, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}.get(recipe.name, 1.0)
+
+
+class Estimator:
+  """Quick estimates of layouts of one config on one target (module doc); the train state is worked out once
+  per mesh and the decoder block once per preset."""
+
+  def __init__(self, cfg, target: Target):
+    self.cfg, self.target = cfg, target
+    self.model = ModelConfig.from_config(cfg)
+    self.facts = target.facts
+    self.blocks = _blocks(cfg, presets(cfg))
+    self._state: dict[tuple, tuple[float, float, list]] = {}
+
+  def _leaves(self, layout: Layout) -> tuple[float, float, list]:
+    """(train state bytes per device, parameter bytes per device, [(elements per device, sharded axes, is a
+    projection kernel)] per parameter) on the layout's mesh."""
+    key = (layout.node, layout.dcn)
+    if key not in self._state:
+      cfg = config_lib.derive(layout.apply(self.cfg), self.target.count)
+      mesh = make_mesh(cfg.mesh, self.target.devices())
+      tx, _ = make_optimizer(cfg.train)
+      _, shardings, abstract = state_shardings(cfg, mesh, tx)
+      size = lambda a, s: math.prod(s.shard_shape(a.shape))
+      state = sum(size(a, s) * a.dtype.itemsize for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
+      leaves = []
+      for a, s in zip(jax.tree.leaves(abstract.params), jax.tree.leaves(shardings.params)):
+        axes = {x for entry in s.spec if entry for x in ((entry,) if isinstance(entry, str) else entry)}
+        leaves.append((size(a, s), axes, a.ndim >= 2 and a.shape[-1] != self.model.vocab_size))
+      params = sum(n * 4 for n, _, _ in leaves)
+      self._state[key] = (state, params, leaves)
+    return self._state[key]
+
+  def _bandwidth(self, layout: Layout, axis: str) -> float:
+    crosses = dict(layout.dcn).get(axis, 1) > 1
+    return (self.facts.nic_gb_s if crosses else self.facts.nvlink_gb_s) * 1e9
+
+  def estimate(self, layout: Layout) -> Estimate:
+    cfg, m, block = self.cfg, self.model, self.blocks[layout.remat]
+    mesh = layout.mesh()
+    n_devices = self.target.count
+    micro = cfg.train.batch_size // math.prod(mesh[a] for a in BATCH_AXES) // layout.grad_accum_steps
+    state, params, leaves = self._leaves(layout)
+    # Memory: the state, the float32 gradient (and the accumulator of a multi-micro-batch step), the kept
+    # activations of every layer and one layer's whole working set, split over `tensor` where heads and MLP
+    # units are.
+    tensor = mesh["tensor"]
+    activations = micro * (m.num_layers * block.residual_bytes + 2 * block.working_bytes) / tensor
+    peak = state + params * (2 if layout.grad_accum_steps > 1 else 1) + activations
+    # Compute: the model's FLOPs and the recomputed share; projections at the recipe's GEMM peak, attention and
+    # the LM head at bf16's.
+    recipe = m.recipe
+    precision = {"fp8_current": "fp8", "fp8_delayed": "fp8"}.get(recipe.name, recipe.name)
+    tokens_per_device = cfg.train.batch_size * m.seq_len / n_devices
+    attention = m.num_layers * 2 * 2 * m.num_heads * m.head_dim * m.seq_len / 2
+    head = 2 * m.d_model * m.vocab_size
+    projections = forward_flops_per_token(m) - attention - head
+    again = 1 + block.recompute_fraction
+    compute = 3 * tokens_per_device * (projections * again / self.facts.peak_flops(precision if recipe.quantized
+                                                                                     else "bf16")
+                                       + (attention * again + head) / self.facts.peak_flops("bf16"))
+    # Collectives per micro-batch.
+    passes = 3 if block.recompute_fraction > 0 else 2  # Weight gathers: forward, backward, recompute.
+    grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
+    seconds = 0.0
+    for elements, axes, projection in leaves:
+      weight_bytes = _weight_bytes(recipe) if projection and recipe.quantized else 2.0
+      for a in BATCH_AXES:
+        n = mesh[a]
+        if n == 1:
+          continue
+        if a in axes:  # Sharded over it: gathered for each pass, its gradient reduce-scattered.
+          moved = elements * (n - 1) * (passes * weight_bytes + grad_bytes)
+        else:  # Replicated over it: its gradient all-reduced.
+          moved = 2 * elements * (n - 1) / n * grad_bytes
+        seconds += moved / self._bandwidth(layout, a)
+    tokens = micro * m.seq_len
+    experts = mesh["expert"]
+    if m.num_experts and experts > 1:  # Each routed row out and back, in each pass.
+      moe_layers = m.num_layers // max(m.moe_every, 1)
+      moved = 2 * passes * tokens * m.experts_per_token * m.d_model * 2 * (experts - 1) / experts * moe_layers
+      seconds += moved / self._bandwidth(layout, "expert")
+    if tensor > 1:  # Two activation all-reduces per layer and pass.
+      moved = 2 * passes * 2 * tokens * m.d_model * 2 * (tensor - 1) / tensor * m.num_layers
+      seconds += moved / (self.facts.nvlink_gb_s * 1e9)
+    network = seconds * layout.grad_accum_steps
+    return Estimate(max(compute, network), compute, network, peak)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def budget_bytes(target: Target, budget_gb: float | None) -> float:
+  if budget_gb:
+    return budget_gb * GiB
+  if not target.device_memory_bytes:
+    raise ConfigError(f"--budget_gb: {target.name} has no known memory size; give a budget")
+  return target.device_memory_bytes * BUDGET_FRACTION
+
+
+def _row(layout: Layout, est: Estimate, tokens: float) -> dict:
+  return {"layout": layout.describe(), "flags": layout.flags(), "mesh": layout.mesh(), "dcn": dict(layout.dcn),
+          "grad_accum_steps": layout.grad_accum_steps, "remat_policy": layout.remat,
+          "estimate": {"tokens_per_s": tokens / est.seconds, "compute_s": est.compute_s, "network_s": est.network_s,
+                       "peak_bytes": int(est.peak_bytes)}}
+
+
+def _halved(lay: Layout, found: list[Layout]) -> Layout | None:
+  """`lay` with the next smaller micro-batch (more accumulation steps), if that is a layout."""
+  smaller = [f for f in found if (f.node, f.dcn, f.remat) == (lay.node, lay.dcn, lay.remat)
+             and f.grad_accum_steps > lay.grad_accum_steps]
+  return min(smaller, key=lambda f: f.grad_accum_steps, default=None)
+
+
+def select(promising: list[Layout], estimates: dict[Layout, Estimate], top: int) -> list[Layout]:
+  """The `top` layouts to compile: in rounds, the next fastest by estimate of each split of a node (fsdp x tensor x
+  expert), the splits in the order of their fastest. The estimate counts bytes and FLOPs but cannot see what the
+  partitioner makes of a layout (a tensor-parallel split may gather more than it should), so the compiled few
+  span the splits instead of being the one split the estimate likes best."""
+  by_split: dict[tuple, list[Layout]] = {}
+  for lay in sorted(promising, key=lambda lay: (estimates[lay].seconds, estimates[lay].peak_bytes)):
+    by_split.setdefault(lay.node, []).append(lay)
+  chosen, rank = [], 0
+  while len(chosen) < top and any(len(group) > rank for group in by_split.values()):
+    chosen += [group[rank] for group in by_split.values() if len(group) > rank][:top - len(chosen)]
+    rank += 1
+  return chosen
+
+
+def plan(cfg: ml_collections.ConfigDict, target: Target, *, budget_gb: float | None = None, top: int = TOP,
+         log=print) -> dict:
+  """Estimates every layout, compiles the `top` most promising within the budget, ranks them (module doc).
+  Raises NoLayoutFits if no compiled layout fits."""
+  if not target.is_gpu:
+    raise ConfigError(f"--target: the planner needs a GPU target (e.g. h100x8), got {target.name}")
+  budget = budget_bytes(target, budget_gb)
+  tokens = cfg.train.batch_size * cfg.model.seq_len / target.count
+  with targeting(target):
+    found = layouts(cfg, target)
+    if not found:
+      raise ConfigError(f"--target: no layout of {cfg.model.name} divides batch {cfg.train.batch_size} over "
+                        f"{target.count} GPUs")
+    estimator = Estimator(cfg, target)
+    estimates = {lay: estimator.estimate(lay) for lay in found}
+  promising = [lay for lay in found if estimates[lay].peak_bytes <= budget * ESTIMATE_SLACK]
+  chosen = select(promising, estimates, top)
+  log(f"plan: {len(found)} layouts of {cfg.model.name} on {target.name}, {len(promising)} estimated within "
+      f"{budget / GiB:.1f} GiB; compiling {len(chosen)}, the fastest by estimate of each split of a node")
+  def compile_one(lay: Layout) -> dict:
+    row = _row(lay, estimates[lay], tokens)
+    try:
+      r = compile_report(lay.apply(cfg), target)
+    except EmberError as e:
+      row.update(error=one_line(e))
+      log(f"plan: {lay.describe()}: {one_line(e)}")
+      return row
+    row.update(tokens_per_s_ceiling=r["tokens_per_s_ceiling"], mfu_ceiling=r["mfu_ceiling"],
+               time_floor_s=r["time_floor_s"], time_floor_parts_s=r["time_floor_parts_s"],
+               peak_bytes=int(r["peak_bytes"]), fits=r["peak_bytes"] <= budget)
+    log(f"plan: {row['tokens_per_s_ceiling']:10,.0f} tokens/s/GPU ceiling, peak {row['peak_bytes'] / GiB:6.1f} GiB"
+        f"{'' if row['fits'] else ' (over budget)'}: {lay.describe()}")
+    return row
+
+  compiled = []
+  for lay in chosen:
+    row = compile_one(lay)
+    compiled.append(row)
+    for _ in range(SMALLER_MICRO_BATCHES):  # Over the budget: the same layout with half the micro-batch.
+      if row.get("fits", True) or (lay := _halved(lay, found)) is None:
+        break
+      row = compile_one(lay)
+      compiled.append(row)
+  ranked = sorted((r for r in compiled if "fits" in r), key=lambda r: (not r["fits"], -r["tokens_per_s_ceiling"]))
+  fitting = [r for r in ranked if r["fits"]]
+  if not fitting:
+    smallest = min((r["peak_bytes"] for r in ranked), default=None)
+    raise NoLayoutFits(f"--budget_gb: no layout compiled within {budget / GiB:.1f} GiB per device" +
+                      (f"; the smallest compiled peak is {smallest / GiB:.1f} GiB" if smallest else ""))
+  return {"model": cfg.model.name, "target": target.name, "recipe": cfg.quant.recipe,
+          "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "budget_bytes": int(budget),
+          "layouts": len(found), "within_estimate": len(promising), "best": fitting[0],
+          "candidates": ranked + [r for r in compiled if "fits" not in r]}

@@ -1,0 +1,78 @@
+"""Pick the layout to run a config with on a GPU cluster: the mesh inside and across nodes, the micro-batch and the
+remat preset, by compiling the most promising ones for the target (ember/plan/planner.py says how).
+
+  python -m ember.tools.plan --config=configs/default.py:llama3_70b --config.quant.recipe=fp8_current \
+      --target=h100x64 [--budget_gb=72] [--top=6] [--out=plan.json]
+
+Prints one line per compiled layout, a table ranked by the compiled tokens/s ceiling, and the winner's flags
+(append them to the training command). `--budget_gb`: per-device memory the compiled peak must stay within
+(default: the GPU's memory less 10%). Exits 0 with a winner, 1 when no compiled layout fits the budget, 2 for
+bad input. `--out` JSON: `best` and `candidates` (ranked), each with its `flags`, `tokens_per_s_ceiling`,
+`mfu_ceiling`, `peak_bytes` and the quick `estimate` that chose it for compiling.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ember.tools import target_env
+
+
+def format_table(result: dict) -> str:
+  gib = 2**30
+  lines = [f"{'rank':>4} {'tokens/s/GPU':>12} {'MFU':>6} {'peak GiB':>8} {'est tok/s':>10}  layout"]
+  for k, r in enumerate(result["candidates"], 1):
+    if "fits" not in r:
+      lines.append(f"{'-':>4} {'':>12} {'':>6} {'':>8} {r['estimate']['tokens_per_s']:>10,.0f}  "
+                   f"{r['layout']}: {r['error']}")
+      continue
+    lines.append(f"{k:>4} {r['tokens_per_s_ceiling']:>12,.0f} {r['mfu_ceiling']:>6.1%} "
+                 f"{r['peak_bytes'] / gib:>8.1f}{'' if r['fits'] else '!'} {r['estimate']['tokens_per_s']:>10,.0f}  "
+                 f"{r['layout']}")
+  best = result["best"]
+  lines.append(f"('!': over the budget; est: the quick estimate that chose the layout for compiling)")
+  lines.append(f"best on {result['target']}: {best['tokens_per_s_ceiling']:,.0f} tokens/s per GPU at most, peak "
+               f"{best['peak_bytes'] / gib:.1f} GiB of {result['budget_bytes'] / gib:.1f}")
+  lines.append("  " + " ".join(best["flags"]))
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+  target_env.prepare_environment(argv)
+  from ember import config as config_lib
+  from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
+  from ember.plan import planner
+  from ember.plan import target as target_lib
+  from ember.tools import cli
+
+  parser = ArgumentParser(prog="python -m ember.tools.plan")
+  parser.add_argument("--target", required=True, help="<gpu>x<count>, e.g. h100x64")
+  parser.add_argument("--budget_gb", type=float, default=0.0, help="per-device memory budget, GiB (default: 90%% of "
+                                                                    "the GPU's)")
+  parser.add_argument("--top", type=int, default=planner.TOP, help="layouts compiled")
+  parser.add_argument("--out", default="", help="JSON file to write")
+  try:
+    args = cli.parse(parser, [a for a in argv[1:] if not a.startswith("--config")])
+    if args.budget_gb < 0:
+      raise ConfigError(f"--budget_gb: must be positive, got {args.budget_gb:g}")
+    if args.top < 1:
+      raise ConfigError(f"--top: must be at least 1, got {args.top}")
+    target = target_lib.parse(args.target)
+    cli.check_out_files({"--out": args.out})
+    cfg = config_lib.load([argv[0]] + [a for a in argv[1:] if a.startswith("--config")])
+    try:
+      result = planner.plan(cfg, target, budget_gb=args.budget_gb or None, top=args.top,
+                            log=lambda s: print(s, file=sys.stderr, flush=True))
+    except planner.NoLayoutFits as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
+    if args.out:
+      cli.write_json("--out", args.out, result)
+  except EmberError as e:
+    fail_and_exit(e)
+  print(format_table(result))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

@@ -1,0 +1,92 @@
+"""The layout planner (ember/plan/planner.py, ember.tools.plan): what it enumerates, what it compiles, what it picks."""
+
+import json
+import math
+
+import pytest
+
+from ember import config as config_lib
+from ember.plan import planner
+from ember.plan import target as target_lib
+from ember.plan.compile import compile_report
+from ember.tools import plan as tool
+from tests.helpers import ROOT
+
+needs_plugin = pytest.mark.skipif(not target_lib.plugin_available(),
+                                  reason="JAX's CUDA plugin is not installed (launch/install_compile_plugin.sh)")
+
+
+def _cfg(name, *flags):
+  return config_lib.load(["plan", f"--config={ROOT}/configs/default.py:{name}", "--config.data.source=synthetic", *flags])
+
+
+def test_layouts_follow_the_model_and_the_cluster():
+  """tiny_moe (4 heads, 2 kv heads, 4 experts), batch 16, on two nodes of 8: every layout fills each node and the
+  node count, splits heads, experts and the batch evenly, and every split of each is there."""
+  cfg = _cfg("tiny_moe", "--config.train.batch_size=16")
+  target = target_lib.parse("h100x16")
+  found = planner.layouts(cfg, target)
+  assert len(set(found)) == len(found)
+  seen = set()
+  for lay in found:
+    node, dcn, mesh = dict(lay.node), dict(lay.dcn), lay.mesh()
+    assert math.prod(node.values()) == 8 and math.prod(dcn.values()) == 2 and math.prod(mesh.values()) == 16
+    assert 2 % node["tensor"] == 0 and 4 % mesh["expert"] == 0
+    shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
+    assert 16 % (shards * lay.grad_accum_steps) == 0
+    seen.add((node["tensor"], node["expert"], tuple(sorted(dcn.items())), lay.grad_accum_steps, lay.remat))
+  assert {t for t, *_ in seen} == {1, 2} and {e for _, e, *_ in seen} == {1, 2, 4}
+  assert {d for *_, d, _, _ in seen} == {(("data", 2), ("expert", 1), ("fsdp", 1)),
+                                         (("data", 1), ("expert", 1), ("fsdp", 2)),
+                                         (("data", 1), ("expert", 2), ("fsdp", 1))}
+  assert {r for *_, r in seen} == set(planner.presets(cfg)) and "save_quantized_offloaded" not in planner.presets(cfg)
+  # The flags say the whole layout, and read back as it.
+  lay = found[-1]
+  back = config_lib.load(["plan", f"--config={ROOT}/configs/default.py:tiny_moe", *lay.flags()])
+  assert {a: back.mesh[a] for a in ("data", "fsdp", "tensor", "expert")} == {**{"data": 1}, **dict(lay.node)}
+  assert (back.train.grad_accum_steps, back.remat.policy) == (lay.grad_accum_steps, lay.remat)
+
+
+def test_select_spans_the_splits_of_a_node():
+  """Three splits of a node, estimated fastest first in split A: one of each before a second of any."""
+  lay = lambda split, accum: planner.Layout((("fsdp", split),), (("data", 1), ("fsdp", 1), ("expert", 1)), accum, "full")
+  est = lambda s: planner.Estimate(s, s, 0.0, 1.0)
+  estimates = {lay(8, 1): est(1), lay(8, 2): est(2), lay(8, 4): est(3), lay(4, 1): est(5), lay(2, 1): est(4)}
+  assert planner.select(list(estimates), estimates, 4) == [lay(8, 1), lay(2, 1), lay(4, 1), lay(8, 2)]
+  assert planner._halved(lay(8, 1), list(estimates)) == lay(8, 2) and planner._halved(lay(4, 1), list(estimates)) is None
+
+
+@needs_plugin
+def test_plan_picks_the_fastest_compiled_layout_within_the_budget(tmp_path, capsys):
+  out = tmp_path / "plan.json"
+  args = ["plan", f"--config={ROOT}/configs/default.py:tiny", "--config.data.source=synthetic",
+          "--config.quant.recipe=fp8_current", "--config.train.batch_size=16", "--target=h100x8", "--top=3",
+          f"--out={out}"]
+  assert tool.main(args) == 0
+  r = json.loads(out.read_text())
+  best, fitting = r["best"], [c for c in r["candidates"] if c.get("fits")]
+  assert len(r["candidates"]) >= 3 and best in fitting
+  assert all(best["tokens_per_s_ceiling"] >= c["tokens_per_s_ceiling"] for c in fitting)
+  assert best["peak_bytes"] <= r["budget_bytes"] == int(0.9 * target_lib.parse("h100x8").device_memory_bytes)
+  assert "best on h100x8" in capsys.readouterr().out
+  # The winner's flags give the winner: the same compiled figures.
+  again = compile_report(_cfg("tiny", "--config.quant.recipe=fp8_current", "--config.train.batch_size=16",
+                              *best["flags"]), target_lib.parse("h100x8"))
+  assert again["tokens_per_s_ceiling"] == pytest.approx(best["tokens_per_s_ceiling"])
+  assert again["peak_bytes"] == best["peak_bytes"]
+
+
+@needs_plugin
+def test_plan_exits_1_when_nothing_fits_the_budget(capsys):
+  args = ["plan", f"--config={ROOT}/configs/default.py:tiny", "--config.data.source=synthetic", "--target=h100x8",
+          "--budget_gb=0.0001"]
+  assert tool.main(args) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("error: --budget_gb: no layout compiled within 0.0 GiB per device"), err
+
+
+def test_plan_refuses_a_cpu_target(capsys):
+  with pytest.raises(SystemExit) as e:
+    tool.main(["plan", f"--config={ROOT}/configs/default.py:tiny", "--target=cpu"])
+  assert e.value.code == 2
+  assert "--target: the planner needs a GPU target" in capsys.readouterr().err
