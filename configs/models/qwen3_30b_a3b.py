@@ -1,10 +1,12 @@
 """Qwen3-30B-A3B shapes: 48 layers, width 2048, 32 query heads of 128 (4 kv heads) with QK-norm, 128 experts
 of SwiGLU 768 in every layer, top-8 with the chosen weights renormalised (softmax, top-k, renormalise), no
 shared expert, vocab 151936, RoPE base 1e6. Megatron-Bridge's benchmark trains it on 16 H100s (global batch
-512 of 4096 tokens, EP 8) and on 8 B200s. On `--target=h100x16` with EP 8 inside each node, FSDP across the
-two (`--config.mesh.fsdp=1 --config.mesh.dcn_fsdp=2 --config.mesh.expert=8`), 32 micro-batches of one sequence
-per GPU (`--config.train.grad_accum_steps=32`) and remat `full`, fp8_current compiles to a 57.8 GiB peak and
-7,330 tokens/s per GPU, bound by the collectives (FSDP's gathers across the nodes, every micro-batch).
+512 of 4096 tokens, EP 8) and on 8 B200s. The layouts `ember.tools.plan` picks, with
+`--config.train.grad_reduce_dtype=bfloat16`: on `--target=h100x16` EP 8 inside each node and FSDP across the two
+(`--config.mesh.fsdp=1 --config.mesh.expert=8 --config.mesh.dcn_fsdp=2`), 8 micro-batches of four sequences per
+GPU (`--config.train.grad_accum_steps=8`), remat `full`: fp8_current compiles to a 65.2 GiB peak and 13,505
+tokens/s per GPU. On `--target=b200x8`, FSDP 8, 8 micro-batches, `save_dot_except_mlp`: mxfp8 at 44,227
+tokens/s per GPU, 137.6 GiB (docs/performance.md).
 """
 MODEL = dict(name="qwen3_30b_a3b", num_layers=48, d_model=2048, num_heads=32, num_kv_heads=4, head_dim=128,
              d_ff=768, vocab_size=151936, seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
