@@ -150,4 +150,7 @@ def test_local_sh_says_a_bad_flag_once():
 def test_derive_fills_head_dim_and_mesh():
   cfg = config_lib.load(["train.py", f"--config={ROOT}/configs/default.py:tiny"])
   out = config_lib.derive(cfg, 8)
-  assert out.model.head_dim == 16 and out.mesh.fsdp == 8 and out.train.decay_steps > 0
+  assert out.model.head_dim == 16 and out.mesh.fsdp == 8
+  assert out.train.decay_steps == cfg.steps - cfg.train.warmup_steps  # Decay from the warm-up's end to the last step.
+  assert config_lib.derive(config_lib.load(["train.py", f"--config={ROOT}/configs/default.py:tiny",
+                                            "--config.train.decay_steps=7"]), 8).train.decay_steps == 7

@@ -233,7 +233,8 @@ def _sigterm_pending(pid: int) -> bool:
 def test_a_job_signalled_mid_run_saves_and_requeued_logs_what_an_uninterrupted_job_does(
     cluster, uninterrupted):
   name = "preempted"
-  job_id, workdir = cluster.sbatch(name, f"--config.steps={STEPS}", sbatch_flags=("--requeue", "--open-mode=append"))
+  job_id, workdir = cluster.sbatch(name, f"--config.steps={STEPS}")  # As the docs submit it: --requeue and
+  # --open-mode=append are the script's own.
   _wait_for_step(cluster, job_id, name, workdir, 5)
   # The notice must land mid-run however fast the steps are, and JAX's SIGTERM listener looks once a second:
   # the tasks are paused while SLURM delivers the signal (it stays pending) and for that second, then resumed,
@@ -264,6 +265,7 @@ def test_a_job_signalled_mid_run_saves_and_requeued_logs_what_an_uninterrupted_j
   info = cluster.wait_job(job_id)
   out = cluster.output(name)
   assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", out
+  assert stopped.group(0) in out, "the requeued run truncated the log of the run before it"
   assert f"resumed from {workdir}/checkpoints at step {stopped.group(1)}" in out.split(stopped.group(0), 1)[1]
   records = _records(workdir)
   assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))  # No step logged twice.

@@ -28,7 +28,9 @@ def test_changing_one_segment_leaves_the_other_unchanged():
 
   a, b = logits(tokens), logits(changed)
   np.testing.assert_array_equal(a[0, :12], b[0, :12])  # Segment 1: bit-identical.
-  assert not np.allclose(a[0, 14:28], b[0, 14:28])  # Segment 2 did change.
+  np.testing.assert_array_equal(a[0, 12:14], b[0, 12:14])  # Segment 2 before the change (causal): identical.
+  moved = [i for i in range(14, 28) if not np.allclose(a[0, i], b[0, i])]
+  assert moved == list(range(14, 28)), moved  # Every position from the first changed token on.
 
 
 def test_segment_positions_restart():
