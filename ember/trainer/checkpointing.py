@@ -5,14 +5,16 @@
           sharded: every process writes its own shards (OCDBT);
   data/   `process_{i}-of-{n}.json`, each process's Grain iterator state (grain.checkpoint);
   rng/    the base key's data and the seed (every key is folded from (seed, step[, layer]));
+  fingerprints/  one fingerprint per state array, checked after every restore (ember/trainer/integrity.py);
 and, in the step's metadata, the resolved config, ember's version and the mesh shape.
 
 Saves are asynchronous by default: `save` returns once the arrays are on the host and the
 write goes on in a background thread (`force_sync` waits, as on preemption). Orbax writes a
 step into a temporary directory and renames it when complete, so a process killed mid-save
 leaves no step that `all_steps` reports. A complete step whose files are damaged fails to
-restore; `restore_latest` then renames it `<step>.corrupt` and falls back to the one before,
-with a warning naming the step. A checkpoint whose shapes differ from the config's is never
+restore, or restores arrays that do not match their fingerprints; `restore_latest` then renames it
+`<step>.corrupt` and falls back to the one before, with one warning line naming the step, and `restore_from`
+(another run's checkpoint) stops with a one-line error. A checkpoint whose shapes differ from the config's is never
 skipped silently: CheckpointError names the first differing array (exit 2).
 
 Restoring always targets the *current* run's shardings, so a checkpoint moves freely between
@@ -35,6 +37,7 @@ import orbax.checkpoint as ocp
 
 from ember.data import ShardedIterator
 from ember.errors import CheckpointError
+from ember.trainer import integrity
 from ember.trainer.metrics import console
 from ember.trainer.state import TrainState
 
@@ -112,6 +115,25 @@ def _state_metadata(manager: ocp.CheckpointManager, step: int) -> dict:
   return meta
 
 
+# --- Fingerprints ------------------------------------------------------------------------------------
+
+FINGERPRINTS = "fingerprints"  # The step's item (a JSON file) holding them.
+
+
+def _verify(step_dir: str, restored: dict, where: str) -> None:
+  """Raises integrity.DamagedCheckpoint if the restored arrays (a dict of TrainState fields, or some of them)
+  differ from the fingerprints saved with the step; a step saved without them (older) passes."""
+  path = os.path.join(step_dir, FINGERPRINTS, "metadata")
+  if not os.path.exists(path):
+    return
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise integrity.DamagedCheckpoint(f"{where}: its fingerprints cannot be read ({type(e).__name__})") from None
+  integrity.verify(saved, _leaves_by_name(restored), where)
+
+
 # --- The manager -----------------------------------------------------------------------------------
 
 
@@ -123,8 +145,9 @@ def _manager(directory: str, options: ocp.CheckpointManagerOptions, *, partial_s
   else:
     registry.add("state", ocp.args.StandardSave, ocp.StandardCheckpointHandler)
     registry.add("state", ocp.args.StandardRestore, ocp.StandardCheckpointHandler)
-  registry.add("rng", ocp.args.JsonSave, ocp.JsonCheckpointHandler)
-  registry.add("rng", ocp.args.JsonRestore, ocp.JsonCheckpointHandler)
+  for item in ("rng", FINGERPRINTS):
+    registry.add(item, ocp.args.JsonSave, ocp.JsonCheckpointHandler)
+    registry.add(item, ocp.args.JsonRestore, ocp.JsonCheckpointHandler)
   registry.add("data", grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointHandler)
   registry.add("data", grain.checkpoint.CheckpointRestore, grain.checkpoint.CheckpointHandler)
   return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
@@ -146,7 +169,9 @@ class Checkpointer:
   def save(self, step: int, state: TrainState, data_it: ShardedIterator | None, *, seed: int,
            metadata: dict | None = None, force_sync: bool = False) -> None:
     """Every process calls this. Returns when the arrays are on the host (or written, if force_sync)."""
-    items = dict(state=ocp.args.StandardSave(_as_dict(state)), rng=ocp.args.JsonSave(rng_item(seed)))
+    arrays = _as_dict(state)
+    items = dict(state=ocp.args.StandardSave(arrays), rng=ocp.args.JsonSave(rng_item(seed)),
+                 **{FINGERPRINTS: ocp.args.JsonSave(integrity.fingerprints(_leaves_by_name(arrays)))})
     if data_it is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_it)  # Reads the position now, synchronously.
     self.manager.save(step, args=ocp.args.Composite(**items), force=True, custom_metadata=metadata or {})
@@ -190,6 +215,7 @@ class Checkpointer:
     if use_grain:
       items["data"] = grain.checkpoint.CheckpointRestore(data_it)
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    _verify(self._step_dir(step), restored["state"], f"step {step}")
     if data_it is not None and not use_grain:
       restore_data_position(os.path.join(self._step_dir(step), "data"), data_it)
     return TrainState(**restored["state"])
@@ -225,6 +251,7 @@ class Checkpointer:
 
   def _skip(self, step: int, error: Exception) -> None:
     """Moves a damaged step aside (`<step>.corrupt`, kept for inspection) so the run can write it again."""
+    integrity.quiet_abandoned_reads()
     target, n = self._step_dir(step) + ".corrupt", 1
     while os.path.exists(target):
       target, n = f"{self._step_dir(step)}.corrupt{n}", n + 1
@@ -298,7 +325,7 @@ def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it
       state = dataclasses.replace(init(), params=params)
     else:
       check_shapes(saved, target, what)
-      restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+      restored = _restore_checked(manager, directory, step, ocp.args.StandardRestore(target), what)
       state = TrainState(**restored)
       if data_it is not None:
         restore_data_position(os.path.join(directory, str(step), "data"), data_it)
@@ -333,8 +360,24 @@ def _restore_fields(manager, step: int, saved: dict, targets: dict, what: str) -
     check_shapes(saved[field], target, what, "parameter" if field == "params" else "array")
   args = ocp.args.PyTreeRestore(item=targets, partial_restore=True,
                                 restore_args=ocp.checkpoint_utils.construct_restore_args(targets))
-  restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+  restored = _restore_checked(manager, manager.directory, step, args, what)
   return {field: restored[field] for field in targets}
+
+
+def _restore_checked(manager, directory, step: int, args, what: str) -> dict:
+  """The state item of `step` (restored with `args`), fingerprints checked; a damaged step is a one-line
+  CheckpointError naming it."""
+  step_dir = os.path.join(str(directory), str(step))
+  try:
+    restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+    _verify(step_dir, restored, f"{what}: {step_dir}")
+  except (CheckpointError, integrity.DamagedCheckpoint) as e:
+    raise CheckpointError(str(e)) from None
+  except Exception as e:  # Damaged array files.
+    integrity.quiet_abandoned_reads()
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    raise CheckpointError(f"{what}: cannot restore {step_dir}, damaged ({type(e).__name__}: {first})") from None
+  return restored
 
 
 def saved_config(path: str, what: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -173,23 +174,52 @@ def test_sigterm_saves_synchronously_exits_zero_and_resumes(shared, tmp_path):
 # --- A damaged checkpoint ---------------------------------------------------------------------------
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(shared, tmp_path):
+# Each kind of file of a step, by its path under the step (the array chunk: the largest file OCDBT wrote).
+DAMAGED_FILES = {
+    "array chunk": "state/ocdbt.process_0/d/*", "OCDBT manifest": "state/manifest.ocdbt",
+    "array metadata": "state/array_metadatas/process_0", "tree metadata": "state/_METADATA",
+    "shardings": "state/_sharding", "rng": "rng/metadata", "data position": "data/process_0-of-1.json",
+    "fingerprints": "fingerprints/metadata",
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGED_FILES))
+def test_a_damaged_newest_checkpoint_is_one_warning_and_the_previous_one(shared, tmp_path, kind):
+  """100 random bytes in the middle of one file of step 20 (as a bad disk or a truncated copy would leave it):
+  the resumed run says so in one warning line, moves the step aside, resumes from step 15 and logs what the
+  uninterrupted run logged; nothing of the failed restore reaches stderr. Random bytes inside an array chunk
+  restore without an error: the arrays' fingerprints catch them (ember/trainer/integrity.py)."""
   ref_dir = reference(shared, "bf16")
   run = copy_run(ref_dir, tmp_path / "run")
   assert checkpoint_steps(run) == [10, 15, 20]
-  for f in (run / "checkpoints" / "20" / "state").rglob("*"):
-    if f.is_file() and f.parent.name == "d":  # The array chunks.
-      f.write_bytes(os.urandom(f.stat().st_size))
+  target = max((run / "checkpoints" / "20").glob(DAMAGED_FILES[kind]), key=lambda f: f.stat().st_size)
+  data = bytearray(target.read_bytes())
+  middle = max(len(data) // 2 - 50, 0)
+  data[middle:middle + 100] = random.Random(0).randbytes(min(100, len(data)))
+  target.write_bytes(bytes(data))
 
   p = train(shared, run, 20)
-  assert "warning: skipping checkpoint step 20" in p.stderr
-  assert "at step 15" in p.stderr
+  warnings = [line for line in p.stderr.splitlines() if "warning: skipping checkpoint step 20" in line]
+  assert len(warnings) == 1 and "moved it to 20.corrupt" in warnings[0], p.stderr[-3000:]
+  assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr[-3000:]
+  assert "resumed from" in p.stderr and "at step 15" in p.stderr
   assert_steps_once(run, 20)
-  ref = losses(ref_dir)
-  got = losses(run)
+  ref, got = losses(ref_dir), losses(run)
   assert [got[s] for s in range(16, 21)] == [ref[s] for s in range(16, 21)]
-  assert (run / "checkpoints" / "20.corrupt").is_dir()
-  assert checkpoint_steps(run)[-1] == 20
+  assert (run / "checkpoints" / "20.corrupt").is_dir() and checkpoint_steps(run)[-1] == 20
+
+
+def test_starting_from_a_damaged_checkpoint_is_one_line_exit_2(shared, tmp_path):
+  """`checkpoint.restore_from` names one step: damaged, it is an error (exit 2, one line), not a fallback."""
+  source = copy_run(reference(shared, "bf16"), tmp_path / "source")
+  chunk = max((source / "checkpoints" / "20").glob(DAMAGED_FILES["array chunk"]), key=lambda f: f.stat().st_size)
+  data = bytearray(chunk.read_bytes())
+  data[len(data) // 2:len(data) // 2 + 100] = random.Random(0).randbytes(100)
+  chunk.write_bytes(bytes(data))
+  p = train(shared, tmp_path / "run", 22, f"--config.checkpoint.restore_from={source}/checkpoints/20", expect_rc=2)
+  last = p.stderr.strip().splitlines()[-1]
+  assert "config.checkpoint.restore_from:" in last and "does not match the fingerprint saved with it" in last, last
+  assert "Traceback" not in p.stderr
 
 
 # --- Starting from another run's checkpoint -------------------------------------------------------------------

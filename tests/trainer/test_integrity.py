@@ -1,0 +1,50 @@
+"""Checkpoint fingerprints (ember/trainer/integrity.py): one value per array, the same on any sharding, changed
+by any changed, swapped or shifted element."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ember.trainer import integrity
+
+
+def _reference(a: np.ndarray) -> int:
+  """The fingerprint in NumPy: sum of bit patterns times odd position weights, modulo 2**32."""
+  bits = a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]).astype(np.uint64)
+  mix, mod = np.uint64(0x9E3779B1), np.uint64(2**32)  # uint64 throughout: products of two 32-bit values fit.
+  position = np.zeros(a.shape, np.uint64)
+  for d in range(a.ndim):
+    position = (position * mix + np.indices(a.shape)[d].astype(np.uint64)) % mod
+  weights = ((position * mix) % mod * np.uint64(2) + np.uint64(1)) % mod
+  return int(np.sum(bits * weights % mod) % mod) if a.ndim else int(bits)
+
+
+def test_fingerprints_equal_numpys_and_do_not_depend_on_the_sharding():
+  rng = np.random.default_rng(0)
+  arrays = {"w": rng.normal(size=(16, 24)).astype(np.float32), "h": rng.normal(size=(8, 4, 8)).astype(jnp.bfloat16),
+            "count": np.asarray(7, np.int32), "q": rng.integers(0, 255, size=(32,), dtype=np.uint8)}
+  one = integrity.fingerprints({k: jnp.asarray(v) for k, v in arrays.items()})
+  assert one == {k: _reference(np.asarray(v)) for k, v in arrays.items()}
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+  specs = {"w": P("a", "b"), "h": P("b", None, "a"), "count": P(), "q": P(("a", "b"))}
+  sharded = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in arrays.items()}
+  assert integrity.fingerprints(sharded) == one
+
+
+@pytest.mark.parametrize("change", ["one bit", "two swapped", "shifted row"])
+def test_any_change_changes_the_fingerprint(change):
+  a = np.random.default_rng(1).normal(size=(8, 16)).astype(np.float32)
+  b = a.copy()
+  if change == "one bit":
+    b.view(np.uint32)[3, 5] ^= 1
+  elif change == "two swapped":
+    b[0, 0], b[7, 15] = a[7, 15], a[0, 0]
+  else:
+    b[2] = np.roll(a[2], 1)
+  before, after = integrity.fingerprints({"a": jnp.asarray(a)}), integrity.fingerprints({"a": jnp.asarray(b)})
+  assert before != after
+  with pytest.raises(integrity.DamagedCheckpoint, match="array a does not match"):
+    integrity.verify(before, {"a": jnp.asarray(b)}, "step 4")
+  integrity.verify(before, {"a": jnp.asarray(a)}, "step 4")
