@@ -1,11 +1,12 @@
 """ember: JAX pretraining of decoder-only LLMs in low precision (FP8 / MXFP8 / NVFP4).
 
-Floors, each importing only the ones below it:
-  errors, names                 leaves: user errors, the names everyone agrees on
+Floors, from the bottom up; each imports only itself and the floors listed before it (tests/test_structure.py):
+  errors, names, hardware,      leaves: user errors, the names everyone agrees on, the GPUs' facts, the
+  platform                      platform traced for
   remat                         checkpoint names and remat presets
   quant                         pure-JAX quantization (formats, quantizers, the recipe table, VJPs)
-  model_config, config          the typed model shape; load, validate and derive the config tree
   parallel                      mesh, logical sharding rules, multi-process set-up
+  model_config, config          the typed model shape; load, validate and derive the config tree
   layers, data, hf              the NNX model; the Grain input pipeline; the Hugging Face format
   trainer, inference            state, step, loss, loop, checkpoints, metrics; KV-cached generation
   plan                          trace, measure and compile a step; choose a remat policy

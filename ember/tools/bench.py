@@ -29,7 +29,7 @@ import numpy as np
 
 from ember import config as config_lib
 from ember.data.sharded import data_iterator, global_batch
-from ember.errors import ConfigError, EmberError, fail_and_exit
+from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
 from ember.model_config import ModelConfig
 from ember.parallel.sharding import use_rules
 from ember.plan import hlo
@@ -106,35 +106,28 @@ def with_quant_stats(cfg, *, steps: int, warmup: int, hlo_out: str | None = None
 
 
 def main(argv: list[str]) -> int:
-  own = {"--steps": "10", "--warmup": "2", "--out": "", "--hlo_out": "", "--quant_stats": None}
-  rest = []
-  for a in argv[1:]:
-    key = a.split("=", 1)[0]
-    if key in own:
-      own[key] = a.split("=", 1)[1] if "=" in a else ""
-    else:
-      rest.append(a)
+  parser = ArgumentParser(prog="python -m ember.tools.bench")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+  parser.add_argument("--out", default="", help="JSON file to write")
+  parser.add_argument("--hlo_out", default="", help="file for the optimised HLO text")
+  parser.add_argument("--quant_stats", type=cli.boolean, nargs="?", const=True, default=False,
+                      help="also time the step with the quantization health statistics")
   try:
-    steps, warmup = int(own["--steps"]), int(own["--warmup"])
-    if steps < 1 or warmup < 0:
-      raise ValueError
-  except ValueError:
-    fail_and_exit(ConfigError(f"--steps/--warmup: need integers >= 1 / >= 0, got {own['--steps']!r} / "
-                              f"{own['--warmup']!r}"))
-  try:
-    cli.check_out_files({flag: own[flag] for flag in ("--out", "--hlo_out")})  # Before the work, not after it.
-    cfg = config_lib.load([argv[0], *rest])
-    stats = own["--quant_stats"] is not None and own["--quant_stats"].lower() not in ("false", "0", "no")
-    measure = with_quant_stats if stats else run
-    result = measure(cfg, steps=steps, warmup=warmup, hlo_out=own["--hlo_out"] or None)
+    args = cli.parse(parser, [a for a in argv[1:] if not a.startswith("--config")])
+    if args.steps < 1:
+      raise ConfigError(f"--steps: must be at least 1, got {args.steps}")
+    if args.warmup < 0:
+      raise ConfigError(f"--warmup: must be at least 0, got {args.warmup}")
+    cli.check_out_files({"--out": args.out, "--hlo_out": args.hlo_out})  # Before the work, not after it.
+    cfg = config_lib.load([argv[0], *(a for a in argv[1:] if a.startswith("--config"))])
+    measure = with_quant_stats if args.quant_stats else run
+    result = measure(cfg, steps=args.steps, warmup=args.warmup, hlo_out=args.hlo_out or None)
+    print(json.dumps(result, indent=2))
+    if args.out:
+      cli.write_json("--out", args.out, result)
   except EmberError as e:
     fail_and_exit(e)
-  print(json.dumps(result, indent=2))
-  if own["--out"]:
-    try:
-      cli.write_json("--out", own["--out"], result)
-    except EmberError as e:
-      fail_and_exit(e)
   return 0
 
 

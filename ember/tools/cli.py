@@ -19,6 +19,15 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
   return args
 
 
+def boolean(value: str) -> bool:
+  """An argparse type for a switch that may also be given a value: true / false, 1 / 0, yes / no."""
+  if value.lower() in ("true", "1", "yes"):
+    return True
+  if value.lower() in ("false", "0", "no"):
+    return False
+  raise ValueError(value)
+
+
 def check_out_file(flag: str, path: str) -> None:
   """`path` can be written as a file: not a directory, in an existing directory this process may write."""
   if not path:

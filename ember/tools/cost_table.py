@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import sys
 
+from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
+from ember.tools import cli
+
 COLUMNS = ("model", "target", "recipe", "remat", "batch", "GEMM TFLOP (fp8 / mxfp8 / nvfp4 / bf16 / f32)",
            "executed / model", "recompute TFLOP", "time floor (ms)", "MFU ceiling", "tokens/s/GPU ceiling",
            "peak GiB")
@@ -51,20 +54,21 @@ def table(reports: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-  if len(argv) < 2:
-    print("error: usage: python -m ember.tools.cost_table REPORT.json [...]", file=sys.stderr)
-    return 2
-  reports = []
-  for path in argv[1:]:
-    try:
-      with open(path) as f:
-        reports.append(json.load(f))
-    except (OSError, ValueError) as e:
-      print(f"error: {path}: not a compile report ({e})", file=sys.stderr)
-      return 2
-    if reports[-1].get("time_floor_s") is None:
-      print(f"error: {path}: no time floor (a report for a GPU target is needed)", file=sys.stderr)
-      return 2
+  parser = ArgumentParser(prog="python -m ember.tools.cost_table")
+  parser.add_argument("reports", nargs="+", metavar="REPORT.json", help="ember.tools.compile --out files")
+  try:
+    args = cli.parse(parser, argv[1:])
+    reports = []
+    for path in args.reports:
+      try:
+        with open(path) as f:
+          reports.append(json.load(f))
+      except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a compile report ({e})") from None
+      if reports[-1].get("time_floor_s") is None:
+        raise ConfigError(f"{path}: no time floor (a report for a GPU target is needed)")
+  except EmberError as e:
+    fail_and_exit(e)
   print(table(reports))
   return 0
 

@@ -13,6 +13,7 @@ from ember import remat
 from ember.plan import hlo
 from ember.plan import target as target_lib
 from ember.plan.compile import compile_report
+from ember.trainer.perf import train_flops_per_step
 from ember.tools import compile as tool
 from tests.helpers import ROOT
 
@@ -111,8 +112,9 @@ def test_fsdp_expert_kernels_are_gathered_in_fp8(tmp_path):
 
 
 def test_bf16_recipe_has_no_fp8_gemm():
+  """Every projection's forward, dgrad and wgrad, and the head's, in bf16; nothing else."""
   r = report("h100x1", "--config.quant.recipe=bf16", "--config.remat.policy=none")
-  assert r["gemms"]["fp8"] == 0 and r["gemms"]["f32"] == 0 and r["gemms"]["bf16"] > 0
+  assert r["gemms"] == census(bf16=3 * QUANTIZED_PROJECTIONS + HEAD_GEMMS), r["gemms"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
@@ -155,6 +157,17 @@ def test_compile_tool_exit_codes(tmp_path, capsys):
   assert r["executed_flops"]["fp8"] > 0.8 * sum(r["executed_flops"].values()), r["executed_flops"]
   assert 0 < r["mfu_ceiling"] <= 1 and 0 < r["time_floor_s"] <= r["time_serial_s"]
   assert r["tokens_per_s_ceiling"] == pytest.approx(8 * 8192 / 8 / r["time_floor_s"])
+  # The figures agree with each other and with their sources: the roofline's parts, the model's FLOPs, the
+  # H100's dense bf16 peak, the spec's memory, the buffer sizes.
+  parts = r["time_floor_parts_s"]
+  assert r["time_floor_s"] == max(parts["compute"] + parts["memory"], parts["collectives"])
+  assert r["time_serial_s"] == pytest.approx(sum(parts.values()))
+  cfg = config_lib.load(["compile", *llama[:3], "--config.train.batch_size=8"])
+  assert r["model_flops"] == pytest.approx(train_flops_per_step(cfg) / 8)
+  assert r["mfu_ceiling"] == pytest.approx(r["model_flops"] / r["time_floor_s"] / 989e12)
+  assert r["device_memory_bytes"] == target_lib.parse("h100x8").device_memory_bytes
+  assert r["peak_bytes"] >= r["temp_bytes"]
+  assert 0 <= r["output_bytes"] - r["alias_bytes"] < 2**20  # The new state reuses the donated one; metrics aside.
   assert len(r["largest_values"]) == 5 and len(r["largest_collectives"]) == 5
   assert {"shape", "dtype", "bytes", "op_name"} <= set(r["largest_values"][0])
   assert {"kind", "shape", "dtype", "bytes", "op_name"} <= set(r["largest_collectives"][0])

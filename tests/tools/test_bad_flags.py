@@ -4,7 +4,7 @@
 import pytest
 
 from ember.data import train_tokenizer, write_array_record
-from ember.tools import bench
+from ember.tools import bench, cost_table
 from ember.tools import compile as compile_tool
 from ember.tools import export_hf, remat_report, sample, sweep
 from tests.helpers import ROOT
@@ -39,6 +39,12 @@ CASES = [
     (export_hf, [f"--checkpoint={NOWHERE}"], "--out: required, not given"),
     (export_hf, [f"--checkpoint={NOWHERE}", f"--out={FILE}/hf"], f"--out: cannot create {FILE}/hf"),
     (bench, [TINY, f"--out={NOWHERE}/b.json"], f"--out: cannot write {NOWHERE}/b.json: no directory"),
+    (bench, [TINY, "--steps=0"], "--steps: must be at least 1, got 0"),
+    (bench, [TINY, "--warmup=two"], "--warmup: invalid int value: 'two'"),
+    (bench, [TINY, "--quant_stats=maybe"], "--quant_stats: invalid boolean value: 'maybe'"),
+    (bench, [TINY, "--stpes=3"], "--stpes=3: unknown command-line argument"),
+    (cost_table, [], "REPORT.json: required, not given"),
+    (cost_table, [f"{NOWHERE}/r.json"], f"{NOWHERE}/r.json: not a compile report"),
 ]
 
 
