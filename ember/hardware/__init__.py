@@ -2,7 +2,8 @@
 form: SMs, memory size and bandwidth, compute capability, the cuDNN version XLA compiles for) and its row of
 `facts.toml` (dense peak TFLOP/s per GEMM precision, NVLink and network bandwidth, with their sources).
 
-The compile targets (ember/plan/target.py) read both; a run's MFU (ember/trainer/perf.py) reads the peaks.
+Each GPU is read once into a `Gpu` (`gpu(name)`): the spec's figures and the facts row. The compile targets
+(ember/plan/target.py) and the roofline read it; a run's MFU (ember/trainer/perf.py) reads the peaks.
 """
 
 from __future__ import annotations
@@ -49,12 +50,28 @@ def facts_for_kind(device_kind: str) -> DeviceFacts | None:
   return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+  """One GPU: its XLA spec (the text JAX builds compile-only devices from) and the figures read from it."""
+  name: str
+  spec: str  # The GpuTargetConfigProto, as text.
+  facts: DeviceFacts
+  memory_bytes: int  # device_memory_size
+  hbm_bytes_per_s: float  # memory_bandwidth
+  device_kind: str  # device_description_str, as JAX's device_kind names it.
+  compute_capability: tuple[int, int]  # cuda_compute_capability
+  cudnn_version: int  # dnn_version_info as cuDNN numbers it (9.8 -> 90800): what XLA compiles cuDNN calls for.
+
+
 @functools.cache
-def spec(gpu: str) -> str:
-  """The GPU's XLA spec, as text."""
-  with open(os.path.join(_DIR, f"{gpu}.txtpb")) as f:
-    return f.read()
-
-
-def hbm_bytes_per_s(gpu: str) -> float:
-  return float(re.search(r"memory_bandwidth:\s*(\d+)", spec(gpu)).group(1))
+def gpu(name: str) -> Gpu:
+  """The GPU `name` (one of GPUS), its spec parsed once."""
+  with open(os.path.join(_DIR, f"{name}.txtpb")) as f:
+    text = f.read()
+  field = lambda pattern: re.search(pattern, text).groups(default="0")
+  cc = field(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?")
+  dnn = field(r"dnn_version_info\s*\{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?")
+  return Gpu(name=name, spec=text, facts=facts(name), memory_bytes=int(field(r"device_memory_size:\s*(\d+)")[0]),
+             hbm_bytes_per_s=float(field(r"memory_bandwidth:\s*(\d+)")[0]),
+             device_kind=field(r'device_description_str:\s*"([^"]+)"')[0],
+             compute_capability=(int(cc[0]), int(cc[1])), cudnn_version=int(dnn[0]) * 10000 + int(dnn[1]) * 100)

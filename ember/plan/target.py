@@ -54,38 +54,35 @@ class Target:
   def per_node(self) -> int:
     return self.count // self.nodes
 
-  def spec(self) -> str:
-    return hardware.spec(self.gpu)
+  @property
+  def gpu_spec(self) -> hardware.Gpu | None:
+    """The GPU's spec and facts (ember/hardware/), None for `cpu`."""
+    return hardware.gpu(self.gpu) if self.is_gpu else None
 
   @property
   def facts(self) -> hardware.DeviceFacts | None:
     """Peaks and link bandwidths (None for `cpu`)."""
-    return hardware.facts(self.gpu) if self.is_gpu else None
+    return self.gpu_spec.facts if self.is_gpu else None
 
   @property
   def hbm_bytes_per_s(self) -> float | None:
-    return hardware.hbm_bytes_per_s(self.gpu) if self.is_gpu else None
+    return self.gpu_spec.hbm_bytes_per_s if self.is_gpu else None
 
   @property
   def device_memory_bytes(self) -> int | None:
     if not self.is_gpu:
       stats = jax.local_devices()[0].memory_stats() or {}
       return stats.get("bytes_limit")
-    return int(re.search(r"device_memory_size:\s*(\d+)", self.spec()).group(1))
+    return self.gpu_spec.memory_bytes
 
   @property
   def device_kind(self) -> str:
-    if not self.is_gpu:
-      return jax.devices()[0].device_kind
-    return re.search(r'device_description_str:\s*"([^"]+)"', self.spec()).group(1)
+    return self.gpu_spec.device_kind if self.is_gpu else jax.devices()[0].device_kind
 
   @property
   def compute_capability(self) -> tuple[int, int] | None:
     """The GPU's CUDA compute capability (major, minor) from its spec; None for `cpu`."""
-    if not self.is_gpu:
-      return None
-    m = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?", self.spec())
-    return tuple(int(x) for x in m.groups(default="0"))
+    return self.gpu_spec.compute_capability if self.is_gpu else None
 
   def devices(self) -> list:
     """The target's devices: local ones for `cpu`, compile-only ones (node-major) for a GPU cluster."""
@@ -93,7 +90,7 @@ class Target:
       return list(jax.devices())
     from jax.experimental import topologies
     try:
-      topology = topologies.get_topology_desc(platform="cuda", target_config=self.spec(),
+      topology = topologies.get_topology_desc(platform="cuda", target_config=self.gpu_spec.spec,
                                               topology=f"{self.nodes}x1x{self.per_node}")
     except Exception as e:  # No plugin, or a CUDA backend already initialised.
       raise ConfigError(f"--target: cannot describe {self.name} here ({one_line(e)}); install the CUDA plugin "
@@ -156,8 +153,8 @@ def _cudnn_checks_for(target: Target):
   fa.is_cuda_compute_capability_equal = lambda c: cc == version(c)
   try:
     saved["check_cudnn_version"]()
-  except Exception:  # No libcudnn on this machine: compiling does not need it.
-    fa.check_cudnn_version = lambda: 90800
+  except Exception:  # No libcudnn on this machine: the version the spec compiles for.
+    fa.check_cudnn_version = lambda: target.gpu_spec.cudnn_version
   try:
     yield
   finally:

@@ -150,7 +150,7 @@ def test_the_time_floor_of_one_gemm_is_its_roofline(m, k, n):
   text = compiled_text(f, ((m, k), jnp.bfloat16), ((k, n), jnp.bfloat16), target="h100x1")
   assert hlo.gemm_census(text)["bf16"] == 1 and not hlo.memory_kernels(hlo.Program(text))
   facts = hardware.facts("h100")
-  hand = max(2 * m * k * n / (facts.tflops["bf16"] * 1e12), 2 * (m * k + k * n + m * n) / hardware.hbm_bytes_per_s("h100"))
+  hand = max(2 * m * k * n / (facts.tflops["bf16"] * 1e12), 2 * (m * k + k * n + m * n) / hardware.gpu("h100").hbm_bytes_per_s)
   assert report(text, "h100x1")["time_floor_s"] == pytest.approx(hand, rel=1e-12)
 
 
