@@ -50,7 +50,7 @@ from ember.names import (BATCH, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MO
 from ember.parallel import sharding
 from ember.quant import health
 from ember.quant.batched import batched_matmul
-from ember.quant.grouped import grouped_matmul
+from ember.quant.grouped import grouped_matmul, starts
 from ember.quant.recipe import Recipe
 
 F32 = jnp.float32
@@ -147,7 +147,7 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   x_spec = sharding.logical_to_spec((BATCH, LENGTH, None), rules, mesh)
   token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
   e_spec = sharding.logical_to_spec((EXPERT,), rules, mesh)[0]
-  expert_axes = _axes(e_spec)
+  expert_axes = moe_dispatch.expert_axes(mesh, rules)
   if not set(expert_axes) <= set(token_axes):
     raise ValueError(f"expert parallelism over {expert_axes} needs the batch sharded over it too (mesh.rules "
                      f"'batch' -> ...{expert_axes}); tokens are sharded over {token_axes}")
@@ -295,7 +295,7 @@ def capacity_layout(group_sizes_E, rows: int, c: int):
   """(the slot of each sorted row: expert * C + its rank, or E * C when it is past its expert's C or past the
   last group; the sorted row of each slot, or `rows` when empty) for slots of C rows per expert."""
   e = group_sizes_E.shape[0]
-  starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+  starts_E = starts(group_sizes_E)
   expert_R = jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(rows, dtype=jnp.int32), side="right")
   rank_R = jnp.arange(rows) - starts_E[jnp.minimum(expert_R, e - 1)]
   slot_of_row = jnp.where((expert_R < e) & (rank_R < c), expert_R * c + rank_R, e * c)
@@ -337,8 +337,7 @@ def _rank_in_group(group_N: jax.Array, num_groups: int) -> jax.Array:
   """Position of each element among the earlier elements of its group (stable order)."""
   n = group_N.shape[0]
   order = jnp.argsort(group_N, stable=True)
-  starts = jnp.cumsum(jnp.bincount(group_N, length=num_groups)) - jnp.bincount(group_N, length=num_groups)
-  ranks_sorted = jnp.arange(n, dtype=jnp.int32) - starts[group_N[order]]
+  ranks_sorted = jnp.arange(n, dtype=jnp.int32) - starts(jnp.bincount(group_N, length=num_groups))[group_N[order]]
   return jnp.zeros((n,), jnp.int32).at[order].set(ranks_sorted, unique_indices=True)
 
 

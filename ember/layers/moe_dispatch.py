@@ -40,16 +40,19 @@ so its gradient (a scatter-add) never adds two values into one row: deterministi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
-from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember.names import EXPERT, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember.parallel.sharding import logical_to_spec
 from ember.platform import target_platform
+from ember.quant.grouped import starts
 
-AUTO, ALLGATHER, ALLTOALL, RAGGED = DISPATCHERS = MOE_DISPATCHERS
-_, RAGGED_DOT, CAPACITY = EXPERT_GEMMS = MOE_EXPERT_GEMMS
+AUTO, ALLGATHER, ALLTOALL, RAGGED = MOE_DISPATCHERS
+_, RAGGED_DOT, CAPACITY = MOE_EXPERT_GEMMS
 LOCAL = "local"  # No expert axis: no exchange.
 SLOT_MULTIPLE = 32  # C is rounded up to it: whole blocks along C for the block-scaled recipes' wgrad.
 
@@ -71,6 +74,30 @@ def choose(dispatch: str, expert_gemm: str, *, expert_parallel: int, num_local: 
   return exchange, expert_gemm
 
 
+def expert_axes(mesh, rules: dict) -> tuple[str, ...]:
+  """The mesh axes the experts are split over: those `mesh.rules` maps the logical `expert` axis to (the
+  mesh's axes of size 1 left out)."""
+  entry = logical_to_spec((EXPERT,), rules, mesh)[0]
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What an MoE layer runs on a mesh: the one answer the layer, the run's log line and the compile report give."""
+  exchange: str  # local | allgather | alltoall | ragged
+  expert_gemm: str  # ragged_dot | capacity
+  expert_parallel: int  # Devices the experts are split over.
+  num_local: int  # Experts on each of them.
+
+
+def plan(dispatch: str, expert_gemm: str, num_experts: int, mesh, rules: dict,
+         platform: str | None = None) -> Plan:
+  """The Plan of an MoE layer with these settings on `mesh` under `rules` (platform: the one traced for)."""
+  n = math.prod(mesh.shape[a] for a in expert_axes(mesh, rules))
+  exchange, gemm = choose(dispatch, expert_gemm, expert_parallel=n, num_local=num_experts // n, platform=platform)
+  return Plan(exchange, gemm, n, num_experts // n)
+
+
 def slot_rows(*, tokens: int, k: int, num_experts: int, n: int, capacity: int | None, buffer: float,
               rows: int) -> int:
   """C, the rows of each local expert's slot in the capacity layout, for `rows` sorted rows on a device
@@ -78,10 +105,6 @@ def slot_rows(*, tokens: int, k: int, num_experts: int, n: int, capacity: int | 
   exceeded), else `buffer` x the balanced load n * T * k / E; at most `rows`."""
   c = n * capacity if capacity is not None else math.ceil(buffer * n * tokens * k / num_experts)
   return -(-min(c, rows) // SLOT_MULTIPLE) * SLOT_MULTIPLE
-
-
-def _exclusive_cumsum(a, axis=-1):
-  return jnp.cumsum(a, axis=axis) - a
 
 
 def _gather(a_NxD, index_R):
@@ -109,7 +132,7 @@ def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn
   copies received here that the expert GEMMs' slots did not hold."""
   n = sizes_E.shape[0] // num_local
   send_P = sizes_E.reshape(n, num_local).sum(axis=1)
-  start_P = _exclusive_cumsum(send_P)
+  start_P = starts(send_P)
   slot_PxS = jnp.arange(slots)[None, :]
   live_PxS = slot_PxS < send_P[:, None]
   row_PxS = jnp.where(live_PxS, start_P[:, None] + slot_PxS, xs_CxD.shape[0])
@@ -157,12 +180,12 @@ def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn):
   me = jax.lax.axis_index(axes)
   sent_NxP = jax.lax.all_gather(send_P, axes, tiled=False)  # [source, destination] copy counts.
   # Where each source's block starts in each destination's buffer, and how much of it fits.
-  start_NxP = _exclusive_cumsum(sent_NxP, axis=0)
+  start_NxP = starts(sent_NxP, axis=0)
   fits_NxP = jnp.clip(buffer_rows - start_NxP, 0, sent_NxP)
   send_fit_P, out_offset_P = fits_NxP[me], start_NxP[me]
   recv_P = fits_NxP[:, me]
   recv_offset_P = start_NxP[:, me]
-  in_offset_P = _exclusive_cumsum(send_P)
+  in_offset_P = starts(send_P)
   d = xs_CxD.shape[-1]
   # The receive buffer varies over the mesh axes as the copies do (zeros_like keeps their shard_map type): a
   # buffer typed invariant would make the result invariant too, and autodiff would sum its gradient over
@@ -187,7 +210,7 @@ def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn):
 def _source_offsets(sent_NxP, me):
   """For the way back: where this device's block for source s sits in s's sorted copies (s's exclusive
   cumsum of what it sent to the destinations before this one)."""
-  return _exclusive_cumsum(sent_NxP, axis=1)[:, me]
+  return starts(sent_NxP, axis=1)[:, me]
 
 
 def expert_capacity(capacity_factor: float, tokens: int, k: int, num_experts: int) -> int | None:

@@ -107,15 +107,13 @@ def moe_figures(cfg, mesh, target: Target, program: hlo.Program) -> dict:
   """The token exchange of an MoE step: the dispatcher that runs, and the expert GEMMs' rows per device and
   FLOPs read from the compiled program, with the largest per-expert copy of the routed rows."""
   from ember.layers import moe_dispatch
-  from ember.model_config import ModelConfig
-  m = ModelConfig.from_config(cfg)
-  n = int(mesh.shape["expert"])
-  dispatch, layout = moe_dispatch.choose(m.moe_dispatch, m.moe_expert_gemm, expert_parallel=n,
-                                         num_local=m.num_experts // n, platform="gpu" if target.is_gpu else "cpu")
+  from ember.parallel.sharding import rules_dict
+  p = moe_dispatch.plan(cfg.model.moe_dispatch, cfg.model.moe_expert_gemm, cfg.model.num_experts, mesh,
+                        rules_dict(cfg.mesh.rules), platform="gpu" if target.is_gpu else "cpu")
   gemms = cost.expert_gemms(program)
-  copy = cost.largest_expert_copy(program, local_experts=m.num_experts // n, rows=gemms["gemm_rows_per_rank"])
-  return {"dispatch": dispatch, "expert_gemm": layout, "expert_parallel": n,
-          "tokens_per_shard": per_device_batch(cfg, mesh) * m.seq_len, **gemms, "largest_expert_copy": copy}
+  copy = cost.largest_expert_copy(program, local_experts=p.num_local, rows=gemms["gemm_rows_per_rank"])
+  return {"dispatch": p.exchange, "expert_gemm": p.expert_gemm, "expert_parallel": p.expert_parallel,
+          "tokens_per_shard": per_device_batch(cfg, mesh) * cfg.model.seq_len, **gemms, "largest_expert_copy": copy}
 
 
 def _why_not_cudnn(cfg, mesh) -> str:

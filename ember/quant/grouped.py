@@ -186,14 +186,18 @@ def padded_sizes(group_sizes_E: jax.Array, block: int) -> jax.Array:
   return -(-group_sizes_E // block) * block
 
 
+def starts(sizes: jax.Array, axis: int = -1) -> jax.Array:
+  """Where each group begins in rows sorted by group: the exclusive cumulative sum of the group sizes."""
+  return jnp.cumsum(sizes, axis=axis) - sizes
+
+
 def block_layout(group_sizes_E: jax.Array, m: int, block: int):
   """(destination row of each sorted row, padded group sizes, layout length) of the layout in which
   every group starts at a multiple of `block` (rows past the last group go nowhere)."""
   e = group_sizes_E.shape[0]
   length = -(-(m + e * (block - 1)) // block) * block
   padded_E = padded_sizes(group_sizes_E, block)
-  starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
-  padded_starts_E = jnp.cumsum(padded_E) - padded_E
+  starts_E, padded_starts_E = starts(group_sizes_E), starts(padded_E)
   gid = group_ids(group_sizes_E, m)
   g = jnp.minimum(gid, e - 1)
   dest = jnp.where(gid < e, padded_starts_E[g] + jnp.arange(m) - starts_E[g], length)

@@ -13,6 +13,7 @@ import jax
 from ember.data import build_tokenizer
 from ember.layers import moe_dispatch
 from ember.model_config import ModelConfig
+from ember.parallel.sharding import rules_dict
 from ember.platform import target_platform
 from ember.trainer import precision, quant_stats
 from ember.trainer import step as step_lib
@@ -29,10 +30,9 @@ def compile_step(step_fn, state, batch, cfg, mesh):
   memory = "no memory analysis" if peak is None else f"compiled peak {peak / 2**30:.2f} GiB/device"
   moe = ""
   if cfg.model.num_experts:
-    n = int(mesh.shape["expert"])
-    dispatch, layout = moe_dispatch.choose(cfg.model.moe_dispatch, cfg.model.moe_expert_gemm, expert_parallel=n,
-                                           num_local=cfg.model.num_experts // n, platform=target_platform())
-    moe = f", MoE dispatch {dispatch}, expert GEMMs {layout}"
+    p = moe_dispatch.plan(cfg.model.moe_dispatch, cfg.model.moe_expert_gemm, cfg.model.num_experts, mesh,
+                          rules_dict(cfg.mesh.rules), platform=target_platform())
+    moe = f", MoE dispatch {p.exchange}, expert GEMMs {p.expert_gemm}"
   if cfg.data.source != "synthetic":  # The first batch is read by now: the data and its tokenizer work.
     console(f"tokenizer {cfg.data.tokenizer}: vocabulary {build_tokenizer(cfg.data).vocab_size} "
             f"(model.vocab_size {cfg.model.vocab_size})")

@@ -33,3 +33,22 @@ def test_choose_spot_checks():
   assert moe_dispatch.choose("auto", "auto", expert_parallel=8, num_local=8, platform="gpu") == ("ragged", "capacity")
   assert moe_dispatch.choose("auto", "auto", expert_parallel=4, num_local=1, platform="cpu") == (
       "allgather", "ragged_dot")
+
+
+def test_plan_reads_the_expert_axes_from_the_rules():
+  """The layer, the log line and the compile report all take `plan`: the experts' devices are those the rules
+  map `expert` to, not the mesh's `expert` axis (here `expert` -> fsdp, and the mesh's expert axis is 1)."""
+  import jax
+  from ember.parallel.mesh import make_mesh
+  from ember.parallel.sharding import rules_dict
+  from tests.helpers import config
+  cfg = config("tiny_moe")
+  mesh = make_mesh(dict(data=1, fsdp=4, tensor=1, expert=2), jax.devices()[:8])
+  default = rules_dict(cfg.mesh.rules)
+  moved = dict(default, expert=("fsdp",))
+  assert moe_dispatch.plan("auto", "auto", 8, mesh, default, platform="gpu") == moe_dispatch.Plan(
+      "ragged", "capacity", 2, 4)
+  assert moe_dispatch.plan("auto", "auto", 8, mesh, moved, platform="gpu") == moe_dispatch.Plan(
+      "ragged", "capacity", 4, 2)
+  assert moe_dispatch.plan("alltoall", "ragged_dot", 8, mesh, dict(default, expert=()), platform="cpu") == (
+      moe_dispatch.Plan("local", "ragged_dot", 1, 8))
