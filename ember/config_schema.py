@@ -14,6 +14,7 @@ import ml_collections
 from ember import remat
 from ember.errors import ConfigError
 from ember.names import DATA_SOURCES, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember.quant.quantizers import AMAX_ALGOS
 from ember.quant.recipe import FORWARDS, RECIPES, WGRAD_DTYPES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -91,7 +92,7 @@ STRING_TUPLES = ("quant.exclude", "remat.save_names", "remat.offload_names", "re
 CHOICES = {
     "model.param_dtype": DTYPES, "model.dtype": DTYPES, "model.attention": ("auto", "xla", "cudnn"),
     "model.moe_dispatch": MOE_DISPATCHERS, "model.moe_expert_gemm": MOE_EXPERT_GEMMS,
-    "quant.recipe": RECIPES, "quant.amax_compute_algo": ("max", "most_recent"), "quant.forward": FORWARDS,
+    "quant.recipe": RECIPES, "quant.amax_compute_algo": AMAX_ALGOS, "quant.forward": FORWARDS,
     "train.grad_reduce_dtype": WGRAD_DTYPES, "remat.policy": remat.POLICIES,
     "data.source": DATA_SOURCES,
 }

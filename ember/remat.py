@@ -76,6 +76,11 @@ class Preset:
   offload: tuple[str, ...] = ()
   remat: bool = True
 
+  @property
+  def quantized_only(self) -> bool:
+    """Keeps quantized operand copies, which only a quantized recipe makes (under bf16 it is another preset)."""
+    return any(n in QUANTIZED_NAMES for n in self.save + self.offload)
+
 
 PRESETS: dict[str, Preset] = {
     "none": Preset(remat=False),

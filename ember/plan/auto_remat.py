@@ -30,7 +30,6 @@ from ember.trainer.metrics import console
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import state_shardings
 
-_QUANTIZED_ONLY = ("save_quantized", "minimal_quantized", "save_quantized_offloaded", "save_quantized_x_offloaded")
 _cache: dict[tuple, step_plan.StepFigures] = {}
 
 
@@ -51,7 +50,7 @@ def candidates(cfg, mesh=None) -> tuple[str, ...]:
   if cfg.remat.auto_candidates:
     return tuple(cfg.remat.auto_candidates)
   quantized = Recipe.from_config(cfg.quant).quantized
-  names = [n for n in remat.PRESETS if quantized or n not in _QUANTIZED_ONLY]
+  names = [n for n, p in remat.PRESETS.items() if quantized or not p.quantized_only]
   platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   if platform == "cpu":
     names = [n for n in names if not remat.PRESETS[n].offload]

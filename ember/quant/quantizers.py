@@ -105,6 +105,14 @@ def update_history(history: jax.Array, amax: jax.Array) -> jax.Array:
   return jnp.concatenate([amax, history[:-1]])
 
 
+AMAX_ALGOS = ("max", "most_recent")  # How delayed scaling reads its history (DelayedScaling's doc).
+
+
+def check_amax_algo(algo: str) -> None:
+  if algo not in AMAX_ALGOS:
+    raise ValueError(f"amax_compute_algo must be one of {', '.join(AMAX_ALGOS)}, got {algo!r}")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling:
@@ -126,9 +134,7 @@ class DelayedScaling:
 
   def __post_init__(self):
     object.__setattr__(self, "fmt", formats.get_format(self.fmt))
-    if self.compute_algo not in ("max", "most_recent"):
-      raise ValueError(f"compute_algo must be 'max' or 'most_recent', "
-                       f"got {self.compute_algo!r}")
+    check_amax_algo(self.compute_algo)
 
   @classmethod
   def create(cls, history_len=1024, fmt=E4M3, margin=0, compute_algo="max"):

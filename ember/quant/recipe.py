@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from ember.quant import exclude as exclude_lib
 from ember.quant import hadamard
 from ember.quant.formats import E4M3, E5M2
-from ember.quant.quantizers import (CurrentScaling, DelayedScaling, MXFP8Scaling, NVFP4Scaling, Quantizer)
+from ember.quant.quantizers import (CurrentScaling, DelayedScaling, MXFP8Scaling, NVFP4Scaling, Quantizer,
+                                    check_amax_algo)
 from ember.quant.tensor import QuantizedTensor
 from ember.remat import QUANTIZED_OPERANDS
 
@@ -108,8 +109,7 @@ class Recipe:
       raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {self.forward!r}")
     if self.wgrad_dtype not in WGRAD_DTYPES:
       raise ValueError(f"wgrad_dtype must be one of {', '.join(WGRAD_DTYPES)}, got {self.wgrad_dtype!r}")
-    if self.amax_compute_algo not in ("max", "most_recent"):
-      raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
+    check_amax_algo(self.amax_compute_algo)
     object.__setattr__(self, "exclude", tuple(self.exclude))
     for entry in self.exclude:
       exclude_lib.parse(entry)
@@ -175,8 +175,7 @@ class Recipe:
     if not self.quantized:
       raise ValueError(f"recipe {self.name!r} does not quantize; quantized recipes: {', '.join(QUANTIZED_RECIPES)}")
     if self.delayed and history is None:
-      raise ValueError("fp8_delayed needs an amax history from earlier steps: use DelayedScaling (make_quantizer) "
-                       "and carry it")
+      _needs_history()
     return self.scheme.make(self, role, history)
 
   def wgrad_transform(self, a: jax.Array, axis: int) -> jax.Array:
@@ -228,8 +227,12 @@ def quantize(x: jax.Array, recipe: str, role: str, axis: int = -1, rng: jax.Arra
   `make_quantizer`) and carry it instead.
   """
   if recipe in SCHEMES and SCHEMES[recipe].delayed:
-    raise ValueError("fp8_delayed needs an amax history from earlier steps: use DelayedScaling (make_quantizer) "
-                     "and carry it")
+    _needs_history()
   if role not in ROLES:
     raise ValueError(f"unknown role {role!r}; valid roles: {', '.join(ROLES)}")
   return make_quantizer(recipe, role).quantize(x, axis, rng=rng, reduce_axes=reduce_axes)
+
+
+def _needs_history():
+  raise ValueError("fp8_delayed needs an amax history from earlier steps: use DelayedScaling (make_quantizer) "
+                   "and carry it")
