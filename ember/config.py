@@ -30,6 +30,7 @@ from ember.parallel import distributed
 from ember.parallel import mesh as mesh_lib
 from ember.quant import exclude as exclude_lib
 from ember.quant import schedule as schedule_lib
+from ember.quant.recipe import Recipe
 
 def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_collections.ConfigDict:
   """Parses `argv` (argv[0] is the program) into a config; raises ConfigError."""
@@ -164,14 +165,9 @@ def _validate_quant(cfg) -> None:
 
 
 def _validate_exclude(cfg) -> None:
-  selectors = []
-  for entry in cfg.quant.exclude:
-    try:
-      selectors.append(exclude_lib.parse(entry))
-    except ValueError as e:
-      _fail("quant.exclude", str(e))
+  """The selectors as the recipe parses them (one parser, quant/exclude.py), against the model's layers."""
   try:
-    exclude_lib.check_layers(tuple(selectors), cfg.model.num_layers)
+    exclude_lib.check_layers(Recipe(exclude=tuple(cfg.quant.exclude)).selectors, cfg.model.num_layers)
   except ValueError as e:
     _fail("quant.exclude", str(e))
 

@@ -101,6 +101,8 @@ class Recipe:
   # `grad_reduce_in_fp32=False`); the sum stays float32 inside each GEMM, and accumulation over micro-batches
   # and the optimizer see float32.
   wgrad_dtype: str = "float32"
+  # `exclude` parsed, once (quant/exclude.py); not a field of its own: it follows `exclude`.
+  selectors: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
 
   def __post_init__(self):
     if self.name not in SCHEMES:
@@ -111,8 +113,7 @@ class Recipe:
       raise ValueError(f"wgrad_dtype must be one of {', '.join(WGRAD_DTYPES)}, got {self.wgrad_dtype!r}")
     check_amax_algo(self.amax_compute_algo)
     object.__setattr__(self, "exclude", tuple(self.exclude))
-    for entry in self.exclude:
-      exclude_lib.parse(entry)
+    object.__setattr__(self, "selectors", tuple(exclude_lib.parse(entry) for entry in self.exclude))
 
   @classmethod
   def from_config(cls, quant_cfg) -> "Recipe":
@@ -195,8 +196,7 @@ class Recipe:
 
   def for_projection(self, projection: str, layer: int | None, num_layers: int) -> "Recipe":
     """The recipe projection `projection` of `layer` (None: the LM head) runs in: bf16 if excluded."""
-    selectors = tuple(exclude_lib.parse(e) for e in self.exclude)
-    if self.quantized and exclude_lib.excluded(selectors, projection, layer, num_layers):
+    if self.quantized and exclude_lib.excluded(self.selectors, projection, layer, num_layers):
       return dataclasses.replace(self, name="bf16")
     return self
 
