@@ -38,18 +38,18 @@ class ModelConfig:
   dtype: jnp.dtype
   attention: str  # auto | xla | cudnn
   init_std: float
-  qk_norm: bool = False  # RMSNorm over head_dim on queries and keys, before RoPE (Qwen3).
-  num_experts: int = 0  # 0 = dense.
-  experts_per_token: int = 2
-  moe_every: int = 1
-  shared_expert_d_ff: int = 0
-  router_softmax_first: bool = False
-  capacity_factor: float = 0.0
-  moe_dispatch: str = "auto"  # allgather | alltoall | ragged | auto (ember/layers/moe_dispatch.py).
-  moe_ragged_buffer: float = 2.0
-  moe_expert_gemm: str = "auto"  # ragged_dot | capacity | auto (ember/layers/moe_dispatch.py).
-  moe_expert_buffer: float = 1.25
-  recipe: Recipe = Recipe()
+  qk_norm: bool  # RMSNorm over head_dim on queries and keys, before RoPE (Qwen3).
+  num_experts: int  # 0 = dense.
+  experts_per_token: int
+  moe_every: int
+  shared_expert_d_ff: int
+  router_softmax_first: bool
+  capacity_factor: float
+  moe_dispatch: str  # allgather | alltoall | ragged | auto (ember/layers/moe_dispatch.py).
+  moe_ragged_buffer: float
+  moe_expert_gemm: str  # ragged_dot | capacity | auto (ember/layers/moe_dispatch.py).
+  moe_expert_buffer: float
+  recipe: Recipe
 
   @classmethod
   def from_config(cls, cfg) -> "ModelConfig":

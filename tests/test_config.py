@@ -154,3 +154,12 @@ def test_derive_fills_head_dim_and_mesh():
   assert out.train.decay_steps == cfg.steps - cfg.train.warmup_steps  # Decay from the warm-up's end to the last step.
   assert config_lib.derive(config_lib.load(["train.py", f"--config={ROOT}/configs/default.py:tiny",
                                             "--config.train.decay_steps=7"]), 8).train.decay_steps == 7
+
+
+def test_a_recipe_built_in_code_has_the_config_defaults():
+  """configs/base.py holds every default; a Recipe built in code (tests, notebooks) must not drift from it. (But
+  for `exclude`: a model's config keeps its LM head in bf16, a recipe on its own excludes nothing.)"""
+  import dataclasses
+  from configs import base
+  from ember.quant.recipe import Recipe
+  assert dataclasses.replace(Recipe.from_config(base.get_config().quant), name="bf16", exclude=()) == Recipe()

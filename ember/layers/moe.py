@@ -66,10 +66,10 @@ class Options:
   dtype: jnp.dtype
   wi_recipe: Recipe
   wo_recipe: Recipe
-  dispatch: str = moe_dispatch.AUTO  # See layers/moe_dispatch.py.
-  ragged_buffer: float = 2.0
-  expert_gemm: str = moe_dispatch.AUTO  # ragged_dot | capacity | auto (layers/moe_dispatch.py).
-  expert_buffer: float = 1.25  # capacity: a local expert's slot holds this x its balanced load.
+  dispatch: str  # allgather | alltoall | ragged | auto (layers/moe_dispatch.py).
+  ragged_buffer: float  # ragged: receive-buffer rows over tokens x k (model.moe_ragged_buffer).
+  expert_gemm: str  # ragged_dot | capacity | auto (layers/moe_dispatch.py).
+  expert_buffer: float  # capacity: a local expert's slot holds this x its balanced load.
 
   def capacity(self, tokens: int) -> int | None:
     """Copies each expert keeps per token shard; None = dropless."""

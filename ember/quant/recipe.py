@@ -79,6 +79,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
 RECIPES = tuple(SCHEMES)  # Every `quant.recipe` value.
 FORWARDS = ("recipe", "bf16")  # `quant.forward`: the forward GEMMs in the recipe, or in bf16.
 WGRAD_DTYPES = ("float32", "bfloat16")
+AMAX_HISTORY_LEN = 1024  # A recipe built in code (configs/base.py's quant.amax_history_len is the same).
 QUANTIZED_RECIPES = tuple(n for n, s in SCHEMES.items() if s.make is not None)
 
 
@@ -86,7 +87,7 @@ QUANTIZED_RECIPES = tuple(n for n, s in SCHEMES.items() if s.make is not None)
 class Recipe:
   """A config's recipe: a row of `SCHEMES` and its options (see configs/base.py, `quant`)."""
   name: str = "bf16"
-  amax_history_len: int = 1024
+  amax_history_len: int = AMAX_HISTORY_LEN
   amax_compute_algo: str = "max"
   margin: int = 0
   nvfp4_rht: bool = True
@@ -208,7 +209,7 @@ def pad_to(a: jax.Array, multiples: tuple[int, ...]) -> jax.Array:
 
 
 def make_quantizer(recipe: str, role: str, *, nvfp4_2d_weights: bool = True, nvfp4_stochastic_rounding: bool = True,
-                   amax_history_len: int = 1024, margin: int = 0, amax_compute_algo: str = "max") -> Quantizer:
+                   amax_history_len: int = AMAX_HISTORY_LEN, margin: int = 0, amax_compute_algo: str = "max") -> Quantizer:
   """The quantizer a (recipe, role) pair uses; fp8_delayed starts from a zero history of `amax_history_len`."""
   if recipe not in QUANTIZED_RECIPES:
     raise ValueError(f"unknown quantization recipe {recipe!r}; valid recipes: {', '.join(QUANTIZED_RECIPES)} "
