@@ -32,10 +32,17 @@ class DamagedCheckpoint(Exception):
 
 
 def fingerprints(named: dict) -> dict[str, int]:
-  """{name: fingerprint} of {name: array} (jax arrays, any sharding; the computation runs where they are)."""
-  names = list(named)
-  values = jax.device_get(_fingerprints([named[n] for n in names]))
-  return {n: int(v) for n, v in zip(names, values)}
+  """{name: fingerprint} of {name: array} (any sharding; computed where the arrays are, one program per set of
+  devices: a scalar may live on one device and the parameters on the mesh)."""
+  groups: dict[tuple, list[str]] = {}
+  for name, a in named.items():
+    devices = tuple(sorted(d.id for d in a.sharding.device_set)) if isinstance(a, jax.Array) else ()
+    groups.setdefault(devices, []).append(name)
+  out = {}
+  for names in groups.values():
+    values = jax.device_get(_fingerprints([jnp.asarray(named[n]) for n in names]))
+    out.update({n: int(v) for n, v in zip(names, values)})
+  return {n: out[n] for n in named}
 
 
 @jax.jit

@@ -31,6 +31,9 @@ def test_fingerprints_equal_numpys_and_do_not_depend_on_the_sharding():
   specs = {"w": P("a", "b"), "h": P("b", None, "a"), "count": P(), "q": P(("a", "b"))}
   sharded = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in arrays.items()}
   assert integrity.fingerprints(sharded) == one
+  # Arrays on different sets of devices (a scalar on one, the rest on the mesh) in one call.
+  mixed = dict(sharded, count=jax.device_put(arrays["count"], jax.devices()[3]))
+  assert integrity.fingerprints(mixed) == one
 
 
 @pytest.mark.parametrize("change", ["one bit", "two swapped", "shifted row"])
