@@ -73,8 +73,8 @@ def _hf_tokens(out_dir):
 
 
 _EXPORTS = {}
-# Each family of Hugging Face layouts (ember/hf/layout.py): Llama, Mixtral, Qwen3-MoE.
-KINDS = {"dense": {}, "moe": {"model.num_experts": 4, "model.experts_per_token": 2},
+# Each family of Hugging Face layouts (ember/hf/layout.py): Llama, Mixtral, Qwen3, Qwen3-MoE.
+KINDS = {"dense": {}, "moe": {"model.num_experts": 4, "model.experts_per_token": 2}, "qwen3": {"model.qk_norm": True},
          "qwen3_moe": {"model.num_experts": 4, "model.experts_per_token": 2, "model.qk_norm": True,
                        "model.router_softmax_first": True}}
 
@@ -108,7 +108,7 @@ def test_transformers_logits_equal_embers(exported):
   assert "model.safetensors.index.json" in files and "tokenizer.json" in files  # Sharded past 100 KB.
   with open(os.path.join(out, "config.json")) as f:
     assert json.load(f)["architectures"] == [{"dense": "LlamaForCausalLM", "moe": "MixtralForCausalLM",
-                                               "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]]
+                                               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]]
   tokens = _hf_tokens(out)
   model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
   with torch.no_grad():
@@ -292,7 +292,7 @@ def test_export_over_an_earlier_export_leaves_none_of_its_files(exported_dense):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path):
-  """A randomly initialised Llama / Mixtral / Qwen3-MoE saved by transformers itself (not by ember's export) starts
+  """A randomly initialised Llama / Mixtral / Qwen3 / Qwen3-MoE saved by transformers itself (not by ember's export) starts
   an ember model with transformers' logits."""
 
   cfg = helpers.config(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.rope_theta": 50000.0,
