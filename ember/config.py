@@ -29,7 +29,7 @@ from ember.names import BATCH, EXPERT, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES,
 from ember.parallel import distributed
 from ember.parallel import mesh as mesh_lib
 from ember.quant import exclude as exclude_lib
-from ember.quant import schedule as schedule_lib
+from ember import config_phases
 from ember.quant.recipe import Recipe
 
 def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_collections.ConfigDict:
@@ -149,7 +149,7 @@ def _validate_model(m) -> None:
 
 def _validate_quant(cfg) -> None:
   _validate_exclude(cfg)
-  for index, (start, phase) in enumerate(schedule_lib.precision_phases(cfg)[1:]):
+  for index, (start, phase) in enumerate(config_phases.precision_phases(cfg)[1:]):
     key = f"quant.schedule[{index}]"
     for q_key in schema.SCALARS:
       if q_key.startswith("quant."):

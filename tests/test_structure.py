@@ -16,7 +16,7 @@ FLOORS = [
     ("ember.remat",),
     ("ember.quant",),
     ("ember.parallel",),
-    ("ember.model_config", "ember.config_schema", "ember.config"),
+    ("ember.model_config", "ember.config_schema", "ember.config_phases", "ember.config"),
     ("ember.layers", "ember.data", "ember.hf"),
     ("ember.trainer", "ember.inference"),
     ("ember.plan",),

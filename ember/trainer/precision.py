@@ -1,6 +1,6 @@
 """Precision schedules (`quant.schedule`): which quantization config runs each step, and the state between.
 
-The phases are a function of the config and the step (`ember/quant/schedule.py`): phase i runs steps
+The phases are a function of the config and the step (`ember/config_phases.py`): phase i runs steps
 [start_i, start_{i+1}). The step that trains is the state's `step`, so the schedule position is part
 of the train state and of every checkpoint: a resumed run is in the phase its step says, whichever
 side of a switch it was saved on. The state *after* step s was made by the phase of step s - 1
@@ -22,13 +22,13 @@ import jax.numpy as jnp
 
 from ember.layers.decoder import keys_of, stacked_layers, tree_leaves, within_layer
 from ember.model_config import ModelConfig
-from ember.quant import schedule as schedule_lib
+from ember import config_phases
 from ember.trainer.state import TrainState
 
 
 class Phases:
   def __init__(self, cfg):
-    self.phases = schedule_lib.precision_phases(cfg)
+    self.phases = config_phases.precision_phases(cfg)
 
   def __len__(self) -> int:
     return len(self.phases)
