@@ -36,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ember.data import ShardedIterator
-from ember.errors import CheckpointError
+from ember.errors import CheckpointError, one_line
 from ember.trainer import integrity
 from ember.trainer.metrics import console
 from ember.trainer.state import TrainState
@@ -255,7 +255,7 @@ class Checkpointer:
     target, n = self._step_dir(step) + ".corrupt", 1
     while os.path.exists(target):
       target, n = f"{self._step_dir(step)}.corrupt{n}", n + 1
-    first = (str(error).strip().splitlines() or [""])[0][:300]
+    first = one_line(error)[:300]
     console(f"warning: skipping checkpoint step {step} in {self.directory}: cannot restore it "
             f"({type(error).__name__}: {first}); moved it to {os.path.basename(target)}, trying the previous one")
     if jax.process_index() == 0:
@@ -375,8 +375,7 @@ def _restore_checked(manager, directory, step: int, args, what: str) -> dict:
     raise CheckpointError(str(e)) from None
   except Exception as e:  # Damaged array files.
     integrity.quiet_abandoned_reads()
-    first = (str(e).strip().splitlines() or [""])[0][:300]
-    raise CheckpointError(f"{what}: cannot restore {step_dir}, damaged ({type(e).__name__}: {first})") from None
+    raise CheckpointError(f"{what}: cannot restore {step_dir}, damaged ({type(e).__name__}: {one_line(e)[:300]})") from None
   return restored
 
 
