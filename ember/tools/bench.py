@@ -114,13 +114,14 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--quant_stats", type=cli.boolean, nargs="?", const=True, default=False,
                       help="also time the step with the quantization health statistics")
   try:
-    args = cli.parse(parser, [a for a in argv[1:] if not a.startswith("--config")])
+    own, config_argv = cli.split_config(argv)
+    args = cli.parse(parser, own)
     if args.steps < 1:
       raise ConfigError(f"--steps: must be at least 1, got {args.steps}")
     if args.warmup < 0:
       raise ConfigError(f"--warmup: must be at least 0, got {args.warmup}")
     cli.check_out_files({"--out": args.out, "--hlo_out": args.hlo_out})  # Before the work, not after it.
-    cfg = config_lib.load([argv[0], *(a for a in argv[1:] if a.startswith("--config"))])
+    cfg = config_lib.load(config_argv)
     measure = with_quant_stats if args.quant_stats else run
     result = measure(cfg, steps=args.steps, warmup=args.warmup, hlo_out=args.hlo_out or None)
     print(json.dumps(result, indent=2))

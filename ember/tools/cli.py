@@ -11,6 +11,13 @@ import os
 from ember.errors import ConfigError
 
 
+def split_config(argv: list[str]) -> tuple[list[str], list[str]]:
+  """(the tool's own flags, what config.load reads: the program name and the `--config*` flags) of a tool's
+  argv."""
+  own = [a for a in argv[1:] if not a.startswith("--config")]
+  return own, [argv[0]] + [a for a in argv[1:] if a.startswith("--config")]
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
   """`parser.parse_known_args(argv)`; an argument it does not know is a ConfigError naming it."""
   args, unknown = parser.parse_known_args(argv)

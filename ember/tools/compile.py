@@ -101,10 +101,11 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--out", default="", help="JSON file to write")
   parser.add_argument("--hlo_out", default="", help="file for the optimised HLO text")
   try:
-    args = cli.parse(parser, [a for a in argv[1:] if not a.startswith("--config")])
+    own, config_argv = cli.split_config(argv)
+    args = cli.parse(parser, own)
     target = target_lib.parse(args.target)
     cli.check_out_files({"--out": args.out, "--hlo_out": args.hlo_out})
-    cfg = config_lib.load([argv[0]] + [a for a in argv[1:] if a.startswith("--config")])
+    cfg = config_lib.load(config_argv)
     report = compile_report(cfg, target, hlo_out=args.hlo_out)
     if args.out:
       cli.write_json("--out", args.out, report)

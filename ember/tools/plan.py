@@ -52,14 +52,15 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--top", type=int, default=planner.TOP, help="layouts compiled")
   parser.add_argument("--out", default="", help="JSON file to write")
   try:
-    args = cli.parse(parser, [a for a in argv[1:] if not a.startswith("--config")])
+    own, config_argv = cli.split_config(argv)
+    args = cli.parse(parser, own)
     if args.budget_gb < 0:
       raise ConfigError(f"--budget_gb: must be positive, got {args.budget_gb:g}")
     if args.top < 1:
       raise ConfigError(f"--top: must be at least 1, got {args.top}")
     target = target_lib.parse(args.target)
     cli.check_out_files({"--out": args.out})
-    cfg = config_lib.load([argv[0]] + [a for a in argv[1:] if a.startswith("--config")])
+    cfg = config_lib.load(config_argv)
     try:
       result = planner.plan(cfg, target, budget_gb=args.budget_gb or None, top=args.top,
                             log=lambda s: print(s, file=sys.stderr, flush=True))

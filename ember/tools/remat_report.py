@@ -141,8 +141,9 @@ def _parse(argv: list[str]):
 
 def main(argv: list[str]) -> int:
   try:
-    args = _parse([a for a in argv[1:] if not a.startswith("--config")])
-    cfg = config_lib.load([argv[0]] + [a for a in argv[1:] if a.startswith("--config")])
+    own, config_argv = cli.split_config(argv)
+    args = _parse(own)
+    cfg = config_lib.load(config_argv)
     target = target_lib.parse(args.target)
     with target_lib.targeting(target):
       cfg, mesh = compile_plan.prepare(cfg, target)
