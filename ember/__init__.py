@@ -1,12 +1,13 @@
 """ember: JAX pretraining of decoder-only LLMs in low precision (FP8 / MXFP8 / NVFP4).
 
 Floors, from the bottom up; each imports only itself and the floors listed before it (tests/test_structure.py):
-  errors, names, hardware,      leaves: user errors, the names everyone agrees on, the GPUs' facts, the
-  platform                      platform traced for
+  errors, keys, names,          leaves: user errors, config keys' declarations, the names everyone agrees
+  hardware, platform            on, the GPUs' facts, the platform traced for
   remat                         checkpoint names and remat presets
   quant                         pure-JAX quantization (formats, quantizers, the recipe table, VJPs)
   parallel                      mesh, logical sharding rules, multi-process set-up
-  model_config, config          the typed model shape; load, validate and derive the config tree
+  model_config, settings,       the typed config (the model section; every section); load, validate and
+  config                        derive it
   layers, data, hf              the NNX model; the Grain input pipeline; the Hugging Face format
   trainer, inference            state, step, loss, loop, checkpoints, metrics; KV-cached generation
   plan                          trace, measure and compile a step; choose a remat policy

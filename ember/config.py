@@ -22,15 +22,13 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from ember import config_schema as schema
-from ember import remat
 from ember.errors import ConfigError, one_line
-from ember.model_config import resolved_head_dim
-from ember.names import BATCH, EXPERT, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, SOURCE_NEEDS
-from ember.parallel import distributed
-from ember.parallel import mesh as mesh_lib
-from ember.quant import exclude as exclude_lib
 from ember import config_phases
+from ember.names import BATCH, EXPERT
+from ember.parallel import distributed
+from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import Recipe
+from ember.settings import Settings, section
 
 def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_collections.ConfigDict:
   """Parses `argv` (argv[0] is the program) into a config; raises ConfigError."""
@@ -122,61 +120,44 @@ def _fail(key: str, reason: str):
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_count: int = 1) -> None:
   """Checks every key before anything is built; raises ConfigError naming the first bad key.
 
+  Each key against its declaration (config_schema), the precision schedule's phases, each section's own
+  rules (building the typed sections: ember/settings.py), then the rules across sections here.
   `num_devices=None`: the devices are not known here (a sweep checks its runs before starting any); the
   mesh's sizes are then left to the run."""
   schema.check(cfg)
-  _validate_model(cfg.model)
-  _validate_quant(cfg)
-  remat.validate(cfg.remat)
-  _validate_data(cfg, process_count)
-  _validate_mesh(cfg, num_devices)
-  _validate_paths(cfg)
+  _validate_phases(cfg)
+  settings = Settings.from_config(cfg, num_devices)
+  _validate_exclude(settings.quant, settings.model.num_layers, "quant.exclude")
+  for index, (start, recipe) in enumerate(settings.phases[1:]):
+    _validate_exclude(recipe, settings.model.num_layers, f"quant.schedule[{index}]: from step {start}: quant.exclude")
+  _validate_data(settings, process_count)
+  if num_devices is not None:
+    _validate_mesh(settings)
+  _validate_paths(settings)
 
 
-def _validate_model(m) -> None:
-  if not m.head_dim and m.d_model % m.num_heads:
-    _fail("model.num_heads", f"{m.num_heads} heads do not divide model.d_model={m.d_model} (or set model.head_dim)")
-  if m.num_heads % m.num_kv_heads:
-    _fail("model.num_kv_heads", f"{m.num_kv_heads} kv heads do not divide model.num_heads={m.num_heads}")
-  if resolved_head_dim(m) % 2:
-    _fail("model.head_dim", f"rotary embeddings need an even head_dim, got {resolved_head_dim(m)}")
-  if m.num_experts:
-    if m.experts_per_token > m.num_experts:
-      _fail("model.experts_per_token", f"must be in [1, num_experts={m.num_experts}], got {m.experts_per_token}")
-    if m.num_layers % m.moe_every:
-      _fail("model.moe_every", f"model.num_layers={m.num_layers} is not a multiple of moe_every={m.moe_every}")
-
-
-def _validate_quant(cfg) -> None:
-  _validate_exclude(cfg)
+def _validate_phases(cfg) -> None:
+  """Each `quant.schedule` entry's overrides hold what their keys may (named by the entry and its step)."""
   for index, (start, phase) in enumerate(config_phases.precision_phases(cfg)[1:]):
-    key = f"quant.schedule[{index}]"
-    for q_key in schema.SCALARS:
-      if q_key.startswith("quant."):
-        try:
-          schema.check_scalar(phase, q_key)
-        except ConfigError as e:
-          raise ConfigError(f"config.{key}: from step {start}: {str(e).removeprefix('config.')}") from None
     try:
-      schema.check_string_tuple(phase, "quant.exclude")
-      _validate_exclude(phase)
+      for q_key in schema.KEYS:
+        if q_key.startswith("quant."):
+          schema.check_key(phase, q_key)
+      section(Recipe, phase.quant)  # The recipe's own rules (its `exclude` parses).
     except ConfigError as e:
-      raise ConfigError(f"config.{key}: from step {start}: {str(e).removeprefix('config.')}") from None
+      raise ConfigError(f"config.quant.schedule[{index}]: from step {start}: {str(e).removeprefix('config.')}") from None
 
 
-def _validate_exclude(cfg) -> None:
-  """The selectors as the recipe parses them (one parser, quant/exclude.py), against the model's layers."""
+def _validate_exclude(recipe: Recipe, num_layers: int, key: str) -> None:
+  """The selectors as the recipe parsed them (quant/exclude.py), against the model's layers."""
   try:
-    exclude_lib.check_layers(Recipe(exclude=tuple(cfg.quant.exclude)).selectors, cfg.model.num_layers)
+    exclude_lib.check_layers(recipe.selectors, num_layers)
   except ValueError as e:
-    _fail("quant.exclude", str(e))
+    _fail(key, str(e))
 
 
-def _validate_data(cfg, process_count: int) -> None:
-  d = cfg.data
-  missing = _missing_need(d.source, d)
-  if missing:
-    _fail(f"data.{missing}", f"source {d.source} needs {_NEED_MEANING[missing]}")
+def _validate_data(s: Settings, process_count: int) -> None:
+  d = s.data
   if d.source == "tfds":
     if importlib.util.find_spec("tensorflow_datasets") is None:
       _fail("data.source", "'tfds' needs tensorflow-datasets; install the extra: pip install -e '.[tfds]'")
@@ -184,17 +165,10 @@ def _validate_data(cfg, process_count: int) -> None:
       d.tokenizer):
     _fail("data.tokenizer", f"no SentencePiece model, tokenizer.json or directory holding one at {d.tokenizer!r}")
   for key in ("mixture", "eval_mixture"):
-    _validate_mixture(d, key)
-  distributed.data_shards(d.num_shards, cfg.train.batch_size, 0, process_count)  # Raises naming the key.
-
-
-_NEED_MEANING = {"path": "a glob of files", "text_key": "the field holding the text (text_key)",
-                 "tfds_name": "a dataset name"}
-
-
-def _missing_need(source: str, fields) -> str | None:
-  """The first thing `source` needs (names.SOURCE_NEEDS) that `fields` leaves empty."""
-  return next((need for need in SOURCE_NEEDS.get(source, ()) if not fields.get(need)), None)
+    for name, source, path, _, _ in getattr(d, key):
+      if path and source != "synthetic" and not glob.glob(os.path.expanduser(path), recursive=True):
+        _fail(f"data.{key}", f"source {name!r}: no file matches {path!r}")
+  distributed.data_shards(d.num_shards, s.train.batch_size, 0, process_count)  # Raises naming the key.
 
 
 def hf_tokenizer_json(path: str) -> str | None:
@@ -206,47 +180,19 @@ def hf_tokenizer_json(path: str) -> str | None:
   return path if path.endswith(".json") and os.path.isfile(path) else None
 
 
-def _validate_mixture(d, key: str) -> None:
-  """`data.mixture` / `data.eval_mixture`: (name, source, path, text_key, weight) entries."""
-  entries = d[key]
-  if not isinstance(entries, (tuple, list)):
-    _fail(f"data.{key}", f"must be a tuple of (name, source, path, text_key, weight) entries, got {entries!r}")
-  names = set()
-  for entry in entries:
-    if not isinstance(entry, (tuple, list)) or len(entry) != 5:
-      _fail(f"data.{key}", f"entry {entry!r} is not (name, source, path, text_key, weight)")
-    name, source, path, text_key, weight = entry
-    if not isinstance(name, str) or not name or name in names:
-      _fail(f"data.{key}", f"entry {entry!r}: the name must be a new, non-empty string")
-    names.add(name)
-    if source not in MIXABLE_SOURCES:
-      _fail(f"data.{key}", f"source {name!r}: unknown kind {source!r}; choose one of {', '.join(MIXABLE_SOURCES)}")
-    if not isinstance(path, str) or not isinstance(text_key, str):
-      _fail(f"data.{key}", f"source {name!r}: path and text_key must be strings")
-    missing = _missing_need(source, {"path": path, "text_key": text_key})
-    if missing:
-      _fail(f"data.{key}", f"source {name!r}: {source} needs {_NEED_MEANING[missing]}")
-    if path and source != "synthetic" and not glob.glob(os.path.expanduser(path), recursive=True):
-      _fail(f"data.{key}", f"source {name!r}: no file matches {path!r}")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-      _fail(f"data.{key}", f"source {name!r}: the weight must be a number > 0, got {weight!r}")
-
-
-def _validate_paths(cfg) -> None:
-  d = cfg.data
+def _validate_paths(s: Settings) -> None:
+  d = s.data
   if d.source not in ("synthetic", "tfds") and d.path and not glob.glob(
       os.path.expanduser(d.path), recursive=True):
     _fail("data.path", f"no file matches {d.path!r}")
-  restore = cfg.checkpoint.restore_from
+  restore = s.checkpoint.restore_from
   if restore and not os.path.isdir(os.path.expanduser(restore)):
     _fail("checkpoint.restore_from", f"no checkpoint directory at {restore}")
-  hf = cfg.checkpoint.init_from_hf
+  hf = s.checkpoint.init_from_hf
   if hf:
-    if restore:
-      _fail("checkpoint.init_from_hf", "set together with checkpoint.restore_from; a run starts from one of them")
     if not os.path.isfile(os.path.join(os.path.expanduser(hf), "config.json")):
       _fail("checkpoint.init_from_hf", f"no Hugging Face model directory (config.json) at {hf}")
-  _validate_workdir(cfg.workdir)
+  _validate_workdir(s.workdir)
 
 
 def _validate_workdir(workdir: str) -> None:
@@ -277,38 +223,17 @@ def directory_problem(directory: str) -> str | None:
 # --- The mesh -----------------------------------------------------------------------------------------
 
 
-def _validate_rules(rules) -> dict[str, tuple[str, ...]]:
-  """`mesh.rules`: pairs (logical axis, None | mesh axis | tuple of mesh axes)."""
-  out = {}
-  if not isinstance(rules, (tuple, list)):
-    _fail("mesh.rules", f"must be a tuple of (logical axis, mesh axes) pairs, got {rules!r}")
-  for rule in rules:
-    if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
-      _fail("mesh.rules", f"entry {rule!r} is not a (logical axis, mesh axes) pair")
-    logical, axes = rule
-    if logical not in LOGICAL_AXES:
-      _fail("mesh.rules", f"unknown logical axis {logical!r}; ember's layers name {', '.join(LOGICAL_AXES)}")
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    if not isinstance(axes, (tuple, list)) or any(a not in MESH_AXES for a in axes):
-      _fail("mesh.rules", f"{logical!r} maps to {rule[1]!r}; mesh axes are {', '.join(MESH_AXES)} (or None)")
-    out[logical] = tuple(axes)
-  return out
-
-
-def _validate_mesh(cfg, num_devices):
-  rules = _validate_rules(cfg.mesh.rules)
-  if num_devices is None:
-    return
-  sizes = mesh_lib.mesh_shape(cfg.mesh, num_devices)
+def _validate_mesh(s: Settings) -> None:
+  """The mesh (its sizes resolved) against the batch and the model."""
+  sizes, rules, m = s.mesh.sizes(), s.mesh.rules_dict, s.model
   batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-  if cfg.train.batch_size % batch_shards:
-    _fail("train.batch_size", f"{cfg.train.batch_size} is not divisible by the data-parallel size "
-          f"data*fsdp*expert={batch_shards}")
-  accum = cfg.train.grad_accum_steps
-  if (cfg.train.batch_size // batch_shards) % accum:
+  batch = s.train.batch_size
+  if batch % batch_shards:
+    _fail("train.batch_size", f"{batch} is not divisible by the data-parallel size data*fsdp*expert={batch_shards}")
+  accum = s.train.grad_accum_steps
+  if (batch // batch_shards) % accum:
     _fail("train.grad_accum_steps", f"{accum} does not divide the sequences each device holds: train.batch_size="
-          f"{cfg.train.batch_size} / data*fsdp*expert={batch_shards} = {cfg.train.batch_size // batch_shards}")
-  m = cfg.model
+          f"{batch} / data*fsdp*expert={batch_shards} = {batch // batch_shards}")
   if sizes["tensor"] > 1 and m.num_kv_heads % sizes["tensor"]:
     _fail("mesh.tensor", f"{sizes['tensor']} does not divide model.num_kv_heads={m.num_kv_heads}")
   if m.num_experts and m.num_experts % sizes["expert"]:
@@ -321,13 +246,8 @@ def _validate_mesh(cfg, num_devices):
             f"('batch' -> (..., {missing[0]!r}))")
 
 
-def derive(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
-  """Returns a copy with derived values filled in; the one place they are computed."""
-  out = ml_collections.ConfigDict(cfg.to_dict())
-  out.model.head_dim = resolved_head_dim(out.model)
-  ici, _ = mesh_lib.ici_dcn(cfg.mesh, num_devices)
-  for axis, size in ici.items():
-    out.mesh[axis] = size  # Within a host; make_mesh multiplies by mesh.dcn_<axis>.
-  if not out.train.decay_steps:
-    out.train.decay_steps = max(out.steps - out.train.warmup_steps, 1)
-  return out
+def derive(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Settings:
+  """The typed config of a validated `cfg` on `num_devices` devices: built once, derived values filled in
+  (head_dim, the mesh's sizes within a host, the decay length, each precision phase's recipe).
+  `num_devices=None` leaves the mesh's sizes as written (for what does not depend on the devices)."""
+  return Settings.from_config(cfg, num_devices)

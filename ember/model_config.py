@@ -1,7 +1,7 @@
 """The model's shape as a typed, frozen value: what the layers, the FLOP count and the exporters read.
 
-Built once from a validated config (`ModelConfig.from_config(cfg)`: the `model` section and the
-quantization recipe); every value derived from the model section (head_dim, which layers are MoE,
+The typed `model` section of the config (ember/settings.py builds it once, with the quantization recipe);
+every value derived from the model section (head_dim, which layers are MoE,
 the layers per scan block, each projection's recipe under `quant.exclude`) is computed here and
 nowhere else. Hashable, so layers and custom VJPs may close over it.
 """
@@ -12,63 +12,68 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from ember.errors import ConfigError
+from ember.keys import key
+from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.quant.recipe import Recipe
 
 
-def resolved_head_dim(model_cfg) -> int:
-  """`model.head_dim`, or d_model // num_heads when it is 0."""
-  return int(model_cfg.head_dim) or int(model_cfg.d_model) // int(model_cfg.num_heads)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _fail(key_name: str, reason: str):
+  raise ConfigError(f"config.{key_name}: {reason}")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  name: str
-  num_layers: int
-  d_model: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  d_ff: int
-  vocab_size: int
-  seq_len: int
-  rope_theta: float
-  norm_eps: float
-  tie_embeddings: bool
-  param_dtype: jnp.dtype
-  dtype: jnp.dtype
-  attention: str  # auto | xla | cudnn
-  init_std: float
-  qk_norm: bool  # RMSNorm over head_dim on queries and keys, before RoPE (Qwen3).
-  num_experts: int  # 0 = dense.
-  experts_per_token: int
-  moe_every: int
-  shared_expert_d_ff: int
-  router_softmax_first: bool
-  capacity_factor: float
-  moe_dispatch: str  # allgather | alltoall | ragged | auto (ember/layers/moe_dispatch.py).
-  moe_ragged_buffer: float
-  moe_expert_gemm: str  # ragged_dot | capacity | auto (ember/layers/moe_dispatch.py).
-  moe_expert_buffer: float
-  recipe: Recipe
+  """The config's `model` section, typed (each field declares its key: ember/keys.py), and the recipe."""
+  name: str = key("str")
+  num_layers: int = key("int", ">=1")
+  d_model: int = key("int", ">=1")
+  num_heads: int = key("int", ">=1")
+  num_kv_heads: int = key("int", ">=1")
+  head_dim: int = key("int", ">=0")  # The key's 0 (= d_model // num_heads) is resolved by the builder.
+  d_ff: int = key("int", ">=1")
+  vocab_size: int = key("int", ">=1")
+  seq_len: int = key("int", ">=1")
+  rope_theta: float = key("float", ">0")
+  norm_eps: float = key("float", ">=0")
+  tie_embeddings: bool = key("bool")
+  param_dtype: jnp.dtype = key("str", choices=DTYPES)
+  dtype: jnp.dtype = key("str", choices=DTYPES)
+  attention: str = key("str", choices=("auto", "xla", "cudnn"))
+  init_std: float = key("float", ">=0")
+  qk_norm: bool = key("bool")  # RMSNorm over head_dim on queries and keys, before RoPE (Qwen3).
+  num_experts: int = key("int", ">=0")  # 0 = dense.
+  experts_per_token: int = key("int", ">=1")
+  moe_every: int = key("int", ">=1")
+  shared_expert_d_ff: int = key("int", ">=0")
+  router_softmax_first: bool = key("bool")
+  capacity_factor: float = key("float", ">=0")
+  moe_dispatch: str = key("str", choices=MOE_DISPATCHERS)  # ember/layers/moe_dispatch.py.
+  moe_ragged_buffer: float = key("float", ">0")
+  moe_expert_gemm: str = key("str", choices=MOE_EXPERT_GEMMS)  # ember/layers/moe_dispatch.py.
+  moe_expert_buffer: float = key("float", ">0")
+  load_balance_weight: float = key("float", ">=0")
+  router_z_weight: float = key("float", ">=0")
+  recipe: Recipe = dataclasses.field(default_factory=Recipe)  # The `quant` section (with its log and train
+  # options), which every projection reads through `recipe_for`.
 
-  @classmethod
-  def from_config(cls, cfg) -> "ModelConfig":
-    m = cfg.model
-    return cls(
-        name=str(m.name), num_layers=int(m.num_layers), d_model=int(m.d_model), num_heads=int(m.num_heads),
-        num_kv_heads=int(m.num_kv_heads), head_dim=resolved_head_dim(m), d_ff=int(m.d_ff),
-        vocab_size=int(m.vocab_size), seq_len=int(m.seq_len), rope_theta=float(m.rope_theta),
-        norm_eps=float(m.norm_eps), tie_embeddings=bool(m.tie_embeddings), param_dtype=jnp.dtype(m.param_dtype),
-        dtype=jnp.dtype(m.dtype), attention=str(m.attention), init_std=float(m.init_std),
-        qk_norm=bool(m.qk_norm), num_experts=int(m.num_experts), experts_per_token=int(m.experts_per_token),
-        moe_every=int(m.moe_every),
-        shared_expert_d_ff=int(m.shared_expert_d_ff), router_softmax_first=bool(m.router_softmax_first),
-        capacity_factor=float(m.capacity_factor), moe_dispatch=str(m.moe_dispatch),
-        moe_ragged_buffer=float(m.moe_ragged_buffer), moe_expert_gemm=str(m.moe_expert_gemm),
-        moe_expert_buffer=float(m.moe_expert_buffer),
-        recipe=dataclasses.replace(Recipe.from_config(cfg.quant),
-                                   stats=int(cfg.log.get("quant_stats_every", 0)) > 0,
-                                   wgrad_dtype=str(cfg.train.get("grad_reduce_dtype", "float32"))))
+  def __post_init__(self):
+    """The section's own rules (the typed values are already of their kind and within their bounds)."""
+    object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    if self.num_heads % self.num_kv_heads:
+      _fail("model.num_kv_heads", f"{self.num_kv_heads} kv heads do not divide model.num_heads={self.num_heads}")
+    if self.head_dim % 2:
+      _fail("model.head_dim", f"rotary embeddings need an even head_dim, got {self.head_dim}")
+    if self.num_experts:
+      if self.experts_per_token > self.num_experts:
+        _fail("model.experts_per_token",
+              f"must be in [1, num_experts={self.num_experts}], got {self.experts_per_token}")
+      if self.num_layers % self.moe_every:
+        _fail("model.moe_every", f"model.num_layers={self.num_layers} is not a multiple of moe_every={self.moe_every}")
 
   # --- Attention ------------------------------------------------------------------------------------
 

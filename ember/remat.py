@@ -102,9 +102,9 @@ POLICIES = tuple(PRESETS) + ("custom", "auto")
 
 def validate(remat_cfg) -> None:
   """Raises ConfigError for an unknown name in a custom list, a budget-less `auto`, an unknown candidate. (The
-  policy's own name is one of POLICIES by the config schema's choices: config_schema.CHOICES.)"""
+  policy's own name is one of POLICIES by its key's declared choices: ember/settings.py, Remat.)"""
   for key in ("save_names", "offload_names"):
-    names = tuple(remat_cfg[key])
+    names = tuple(getattr(remat_cfg, key))
     unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
       raise ConfigError(f"config.remat.{key}: unknown checkpoint name {unknown[0]!r}; valid names: {', '.join(ALL_NAMES)}")

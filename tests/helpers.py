@@ -40,6 +40,13 @@ def config(preset: str = "tiny", **overrides):
   return cfg
 
 
+def settings(preset: str = "tiny", num_devices: int = 1, **overrides):
+  """`config(preset, **overrides)` validated and derived for `num_devices` devices: the typed settings."""
+  cfg = config(preset, **overrides)
+  config_lib.validate(cfg, num_devices, 1)
+  return config_lib.derive(cfg, num_devices)
+
+
 def random_batch(cfg, seed: int = 0, segments: int = 2) -> dict[str, np.ndarray]:
   """A packed batch: each row holds `segments` documents of random tokens, then padding."""
   rng = np.random.default_rng(seed)

@@ -162,4 +162,5 @@ def test_a_recipe_built_in_code_has_the_config_defaults():
   import dataclasses
   from configs import base
   from ember.quant.recipe import Recipe
-  assert dataclasses.replace(Recipe.from_config(base.get_config().quant), name="bf16", exclude=()) == Recipe()
+  built = config_lib.derive(base.get_config(), 1).quant
+  assert dataclasses.replace(built, name="bf16", exclude=()) == Recipe()

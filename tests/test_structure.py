@@ -12,11 +12,11 @@ PACKAGE = ROOT / "ember"
 
 # Each floor imports only itself and the floors below it (see ember/__init__.py).
 FLOORS = [
-    ("ember", "ember.errors", "ember.names", "ember.hardware", "ember.platform"),
+    ("ember", "ember.errors", "ember.keys", "ember.names", "ember.hardware", "ember.platform"),
     ("ember.remat",),
     ("ember.quant",),
     ("ember.parallel",),
-    ("ember.model_config", "ember.config_schema", "ember.config_phases", "ember.config"),
+    ("ember.model_config", "ember.config_phases", "ember.settings", "ember.config_schema", "ember.config"),
     ("ember.layers", "ember.data", "ember.hf"),
     ("ember.trainer", "ember.inference"),
     ("ember.plan",),

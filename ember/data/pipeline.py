@@ -27,14 +27,14 @@ per row and overlap with the device through JAX's asynchronous dispatch. (Grain 
 `ThreadPrefetchIterDataset` also prints errors at interpreter exit if its iterator is alive.)
 """
 
+import dataclasses
+
 import grain
-import ml_collections
 
 from ember.data import packing, sources, tokenizers
 from ember.data.mixing import TokenMix
 from ember.errors import warn
 
-DEFAULT_SHUFFLE_WINDOW = 1024  # Chunks shuffled together before packing.
 MIN_PACKING_BINS = 32  # Rows packed at once; more bins, less padding.
 
 
@@ -71,7 +71,7 @@ def make_dataset(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, s
     chunk_ds = TokenMix(parts, [w for _, _, w in mixture])
 
   # The window is the whole batch's: each of `process_count` shards (pipelines) shuffles its share.
-  window = -(-int(data_cfg.get("chunk_shuffle_window", DEFAULT_SHUFFLE_WINDOW)) // process_count)
+  window = -(-data_cfg.chunk_shuffle_window // process_count)
   rows = packing.pack(chunk_ds, seq_len=seq_len, num_bins=max(batch, MIN_PACKING_BINS), shuffle_window=window,
                       seed=(shard_seed + 1) % 2**32, with_source=bool(mixture))
   return rows.batch(batch, drop_remainder=True)
@@ -104,15 +104,9 @@ def _warn_once(msg: str) -> None:
 def mixture_components(data_cfg, split: str) -> list[tuple[str, object, float]]:
   """(name, the data config of that source, weight) for each source of `data.mixture` (`data.eval_mixture`
   for eval, when set); [] without a mixture. An entry is (name, source, path, text_key, weight)."""
-  entries = tuple(data_cfg.get("mixture", ()))
-  if split == "eval" and tuple(data_cfg.get("eval_mixture", ())):
-    entries = tuple(data_cfg.eval_mixture)
-  out = []
-  for name, source, path, text_key, weight in entries:
-    cfg = ml_collections.ConfigDict(data_cfg.to_dict())
-    cfg.source, cfg.path, cfg.text_key = source, path, text_key
-    out.append((name, cfg, float(weight)))
-  return out
+  entries = data_cfg.eval_mixture if split == "eval" and data_cfg.eval_mixture else data_cfg.mixture
+  return [(name, dataclasses.replace(data_cfg, source=source, path=path, text_key=text_key), float(weight))
+          for name, source, path, text_key, weight in entries]
 
 
 def make_iterator(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, split: str,

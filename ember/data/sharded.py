@@ -102,7 +102,7 @@ def data_fingerprint(data_cfg, split: str) -> str:
   keys = ("source", "path", "text_key", "tfds_name", "tokenizer", "eval_fraction", "chunk_shuffle_window", "mixture")
   if split == "eval":
     keys += ("eval_mixture",)
-  return json.dumps({k: data_cfg.get(k) for k in keys}, sort_keys=True, default=str)
+  return json.dumps({k: getattr(data_cfg, k) for k in keys}, sort_keys=True, default=str)
 
 
 def source_shares(cfg) -> SourceShares:

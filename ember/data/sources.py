@@ -248,7 +248,7 @@ def documents(data_cfg, split: str, *, seed: int, vocab_size: int) -> grain.MapD
   """`open_documents`, built once per process for each source and split: every data shard, and every
   evaluation, slices the same index (listing files, scanning JSONL offsets and reading Parquet footers
   once). A MapDataset is immutable; slicing and shuffling it makes new ones."""
-  key = json.dumps({k: data_cfg.get(k) for k in ("source", "path", "text_key", "cache_dir", "tfds_name",
+  key = json.dumps({k: getattr(data_cfg, k) for k in ("source", "path", "text_key", "cache_dir", "tfds_name",
                                                   "tfds_data_dir", "tfds_text_key", "eval_fraction")},
                    sort_keys=True, default=str) + f"|{split}|{seed}|{vocab_size}"
   with _INDEX_LOCK:

@@ -3,13 +3,13 @@ parameters restored onto a mesh (the one it was trained on, when the devices all
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 
 import jax
 from flax import nnx
 
+from ember.config import derive
 from ember.errors import ConfigError
 from ember.layers.decoder import Transformer
 from ember.names import MESH_AXES
@@ -19,40 +19,37 @@ from ember.trainer import checkpointing, precision
 from ember.trainer.state import abstract_init, logical_axes
 
 
-def _mesh_for(cfg, one_device: bool, host: bool = False):
-  sizes = [int(cfg.mesh[a]) * int(cfg.mesh.get(f"dcn_{a}", 1)) for a in MESH_AXES]
-  if not one_device and not host and math.prod(sizes) == jax.device_count():
-    return make_mesh(cfg.mesh)
-  with cfg.unlocked():
-    for a in MESH_AXES:
-      cfg.mesh[a] = 1
-      if f"dcn_{a}" in cfg.mesh:
-        cfg.mesh[f"dcn_{a}"] = 1
-  return make_mesh(cfg.mesh, (jax.devices("cpu") if host else jax.devices())[:1])
+def _one_device_mesh(raw) -> None:
+  """Sets the raw config's mesh to one device (every axis and host count 1)."""
+  for a in MESH_AXES:
+    raw.mesh[a] = 1
+    if f"dcn_{a}" in raw.mesh:
+      raw.mesh[f"dcn_{a}"] = 1
 
 
 def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | None = None,
                one_device: bool = False, host: bool = False):
-  """(config, mesh, model) of the checkpoint at `path` (a workdir, its checkpoints/ or a step directory).
+  """(settings, mesh, model) of the checkpoint at `path` (a workdir, its checkpoints/ or a step directory).
 
   `recipe` replaces the trained quantization recipe (e.g. "bf16": the unquantized forward pass that
   serving stacks run); `dtype` the compute dtype; `host` puts it on the host's CPU device (export needs
   host memory, not an accelerator's). Call the model inside `sharding.use_rules(mesh, rules)`.
   """
-  cfg, step_dir = checkpointing.saved_config(path, what)
-  cfg = copy.deepcopy(cfg)
-  with cfg.unlocked():
-    cfg.log.quant_stats_every = 0  # No health statistics while sampling.
-    if cfg.quant.get("schedule"):  # The precision phase that made this checkpoint.
-      phases = precision.Phases(cfg)
-      cfg = copy.deepcopy(phases.cfg(phases.state_phase(int(os.path.basename(step_dir)))))
-  trained_recipe = cfg.quant.recipe
-  with cfg.unlocked():
-    if recipe:
-      cfg.quant.recipe = recipe
+  raw, step_dir = checkpointing.saved_config(path, what)
+  with raw.unlocked():
+    raw.log.quant_stats_every = 0  # No health statistics while sampling.
     if dtype:
-      cfg.model.dtype = dtype
-  mesh = _mesh_for(cfg, one_device, host)
+      raw.model.dtype = dtype
+    sizes = [int(raw.mesh[a]) * int(raw.mesh.get(f"dcn_{a}", 1)) for a in MESH_AXES]
+    on_mesh = not one_device and not host and math.prod(sizes) == jax.device_count()
+    if not on_mesh:
+      _one_device_mesh(raw)
+  cfg = derive(raw, None)
+  cfg = cfg.at_phase(precision.Phases(cfg).state_phase(int(os.path.basename(step_dir))))  # The phase that saved it.
+  trained_recipe = cfg.quant.name
+  if recipe:
+    cfg = cfg.replace("quant.recipe", recipe)
+  mesh = make_mesh(cfg.mesh) if on_mesh else make_mesh(cfg.mesh, (jax.devices("cpu") if host else jax.devices())[:1])
   graphdef, param_specs, quant_specs = logical_axes(cfg)
   abstract_params, abstract_quant = abstract_init(cfg)
   place = lambda abstract, specs: jax.tree.map(
@@ -60,8 +57,8 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
       sharding.tree_shardings(specs, mesh, cfg.mesh.rules))
   targets = {"params": place(abstract_params, param_specs)}
   if jax.tree.leaves(abstract_quant):
-    if cfg.quant.recipe != trained_recipe:
-      raise ConfigError(f"recipe {cfg.quant.recipe!r} keeps amax histories that a {trained_recipe!r} checkpoint "
+    if cfg.quant.name != trained_recipe:
+      raise ConfigError(f"recipe {cfg.quant.name!r} keeps amax histories that a {trained_recipe!r} checkpoint "
                         "does not have")
     targets["quant_state"] = place(abstract_quant, quant_specs)
   restored = checkpointing.restore_fields(path, targets, what)

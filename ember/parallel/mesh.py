@@ -36,7 +36,7 @@ def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
 def ici_dcn(mesh_cfg, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
   """Per-host sizes (`mesh.a`, -1 resolved) and host counts (`mesh.dcn_a`) of each axis; ConfigError naming
   the key when they do not make a mesh of `num_devices`."""
-  dcn = {a: mesh_cfg.get(f"dcn_{a}", 1) for a in MESH_AXES}
+  dcn = {a: getattr(mesh_cfg, f"dcn_{a}", 1) for a in MESH_AXES}
   for a, d in dcn.items():
     if isinstance(d, bool) or not isinstance(d, int) or d < 1:
       _fail(f"mesh.dcn_{a}", f"must be an integer >= 1, got {d!r}")
@@ -45,7 +45,7 @@ def ici_dcn(mesh_cfg, num_devices: int) -> tuple[dict[str, int], dict[str, int]]
     key = next(f"mesh.dcn_{a}" for a, d in dcn.items() if d > 1)
     _fail(key, f"the dcn axes ask for {hosts} hosts, which do not divide the {num_devices} devices")
   per_host = num_devices // hosts
-  ici = {a: mesh_cfg[a] for a in MESH_AXES}
+  ici = {a: getattr(mesh_cfg, a) for a in MESH_AXES}
   for a, s in ici.items():
     if isinstance(s, bool) or not isinstance(s, int) or s == 0 or s < -1:
       _fail(f"mesh.{a}", f"must be an integer >= 1 or -1, got {s!r}")
@@ -76,8 +76,8 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
 
 def device_grid(mesh_cfg, devices: list) -> np.ndarray:
   """The devices as an array of the mesh's shape (data, fsdp, tensor, expert); see the module doc."""
-  ici = [int(mesh_cfg[a]) for a in MESH_AXES]
-  dcn = [int(mesh_cfg.get(f"dcn_{a}", 1)) for a in MESH_AXES]
+  ici = [int(getattr(mesh_cfg, a)) for a in MESH_AXES]
+  dcn = [int(getattr(mesh_cfg, f"dcn_{a}", 1)) for a in MESH_AXES]
   if math.prod(ici) * math.prod(dcn) != len(devices):
     raise ConfigError(f"config.mesh: {dict(zip(MESH_AXES, ici))} per host x {math.prod(dcn)} hosts does not "
                       f"match the {len(devices)} devices")

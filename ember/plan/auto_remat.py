@@ -19,13 +19,11 @@ import dataclasses
 import math
 
 import jax
-import ml_collections
 
 from ember import remat
 from ember.errors import ConfigError
 from ember.plan import step as step_plan
 from ember.plan.units import GiB, format_flops
-from ember.quant.recipe import Recipe
 from ember.trainer.metrics import console
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import state_shardings
@@ -49,7 +47,7 @@ def candidates(cfg, mesh=None) -> tuple[str, ...]:
   model on the mesh's platform (offloading needs a GPU or TPU)."""
   if cfg.remat.auto_candidates:
     return tuple(cfg.remat.auto_candidates)
-  quantized = Recipe.from_config(cfg.quant).quantized
+  quantized = cfg.quant.quantized
   names = [n for n, p in remat.PRESETS.items() if quantized or not p.quantized_only]
   platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   if platform == "cpu":
@@ -59,9 +57,8 @@ def candidates(cfg, mesh=None) -> tuple[str, ...]:
 
 def measure(cfg, mesh, tx, schedule, names, *, compiler_options: dict | None = None) -> list[Candidate]:
   """Compiles the train step under each preset (cached per config, mesh and preset)."""
-  key_cfg = cfg.to_dict()
-  key_cfg.pop("remat", None)  # The budget and policy do not change what a preset compiles to.
-  base = (repr(sorted(_flatten(key_cfg))), tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat),
+  # The budget and policy do not change what a preset compiles to.
+  base = (dataclasses.replace(cfg, remat=None), tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat),
           mesh.devices.flat[0].platform, repr(sorted((compiler_options or {}).items())))
   out = []
   for name in names:
@@ -112,14 +109,6 @@ def choose(cfg, mesh, tx, schedule, *, compiler_options: dict | None = None) -> 
   return best.name
 
 
-def _flatten(d, prefix=""):
-  for k, v in d.items():
-    if isinstance(v, dict):
-      yield from _flatten(v, f"{prefix}{k}.")
-    else:
-      yield f"{prefix}{k}", repr(v)
-
-
 def resolve(cfg, mesh, *, compiler_options: dict | None = None):
   """The config with `remat.policy=auto` replaced by the preset it chooses; any other config as it is.
 
@@ -128,6 +117,4 @@ def resolve(cfg, mesh, *, compiler_options: dict | None = None):
     return cfg
   tx, schedule = make_optimizer(cfg.train)
   chosen = choose(cfg, mesh, tx, schedule, compiler_options=compiler_options)
-  out = ml_collections.ConfigDict(cfg.to_dict())
-  out.remat.policy = chosen
-  return out
+  return cfg.replace("remat.policy", chosen)

@@ -16,7 +16,6 @@ import time
 import ml_collections
 
 from ember import config as config_lib
-from ember import remat
 from ember.parallel.mesh import make_mesh
 from ember.plan import auto_remat, cost, hlo
 from ember.plan import step as step_plan
@@ -31,7 +30,8 @@ ESTIMATE_NOTE = ("XLA's memory estimate for the compiled program: no autotuning 
 
 
 def prepare(cfg: ml_collections.ConfigDict, target: Target):
-  """(derived config, mesh) for the target's devices; `auto` with no budget gets the target's memory."""
+  """(settings, mesh) for the target's devices, from a raw config; `auto` with no budget gets the target's
+  memory."""
   devices = target.devices()
   cfg = ml_collections.ConfigDict(cfg.to_dict())
   memory = target.device_memory_bytes
@@ -54,7 +54,7 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
     options = compiler_options(target)
     cfg = auto_remat.resolve(cfg, mesh, compiler_options=options)
     tx, schedule = make_optimizer(cfg.train)
-    traced = step_plan.trace_train_step(cfg, mesh, tx, schedule, remat.preset(cfg.remat))
+    traced = step_plan.trace_train_step(cfg, mesh, tx, schedule, cfg.remat.preset)
     t0 = time.perf_counter()
     compiled = traced.lower().compile(compiler_options=options)
     compile_s = time.perf_counter() - t0
@@ -76,7 +76,7 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
       "temp_bytes": int(memory.temp_size_in_bytes), "host_bytes": host_bytes(memory),
       "gemms": hlo.gemm_census(program), "attention": attention["kernel"],
       "attention_kernels": {"forward": attention["forward"], "backward": attention["backward"]},
-      "collectives": hlo.collectives(program), "remat_policy": cfg.remat.policy, "recipe": cfg.quant.recipe,
+      "collectives": hlo.collectives(program), "remat_policy": cfg.remat.policy, "recipe": cfg.quant.name,
       "compile_s": round(compile_s, 2), "xla_flags": {"compiler_options": options or {},
                                                      "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
       "mesh": {k: int(v) for k, v in mesh.shape.items()}, "model": cfg.model.name,
@@ -107,9 +107,8 @@ def moe_figures(cfg, mesh, target: Target, program: hlo.Program) -> dict:
   """The token exchange of an MoE step: the dispatcher that runs, and the expert GEMMs' rows per device and
   FLOPs read from the compiled program, with the largest per-expert copy of the routed rows."""
   from ember.layers import moe_dispatch
-  from ember.parallel.sharding import rules_dict
   p = moe_dispatch.plan(cfg.model.moe_dispatch, cfg.model.moe_expert_gemm, cfg.model.num_experts, mesh,
-                        rules_dict(cfg.mesh.rules), platform="gpu" if target.is_gpu else "cpu")
+                        cfg.mesh.rules_dict, platform="gpu" if target.is_gpu else "cpu")
   gemms = cost.expert_gemms(program)
   copy = cost.largest_expert_copy(program, local_experts=p.num_local, rows=gemms["gemm_rows_per_rank"])
   return {"dispatch": p.exchange, "expert_gemm": p.expert_gemm, "expert_parallel": p.expert_parallel,
@@ -121,8 +120,7 @@ def _why_not_cudnn(cfg, mesh) -> str:
   if cfg.model.attention == "xla":
     return "model.attention=xla"
   from ember.layers.attention import cudnn_refusal
-  from ember.model_config import ModelConfig
-  m = ModelConfig.from_config(cfg)
+  m = cfg.model
   tensor = int(mesh.shape["tensor"])  # Heads are split over it.
   reason = cudnn_refusal(per_device_batch(cfg, mesh), m.seq_len, m.num_heads // tensor, m.num_kv_heads // tensor,
                          m.head_dim, m.dtype)

@@ -52,8 +52,8 @@ class LayerProblem:
 def per_device_batch(cfg, mesh=None) -> int:
   """Sequences per device of one micro-batch (train.grad_accum_steps; at least 1), along the batch's mesh
   axes: the mesh's, or those of a derived config (per-host sizes times the `dcn_*` host counts)."""
-  size = lambda a: int(mesh.shape[a]) if mesh is not None else max(int(cfg.mesh[a]), 1) * int(
-      cfg.mesh.get(f"dcn_{a}", 1))
+  size = lambda a: int(mesh.shape[a]) if mesh is not None else max(getattr(cfg.mesh, a), 1) * getattr(
+      cfg.mesh, f"dcn_{a}", 1)
   shards = size("data") * size("fsdp") * size("expert")
   return max(cfg.train.batch_size // shards // cfg.train.grad_accum_steps, 1)
 
@@ -65,7 +65,7 @@ def representative_block(model: ModelConfig) -> int:
 
 def layer_problem(cfg, *, batch: int | None = None) -> LayerProblem:
   """One `Block` of a derived config and its arguments, as shapes only (nothing is allocated)."""
-  model = ModelConfig.from_config(cfg)
+  model = cfg.model
   first = representative_block(model) * model.block_size
   with nnx.use_eager_sharding(False):
     block = nnx.eval_shape(lambda: Block(model, first, nnx.Rngs(params=jax.random.key(0))))

@@ -112,9 +112,10 @@ def presets(cfg) -> tuple[str, ...]:
   return tuple(n for n in auto_remat.candidates(cfg) if not remat.PRESETS[n].offload)
 
 
-def layouts(cfg, target: Target) -> list[Layout]:
-  """Every layout of the config's model on the target (see the module doc); each passes config.validate."""
-  m = ModelConfig.from_config(cfg)
+def layouts(cfg: ml_collections.ConfigDict, target: Target) -> list[Layout]:
+  """Every layout of the (raw) config's model on the target (see the module doc); each passes config.validate."""
+  settings = config_lib.derive(cfg, None)
+  m = settings.model
   per_node, nodes = target.per_node, target.nodes
   out = []
   for tensor in _divisors(per_node):
@@ -132,7 +133,7 @@ def layouts(cfg, target: Target) -> list[Layout]:
         if cfg.train.batch_size % shards:
           continue
         for accum in _divisors(cfg.train.batch_size // shards):
-          for preset in presets(cfg):
+          for preset in presets(settings):
             candidate = Layout(node, dcn, accum, preset)
             try:
               config_lib.validate(candidate.apply(cfg), target.count, 1)
@@ -180,11 +181,12 @@ class Estimator:
   """Quick estimates of layouts of one config on one target (module doc); the train state is worked out once
   per mesh and the decoder block once per preset."""
 
-  def __init__(self, cfg, target: Target):
-    self.cfg, self.target = cfg, target
-    self.model = ModelConfig.from_config(cfg)
+  def __init__(self, cfg: ml_collections.ConfigDict, target: Target):
+    self.cfg, self.target = cfg, target  # Raw: each layout is applied to it, then derived.
+    self.settings = config_lib.derive(cfg, None)
+    self.model = self.settings.model
     self.facts = target.facts
-    self.blocks = _blocks(cfg, presets(cfg))
+    self.blocks = _blocks(self.settings, presets(self.settings))
     self._state: dict[tuple, tuple[float, float, list]] = {}
 
   def _leaves(self, layout: Layout) -> tuple[float, float, list]:
@@ -201,7 +203,7 @@ class Estimator:
       leaves = []
       for a, s in zip(jax.tree.leaves(abstract.params), jax.tree.leaves(shardings.params)):
         axes = {x for entry in s.spec if entry for x in ((entry,) if isinstance(entry, str) else entry)}
-        leaves.append((size(a, s), axes, a.ndim >= 2 and a.shape[-1] != self.model.vocab_size))
+        leaves.append((size(a, s), axes, a.ndim >= 2 and self.model.vocab_size not in a.shape))
       params = sum(n * 4 for n, _, _ in leaves)
       self._state[key] = (state, params, leaves)
     return self._state[key]
@@ -211,7 +213,7 @@ class Estimator:
     return (self.facts.nic_gb_s if crosses else self.facts.nvlink_gb_s) * 1e9
 
   def estimate(self, layout: Layout) -> Estimate:
-    cfg, m, block = self.cfg, self.model, self.blocks[layout.remat]
+    cfg, m, block = self.settings, self.model, self.blocks[layout.remat]
     mesh = layout.mesh()
     n_devices = self.target.count
     micro = cfg.train.batch_size // math.prod(mesh[a] for a in BATCH_AXES) // layout.grad_accum_steps

@@ -31,11 +31,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from ember.errors import ConfigError
+from ember.keys import check_fields, key
 from ember.quant import exclude as exclude_lib
 from ember.quant import hadamard
 from ember.quant.formats import E4M3, E5M2
-from ember.quant.quantizers import (CurrentScaling, DelayedScaling, MXFP8Scaling, NVFP4Scaling, Quantizer,
-                                    check_amax_algo)
+from ember.quant.quantizers import (AMAX_ALGOS, CurrentScaling, DelayedScaling, MXFP8Scaling, NVFP4Scaling,
+                                    Quantizer)
 from ember.quant.tensor import QuantizedTensor
 from ember.remat import QUANTIZED_OPERANDS
 
@@ -86,16 +88,17 @@ QUANTIZED_RECIPES = tuple(n for n, s in SCHEMES.items() if s.make is not None)
 @dataclasses.dataclass(frozen=True)
 class Recipe:
   """A config's recipe: a row of `SCHEMES` and its options (see configs/base.py, `quant`)."""
-  name: str = "bf16"
-  amax_history_len: int = AMAX_HISTORY_LEN
-  amax_compute_algo: str = "max"
-  margin: int = 0
-  nvfp4_rht: bool = True
-  nvfp4_stochastic_rounding: bool = True
-  nvfp4_2d_weights: bool = True
-  rht_seed: int = 0
-  exclude: tuple[str, ...] = ()
-  forward: str = "recipe"  # "bf16": the forward GEMM on unquantized operands, the backward GEMMs in the recipe.
+  name: str = key("str", choices=RECIPES, name="recipe", default="bf16")
+  amax_history_len: int = key("int", ">=1", default=AMAX_HISTORY_LEN)
+  amax_compute_algo: str = key("str", choices=AMAX_ALGOS, default="max")
+  margin: int = key("int", ">=0", default=0)
+  nvfp4_rht: bool = key("bool", default=True)
+  nvfp4_stochastic_rounding: bool = key("bool", default=True)
+  nvfp4_2d_weights: bool = key("bool", default=True)
+  rht_seed: int = key("int", ">=0", default=0)
+  exclude: tuple[str, ...] = key("strs", default=())
+  # "bf16": the forward GEMM on unquantized operands, the backward GEMMs in the recipe.
+  forward: str = key("str", choices=FORWARDS, default="recipe")
   stats: bool = False  # Projections collect health statistics (quant/health.py; log.quant_stats_every > 0).
   # The dtype the weight-gradient GEMMs write (train.grad_reduce_dtype): under FSDP or data parallelism XLA
   # reduces each projection's gradient across devices in it, so "bfloat16" halves those bytes (Megatron's
@@ -106,25 +109,12 @@ class Recipe:
   selectors: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
 
   def __post_init__(self):
-    if self.name not in SCHEMES:
-      raise ValueError(f"unknown quantization recipe {self.name!r}; choose one of {', '.join(RECIPES)}")
-    if self.forward not in FORWARDS:
-      raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {self.forward!r}")
-    if self.wgrad_dtype not in WGRAD_DTYPES:
-      raise ValueError(f"wgrad_dtype must be one of {', '.join(WGRAD_DTYPES)}, got {self.wgrad_dtype!r}")
-    check_amax_algo(self.amax_compute_algo)
     object.__setattr__(self, "exclude", tuple(self.exclude))
-    object.__setattr__(self, "selectors", tuple(exclude_lib.parse(entry) for entry in self.exclude))
-
-  @classmethod
-  def from_config(cls, quant_cfg) -> "Recipe":
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in quant_cfg.items() if k in fields}
-    values["name"] = quant_cfg.recipe
-    values["exclude"] = tuple(quant_cfg.get("exclude", ()))
-    values.pop("stats", None)  # Set by ModelConfig from log.quant_stats_every, not a quant key.
-    values["forward"] = quant_cfg.get("forward", "recipe")
-    return cls(**values)
+    check_fields(self, "quant")  # The keys' declared kinds and choices (ember/keys.py).
+    try:
+      object.__setattr__(self, "selectors", tuple(exclude_lib.parse(entry) for entry in self.exclude))
+    except ValueError as e:
+      raise ConfigError(f"config.quant.exclude: {e}") from None
 
   def wgrad_out(self, param_dtype) -> jnp.dtype:
     """The dtype a weight-gradient GEMM writes for a parameter of `param_dtype` (see `wgrad_dtype`)."""

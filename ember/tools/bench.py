@@ -30,7 +30,6 @@ import numpy as np
 from ember import config as config_lib
 from ember.data.sharded import data_iterator, global_batch
 from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
-from ember.model_config import ModelConfig
 from ember.parallel.sharding import use_rules
 from ember.plan import hlo
 from ember.plan.auto_remat import resolve
@@ -79,10 +78,10 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
   perf = Throughput.of(cfg, statistics.median(times), jax.device_count(), jax.devices()[0].device_kind)
   memory, source = peak_bytes(compiled)
   # The quant/... health figures the measured step returned (0 without log.quant_stats_every).
-  health = (len(quant_stats.summarize(jax.device_get(metrics["quant_stats"]), ModelConfig.from_config(cfg)))
+  health = (len(quant_stats.summarize(jax.device_get(metrics["quant_stats"]), cfg.model))
             if "quant_stats" in metrics else 0)
   return {
-      "model": cfg.model.name, "recipe": cfg.quant.recipe, "remat": cfg.remat.policy,
+      "model": cfg.model.name, "recipe": cfg.quant.name, "remat": cfg.remat.policy,
       "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "mesh": dict(mesh.shape),
       "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "compile_s": compile_s,
       **perf.to_dict(), "step_times_s": times, "step_time_iqr_s": float(np.subtract(*np.percentile(times, [75, 25]))),

@@ -43,10 +43,9 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
   from ember.errors import CheckpointError, ConfigError, warn
   from ember.hf import layout, safetensors, tokenizer
   from ember.inference.checkpoint import load_model
-  from ember.model_config import ModelConfig
 
   cfg, _, model = load_model(checkpoint, what="--checkpoint", one_device=True, host=True)
-  m = ModelConfig.from_config(cfg)
+  m = cfg.model
   problem = layout.unsupported(m)
   if problem:
     raise CheckpointError(f"--checkpoint: {problem}; not exported")

@@ -76,7 +76,7 @@ def build_report(cfg, names, *, compile: bool = True, batch: int | None = None, 
                  "xla_flops_per_device": f.xla_flops, "peak_bytes": f.peak_bytes, "host_bytes": f.host_bytes,
                  "peak_source": "compiled"})
   m = cfg.model
-  about = {"model": m.name, "recipe": cfg.quant.recipe, "batch_size": cfg.train.batch_size, "seq_len": m.seq_len,
+  about = {"model": m.name, "recipe": cfg.quant.name, "batch_size": cfg.train.batch_size, "seq_len": m.seq_len,
            "layer_batch_per_device": batch or layer_plan.per_device_batch(cfg), "devices": len(mesh.devices.flat),
            "backend": target or jax.default_backend(), "mesh": {k: int(v) for k, v in mesh.shape.items()}}
   return {"config": about, "policies": rows}

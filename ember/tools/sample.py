@@ -80,7 +80,7 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
   from ember.errors import ConfigError
   from ember.inference.checkpoint import load_model
   from ember.inference.generate import generate
-  from ember.parallel.sharding import logical_to_spec, rules_dict, use_rules
+  from ember.parallel.sharding import logical_to_spec, use_rules
   from ember.names import BATCH
 
   cfg, mesh, model = load_model(checkpoint, what="--checkpoint", recipe=None if quantized else "bf16", dtype=dtype,
@@ -90,7 +90,7 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
   empty = next((i for i, e in enumerate(encoded) if len(e) == 0), None)
   if empty is not None:
     raise ConfigError(f"--prompt: prompt {empty} encodes to no tokens")
-  batch_axes = logical_to_spec((BATCH,), rules_dict(cfg.mesh.rules), mesh)[0]
+  batch_axes = logical_to_spec((BATCH,), cfg.mesh.rules_dict, mesh)[0]
   batch_axes = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
   with use_rules(mesh, cfg.mesh.rules):
     out = generate(model, encoded, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,

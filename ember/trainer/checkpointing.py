@@ -375,7 +375,8 @@ def _restore_checked(manager, directory, step: int, args, what: str) -> dict:
     raise CheckpointError(str(e)) from None
   except Exception as e:  # Damaged array files.
     integrity.quiet_abandoned_reads()
-    raise CheckpointError(f"{what}: cannot restore {step_dir}, damaged ({type(e).__name__}: {one_line(e)[:300]})") from None
+    reason = one_line(e).split(" See full TensorStore details")[0][:300]  # Its details are a repr of a C++ object.
+    raise CheckpointError(f"{what}: cannot restore {step_dir}, damaged ({type(e).__name__}: {reason})") from None
   return restored
 
 

@@ -29,7 +29,6 @@ from ember.data import build_tokenizer, records
 from ember.data.sharded import data_iterator, global_batch, source_shares
 from ember.errors import ConfigError
 from ember.hf import load as hf_load
-from ember.model_config import ModelConfig
 from ember.names import RECORD_SOURCES
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
@@ -193,7 +192,7 @@ def _log(run: _Run, done: int, step_metrics, stopping: bool) -> None:
   moe, moe_warnings = run.moe.take(done)
   record.update(moe)
   record["peak_bytes"], record["peak_source"] = peak_bytes(phase.compiled)
-  if cfg.quant.schedule:
+  if len(cfg.phases) > 1:
     record["quant_phase"] = phase.index
   if health:
     record.update(phase.quant_health.record(done, step_metrics["quant_stats"]))
@@ -270,7 +269,7 @@ def _restore_or_init(cfg, ckpt, mesh, tx, targets, metrics, train_it):
   shardings, abstract = targets(0)
   init = lambda: create_train_state(cfg, mesh, tx)[1]
   if cfg.checkpoint.init_from_hf:
-    params = hf_load.load_params(cfg.checkpoint.init_from_hf, ModelConfig.from_config(cfg), abstract.params,
+    params = hf_load.load_params(cfg.checkpoint.init_from_hf, cfg.model, abstract.params,
                                  shardings.params)
     state = state_around(cfg, tx, params, shardings)
     console(f"started from the Hugging Face model in {cfg.checkpoint.init_from_hf}")

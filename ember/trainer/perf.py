@@ -31,7 +31,7 @@ def forward_flops_per_token(model: ModelConfig) -> float:
 
 
 def train_flops_per_step(cfg) -> float:
-  return 3 * forward_flops_per_token(ModelConfig.from_config(cfg)) * cfg.train.batch_size * cfg.model.seq_len
+  return 3 * forward_flops_per_token(cfg.model) * cfg.train.batch_size * cfg.model.seq_len
 
 
 def peak_tflops(device_kind: str) -> float | None:

@@ -12,8 +12,6 @@ import jax
 
 from ember.data import build_tokenizer
 from ember.layers import moe_dispatch
-from ember.model_config import ModelConfig
-from ember.parallel.sharding import rules_dict
 from ember.platform import target_platform
 from ember.trainer import precision, quant_stats
 from ember.trainer import step as step_lib
@@ -31,13 +29,13 @@ def compile_step(step_fn, state, batch, cfg, mesh):
   moe = ""
   if cfg.model.num_experts:
     p = moe_dispatch.plan(cfg.model.moe_dispatch, cfg.model.moe_expert_gemm, cfg.model.num_experts, mesh,
-                          rules_dict(cfg.mesh.rules), platform=target_platform())
+                          cfg.mesh.rules_dict, platform=target_platform())
     moe = f", MoE dispatch {p.exchange}, expert GEMMs {p.expert_gemm}"
   if cfg.data.source != "synthetic":  # The first batch is read by now: the data and its tokenizer work.
     console(f"tokenizer {cfg.data.tokenizer}: vocabulary {build_tokenizer(cfg.data).vocab_size} "
             f"(model.vocab_size {cfg.model.vocab_size})")
   console(f"compiled the train step in {time.time() - t0:.1f}s ({memory}; remat {cfg.remat.policy}, "
-          f"recipe {cfg.quant.recipe}, mesh {dict(mesh.shape)}{moe})")
+          f"recipe {cfg.quant.name}, mesh {dict(mesh.shape)}{moe})")
   return compiled
 
 
@@ -72,7 +70,7 @@ class QuantHealth:
   record (`quant_warnings`)."""
 
   def __init__(self, cfg):
-    self.model = ModelConfig.from_config(cfg)
+    self.model = cfg.model
     self.watch = quant_stats.Watch(self.model.recipe.name)
 
   def record(self, done: int, stats_tree) -> dict:

@@ -1,6 +1,6 @@
 """Precision schedules (`quant.schedule`): which quantization config runs each step, and the state between.
 
-The phases are a function of the config and the step (`ember/config_phases.py`): phase i runs steps
+The phases are a function of the config and the step (`ember/config_phases.py` parses them; `Settings.phases`): phase i runs steps
 [start_i, start_{i+1}). The step that trains is the state's `step`, so the schedule position is part
 of the train state and of every checkpoint: a resumed run is in the phase its step says, whichever
 side of a switch it was saved on. The state *after* step s was made by the phase of step s - 1
@@ -22,13 +22,12 @@ import jax.numpy as jnp
 
 from ember.layers.decoder import keys_of, stacked_layers, tree_leaves, within_layer
 from ember.model_config import ModelConfig
-from ember import config_phases
 from ember.trainer.state import TrainState
 
 
 class Phases:
   def __init__(self, cfg):
-    self.phases = config_phases.precision_phases(cfg)
+    self.settings, self.phases = cfg, cfg.phases
 
   def __len__(self) -> int:
     return len(self.phases)
@@ -42,15 +41,16 @@ class Phases:
     return self.at(max(step - 1, 0))
 
   def cfg(self, phase: int):
-    return self.phases[phase][1]
+    """The settings that run phase `phase`."""
+    return self.settings.at_phase(phase)
 
   def start(self, phase: int) -> int:
     return self.phases[phase][0]
 
   def describe(self, phase: int) -> str:
-    q = self.cfg(phase).quant
+    q = self.phases[phase][1]
     forward = "" if q.forward == "recipe" else f", forward GEMMs {q.forward}"
-    return f"phase {phase} (recipe {q.recipe}{forward})"
+    return f"phase {phase} (recipe {q.name}{forward})"
 
 
 def _rows(quant_state: dict, model: ModelConfig) -> dict:
@@ -71,7 +71,7 @@ def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: 
   """`state` (made under `old_cfg`) in the structure of `new_cfg`'s phase (`abstract`, placed by
   `shardings`): each layer's amax history kept where the new phase keeps the same one, zeros where it
   starts one."""
-  old_model, new_model = ModelConfig.from_config(old_cfg), ModelConfig.from_config(new_cfg)
+  old_model, new_model = old_cfg.model, new_cfg.model
   old = _rows(state.quant_state, old_model)
 
   def same(kept, like):

@@ -17,7 +17,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember.layers.decoder import Transformer
 from ember.layers.linear import QuantState, QuantStats
-from ember.model_config import ModelConfig
 from ember.parallel import sharding
 
 
@@ -32,7 +31,7 @@ class TrainState:
 
 def build_model(cfg, key: jax.Array) -> Transformer:
   with nnx.use_eager_sharding(False):
-    return Transformer(ModelConfig.from_config(cfg), nnx.Rngs(params=key))
+    return Transformer(cfg.model, nnx.Rngs(params=key))
 
 
 def split_model(model: Transformer):

@@ -11,10 +11,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from ember import remat
-from ember.model_config import ModelConfig
 from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS,
                          MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
-from ember.parallel.sharding import logical_to_spec, rules_dict, shard
+from ember.parallel.sharding import logical_to_spec, shard
 from ember.quant import health
 from ember.trainer.loss import cross_entropy, token_count
 from ember.trainer.state import TrainState, stats_inputs, step_key
@@ -44,7 +43,7 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
                         count=count)
   total = ce + cfg.train.z_loss_weight * z
   metrics = {"loss": ce, "z_loss": z}
-  num_moe = ModelConfig.from_config(cfg).num_moe_layers
+  num_moe = cfg.model.num_moe_layers
   if num_moe:  # Dense models log no MoE keys (they would always be zero).
     lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / (num_moe * micro_batches), aux[MOE_ROUTER_Z_LOSS] / (num_moe * micro_batches)
     total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
@@ -129,7 +128,7 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
 
 def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:
   """Where a global batch [batch, length] lives: the `batch` logical axis over its mesh axes."""
-  return NamedSharding(mesh, logical_to_spec((BATCH, LENGTH), rules_dict(cfg.mesh.rules), mesh))
+  return NamedSharding(mesh, logical_to_spec((BATCH, LENGTH), cfg.mesh.rules_dict, mesh))
 
 
 def jit_train_step(cfg, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy: remat.Preset | None = None,
@@ -137,7 +136,7 @@ def jit_train_step(cfg, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy
   """`train_step` jitted the one way the loop, the tools and the tests run it: state in and out on
   its shardings, the batch on `batch_sharding`, the old state donated. The remat preset is chosen here:
   `policy`, or the config's (`remat.policy`, resolved; the plan tools pass each preset they compare)."""
-  policy = remat.preset(cfg.remat) if policy is None else policy
+  policy = cfg.remat.preset if policy is None else policy
   rows = batch_sharding(cfg, mesh)
   shards = cfg.train.batch_size // rows.shard_shape((cfg.train.batch_size, cfg.model.seq_len))[0]
   step = functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy,

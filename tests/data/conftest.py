@@ -1,16 +1,16 @@
 """Shared fixtures for the data tests: a data config and small corpora written to tmp_path."""
-import ml_collections
 import numpy as np
 import pytest
 
 from configs import base
+from ember.settings import Data, section
 
 
-def make_data_cfg(**overrides) -> ml_collections.ConfigDict:
-  """The `data` section of configs/base.py (the real defaults), then `overrides`."""
+def make_data_cfg(**overrides) -> Data:
+  """The typed `data` section of configs/base.py (the real defaults), then `overrides`."""
   cfg = base.get_config().data
   cfg.update(overrides)
-  return cfg
+  return section(Data, cfg)
 
 
 @pytest.fixture

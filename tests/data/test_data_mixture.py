@@ -1,5 +1,6 @@
 """Weighted mixtures of sources: token shares follow the weights, deterministic, resumable, logged."""
 
+import dataclasses
 import json
 import os
 
@@ -68,7 +69,7 @@ def test_mixture_is_deterministic_and_resumes_exactly(tmp_path, data_cfg):
 
 def test_eval_mixture_may_differ(tmp_path, data_cfg):
   cfg = _mixture_cfg(data_cfg, tmp_path)
-  cfg.eval_mixture = (cfg.mixture[1][:4] + (1.0,),)  # Held-out documents of beta only.
+  cfg = dataclasses.replace(cfg, eval_mixture=(cfg.mixture[1][:4] + (1.0,),))  # Held-out documents of beta only.
   it = make_iterator(cfg, seq_len=64, global_batch_size=8, seed=0, split="eval")
   batch = next(it)
   assert set(np.unique(batch[SOURCE][batch[SEGMENT_IDS] > 0])) == {1}

@@ -12,8 +12,8 @@ from tests import helpers
 
 
 def _model(**overrides):
-  cfg = helpers.config(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.num_layers": 3,
-                          "model.init_std": 0.2, **overrides})
+  cfg = helpers.settings(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.num_layers": 3,
+                            "model.init_std": 0.2, **overrides})
   return build_model(cfg, jax.random.key(0))
 
 

@@ -4,6 +4,7 @@ Checkpoints here are saved straight from an initialised state (a larger init_std
 routing are far from uniform), through the trainer's own Checkpointer with the config as metadata.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,7 +25,6 @@ from ember.errors import CheckpointError
 from ember.hf import layout, load, tokenizer
 from ember.inference.checkpoint import load_model
 from ember.inference.generate import generate
-from ember.model_config import ModelConfig
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import use_rules
 from ember.trainer.checkpointing import Checkpointer
@@ -122,14 +122,12 @@ def test_export_then_import_is_bit_identical(exported):
   """The exported directory loads back, sharded over 4 devices, into the very same parameters."""
 
   _, cfg, state, _, out = exported
-  mesh_cfg = cfg.mesh.copy_and_resolve_references()
-  mesh_cfg.fsdp, mesh_cfg.tensor = 2, 2
-  if cfg.model.num_experts:
-    mesh_cfg.fsdp, mesh_cfg.tensor, mesh_cfg.expert = 2, 1, 2
+  sizes = dict(fsdp=2, tensor=1, expert=2) if cfg.model.num_experts else dict(fsdp=2, tensor=2)
+  mesh_cfg = dataclasses.replace(cfg.mesh, **sizes)
   mesh = make_mesh(mesh_cfg, helpers.devices(4))
   tx, _ = make_optimizer(cfg.train)
   _, shardings, abstract = state_shardings(cfg, mesh, tx)
-  params = load.load_params(out, ModelConfig.from_config(cfg), abstract.params, shardings.params)
+  params = load.load_params(out, cfg.model, abstract.params, shardings.params)
   got, want = jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(state.params)
   assert [p for p, _ in got] == [p for p, _ in want]
   for (path, a), (_, b) in zip(got, want):
@@ -158,16 +156,14 @@ def test_greedy_sampling_equals_transformers_generate(exported):
 
 def test_import_mismatch_names_the_tensor(exported, tmp_path):
   _, cfg, _, _, out = exported
-  other = cfg.copy_and_resolve_references()
-  other.model.d_ff = 96
+  other = cfg.replace("model.d_ff", 96)
   abstract, _ = abstract_init(other)
   with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\..*(mlp|experts).* has shape .* but"):
-    load.check(out, ModelConfig.from_config(other), abstract)
-  other = cfg.copy_and_resolve_references()
-  other.model.num_layers = 1
+    load.check(out, other.model, abstract)
+  other = cfg.replace("model.num_layers", 1)
   abstract, _ = abstract_init(other)
   with pytest.raises(CheckpointError, match=r"model\.layers\.1\..* has no place in this config"):
-    load.check(out, ModelConfig.from_config(other), abstract)
+    load.check(out, other.model, abstract)
 
 
 def _hf_loss(out_dir, batch):
@@ -299,7 +295,7 @@ def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path)
                           **KINDS[kind]})
   start = helpers.start(cfg)
   cfg = start.cfg
-  m = ModelConfig.from_config(cfg)
+  m = cfg.model
   hf_config = layout.hf_config(m, "float32")
   hf_config["initializer_range"] = 0.2
   config = transformers.AutoConfig.for_model(**hf_config)

@@ -12,7 +12,6 @@ from ember.config import derive
 from ember.layers.decoder import Transformer
 from ember.layers.norm import RMSNorm
 from ember.layers.rope import apply_rope
-from ember.model_config import ModelConfig
 from ember.trainer.state import build_model, split_model
 from tests.helpers import config
 
@@ -20,7 +19,7 @@ from tests.helpers import config
 def _model(preset="tiny", **overrides):
   cfg = derive(config(preset, **{"model.dtype": "float32", "quant.recipe": "bf16", **overrides}), 1)
   with nnx.use_eager_sharding(False):
-    return Transformer(ModelConfig.from_config(cfg), nnx.Rngs(params=0)), cfg
+    return Transformer(cfg.model, nnx.Rngs(params=0)), cfg
 
 
 def test_rope_matches_complex_rotation():
@@ -135,7 +134,7 @@ def test_qk_norm_attention_matches_numpy():
   queries and one for keys, before RoPE; the layer equals that computed in float64 numpy from its own weights."""
   from ember.layers.attention import Attention
   cfg = derive(config("tiny", **{"model.dtype": "float32", "quant.recipe": "bf16", "model.qk_norm": True}), 1)
-  m = ModelConfig.from_config(cfg)
+  m = cfg.model
   with nnx.use_eager_sharding(False):
     attn = Attention(m, layer=0, rngs=nnx.Rngs(params=0))
   rng = np.random.default_rng(3)

@@ -11,7 +11,6 @@ from flax import nnx
 from ember import config as config_lib
 from ember import remat
 from ember.layers.moe import MoE, keep_mask
-from ember.model_config import ModelConfig
 from ember.names import AUX_KEYS
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import use_rules
@@ -30,7 +29,7 @@ def _cfg(**overrides):
 
 def _layer(cfg, seed=0):
   with nnx.use_eager_sharding(False):
-    return MoE(ModelConfig.from_config(cfg), layer=0, rngs=nnx.Rngs(params=seed))
+    return MoE(cfg.model, layer=0, rngs=nnx.Rngs(params=seed))
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -214,7 +213,7 @@ def test_save_quantized_recomputes_no_quantize_op_under_expert_parallelism(dispa
 
 
 def test_flops_count_active_experts_only():
-  m = ModelConfig.from_config(_cfg())
+  m = _cfg().model
   base = perf.forward_flops_per_token(m)
   # More experts at the same top-k add only the router's columns.
   more_experts = dataclasses.replace(m, num_experts=2 * m.num_experts)

@@ -13,7 +13,6 @@ from ember import config as config_lib
 from ember import remat
 from ember.layers import moe_dispatch
 from ember.layers.moe import MoE, route
-from ember.model_config import ModelConfig
 from ember.parallel.mesh import make_mesh
 from ember.plan import hlo as hlo_lib
 from ember.parallel.sharding import logical_to_spec, rules_dict, tree_shardings, use_rules
@@ -86,7 +85,7 @@ def _layer(recipe: str, num_devices: int, mesh_axes: dict, num_experts: int = 4,
                               **mesh_axes})
   cfg = _derive(cfg, num_devices)
   with nnx.use_eager_sharding(False):
-    layer = MoE(ModelConfig.from_config(cfg), layer=0, rngs=nnx.Rngs(params=0))
+    layer = MoE(cfg.model, layer=0, rngs=nnx.Rngs(params=0))
   graphdef, state = nnx.split(layer)
   # Delayed scaling: histories with plausible amaxes, so that their scales matter.
   state = jax.tree_util.tree_map_with_path(
@@ -200,7 +199,7 @@ def _tight_capacity_layer(dispatch, expert_gemm, router=None):
                               "model.moe_dispatch": dispatch, "model.moe_expert_gemm": expert_gemm, **EP})
   cfg8, cfg1 = _derive(cfg, 8), _derive(cfg, 1)
   with nnx.use_eager_sharding(False):
-    layer = MoE(ModelConfig.from_config(cfg1), layer=0, rngs=nnx.Rngs(params=0))
+    layer = MoE(cfg1.model, layer=0, rngs=nnx.Rngs(params=0))
   x = jax.random.normal(jax.random.key(1), (8, 16, cfg1.model.d_model), jnp.float32)
   if router is not None:
     layer.router[...] = router(*layer.router[...].shape)
@@ -286,7 +285,7 @@ def test_ragged_overflow_is_counted_and_zeroed():
                               "model.moe_ragged_buffer": 0.5, **EP})
   cfg8, cfg1 = _derive(cfg, 8), _derive(cfg, 1)
   with nnx.use_eager_sharding(False):
-    layer = MoE(ModelConfig.from_config(cfg1), layer=0, rngs=nnx.Rngs(params=0))
+    layer = MoE(cfg1.model, layer=0, rngs=nnx.Rngs(params=0))
   graphdef, state = nnx.split(layer)
   x = jax.random.normal(jax.random.key(1), (8, 16, cfg1.model.d_model), jnp.float32)
   seg = jnp.ones((8, 16), jnp.int32)

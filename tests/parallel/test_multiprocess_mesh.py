@@ -10,6 +10,8 @@ import jax
 import numpy as np
 import pytest
 
+from ember.settings import Mesh
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # For configs/.
 from configs import base  # noqa: E402
 from ember import config as config_lib
@@ -37,8 +39,8 @@ def test_dcn_axes_multiply_the_per_host_axes(mesh, devices, total, per_host):
   shape = mesh_lib.mesh_shape(cfg.mesh, devices)
   assert {a: shape[a] for a in total} == total
   derived = config_lib.derive(cfg, devices)
-  assert {a: derived.mesh[a] for a in per_host} == per_host
-  assert np.prod([derived.mesh[a] * derived.mesh.get(f"dcn_{a}", 1) for a in config_lib.MESH_AXES]) == devices
+  assert {a: getattr(derived.mesh, a) for a in per_host} == per_host
+  assert np.prod(list(derived.mesh.sizes().values())) == devices
 
 
 @pytest.mark.parametrize("mesh,devices,key", [
@@ -71,9 +73,9 @@ def _devices(processes: int, per_process: int, shuffle: bool = False) -> list[Fa
 
 
 def _mesh_cfg(**sizes):
-  m = dict(data=1, fsdp=1, tensor=1, expert=1, dcn_data=1, dcn_fsdp=1, dcn_expert=1)
+  m = dict(data=1, fsdp=1, tensor=1, expert=1, dcn_data=1, dcn_fsdp=1, dcn_expert=1, rules=())
   m.update(sizes)
-  return m
+  return Mesh(**m)
 
 
 def test_each_process_owns_a_contiguous_block_without_dcn():

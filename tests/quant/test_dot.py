@@ -10,7 +10,6 @@ from flax import nnx
 from ember import remat
 from ember.config import derive
 from ember.layers.decoder import DecoderLayer
-from ember.model_config import ModelConfig
 from ember.quant.dot import quantized_matmul
 from ember.quant.recipe import Recipe
 from tests.helpers import config
@@ -122,7 +121,7 @@ EXPECTED_NAMES = {"bf16": 0, "fp8_current": 4 * 2 * 4, "fp8_delayed": 4 * 2 * 4,
 def test_decoder_layer_names_every_quantized_residual(recipe):
   cfg = derive(config("tiny", **{"quant.recipe": recipe}), 1)
   with nnx.use_eager_sharding(False):
-    layer = DecoderLayer(ModelConfig.from_config(cfg), 0, nnx.Rngs(params=0))
+    layer = DecoderLayer(cfg.model, 0, nnx.Rngs(params=0))
   b, length, d = 2, cfg.model.seq_len, cfg.model.d_model
   x = jnp.zeros((b, length, d), jnp.bfloat16)
   seg = jnp.ones((b, length), jnp.int32)

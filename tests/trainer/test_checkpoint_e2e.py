@@ -218,7 +218,10 @@ def test_starting_from_a_damaged_checkpoint_is_one_line_exit_2(shared, tmp_path)
   chunk.write_bytes(bytes(data))
   p = train(shared, tmp_path / "run", 22, f"--config.checkpoint.restore_from={source}/checkpoints/20", expect_rc=2)
   last = p.stderr.strip().splitlines()[-1]
-  assert "config.checkpoint.restore_from:" in last and "does not match the fingerprint saved with it" in last, last
+  # The bytes land in stored data (caught by the fingerprint) or in a chunk's encoding (caught by the reader):
+  # which one depends on the file's layout, and either way it is the one line naming the key.
+  assert last.startswith("error: config.checkpoint.restore_from:") and (
+      "does not match the fingerprint saved with it" in last or "damaged (" in last), last
   assert "Traceback" not in p.stderr
 
 

@@ -3,7 +3,6 @@
 import math
 
 from ember.config import derive
-from ember.model_config import ModelConfig
 from ember.trainer import perf
 from tests.helpers import config
 
@@ -19,16 +18,16 @@ def test_flops_of_a_hand_computed_config():
   matmul = 2 * (layers * (qkv + out + mlp) + head)  # 2 * (2 * 36864 + 16384) = 180224
   attention = layers * 2 * 2 * heads * hd * seq / 2  # 16384
   assert matmul == 180224 and attention == 16384
-  assert perf.forward_flops_per_token(ModelConfig.from_config(cfg)) == 196608
+  assert perf.forward_flops_per_token(cfg.model) == 196608
   assert perf.train_flops_per_step(cfg) == 3 * 196608 * 8 * 64
 
 
 def test_moe_flops_count_routed_experts_and_router():
   cfg = derive(config("tiny_moe"), 1)  # 4 experts, top 2, every layer.
-  m = ModelConfig.from_config(cfg)
+  m = cfg.model
   d, ff, layers = 64, 128, 2
   dense = derive(config("tiny", **{"model.seq_len": 64}), 1)
-  delta = perf.forward_flops_per_token(m) - perf.forward_flops_per_token(ModelConfig.from_config(dense))
+  delta = perf.forward_flops_per_token(m) - perf.forward_flops_per_token(dense.model)
   assert delta == 2 * layers * ((2 - 1) * 3 * d * ff + d * 4)
 
 

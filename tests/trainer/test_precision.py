@@ -9,7 +9,6 @@ import pytest
 from ember import config as config_lib
 from ember.errors import ConfigError
 from ember.layers.decoder import layer_slots
-from ember.model_config import ModelConfig
 from ember.quant import dot
 from ember.quant.recipe import Recipe
 from ember.trainer import precision
@@ -21,7 +20,7 @@ from tests import helpers
 
 def _phases(schedule, steps=100, **overrides):
   cfg = helpers.config(**{"steps": steps, "quant.recipe": "nvfp4", "quant.schedule": schedule, **overrides})
-  return precision.Phases(cfg)
+  return precision.Phases(config_lib.derive(cfg, 1))
 
 
 def test_phases_from_steps_and_fractions():
@@ -29,8 +28,9 @@ def test_phases_from_steps_and_fractions():
   assert [p.start(i) for i in range(len(p))] == [0, 90, 95]
   assert [p.at(s) for s in (0, 89, 90, 94, 95, 99)] == [0, 0, 1, 1, 2, 2]
   assert p.state_phase(90) == 0 and p.state_phase(91) == 1  # The state after 90 steps was made by phase 0.
-  assert p.cfg(1).quant.recipe == "nvfp4" and p.cfg(1).quant.forward == "bf16"
-  assert p.cfg(2).quant.recipe == "bf16" and p.cfg(2).quant.forward == "bf16"  # Overrides accumulate.
+  assert p.cfg(1).quant.name == "nvfp4" and p.cfg(1).quant.forward == "bf16"
+  assert p.cfg(2).quant.name == "bf16" and p.cfg(2).quant.forward == "bf16"  # Overrides accumulate.
+  assert p.cfg(2).model.recipe == p.cfg(2).quant  # The model's projections read the phase's recipe.
 
 
 @pytest.mark.parametrize("schedule,message", [
@@ -102,7 +102,7 @@ def test_histories_follow_their_layer_when_exclude_regroups_the_segments():
     # Mark each layer's qkv history with its layer number + 1 (layer 1, in bf16, has none).
     quant = jax.tree.map(lambda a: a, state.quant_state)
     assert set(quant["segments"]) == {0, 2}
-    for slot in layer_slots(ModelConfig.from_config(phases.cfg(0))):
+    for slot in layer_slots(phases.cfg(0).model):
       if slot.layer == 1:
         continue
       node = quant["segments"][slot.segment]["blocks"]["layers"][slot.j]["attn"]["qkv"]

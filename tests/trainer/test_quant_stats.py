@@ -10,7 +10,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ember.model_config import ModelConfig
 from ember.quant import health
 from ember.quant.quantizers import CurrentScaling, DelayedScaling
 from ember.trainer import quant_stats
@@ -65,7 +64,7 @@ def _forced_step(recipe: str = "fp8_delayed"):
 
 def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys):
   cfg, metrics = _forced_step()
-  record = quant_stats.summarize(jax.device_get(metrics["quant_stats"]), ModelConfig.from_config(cfg))
+  record = quant_stats.summarize(jax.device_get(metrics["quant_stats"]), cfg.model)
   assert record["quant/wi/gradient/underflow_max"] > 0.9 and record["quant/wi/gradient/underflow_layer"] == 0
   assert record["quant/wi/gradient/underflow"] == pytest.approx(record["quant/wi/gradient/underflow_max"] / 2, rel=0.2)
   assert record["quant/qkv/activation/saturated_max"] > 0.9 and record["quant/qkv/activation/saturated_layer"] == 1

@@ -1,0 +1,305 @@
+"""The config, typed: one frozen dataclass per section, built once by `config.derive` (`Settings.from_config`).
+
+Each field that holds a config key declares it (`keys.key`: kind, bound, choices), so the check of a config
+file (ember/config_schema.py) reads its table off these classes; each section's `__post_init__` holds the
+section's own rules, and rules across sections stay in ember/config.py. The `model` section is
+`ModelConfig` and the `quant` section the `Recipe`; their fields declare their keys the same way.
+Everything below the entry points (train.py and the tools) reads these objects, never the ConfigDict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ember import config_phases
+from ember import remat
+from ember.errors import ConfigError
+from ember.keys import declared, key
+from ember.model_config import DTYPES, ModelConfig
+from ember.names import DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, SOURCE_NEEDS
+from ember.parallel import mesh as mesh_lib
+from ember.quant.recipe import WGRAD_DTYPES, Recipe
+
+
+def _fail(dotted: str, reason: str):
+  raise ConfigError(f"config.{dotted}: {reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Train:
+  batch_size: int = key("int", ">=1")  # Global, in sequences, of one optimizer step.
+  learning_rate: float = key("float", ">=0")
+  warmup_steps: int = key("int", ">=0")
+  decay_steps: int = key("int", ">=0")  # The key's 0 (= until `steps`) is resolved by the builder.
+  min_lr_ratio: float = key("float", "[0,1]")
+  b1: float = key("float", "[0,1)")
+  b2: float = key("float", "[0,1)")
+  eps: float = key("float", ">0")
+  weight_decay: float = key("float", ">=0")
+  decay_norms_and_embeddings: bool = key("bool")
+  grad_clip_norm: float = key("float", ">=0")
+  grad_accum_steps: int = key("int", ">=1")
+  grad_reduce_dtype: str = key("str", choices=WGRAD_DTYPES)
+  loss_chunk_size: int = key("int", ">=0")
+  z_loss_weight: float = key("float", ">=0")
+  eval_every_steps: int = key("int", ">=0")
+  eval_batches: int = key("int", ">=1")
+  profile_start_step: int = key("int", ">=-1")
+  profile_steps: int = key("int", ">=1")
+
+  @property
+  def micro_batch_size(self) -> int:
+    """Sequences of one micro-batch (the global batch over `grad_accum_steps`)."""
+    return self.batch_size // self.grad_accum_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+  policy: str = key("str", choices=remat.POLICIES)
+  save_names: tuple[str, ...] = key("strs")
+  offload_names: tuple[str, ...] = key("strs")
+  memory_budget_gb: float = key("float", ">=0")
+  auto_candidates: tuple[str, ...] = key("strs")
+
+  def __post_init__(self):
+    remat.validate(self)
+
+  @property
+  def preset(self) -> remat.Preset:
+    """The preset this section names (`custom`: its lists); `auto` must have been resolved."""
+    return remat.preset(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+  """Per-host axis sizes (-1 resolved once the devices are known) and host counts; `rules` maps logical axes
+  to mesh axes."""
+  data: int = key("value")  # The mesh's own rules check the axes (ember/parallel/mesh.py: ici_dcn).
+  fsdp: int = key("value")
+  tensor: int = key("value")
+  expert: int = key("value")
+  dcn_data: int = key("int", ">=1")
+  dcn_fsdp: int = key("int", ">=1")
+  dcn_expert: int = key("int", ">=1")
+  rules: tuple = key("value")
+
+  def __post_init__(self):
+    object.__setattr__(self, "rules", _checked_rules(self.rules))
+
+  @property
+  def rules_dict(self) -> dict[str, tuple[str, ...]]:
+    return dict(self.rules)
+
+  def sizes(self) -> dict[str, int]:
+    """{axis: size of the whole mesh along it} (per-host size times hosts); no -1 left."""
+    return {a: getattr(self, a) * getattr(self, f"dcn_{a}", 1) for a in MESH_AXES}
+
+
+def _checked_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
+  """`mesh.rules` as ((logical axis, (mesh axes...)), ...); ConfigError naming the bad entry."""
+  out = []
+  if not isinstance(rules, (tuple, list)):
+    _fail("mesh.rules", f"must be a tuple of (logical axis, mesh axes) pairs, got {rules!r}")
+  for rule in rules:
+    if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
+      _fail("mesh.rules", f"entry {rule!r} is not a (logical axis, mesh axes) pair")
+    logical, axes = rule
+    if logical not in LOGICAL_AXES:
+      _fail("mesh.rules", f"unknown logical axis {logical!r}; ember's layers name {', '.join(LOGICAL_AXES)}")
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    if not isinstance(axes, (tuple, list)) or any(a not in MESH_AXES for a in axes):
+      _fail("mesh.rules", f"{logical!r} maps to {rule[1]!r}; mesh axes are {', '.join(MESH_AXES)} (or None)")
+    out.append((logical, tuple(axes)))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  source: str = key("str", choices=DATA_SOURCES)
+  path: str = key("str")
+  tokenizer: str = key("str")
+  eval_fraction: float = key("float", "[0,1]")
+  chunk_shuffle_window: int = key("int", ">=0")
+  tfds_name: str = key("str")
+  tfds_data_dir: str = key("str")
+  tfds_text_key: str = key("str")
+  text_key: str = key("str")
+  cache_dir: str = key("str")
+  mixture: tuple = key("value")  # ((name, source, path, text_key, weight), ...).
+  eval_mixture: tuple = key("value")
+  num_threads: int = key("int", ">=1")
+  num_shards: int = key("int", ">=0")
+
+  def __post_init__(self):
+    missing = missing_need(self.source, {"path": self.path, "text_key": self.text_key,
+                                         "tfds_name": self.tfds_name})
+    if missing:
+      _fail(f"data.{missing}", f"source {self.source} needs {NEED_MEANING[missing]}")
+    for name in ("mixture", "eval_mixture"):
+      object.__setattr__(self, name, _checked_mixture(name, getattr(self, name)))
+
+
+NEED_MEANING = {"path": "a glob of files", "text_key": "the field holding the text (text_key)",
+                "tfds_name": "a dataset name"}
+
+
+def missing_need(source: str, fields: dict) -> str | None:
+  """The first thing `source` needs (names.SOURCE_NEEDS) that `fields` leaves empty."""
+  return next((need for need in SOURCE_NEEDS.get(source, ()) if not fields.get(need)), None)
+
+
+def _checked_mixture(name: str, entries) -> tuple:
+  """`data.mixture` / `data.eval_mixture`: (name, source, path, text_key, weight) entries, as tuples."""
+  if not isinstance(entries, (tuple, list)):
+    _fail(f"data.{name}", f"must be a tuple of (name, source, path, text_key, weight) entries, got {entries!r}")
+  names = set()
+  for entry in entries:
+    if not isinstance(entry, (tuple, list)) or len(entry) != 5:
+      _fail(f"data.{name}", f"entry {entry!r} is not (name, source, path, text_key, weight)")
+    label, source, path, text_key, weight = entry
+    if not isinstance(label, str) or not label or label in names:
+      _fail(f"data.{name}", f"entry {entry!r}: the name must be a new, non-empty string")
+    names.add(label)
+    if source not in MIXABLE_SOURCES:
+      _fail(f"data.{name}", f"source {label!r}: unknown kind {source!r}; choose one of {', '.join(MIXABLE_SOURCES)}")
+    if not isinstance(path, str) or not isinstance(text_key, str):
+      _fail(f"data.{name}", f"source {label!r}: path and text_key must be strings")
+    missing = missing_need(source, {"path": path, "text_key": text_key})
+    if missing:
+      _fail(f"data.{name}", f"source {label!r}: {source} needs {NEED_MEANING[missing]}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+      _fail(f"data.{name}", f"source {label!r}: the weight must be a number > 0, got {weight!r}")
+  return tuple(tuple(entry) for entry in entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  every_steps: int = key("int", ">=-1")
+  keep: int = key("int", ">=1")
+  async_save: bool = key("bool")
+  restore_from: str = key("str")
+  params_only: bool = key("bool")
+  init_from_hf: str = key("str")
+
+  def __post_init__(self):
+    if self.init_from_hf and self.restore_from:
+      _fail("checkpoint.init_from_hf", "set together with checkpoint.restore_from; a run starts from one of them")
+
+
+@dataclasses.dataclass(frozen=True)
+class Log:
+  every_steps: int = key("int", ">=1")
+  tensorboard: bool = key("bool")
+  quant_stats_every: int = key("int", ">=0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Distributed:
+  coordinator_address: str = key("str")
+  num_processes: int = key("int", ">=0")
+  process_id: int = key("int", ">=-1")
+
+
+# The sections under their config names; `model` and `quant` are ModelConfig and Recipe.
+SECTIONS = {"model": ModelConfig, "train": Train, "quant": Recipe, "remat": Remat, "data": Data, "mesh": Mesh,
+            "checkpoint": Checkpoint, "log": Log, "distributed": Distributed}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The whole config, typed. `quant` is the recipe of the run's first precision phase (the same object as
+  `model.recipe`); `phases` holds each phase's first step and recipe (`quant.schedule`)."""
+  workdir: str = key("str")
+  seed: int = key("int", ">=0")
+  steps: int = key("int", ">=1")
+  model: ModelConfig = None
+  train: Train = None
+  quant: Recipe = None
+  remat: Remat = None
+  data: Data = None
+  mesh: Mesh = None
+  checkpoint: Checkpoint = None
+  log: Log = None
+  distributed: Distributed = None
+  phases: tuple[tuple[int, Recipe], ...] = ()
+  schedule: tuple = dataclasses.field(default=(), compare=False)  # `quant.schedule` as written.
+
+  @classmethod
+  def from_config(cls, cfg, num_devices: int | None) -> "Settings":
+    """The builder, the one place a ConfigDict becomes typed. `cfg` is checked against the key table
+    (config_schema.check) before; the sections' own rules run here. With `num_devices`, the mesh's -1 axis
+    is resolved and `mesh.data|fsdp|tensor|expert` become the sizes within a host."""
+    def recipe(quant_node):
+      return section(Recipe, quant_node, stats=cfg.log.quant_stats_every > 0,
+                     wgrad_dtype=cfg.train.grad_reduce_dtype)
+
+    m = cfg.model
+    if not m.head_dim and m.d_model % m.num_heads:
+      _fail("model.num_heads", f"{m.num_heads} heads do not divide model.d_model={m.d_model} (or set model.head_dim)")
+    quant = recipe(cfg.quant)
+    model = section(ModelConfig, m, head_dim=m.head_dim or m.d_model // m.num_heads, recipe=quant)
+    mesh_sizes = {}
+    if num_devices is not None:
+      mesh_sizes, _ = mesh_lib.ici_dcn(cfg.mesh, num_devices)  # Within a host; the mesh multiplies by dcn.
+    train = section(Train, cfg.train, decay_steps=cfg.train.decay_steps or max(cfg.steps - cfg.train.warmup_steps, 1))
+    phases = tuple((start, quant if start == 0 else recipe(phase.quant))
+                   for start, phase in config_phases.precision_phases(cfg))
+    return cls(workdir=cfg.workdir, seed=cfg.seed, steps=cfg.steps, model=model, train=train, quant=quant,
+               remat=section(Remat, cfg.remat), data=section(Data, cfg.data),
+               mesh=section(Mesh, cfg.mesh, **mesh_sizes), checkpoint=section(Checkpoint, cfg.checkpoint),
+               log=section(Log, cfg.log), distributed=section(Distributed, cfg.distributed), phases=phases,
+               schedule=_plain(cfg.quant.schedule))
+
+  # --- Views --------------------------------------------------------------------------------------------
+
+  def at_phase(self, index: int) -> "Settings":
+    """The settings that run precision phase `index`: its recipe in `quant` and in the model."""
+    recipe = self.phases[index][1]
+    return dataclasses.replace(self, quant=recipe, model=dataclasses.replace(self.model, recipe=recipe))
+
+  def replace(self, dotted: str, value) -> "Settings":
+    """A copy with one key changed (`"remat.policy"`, `"train.batch_size"`); the section's rules run again.
+    Keys of `quant` also reach `model.recipe`."""
+    section, _, name = dotted.rpartition(".")
+    if not section:
+      return dataclasses.replace(self, **{name: value})
+    cls_ = SECTIONS[section]
+    field = next(f.name for n, f, _ in declared(cls_) if n == name)
+    new = dataclasses.replace(getattr(self, section), **{field: value})
+    if section == "quant":
+      return dataclasses.replace(self, quant=new, model=dataclasses.replace(self.model, recipe=new),
+                                 phases=((0, new),) + self.phases[1:])
+    return dataclasses.replace(self, **{section: new})
+
+  def to_dict(self) -> dict:
+    """The config's keys and values (derived values resolved): what `ml_collections.ConfigDict(...)` and
+    `from_config` read back (a checkpoint saves it)."""
+    out = {name: getattr(self, f.name) for name, f, _ in declared(Settings)}
+    for name, cls_ in SECTIONS.items():
+      obj = getattr(self, name)
+      out[name] = {k: _saved(getattr(obj, f.name)) for k, f, _ in declared(cls_)}
+    out["quant"]["schedule"] = self.schedule
+    return out
+
+
+def section(cls, node, **given):
+  """Section `cls` from a config node (a ConfigDict section) by its declared keys; `given` fields as given."""
+  values = {f.name: _plain(node[name]) for name, f, _ in declared(cls) if f.name not in given}
+  return cls(**values, **given)
+
+
+def _plain(value):
+  """A ConfigDict value as the typed field holds it: lists become tuples (hashable, compare by value)."""
+  if isinstance(value, list):
+    return tuple(_plain(v) for v in value)
+  if isinstance(value, tuple):
+    return tuple(_plain(v) for v in value)
+  return value
+
+
+def _saved(value):
+  """A typed value as a config key holds it (a dtype by its name)."""
+  return value.name if hasattr(value, "name") and hasattr(value, "itemsize") else value
+
+
+__all__ = ["Settings", "section", "Train", "Remat", "Mesh", "Data", "Checkpoint", "Log", "Distributed", "SECTIONS", "DTYPES"]
