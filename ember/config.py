@@ -126,7 +126,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_co
   mesh's sizes are then left to the run."""
   schema.check(cfg)
   _validate_phases(cfg)
-  settings = Settings.from_config(cfg, num_devices)
+  settings = derive(cfg, num_devices)  # The sections' own rules run as they are built.
   _validate_exclude(settings.quant, settings.model.num_layers, "quant.exclude")
   for index, (start, recipe) in enumerate(settings.phases[1:]):
     _validate_exclude(recipe, settings.model.num_layers, f"quant.schedule[{index}]: from step {start}: quant.exclude")

@@ -66,14 +66,6 @@ class Options:
   dtype: jnp.dtype
   wi_recipe: Recipe
   wo_recipe: Recipe
-  dispatch: str  # allgather | alltoall | ragged | auto (layers/moe_dispatch.py).
-  ragged_buffer: float  # ragged: receive-buffer rows over tokens x k (model.moe_ragged_buffer).
-  expert_gemm: str  # ragged_dot | capacity | auto (layers/moe_dispatch.py).
-  expert_buffer: float  # capacity: a local expert's slot holds this x its balanced load.
-
-  def capacity(self, tokens: int) -> int | None:
-    """Copies each expert keeps per token shard; None = dropless."""
-    return moe_dispatch.expert_capacity(self.capacity_factor, tokens, self.k, self.num_experts)
 
 
 class ExpertKernel(nnx.Module):
@@ -120,16 +112,18 @@ class MoE(nnx.Module):
     self.shared = MLP(model, model.shared_expert_d_ff, layer=layer, rngs=rngs,
                       names=("shared_wi", "shared_wo")) if model.shared_expert_d_ff else None
     self.options = Options(e, model.experts_per_token, model.router_softmax_first, model.capacity_factor,
-                           model.dtype, self.wi.recipe, self.wo.recipe, model.moe_dispatch, model.moe_ragged_buffer,
-                           model.moe_expert_gemm, model.moe_expert_buffer)
+                           model.dtype, self.wi.recipe, self.wo.recipe)
+    self.model = model  # What the MoE plan reads (layers/moe_dispatch.py: exchange, expert GEMMs, buffers).
 
   def __call__(self, x_BxLxD, segment_ids_BxL, key=None):
     """(y [B, L, D], aux): aux holds names.AUX_KEYS as float32 scalars."""
     keys = None if key is None else (projection_key(key, "moe_wi"), projection_key(key, "moe_wo"))
     histories = (self.wi.history(), self.wo.history())
     stats = (self.wi.stats(), self.wo.stats())
+    plan = moe_dispatch.plan_in_use(self.model, sharding.active_mesh(), sharding.active_rules(),
+                                    batch=x_BxLxD.shape[:2])
     y_BxLxD, aux = moe_ffn(x_BxLxD, segment_ids_BxL, self.router[...], self.wi.kernel[...], self.wo.kernel[...],
-                           histories, keys, self.options, stats)
+                           histories, keys, self.options, plan, stats)
     if self.shared is not None:
       y_BxLxD = y_BxLxD + self.shared(x_BxLxD, key)
     return sharding.shard(y_BxLxD, (BATCH, LENGTH, EMBED)), aux
@@ -138,27 +132,26 @@ class MoE(nnx.Module):
 # ----------------------------------------------------------------------------- sharding
 
 def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, opts: Options,
-            stats=(None, None)):
-  """The routed experts of one layer: locally without a mesh, else inside shard_map (see module doc)."""
+            plan: moe_dispatch.Plan, stats=(None, None)):
+  """The routed experts of one layer as `plan` says: locally without a mesh, else inside shard_map (see module
+  doc)."""
   mesh, rules = sharding.active_mesh(), sharding.active_rules()
   if mesh is None or mesh.size == 1:
     return _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, opts=opts,
-                    token_axes=(), expert_axes=())
+                    plan=plan, token_axes=())
   x_spec = sharding.logical_to_spec((BATCH, LENGTH, None), rules, mesh)
   token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
   e_spec = sharding.logical_to_spec((EXPERT,), rules, mesh)[0]
-  expert_axes = moe_dispatch.expert_axes(mesh, rules)
+  expert_axes = plan.expert_axes
   if not set(expert_axes) <= set(token_axes):
     raise ValueError(f"expert parallelism over {expert_axes} needs the batch sharded over it too (mesh.rules "
                      f"'batch' -> ...{expert_axes}); tokens are sharded over {token_axes}")
-  n_ep = math.prod(mesh.shape[a] for a in expert_axes)
-  if opts.num_experts % n_ep:
-    raise ValueError(f"{opts.num_experts} experts do not split over an expert axis of {n_ep} devices")
+  if opts.num_experts % plan.expert_parallel:
+    raise ValueError(f"{opts.num_experts} experts do not split over an expert axis of {plan.expert_parallel} devices")
   # Histories and statistics: (x, kernels, grad); the kernels' rows go with their experts.
   specs_of = lambda trees: tuple(None if t is None else (P(), P(e_spec, None), P()) for t in trees)
   d_spec = _embed_shards(wi_ExDx2xF.shape[1], opts, mesh, rules, expert_axes)
-  body = functools.partial(_experts, opts=opts, token_axes=token_axes, expert_axes=expert_axes,
-                           embed_axes=_axes(d_spec))
+  body = functools.partial(_experts, opts=opts, plan=plan, token_axes=token_axes, embed_axes=_axes(d_spec))
   fn = jax.shard_map(body, mesh=mesh,
                      in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec, d_spec), P(e_spec, None, d_spec),
                                specs_of(histories), None if keys is None else (P(), P()), specs_of(stats)),
@@ -185,33 +178,29 @@ def _embed_shards(d: int, opts: Options, mesh, rules, expert_axes):
 # ----------------------------------------------------------------------------- one token shard
 
 def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, *,
-             opts: Options, token_axes, expert_axes, embed_axes=()):
+             opts: Options, plan: moe_dispatch.Plan, token_axes, embed_axes=()):
   b, l, d = x_BxLxD.shape
   t = b * l
+  assert t == plan.tokens, (t, plan)  # The token shard the plan was made for.
+  expert_axes = plan.expert_axes
   x_TxD = x_BxLxD.reshape(t, d)
   valid_T = segment_ids_BxL.reshape(t) > 0
   logits_TxE, probs_TxE, weights_TxK, experts_TxK = route(x_TxD, router_DxE, opts)
-  keep_TxK = keep_mask(experts_TxK, valid_T, opts.num_experts, opts.capacity(t))
+  keep_TxK = keep_mask(experts_TxK, valid_T, opts.num_experts, plan.capacity)
   aux = aux_losses(logits_TxE, probs_TxE, experts_TxK, keep_TxK, valid_T, opts.num_experts, token_axes)
 
   if keys is not None and token_axes:  # Distinct stochastic-rounding noise on every token shard.
     keys = tuple(jax.random.fold_in(key, jax.lax.axis_index(token_axes)) for key in keys)
-  e_local = wi_ExDx2xF.shape[0]
-  n = math.prod(jax.lax.axis_size(a) for a in expert_axes)
-  dispatch, layout = moe_dispatch.choose(opts.dispatch, opts.expert_gemm, expert_parallel=n, num_local=e_local)
-  slots = functools.partial(moe_dispatch.slot_rows, tokens=t, k=opts.k, num_experts=opts.num_experts, n=n,
-                            capacity=opts.capacity(t), buffer=opts.expert_buffer)
+  assert wi_ExDx2xF.shape[0] == plan.num_local, (wi_ExDx2xF.shape, plan)
   ffn = functools.partial(_swiglu, wi_ExDx2xF=wi_ExDx2xF, wo_ExFxD=wo_ExFxD, histories=histories, keys=keys,
                           stats=stats, opts=opts, token_axes=token_axes, embed_axes=embed_axes,
-                          slots=slots if layout == moe_dispatch.CAPACITY else None)
+                          slots=plan.slots if plan.expert_gemm == moe_dispatch.CAPACITY else None)
+  dispatch = plan.exchange
   if dispatch in (moe_dispatch.LOCAL, moe_dispatch.ALLGATHER):
-    y_TxKxD, overflow = _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, t=t, e_local=e_local,
-                                           capacity=opts.capacity(t), expert_axes=expert_axes)
+    y_TxKxD, overflow = _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan)
     weights_TxK = jax.lax.all_gather(weights_TxK, expert_axes, axis=0, tiled=True) if expert_axes else weights_TxK
   else:
-    y_TxKxD, overflow = _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, dispatch, e_local=e_local,
-                                           capacity=opts.capacity(t), ragged_buffer=opts.ragged_buffer,
-                                           expert_axes=expert_axes)
+    y_TxKxD, overflow = _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan)
   aux[MOE_OVERFLOW_TOKENS] = jax.lax.psum(jnp.asarray(overflow, F32), token_axes) if token_axes else \
       jnp.asarray(overflow, F32)
   out_TxD = jnp.einsum("tk,tkd->td", weights_TxK, y_TxKxD.astype(F32)).astype(opts.dtype)
@@ -220,53 +209,45 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
   return out_TxD.reshape(b, l, d), aux
 
 
-def _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, *, t, e_local, capacity, expert_axes):
+def _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan: moe_dispatch.Plan):
   """Each device gathers its expert group's tokens and computes the copies bound for its own experts:
   ([n * T, k, D] outputs (zero for copies computed elsewhere), reduce-scattered by the caller; the copies
   the expert GEMMs' slots did not hold)."""
   k, d = experts_TxK.shape[1], x_TxD.shape[1]
   first = 0
-  if expert_axes:
-    gather = lambda a: jax.lax.all_gather(a, expert_axes, axis=0, tiled=True)
+  if plan.expert_axes:
+    gather = lambda a: jax.lax.all_gather(a, plan.expert_axes, axis=0, tiled=True)
     x_TxD, experts_TxK, keep_TxK = map(gather, (x_TxD, experts_TxK, keep_TxK))
-    first = jax.lax.axis_index(expert_axes) * e_local
-  rows = moe_dispatch.gemm_rows(moe_dispatch.ALLGATHER, tokens=t, k=k, num_local=e_local, n=x_TxD.shape[0] // t,
-                                capacity=capacity, ragged_buffer=0.0)
-  plan = dispatch_plan(experts_TxK - first, keep_TxK, e_local, rows)
-  xs_RxD = take_rows(x_TxD, plan.token_of_row, plan.row_of_copy)
-  y_RxD, overflow = ffn(xs_RxD, plan.group_sizes)
-  return take_rows(y_RxD, plan.row_of_copy.reshape(-1), plan.copy_of_row[:, None]).reshape(-1, k, d), overflow
+    first = jax.lax.axis_index(plan.expert_axes) * plan.num_local
+  sort = dispatch_plan(experts_TxK - first, keep_TxK, plan.num_local, plan.rows)
+  xs_RxD = take_rows(x_TxD, sort.token_of_row, sort.row_of_copy)
+  y_RxD, overflow = ffn(xs_RxD, sort.group_sizes)
+  return take_rows(y_RxD, sort.row_of_copy.reshape(-1), sort.copy_of_row[:, None]).reshape(-1, k, d), overflow
 
 
-def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, dispatch, *, e_local, capacity, ragged_buffer,
-                       expert_axes):
+def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan: moe_dispatch.Plan):
   """The copies of this token shard sent to their experts' devices and back (alltoall or ragged):
   ([T, k, D] outputs, copies that overflowed the ragged receive buffer)."""
   t, k = experts_TxK.shape
   d = x_TxD.shape[1]
-  n = math.prod(jax.lax.axis_size(a) for a in expert_axes)
-  num_experts = n * e_local
-  plan = dispatch_plan(experts_TxK, keep_TxK, num_experts, t * k)  # By global expert: destination-major.
-  xs_CxD = take_rows(x_TxD, plan.token_of_row, plan.row_of_copy)
-  if dispatch == moe_dispatch.ALLTOALL:
-    slots = moe_dispatch.gemm_rows(dispatch, tokens=t, k=k, num_local=e_local, n=1, capacity=capacity,
-                                   ragged_buffer=ragged_buffer)
-    expert_C = jnp.take(experts_TxK.reshape(-1), plan.copy_of_row, mode="fill", fill_value=num_experts)
-    ys_CxD, overflow = moe_dispatch.alltoall(xs_CxD, expert_C, plan.group_sizes, num_local=e_local, slots=slots,
-                                             axes=expert_axes, ffn=ffn)
+  num_experts = plan.expert_parallel * plan.num_local
+  sort = dispatch_plan(experts_TxK, keep_TxK, num_experts, t * k)  # By global expert: destination-major.
+  xs_CxD = take_rows(x_TxD, sort.token_of_row, sort.row_of_copy)
+  if plan.exchange == moe_dispatch.ALLTOALL:
+    expert_C = jnp.take(experts_TxK.reshape(-1), sort.copy_of_row, mode="fill", fill_value=num_experts)
+    ys_CxD, overflow = moe_dispatch.alltoall(xs_CxD, expert_C, sort.group_sizes, num_local=plan.num_local,
+                                             slots=plan.buffer, axes=plan.expert_axes, ffn=ffn)
   else:
-    rows = moe_dispatch.gemm_rows(dispatch, tokens=t, k=k, num_local=e_local, n=n, capacity=capacity,
-                                  ragged_buffer=ragged_buffer)
-    ys_CxD, overflow = moe_dispatch.ragged(xs_CxD, plan.group_sizes, num_local=e_local, buffer_rows=rows,
-                                           axes=expert_axes, ffn=ffn)
-  y_TxKxD = take_rows(ys_CxD, plan.row_of_copy.reshape(-1), plan.copy_of_row[:, None]).reshape(t, k, d)
+    ys_CxD, overflow = moe_dispatch.ragged(xs_CxD, sort.group_sizes, num_local=plan.num_local,
+                                           buffer_rows=plan.buffer, axes=plan.expert_axes, ffn=ffn)
+  y_TxKxD = take_rows(ys_CxD, sort.row_of_copy.reshape(-1), sort.copy_of_row[:, None]).reshape(t, k, d)
   return y_TxKxD, overflow
 
 
 def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, opts: Options, token_axes,
             embed_axes=(), slots=None):
   """The local experts' SwiGLU on rows sorted by expert: (outputs [R, D], copies not computed). `slots`
-  (rows -> C) runs it in the capacity layout (layers/moe_dispatch.py), None with `ragged_dot`. `embed_axes`:
+  (C, the plan's rows per local expert) runs it in the capacity layout (layers/moe_dispatch.py), None with `ragged_dot`. `embed_axes`:
   the kernels hold this device's shard of D over them (`_embed_shards`)."""
   e, d_local, _, f = wi_ExDx2xF.shape
   d = xs_RxD.shape[1]
@@ -281,7 +262,7 @@ def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, sta
     h = grouped_matmul(xs_RxD, wi_ExDx2xF.reshape(e, d_local, 2 * f), group_sizes_E, **wi).reshape(-1, 2, f)
     gate, up = checkpoint_name(h[:, 0], remat.MOE_WI_0), checkpoint_name(h[:, 1], remat.MOE_WI_1)
     return checkpoint_name(grouped_matmul(jax.nn.silu(gate) * up, wo_ExFxD, group_sizes_E, **wo), remat.MOE_WO), 0
-  c = slots(rows=xs_RxD.shape[0])
+  c = slots
   slot_of_row, row_of_slot = capacity_layout(group_sizes_E, xs_RxD.shape[0], c)
   x_ExCxD = take_rows(xs_RxD, row_of_slot, slot_of_row[:, None]).reshape(e, c, d)
   h = batched_matmul(x_ExCxD, wi_ExDx2xF.reshape(e, d_local, 2 * f), **wi).reshape(e, c, 2, f)

@@ -30,7 +30,8 @@ The expert GEMMs themselves (`model.moe_expert_gemm`), on the rows a device hold
               `moe_expert_buffer` x the balanced load (n * T * k / E), or n * capacity with a capacity
               factor; copies past C are not computed (zero output) and counted in `moe_overflow_tokens`.
   auto        capacity on a GPU target with more than one local expert, ragged_dot elsewhere.
-`choose` is that rule, for the layer, the training log line and the compile report alike.
+`choose` is that rule; `plan` adds the sizes (token shard, rows, slots), for the layer, the training log line
+and the compile report alike.
 
 Everything around the collectives is shared: the sort of a device's copies by global expert (so by
 destination, then local expert: `moe.dispatch_plan`), the counts and offsets, the receiver's sort by
@@ -40,13 +41,16 @@ so its gradient (a scatter-add) never adds two values into one row: deterministi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from ember.names import EXPERT, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember.names import BATCH, EXPERT, LENGTH, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.parallel.sharding import logical_to_spec
 from ember.platform import target_platform
 from ember.quant.grouped import starts
@@ -83,19 +87,73 @@ def expert_axes(mesh, rules: dict) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What an MoE layer runs on a mesh: the one answer the layer, the run's log line and the compile report give."""
+  """What an MoE layer runs for one token shard on a mesh, decided once (`plan`): the one answer the layer, the
+  run's log line and the compile report read. The train step decides it at its jit boundary (`planned`)."""
   exchange: str  # local | allgather | alltoall | ragged
   expert_gemm: str  # ragged_dot | capacity
-  expert_parallel: int  # Devices the experts are split over.
+  expert_axes: tuple[str, ...]  # The mesh axes the experts are split over.
+  expert_parallel: int  # n: devices the experts are split over.
   num_local: int  # Experts on each of them.
+  tokens: int  # T: tokens of one token shard.
+  capacity: int | None  # Copies each expert keeps per token shard; None = dropless.
+  buffer: int  # Rows per destination of the exchange: alltoall's send slots, ragged's receive buffer; 0 without.
+  rows: int  # Rows of the expert GEMMs on one device, sorted by local expert.
+  slots: int  # The capacity layout's rows per local expert (C); 0 with ragged_dot.
 
 
-def plan(dispatch: str, expert_gemm: str, num_experts: int, mesh, rules: dict,
-         platform: str | None = None) -> Plan:
-  """The Plan of an MoE layer with these settings on `mesh` under `rules` (platform: the one traced for)."""
-  n = math.prod(mesh.shape[a] for a in expert_axes(mesh, rules))
-  exchange, gemm = choose(dispatch, expert_gemm, expert_parallel=n, num_local=num_experts // n, platform=platform)
-  return Plan(exchange, gemm, n, num_experts // n)
+def plan(model, mesh, rules: dict, *, batch: tuple[int, int], platform: str | None = None) -> Plan:
+  """The Plan of `model`'s MoE layers (a ModelConfig: its `moe_*`, expert and capacity settings) for batches of
+  `batch` = (sequences, length) on `mesh` under `rules` (platform: the one traced for). Without a mesh (or
+  on one device) there is one token shard and no expert axis."""
+  e, k = model.num_experts, model.experts_per_token
+  sharded = mesh is not None and mesh.size > 1
+  axes = expert_axes(mesh, rules) if sharded else ()
+  n = math.prod(mesh.shape[a] for a in axes)
+  token_shards = 1
+  if sharded:
+    spec = logical_to_spec((BATCH, LENGTH), rules, mesh)
+    token_shards = math.prod(mesh.shape[a] for entry in spec if entry
+                             for a in ((entry,) if isinstance(entry, str) else entry))
+  t = batch[0] * batch[1] // token_shards
+  num_local = e // n
+  exchange, gemm = choose(model.moe_dispatch, model.moe_expert_gemm, expert_parallel=n, num_local=num_local,
+                          platform=platform)
+  capacity = expert_capacity(model.capacity_factor, t, k, e)
+  rows_of = functools.partial(gemm_rows, tokens=t, k=k, num_local=num_local, capacity=capacity,
+                              ragged_buffer=model.moe_ragged_buffer)
+  if exchange == ALLTOALL:
+    buffer = rows_of(exchange, n=1)  # The most one source can keep for one device.
+    rows = n * buffer
+  elif exchange == RAGGED:
+    buffer = rows = rows_of(exchange, n=n)
+  else:
+    buffer, rows = 0, rows_of(ALLGATHER, n=n)
+  slots = slot_rows(tokens=t, k=k, num_experts=e, n=n, capacity=capacity, buffer=model.moe_expert_buffer,
+                    rows=rows) if gemm == CAPACITY else 0
+  return Plan(exchange, gemm, axes, n, num_local, t, capacity, buffer, rows, slots)
+
+
+_PLANNED: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("ember_moe_plan", default=None)
+
+
+@contextlib.contextmanager
+def planned(p: Plan | None):
+  """The MoE layers traced inside run plan `p` (the train and eval steps set it where they are jitted)."""
+  token = _PLANNED.set(p)
+  try:
+    yield
+  finally:
+    _PLANNED.reset(token)
+
+
+def plan_in_use(model, mesh, rules: dict, *, batch: tuple[int, int]) -> Plan:
+  """The plan an MoE layer runs: the one its step decided (`planned`), or outside a step (generation) the plan
+  of its own batch. A decided plan for other shapes is an error, not a silent second layout."""
+  here = plan(model, mesh, rules, batch=batch)
+  decided = _PLANNED.get()
+  if decided is not None and decided != here:
+    raise ValueError(f"the step planned MoE layers for {decided}, but a layer runs {here}")
+  return decided or here
 
 
 def slot_rows(*, tokens: int, k: int, num_experts: int, n: int, capacity: int | None, buffer: float,

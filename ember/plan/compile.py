@@ -19,6 +19,7 @@ from ember import config as config_lib
 from ember.parallel.mesh import make_mesh
 from ember.plan import auto_remat, cost, hlo
 from ember.plan import step as step_plan
+from ember.trainer import step as step_lib
 from ember.plan.layer import per_device_batch
 from ember.plan.target import COMPILER_OPTIONS, Target, targeting
 from ember.plan.units import GiB
@@ -106,13 +107,13 @@ def machine(target: Target, mesh) -> cost.Machine | None:
 def moe_figures(cfg, mesh, target: Target, program: hlo.Program) -> dict:
   """The token exchange of an MoE step: the dispatcher that runs, and the expert GEMMs' rows per device and
   FLOPs read from the compiled program, with the largest per-expert copy of the routed rows."""
-  from ember.layers import moe_dispatch
-  p = moe_dispatch.plan(cfg.model.moe_dispatch, cfg.model.moe_expert_gemm, cfg.model.num_experts, mesh,
-                        cfg.mesh.rules_dict, platform="gpu" if target.is_gpu else "cpu")
+  with targeting(target):  # The platform the step was traced for.
+    p = step_lib.moe_plan(cfg, mesh, cfg.train.micro_batch_size)  # The plan the step was traced with.
   gemms = cost.expert_gemms(program)
   copy = cost.largest_expert_copy(program, local_experts=p.num_local, rows=gemms["gemm_rows_per_rank"])
   return {"dispatch": p.exchange, "expert_gemm": p.expert_gemm, "expert_parallel": p.expert_parallel,
-          "tokens_per_shard": per_device_batch(cfg, mesh) * cfg.model.seq_len, **gemms, "largest_expert_copy": copy}
+          "local_experts": p.num_local, "tokens_per_shard": p.tokens, "planned_rows": p.rows,
+          "planned_slots": p.slots, **gemms, "largest_expert_copy": copy}
 
 
 def _why_not_cudnn(cfg, mesh) -> str:

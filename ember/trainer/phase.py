@@ -12,7 +12,6 @@ import jax
 
 from ember.data import build_tokenizer
 from ember.layers import moe_dispatch
-from ember.platform import target_platform
 from ember.trainer import precision, quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.metrics import console
@@ -27,10 +26,10 @@ def compile_step(step_fn, state, batch, cfg, mesh):
   peak = compiled_peak_bytes(compiled)
   memory = "no memory analysis" if peak is None else f"compiled peak {peak / 2**30:.2f} GiB/device"
   moe = ""
-  if cfg.model.num_experts:
-    p = moe_dispatch.plan(cfg.model.moe_dispatch, cfg.model.moe_expert_gemm, cfg.model.num_experts, mesh,
-                          cfg.mesh.rules_dict, platform=target_platform())
-    moe = f", MoE dispatch {p.exchange}, expert GEMMs {p.expert_gemm}"
+  p = step_lib.moe_plan(cfg, mesh, cfg.train.micro_batch_size)
+  if p is not None:
+    slots = f" ({p.slots} rows a slot)" if p.expert_gemm == moe_dispatch.CAPACITY else ""
+    moe = f", MoE dispatch {p.exchange}, expert GEMMs {p.expert_gemm}{slots}, {p.rows} rows a device"
   if cfg.data.source != "synthetic":  # The first batch is read by now: the data and its tokenizer work.
     console(f"tokenizer {cfg.data.tokenizer}: vocabulary {build_tokenizer(cfg.data).vocab_size} "
             f"(model.vocab_size {cfg.model.vocab_size})")
@@ -58,7 +57,8 @@ class Phase:
       console(f"precision schedule: {self.phases.describe(index)} from step {int(state.step) + 1}")
     phase.compiled = compile_step(step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings),
                               state, batch, cfg, self.mesh)
-    phase.eval_fn = jax.jit(functools.partial(step_lib.eval_step, graphdef=graphdef, cfg=cfg),
+    eval_plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.batch_size)
+    phase.eval_fn = jax.jit(functools.partial(step_lib.eval_step, graphdef=graphdef, cfg=cfg, moe_plan=eval_plan),
                             in_shardings=(shardings, self.batch_sharding))
     phase.quant_health = QuantHealth(cfg) if cfg.log.quant_stats_every else None
     return phase, state

@@ -13,7 +13,9 @@ from jax.sharding import Mesh, NamedSharding
 from ember import remat
 from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS,
                          MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
+from ember.layers import moe_dispatch
 from ember.parallel.sharding import logical_to_spec, shard
+from ember.platform import target_platform
 from ember.quant import health
 from ember.trainer.loss import cross_entropy, token_count
 from ember.trainer.state import TrainState, stats_inputs, step_key
@@ -55,11 +57,17 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
 
 
 def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy: remat.Preset,
-               batch_shards: int = 1):
+               batch_shards: int = 1, moe_plan: moe_dispatch.Plan | None = None):
   """One optimizer step. Delayed-scaling histories come back as the quant state's "gradient", and with
   log.quant_stats_every > 0 the projections' health statistics as the stats inputs' (metrics["quant_stats"]).
   With train.grad_accum_steps > 1 the batch runs as that many micro-batches (`_accumulate`); `batch_shards`:
-  the devices the batch's rows are sharded over."""
+  the devices the batch's rows are sharded over; `moe_plan`: what the MoE layers run (`moe_plan`)."""
+  with moe_dispatch.planned(moe_plan):
+    return _train_step(state, batch, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy,
+                       batch_shards=batch_shards)
+
+
+def _train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy: remat.Preset, batch_shards: int):
   key = step_key(cfg.seed, state.step)
   with_stats = bool(cfg.log.quant_stats_every)
   loss_fn = functools.partial(forward_loss, graphdef=graphdef, cfg=cfg, policy=policy)
@@ -131,23 +139,36 @@ def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec((BATCH, LENGTH), cfg.mesh.rules_dict, mesh))
 
 
+def moe_plan(cfg, mesh: Mesh, batch_size: int) -> moe_dispatch.Plan | None:
+  """What the config's MoE layers run on `mesh` for batches of `batch_size` sequences (None for a dense
+  model): decided here, once per jitted step, and read by the layers, the run's log line and the compile
+  report alike."""
+  if not cfg.model.num_experts:
+    return None
+  return moe_dispatch.plan(cfg.model, mesh, cfg.mesh.rules_dict, batch=(batch_size, cfg.model.seq_len),
+                           platform=target_platform())
+
+
 def jit_train_step(cfg, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy: remat.Preset | None = None,
                    donate: bool = True):
   """`train_step` jitted the one way the loop, the tools and the tests run it: state in and out on
   its shardings, the batch on `batch_sharding`, the old state donated. The remat preset is chosen here:
-  `policy`, or the config's (`remat.policy`, resolved; the plan tools pass each preset they compare)."""
+  `policy`, or the config's (`remat.policy`, resolved; the plan tools pass each preset they compare); and
+  the MoE plan of one micro-batch (`moe_plan`)."""
   policy = cfg.remat.preset if policy is None else policy
   rows = batch_sharding(cfg, mesh)
   shards = cfg.train.batch_size // rows.shard_shape((cfg.train.batch_size, cfg.model.seq_len))[0]
   step = functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy,
-                           batch_shards=shards)
+                           batch_shards=shards, moe_plan=moe_plan(cfg, mesh, cfg.train.micro_batch_size))
   return jax.jit(step, in_shardings=(shardings, rows), out_shardings=(shardings, None),
                  donate_argnums=0 if donate else ())
 
 
-def eval_step(state: TrainState, batch, *, graphdef, cfg):
-  """Mean next-token loss on a batch, with no quantization noise (no stochastic-rounding key)."""
+def eval_step(state: TrainState, batch, *, graphdef, cfg, moe_plan: moe_dispatch.Plan | None = None):
+  """Mean next-token loss on a batch, with no quantization noise (no stochastic-rounding key); `moe_plan`: that
+  of the whole batch (`moe_plan(cfg, mesh, train.batch_size)`)."""
   stats = stats_inputs(cfg) if cfg.log.quant_stats_every else None
-  _, metrics = forward_loss(state.params, state.quant_state, batch, stats, graphdef=graphdef, cfg=cfg, key=None)
+  with moe_dispatch.planned(moe_plan):
+    _, metrics = forward_loss(state.params, state.quant_state, batch, stats, graphdef=graphdef, cfg=cfg, key=None)
   return metrics["loss"]
 
