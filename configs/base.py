@@ -54,6 +54,9 @@ def get_config() -> ml_collections.ConfigDict:
   # counted in moe_overflow_tokens (with capacity_factor > 0 the slot holds exactly what the capacity keeps).
   m.load_balance_weight = 0.01  # Switch load-balancing loss weight.
   m.router_z_weight = 0.001  # Router z-loss weight.
+  m.router_bias_update_rate = 0.0  # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the routing
+  # scores for the top-k choice only, moved by this much per optimizer step toward balanced loads (after each
+  # step: bias += rate * sign(mean load - load)); 0 = off. Usually with load_balance_weight = 0 (or tiny).
 
   t = c.train = ml_collections.ConfigDict()
   t.batch_size = 8  # Global batch, in sequences.
@@ -67,6 +70,15 @@ def get_config() -> ml_collections.ConfigDict:
   t.weight_decay = 0.1  # Decoupled weight decay.
   t.decay_norms_and_embeddings = False  # Apply weight decay to norm scales and embeddings too.
   t.grad_clip_norm = 1.0  # Clip by global norm; 0 = off.
+  t.optimizer = "adamw"  # "adamw", or "muon": Muon on the projection kernels, AdamW (the keys above) on
+  # embeddings, norms, the router and the LM head (ember/trainer/muon.py).
+  t.muon_learning_rate = 0.02  # muon: peak learning rate of the kernels (same warm-up and decay shape).
+  t.muon_weight_decay = 0.0  # muon: decoupled weight decay of the kernels.
+  t.muon_momentum = 0.95  # muon: momentum coefficient (Nesterov).
+  t.muon_ns_steps = 5  # muon: Newton-Schulz iterations.
+  t.muon_ns_dtype = "float32"  # muon: the dtype the Newton-Schulz iterations run in ("float32" or "bfloat16").
+  t.optimizer_state_dtype = "float32"  # The dtype the moments / momentum are stored in between steps ("bfloat16"
+  # halves their bytes; the update itself is computed in float32).
   t.grad_accum_steps = 1  # Micro-batches per optimizer step: batch_size / grad_accum_steps sequences each, run
   # one after another with their gradients summed; batch_size stays the step's global batch.
   t.grad_reduce_dtype = "float32"  # The dtype each weight gradient leaves its GEMM in, and so the dtype it is

@@ -57,6 +57,7 @@ class ModelConfig:
   moe_expert_buffer: float = key("float", ">0")
   load_balance_weight: float = key("float", ">=0")
   router_z_weight: float = key("float", ">=0")
+  router_bias_update_rate: float = key("float", ">=0")  # 0 = no router bias (layers/moe.py, RouterBias).
   recipe: Recipe = dataclasses.field(default_factory=Recipe)  # The `quant` section (with its log and train
   # options), which every projection reads through `recipe_for`.
 

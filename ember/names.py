@@ -58,6 +58,11 @@ MOE_EXPERT_GEMMS = ("auto", "ragged_dot", "capacity")
 # Counts also kept per layer (`<key>_by_layer`, [num_layers]) and summed over every step between two logged
 # steps: a copy dropped on a step that is not logged is still counted, and a warning can name its layer.
 MOE_LAYER_COUNTS = (MOE_DROPPED_TOKENS, MOE_OVERFLOW_TOKENS)
+# The copies routed to each expert [experts] of an MoE layer: kept per layer (`<key>_by_layer`, [num_layers,
+# experts], zeros for dense layers) and summed over a step's micro-batches; the step reads it for the router bias
+# and for MOE_LOAD_MAX_OVER_MEAN (its largest expert's load over the mean, averaged over the MoE layers).
+MOE_EXPERT_LOADS = "moe_expert_loads"
+MOE_LOAD_MAX_OVER_MEAN = "moe_load_max_over_mean"
 BY_LAYER = "_by_layer"
 # The name scope around every expert GEMM (forward, dgrad, wgrad): the compile report finds the expert
 # GEMMs of the compiled program by it (op_name metadata), whatever kernel XLA chose for them.
@@ -85,3 +90,7 @@ SOURCE_NEEDS = {
 DATA_SOURCES = tuple(SOURCE_NEEDS)
 MIXABLE_SOURCES = tuple(s for s in DATA_SOURCES if s != "tfds")
 RECORD_SOURCES = tuple(s for s, needs in SOURCE_NEEDS.items() if "text_key" in needs)
+
+# `train.optimizer` (ember/trainer/optimizer.py), and the dtypes optimizer state and Muon's iteration may use.
+OPTIMIZERS = ("adamw", "muon")
+STATE_DTYPES = ("float32", "bfloat16")

@@ -16,7 +16,8 @@ from ember import remat
 from ember.errors import ConfigError
 from ember.keys import declared, key
 from ember.model_config import DTYPES, ModelConfig
-from ember.names import DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, SOURCE_NEEDS
+from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, SOURCE_NEEDS,
+                         STATE_DTYPES)
 from ember.parallel import mesh as mesh_lib
 from ember.quant.recipe import WGRAD_DTYPES, Recipe
 
@@ -38,6 +39,13 @@ class Train:
   weight_decay: float = key("float", ">=0")
   decay_norms_and_embeddings: bool = key("bool")
   grad_clip_norm: float = key("float", ">=0")
+  optimizer: str = key("str", choices=OPTIMIZERS)
+  muon_learning_rate: float = key("float", ">=0")
+  muon_weight_decay: float = key("float", ">=0")
+  muon_momentum: float = key("float", "[0,1)")
+  muon_ns_steps: int = key("int", ">=1")
+  muon_ns_dtype: str = key("str", choices=STATE_DTYPES)
+  optimizer_state_dtype: str = key("str", choices=STATE_DTYPES)
   grad_accum_steps: int = key("int", ">=1")
   grad_reduce_dtype: str = key("str", choices=WGRAD_DTYPES)
   loss_chunk_size: int = key("int", ">=0")

@@ -88,7 +88,7 @@ def start(cfg, num_devices: int = 1) -> Start:
   config_lib.validate(cfg, num_devices, 1)
   cfg = config_lib.derive(cfg, num_devices)
   mesh = make_mesh(cfg.mesh, devices(num_devices))
-  tx, schedule = make_optimizer(cfg.train)
+  tx, schedule = make_optimizer(cfg)
   with use_rules(mesh, cfg.mesh.rules):
     graphdef, state, shardings = create_train_state(cfg, mesh, tx)
   return Start(cfg, mesh, tx, schedule, graphdef, state, shardings)

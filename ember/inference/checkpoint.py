@@ -11,7 +11,8 @@ from flax import nnx
 
 from ember.config import derive
 from ember.errors import ConfigError
-from ember.layers.decoder import Transformer
+from ember.layers.decoder import Transformer, keys_of
+from ember.layers.moe import ROUTER_BIAS
 from ember.names import MESH_AXES
 from ember.parallel import sharding
 from ember.parallel.mesh import make_mesh
@@ -57,7 +58,8 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
       sharding.tree_shardings(specs, mesh, cfg.mesh.rules))
   targets = {"params": place(abstract_params, param_specs)}
   if jax.tree.leaves(abstract_quant):
-    if cfg.quant.name != trained_recipe:
+    histories = [p for p, _ in jax.tree_util.tree_leaves_with_path(abstract_quant) if keys_of(p)[-1] != ROUTER_BIAS]
+    if histories and cfg.quant.name != trained_recipe:
       raise ConfigError(f"recipe {cfg.quant.name!r} keeps amax histories that a {trained_recipe!r} checkpoint "
                         "does not have")
     targets["quant_state"] = place(abstract_quant, quant_specs)

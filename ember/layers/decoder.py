@@ -30,8 +30,8 @@ from ember.layers.mlp import MLP
 from ember.layers.moe import MoE
 from ember.layers.norm import RMSNorm
 from ember.model_config import ModelConfig
-from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, LAYER_PROJECTIONS, LAYERS, LENGTH, LM_HEAD, MOE_LAYER_COUNTS,
-                         VOCAB)
+from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, LAYER_PROJECTIONS, LAYERS, LENGTH, LM_HEAD, MOE_EXPERT_LOADS,
+                         MOE_LAYER_COUNTS, VOCAB)
 from ember.parallel.sharding import shard
 from ember.quant import dot
 
@@ -78,16 +78,22 @@ class Block(nnx.Module):
 
   def __init__(self, model: ModelConfig, first: int, rngs: nnx.Rngs):
     self.layers = nnx.List([DecoderLayer(model, first + j, rngs) for j in range(model.block_size)])
+    self.num_experts = model.num_experts
 
   def __call__(self, x, segment_ids, positions, key=None):
-    """(x, aux summed over the block's layers, MOE_LAYER_COUNTS per layer [block_size])."""
+    """(x, aux summed over the block's layers, per layer [block_size, ...]: MOE_LAYER_COUNTS and, in MoE
+    models, MOE_EXPERT_LOADS (zeros for dense layers))."""
     aux, per_layer = zero_aux(), []
     for j, layer in enumerate(self.layers):
       layer_key = None if key is None else jax.random.fold_in(key, j)
       x, a = layer(x, segment_ids, positions, layer_key)
-      aux = jax.tree.map(jnp.add, aux, a)
+      aux = jax.tree.map(jnp.add, aux, {k: a[k] for k in AUX_KEYS})
       per_layer.append(a)
-    return x, aux, {k: jnp.stack([a[k] for a in per_layer]) for k in MOE_LAYER_COUNTS}
+    by_layer = {k: jnp.stack([a[k] for a in per_layer]) for k in MOE_LAYER_COUNTS}
+    if self.num_experts:
+      none = jnp.zeros((self.num_experts,), jnp.float32)
+      by_layer[MOE_EXPERT_LOADS] = jnp.stack([a.get(MOE_EXPERT_LOADS, none) for a in per_layer])
+    return x, aux, by_layer
 
   def decode(self, x, positions, cache, valid):
     """`cache`: (k, v) [block_size, B, S, K, H], one entry per layer of the block."""
@@ -114,7 +120,7 @@ class Segment(nnx.Module):
     self.blocks = make(rngs)
 
   def __call__(self, x, segment_ids, positions, key, policy: remat.Preset):
-    """(x, aux summed over the segment's layers, MOE_LAYER_COUNTS per layer [its layers])."""
+    """(x, aux summed over the segment's layers, the block's per-layer values for each of its layers)."""
     graphdef, state = nnx.split(self.blocks)
 
     def body(carry, xs):
@@ -126,7 +132,7 @@ class Segment(nnx.Module):
 
     ids = jnp.asarray(self.block_ids, jnp.int32)
     (x, aux), per_layer = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids))
-    return x, aux, {k: v.reshape(-1) for k, v in per_layer.items()}
+    return x, aux, {k: v.reshape(-1, *v.shape[2:]) for k, v in per_layer.items()}
 
   def decode(self, x, positions, cache, valid):
     """`cache`: (k, v) [blocks, block_size, B, S, K, H], scanned along with the blocks."""
@@ -230,7 +236,7 @@ class Transformer(nnx.Module):
       x, a, counts = segment(x, segment_ids_BxL, positions_BxL, key, policy)
       aux = jax.tree.map(jnp.add, aux, a)
       per_layer.append(counts)
-    for k in MOE_LAYER_COUNTS:  # Segments are consecutive runs of layers, in order.
+    for k in per_layer[0]:  # Segments are consecutive runs of layers, in order.
       aux[k + BY_LAYER] = jnp.concatenate([counts[k] for counts in per_layer])
     return self.final_norm(x), aux
 

@@ -45,7 +45,7 @@ from ember.layers import moe_dispatch
 from ember.layers.mlp import MLP
 from ember.model_config import ModelConfig
 from ember.names import (BATCH, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MOE_DROPPED_TOKENS,
-                         MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS,
+                         MOE_EXPERT_LOADS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS,
                          PROJECTIONS)
 from ember.parallel import sharding
 from ember.quant import health
@@ -98,6 +98,16 @@ class ExpertKernel(nnx.Module):
     return s[0], s[1:-1], s[-1]
 
 
+ROUTER_BIAS = "router_bias"  # The MoE module's attribute that holds it: its leaves' key in the train state.
+
+
+class RouterBias(QuantState):
+  """The DeepSeek-V3 expert bias [experts] (`model.router_bias_update_rate` > 0): added to the routing scores for
+  the top-k choice only, never to the combine weights. Not trained by gradients: the train step moves it once
+  per optimizer step from the step's per-expert loads (trainer/step.py, `update_router_biases`). It is model
+  state kept with the amax histories (a QuantState): in the train state, checkpointed and resumed exactly."""
+
+
 class MoE(nnx.Module):
   def __init__(self, model: ModelConfig, *, layer: int, rngs: nnx.Rngs):
     e, d, f = model.num_experts, model.d_model, model.d_ff
@@ -114,16 +124,21 @@ class MoE(nnx.Module):
     self.options = Options(e, model.experts_per_token, model.router_softmax_first, model.capacity_factor,
                            model.dtype, self.wi.recipe, self.wo.recipe)
     self.model = model  # What the MoE plan reads (layers/moe_dispatch.py: exchange, expert GEMMs, buffers).
+    # Replicated like the router.
+    self.router_bias = RouterBias(jnp.zeros((e,), F32), out_sharding=(None,)) if model.router_bias_update_rate \
+        else None
 
   def __call__(self, x_BxLxD, segment_ids_BxL, key=None):
-    """(y [B, L, D], aux): aux holds names.AUX_KEYS as float32 scalars."""
+    """(y [B, L, D], aux): aux holds names.AUX_KEYS as float32 scalars and MOE_EXPERT_LOADS, the copies routed
+    to each expert [experts]."""
     keys = None if key is None else (projection_key(key, "moe_wi"), projection_key(key, "moe_wo"))
     histories = (self.wi.history(), self.wo.history())
     stats = (self.wi.stats(), self.wo.stats())
     plan = moe_dispatch.plan_in_use(self.model, sharding.active_mesh(), sharding.active_rules(),
                                     batch=x_BxLxD.shape[:2])
+    bias = None if self.router_bias is None else self.router_bias[...]
     y_BxLxD, aux = moe_ffn(x_BxLxD, segment_ids_BxL, self.router[...], self.wi.kernel[...], self.wo.kernel[...],
-                           histories, keys, self.options, plan, stats)
+                           histories, keys, self.options, plan, stats, bias)
     if self.shared is not None:
       y_BxLxD = y_BxLxD + self.shared(x_BxLxD, key)
     return sharding.shard(y_BxLxD, (BATCH, LENGTH, EMBED)), aux
@@ -132,13 +147,13 @@ class MoE(nnx.Module):
 # ----------------------------------------------------------------------------- sharding
 
 def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, opts: Options,
-            plan: moe_dispatch.Plan, stats=(None, None)):
+            plan: moe_dispatch.Plan, stats=(None, None), bias_E=None):
   """The routed experts of one layer as `plan` says: locally without a mesh, else inside shard_map (see module
-  doc)."""
+  doc). `bias_E`: the router bias (RouterBias), or None."""
   mesh, rules = sharding.active_mesh(), sharding.active_rules()
   if mesh is None or mesh.size == 1:
-    return _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, opts=opts,
-                    plan=plan, token_axes=())
+    return _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E,
+                    opts=opts, plan=plan, token_axes=())
   x_spec = sharding.logical_to_spec((BATCH, LENGTH, None), rules, mesh)
   token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
   e_spec = sharding.logical_to_spec((EXPERT,), rules, mesh)[0]
@@ -154,9 +169,10 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   body = functools.partial(_experts, opts=opts, plan=plan, token_axes=token_axes, embed_axes=_axes(d_spec))
   fn = jax.shard_map(body, mesh=mesh,
                      in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec, d_spec), P(e_spec, None, d_spec),
-                               specs_of(histories), None if keys is None else (P(), P()), specs_of(stats)),
+                               specs_of(histories), None if keys is None else (P(), P()), specs_of(stats),
+                               None if bias_E is None else P()),
                      out_specs=(x_spec, P()))
-  return fn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats)
+  return fn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -177,7 +193,7 @@ def _embed_shards(d: int, opts: Options, mesh, rules, expert_axes):
 
 # ----------------------------------------------------------------------------- one token shard
 
-def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, *,
+def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E, *,
              opts: Options, plan: moe_dispatch.Plan, token_axes, embed_axes=()):
   b, l, d = x_BxLxD.shape
   t = b * l
@@ -185,7 +201,7 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
   expert_axes = plan.expert_axes
   x_TxD = x_BxLxD.reshape(t, d)
   valid_T = segment_ids_BxL.reshape(t) > 0
-  logits_TxE, probs_TxE, weights_TxK, experts_TxK = route(x_TxD, router_DxE, opts)
+  logits_TxE, probs_TxE, weights_TxK, experts_TxK = route(x_TxD, router_DxE, opts, bias_E)
   keep_TxK = keep_mask(experts_TxK, valid_T, opts.num_experts, plan.capacity)
   aux = aux_losses(logits_TxE, probs_TxE, experts_TxK, keep_TxK, valid_T, opts.num_experts, token_axes)
 
@@ -287,8 +303,10 @@ def capacity_layout(group_sizes_E, rows: int, c: int):
 
 # ----------------------------------------------------------------------------- routing
 
-def route(x_TxD, router_DxE, opts: Options):
-  """(logits, probabilities over all experts, weights of the k chosen, their indices), float32.
+def route(x_TxD, router_DxE, opts: Options, bias_E=None):
+  """(logits, probabilities over all experts, weights of the k chosen, their indices), float32. `bias_E` (the
+  router bias) is added to the scores for the choice alone: the weights are the unbiased scores' at the
+  choices.
 
   The choices are named `remat.MOE_ROUTING`: a policy that saves residuals laid out in routing
   order (the grouped GEMMs' quantized rows) saves them too, because the backward pass's recompute of
@@ -299,7 +317,8 @@ def route(x_TxD, router_DxE, opts: Options):
   logits_TxE = checkpoint_name(logits_TxE, remat.ROUTER_LOGITS)
   probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
   scores_TxE = probs_TxE if opts.softmax_first else logits_TxE
-  experts_TxK = _saved_routing(jax.lax.top_k(jax.lax.stop_gradient(scores_TxE), opts.k)[1], opts.num_experts)
+  choice_TxE = jax.lax.stop_gradient(scores_TxE if bias_E is None else scores_TxE + bias_E)
+  experts_TxK = _saved_routing(jax.lax.top_k(choice_TxE, opts.k)[1], opts.num_experts)
   top_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
   if opts.softmax_first:
     weights_TxK = top_TxK / jnp.sum(top_TxK, axis=-1, keepdims=True)
@@ -353,7 +372,8 @@ def aux_losses(logits_TxE, probs_TxE, experts_TxK, keep_TxK, valid_T, num_expert
   f_E = stats["count_E"] / (n * k)
   p_E = stats["prob_E"] / n
   return {MOE_LOAD_BALANCE_LOSS: num_experts * jnp.sum(f_E * p_E), MOE_ROUTER_Z_LOSS: stats["z"] / n,
-          MOE_DROPPED_TOKENS: stats["tokens"] * k - stats["kept"], MOE_ROUTED_TOKENS: stats["kept"]}
+          MOE_DROPPED_TOKENS: stats["tokens"] * k - stats["kept"], MOE_ROUTED_TOKENS: stats["kept"],
+          MOE_EXPERT_LOADS: stats["count_E"]}
 
 
 # ----------------------------------------------------------------------------- dispatch

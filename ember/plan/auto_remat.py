@@ -115,6 +115,6 @@ def resolve(cfg, mesh, *, compiler_options: dict | None = None):
   Called once before the loop starts (train.py, the tools), so the trainer only ever sees presets."""
   if cfg.remat.policy != "auto":
     return cfg
-  tx, schedule = make_optimizer(cfg.train)
+  tx, schedule = make_optimizer(cfg)
   chosen = choose(cfg, mesh, tx, schedule, compiler_options=compiler_options)
   return cfg.replace("remat.policy", chosen)

@@ -54,7 +54,7 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
     cfg, mesh = prepare(cfg, target)
     options = compiler_options(target)
     cfg = auto_remat.resolve(cfg, mesh, compiler_options=options)
-    tx, schedule = make_optimizer(cfg.train)
+    tx, schedule = make_optimizer(cfg)
     traced = step_plan.trace_train_step(cfg, mesh, tx, schedule, cfg.remat.preset)
     t0 = time.perf_counter()
     compiled = traced.lower().compile(compiler_options=options)

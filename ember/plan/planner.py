@@ -196,7 +196,7 @@ class Estimator:
     if key not in self._state:
       cfg = config_lib.derive(layout.apply(self.cfg), self.target.count)
       mesh = make_mesh(cfg.mesh, self.target.devices())
-      tx, _ = make_optimizer(cfg.train)
+      tx, _ = make_optimizer(cfg)
       _, shardings, abstract = state_shardings(cfg, mesh, tx)
       size = lambda a, s: math.prod(s.shard_shape(a.shape))
       state = sum(size(a, s) * a.dtype.itemsize for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))

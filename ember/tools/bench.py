@@ -52,7 +52,7 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
   cfg.data.source, cfg.data.mixture = "synthetic", ()
   cfg, mesh = prepare(cfg)
   cfg = resolve(cfg, mesh)
-  tx, schedule = make_optimizer(cfg.train)
+  tx, schedule = make_optimizer(cfg)
   with use_rules(mesh, cfg.mesh.rules):
     graphdef, state, shardings = create_train_state(cfg, mesh, tx)
     step_fn = step_lib.jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings)

@@ -46,7 +46,9 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
 
   cfg, _, model = load_model(checkpoint, what="--checkpoint", one_device=True, host=True)
   m = cfg.model
-  problem = layout.unsupported(m)
+  problem = layout.unsupported(m) or (m.is_moe and m.router_bias_update_rate and (
+      "its router bias (model.router_bias_update_rate > 0) has no Mixtral or Qwen3-MoE form, and without it the "
+      "model would route to other experts"))
   if problem:
     raise CheckpointError(f"--checkpoint: {problem}; not exported")
   build_tokenizer(cfg.data)  # A tokenizer that is gone is a one-line error before anything is written.

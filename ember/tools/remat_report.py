@@ -62,7 +62,7 @@ def build_report(cfg, names, *, compile: bool = True, batch: int | None = None, 
   """The report for a validated, derived config (see the module doc); `mesh` and `compiler_options` a
   target's (default: the local devices)."""
   mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
-  tx, schedule = make_optimizer(cfg.train)
+  tx, schedule = make_optimizer(cfg)
   presets = {n: remat.preset(cfg.remat, n) for n in names}
   layers = layer_plan.layer_report(cfg, presets, batch=batch)
   figures = {n: step_plan.step_figures(cfg, mesh, tx, schedule, p, compile=compile, compiler_options=compiler_options)

@@ -127,7 +127,7 @@ class _Run:
   def open(cls, cfg, mesh, resources: contextlib.ExitStack) -> "_Run":
     """The set-up: data, writers, preemption handler and checkpointer (closed by `resources`), then the state
     restored or initialised and its first batch."""
-    tx, schedule = make_optimizer(cfg.train)
+    tx, schedule = make_optimizer(cfg)
     train_it = data_iterator(cfg, "train")
     resources.callback(train_it.close)
     metrics = MetricsWriter(cfg.workdir, tensorboard=cfg.log.tensorboard)

@@ -11,9 +11,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from ember import remat
-from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS,
-                         MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
+from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS, MOE_LAYER_COUNTS,
+                         MOE_LOAD_BALANCE_LOSS, MOE_LOAD_MAX_OVER_MEAN, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS,
+                         MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
 from ember.layers import moe_dispatch
+from ember.layers.decoder import keys_of, stacked_layers
+from ember.layers.moe import ROUTER_BIAS
 from ember.parallel.sharding import logical_to_spec, shard
 from ember.platform import target_platform
 from ember.quant import health
@@ -51,7 +54,7 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
     total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
     metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
                     MOE_ROUTED_TOKENS: aux[MOE_ROUTED_TOKENS], MOE_OVERFLOW_TOKENS: aux[MOE_OVERFLOW_TOKENS]})
-    metrics.update({k + BY_LAYER: aux[k + BY_LAYER] for k in MOE_LAYER_COUNTS})
+    metrics.update({k + BY_LAYER: aux[k + BY_LAYER] for k in (*MOE_LAYER_COUNTS, MOE_EXPERT_LOADS)})
   metrics["total_loss"] = total
   return total, metrics
 
@@ -81,11 +84,38 @@ def _train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy
   grads, new_quant_state = outs[0], outs[1]
   if with_stats:
     metrics = dict(metrics, quant_stats=outs[2])
+  if cfg.model.num_moe_layers:
+    loads_LxE = metrics.pop(MOE_EXPERT_LOADS + BY_LAYER)  # The step's, over its micro-batches and data shards.
+    metrics[MOE_LOAD_MAX_OVER_MEAN] = load_max_over_mean(loads_LxE, cfg.model)
+    if cfg.model.router_bias_update_rate:
+      new_quant_state = update_router_biases(state.quant_state, new_quant_state, loads_LxE, cfg.model)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, quant_state=new_quant_state)
   return new_state, metrics
+
+
+def load_max_over_mean(loads_LxE, model) -> jax.Array:
+  """The largest expert load over the mean load, averaged over the MoE layers (1 = balanced)."""
+  moe = jnp.asarray([i for i in range(model.num_layers) if model.is_moe_layer(i)])
+  loads = loads_LxE[moe]
+  return jnp.mean(jnp.max(loads, axis=-1) / jnp.maximum(jnp.mean(loads, axis=-1), 1e-9))
+
+
+def update_router_biases(old_quant_state, new_quant_state, loads_LxE, model):
+  """`new_quant_state` with each MoE layer's router bias moved by the DeepSeek-V3 rule from its value before the
+  step: bias += rate * sign(mean load - load), per layer, from the step's per-expert loads [layers, experts]."""
+  rate = model.router_bias_update_rate
+
+  def update(path, old, new):
+    keys = keys_of(path)
+    if keys[-1] != ROUTER_BIAS:
+      return new
+    loads = loads_LxE[jnp.asarray(stacked_layers(model, keys))]  # [the leaf's layers, experts].
+    return old + rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)
+
+  return jax.tree_util.tree_map_with_path(update, old_quant_state, new_quant_state)
 
 
 def micro_batches(a, accum: int, batch_shards: int):

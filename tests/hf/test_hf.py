@@ -125,7 +125,7 @@ def test_export_then_import_is_bit_identical(exported):
   sizes = dict(fsdp=2, tensor=1, expert=2) if cfg.model.num_experts else dict(fsdp=2, tensor=2)
   mesh_cfg = dataclasses.replace(cfg.mesh, **sizes)
   mesh = make_mesh(mesh_cfg, helpers.devices(4))
-  tx, _ = make_optimizer(cfg.train)
+  tx, _ = make_optimizer(cfg)
   _, shardings, abstract = state_shardings(cfg, mesh, tx)
   params = load.load_params(out, cfg.model, abstract.params, shardings.params)
   got, want = jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(state.params)

@@ -147,6 +147,22 @@ def test_sigkill_then_resume_logs_the_uninterrupted_losses(shared, tmp_path, rec
   assert checkpoint_steps(run)[-1] == 20
 
 
+def test_muon_bfloat16_state_and_router_bias_resume_bitwise(shared, tmp_path):
+  """Muon's momentum and AdamW's moments stored in bfloat16, and an MoE's router biases, come back from a
+  checkpoint exactly: a run stopped at step 15 and resumed logs the uninterrupted run's losses and loads."""
+  extra = ("--config.train.optimizer=muon", "--config.train.optimizer_state_dtype=bfloat16",
+           "--config.model.num_experts=4", "--config.model.router_bias_update_rate=0.01")
+  ref_dir = shared_run(shared, "ref_muon", lambda w: train(shared, w, 20, *extra))
+  run = tmp_path / "run"
+  train(shared, run, 15, *extra)
+  p = train(shared, run, 20, *extra)
+  assert "at step 15" in p.stderr
+  got, ref = records(run), records(ref_dir)
+  for key in ("loss", "moe_load_max_over_mean"):
+    assert [r[key] for r in got[15:20]] == [r[key] for r in ref[15:20]], key
+  assert ref[19]["loss"] < ref[0]["loss"]
+
+
 # --- Preemption -----------------------------------------------------------------------------------
 
 

@@ -1,0 +1,133 @@
+"""Muon: momentum orthogonalised by a Newton-Schulz iteration, for the projection kernels (`train.optimizer=muon`).
+
+Which parameters, and as which matrices (`matrix_layout`, from each parameter's logical axes): every
+projection kernel but the LM head. Its `layers` and `expert` axes are a batch of separate matrices; the
+rows are the kernel's input axes (`embed` for the QKV, gate/up and expert-in kernels; the heads for the
+attention output; the hidden units for the down projections) and the columns its output axes. A fused kernel
+(QKV, gate + up) is orthogonalised as the one matrix it is. Everything else (embeddings, norms, the router,
+the LM head) stays with AdamW (ember/trainer/optimizer.py).
+
+The update of one matrix G (momentum m, coefficient beta; Nesterov as in Keller Jordan's Muon):
+    m <- beta m + (1 - beta) G;  U = (1 - beta) G + beta m
+    X = U / (|U|_F + 1e-7), transposed so that rows <= columns
+    5 times: A = X X^T;  X <- a X + (b A + c A A) X     (a, b, c) = (3.4445, -4.7750, 2.0315)
+    update = X (transposed back) * sqrt(max(1, columns / rows))
+in float32, or with X in bfloat16 (`train.muon_ns_dtype`); then decoupled weight decay and the learning
+rate (`train.muon_learning_rate`, `train.muon_weight_decay`) as the optimizer chains them.
+
+Sharded kernels: before the iteration each kernel's momentum is laid out as [matrices, rows, columns] with
+the matrices split over the mesh's devices and each matrix whole on one device (an all-to-all of the
+momentum's shards, shown among the compile report's collectives); the orthogonalised update goes back to
+the kernel's own sharding the same way. A device thus orthogonalises whole matrices, with no collective
+inside the iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ember.layers.decoder import keys_of
+from ember.names import EMBED, EXPERT, LAYERS
+from ember.parallel import sharding
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+BATCH_AXES = (LAYERS, EXPERT)  # Axes of a stacked kernel that hold separate matrices.
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixLayout:
+  """How a kernel's dimensions form matrices: batch dims, rows (its inputs), columns (its outputs); and its
+  logical axes (where the kernel itself is sharded)."""
+  batch: tuple[int, ...]
+  rows: tuple[int, ...]
+  cols: tuple[int, ...]
+  axes: tuple = dataclasses.field(default=(), compare=False)
+
+
+def matrix_layout(path: tuple, axes: tuple) -> MatrixLayout | None:
+  """The layout of parameter `path` with logical `axes` if Muon updates it, else None (AdamW)."""
+  if not path or path[-1] != "kernel" or "lm_head" in path:
+    return None
+  batch = tuple(i for i, a in enumerate(axes) if a in BATCH_AXES)
+  rest = [i for i in range(len(axes)) if i not in batch]
+  if len(rest) < 2 or EMBED not in (axes[i] for i in rest):
+    return None
+  embed = next(i for i in rest if axes[i] == EMBED)
+  others = tuple(i for i in rest if i != embed)
+  if embed == rest[0]:  # Reads the residual stream: embed in, the rest out.
+    return MatrixLayout(batch, (embed,), others, tuple(axes))
+  return MatrixLayout(batch, others, (embed,), tuple(axes))  # Writes it: embed out.
+
+
+def newton_schulz(u_RxC: jax.Array, steps: int, dtype) -> jax.Array:
+  """The quintic Newton-Schulz iteration of one matrix (module doc), in `dtype`; returns float32."""
+  x = u_RxC.astype(jnp.float32)
+  transposed = x.shape[0] > x.shape[1]
+  if transposed:
+    x = x.T
+  x = (x / (jnp.linalg.norm(x) + 1e-7)).astype(dtype)
+  a, b, c = NS_COEFFS
+  for _ in range(steps):
+    gram = x @ x.T
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  x = x.astype(jnp.float32)
+  return x.T if transposed else x
+
+
+def orthogonalize(u: jax.Array, layout: MatrixLayout, steps: int, dtype) -> jax.Array:
+  """Muon's update of a (stacked) kernel's momentum `u`: every matrix of `layout` orthogonalised and scaled by
+  sqrt(max(1, columns / rows)), in `u`'s shape and dtype."""
+  order = layout.batch + layout.rows + layout.cols
+  shape = [u.shape[i] for i in order]
+  n_batch, n_rows = len(layout.batch), len(layout.rows)
+  batch, rows = math.prod(shape[:n_batch]), math.prod(shape[n_batch:n_batch + n_rows])
+  cols = math.prod(shape[n_batch + n_rows:])
+  m = _whole_matrices(jnp.transpose(u, order).reshape(batch, rows, cols))
+  out = jax.vmap(lambda x: newton_schulz(x, steps, dtype))(m) * max(1.0, cols / rows) ** 0.5
+  out = jnp.transpose(out.reshape(shape), [order.index(i) for i in range(u.ndim)])
+  return _as_kernel(out.astype(u.dtype), layout)
+
+
+def _as_kernel(x: jax.Array, layout: MatrixLayout) -> jax.Array:
+  """`x` (a kernel's gradient, momentum or update) sharded as the kernel is; as it is without logical axes."""
+  return sharding.shard(x, layout.axes) if layout.axes else x
+
+
+def _whole_matrices(m_BxRxC: jax.Array) -> jax.Array:
+  """`m` with its matrices split over the active mesh's devices, each matrix whole on one (module doc)."""
+  mesh = sharding.active_mesh()
+  if mesh is None or mesh.size == 1:
+    return m_BxRxC
+  axes, size = [], 1
+  for name, n in mesh.shape.items():
+    if n > 1 and m_BxRxC.shape[0] % (size * n) == 0:
+      axes.append(name)
+      size *= n
+  return jax.lax.with_sharding_constraint(m_BxRxC, NamedSharding(mesh, P(tuple(axes) or None, None, None)))
+
+
+def scale_by_muon(layouts: dict, *, beta: float, steps: int, ns_dtype) -> optax.GradientTransformation:
+  """Muon's direction (module doc) for the parameters whose path is in `layouts` ({path: MatrixLayout});
+  within `optax.multi_transform` the others arrive masked. State: the momentum (float32 here; the
+  optimizer may store it in another dtype)."""
+
+  def init(params):
+    return {"mu": jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)}
+
+  def update(grads, state, params=None):
+    del params
+    # Gradients as the kernels are sharded (reduce-scattered), before the momentum and the relayout.
+    grads = jax.tree_util.tree_map_with_path(lambda path, g: _as_kernel(g, layouts[keys_of(path)]), grads)
+    mu = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g.astype(jnp.float32), state["mu"], grads)
+    nesterov = jax.tree.map(lambda m, g: (1 - beta) * g.astype(jnp.float32) + beta * m, mu, grads)
+    updates = jax.tree_util.tree_map_with_path(
+        lambda path, u: orthogonalize(u, layouts[keys_of(path)], steps, ns_dtype), nesterov)
+    return updates, {"mu": mu}
+
+  return optax.GradientTransformation(init, update)
