@@ -208,6 +208,33 @@ def within_layer(path: tuple) -> tuple:
   return tuple(path[5:])
 
 
+def rows_by_layer(tree: dict, model: ModelConfig) -> dict:
+  """{(layer, path below the layer): that layer's array} of a stacked state tree (params, quant state; (None,
+  path) for leaves outside the layers). Keyed by layer, because `quant.exclude` regroups layers into other
+  scan segments from one config to the next."""
+  rows = {}
+  for path, leaf in tree_leaves(tree):
+    layers = stacked_layers(model, path)
+    if layers is None:
+      rows[(None, path)] = leaf
+    else:
+      rows.update({(layer, within_layer(path)): leaf[index] for index, layer in enumerate(layers)})
+  return rows
+
+
+def stacked_like(rows: dict, model: ModelConfig, like: dict) -> dict:
+  """The tree `like` (a stacked state tree of `model`, e.g. abstract) filled from `rows` (`rows_by_layer` of
+  the same state under another `quant.exclude`)."""
+  def take(key_path, _):
+    path = keys_of(key_path)
+    layers = stacked_layers(model, path)
+    if layers is None:
+      return rows[(None, path)]
+    return jnp.stack([rows[(layer, within_layer(path))] for layer in layers])
+
+  return jax.tree_util.tree_map_with_path(take, like)
+
+
 class Transformer(nnx.Module):
   """Decoder-only LM. `__call__` returns the final normed hidden states; `head` maps them to logits
   (the loss applies it chunk by chunk so full [batch, length, vocab] logits never exist)."""

@@ -20,8 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ember.layers.decoder import keys_of, stacked_layers, tree_leaves, within_layer
-from ember.model_config import ModelConfig
+from ember.layers.decoder import keys_of, rows_by_layer, stacked_layers, within_layer
 from ember.trainer.state import TrainState
 
 
@@ -53,26 +52,12 @@ class Phases:
     return f"phase {phase} (recipe {q.name}{forward})"
 
 
-def _rows(quant_state: dict, model: ModelConfig) -> dict:
-  """{(layer, path below the layer): that layer's array} of a stacked quant-state tree ((None, path) for
-  leaves outside the layers). Keyed by layer, because `quant.exclude` regroups layers into other scan
-  segments from one phase to the next."""
-  rows = {}
-  for path, leaf in tree_leaves(quant_state):
-    layers = stacked_layers(model, path)
-    if layers is None:
-      rows[(None, path)] = leaf
-    else:
-      rows.update({(layer, within_layer(path)): leaf[index] for index, layer in enumerate(layers)})
-  return rows
-
-
 def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: TrainState) -> TrainState:
   """`state` (made under `old_cfg`) in the structure of `new_cfg`'s phase (`abstract`, placed by
   `shardings`): each layer's amax history kept where the new phase keeps the same one, zeros where it
   starts one."""
   old_model, new_model = old_cfg.model, new_cfg.model
-  old = _rows(state.quant_state, old_model)
+  old = rows_by_layer(state.quant_state, old_model)
 
   def same(kept, like):
     return kept is not None and kept.shape == like.shape and kept.dtype == like.dtype

@@ -6,7 +6,7 @@ import pytest
 from ember.data import train_tokenizer, write_array_record
 from ember.tools import bench, cost_table
 from ember.tools import compile as compile_tool
-from ember.tools import export_hf, remat_report, sample, sweep
+from ember.tools import export_hf, precision_probe, remat_report, sample, sweep
 from tests.helpers import ROOT
 
 TINY = f"--config={ROOT}/configs/default.py:tiny"
@@ -43,6 +43,10 @@ CASES = [
     (bench, [TINY, "--warmup=two"], "--warmup: invalid int value: 'two'"),
     (bench, [TINY, "--quant_stats=maybe"], "--quant_stats: invalid boolean value: 'maybe'"),
     (bench, [TINY, "--stpes=3"], "--stpes=3: unknown command-line argument"),
+    (precision_probe, [f"--checkpoint={NOWHERE}"], "--recipe: required, not given"),
+    (precision_probe, [f"--checkpoint={NOWHERE}", "--recipe=fp8_delayed"], "--recipe: invalid choice: 'fp8_delayed'"),
+    (precision_probe, [f"--checkpoint={NOWHERE}", "--recipe=nvfp4", "--batches=0"], "--batches: 0 must be at least 1"),
+    (precision_probe, [f"--checkpoint={NOWHERE}", "--recipe=nvfp4"], f"--checkpoint: "),
     (cost_table, [], "REPORT.json: required, not given"),
     (cost_table, [f"{NOWHERE}/r.json"], f"{NOWHERE}/r.json: not a compile report"),
 ]
