@@ -16,6 +16,7 @@ grad error first, re-measuring the whole model after each, until it is under `ta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -72,8 +73,7 @@ class Probe:
     abstract_params, abstract_quant = abstract_init(settings)
     params = stacked_like(self.rows, settings.model, abstract_params)
     quant_state = stacked_like(self.quant_rows, settings.model, abstract_quant)
-    graphdef = logical_axes(settings)[0]
-    grad = jax.jit(jax.grad(lambda p, q, b, key: forward_loss(p, q, b, graphdef=graphdef, cfg=settings, key=key)[0]))
+    grad = _gradient_fn(settings)
     total = None
     for i, batch in enumerate(self.batches):
       g = grad(params, quant_state, batch, step_key(settings.seed, jnp.asarray(i, jnp.int32)))
@@ -96,6 +96,13 @@ class Probe:
       out.append(Projection(layer, kind, float(g), weight_error(self.rows[(layer, path)], self.axes[path],
                                                                 recipe.name)))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _gradient_fn(settings):
+  """The jitted parameter gradient of settings' loss (one compile per settings, whichever probe asks)."""
+  graphdef = logical_axes(settings)[0]
+  return jax.jit(jax.grad(lambda p, q, b, key: forward_loss(p, q, b, graphdef=graphdef, cfg=settings, key=key)[0]))
 
 
 def weight_error(kernel, axes: tuple, recipe: str) -> float:
