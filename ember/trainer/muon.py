@@ -33,7 +33,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ember.layers.decoder import keys_of
-from ember.names import EMBED, EXPERT, LAYERS
+from ember.names import EMBED, EXPERT, LAYERS, LM_HEAD
 from ember.parallel import sharding
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -52,7 +52,7 @@ class MatrixLayout:
 
 def matrix_layout(path: tuple, axes: tuple) -> MatrixLayout | None:
   """The layout of parameter `path` with logical `axes` if Muon updates it, else None (AdamW)."""
-  if not path or path[-1] != "kernel" or "lm_head" in path:
+  if not path or path[-1] != "kernel" or LM_HEAD in path:
     return None
   batch = tuple(i for i, a in enumerate(axes) if a in BATCH_AXES)
   rest = [i for i in range(len(axes)) if i not in batch]
