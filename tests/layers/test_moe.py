@@ -50,6 +50,8 @@ def test_load_balance_and_z_loss_match_the_formulas_on_a_hand_built_example(k):
   np.testing.assert_allclose(aux["moe_load_balance_loss"], expected_lb, rtol=1e-6)
   np.testing.assert_allclose(aux["moe_router_z_loss"], expected_z, rtol=1e-6)
   assert float(aux["moe_routed_tokens"]) == 4 * k and float(aux["moe_dropped_tokens"]) == 0
+  loads = aux.pop("moe_expert_loads")  # The copies routed to each expert, [experts].
+  np.testing.assert_array_equal(loads, np.bincount(chosen.reshape(-1), minlength=4))
   assert set(aux) == set(AUX_KEYS) and all(v.dtype == F32 and v.shape == () for v in aux.values())
   if k == 1:
     np.testing.assert_allclose(f, [0.5, 0.25, 0.25, 0.0])

@@ -1,6 +1,7 @@
 """AdamW's schedule, weight-decay mask and clipping against hand-computed values."""
 
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +14,14 @@ from ember.trainer.optimizer import learning_rate_schedule, make_optimizer
 def _train_cfg(**overrides):
   t = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=10, decay_steps=90, min_lr_ratio=0.1, b1=0.9,
                                      b2=0.95, eps=1e-8, weight_decay=0.1, decay_norms_and_embeddings=False,
-                                     grad_clip_norm=1.0))
+                                     grad_clip_norm=1.0, optimizer="adamw", optimizer_state_dtype="float32"))
   t.update(overrides)
   return t
+
+
+def _adamw(train_cfg):
+  """make_optimizer on settings whose train section is `train_cfg` (AdamW reads nothing else)."""
+  return make_optimizer(types.SimpleNamespace(train=train_cfg))
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -37,7 +43,7 @@ def _params():
 
 def test_weight_decay_applies_to_matrices_only():
   """With zero gradients AdamW's update is the decay alone: -lr * wd * p, on kernels only."""
-  tx, schedule = make_optimizer(_train_cfg(warmup_steps=0, grad_clip_norm=0.0))
+  tx, schedule = _adamw(_train_cfg(warmup_steps=0, grad_clip_norm=0.0))
   params = _params()
   zeros = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zeros, tx.init(params), params)
@@ -46,7 +52,7 @@ def test_weight_decay_applies_to_matrices_only():
   for path in (("embed", "embedding"), ("norm", "scale")):
     np.testing.assert_array_equal(updates[path[0]][path[1]], 0.0)
   np.testing.assert_array_equal(updates["bias_like"], 0.0)  # 1-D: not a matrix.
-  tx_all, _ = make_optimizer(_train_cfg(warmup_steps=0, grad_clip_norm=0.0, decay_norms_and_embeddings=True))
+  tx_all, _ = _adamw(_train_cfg(warmup_steps=0, grad_clip_norm=0.0, decay_norms_and_embeddings=True))
   updates, _ = tx_all.update(zeros, tx_all.init(params), params)
   assert float(jnp.max(jnp.abs(updates["embed"]["embedding"]))) > 0
 
@@ -54,14 +60,14 @@ def test_weight_decay_applies_to_matrices_only():
 def test_clipping_by_global_norm():
   """Adam normalises the first update's magnitude, so clipping is seen in the moments: the first
   moment after one step is (1 - b1) * clipped gradient."""
-  tx, _ = make_optimizer(_train_cfg(warmup_steps=0, weight_decay=0.0, grad_clip_norm=1.0))
+  tx, _ = _adamw(_train_cfg(warmup_steps=0, weight_decay=0.0, grad_clip_norm=1.0))
   params = _params()
   grads = jax.tree.map(lambda p: 3.0 * jnp.ones_like(p), params)  # Global norm 3 * sqrt(23).
   norm = 3.0 * math.sqrt(sum(p.size for p in jax.tree.leaves(params)))
   _, state = tx.update(grads, tx.init(params), params)
   adam = next(s for s in jax.tree.leaves(state, is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu"))
   np.testing.assert_allclose(adam.mu["layer"]["kernel"], 0.1 * 3.0 / norm * np.ones((3, 2)), rtol=1e-5)
-  tx_off, _ = make_optimizer(_train_cfg(warmup_steps=0, weight_decay=0.0, grad_clip_norm=0.0))
+  tx_off, _ = _adamw(_train_cfg(warmup_steps=0, weight_decay=0.0, grad_clip_norm=0.0))
   _, state = tx_off.update(grads, tx_off.init(params), params)
   adam = next(s for s in jax.tree.leaves(state, is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu"))
   np.testing.assert_allclose(adam.mu["layer"]["kernel"], 0.1 * 3.0 * np.ones((3, 2)), rtol=1e-5)
