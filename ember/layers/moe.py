@@ -155,7 +155,7 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
     return _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E,
                     opts=opts, plan=plan, token_axes=())
   x_spec = sharding.logical_to_spec((BATCH, LENGTH, None), rules, mesh)
-  token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
+  token_axes = sharding.entry_axes(x_spec[0]) + sharding.entry_axes(x_spec[1])
   e_spec = sharding.logical_to_spec((EXPERT,), rules, mesh)[0]
   expert_axes = plan.expert_axes
   if not set(expert_axes) <= set(token_axes):
@@ -166,7 +166,7 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   # Histories and statistics: (x, kernels, grad); the kernels' rows go with their experts.
   specs_of = lambda trees: tuple(None if t is None else (P(), P(e_spec, None), P()) for t in trees)
   d_spec = _embed_shards(wi_ExDx2xF.shape[1], opts, mesh, rules, expert_axes)
-  body = functools.partial(_experts, opts=opts, plan=plan, token_axes=token_axes, embed_axes=_axes(d_spec))
+  body = functools.partial(_experts, opts=opts, plan=plan, token_axes=token_axes, embed_axes=sharding.entry_axes(d_spec))
   fn = jax.shard_map(body, mesh=mesh,
                      in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec, d_spec), P(e_spec, None, d_spec),
                                specs_of(histories), None if keys is None else (P(), P()), specs_of(stats),
@@ -175,15 +175,11 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   return fn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E)
 
 
-def _axes(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _embed_shards(d: int, opts: Options, mesh, rules, expert_axes):
   """The mesh axes the expert kernels' `embed` dim stays sharded over inside the shard_map (a PartitionSpec
   entry), or None: gathered whole at the boundary. Sharded when both kernels are quantized and a shard holds
   whole scaling blocks (every real model: d_model / fsdp is a multiple of 32)."""
-  axes = tuple(a for a in _axes(sharding.logical_to_spec((EMBED,), rules, mesh)[0]) if a not in expert_axes)
+  axes = tuple(a for a in sharding.entry_axes(sharding.logical_to_spec((EMBED,), rules, mesh)[0]) if a not in expert_axes)
   size = math.prod(mesh.shape[a] for a in axes)
   recipes = (opts.wi_recipe, opts.wo_recipe)
   if size == 1 or not all(r.quantized for r in recipes) or d % size or (d // size) % max(r.block_size for r in recipes):

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.names import BATCH, EXPERT, LENGTH, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
-from ember.parallel.sharding import logical_to_spec
+from ember.parallel.sharding import entry_axes, logical_to_spec
 from ember.platform import target_platform
 from ember.quant.grouped import starts
 
@@ -81,8 +81,7 @@ def choose(dispatch: str, expert_gemm: str, *, expert_parallel: int, num_local: 
 def expert_axes(mesh, rules: dict) -> tuple[str, ...]:
   """The mesh axes the experts are split over: those `mesh.rules` maps the logical `expert` axis to (the
   mesh's axes of size 1 left out)."""
-  entry = logical_to_spec((EXPERT,), rules, mesh)[0]
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  return entry_axes(logical_to_spec((EXPERT,), rules, mesh)[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +111,7 @@ def plan(model, mesh, rules: dict, *, batch: tuple[int, int], platform: str | No
   token_shards = 1
   if sharded:
     spec = logical_to_spec((BATCH, LENGTH), rules, mesh)
-    token_shards = math.prod(mesh.shape[a] for entry in spec if entry
-                             for a in ((entry,) if isinstance(entry, str) else entry))
+    token_shards = math.prod(mesh.shape[a] for entry in spec for a in entry_axes(entry))
   t = batch[0] * batch[1] // token_shards
   num_local = e // n
   exchange, gemm = choose(model.moe_dispatch, model.moe_expert_gemm, expert_parallel=n, num_local=num_local,

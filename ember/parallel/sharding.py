@@ -36,6 +36,11 @@ def rules_dict(rules) -> dict[str, tuple[str, ...]]:
   return out
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+  """The mesh axes one PartitionSpec entry names (None, an axis, or a tuple of axes)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def logical_to_spec(names: Sequence[str | None], rules: dict, mesh: Mesh | None = None) -> P:
   """PartitionSpec for an array whose axes carry the logical `names`.
 

@@ -11,6 +11,8 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from ember.parallel.sharding import entry_axes
+
 # Casts to these dtypes are quantize ops (the E8M0 scales of MXFP8 are built with a bitcast).
 LOW_PRECISION = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn))
 _SUB_BYTE_BITS = {jnp.dtype(d): 4 for d in (jnp.uint4, jnp.int4, jnp.float4_e2m1fn)}
@@ -94,7 +96,7 @@ def jaxpr_flops(jaxpr) -> float:
     elif name == "shard_map":  # The body has one device's shapes: times the shards of its first operand
       # (the MoE layer's tokens); devices that repeat a shard's work (replicas along other axes) add no FLOPs.
       mesh, spec = eqn.params["mesh"], eqn.params["in_specs"][0]
-      axes = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+      axes = [a for entry in spec for a in entry_axes(entry)]
       total += math.prod(mesh.shape[a] for a in axes) * sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
     elif subs:
       total += sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)

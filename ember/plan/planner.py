@@ -33,8 +33,8 @@ import ml_collections
 from ember import config as config_lib
 from ember import remat
 from ember.errors import ConfigError, EmberError, one_line
-from ember.model_config import ModelConfig
 from ember.parallel.mesh import make_mesh
+from ember.parallel.sharding import entry_axes
 from ember.plan import auto_remat, layer
 from ember.plan.compile import compile_report
 from ember.plan.target import Target, targeting
@@ -202,7 +202,7 @@ class Estimator:
       state = sum(size(a, s) * a.dtype.itemsize for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
       leaves = []
       for a, s in zip(jax.tree.leaves(abstract.params), jax.tree.leaves(shardings.params)):
-        axes = {x for entry in s.spec if entry for x in ((entry,) if isinstance(entry, str) else entry)}
+        axes = {x for entry in s.spec for x in entry_axes(entry)}
         leaves.append((size(a, s), axes, a.ndim >= 2 and self.model.vocab_size not in a.shape))
       params = sum(n * 4 for n, _, _ in leaves)
       self._state[key] = (state, params, leaves)
