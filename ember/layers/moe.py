@@ -62,7 +62,6 @@ class Options:
   num_experts: int
   k: int
   softmax_first: bool
-  capacity_factor: float
   dtype: jnp.dtype
   wi_recipe: Recipe
   wo_recipe: Recipe
@@ -121,8 +120,8 @@ class MoE(nnx.Module):
                            init_std=model.out_init_std, **common)
     self.shared = MLP(model, model.shared_expert_d_ff, layer=layer, rngs=rngs,
                       names=("shared_wi", "shared_wo")) if model.shared_expert_d_ff else None
-    self.options = Options(e, model.experts_per_token, model.router_softmax_first, model.capacity_factor,
-                           model.dtype, self.wi.recipe, self.wo.recipe)
+    self.options = Options(e, model.experts_per_token, model.router_softmax_first, model.dtype, self.wi.recipe,
+                           self.wo.recipe)
     self.model = model  # What the MoE plan reads (layers/moe_dispatch.py: exchange, expert GEMMs, buffers).
     # Replicated like the router.
     self.router_bias = RouterBias(jnp.zeros((e,), F32), out_sharding=(None,)) if model.router_bias_update_rate \

@@ -14,7 +14,7 @@ from tests import helpers
 
 
 def _options(softmax_first: bool) -> Options:
-  return Options(num_experts=4, k=2, softmax_first=softmax_first, capacity_factor=0.0, dtype=jnp.float32,
+  return Options(num_experts=4, k=2, softmax_first=softmax_first, dtype=jnp.float32,
                  wi_recipe=Recipe(), wo_recipe=Recipe())
 
 
