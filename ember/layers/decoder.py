@@ -222,15 +222,17 @@ def rows_by_layer(tree: dict, model: ModelConfig) -> dict:
   return rows
 
 
-def stacked_like(rows: dict, model: ModelConfig, like: dict) -> dict:
-  """The tree `like` (a stacked state tree of `model`, e.g. abstract) filled from `rows` (`rows_by_layer` of
-  the same state under another `quant.exclude`)."""
-  def take(key_path, _):
+def stacked_like(row_of, model: ModelConfig, like: dict) -> dict:
+  """A stacked state tree of `model` in the structure of `like` (e.g. abstract), each layer's row (or a leaf
+  outside the layers) from `row_of(key, shape and dtype)`, with `rows_by_layer`'s keys: the inverse of
+  `rows_by_layer` when the state was stacked under another `quant.exclude`."""
+  def take(key_path, leaf):
     path = keys_of(key_path)
     layers = stacked_layers(model, path)
     if layers is None:
-      return rows[(None, path)]
-    return jnp.stack([rows[(layer, within_layer(path))] for layer in layers])
+      return row_of((None, path), jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    row = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+    return jnp.stack([row_of((layer, within_layer(path)), row) for layer in layers])
 
   return jax.tree_util.tree_map_with_path(take, like)
 

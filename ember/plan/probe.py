@@ -71,8 +71,8 @@ class Probe:
   def gradients(self, settings) -> dict:
     """{(layer, path below it): gradient row} of `settings`, averaged over the batches."""
     abstract_params, abstract_quant = abstract_init(settings)
-    params = stacked_like(self.rows, settings.model, abstract_params)
-    quant_state = stacked_like(self.quant_rows, settings.model, abstract_quant)
+    params = stacked_like(lambda key, _: self.rows[key], settings.model, abstract_params)
+    quant_state = stacked_like(lambda key, _: self.quant_rows[key], settings.model, abstract_quant)
     grad = _gradient_fn(settings)
     total = None
     for i, batch in enumerate(self.batches):

@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ember.layers.decoder import keys_of, rows_by_layer, stacked_layers, within_layer
+from ember.layers.decoder import rows_by_layer, stacked_like
 from ember.trainer.state import TrainState
 
 
@@ -56,23 +56,12 @@ def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: 
   """`state` (made under `old_cfg`) in the structure of `new_cfg`'s phase (`abstract`, placed by
   `shardings`): each layer's amax history kept where the new phase keeps the same one, zeros where it
   starts one."""
-  old_model, new_model = old_cfg.model, new_cfg.model
-  old = rows_by_layer(state.quant_state, old_model)
+  old = rows_by_layer(state.quant_state, old_cfg.model)
 
-  def same(kept, like):
-    return kept is not None and kept.shape == like.shape and kept.dtype == like.dtype
+  def row_of(key, like):
+    kept = old.get(key)
+    same = kept is not None and kept.shape == like.shape and kept.dtype == like.dtype
+    return kept if same else jnp.zeros(like.shape, like.dtype)
 
-  def take(key_path, leaf, sharding):
-    path = keys_of(key_path)
-    layers = stacked_layers(new_model, path)
-    if layers is None:
-      kept = old.get((None, path))
-      value = kept if same(kept, leaf) else jnp.zeros(leaf.shape, leaf.dtype)
-    else:
-      row = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-      rows = [old.get((layer, within_layer(path))) for layer in layers]
-      value = jnp.stack([r if same(r, row) else jnp.zeros(row.shape, row.dtype) for r in rows])
-    return jax.device_put(value, sharding)
-
-  quant_state = jax.tree_util.tree_map_with_path(take, abstract.quant_state, shardings.quant_state)
-  return dataclasses.replace(state, quant_state=quant_state)
+  quant_state = stacked_like(row_of, new_cfg.model, abstract.quant_state)
+  return dataclasses.replace(state, quant_state=jax.device_put(quant_state, shardings.quant_state))
