@@ -137,13 +137,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_co
 
 
 def _validate_phases(cfg) -> None:
-  """Each `quant.schedule` entry's overrides hold what their keys may (named by the entry and its step)."""
+  """Each `quant.schedule` entry's recipe is one (its keys' kinds and choices, its `exclude` grammar: the Recipe's
+  own checks), named by the entry and its step."""
   for index, (start, phase) in enumerate(config_phases.precision_phases(cfg)[1:]):
     try:
-      for q_key in schema.KEYS:
-        if q_key.startswith("quant."):
-          schema.check_key(phase, q_key)
-      section(Recipe, phase.quant)  # The recipe's own rules (its `exclude` parses).
+      section(Recipe, phase.quant)
     except ConfigError as e:
       raise ConfigError(f"config.quant.schedule[{index}]: from step {start}: {str(e).removeprefix('config.')}") from None
 

@@ -29,12 +29,8 @@ KEYS = _table()  # {"train.batch_size": KeySpec("int", ">=1"), ...}: every key b
 def check(cfg) -> None:
   """Exactly configs/base.py's keys, each holding what it may: ConfigError naming the first that does not."""
   _check_known_keys(cfg)
-  for key in KEYS:
-    check_key(cfg, key)
-
-
-def check_key(cfg, key: str) -> None:
-  check_value(key, _get(cfg, key), KEYS[key])
+  for key, spec in KEYS.items():
+    check_value(key, _get(cfg, key), spec)
 
 
 def _fail(key: str, reason: str):

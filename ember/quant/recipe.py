@@ -109,8 +109,8 @@ class Recipe:
   selectors: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
 
   def __post_init__(self):
+    check_fields(self, "quant")  # The keys' declared kinds and choices (ember/keys.py), before any conversion.
     object.__setattr__(self, "exclude", tuple(self.exclude))
-    check_fields(self, "quant")  # The keys' declared kinds and choices (ember/keys.py).
     try:
       object.__setattr__(self, "selectors", tuple(exclude_lib.parse(entry) for entry in self.exclude))
     except ValueError as e:
