@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ember import config_phases
 from ember import remat
 from ember.errors import ConfigError
 from ember.keys import declared, key
-from ember.model_config import DTYPES, ModelConfig
+from ember.model_config import ModelConfig
 from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, SOURCE_NEEDS,
                          STATE_DTYPES)
 from ember.parallel import mesh as mesh_lib
@@ -298,16 +300,9 @@ def section(cls, node, **given):
 
 def _plain(value):
   """A ConfigDict value as the typed field holds it: lists become tuples (hashable, compare by value)."""
-  if isinstance(value, list):
-    return tuple(_plain(v) for v in value)
-  if isinstance(value, tuple):
-    return tuple(_plain(v) for v in value)
-  return value
+  return tuple(_plain(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _saved(value):
   """A typed value as a config key holds it (a dtype by its name)."""
-  return value.name if hasattr(value, "name") and hasattr(value, "itemsize") else value
-
-
-__all__ = ["Settings", "section", "Train", "Remat", "Mesh", "Data", "Checkpoint", "Log", "Distributed", "SECTIONS", "DTYPES"]
+  return value.name if isinstance(value, np.dtype) else value
