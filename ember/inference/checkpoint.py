@@ -3,6 +3,7 @@ parameters restored onto a mesh (the one it was trained on, when the devices all
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -13,19 +14,10 @@ from ember.config import derive
 from ember.errors import ConfigError
 from ember.layers.decoder import Transformer, keys_of
 from ember.layers.moe import ROUTER_BIAS
-from ember.names import MESH_AXES
 from ember.parallel import sharding
 from ember.parallel.mesh import make_mesh
 from ember.trainer import checkpointing, precision
 from ember.trainer.state import abstract_init, logical_axes
-
-
-def _one_device_mesh(raw) -> None:
-  """Sets the raw config's mesh to one device (every axis and host count 1)."""
-  for a in MESH_AXES:
-    raw.mesh[a] = 1
-    if f"dcn_{a}" in raw.mesh:
-      raw.mesh[f"dcn_{a}"] = 1
 
 
 def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | None = None,
@@ -41,16 +33,17 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
     raw.log.quant_stats_every = 0  # No health statistics while sampling.
     if dtype:
       raw.model.dtype = dtype
-    sizes = [int(raw.mesh[a]) * int(raw.mesh.get(f"dcn_{a}", 1)) for a in MESH_AXES]
-    on_mesh = not one_device and not host and math.prod(sizes) == jax.device_count()
-    if not on_mesh:
-      _one_device_mesh(raw)
   cfg = derive(raw, None)
   cfg = cfg.at_phase(precision.Phases(cfg).state_phase(int(os.path.basename(step_dir))))  # The phase that saved it.
   trained_recipe = cfg.quant.name
   if recipe:
     cfg = cfg.replace("quant.recipe", recipe)
-  mesh = make_mesh(cfg.mesh) if on_mesh else make_mesh(cfg.mesh, (jax.devices("cpu") if host else jax.devices())[:1])
+  if not one_device and not host and math.prod(cfg.mesh.sizes().values()) == jax.device_count():
+    mesh = make_mesh(cfg.mesh)
+  else:  # One device: every axis and host count 1.
+    ones = {f.name: 1 for f in dataclasses.fields(cfg.mesh) if f.name != "rules"}
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **ones))
+    mesh = make_mesh(cfg.mesh, (jax.devices("cpu") if host else jax.devices())[:1])
   graphdef, param_specs, quant_specs = logical_axes(cfg)
   abstract_params, abstract_quant = abstract_init(cfg)
   place = lambda abstract, specs: jax.tree.map(
