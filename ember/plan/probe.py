@@ -108,10 +108,7 @@ def _gradient_fn(settings):
 def weight_error(kernel, axes: tuple, recipe: str) -> float:
   """|Q(W) - W| / |W| for one layer's kernel with logical `axes`, quantized as a weight with blocks along its
   inputs (its matrices as Muon sees them: ember/trainer/muon.py)."""
-  w = np.asarray(kernel, np.float32)
-  layout = muon.matrix_layout(("kernel",), axes)
-  batch, rows = math.prod(w.shape[i] for i in layout.batch), math.prod(w.shape[i] for i in layout.rows)
-  m = np.transpose(w, layout.batch + layout.rows + layout.cols).reshape(batch, rows, w.size // batch // rows)
+  m = np.asarray(muon.MatrixLayout.of(axes).matrices(jnp.asarray(kernel, jnp.float32)))
   q = np.asarray(quantize(jnp.asarray(m), recipe, "weight", axis=1).dequantize(jnp.float32))
   return float(np.linalg.norm(q - m) / max(np.linalg.norm(m), 1e-30))
 

@@ -49,20 +49,35 @@ class MatrixLayout:
   cols: tuple[int, ...]
   axes: tuple = dataclasses.field(default=(), compare=False)
 
+  @classmethod
+  def of(cls, axes: tuple) -> "MatrixLayout | None":
+    """The layout of a projection kernel with logical `axes` (None if it reads or writes no `embed`)."""
+    batch = tuple(i for i, a in enumerate(axes) if a in BATCH_AXES)
+    rest = [i for i in range(len(axes)) if i not in batch]
+    if len(rest) < 2 or EMBED not in (axes[i] for i in rest):
+      return None
+    embed = next(i for i in rest if axes[i] == EMBED)
+    others = tuple(i for i in rest if i != embed)
+    if embed == rest[0]:  # Reads the residual stream: embed in, the rest out.
+      return cls(batch, (embed,), others, tuple(axes))
+    return cls(batch, others, (embed,), tuple(axes))  # Writes it: embed out.
+
+  def matrices(self, x: jax.Array) -> jax.Array:
+    """Kernel-shaped `x` as [matrices, rows, columns]."""
+    batch, rows = (math.prod(x.shape[i] for i in dims) for dims in (self.batch, self.rows))
+    return jnp.transpose(x, self.batch + self.rows + self.cols).reshape(batch, rows, -1)
+
+  def kernel(self, m: jax.Array, shape: tuple) -> jax.Array:
+    """[matrices, rows, columns] `m` back in the kernel's `shape` (the inverse of `matrices`)."""
+    order = self.batch + self.rows + self.cols
+    return jnp.transpose(m.reshape([shape[i] for i in order]), [order.index(i) for i in range(len(shape))])
+
 
 def matrix_layout(path: tuple, axes: tuple) -> MatrixLayout | None:
   """The layout of parameter `path` with logical `axes` if Muon updates it, else None (AdamW)."""
   if not path or path[-1] != "kernel" or LM_HEAD in path:
     return None
-  batch = tuple(i for i, a in enumerate(axes) if a in BATCH_AXES)
-  rest = [i for i in range(len(axes)) if i not in batch]
-  if len(rest) < 2 or EMBED not in (axes[i] for i in rest):
-    return None
-  embed = next(i for i in rest if axes[i] == EMBED)
-  others = tuple(i for i in rest if i != embed)
-  if embed == rest[0]:  # Reads the residual stream: embed in, the rest out.
-    return MatrixLayout(batch, (embed,), others, tuple(axes))
-  return MatrixLayout(batch, others, (embed,), tuple(axes))  # Writes it: embed out.
+  return MatrixLayout.of(axes)
 
 
 def newton_schulz(u_RxC: jax.Array, steps: int, dtype) -> jax.Array:
@@ -83,15 +98,10 @@ def newton_schulz(u_RxC: jax.Array, steps: int, dtype) -> jax.Array:
 def orthogonalize(u: jax.Array, layout: MatrixLayout, steps: int, dtype) -> jax.Array:
   """Muon's update of a (stacked) kernel's momentum `u`: every matrix of `layout` orthogonalised and scaled by
   sqrt(max(1, columns / rows)), in `u`'s shape and dtype."""
-  order = layout.batch + layout.rows + layout.cols
-  shape = [u.shape[i] for i in order]
-  n_batch, n_rows = len(layout.batch), len(layout.rows)
-  batch, rows = math.prod(shape[:n_batch]), math.prod(shape[n_batch:n_batch + n_rows])
-  cols = math.prod(shape[n_batch + n_rows:])
-  m = _whole_matrices(jnp.transpose(u, order).reshape(batch, rows, cols))
+  m = _whole_matrices(layout.matrices(u))
+  _, rows, cols = m.shape
   out = jax.vmap(lambda x: newton_schulz(x, steps, dtype))(m) * max(1.0, cols / rows) ** 0.5
-  out = jnp.transpose(out.reshape(shape), [order.index(i) for i in range(u.ndim)])
-  return _as_kernel(out.astype(u.dtype), layout)
+  return _as_kernel(layout.kernel(out, u.shape).astype(u.dtype), layout)
 
 
 def _as_kernel(x: jax.Array, layout: MatrixLayout) -> jax.Array:
