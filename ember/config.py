@@ -22,7 +22,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from ember import config_schema as schema
-from ember.errors import ConfigError, one_line
+from ember.errors import ConfigError, bad_key, one_line
 from ember import config_phases
 from ember.names import BATCH, EXPERT
 from ember.parallel import distributed
@@ -113,9 +113,6 @@ def _explain(argv: list[str], e: Exception) -> str:
   return msg.removeprefix("flag --")
 
 
-def _fail(key: str, reason: str):
-  raise ConfigError(f"config.{key}: {reason}")
-
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_count: int = 1) -> None:
   """Checks every key before anything is built; raises ConfigError naming the first bad key.
@@ -143,7 +140,8 @@ def _validate_phases(cfg) -> None:
     try:
       section(Recipe, phase.quant)
     except ConfigError as e:
-      raise ConfigError(f"config.quant.schedule[{index}]: from step {start}: {str(e).removeprefix('config.')}") from None
+      reason = str(e).removeprefix("config.")
+      raise ConfigError(f"config.quant.schedule[{index}]: from step {start}: {reason}") from None
 
 
 def _validate_exclude(recipe: Recipe, num_layers: int, key: str) -> None:
@@ -151,21 +149,21 @@ def _validate_exclude(recipe: Recipe, num_layers: int, key: str) -> None:
   try:
     exclude_lib.check_layers(recipe.selectors, num_layers)
   except ValueError as e:
-    _fail(key, str(e))
+    bad_key(key, str(e))
 
 
 def _validate_data(s: Settings, process_count: int) -> None:
   d = s.data
   if d.source == "tfds":
     if importlib.util.find_spec("tensorflow_datasets") is None:
-      _fail("data.source", "'tfds' needs tensorflow-datasets; install the extra: pip install -e '.[tfds]'")
+      bad_key("data.source", "'tfds' needs tensorflow-datasets; install the extra: pip install -e '.[tfds]'")
   if d.tokenizer != "byte" and not os.path.isfile(os.path.expanduser(d.tokenizer)) and not hf_tokenizer_json(
       d.tokenizer):
-    _fail("data.tokenizer", f"no SentencePiece model, tokenizer.json or directory holding one at {d.tokenizer!r}")
+    bad_key("data.tokenizer", f"no SentencePiece model, tokenizer.json or directory holding one at {d.tokenizer!r}")
   for key in ("mixture", "eval_mixture"):
     for name, source, path, _, _ in getattr(d, key):
       if path and source != "synthetic" and not glob.glob(os.path.expanduser(path), recursive=True):
-        _fail(f"data.{key}", f"source {name!r}: no file matches {path!r}")
+        bad_key(f"data.{key}", f"source {name!r}: no file matches {path!r}")
   distributed.data_shards(d.num_shards, s.train.batch_size, 0, process_count)  # Raises naming the key.
 
 
@@ -182,14 +180,14 @@ def _validate_paths(s: Settings) -> None:
   d = s.data
   if d.source not in ("synthetic", "tfds") and d.path and not glob.glob(
       os.path.expanduser(d.path), recursive=True):
-    _fail("data.path", f"no file matches {d.path!r}")
+    bad_key("data.path", f"no file matches {d.path!r}")
   restore = s.checkpoint.restore_from
   if restore and not os.path.isdir(os.path.expanduser(restore)):
-    _fail("checkpoint.restore_from", f"no checkpoint directory at {restore}")
+    bad_key("checkpoint.restore_from", f"no checkpoint directory at {restore}")
   hf = s.checkpoint.init_from_hf
   if hf:
     if not os.path.isfile(os.path.join(os.path.expanduser(hf), "config.json")):
-      _fail("checkpoint.init_from_hf", f"no Hugging Face model directory (config.json) at {hf}")
+      bad_key("checkpoint.init_from_hf", f"no Hugging Face model directory (config.json) at {hf}")
   _validate_workdir(s.workdir)
 
 
@@ -198,7 +196,7 @@ def _validate_workdir(workdir: str) -> None:
   directory. Checked without creating anything."""
   problem = directory_problem(workdir)
   if problem:
-    _fail("workdir", problem)
+    bad_key("workdir", problem)
 
 
 def directory_problem(directory: str) -> str | None:
@@ -227,20 +225,20 @@ def _validate_mesh(s: Settings) -> None:
   batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   batch = s.train.batch_size
   if batch % batch_shards:
-    _fail("train.batch_size", f"{batch} is not divisible by the data-parallel size data*fsdp*expert={batch_shards}")
+    bad_key("train.batch_size", f"{batch} is not divisible by the data-parallel size data*fsdp*expert={batch_shards}")
   accum = s.train.grad_accum_steps
   if (batch // batch_shards) % accum:
-    _fail("train.grad_accum_steps", f"{accum} does not divide the sequences each device holds: train.batch_size="
+    bad_key("train.grad_accum_steps", f"{accum} does not divide the sequences each device holds: train.batch_size="
           f"{batch} / data*fsdp*expert={batch_shards} = {batch // batch_shards}")
   if sizes["tensor"] > 1 and m.num_kv_heads % sizes["tensor"]:
-    _fail("mesh.tensor", f"{sizes['tensor']} does not divide model.num_kv_heads={m.num_kv_heads}")
+    bad_key("mesh.tensor", f"{sizes['tensor']} does not divide model.num_kv_heads={m.num_kv_heads}")
   if m.num_experts and m.num_experts % sizes["expert"]:
-    _fail("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={m.num_experts}")
+    bad_key("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={m.num_experts}")
   if m.num_experts and sizes["expert"] > 1:
     expert_axes = [a for a in rules.get(EXPERT, ()) if sizes[a] > 1]
     missing = [a for a in expert_axes if a not in rules.get(BATCH, ())]
     if missing:
-      _fail("mesh.rules", f"expert parallelism over {missing[0]!r} needs the batch sharded over it too "
+      bad_key("mesh.rules", f"expert parallelism over {missing[0]!r} needs the batch sharded over it too "
             f"('batch' -> (..., {missing[0]!r}))")
 
 

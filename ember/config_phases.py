@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from ember.errors import ConfigError
+from ember.errors import bad_key
 
 
 def precision_phases(cfg) -> list[tuple[int, ml_collections.ConfigDict]]:
@@ -16,34 +16,32 @@ def precision_phases(cfg) -> list[tuple[int, ml_collections.ConfigDict]]:
   (0, 1)). Steps count from 0: phase i runs steps [start_i, start_{i+1}). Raises ConfigError on a bad entry."""
   schedule = cfg.quant.schedule
   if not isinstance(schedule, (tuple, list)):
-    _fail("quant.schedule", f"must be a tuple of (step or fraction, {{quant key: value}}) entries, got {schedule!r}")
+    bad_key("quant.schedule", f"must be a tuple of (step or fraction, {{quant key: value}}) entries, got {schedule!r}")
   phases = [(0, cfg)]
   for index, entry in enumerate(schedule):
     key = f"quant.schedule[{index}]"
     if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[1], dict):
-      _fail(key, f"must be (step or fraction, {{quant key: value}}), got {entry!r}")
+      bad_key(key, f"must be (step or fraction, {{quant key: value}}), got {entry!r}")
     when, overrides = entry
     if isinstance(when, bool) or not isinstance(when, (int, float)):
-      _fail(key, f"the step must be an int or a fraction of steps in (0, 1), got {when!r}")
+      bad_key(key, f"the step must be an int or a fraction of steps in (0, 1), got {when!r}")
     start = when if isinstance(when, int) else round(when * cfg.steps)
     if isinstance(when, float) and not 0 < when < 1:
-      _fail(key, f"a fraction of steps must be in (0, 1), got {when!r}")
+      bad_key(key, f"a fraction of steps must be in (0, 1), got {when!r}")
     if not 1 <= start < cfg.steps:
-      _fail(key, f"starts at step {start}, outside [1, steps={cfg.steps})")
+      bad_key(key, f"starts at step {start}, outside [1, steps={cfg.steps})")
     if start <= phases[-1][0]:
-      _fail(key, f"starts at step {start}, not after the entry before it (step {phases[-1][0]})")
+      bad_key(key, f"starts at step {start}, not after the entry before it (step {phases[-1][0]})")
     unknown = next((k for k in overrides if k not in cfg.quant or k == "schedule"), None)
     if unknown is not None or not overrides:
-      _fail(key, f"overrides quant.* keys (not schedule), got {unknown if overrides else 'none'!r}")
+      bad_key(key, f"overrides quant.* keys (not schedule), got {unknown if overrides else 'none'!r}")
     phase = ml_collections.ConfigDict(phases[-1][1].to_dict())
     for k, v in overrides.items():
       try:
         phase.quant[k] = tuple(v) if isinstance(v, list) else v
       except (TypeError, ValueError) as e:  # ml_collections refuses a value of another type than the key's.
-        _fail(key, f"quant.{k}: {v!r} does not fit this key ({type(e).__name__}: {str(e).splitlines()[0]})")
+        bad_key(key, f"quant.{k}: {v!r} does not fit this key ({type(e).__name__}: {str(e).splitlines()[0]})")
     phases.append((start, phase))
   return phases
 
 
-def _fail(key: str, reason: str):
-  raise ConfigError(f"config.{key}: {reason}")

@@ -11,7 +11,7 @@ import os
 
 import ml_collections
 
-from ember.errors import ConfigError
+from ember.errors import bad_key
 from ember.keys import KeySpec, check_value, declared
 from ember.settings import SECTIONS, Settings
 
@@ -32,9 +32,6 @@ def check(cfg) -> None:
   for key, spec in KEYS.items():
     check_value(key, _get(cfg, key), spec)
 
-
-def _fail(key: str, reason: str):
-  raise ConfigError(f"config.{key}: {reason}")
 
 
 def _get(cfg, dotted):
@@ -75,12 +72,12 @@ def _check_known_keys(cfg) -> None:
   def walk(node, ref, prefix):
     for k in node.keys():
       if k not in ref:
-        _fail(prefix + k, "unknown config key (configs/base.py lists every key)")
+        bad_key(prefix + k, "unknown config key (configs/base.py lists every key)")
       if isinstance(node[k], ml_collections.ConfigDict) and isinstance(ref[k], ml_collections.ConfigDict):
         walk(node[k], ref[k], f"{prefix}{k}.")
     missing = next((k for k in ref.keys() if k not in node), None)
     if missing is not None:
-      _fail(prefix + missing, "missing config key (start the config from configs/base.py's get_config())")
+      bad_key(prefix + missing, "missing config key (start the config from configs/base.py's get_config())")
 
   if known is not None:
     walk(cfg, known, "")

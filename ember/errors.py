@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from typing import NoReturn
 
 
 class EmberError(ValueError):
@@ -17,6 +18,11 @@ class EmberError(ValueError):
 
 class ConfigError(EmberError):
   """A bad command line or config value; the message names the key and the reason."""
+
+
+def bad_key(key: str, reason: str) -> NoReturn:
+  """Raises the ConfigError of config key `key` (dotted, e.g. "train.batch_size"): one line naming it."""
+  raise ConfigError(f"config.{key}: {reason}")
 
 
 class DataError(EmberError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ember.errors import ConfigError
+from ember.errors import bad_key
 
 # What a key holds: "int", "float" (an int is accepted), "bool", "str", "strs" (a tuple of strings), or
 # "value" (a structured value its section's own rules check: mesh.rules, data.mixture, quant.schedule).
@@ -68,22 +68,20 @@ def check_value(dotted: str, value, spec: KeySpec) -> None:
     return  # Its section's own rules check it.
   if spec.kind == "strs":
     if not isinstance(value, (tuple, list)):
-      _fail(dotted, f"must be a tuple of strings, e.g. ('a', 'b'), got {value!r}")
+      bad_key(dotted, f"must be a tuple of strings, e.g. ('a', 'b'), got {value!r}")
     bad = next((v for v in value if not isinstance(v, str)), None)
     if bad is not None:
-      _fail(dotted, f"must hold strings only, got {bad!r}")
+      bad_key(dotted, f"must hold strings only, got {bad!r}")
     return
   kind, bound = spec.kind, spec.bound
   if isinstance(value, bool) and kind in ("int", "float") or not isinstance(value, _TYPES[kind]):
-    _fail(dotted, f"must be {_KIND_NAMES[kind]}, got {value!r}")
+    bad_key(dotted, f"must be {_KIND_NAMES[kind]}, got {value!r}")
   if kind in ("int", "float") and not math.isfinite(value):
-    _fail(dotted, f"must be finite, got {value!r}")
+    bad_key(dotted, f"must be finite, got {value!r}")
   if not _in_bound(value, bound):
     said = {"[0,1]": "in [0, 1]", "[0,1)": "in [0, 1)", ">0": "> 0"}.get(bound, f">= {bound[2:]}")
-    _fail(dotted, f"must be {said}, got {value!r}")
+    bad_key(dotted, f"must be {said}, got {value!r}")
   if spec.choices and value not in spec.choices:
-    _fail(dotted, f"unknown value {value!r}; choose one of {', '.join(spec.choices)}")
+    bad_key(dotted, f"unknown value {value!r}; choose one of {', '.join(spec.choices)}")
 
 
-def _fail(dotted: str, reason: str):
-  raise ConfigError(f"config.{dotted}: {reason}")

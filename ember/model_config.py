@@ -12,7 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from ember.errors import ConfigError
+from ember.errors import bad_key
 from ember.keys import key
 from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.quant.recipe import Recipe
@@ -20,9 +20,6 @@ from ember.quant.recipe import Recipe
 
 DTYPES = ("float32", "bfloat16", "float16")
 
-
-def _fail(key_name: str, reason: str):
-  raise ConfigError(f"config.{key_name}: {reason}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +63,16 @@ class ModelConfig:
     object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     if self.num_heads % self.num_kv_heads:
-      _fail("model.num_kv_heads", f"{self.num_kv_heads} kv heads do not divide model.num_heads={self.num_heads}")
+      bad_key("model.num_kv_heads", f"{self.num_kv_heads} kv heads do not divide model.num_heads={self.num_heads}")
     if self.head_dim % 2:
-      _fail("model.head_dim", f"rotary embeddings need an even head_dim, got {self.head_dim}")
+      bad_key("model.head_dim", f"rotary embeddings need an even head_dim, got {self.head_dim}")
     if self.num_experts:
       if self.experts_per_token > self.num_experts:
-        _fail("model.experts_per_token",
+        bad_key("model.experts_per_token",
               f"must be in [1, num_experts={self.num_experts}], got {self.experts_per_token}")
       if self.num_layers % self.moe_every:
-        _fail("model.moe_every", f"model.num_layers={self.num_layers} is not a multiple of moe_every={self.moe_every}")
+        bad_key("model.moe_every",
+                f"model.num_layers={self.num_layers} is not a multiple of moe_every={self.moe_every}")
 
   # --- Attention ------------------------------------------------------------------------------------
 

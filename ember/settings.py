@@ -15,7 +15,7 @@ import numpy as np
 
 from ember import config_phases
 from ember import remat
-from ember.errors import ConfigError
+from ember.errors import bad_key
 from ember.keys import declared, key
 from ember.model_config import ModelConfig
 from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, SOURCE_NEEDS,
@@ -23,9 +23,6 @@ from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES,
 from ember.parallel import mesh as mesh_lib
 from ember.quant.recipe import WGRAD_DTYPES, Recipe
 
-
-def _fail(dotted: str, reason: str):
-  raise ConfigError(f"config.{dotted}: {reason}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,16 +106,16 @@ def _checked_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
   """`mesh.rules` as ((logical axis, (mesh axes...)), ...); ConfigError naming the bad entry."""
   out = []
   if not isinstance(rules, (tuple, list)):
-    _fail("mesh.rules", f"must be a tuple of (logical axis, mesh axes) pairs, got {rules!r}")
+    bad_key("mesh.rules", f"must be a tuple of (logical axis, mesh axes) pairs, got {rules!r}")
   for rule in rules:
     if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
-      _fail("mesh.rules", f"entry {rule!r} is not a (logical axis, mesh axes) pair")
+      bad_key("mesh.rules", f"entry {rule!r} is not a (logical axis, mesh axes) pair")
     logical, axes = rule
     if logical not in LOGICAL_AXES:
-      _fail("mesh.rules", f"unknown logical axis {logical!r}; ember's layers name {', '.join(LOGICAL_AXES)}")
+      bad_key("mesh.rules", f"unknown logical axis {logical!r}; ember's layers name {', '.join(LOGICAL_AXES)}")
     axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
     if not isinstance(axes, (tuple, list)) or any(a not in MESH_AXES for a in axes):
-      _fail("mesh.rules", f"{logical!r} maps to {rule[1]!r}; mesh axes are {', '.join(MESH_AXES)} (or None)")
+      bad_key("mesh.rules", f"{logical!r} maps to {rule[1]!r}; mesh axes are {', '.join(MESH_AXES)} (or None)")
     out.append((logical, tuple(axes)))
   return tuple(out)
 
@@ -144,7 +141,7 @@ class Data:
     missing = missing_need(self.source, {"path": self.path, "text_key": self.text_key,
                                          "tfds_name": self.tfds_name})
     if missing:
-      _fail(f"data.{missing}", f"source {self.source} needs {NEED_MEANING[missing]}")
+      bad_key(f"data.{missing}", f"source {self.source} needs {NEED_MEANING[missing]}")
     for name in ("mixture", "eval_mixture"):
       object.__setattr__(self, name, _checked_mixture(name, getattr(self, name)))
 
@@ -161,24 +158,24 @@ def missing_need(source: str, fields: dict) -> str | None:
 def _checked_mixture(name: str, entries) -> tuple:
   """`data.mixture` / `data.eval_mixture`: (name, source, path, text_key, weight) entries, as tuples."""
   if not isinstance(entries, (tuple, list)):
-    _fail(f"data.{name}", f"must be a tuple of (name, source, path, text_key, weight) entries, got {entries!r}")
+    bad_key(f"data.{name}", f"must be a tuple of (name, source, path, text_key, weight) entries, got {entries!r}")
   names = set()
   for entry in entries:
     if not isinstance(entry, (tuple, list)) or len(entry) != 5:
-      _fail(f"data.{name}", f"entry {entry!r} is not (name, source, path, text_key, weight)")
+      bad_key(f"data.{name}", f"entry {entry!r} is not (name, source, path, text_key, weight)")
     label, source, path, text_key, weight = entry
     if not isinstance(label, str) or not label or label in names:
-      _fail(f"data.{name}", f"entry {entry!r}: the name must be a new, non-empty string")
+      bad_key(f"data.{name}", f"entry {entry!r}: the name must be a new, non-empty string")
     names.add(label)
     if source not in MIXABLE_SOURCES:
-      _fail(f"data.{name}", f"source {label!r}: unknown kind {source!r}; choose one of {', '.join(MIXABLE_SOURCES)}")
+      bad_key(f"data.{name}", f"source {label!r}: unknown kind {source!r}; choose one of {', '.join(MIXABLE_SOURCES)}")
     if not isinstance(path, str) or not isinstance(text_key, str):
-      _fail(f"data.{name}", f"source {label!r}: path and text_key must be strings")
+      bad_key(f"data.{name}", f"source {label!r}: path and text_key must be strings")
     missing = missing_need(source, {"path": path, "text_key": text_key})
     if missing:
-      _fail(f"data.{name}", f"source {label!r}: {source} needs {NEED_MEANING[missing]}")
+      bad_key(f"data.{name}", f"source {label!r}: {source} needs {NEED_MEANING[missing]}")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-      _fail(f"data.{name}", f"source {label!r}: the weight must be a number > 0, got {weight!r}")
+      bad_key(f"data.{name}", f"source {label!r}: the weight must be a number > 0, got {weight!r}")
   return tuple(tuple(entry) for entry in entries)
 
 
@@ -193,7 +190,7 @@ class Checkpoint:
 
   def __post_init__(self):
     if self.init_from_hf and self.restore_from:
-      _fail("checkpoint.init_from_hf", "set together with checkpoint.restore_from; a run starts from one of them")
+      bad_key("checkpoint.init_from_hf", "set together with checkpoint.restore_from; a run starts from one of them")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +242,7 @@ class Settings:
 
     m = cfg.model
     if not m.head_dim and m.d_model % m.num_heads:
-      _fail("model.num_heads", f"{m.num_heads} heads do not divide model.d_model={m.d_model} (or set model.head_dim)")
+      bad_key("model.num_heads", f"{m.num_heads} heads do not divide model.d_model={m.d_model} (or set model.head_dim)")
     quant = recipe(cfg.quant)
     model = section(ModelConfig, m, head_dim=m.head_dim or m.d_model // m.num_heads, recipe=quant)
     mesh_sizes = {}

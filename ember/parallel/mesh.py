@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, bad_key
 from ember.names import MESH_AXES
 
 
@@ -39,34 +39,31 @@ def ici_dcn(mesh_cfg, num_devices: int) -> tuple[dict[str, int], dict[str, int]]
   dcn = {a: getattr(mesh_cfg, f"dcn_{a}", 1) for a in MESH_AXES}
   for a, d in dcn.items():
     if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-      _fail(f"mesh.dcn_{a}", f"must be an integer >= 1, got {d!r}")
+      bad_key(f"mesh.dcn_{a}", f"must be an integer >= 1, got {d!r}")
   hosts = math.prod(dcn.values())
   if num_devices % hosts:
     key = next(f"mesh.dcn_{a}" for a, d in dcn.items() if d > 1)
-    _fail(key, f"the dcn axes ask for {hosts} hosts, which do not divide the {num_devices} devices")
+    bad_key(key, f"the dcn axes ask for {hosts} hosts, which do not divide the {num_devices} devices")
   per_host = num_devices // hosts
   ici = {a: getattr(mesh_cfg, a) for a in MESH_AXES}
   for a, s in ici.items():
     if isinstance(s, bool) or not isinstance(s, int) or s == 0 or s < -1:
-      _fail(f"mesh.{a}", f"must be an integer >= 1 or -1, got {s!r}")
+      bad_key(f"mesh.{a}", f"must be an integer >= 1 or -1, got {s!r}")
   fill = [a for a, s in ici.items() if s < 0]
   if len(fill) > 1:
-    _fail(f"mesh.{fill[1]}", "only one mesh axis may be -1")
+    bad_key(f"mesh.{fill[1]}", "only one mesh axis may be -1")
   known = math.prod(s for s in ici.values() if s > 0)
   if fill:
     if per_host % known:
       where = " per host" if hosts > 1 else ""
-      _fail(f"mesh.{fill[0]}", f"cannot fill: {per_host} devices{where} are not divisible by the other axes' "
+      bad_key(f"mesh.{fill[0]}", f"cannot fill: {per_host} devices{where} are not divisible by the other axes' "
             f"product {known}")
     ici[fill[0]] = per_host // known
   if math.prod(ici.values()) != per_host:
     shape = ", ".join(f"{a}={s * dcn[a]}" for a, s in ici.items())
-    _fail("mesh", f"mesh ({shape}) has {math.prod(ici.values()) * hosts} devices but {num_devices} are available")
+    bad_key("mesh", f"mesh ({shape}) has {math.prod(ici.values()) * hosts} devices but {num_devices} are available")
   return ici, dcn
 
-
-def _fail(key: str, reason: str):
-  raise ConfigError(f"config.{key}: {reason}")
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
