@@ -2,10 +2,11 @@
 
 `load(argv)` reads `--config=FILE[:ARG]` with ml_collections' `config_flags` (the file alone first, so
 that its own errors name it) and applies `--config.a.b=v` overrides. `validate(cfg, num_devices)`
-checks the whole tree once at start-up (each key's own type, bound or choices:
-ember/config_schema.py; here, the rules across keys) and `derive(...)` fills the values computed
-from others (head_dim, the mesh's -1 axis, the decay length) in this one place. Any problem raises
-`ConfigError` whose message is one line naming the key; `train.py` prints it and exits with status 2.
+checks the whole tree once at start-up (each key's own type, bound or choices: ember/config_schema.py;
+each section's own rules: ember/settings.py; here, the rules across sections) and returns the typed
+settings that `derive(...)` builds (ember/settings.py: the values computed from others, such as head_dim,
+the mesh's -1 axis and the decay length, filled in that one place). Any problem raises `ConfigError`
+whose message is one line naming the key; `train.py` prints it and exits with status 2.
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ def _explain(argv: list[str], e: Exception) -> str:
 
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_count: int = 1) -> None:
-  """Checks every key before anything is built; raises ConfigError naming the first bad key.
+def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_count: int = 1) -> Settings:
+  """Checks every key before anything is built; raises ConfigError naming the first bad key. Returns the typed
+  settings it built for the checks (what `derive` gives).
 
   Each key against its declaration (config_schema), the precision schedule's phases, each section's own
   rules (building the typed sections: ember/settings.py), then the rules across sections here.
@@ -131,6 +133,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_co
   if num_devices is not None:
     _validate_mesh(settings)
   _validate_paths(settings)
+  return settings
 
 
 def _validate_phases(cfg) -> None:

@@ -43,8 +43,7 @@ def config(preset: str = "tiny", **overrides):
 def settings(preset: str = "tiny", num_devices: int = 1, **overrides):
   """`config(preset, **overrides)` validated and derived for `num_devices` devices: the typed settings."""
   cfg = config(preset, **overrides)
-  config_lib.validate(cfg, num_devices, 1)
-  return config_lib.derive(cfg, num_devices)
+  return config_lib.validate(cfg, num_devices, 1)
 
 
 def random_batch(cfg, seed: int = 0, segments: int = 2) -> dict[str, np.ndarray]:
@@ -85,8 +84,7 @@ class Start:
 
 def start(cfg, num_devices: int = 1) -> Start:
   """The one start-up sequence of the tests: validate, derive, mesh, optimizer, state."""
-  config_lib.validate(cfg, num_devices, 1)
-  cfg = config_lib.derive(cfg, num_devices)
+  cfg = config_lib.validate(cfg, num_devices, 1)
   mesh = make_mesh(cfg.mesh, devices(num_devices))
   tx, schedule = make_optimizer(cfg)
   with use_rules(mesh, cfg.mesh.rules):

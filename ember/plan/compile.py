@@ -38,8 +38,7 @@ def prepare(cfg: ml_collections.ConfigDict, target: Target):
   memory = target.device_memory_bytes
   if cfg.remat.policy == "auto" and not cfg.remat.memory_budget_gb and memory:
     cfg.remat.memory_budget_gb = memory / GiB
-  config_lib.validate(cfg, len(devices), 1)
-  cfg = config_lib.derive(cfg, len(devices))
+  cfg = config_lib.validate(cfg, len(devices), 1)
   return cfg, make_mesh(cfg.mesh, devices)
 
 

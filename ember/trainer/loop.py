@@ -47,8 +47,7 @@ from ember.trainer.state import create_train_state, state_around, state_sharding
 def prepare(cfg):
   """Joins the multi-process job, validates and derives the config, builds the mesh: (cfg, mesh)."""
   distributed.initialize(cfg.distributed)
-  config_lib.validate(cfg, jax.device_count(), jax.process_count())
-  cfg = config_lib.derive(cfg, jax.device_count())
+  cfg = config_lib.validate(cfg, jax.device_count(), jax.process_count())
   if cfg.data.source != "synthetic":
     vocab = build_tokenizer(cfg.data).vocab_size
     if vocab > cfg.model.vocab_size:
