@@ -25,6 +25,17 @@ class QuantStats(nnx.Variable):
   step's statistics (quant/dot.py), read by ember/trainer/quant_stats.py."""
 
 
+class OutputError(QuantStats):
+  """A projection's forward-error input [2] (zeros), present when the recipe asks for it (the precision probe,
+  ember/plan/probe.py): its "gradient" is (sum of (y - y_ref)^2, sum of y_ref^2) of the projection's output
+  against the float32 product of the same input and kernel (quant/core.py). A QuantStats: it travels with them."""
+
+
+def output_error_input(recipe: Recipe) -> OutputError | None:
+  return OutputError(jnp.zeros((2,), jnp.float32), out_sharding=(None,)) if recipe.quantized and \
+      recipe.output_error else None
+
+
 class QuantState(nnx.Variable):
   """Delayed-scaling amax histories [3 (x, kernel, grad), history_len].
 
@@ -60,12 +71,15 @@ class Linear(nnx.Module):
       self.amax_history = QuantState(jnp.zeros((3, recipe.amax_history_len), jnp.float32), out_sharding=(None, None))
     if recipe.quantized and recipe.stats:
       self.quant_stats = QuantStats(jnp.zeros((3, health.NUM_STATS), jnp.float32), out_sharding=(None, None))
+    self.output_error = output_error_input(recipe)
 
   def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
     k, n = math.prod(self.in_shape), math.prod(self.out_shape)
     lead = x.shape[: x.ndim - len(self.in_shape)]
     history = self.amax_history[...] if self.recipe.delayed else None
     stats = self.quant_stats[...] if hasattr(self, "quant_stats") else None
+    error = None if self.output_error is None else self.output_error[...]
     y = dot.quantized_matmul(x.reshape(-1, k), self.kernel[...].reshape(k, n), recipe=self.recipe, name=self.name,
-                             history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats)
+                             history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
+                             error=error)
     return y.reshape(lead + self.out_shape)

@@ -40,7 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from ember import remat
-from ember.layers.linear import QuantState, QuantStats, projection_key
+from ember.layers.linear import QuantState, QuantStats, output_error_input, projection_key
 from ember.layers import moe_dispatch
 from ember.layers.mlp import MLP
 from ember.model_config import ModelConfig
@@ -81,6 +81,7 @@ class ExpertKernel(nnx.Module):
                                      out_sharding=(None, None))
     if self.recipe.quantized and self.recipe.stats:  # The histories' layout, one row of STATS each.
       self.quant_stats = QuantStats(jnp.zeros((shape[0] + 2, health.NUM_STATS), F32), out_sharding=(None, None))
+    self.output_error = output_error_input(self.recipe)
 
   def history(self):
     """(x [H], kernels [E, H], grad [H]) for `grouped_matmul`, or None."""
@@ -95,6 +96,10 @@ class ExpertKernel(nnx.Module):
       return None
     s = self.quant_stats[...]
     return s[0], s[1:-1], s[-1]
+
+  def error(self):
+    """The forward-error input [2] for `grouped_matmul` (layers/linear.py's OutputError), or None."""
+    return None if self.output_error is None else self.output_error[...]
 
 
 ROUTER_BIAS = "router_bias"  # The MoE module's attribute that holds it: its leaves' key in the train state.
@@ -133,11 +138,12 @@ class MoE(nnx.Module):
     keys = None if key is None else (projection_key(key, "moe_wi"), projection_key(key, "moe_wo"))
     histories = (self.wi.history(), self.wo.history())
     stats = (self.wi.stats(), self.wo.stats())
+    errors = (self.wi.error(), self.wo.error())
     plan = moe_dispatch.plan_in_use(self.model, sharding.active_mesh(), sharding.active_rules(),
                                     batch=x_BxLxD.shape[:2])
     bias = None if self.router_bias is None else self.router_bias[...]
     y_BxLxD, aux = moe_ffn(x_BxLxD, segment_ids_BxL, self.router[...], self.wi.kernel[...], self.wo.kernel[...],
-                           histories, keys, self.options, plan, stats, bias)
+                           histories, keys, self.options, plan, stats, bias, errors)
     if self.shared is not None:
       y_BxLxD = y_BxLxD + self.shared(x_BxLxD, key)
     return sharding.shard(y_BxLxD, (BATCH, LENGTH, EMBED)), aux
@@ -146,13 +152,14 @@ class MoE(nnx.Module):
 # ----------------------------------------------------------------------------- sharding
 
 def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, opts: Options,
-            plan: moe_dispatch.Plan, stats=(None, None), bias_E=None):
+            plan: moe_dispatch.Plan, stats=(None, None), bias_E=None, errors=(None, None)):
   """The routed experts of one layer as `plan` says: locally without a mesh, else inside shard_map (see module
-  doc). `bias_E`: the router bias (RouterBias), or None."""
+  doc). `bias_E`: the router bias (RouterBias), or None; `errors`: the expert projections' forward-error inputs
+  (layers/linear.py's OutputError) or Nones."""
   mesh, rules = sharding.active_mesh(), sharding.active_rules()
   if mesh is None or mesh.size == 1:
     return _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E,
-                    opts=opts, plan=plan, token_axes=())
+                    errors, opts=opts, plan=plan, token_axes=())
   x_spec = sharding.logical_to_spec((BATCH, LENGTH, None), rules, mesh)
   token_axes = sharding.entry_axes(x_spec[0]) + sharding.entry_axes(x_spec[1])
   e_spec = sharding.logical_to_spec((EXPERT,), rules, mesh)[0]
@@ -169,9 +176,9 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   fn = jax.shard_map(body, mesh=mesh,
                      in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec, d_spec), P(e_spec, None, d_spec),
                                specs_of(histories), None if keys is None else (P(), P()), specs_of(stats),
-                               None if bias_E is None else P()),
+                               None if bias_E is None else P(), tuple(None if e is None else P() for e in errors)),
                      out_specs=(x_spec, P()))
-  return fn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E)
+  return fn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E, errors)
 
 
 def _embed_shards(d: int, opts: Options, mesh, rules, expert_axes):
@@ -188,8 +195,8 @@ def _embed_shards(d: int, opts: Options, mesh, rules, expert_axes):
 
 # ----------------------------------------------------------------------------- one token shard
 
-def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E, *,
-             opts: Options, plan: moe_dispatch.Plan, token_axes, embed_axes=()):
+def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E, errors,
+             *, opts: Options, plan: moe_dispatch.Plan, token_axes, embed_axes=()):
   b, l, d = x_BxLxD.shape
   t = b * l
   assert t == plan.tokens, (t, plan)  # The token shard the plan was made for.
@@ -204,7 +211,7 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
     keys = tuple(jax.random.fold_in(key, jax.lax.axis_index(token_axes)) for key in keys)
   assert wi_ExDx2xF.shape[0] == plan.num_local, (wi_ExDx2xF.shape, plan)
   ffn = functools.partial(_swiglu, wi_ExDx2xF=wi_ExDx2xF, wo_ExFxD=wo_ExFxD, histories=histories, keys=keys,
-                          stats=stats, opts=opts, token_axes=token_axes, embed_axes=embed_axes,
+                          stats=stats, errors=errors, opts=opts, token_axes=token_axes, embed_axes=embed_axes,
                           slots=plan.slots if plan.expert_gemm == moe_dispatch.CAPACITY else None)
   dispatch = plan.exchange
   if dispatch in (moe_dispatch.LOCAL, moe_dispatch.ALLGATHER):
@@ -255,8 +262,8 @@ def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan: moe_dispatch.Pla
   return y_TxKxD, overflow
 
 
-def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, opts: Options, token_axes,
-            embed_axes=(), slots=None):
+def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, errors, opts: Options,
+            token_axes, embed_axes=(), slots=None):
   """The local experts' SwiGLU on rows sorted by expert: (outputs [R, D], copies not computed). `slots`
   (C, the plan's rows per local expert) runs it in the capacity layout (layers/moe_dispatch.py), None with `ragged_dot`. `embed_axes`:
   the kernels hold this device's shard of D over them (`_embed_shards`)."""
@@ -266,9 +273,9 @@ def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, sta
   common = dict(dtype=opts.dtype, reduce_axes=token_axes)
   shards = lambda dim: (dim, embed_axes) if embed_axes else None  # D: wi's K (dim 1), wo's N (dim 2).
   wi = dict(recipe=opts.wi_recipe, name="moe_wi", history=histories[0], key=key_wi, stats=stats[0],
-            kernel_shards=shards(1), **common)
+            error=errors[0], kernel_shards=shards(1), **common)
   wo = dict(recipe=opts.wo_recipe, name="moe_wo", history=histories[1], key=key_wo, stats=stats[1],
-            kernel_shards=shards(2), **common)
+            error=errors[1], kernel_shards=shards(2), **common)
   if slots is None:
     h = grouped_matmul(xs_RxD, wi_ExDx2xF.reshape(e, d_local, 2 * f), group_sizes_E, **wi).reshape(-1, 2, f)
     gate, up = checkpoint_name(h[:, 0], remat.MOE_WI_0), checkpoint_name(h[:, 1], remat.MOE_WI_1)

@@ -6,6 +6,10 @@ The reference is the same model at the same parameters in float32 without quanti
 rerun gives the same numbers):
   grad error     of projection (layer, kind): |g - g_ref| / |g_ref| of its kernel's gradient (averaged over
                  the batches), the recipe applied to every projection the exclude list leaves quantized;
+  output error   |y - y_ref| / |y_ref| of its forward output over the batches, y_ref the float32 product of
+                 the same input and kernel unquantized (quant/core.py): the projection's own forward error,
+                 not what it inherits from the layers before it (the LM head's: its logits, slice by slice as
+                 the loss computes them, on the model's own final hidden states);
   weight error   |Q(W) - W| / |W| of its kernel as the recipe's forward GEMM reads it (the weight role's
                  quantizer, blocks along the kernel's inputs): the part of the error the forward pass starts from;
   whole model    |g - g_ref| / |g_ref| over every parameter's gradient at once.
@@ -24,11 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.data.sharded import data_iterator
+from flax import nnx
+
 from ember.layers.decoder import rows_by_layer, stacked_like, tree_leaves, within_layer
-from ember.names import LM_HEAD
+from ember.names import INPUTS, LM_HEAD, POSITIONS, SEGMENT_IDS
 from ember.quant import quantize
 from ember.trainer import muon
-from ember.trainer.state import abstract_init, logical_axes, step_key
+from ember.trainer.loss import vocab_slices
+from ember.trainer.state import abstract_init, logical_axes, stats_inputs, step_key
 from ember.trainer.step import forward_loss
 
 # The projection kind of a kernel, by its path below the layer (the LM head: outside the layers).
@@ -43,6 +50,7 @@ class Projection:
   layer: int | None  # None: the LM head.
   kind: str
   grad_error: float
+  output_error: float
   weight_error: float
 
   @property
@@ -70,39 +78,91 @@ class Probe:
 
   def gradients(self, settings) -> dict:
     """{(layer, path below it): gradient row} of `settings`, averaged over the batches."""
+    return self.measure(settings)[0]
+
+  def measure(self, settings) -> tuple[dict, dict]:
+    """({(layer, path): gradient row} averaged over the batches, {(layer, path to a projection): its output
+    error}) of `settings` (output errors only for projections the recipe quantizes)."""
+    settings = with_output_errors(settings)
     abstract_params, abstract_quant = abstract_init(settings)
     params = stacked_like(lambda key, _: self.rows[key], settings.model, abstract_params)
     quant_state = stacked_like(lambda key, _: self.quant_rows[key], settings.model, abstract_quant)
-    grad = _gradient_fn(settings)
+    errors_in = stats_inputs(settings)
+    grad, head = _gradient_fn(settings), _head_error_fn(settings)
+    head_quantized = settings.model.recipe_for(LM_HEAD).quantized and not settings.model.tie_embeddings
     total = None
     for i, batch in enumerate(self.batches):
-      g = grad(params, quant_state, batch, step_key(settings.seed, jnp.asarray(i, jnp.int32)))
+      key = step_key(settings.seed, jnp.asarray(i, jnp.int32))
+      g = grad(params, quant_state, errors_in, batch, key)
+      if head_quantized:
+        g = (*g, head(params, quant_state, errors_in, batch, key))
       total = g if total is None else jax.tree.map(jnp.add, total, g)
-    mean = jax.tree.map(lambda a: np.asarray(a, np.float64) / len(self.batches), total)
-    return rows_by_layer(mean, settings.model)
+    total = jax.tree.map(lambda a: np.asarray(a, np.float64), total)
+    grads = {k: v / len(self.batches) for k, v in rows_by_layer(total[0], settings.model).items()}
+    errors = {(layer, path[:-1]): _ratio(sums) for (layer, path), sums in rows_by_layer(total[1], settings.model).items()}
+    if head_quantized:
+      errors[(None, ("lm_head",))] = _ratio(total[2])
+    return grads, errors
 
   def whole_error(self, grads: dict) -> float:
     diff = sum(float(np.sum((grads[k] - ref) ** 2)) for k, ref in self.reference.items())
     return math.sqrt(diff / sum(float(np.sum(ref ** 2)) for ref in self.reference.values()))
 
-  def projections(self, settings, grads: dict) -> list[Projection]:
-    """Every projection the settings quantize, with its errors."""
+  def projections(self, settings, grads: dict, errors: dict) -> list[Projection]:
+    """Every projection the settings quantize, with its errors (`errors` from `measure`)."""
     recipe, out = settings.quant, []
     for (layer, path), ref in self.reference.items():
       kind = KINDS.get(path)
       if kind is None or not settings.model.recipe_for(kind, layer).quantized:
         continue
       g = np.linalg.norm(grads[(layer, path)] - ref) / max(np.linalg.norm(ref), 1e-30)
-      out.append(Projection(layer, kind, float(g), weight_error(self.rows[(layer, path)], self.axes[path],
-                                                                recipe.name)))
+      out.append(Projection(layer, kind, float(g), errors[(layer, path[:-1])],
+                            weight_error(self.rows[(layer, path)], self.axes[path], recipe.name)))
     return out
+
+
+def _ratio(sums) -> float:
+  """|y - y_ref| / |y_ref| from (sum of (y - y_ref)^2, sum of y_ref^2)."""
+  return float(math.sqrt(sums[0] / max(sums[1], 1e-30)))
+
+
+def with_output_errors(settings):
+  """`settings` whose quantized projections report their forward output error (quant/core.py), and nothing
+  else through their statistics inputs."""
+  recipe = dataclasses.replace(settings.quant, output_error=True, stats=False)
+  return dataclasses.replace(settings, quant=recipe, model=dataclasses.replace(settings.model, recipe=recipe))
 
 
 @functools.lru_cache(maxsize=64)
 def _gradient_fn(settings):
-  """The jitted parameter gradient of settings' loss (one compile per settings, whichever probe asks)."""
+  """The jitted (parameter gradient, output-error sums) of settings' loss (one compile per settings, whichever
+  probe asks)."""
   graphdef = logical_axes(settings)[0]
-  return jax.jit(jax.grad(lambda p, q, b, key: forward_loss(p, q, b, graphdef=graphdef, cfg=settings, key=key)[0]))
+  loss = lambda p, q, e, b, key: forward_loss(p, q, b, e, graphdef=graphdef, cfg=settings, key=key)[0]
+  return jax.jit(jax.grad(loss, argnums=(0, 2)))
+
+
+@functools.lru_cache(maxsize=64)
+def _head_error_fn(settings):
+  """The jitted (sum of (y - y_ref)^2, sum of y_ref^2) of the LM head's logits, vocab slice by vocab slice as the
+  loss computes them (ember/trainer/loss.py), on the model's own final hidden states."""
+  graphdef = logical_axes(settings)[0]
+
+  def sums(params, quant_state, errors_in, batch, key):
+    model = nnx.merge(graphdef, params, quant_state, *([errors_in] if errors_in else []))
+    hidden, _ = model(batch[INPUTS], batch[SEGMENT_IDS], batch[POSITIONS], key=key)
+    w_DxV, logits = model.head_parts()
+    h32 = hidden.astype(jnp.float32)
+
+    def body(total, w_DxC):
+      y = logits(hidden, w_DxC, key)
+      y_ref = jnp.einsum("bld,dc->blc", h32, w_DxC.astype(jnp.float32))
+      return total + jnp.stack([jnp.sum(jnp.square(y - y_ref)), jnp.sum(jnp.square(y_ref))]), None
+
+    slices = vocab_slices(w_DxV, hidden.shape[1], settings.train.loss_chunk_size)
+    return jax.lax.scan(body, jnp.zeros((2,), jnp.float32), slices)[0]
+
+  return jax.jit(sums)
 
 
 def weight_error(kernel, axes: tuple, recipe: str) -> float:
@@ -129,8 +189,8 @@ def recommend(probe: Probe, recipe: str, target_error: float):
   """(projections under the recipe with the checkpoint's exclude list, its whole-model error, the exclude list
   that brings it under `target_error`, that list's whole-model error)."""
   settings = probe.trained.replace("quant.recipe", recipe)
-  grads = probe.gradients(settings)
-  found = probe.projections(settings, grads)
+  grads, errors = probe.measure(settings)
+  found = probe.projections(settings, grads, errors)
   first = error = probe.whole_error(grads)
   exclude = tuple(settings.quant.exclude)
   for p in sorted(found, key=lambda p: -p.grad_error):

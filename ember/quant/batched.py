@@ -43,7 +43,7 @@ def batched_matmul(x_ExCxK: jax.Array, w_ExKxN: jax.Array, *, recipe: Recipe, na
                    history: tuple[jax.Array, jax.Array, jax.Array] | None = None, key: jax.Array | None = None,
                    dtype=jnp.bfloat16, reduce_axes: tuple[str, ...] = (),
                    stats: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-                   kernel_shards: Shards = None) -> jax.Array:
+                   kernel_shards: Shards = None, error: jax.Array | None = None) -> jax.Array:
   """Each expert's slot of rows times its kernel, in `recipe`'s format; the arguments are
   `grouped_matmul`'s (quant/grouped.py), with the rows in the capacity layout instead of sorted."""
   dtype = jnp.dtype(dtype)
@@ -54,7 +54,7 @@ def batched_matmul(x_ExCxK: jax.Array, w_ExKxN: jax.Array, *, recipe: Recipe, na
                           (vma_of(x_ExCxK), vma_of(w_ExKxN), recipe.wgrad_out(w_ExKxN.dtype)))
     layout = CapacityLayout(reduce_axes=tuple(reduce_axes), shards=kernel_shards)
     return quantized_gemm(x_ExCxK, w_ExKxN, None, history, key, stats, layout=layout, recipe=recipe, name=name,
-                          dtype=dtype)
+                          dtype=dtype, error=error)
 
 
 def _dot(a, b, dims, out=F32):

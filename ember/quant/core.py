@@ -20,7 +20,9 @@ the recompute.
 Delayed scaling: `history = (x [H], kernel [H] or [E, H], grad [H])`; the backward rule returns them with
 this step's amaxes rolled in as their "cotangent", because gradient amaxes only exist in the backward pass
 (trainer/step.py stores them). `stats`, the same triple of health-statistics inputs, gets the operands'
-health (quant/health.py) as its cotangent.
+health (quant/health.py) as its cotangent. `error`, a [2] input (the precision probe, ember/plan/probe.py), gets
+the forward output's error as its cotangent: (sum of (y - y_ref)^2, sum of y_ref^2), y_ref the float32 GEMM of
+the same operands unquantized, so the error is the projection's own and not what it inherits from its input.
 """
 
 from __future__ import annotations
@@ -83,16 +85,17 @@ class Layout(Protocol):
   def whole_kernel_shape(self, w) -> tuple[int, ...]: ...
 
 
-def quantized_gemm(x, w, rows, history, key, stats, *, layout: Layout, recipe: Recipe, name: str, dtype):
+def quantized_gemm(x, w, rows, history, key, stats, *, layout: Layout, recipe: Recipe, name: str, dtype,
+                   error=None):
   """x @ w in `recipe`'s format (see the module doc); `history` and `stats` are (x, kernel, grad) triples or
-  None, `key` seeds stochastic rounding (nvfp4) or is None."""
+  None, `key` seeds stochastic rounding (nvfp4) or is None, `error` the probe's [2] input or None."""
   if history is None:  # Unused outside fp8_delayed; keeps one signature.
     kernel_rows = (w.shape[0], 1) if layout.per_expert else (1,)
     history = (jnp.zeros((1,), jnp.float32), jnp.zeros(kernel_rows, jnp.float32), jnp.zeros((1,), jnp.float32))
   # Static facts the backward rule needs (residuals must be arrays).
   operand_info = (x.shape, jnp.dtype(x.dtype), jnp.dtype(w.dtype), vma_of(x), vma_of(w), layout.whole_kernel_shape(w))
-  return _gemm(x, w, rows, tuple(history), key, None if stats is None else tuple(stats), layout, recipe, name,
-               jnp.dtype(dtype), operand_info)
+  return _gemm(x, w, rows, tuple(history), key, None if stats is None else tuple(stats), error, layout, recipe,
+               name, jnp.dtype(dtype), operand_info)
 
 
 def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name: str, stats: bool = False):
@@ -120,21 +123,36 @@ def _forward(x, w, rows, history, layout: Layout, recipe: Recipe, name, dtype, k
     y = layout.forward(q[X], layout.whole(q[KERNEL]), rows, dtype)
   else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
     y = layout.forward(xp, layout.whole(wp.astype(dtype)), rows, dtype)
-  return y[tuple(slice(0, s) for s in x.shape[:-1]) + (slice(0, kernel_shape[-1]),)].astype(dtype), q
+  return _unpadded(y, x.shape, kernel_shape).astype(dtype), q
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _gemm(x, w, rows, history, key, stats, layout, recipe, name, dtype, operand_info):
+def _unpadded(y, x_shape, kernel_shape):
+  return y[tuple(slice(0, s) for s in x_shape[:-1]) + (slice(0, kernel_shape[-1]),)]
+
+
+def _output_error(x, w, rows, y, error, layout: Layout, recipe: Recipe, kernel_shape):
+  """(sum of (y - y_ref)^2, sum of y_ref^2), y_ref the float32 GEMM of the unquantized operands (module doc),
+  summed over the shards the rows vary over as `error`'s cotangent must be."""
+  b = recipe.block_size
+  xp, wp = layout.prepare(x, rows, b).astype(jnp.float32), layout.pad_kernel(w, b).astype(jnp.float32)
+  y_ref = _unpadded(layout.forward(xp, layout.whole(wp), rows, jnp.float32), x.shape, kernel_shape)
+  sums = jnp.stack([jnp.sum(jnp.square(y.astype(jnp.float32) - y_ref)), jnp.sum(jnp.square(y_ref))])
+  return sum_to(sums, vma_of(error)).astype(error.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _gemm(x, w, rows, history, key, stats, error, layout, recipe, name, dtype, operand_info):
   return _forward(x, w, rows, history, layout, recipe, name, dtype, operand_info[-1])[0]
 
 
-def _gemm_fwd(x, w, rows, history, key, stats, layout, recipe, name, dtype, operand_info):
+def _gemm_fwd(x, w, rows, history, key, stats, error, layout, recipe, name, dtype, operand_info):
   y, q = _forward(x, w, rows, history, layout, recipe, name, dtype, operand_info[-1], stats is not None)
-  return y, (q, rows, history, key)
+  err = None if error is None else _output_error(x, w, rows, y, error, layout, recipe, operand_info[-1])
+  return y, (q, rows, history, key, err)
 
 
 def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g):
-  q, rows, history, key = res
+  q, rows, history, key, err = res
   x_shape, x_dtype, w_dtype, x_vma, w_vma, kernel_shape = operand_info
   with_stats = q[X].health is not None
   b = recipe.block_size
@@ -165,7 +183,7 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
   dw = layout.kernel_gradient(dw[tuple(slice(0, s) for s in kernel_shape)])
   dw = sum_to(dw, w_vma).astype(w_dtype)
   health = (q[X].health, q[KERNEL].health, g_rows.health) if with_stats else None
-  return dx, dw, None, new_history, None, health
+  return dx, dw, None, new_history, None, health, err
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)

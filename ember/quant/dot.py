@@ -26,18 +26,19 @@ from ember.quant.tensor import QuantizedTensor
 
 def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name: str,
                      history: jax.Array | None = None, key: jax.Array | None = None, dtype=jnp.bfloat16,
-                     stats: jax.Array | None = None):
+                     stats: jax.Array | None = None, error: jax.Array | None = None):
   """x @ w in `recipe`'s format. `name` is the projection (names its residuals); `history` the
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
   `stats`: a [3 (x, kernel, grad), NUM_STATS] input whose "gradient" is the operands' health
-  (ember/quant/health.py), or None: no statistics, and no trace of them in the program."""
+  (ember/quant/health.py), or None: no statistics, and no trace of them in the program. `error`: a [2]
+  input whose "gradient" is the forward output's error (quant/core.py), or None."""
   dtype = jnp.dtype(dtype)
   if not recipe.quantized:
     return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype))
   # The [3, H] and [3, S] arrays as (x, kernel, grad) rows; autodiff stacks their cotangents back.
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=DenseLayout(),
-                        recipe=recipe, name=name, dtype=dtype)
+                        recipe=recipe, name=name, dtype=dtype, error=error)
 
 
 def product(a, b, contracting: tuple[int, int], dtype, out):

@@ -49,21 +49,22 @@ def grouped_matmul(x_MxK: jax.Array, w_ExKxN: jax.Array, group_sizes_E: jax.Arra
                    history: tuple[jax.Array, jax.Array, jax.Array] | None = None, key: jax.Array | None = None,
                    dtype=jnp.bfloat16, reduce_axes: tuple[str, ...] = (),
                    stats: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-                   kernel_shards: Shards = None) -> jax.Array:
+                   kernel_shards: Shards = None, error: jax.Array | None = None) -> jax.Array:
   """Rows of x (sorted by expert, `group_sizes_E` each) times their expert's kernel, in `recipe`'s
   format. `name` is the projection (names the residuals); `history` the delayed-scaling histories
   (fp8_delayed only); `key` seeds stochastic rounding of gradients (nvfp4); `reduce_axes` the mesh
   axes the rows are sharded over (inside shard_map), for the per-tensor amaxes. `stats`: inputs
   (x [S], kernels [E, S], grad [S]) whose "gradient" is the operands' health (quant/health.py), or None.
   `kernel_shards`: `w_ExKxN` is this device's shard of the kernel (see `Shards`); it is quantized on the
-  shard and gathered in the recipe's format, and its gradient is reduce-scattered back."""
+  shard and gathered in the recipe's format, and its gradient is reduce-scattered back. `error`: a [2] input
+  whose "gradient" is the forward output's error (quant/core.py), or None."""
   with jax.named_scope(EXPERT_GEMM_SCOPE):
     return _grouped_matmul(x_MxK, w_ExKxN, group_sizes_E, recipe=recipe, name=name, history=history, key=key,
-                           dtype=dtype, reduce_axes=reduce_axes, stats=stats, kernel_shards=kernel_shards)
+                           dtype=dtype, reduce_axes=reduce_axes, stats=stats, kernel_shards=kernel_shards, error=error)
 
 
 def _grouped_matmul(x_MxK, w_ExKxN, group_sizes_E, *, recipe, name, history, key, dtype, reduce_axes, stats,
-                    kernel_shards):
+                    kernel_shards, error):
   dtype = jnp.dtype(dtype)
   group_sizes_E = group_sizes_E.astype(jnp.int32)
   if not recipe.quantized:
@@ -72,7 +73,7 @@ def _grouped_matmul(x_MxK, w_ExKxN, group_sizes_E, *, recipe, name, history, key
                         (vma_of(x_MxK), vma_of(w_ExKxN), recipe.wgrad_out(w_ExKxN.dtype)))
   layout = RaggedLayout(reduce_axes=tuple(reduce_axes), shards=kernel_shards)
   return quantized_gemm(x_MxK, w_ExKxN, group_sizes_E, history, key, stats, layout=layout, recipe=recipe, name=name,
-                        dtype=dtype)
+                        dtype=dtype, error=error)
 
 
 # dw[e] = x[rows of e].T @ g[rows of e]: the ragged dimension (rows) is contracted.

@@ -100,6 +100,8 @@ class Recipe:
   # "bf16": the forward GEMM on unquantized operands, the backward GEMMs in the recipe.
   forward: str = key("str", choices=FORWARDS, default="recipe")
   stats: bool = False  # Projections collect health statistics (quant/health.py; log.quant_stats_every > 0).
+  # Projections report their forward output's error (quant/core.py; the precision probe, ember/plan/probe.py).
+  output_error: bool = False
   # The dtype the weight-gradient GEMMs write (train.grad_reduce_dtype): under FSDP or data parallelism XLA
   # reduces each projection's gradient across devices in it, so "bfloat16" halves those bytes (Megatron's
   # `grad_reduce_in_fp32=False`); the sum stays float32 inside each GEMM, and accumulation over micro-batches
@@ -182,8 +184,9 @@ class Recipe:
   def stateless(self) -> "Recipe":
     """This recipe where no per-step state can be kept (a projection called several times a step, like
     the LM head, once per vocab slice of the loss): delayed scaling becomes current scaling, and no health
-    statistics (each call's would add up); the rest is unchanged."""
-    return dataclasses.replace(self, name="fp8_current" if self.delayed else self.name, stats=False)
+    statistics or output error (each call's would add up); the rest is unchanged."""
+    return dataclasses.replace(self, name="fp8_current" if self.delayed else self.name, stats=False,
+                               output_error=False)
 
   def for_projection(self, projection: str, layer: int | None, num_layers: int) -> "Recipe":
     """The recipe projection `projection` of `layer` (None: the LM head) runs in: bf16 if excluded."""

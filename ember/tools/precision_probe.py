@@ -3,7 +3,8 @@
   python -m ember.tools.precision_probe --checkpoint=runs/small --recipe=nvfp4 [--batches=2]
       [--target_error=0.1] [--out=probe.json]
 
-Prints, per layer and projection kind, the gradient error and the forward weight error under the recipe
+Prints, per layer and projection kind, the gradient error, the forward output error and the forward weight
+error under the recipe
 against a float32 unquantized reference on the same held-out batches, the whole model's gradient error,
 and the `quant.exclude` value that brings it under `--target_error` (ember/plan/probe.py says how each is
 measured). Runs on one device; the same numbers on a rerun.
@@ -54,16 +55,17 @@ def probe(checkpoint: str, recipe: str, *, batches: int, target_error: float) ->
   found, whole, exclude, error = probe_lib.recommend(p, recipe, target_error)
   return {"checkpoint": checkpoint, "recipe": recipe, "batches": batches,
           "projections": [{"layer": f.layer, "kind": f.kind, "grad_error": f.grad_error,
-                           "weight_error": f.weight_error} for f in found],
+                           "output_error": f.output_error, "weight_error": f.weight_error} for f in found],
           "whole_model_grad_error": whole, "target_error": target_error, "exclude": list(exclude),
           "exclude_grad_error": error}
 
 
 def format_table(report: dict) -> str:
-  lines = [f"{'layer':>5}  {'kind':<10} {'grad error':>10} {'weight error':>12}"]
+  lines = [f"{'layer':>5}  {'kind':<10} {'grad error':>10} {'output error':>12} {'weight error':>12}"]
   for row in sorted(report["projections"], key=lambda r: (r["layer"] is None, r["layer"] or 0, r["kind"])):
     layer = "head" if row["layer"] is None else str(row["layer"])
-    lines.append(f"{layer:>5}  {row['kind']:<10} {row['grad_error']:>10.2%} {row['weight_error']:>12.2%}")
+    lines.append(f"{layer:>5}  {row['kind']:<10} {row['grad_error']:>10.2%} {row['output_error']:>12.2%} "
+                 f"{row['weight_error']:>12.2%}")
   lines.append(f"\nwhole-model gradient error under {report['recipe']}: {report['whole_model_grad_error']:.2%}")
   exclude = ", ".join(repr(e) for e in report["exclude"])
   lines.append(f"--config.quant.exclude=\"({exclude},)\" brings it to {report['exclude_grad_error']:.2%} "

@@ -228,6 +228,8 @@ class Checkpointer:
     A step that cannot be read is renamed `<step>.corrupt` (so that the run can write that step
     again) and the one before is tried. A step that reads but does not fit this config raises.
     """
+    # Before any read: a failed read's callbacks may fire before its exception reaches this frame.
+    integrity.quiet_abandoned_reads()
     for step in reversed(self.steps()):
       shardings, abstract = targets(step)
       try:
@@ -251,7 +253,6 @@ class Checkpointer:
 
   def _skip(self, step: int, error: Exception) -> None:
     """Moves a damaged step aside (`<step>.corrupt`, kept for inspection) so the run can write it again."""
-    integrity.quiet_abandoned_reads()
     target, n = self._step_dir(step) + ".corrupt", 1
     while os.path.exists(target):
       target, n = f"{self._step_dir(step)}.corrupt{n}", n + 1
@@ -368,13 +369,13 @@ def _restore_checked(manager, directory, step: int, args, what: str) -> dict:
   """The state item of `step` (restored with `args`), fingerprints checked; a damaged step is a one-line
   CheckpointError naming it."""
   step_dir = os.path.join(str(directory), str(step))
+  integrity.quiet_abandoned_reads()  # Before the read (see `restore_latest`).
   try:
     restored = manager.restore(step, args=ocp.args.Composite(state=args))["state"]
     _verify(step_dir, restored, f"{what}: {step_dir}")
   except (CheckpointError, integrity.DamagedCheckpoint) as e:
     raise CheckpointError(str(e)) from None
   except Exception as e:  # Damaged array files.
-    integrity.quiet_abandoned_reads()
     reason = one_line(e).split(" See full TensorStore details")[0][:300]  # Its details are a repr of a C++ object.
     raise CheckpointError(f"{what}: cannot restore {step_dir}, damaged ({type(e).__name__}: {reason})") from None
   return restored

@@ -44,16 +44,21 @@ def cross_entropy(hidden_BxLxD, targets_BxL, weights_BxL, w_DxV, logits: Callabl
   both passes). `chunk_size` bounds the live logits (see `num_slices`). `count`: the denominator, when
   these tokens are one micro-batch of a larger step (its weighted tokens); default these tokens' own.
   """
-  _, length, d = hidden_BxLxD.shape
   vocab = w_DxV.shape[1]
-  n = num_slices(length, vocab, chunk_size)
-  pad = -vocab % n
-  w_DxV = jnp.pad(w_DxV, ((0, 0), (0, pad))) if pad else w_DxV
-  w_NxDxC = shard(jnp.moveaxis(w_DxV.reshape(d, (vocab + pad) // n, n), 2, 0), (None, EMBED, VOCAB))
+  w_NxDxC = vocab_slices(w_DxV, hidden_BxLxD.shape[1], chunk_size)
   weights_BxL = weights_BxL.astype(F32)
   nll_sum, z_sum = _sliced_sums(logits, vocab, hidden_BxLxD, w_NxDxC, targets_BxL, weights_BxL, key)
   count = token_count(weights_BxL) if count is None else count
   return nll_sum / count, z_sum / count
+
+
+def vocab_slices(w_DxV, length: int, chunk_size: int):
+  """The head's weight as its `num_slices` strided vocab slices [n, D, V/n] (zero columns pad the last)."""
+  d, vocab = w_DxV.shape
+  n = num_slices(length, vocab, chunk_size)
+  pad = -vocab % n
+  w_DxV = jnp.pad(w_DxV, ((0, 0), (0, pad))) if pad else w_DxV
+  return shard(jnp.moveaxis(w_DxV.reshape(d, (vocab + pad) // n, n), 2, 0), (None, EMBED, VOCAB))
 
 
 def token_count(weights_BxL):

@@ -64,3 +64,65 @@ def test_errors_against_their_definitions(checkpoint):
   got = probe_lib.weight_error(w, ("mlp", "embed"), "fp8_current")
   assert got == pytest.approx(want, rel=1e-5)
   assert probe_lib.weight_error(w, ("mlp", "embed"), "nvfp4") > 3 * got  # 4 bits against 8: ~4x.
+
+
+def test_output_error_against_its_definition(checkpoint):
+  """Layer 0's qkv reads the normed embeddings, whatever the recipe: its output error is |y - x W| / |x W| with
+  y the fp8_current GEMM (per-tensor E4M3 scales, NumPy here) of that input. With the LM head quantized, the
+  probe measures it too."""
+  import ml_dtypes
+  trained, _, model = load_model(checkpoint, what="test", recipe="bf16", one_device=True)
+  _, params, quant_state, _ = split_model(model)
+  params, quant_state = nnx.to_pure_dict(params), nnx.to_pure_dict(quant_state)
+  probe = probe_lib.Probe(trained, params, quant_state, 1)
+  settings = trained.replace("quant.recipe", "fp8_current").replace("quant.exclude", ())
+  grads, errors = probe.measure(settings)
+  found = {(p.layer, p.kind): p for p in probe.projections(settings, grads, errors)}
+  assert set(found) == {(layer, kind) for layer in (0, 1) for kind in ("qkv", "out", "wi", "wo")} | {(None, "lm_head")}
+
+  layer0 = params["segments"][0]["blocks"]["layers"][0]
+  tokens = np.asarray(probe.batches[0]["inputs"])
+  e = np.asarray(params["embed"]["embedding"], np.float32)[tokens].astype(ml_dtypes.bfloat16).astype(np.float32)
+  normed = e / np.sqrt(np.mean(e * e, axis=-1, keepdims=True) + trained.model.norm_eps)
+  x = (normed * np.asarray(layer0["attn_norm"]["scale"][0], np.float32)).astype(ml_dtypes.bfloat16)
+  x = x.astype(np.float32).reshape(-1, e.shape[-1])
+  w = np.asarray(layer0["attn"]["qkv"]["kernel"][0], np.float32).reshape(x.shape[1], -1)
+
+  def e4m3(a):
+    scale = 448.0 / np.max(np.abs(a))
+    return (a * scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) / scale
+
+  y = (e4m3(x).astype(np.float64) @ e4m3(w)).astype(ml_dtypes.bfloat16).astype(np.float64)
+  ref = x.astype(np.float64) @ w
+  want = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+  assert found[(0, "qkv")].output_error == pytest.approx(want, rel=0.02)
+  assert 0 < found[(None, "lm_head")].output_error < 0.1
+
+
+@pytest.mark.parametrize("mesh", [{"mesh.expert": 4, "mesh.data": 2}, {"mesh.expert": 2, "mesh.fsdp": 4}])
+def test_output_errors_are_the_same_under_expert_parallelism(mesh):
+  """The expert GEMMs' output errors, summed over token shards inside the MoE layer's shard_map, equal one
+  device's (the probe runs on one device; the layer's plumbing serves any mesh). Float32 compute: in bf16 the CPU
+  rounds the dequantized operands differently on one device and on a mesh (about 1% of the error itself)."""
+  import jax
+  import jax.numpy as jnp
+  from ember.layers import moe_dispatch
+  from ember.trainer.state import logical_axes, stats_inputs
+  from ember.trainer.step import forward_loss, moe_plan
+  from tests import helpers
+
+  def errors(num_devices, **over):
+    s = helpers.start(helpers.config("tiny_moe", **{"quant.recipe": "fp8_current", "model.dtype": "float32", **over}), num_devices)
+    settings = probe_lib.with_output_errors(s.cfg)
+    graphdef = logical_axes(settings)[0]
+    batch = {k: jnp.asarray(v) for k, v in helpers.random_batch(s.cfg).items()}
+    loss = lambda p, q, e: forward_loss(p, q, batch, e, graphdef=graphdef, cfg=settings, key=jax.random.key(0))[0]
+    with s.rules(), moe_dispatch.planned(moe_plan(settings, s.mesh, settings.train.batch_size)):
+      sums = jax.jit(jax.grad(loss, argnums=2))(s.state.params, s.state.quant_state, stats_inputs(settings))
+    return {jax.tree_util.keystr(p): np.sqrt(a[..., 0] / a[..., 1]) for p, a in
+            jax.tree_util.tree_flatten_with_path(jax.tree.map(np.asarray, sums))[0]}
+
+  one, many = errors(1), errors(8, **mesh)
+  assert any("moe" in k for k in one) and one.keys() == many.keys()
+  for k in one:
+    np.testing.assert_allclose(many[k], one[k], rtol=1e-4, err_msg=k)
