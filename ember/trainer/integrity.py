@@ -21,6 +21,7 @@ import functools
 import inspect
 import os
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -74,26 +75,34 @@ def verify(saved: dict[str, int], named: dict, where: str) -> None:
       raise DamagedCheckpoint(f"{where}: array {name} does not match the fingerprint saved with it")
 
 
-def _is_abandoned_read(unraisable) -> bool:
-  """An 'Event loop is closed' from asyncio's check, or an error of an Orbax coroutine no one awaits."""
-  e, tb, obj = unraisable.exc_value, unraisable.exc_traceback, unraisable.object
+def _closed_loop(e: BaseException | None, tb) -> bool:
+  """The 'Event loop is closed' error of asyncio's check, raised by a callback of an abandoned read."""
   while tb is not None and tb.tb_next is not None:
     tb = tb.tb_next
-  closed_loop = (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
-                 and (tb is None or tb.tb_frame.f_code.co_name == "_check_closed"))
+  return (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+          and (tb is None or tb.tb_frame.f_code.co_name == "_check_closed"))
+
+
+def _is_abandoned_read(unraisable) -> bool:
+  """An 'Event loop is closed' from asyncio's check, or an error of an Orbax coroutine no one awaits."""
+  obj = unraisable.object
   orbax_read = inspect.iscoroutine(obj) and f"{os.sep}orbax{os.sep}checkpoint{os.sep}" in obj.cr_code.co_filename
-  return closed_loop or orbax_read
+  return orbax_read or _closed_loop(unraisable.exc_value, unraisable.exc_traceback)
 
 
 @functools.cache
 def quiet_abandoned_reads() -> None:
-  """From now on, drop the unraisable 'Event loop is closed' errors of a failed restore's reads (module doc);
-  every other unraisable error still reaches the previous hook. Harmless where no restore fails: a healthy
-  restore leaves no read behind."""
-  previous = sys.unraisablehook
+  """From now on, drop the 'Event loop is closed' errors of a failed restore's reads (module doc), whether Python
+  reports them as unraisable or as a thread's uncaught exception; every other error still reaches the previous
+  hook. Harmless where no restore fails: a healthy restore leaves no read behind."""
+  previous, previous_thread = sys.unraisablehook, threading.excepthook
 
   def hook(unraisable):
     if not _is_abandoned_read(unraisable):
       previous(unraisable)
 
-  sys.unraisablehook = hook
+  def thread_hook(args):
+    if not _closed_loop(args.exc_value, args.exc_traceback):
+      previous_thread(args)
+
+  sys.unraisablehook, threading.excepthook = hook, thread_hook
