@@ -114,14 +114,26 @@ def pass_of(op_name: str) -> str:
   return BACKWARD if "transpose(" in op_name else FORWARD
 
 
+# Primitives that only wrap a kernel (a Pallas kernel inside a custom partitioning): named by the scope around them.
+_WRAPPERS = ("custom_partitioning", "pallas_call")
+
+
+def _op_of(op_name: str) -> str:
+  parts = op_name.split("/")
+  while len(parts) > 1 and parts[-1] in _WRAPPERS:
+    parts.pop()
+  return parts[-1]
+
+
 def memory_by_op(p: hlo.Program, top: int = TOP_MEMORY_OPS) -> list[dict]:
   """Where the memory term's bytes go: the memory kernels' bytes per device per step grouped by the last part
-  of their op name (the JAX primitive that made the fusion's root: `reduce_max`, `transpose`, ...; the opcode in
-  parentheses where XLA recorded none) and the pass, largest first."""
+  of their op name (the JAX primitive that made the fusion's root: `reduce_max`, `transpose`, ...; for a Pallas
+  kernel the scope around it, e.g. `mxfp8_quantize_both`; the opcode in parentheses where XLA recorded none) and
+  the pass, largest first."""
   totals: dict[tuple[str, str], float] = {}
   for k in hlo.memory_kernels(p):
     name = p.by_name[k.name].op_name
-    key = (name.rsplit("/", 1)[-1] if name else f"({k.opcode})", pass_of(name))
+    key = (_op_of(name) if name else f"({k.opcode})", pass_of(name))
     totals[key] = totals.get(key, 0.0) + k.bytes * k.times
   rows = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
   return [{"op": op, "pass": pass_, "bytes": int(b)} for (op, pass_), b in rows]

@@ -33,6 +33,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from ember.quant import fused
 from ember.quant.naming import name_quantized
 from ember.quant.quantizers import update_history
 from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, X, X_T, Recipe
@@ -103,15 +104,22 @@ def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name
   shard's: what remat saves is the shard, gathered again where a GEMM reads it."""
   h_x, h_k, _ = history
   act, b, q = recipe.quantizer(ACTIVATION, h_x), recipe.block_size, {}
+  one_pass = fused.one_pass(layout, recipe.name, stats)
   with jax.named_scope(SCOPE_ACTIVATION):
-    q[X] = act.quantize(x, axis=layout.x_axis, reduce_axes=layout.reduce_axes, stats=stats)
-    if recipe.has_x_t:
-      x_rows = recipe.wgrad_transform(layout.wgrad_rows(x, rows, b), layout.row_axis)
-      q[X_T] = act.quantize(x_rows, axis=layout.row_axis, reduce_axes=layout.reduce_axes)
+    if one_pass:
+      q[X], q[X_T] = fused.both(x, reduce_axes=layout.reduce_axes)
+    else:
+      q[X] = act.quantize(x, axis=layout.x_axis, reduce_axes=layout.reduce_axes, stats=stats)
+      if recipe.has_x_t:
+        x_rows = recipe.wgrad_transform(layout.wgrad_rows(x, rows, b), layout.row_axis)
+        q[X_T] = act.quantize(x_rows, axis=layout.row_axis, reduce_axes=layout.reduce_axes)
   with jax.named_scope(SCOPE_WEIGHT):
-    q[KERNEL] = layout.quantize_kernel(recipe, w, h_k, 0, stats)
-    if recipe.has_kernel_t:
-      q[KERNEL_T] = layout.quantize_kernel(recipe, w, h_k, 1, False)
+    if one_pass:
+      q[KERNEL_T], q[KERNEL] = fused.both(w)
+    else:
+      q[KERNEL] = layout.quantize_kernel(recipe, w, h_k, 0, stats)
+      if recipe.has_kernel_t:
+        q[KERNEL_T] = layout.quantize_kernel(recipe, w, h_k, 1, False)
   return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
 
 
@@ -161,15 +169,21 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
   key_dgrad = key_wgrad = None
   if key is not None:
     key_dgrad, key_wgrad = jax.random.split(key)
+  one_pass = fused.one_pass(layout, recipe.name, with_stats)
   with jax.named_scope(SCOPE_GRADIENT):
-    g_rows = grad_q.quantize(g, axis=layout.x_axis, rng=key_dgrad, reduce_axes=layout.reduce_axes, stats=with_stats)
+    if one_pass:  # Round to nearest: no keys.
+      g_rows, g_m = fused.both(g, reduce_axes=layout.reduce_axes)
+    else:
+      g_rows = grad_q.quantize(g, axis=layout.x_axis, rng=key_dgrad, reduce_axes=layout.reduce_axes,
+                               stats=with_stats)
   dx = layout.dgrad(g_rows, layout.whole(q.get(KERNEL_T, q[KERNEL])), rows, dtype, x_dtype)
   if not recipe.has_x_t:  # Per-tensor: the forward copy of x and the dgrad copy of g serve wgrad too.
     x_m, g_m = q[X], g_rows
   else:  # Block-scaled: both along the rows (NVFP4 after the Hadamard transform, which cancels in the product).
-    with jax.named_scope(SCOPE_GRADIENT):
-      g_m = grad_q.quantize(recipe.wgrad_transform(layout.wgrad_rows(g, rows, b), layout.row_axis),
-                            axis=layout.row_axis, rng=key_wgrad, reduce_axes=layout.reduce_axes)
+    if not one_pass:
+      with jax.named_scope(SCOPE_GRADIENT):
+        g_m = grad_q.quantize(recipe.wgrad_transform(layout.wgrad_rows(g, rows, b), layout.row_axis),
+                              axis=layout.row_axis, rng=key_wgrad, reduce_axes=layout.reduce_axes)
     x_m = q[X_T]
   dw = layout.wgrad(x_m, g_m, rows, b if recipe.has_x_t else None, dtype, recipe.wgrad_out(w_dtype))
   h_x, h_k, h_g = history

@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ember.quant import fused
 from ember.quant.core import quantized_gemm
 from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.recipe import WEIGHT, Recipe, pad_to
@@ -37,7 +38,8 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
     return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype))
   # The [3, H] and [3, S] arrays as (x, kernel, grad) rows; autodiff stacks their cotangents back.
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
-  return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=DenseLayout(),
+  layout = DenseLayout(transposed=recipe.name in fused.TRANSPOSED_RECIPES)
+  return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error)
 
 
@@ -94,11 +96,20 @@ _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
 
 @dataclasses.dataclass(frozen=True)
 class DenseLayout:
-  """x [M, K] @ w [K, N] (quant/core.py's `Layout`): one kernel and its scales; rows padded to the block."""
+  """x [M, K] @ w [K, N] (quant/core.py's `Layout`): one kernel and its scales; rows padded to the block.
+
+  `transposed` (fused.TRANSPOSED_RECIPES): the copies quantized along a first axis (x and the gradient along M
+  for wgrad, the kernel along K for the forward GEMM) are stored transposed, contraction axis last, as the
+  GEMM reads them and as the one-pass kernel writes them (quant/fused.py). Every GEMM contracts a block-scaled
+  copy along the axis it was quantized along, so it reads either layout."""
   x_axis: int = 1
-  row_axis: int = 0
   per_expert: bool = False
   reduce_axes: tuple[str, ...] = ()
+  transposed: bool = False
+
+  @property
+  def row_axis(self) -> int:
+    return 1 if self.transposed else 0
 
   def prepare(self, a, rows, block):
     return pad_to(a, (block, block))
@@ -107,9 +118,11 @@ class DenseLayout:
     return pad_to(w, (block, block))
 
   def wgrad_rows(self, a, rows, block):
-    return a
+    return a.T if self.transposed else a
 
   def quantize_kernel(self, recipe: Recipe, w, history, axis, stats):
+    if self.transposed and axis == 0:
+      return recipe.quantizer(WEIGHT, history).quantize(w.T, axis=1, stats=stats)
     return recipe.quantizer(WEIGHT, history).quantize(w, axis=axis, stats=stats)
 
   def whole(self, a):
@@ -117,14 +130,15 @@ class DenseLayout:
 
   def forward(self, x, w, rows, dtype):
     if isinstance(x, QuantizedTensor):
-      return product(x, w, (1, 0), dtype, dtype)
+      return product(x, w, (1, w.axis), dtype, dtype)
     return jnp.dot(x.astype(dtype), w, preferred_element_type=jnp.float32)
 
   def dgrad(self, g, w, rows, dtype, out):
     return product(g, w, (1, 1), dtype, out)
 
   def wgrad(self, x, g, rows, block, dtype, out):
-    return product(x, g, (0, 0), dtype, out)
+    """Per-tensor copies contract their rows; block-scaled ones the axis they were quantized along."""
+    return product(x, g, (x.axis, g.axis) if block else (0, 0), dtype, out)
 
   def kernel_gradient(self, dw):
     return dw

@@ -1,0 +1,179 @@
+"""One pass per quantized operand: a kernel that reads a 2-d tensor once and writes both copies the GEMMs read.
+
+A block-scaled operand of a dense projection is read by two GEMMs along two axes: x along K (forward) and along
+M (wgrad), the kernel along K (forward) and along N (dgrad), the output gradient along N (dgrad) and along M
+(wgrad). Quantized one copy at a time, XLA reads the bf16 source four times (a block-amax pass and a quantize
+pass per copy: it does not put a reduction along rows and one along columns in one kernel) and transposes the
+copy quantized along the first axis for the GEMM, which wants its contraction axis last. `both` is one Pallas
+kernel per tile of the tensor: it reads the tile once, takes the amaxes of its row blocks and of its column
+blocks, and writes
+  along the last axis     data [R, C] and scales [R, C / 32], and
+  along the first axis    data [C, R] and scales [C, R / 32]: transposed, contraction axis last,
+so the source is read once and each copy written once (the ideal bytes of issue "one pass per operand").
+
+Numerics: bit for bit `quantizers.MXFP8Scaling` (the tests run the kernel in interpret mode on the CPU against
+it). The block exponent is read off the amax's float32 bits instead of `frexp`: for a normal amax = 1.f x 2**(E
+- 127), frexp's (m, e) are (1.f / 2, E - 126), so k = e - 9 + (m > 0.875) = E - 135 + (f > 0.75); a subnormal
+amax gives k <= -134 either way, clipped to -127 as before.
+
+Where it runs (`one_pass`): MXFP8 on a GPU, a dense projection's operands, without health statistics (they
+take the per-copy path, which measures them). The kernel is lowered with Pallas' Triton backend, a
+`__gpu$xla.gpu.triton` custom call that the compile report counts by its bytes; elsewhere the per-copy
+quantizers run, transposing the input of the first-axis copy so that both paths give the same arrays.
+Sharding: `custom_partitioning` runs the kernel on each device's shard; its rule splits a dimension between
+blocks only, and a dimension whose shards would still not hold whole blocks is gathered first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ember.platform import target_platform
+from ember.quant.formats import E4M3
+from ember.quant.quantizers import MXFP8Scaling, tensor_amax
+from ember.quant.tensor import QuantizedTensor
+
+BLOCK = 32  # MXFP8's block.
+# Recipes whose first-axis copies of a dense operand are stored transposed (quant/dot.py's DenseLayout): rounded to
+# nearest with no transform, they are the same values either way. (NVFP4's stochastic rounding draws its noise by
+# position, so transposing its copies would move the noise and change the run.)
+TRANSPOSED_RECIPES = ("mxfp8",)
+_TILES = (64, 32)  # Tile sides tried, largest first: each a multiple of the block and a power of two.
+_E8M0_BIAS = 127
+SCOPE = "mxfp8_quantize_both"  # The kernel's name scope: its row in the compile report's `memory_by_op`.
+
+
+def one_pass(layout, recipe_name: str, stats: bool) -> bool:
+  """Whether an operand of `recipe_name` in `layout` (quant/core.py's) is quantized by the one-pass kernel (see the
+  module doc)."""
+  return getattr(layout, "transposed", False) and recipe_name in TRANSPOSED_RECIPES and not stats and \
+      target_platform() == "gpu"
+
+
+def both(a: jax.Array, *, reduce_axes: tuple[str, ...] = (), interpret: bool | None = None):
+  """(a quantized along its last axis [R, C], a quantized along its first axis as its transpose [C, R]), both
+  MXFP8 QuantizedTensors with `axis=1`, equal to `MXFP8Scaling().quantize(a, axis=1)` and
+  `.quantize(a.T, axis=1)`. `interpret`: run the Pallas kernel in interpret mode (default: off a GPU)."""
+  if a.ndim != 2 or a.shape[0] % BLOCK or a.shape[1] % BLOCK:
+    raise ValueError(f"one-pass MXFP8 quantize: a 2-d operand of whole {BLOCK}-blocks, got {a.shape}")
+  interpret = target_platform() != "gpu" if interpret is None else interpret
+  with jax.named_scope(SCOPE):
+    data, scale, data_t, scale_t = _both(a, interpret)
+  amax = tensor_amax(a, reduce_axes)  # Read only where a consumer needs it (health, not this path): else dead.
+  quantized = lambda d, s: QuantizedTensor(
+      data=d, scale_inv=jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu), global_scale_inv=jnp.float32(1.0),
+      amax=amax, recipe="mxfp8", axis=1, block=(BLOCK,), dtype=jnp.dtype(a.dtype).name)
+  return quantized(data, scale), quantized(data_t, scale_t)
+
+
+def per_copy(a: jax.Array, *, reduce_axes: tuple[str, ...] = (), stats: bool = False):
+  """`both`'s two copies from the per-copy quantizer (the reference, and the path off a GPU)."""
+  q = MXFP8Scaling(BLOCK)
+  return (q.quantize(a, axis=1, reduce_axes=reduce_axes, stats=stats),
+          q.quantize(a.T, axis=1, reduce_axes=reduce_axes, stats=stats))
+
+
+# --- The kernel --------------------------------------------------------------------------------------------
+
+
+def _exponents(amax):
+  """MXFP8's block exponent k from a float32 block amax (module doc), as int32."""
+  bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
+  biased = (bits >> 23) & 0xFF
+  k = biased - 135 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+  k = jnp.where(amax == 0, -127, k)
+  return jnp.where(biased == 255, 0, jnp.clip(k, -127, 127))  # Non-finite amax: scale 1.
+
+
+def _inverse_scale(k):
+  """2**-k as float32, from its bits (k in [-127, 120] for finite amaxes: a normal number)."""
+  return jax.lax.bitcast_convert_type((127 - k) << 23, jnp.float32)
+
+
+def _cast(scaled):
+  """formats.cast to E4M3: saturating, NaN kept, round to nearest even."""
+  clipped = jnp.minimum(jnp.maximum(scaled, -E4M3.max), E4M3.max)
+  return jnp.where(jnp.isnan(scaled), scaled, clipped).astype(E4M3.dtype)
+
+
+def _kernel(x_ref, data_ref, scale_ref, data_t_ref, scale_t_ref, *, rows: int, cols: int):
+  x = x_ref[...].astype(jnp.float32)
+  magnitude = jnp.abs(x)
+  k_rows = _exponents(jnp.max(magnitude.reshape(rows, cols // BLOCK, BLOCK), axis=2))  # [rows, cols / 32]
+  k_cols = _exponents(jnp.max(magnitude.reshape(rows // BLOCK, BLOCK, cols), axis=1))  # [rows / 32, cols]
+  along_rows = jnp.broadcast_to(_inverse_scale(k_rows)[:, :, None], (rows, cols // BLOCK, BLOCK))
+  along_cols = jnp.broadcast_to(_inverse_scale(k_cols)[:, None, :], (rows // BLOCK, BLOCK, cols))
+  data_ref[...] = _cast(x * along_rows.reshape(rows, cols))
+  scale_ref[...] = (k_rows + _E8M0_BIAS).astype(jnp.uint8)
+  data_t_ref[...] = _cast(x * along_cols.reshape(rows, cols)).T
+  scale_t_ref[...] = (k_cols + _E8M0_BIAS).astype(jnp.uint8).T
+
+
+def _tile(n: int) -> int:
+  return next(t for t in _TILES if n % t == 0)
+
+
+def _call(a, interpret: bool):
+  r, c = a.shape
+  tr, tc = _tile(r), _tile(c)
+  spec = lambda shape, index: pl.BlockSpec(shape, index)
+  straight, crossed = (lambda i, j: (i, j)), (lambda i, j: (j, i))
+  params = {}
+  if not interpret:
+    from jax.experimental.pallas import triton as pallas_triton  # pylint: disable=g-import-not-at-top
+    params["compiler_params"] = pallas_triton.CompilerParams(num_warps=4, num_stages=1)
+  return pl.pallas_call(
+      functools.partial(_kernel, rows=tr, cols=tc), grid=(r // tr, c // tc),
+      in_specs=[spec((tr, tc), straight)],
+      out_specs=[spec((tr, tc), straight), spec((tr, tc // BLOCK), straight), spec((tc, tr), crossed),
+                 spec((tc, tr // BLOCK), crossed)],
+      out_shape=[jax.ShapeDtypeStruct((r, c), E4M3.dtype), jax.ShapeDtypeStruct((r, c // BLOCK), jnp.uint8),
+                 jax.ShapeDtypeStruct((c, r), E4M3.dtype), jax.ShapeDtypeStruct((c, r // BLOCK), jnp.uint8)],
+      interpret=interpret, **params)(a)
+
+
+@functools.partial(custom_partitioning, static_argnums=(1,))
+def _both(a, interpret):
+  return _call(a, interpret)
+
+
+def _shardings(mesh, shape):
+  """(the operand's, (data and scales along the last axis, the transposed copy and its scales)) shardings for an
+  operand of `shape`: each device quantizes its shard. A dimension whose shards would not hold whole blocks (the
+  rule's propagation may split blocks unevenly on small tensors) is gathered first."""
+  spec = tuple(shape.sharding.spec) + (None,) * (2 - len(shape.sharding.spec))
+  r, c = (s if _whole_blocks(s, n, mesh) else None for s, n in zip(spec, shape.shape))
+  straight, crossed = NamedSharding(mesh, P(r, c)), NamedSharding(mesh, P(c, r))
+  return straight, (straight, straight, crossed, crossed)
+
+
+def _whole_blocks(entry, size: int, mesh) -> bool:
+  shards = math.prod(mesh.shape[a] for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry))
+  return size % shards == 0 and (size // shards) % BLOCK == 0
+
+
+def _partition(interpret, mesh, arg_shapes, result_shape):
+  operand, results = _shardings(mesh, arg_shapes[0])
+  return mesh, lambda a: _call(a, interpret), results, (operand,)
+
+
+def _infer(interpret, mesh, arg_shapes, result_shape):
+  return _shardings(mesh, arg_shapes[0])[1]
+
+
+def _rule(interpret, mesh, operand_types, result_types):
+  """Each dimension is (blocks, 32 within a block); a scale dimension is the blocks factor alone, so data and
+  scales shard alike, and the within-block factors are never sharded: a block is never split."""
+  del interpret, mesh, operand_types, result_types
+  return ("(r i) (c j) -> (r i) (c j), (r i) c, (c j) (r i), (c j) r",
+          dict(need_replication_factors=("i", "j"), i=BLOCK, j=BLOCK))
+
+
+_both.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_rule)
