@@ -29,13 +29,25 @@ def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
   return (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
 
 
-def attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, implementation: str):
-  """Causal attention within segments. `auto` takes cuDNN's flash attention when the target is a GPU and
-  falls back to XLA for the shapes, dtypes or masks cuDNN does not take (it raises at trace time; the
-  compile report says why: `cudnn_refusal`)."""
-  mask = segment_mask(segment_ids_BxL)
-  attention = lambda impl: jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask=mask, is_causal=True,
-                                                        implementation=impl)
+# What a key of another segment adds to a logit: cuDNN's own stand-in for -inf in bf16 (-2**41), finite so that
+# the kernel never subtracts two infinities; float32 logits around it still give those keys a weight of exactly 0.
+MASKED = -float(2 << 40)
+
+
+def segment_bias(segment_ids_BxL: jax.Array, dtype) -> jax.Array:
+  """[B, 1, L, L] additive attention bias: 0 within a segment, MASKED across (causality is separate). The
+  decoder makes it once a step (Transformer.__call__) for every layer: computed inside a layer, the backward
+  pass's recompute of each checkpointed layer would write it again, an L x L array a layer."""
+  bias = jnp.where(segment_mask(segment_ids_BxL), jnp.asarray(0, dtype), jnp.asarray(MASKED, dtype))
+  return shard(bias, (BATCH, None, None, None))
+
+
+def attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias_Bx1xLxL, implementation: str):
+  """Causal attention within segments (`bias`: `segment_bias`). `auto` takes cuDNN's flash attention when the
+  target is a GPU and falls back to XLA for the shapes, dtypes or masks cuDNN does not take (it raises at trace
+  time; the compile report says why: `cudnn_refusal`)."""
+  attention = lambda impl: jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias=bias_Bx1xLxL,
+                                                        is_causal=True, implementation=impl)
   if implementation == "auto":
     if target_platform() == "gpu":
       try:
@@ -50,9 +62,9 @@ def cudnn_refusal(batch: int, length: int, num_heads: int, num_kv_heads: int, he
   """Why cuDNN attention refuses these shapes (its one-line reason), or None if it takes them."""
   q = jax.ShapeDtypeStruct((batch, length, num_heads, head_dim), dtype)
   kv = jax.ShapeDtypeStruct((batch, length, num_kv_heads, head_dim), dtype)
-  seg = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+  bias = jax.ShapeDtypeStruct((batch, 1, length, length), dtype)
   try:
-    jax.eval_shape(lambda q, k, v, s: attend(q, k, v, s, "cudnn"), q, kv, kv, seg)
+    jax.eval_shape(lambda q, k, v, b: attend(q, k, v, b, "cudnn"), q, kv, kv, bias)
   except Exception as e:  # cuDNN's checks raise NotImplementedError, ValueError, RuntimeError...
     return one_line(e)
   return None
@@ -88,9 +100,11 @@ class Attention(nnx.Module):
     k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope_theta)
     return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
 
-  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None):
+  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None):
+    """`bias`: `segment_bias(segment_ids_BxL)` if the caller made it already (the decoder does, once a step)."""
     q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._qkv(x_BxLxD, positions_BxL, key)
-    ctx_BxLxNxH = attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, self.implementation)
+    bias = segment_bias(segment_ids_BxL, q_BxLxNxH.dtype) if bias is None else bias
+    ctx_BxLxNxH = attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, self.implementation)
     ctx_BxLxNxH = checkpoint_name(shard(ctx_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTENTION_CONTEXT)
     y_BxLxD = self.out(ctx_BxLxNxH, key)
     return checkpoint_name(shard(y_BxLxD, (BATCH, LENGTH, EMBED)), remat.OUT_PROJ)

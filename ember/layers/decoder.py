@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
-from ember.layers.attention import Attention
+from ember.layers.attention import Attention, segment_bias
 from ember.layers.embed import Embed
 from ember.layers.linear import Linear, projection_key
 from ember.layers.mlp import MLP
@@ -52,9 +52,10 @@ class DecoderLayer(nnx.Module):
     else:
       self.mlp = MLP(model, model.d_ff, layer=index, rngs=rngs)
 
-  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None):
+  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None):
+    """`bias`: the attention's segment bias, made once for every layer (Transformer.__call__), or None."""
     x_BxLxD = checkpoint_name(x_BxLxD, remat.LAYER_INPUT)
-    h_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), segment_ids_BxL, positions_BxL, key)
+    h_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), segment_ids_BxL, positions_BxL, key, bias)
     if self.is_moe:
       y_BxLxD, aux = self.moe(self.mlp_norm(h_BxLxD), segment_ids_BxL, key)
     else:
@@ -80,13 +81,13 @@ class Block(nnx.Module):
     self.layers = nnx.List([DecoderLayer(model, first + j, rngs) for j in range(model.block_size)])
     self.num_experts = model.num_experts
 
-  def __call__(self, x, segment_ids, positions, key=None):
+  def __call__(self, x, segment_ids, positions, key=None, bias=None):
     """(x, aux summed over the block's layers, per layer [block_size, ...]: MOE_LAYER_COUNTS and, in MoE
     models, MOE_EXPERT_LOADS (zeros for dense layers))."""
     aux, per_layer = zero_aux(), []
     for j, layer in enumerate(self.layers):
       layer_key = None if key is None else jax.random.fold_in(key, j)
-      x, a = layer(x, segment_ids, positions, layer_key)
+      x, a = layer(x, segment_ids, positions, layer_key, bias)
       aux = jax.tree.map(jnp.add, aux, {k: a[k] for k in AUX_KEYS})
       per_layer.append(a)
     by_layer = {k: jnp.stack([a[k] for a in per_layer]) for k in MOE_LAYER_COUNTS}
@@ -119,15 +120,17 @@ class Segment(nnx.Module):
 
     self.blocks = make(rngs)
 
-  def __call__(self, x, segment_ids, positions, key, policy: remat.Preset):
-    """(x, aux summed over the segment's layers, the block's per-layer values for each of its layers)."""
+  def __call__(self, x, segment_ids, positions, key, policy: remat.Preset, bias=None):
+    """(x, aux summed over the segment's layers, the block's per-layer values for each of its layers). `bias`:
+    the attention's segment bias (made here if None): an input of every checkpointed block, never recomputed."""
     graphdef, state = nnx.split(self.blocks)
+    bias = segment_bias(segment_ids, x.dtype) if bias is None else bias
 
     def body(carry, xs):
       x, aux = carry
       block_state, block_id = xs
       block_key = None if key is None else jax.random.fold_in(key, block_id)
-      y, a, per_layer = nnx.merge(graphdef, block_state)(x, segment_ids, positions, block_key)
+      y, a, per_layer = nnx.merge(graphdef, block_state)(x, segment_ids, positions, block_key, bias)
       return (y, jax.tree.map(jnp.add, aux, a)), per_layer
 
     ids = jnp.asarray(self.block_ids, jnp.int32)
@@ -261,8 +264,9 @@ class Transformer(nnx.Module):
     step passes the config's, ember/trainer/step.py); a forward pass alone needs none."""
     x = self.embed(tokens_BxL)
     aux, per_layer = zero_aux(), []
+    bias = segment_bias(segment_ids_BxL, x.dtype)  # Once for every layer of every segment.
     for segment in self.segments:
-      x, a, counts = segment(x, segment_ids_BxL, positions_BxL, key, policy)
+      x, a, counts = segment(x, segment_ids_BxL, positions_BxL, key, policy, bias)
       aux = jax.tree.map(jnp.add, aux, a)
       per_layer.append(counts)
     for k in per_layer[0]:  # Segments are consecutive runs of layers, in order.
