@@ -9,10 +9,10 @@ kernel per tile of the tensor: it reads the tile once, takes the amaxes of its r
 blocks, and writes
   along the last axis     data [R, C] and scales [R, C / 32], and
   along the first axis    data [C, R] and scales [C, R / 32]: transposed, contraction axis last,
-so the source is read once and each copy written once (the ideal bytes of issue "one pass per operand").
+so the source is read once and each copy written once: the fewest bytes a quantize of both copies can move.
 
-Numerics: bit for bit `quantizers.MXFP8Scaling` (the tests run the kernel in interpret mode on the CPU against
-it). The block exponent is read off the amax's float32 bits instead of `frexp`: for a normal amax = 1.f x 2**(E
+Numerics: bit for bit `quantizers.MXFP8Scaling` along each axis (the tests run the kernel in interpret mode on the
+CPU against it). The block exponent is read off the amax's float32 bits instead of `frexp`: for a normal amax = 1.f x 2**(E
 - 127), frexp's (m, e) are (1.f / 2, E - 126), so k = e - 9 + (m > 0.875) = E - 135 + (f > 0.75); a subnormal
 amax gives k <= -134 either way, clipped to -127 as before.
 
@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ember.platform import target_platform
 from ember.quant.formats import E4M3
-from ember.quant.quantizers import MXFP8Scaling, tensor_amax
+from ember.quant.quantizers import tensor_amax
 from ember.quant.tensor import QuantizedTensor
 
 BLOCK = 32  # MXFP8's block.
@@ -71,13 +71,6 @@ def both(a: jax.Array, *, reduce_axes: tuple[str, ...] = (), interpret: bool | N
       data=d, scale_inv=jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu), global_scale_inv=jnp.float32(1.0),
       amax=amax, recipe="mxfp8", axis=1, block=(BLOCK,), dtype=jnp.dtype(a.dtype).name)
   return quantized(data, scale), quantized(data_t, scale_t)
-
-
-def per_copy(a: jax.Array, *, reduce_axes: tuple[str, ...] = (), stats: bool = False):
-  """`both`'s two copies from the per-copy quantizer (the reference, and the path off a GPU)."""
-  q = MXFP8Scaling(BLOCK)
-  return (q.quantize(a, axis=1, reduce_axes=reduce_axes, stats=stats),
-          q.quantize(a.T, axis=1, reduce_axes=reduce_axes, stats=stats))
 
 
 # --- The kernel --------------------------------------------------------------------------------------------
