@@ -70,6 +70,9 @@ EXPERT_GEMM_SCOPE = "expert_gemm"
 # The name scope around a block-scaled GEMM emulated in bf16 where the GPU has no kernel for it
 # (ember/quant/gemm.py): the compile report counts those GEMMs as `emulated`.
 EMULATED_GEMM_SCOPE = "emulated_block_scaled_gemm"
+# The name scope around cuDNN's block-scaled GEMM (ember/quant/gemm.py): the compile report's `memory_by_op` names
+# the non-GEMM kernels of its partitioned region (NVFP4's float32 result scaled and cast) by it.
+BLOCK_SCALED_GEMM_SCOPE = "block_scaled_gemm"
 # The name scope around NVFP4's random Hadamard transform (16x16 float32 GEMMs on the wgrad operands): the
 # compile report keeps them out of the expert GEMMs they feed.
 HADAMARD_SCOPE = "random_hadamard_transform"

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ember.names import EMULATED_GEMM_SCOPE
+from ember.names import BLOCK_SCALED_GEMM_SCOPE, EMULATED_GEMM_SCOPE
 from ember.platform import target_compute_capability, target_platform
 from ember.quant.recipe import SCHEMES
 from ember.quant.tensor import QuantizedTensor, block_axes, block_broadcast
@@ -78,8 +78,9 @@ def block_scaled_dot(a: QuantizedTensor, b: QuantizedTensor, contracting: tuple[
       alpha = jnp.ones((da.shape[0],), F32)
       if scaled:
         alpha = jnp.broadcast_to((_tensor_scale(a, batched) * _tensor_scale(b, batched)).reshape(-1), alpha.shape)
-      y = _cudnn_block_scaled_matmul(da, db, _bytes(sa), _bytes(sb), alpha, sa.dtype, jnp.dtype(output_dtype(out)),
-                                     scaled)
+      with jax.named_scope(BLOCK_SCALED_GEMM_SCOPE):  # Names the partitioned region's kernels in `memory_by_op`.
+        y = _cudnn_block_scaled_matmul(da, db, _bytes(sa), _bytes(sb), alpha, sa.dtype,
+                                       jnp.dtype(output_dtype(out)), scaled)
       scaled = False  # Taken.
     else:
       y = jax.lax.scaled_dot(da, db, lhs_scale=sa, rhs_scale=sb, dimension_numbers=(((2,), (2,)), ((0,), (0,))),
