@@ -67,6 +67,9 @@ class Layout(Protocol):
   def wgrad_rows(self, a, rows, block: int) -> jax.Array:
     """x or g in the layout the block-scaled wgrad copies are quantized along the rows in."""
 
+  def wgrad_copy(self, q: QuantizedTensor) -> QuantizedTensor:
+    """A block-scaled copy quantized along the rows, stored as wgrad reads it (transposed or as it is)."""
+
   def quantize_kernel(self, recipe: Recipe, w, history, axis: int, stats: bool) -> QuantizedTensor: ...
 
   def whole(self, a):
@@ -112,7 +115,7 @@ def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name
       q[X] = act.quantize(x, axis=layout.x_axis, reduce_axes=layout.reduce_axes, stats=stats)
       if recipe.has_x_t:
         x_rows = recipe.wgrad_transform(layout.wgrad_rows(x, rows, b), layout.row_axis)
-        q[X_T] = act.quantize(x_rows, axis=layout.row_axis, reduce_axes=layout.reduce_axes)
+        q[X_T] = layout.wgrad_copy(act.quantize(x_rows, axis=layout.row_axis, reduce_axes=layout.reduce_axes))
   with jax.named_scope(SCOPE_WEIGHT):
     if one_pass:
       q[KERNEL_T], q[KERNEL] = fused.both(w)
@@ -182,8 +185,8 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
   else:  # Block-scaled: both along the rows (NVFP4 after the Hadamard transform, which cancels in the product).
     if not one_pass:
       with jax.named_scope(SCOPE_GRADIENT):
-        g_m = grad_q.quantize(recipe.wgrad_transform(layout.wgrad_rows(g, rows, b), layout.row_axis),
-                              axis=layout.row_axis, rng=key_wgrad, reduce_axes=layout.reduce_axes)
+        g_m = layout.wgrad_copy(grad_q.quantize(recipe.wgrad_transform(layout.wgrad_rows(g, rows, b), layout.row_axis),
+                                                axis=layout.row_axis, rng=key_wgrad, reduce_axes=layout.reduce_axes))
     x_m = q[X_T]
   dw = layout.wgrad(x_m, g_m, rows, b if recipe.has_x_t else None, dtype, recipe.wgrad_out(w_dtype))
   h_x, h_k, h_g = history

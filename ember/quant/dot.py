@@ -18,7 +18,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ember.quant import fused
 from ember.quant.core import quantized_gemm
 from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.recipe import WEIGHT, Recipe, pad_to
@@ -38,7 +37,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
     return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype))
   # The [3, H] and [3, S] arrays as (x, kernel, grad) rows; autodiff stacks their cotangents back.
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
-  layout = DenseLayout(transposed=recipe.name in fused.TRANSPOSED_RECIPES)
+  layout = DenseLayout(transposed=recipe.has_x_t)
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error)
 
@@ -98,18 +97,17 @@ _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
 class DenseLayout:
   """x [M, K] @ w [K, N] (quant/core.py's `Layout`): one kernel and its scales; rows padded to the block.
 
-  `transposed` (fused.TRANSPOSED_RECIPES): the copies quantized along a first axis (x and the gradient along M
-  for wgrad, the kernel along K for the forward GEMM) are stored transposed, contraction axis last, as the
-  GEMM reads them and as the one-pass kernel writes them (quant/fused.py). Every GEMM contracts a block-scaled
-  copy along the axis it was quantized along, so it reads either layout."""
+  `transposed` (block-scaled recipes): the copies quantized along a first axis (x and the gradient along M for
+  wgrad, the kernel along K for the forward GEMM) are stored transposed, contraction axis last, as the GEMM
+  reads them and as the one-pass kernel writes them (quant/fused.py): quantized exactly as before (stochastic
+  rounding's noise drawn in the same layout), then transposed, so XLA writes them transposed from the kernel
+  that quantizes them instead of transposing them apart for the GEMM. Every GEMM contracts a block-scaled copy
+  along the axis it was quantized along, so it reads either layout."""
   x_axis: int = 1
+  row_axis: int = 0
   per_expert: bool = False
   reduce_axes: tuple[str, ...] = ()
   transposed: bool = False
-
-  @property
-  def row_axis(self) -> int:
-    return 1 if self.transposed else 0
 
   def prepare(self, a, rows, block):
     return pad_to(a, (block, block))
@@ -118,12 +116,15 @@ class DenseLayout:
     return pad_to(w, (block, block))
 
   def wgrad_rows(self, a, rows, block):
-    return a.T if self.transposed else a
+    return a
+
+  def wgrad_copy(self, q: QuantizedTensor) -> QuantizedTensor:
+    """A copy quantized along the rows, as wgrad reads it."""
+    return q.T if self.transposed else q
 
   def quantize_kernel(self, recipe: Recipe, w, history, axis, stats):
-    if self.transposed and axis == 0:
-      return recipe.quantizer(WEIGHT, history).quantize(w.T, axis=1, stats=stats)
-    return recipe.quantizer(WEIGHT, history).quantize(w, axis=axis, stats=stats)
+    q = recipe.quantizer(WEIGHT, history).quantize(w, axis=axis, stats=stats)
+    return q.T if self.transposed and axis == 0 and recipe.has_kernel_t else q
 
   def whole(self, a):
     return a

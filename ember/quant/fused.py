@@ -16,10 +16,11 @@ CPU against it). The block exponent is read off the amax's float32 bits instead 
 - 127), frexp's (m, e) are (1.f / 2, E - 126), so k = e - 9 + (m > 0.875) = E - 135 + (f > 0.75); a subnormal
 amax gives k <= -134 either way, clipped to -127 as before.
 
-Where it runs (`one_pass`): MXFP8 on a GPU, a dense projection's operands, without health statistics (they
-take the per-copy path, which measures them). The kernel is lowered with Pallas' Triton backend, a
+Where it runs (`one_pass`): MXFP8 on a GPU, a dense projection's operands (whose first-axis copies are stored
+transposed, quant/dot.py's DenseLayout), without health statistics (they take the per-copy path, which measures
+them). The kernel is lowered with Pallas' Triton backend, a
 `__gpu$xla.gpu.triton` custom call that the compile report counts by its bytes; elsewhere the per-copy
-quantizers run, transposing the input of the first-axis copy so that both paths give the same arrays.
+quantizers run and the first-axis copy is transposed after, so that both paths give the same arrays.
 Sharding: `custom_partitioning` runs the kernel on each device's shard; its rule splits a dimension between
 blocks only, and a dimension whose shards would still not hold whole blocks is gathered first.
 """
@@ -41,10 +42,6 @@ from ember.quant.quantizers import tensor_amax
 from ember.quant.tensor import QuantizedTensor
 
 BLOCK = 32  # MXFP8's block.
-# Recipes whose first-axis copies of a dense operand are stored transposed (quant/dot.py's DenseLayout): rounded to
-# nearest with no transform, they are the same values either way. (NVFP4's stochastic rounding draws its noise by
-# position, so transposing its copies would move the noise and change the run.)
-TRANSPOSED_RECIPES = ("mxfp8",)
 _TILES = (64, 32)  # Tile sides tried, largest first: each a multiple of the block and a power of two.
 _E8M0_BIAS = 127
 SCOPE = "mxfp8_quantize_both"  # The kernel's name scope: its row in the compile report's `memory_by_op`.
@@ -53,7 +50,7 @@ SCOPE = "mxfp8_quantize_both"  # The kernel's name scope: its row in the compile
 def one_pass(layout, recipe_name: str, stats: bool) -> bool:
   """Whether an operand of `recipe_name` in `layout` (quant/core.py's) is quantized by the one-pass kernel (see the
   module doc)."""
-  return getattr(layout, "transposed", False) and recipe_name in TRANSPOSED_RECIPES and not stats and \
+  return getattr(layout, "transposed", False) and recipe_name == "mxfp8" and not stats and \
       target_platform() == "gpu"
 
 

@@ -219,6 +219,9 @@ class RaggedLayout(ExpertLayout):
   def prepare(self, a_MxK, group_sizes_E, block):
     return pad_to(_mask_rows(a_MxK, group_sizes_E), (1, block))
 
+  def wgrad_copy(self, q):
+    return q
+
   def wgrad_rows(self, a_MxK, group_sizes_E, block):
     return _to_layout(a_MxK, block_layout(group_sizes_E, a_MxK.shape[0], block))
 

@@ -125,6 +125,14 @@ class QuantizedTensor:
     return math.ceil(data_bits / 8) + sum(
         s.size * jnp.dtype(s.dtype).itemsize for s in scales)
 
+  @property
+  def T(self) -> "QuantizedTensor":
+    """A 2-d tensor quantized in 1-d blocks, stored transposed: the same values, its blocks now along the other
+    axis (a GEMM that contracts that axis reads it as it is)."""
+    assert self.data.ndim == 2 and len(self.block) <= 1, (self.data.shape, self.block)
+    scale = self.scale_inv.T if self.scale_inv.ndim == 2 else self.scale_inv
+    return dataclasses.replace(self, data=self.data.T, scale_inv=scale, axis=1 - self.axis)
+
   def dequantize(self, dtype=None) -> jax.Array:
     """Back to `dtype` (default: the input's dtype).
 
