@@ -47,10 +47,10 @@ _E8M0_BIAS = 127
 SCOPE = "mxfp8_quantize_both"  # The kernel's name scope: its row in the compile report's `memory_by_op`.
 
 
-def one_pass(layout, recipe_name: str, stats: bool) -> bool:
-  """Whether an operand of `recipe_name` in `layout` (quant/core.py's) is quantized by the one-pass kernel (see the
-  module doc)."""
-  return getattr(layout, "transposed", False) and recipe_name == "mxfp8" and not stats and \
+def one_pass(layout, recipe, stats: bool) -> bool:
+  """Whether an operand of `recipe` (quant/recipe.py's Recipe) in `layout` (quant/core.py's) is quantized by the
+  one-pass kernel (see the module doc; the recipe table says which recipes have one)."""
+  return getattr(layout, "transposed", False) and recipe.scheme.one_pass_kernel and not stats and \
       target_platform() == "gpu"
 
 

@@ -61,6 +61,8 @@ class Scheme:
   transposed_copies: bool = False  # Block-scaled: x_t for wgrad, kernel_t for dgrad (see module doc).
   hadamard: bool = False  # The wgrad operands may go through the random Hadamard transform.
   tensor_scale: bool = False  # Block-scaled data also carries a float32 per-tensor scale (NVFP4).
+  # On a GPU a dense operand's two copies come from one kernel that reads it once (quant/fused.py).
+  one_pass_kernel: bool = False
   # (statistic, limit) pairs replacing quant/health.py's default warning thresholds for this format.
   health_limits: tuple[tuple[str, float], ...] = ()
 
@@ -70,7 +72,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("fp8_delayed", lambda r, role, h: DelayedScaling(h, _fp8_format(role), r.margin, r.amax_compute_algo),
            delayed=True),
     Scheme("fp8_current", lambda r, role, h: CurrentScaling(_fp8_format(role))),
-    Scheme("mxfp8", lambda r, role, h: MXFP8Scaling(), block_size=32, transposed_copies=True),
+    Scheme("mxfp8", lambda r, role, h: MXFP8Scaling(), block_size=32, transposed_copies=True, one_pass_kernel=True),
     Scheme("nvfp4", lambda r, role, h: NVFP4Scaling(tile_2d=role == WEIGHT and r.nvfp4_2d_weights,
                                                     stochastic_rounding=role == GRADIENT and r.nvfp4_stochastic_rounding),
            block_size=16, transposed_copies=True, hadamard=True, tensor_scale=True,
