@@ -99,7 +99,8 @@ class Probe:
       total = g if total is None else jax.tree.map(jnp.add, total, g)
     total = jax.tree.map(lambda a: np.asarray(a, np.float64), total)
     grads = {k: v / len(self.batches) for k, v in rows_by_layer(total[0], settings.model).items()}
-    errors = {(layer, path[:-1]): _ratio(sums) for (layer, path), sums in rows_by_layer(total[1], settings.model).items()}
+    by_layer = rows_by_layer(total[1], settings.model)
+    errors = {(layer, path[:-1]): _ratio(sums) for (layer, path), sums in by_layer.items()}
     if head_quantized:
       errors[(None, ("lm_head",))] = _ratio(total[2])
     return grads, errors

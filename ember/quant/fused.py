@@ -12,9 +12,9 @@ blocks, and writes
 so the source is read once and each copy written once: the fewest bytes a quantize of both copies can move.
 
 Numerics: bit for bit `quantizers.MXFP8Scaling` along each axis (the tests run the kernel in interpret mode on the
-CPU against it). The block exponent is read off the amax's float32 bits instead of `frexp`: for a normal amax = 1.f x 2**(E
-- 127), frexp's (m, e) are (1.f / 2, E - 126), so k = e - 9 + (m > 0.875) = E - 135 + (f > 0.75); a subnormal
-amax gives k <= -134 either way, clipped to -127 as before.
+CPU against it). The block exponent is read off the amax's float32 bits instead of `frexp`: for a normal amax
+= 1.f x 2**(E - 127), frexp's (m, e) are (1.f / 2, E - 126), so k = e - 9 + (m > 0.875) = E - 135 + (f > 0.75);
+a subnormal amax gives k <= -134 either way, clipped to -127 as before.
 
 Where it runs (`one_pass`): MXFP8 on a GPU, a dense projection's operands (whose first-axis copies are stored
 transposed, quant/dot.py's DenseLayout), without health statistics (they take the per-copy path, which measures

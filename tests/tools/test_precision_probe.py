@@ -112,7 +112,8 @@ def test_output_errors_are_the_same_under_expert_parallelism(mesh):
   from tests import helpers
 
   def errors(num_devices, **over):
-    s = helpers.start(helpers.config("tiny_moe", **{"quant.recipe": "fp8_current", "model.dtype": "float32", **over}), num_devices)
+    overrides = {"quant.recipe": "fp8_current", "model.dtype": "float32", **over}
+    s = helpers.start(helpers.config("tiny_moe", **overrides), num_devices)
     settings = probe_lib.with_output_errors(s.cfg)
     graphdef = logical_axes(settings)[0]
     batch = {k: jnp.asarray(v) for k, v in helpers.random_batch(s.cfg).items()}
