@@ -122,9 +122,8 @@ class Segment(nnx.Module):
 
   def __call__(self, x, segment_ids, positions, key, policy: remat.Preset, bias=None):
     """(x, aux summed over the segment's layers, the block's per-layer values for each of its layers). `bias`:
-    the attention's segment bias (made here if None): an input of every checkpointed block, never recomputed."""
+    the attention's segment bias (Transformer.__call__): an input of every checkpointed block, never recomputed."""
     graphdef, state = nnx.split(self.blocks)
-    bias = segment_bias(segment_ids, x.dtype) if bias is None else bias
 
     def body(carry, xs):
       x, aux = carry

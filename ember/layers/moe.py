@@ -172,7 +172,8 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   # Histories and statistics: (x, kernels, grad); the kernels' rows go with their experts.
   specs_of = lambda trees: tuple(None if t is None else (P(), P(e_spec, None), P()) for t in trees)
   d_spec = _embed_shards(wi_ExDx2xF.shape[1], opts, mesh, rules, expert_axes)
-  body = functools.partial(_experts, opts=opts, plan=plan, token_axes=token_axes, embed_axes=sharding.entry_axes(d_spec))
+  body = functools.partial(_experts, opts=opts, plan=plan, token_axes=token_axes,
+                           embed_axes=sharding.entry_axes(d_spec))
   fn = jax.shard_map(body, mesh=mesh,
                      in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec, d_spec), P(e_spec, None, d_spec),
                                specs_of(histories), None if keys is None else (P(), P()), specs_of(stats),
@@ -185,7 +186,8 @@ def _embed_shards(d: int, opts: Options, mesh, rules, expert_axes):
   """The mesh axes the expert kernels' `embed` dim stays sharded over inside the shard_map (a PartitionSpec
   entry), or None: gathered whole at the boundary. Sharded when both kernels are quantized and a shard holds
   whole scaling blocks (every real model: d_model / fsdp is a multiple of 32)."""
-  axes = tuple(a for a in sharding.entry_axes(sharding.logical_to_spec((EMBED,), rules, mesh)[0]) if a not in expert_axes)
+  embed = sharding.entry_axes(sharding.logical_to_spec((EMBED,), rules, mesh)[0])
+  axes = tuple(a for a in embed if a not in expert_axes)
   size = math.prod(mesh.shape[a] for a in axes)
   recipes = (opts.wi_recipe, opts.wo_recipe)
   if size == 1 or not all(r.quantized for r in recipes) or d % size or (d // size) % max(r.block_size for r in recipes):

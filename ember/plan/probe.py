@@ -26,10 +26,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from ember.data.sharded import data_iterator
 from flax import nnx
 
+from ember.data.sharded import data_iterator
 from ember.layers.decoder import rows_by_layer, stacked_like, tree_leaves, within_layer
 from ember.names import INPUTS, LM_HEAD, POSITIONS, SEGMENT_IDS
 from ember.quant import quantize

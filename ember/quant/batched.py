@@ -108,9 +108,6 @@ class CapacityLayout(ExpertLayout):
   def prepare(self, a_ExCxK, rows, block):
     return pad_to(a_ExCxK, (1, block, block))
 
-  def wgrad_copy(self, q):
-    return q
-
   def wgrad_rows(self, a_ExCxK, rows, block):
     return a_ExCxK
 

@@ -56,6 +56,7 @@ class Layout(Protocol):
   x_axis: int  # The contraction axis of x (and the output axis of g).
   row_axis: int  # The axis wgrad contracts (the rows), in the wgrad copies' layout.
   per_expert: bool  # Kernels [E, K, N] with per-expert scales and histories.
+  transposed: bool  # First-axis block-scaled copies stored transposed (quant/dot.py's DenseLayout).
   reduce_axes: tuple[str, ...]  # Mesh axes the rows are sharded over: per-tensor amaxes are reduced over them.
 
   def prepare(self, a, rows, block: int) -> jax.Array:

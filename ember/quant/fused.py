@@ -50,8 +50,7 @@ SCOPE = "mxfp8_quantize_both"  # The kernel's name scope: its row in the compile
 def one_pass(layout, recipe, stats: bool) -> bool:
   """Whether an operand of `recipe` (quant/recipe.py's Recipe) in `layout` (quant/core.py's) is quantized by the
   one-pass kernel (see the module doc; the recipe table says which recipes have one)."""
-  return getattr(layout, "transposed", False) and recipe.scheme.one_pass_kernel and not stats and \
-      target_platform() == "gpu"
+  return layout.transposed and recipe.scheme.one_pass_kernel and not stats and target_platform() == "gpu"
 
 
 def both(a: jax.Array, *, reduce_axes: tuple[str, ...] = (), interpret: bool | None = None):

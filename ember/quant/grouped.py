@@ -60,7 +60,8 @@ def grouped_matmul(x_MxK: jax.Array, w_ExKxN: jax.Array, group_sizes_E: jax.Arra
   whose "gradient" is the forward output's error (quant/core.py), or None."""
   with jax.named_scope(EXPERT_GEMM_SCOPE):
     return _grouped_matmul(x_MxK, w_ExKxN, group_sizes_E, recipe=recipe, name=name, history=history, key=key,
-                           dtype=dtype, reduce_axes=reduce_axes, stats=stats, kernel_shards=kernel_shards, error=error)
+                           dtype=dtype, reduce_axes=reduce_axes, stats=stats, kernel_shards=kernel_shards,
+                           error=error)
 
 
 def _grouped_matmul(x_MxK, w_ExKxN, group_sizes_E, *, recipe, name, history, key, dtype, reduce_axes, stats,
@@ -131,6 +132,10 @@ class ExpertLayout:
   reduce_axes: tuple[str, ...] = ()
   shards: Shards = None
   per_expert = True
+  transposed = False  # Wgrad copies stay in the layout they are quantized in.
+
+  def wgrad_copy(self, q):
+    return q
 
   def pad_kernel(self, w, block):
     return pad_to(w, (1, block, block))
@@ -218,9 +223,6 @@ class RaggedLayout(ExpertLayout):
 
   def prepare(self, a_MxK, group_sizes_E, block):
     return pad_to(_mask_rows(a_MxK, group_sizes_E), (1, block))
-
-  def wgrad_copy(self, q):
-    return q
 
   def wgrad_rows(self, a_MxK, group_sizes_E, block):
     return _to_layout(a_MxK, block_layout(group_sizes_E, a_MxK.shape[0], block))
