@@ -144,6 +144,8 @@ def get_config() -> ml_collections.ConfigDict:
   mesh = c.mesh = ml_collections.ConfigDict()
   mesh.data = 1  # Pure data parallelism (replicated parameters).
   mesh.fsdp = -1  # Fully-sharded data parallelism (-1 = fill with the remaining devices).
+  mesh.context = 1  # Context parallelism: each sequence split over this many devices (docs/long_context.md);
+  # they shard the parameters and optimizer state as `fsdp` does.
   mesh.tensor = 1  # Tensor parallelism over heads and MLP hidden units.
   mesh.expert = 1  # Expert parallelism (MoE).
   mesh.dcn_data = 1  # Across hosts (slow network): multiplies `data`.
@@ -152,8 +154,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Logical axis -> mesh axes. Layer code names logical axes only; this table decides the rest.
   mesh.rules = (
       ("batch", ("data", "fsdp", "expert")),
-      ("length", None),
-      ("embed", "fsdp"),
+      ("length", "context"),
+      ("embed", ("fsdp", "context")),
       ("heads", "tensor"),
       ("kv_heads", "tensor"),
       ("head_dim", None),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -25,7 +26,7 @@ from ml_collections import config_flags
 from ember import config_schema as schema
 from ember.errors import ConfigError, bad_key, one_line
 from ember import config_phases
-from ember.names import BATCH, EXPERT
+from ember.names import BATCH, EXPERT, LENGTH
 from ember.parallel import distributed
 from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import Recipe
@@ -233,6 +234,10 @@ def _validate_mesh(s: Settings) -> None:
   if (batch // batch_shards) % accum:
     bad_key("train.grad_accum_steps", f"{accum} does not divide the sequences each device holds: train.batch_size="
           f"{batch} / data*fsdp*expert={batch_shards} = {batch // batch_shards}")
+  context = math.prod(sizes[a] for a in rules.get(LENGTH, ()))
+  if context > 1 and m.seq_len % (2 * context):  # The balanced layout's 2 chunks a device (parallel/context.py).
+    bad_key("mesh.context", f"the 2 x {context} chunks of a sequence split over {context} devices do not divide "
+            f"model.seq_len={m.seq_len}")
   if sizes["tensor"] > 1 and m.num_kv_heads % sizes["tensor"]:
     bad_key("mesh.tensor", f"{sizes['tensor']} does not divide model.num_kv_heads={m.num_kv_heads}")
   if m.num_experts and m.num_experts % sizes["expert"]:

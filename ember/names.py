@@ -22,8 +22,8 @@ QKV = "qkv"  # The (q groups, k, v) axis of the fused QKV kernel.
 GATE = "gate"  # The (gate, up) axis of the fused SwiGLU kernel.
 LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, NORM, QKV, GATE)
 
-# Mesh axes, in the mesh's order.
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+# Mesh axes, in the mesh's order (the last vary fastest: tensor and expert on the closest devices).
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
 # --- A batch: int32 [batch, length] arrays under these keys (ember/data/packing.py builds them). ---
 INPUTS = "inputs"

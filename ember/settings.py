@@ -83,6 +83,7 @@ class Mesh:
   to mesh axes."""
   data: int = key("value")  # The mesh's own rules check the axes (ember/parallel/mesh.py: ici_dcn).
   fsdp: int = key("value")
+  context: int = key("value")
   tensor: int = key("value")
   expert: int = key("value")
   dcn_data: int = key("int", ">=1")

@@ -39,6 +39,9 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
   if recipe:
     cfg = cfg.replace("quant.recipe", recipe)
   if not one_device and not host and math.prod(cfg.mesh.sizes().values()) == jax.device_count():
+    if cfg.mesh.context > 1:  # Decoding feeds a token at a time: the context devices shard the state as fsdp.
+      cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=cfg.mesh.fsdp * cfg.mesh.context,
+                                                              context=1))
     mesh = make_mesh(cfg.mesh)
   else:  # One device: every axis and host count 1.
     ones = {f.name: 1 for f in dataclasses.fields(cfg.mesh) if f.name != "rules"}

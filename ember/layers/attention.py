@@ -4,6 +4,9 @@ Q, K and V come from one fused projection (kernel [embed, kv_heads, q_per_kv + 2
 quantized recipe quantizes the layer's normed input once, not three times, and tensor parallelism
 shards whole kv groups. The softmax and its two batched matmuls stay in the compute dtype
 (never quantized). Tokens attend only within their own segment (packed documents).
+
+Under context parallelism (`mesh.context`) the decoder runs in ember/parallel/context.py's balanced layout and
+attention is that module's: all-gathered keys and values, each device's queries attending to them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ember.layers.norm import RMSNorm
 from ember.layers.rope import apply_rope
 from ember.model_config import ModelConfig
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV
+from ember.parallel import context
 from ember.parallel.sharding import shard
 from ember.platform import target_platform
 
@@ -34,20 +38,34 @@ def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
 MASKED = -float(2 << 40)
 
 
-def segment_bias(segment_ids_BxL: jax.Array, dtype) -> jax.Array:
-  """[B, 1, L, L] additive attention bias: 0 within a segment, MASKED across (causality is separate). The
-  decoder makes it once a step (Transformer.__call__) for every layer: computed inside a layer, the backward
-  pass's recompute of each checkpointed layer would write it again, an L x L array a layer."""
-  bias = jnp.where(segment_mask(segment_ids_BxL), jnp.asarray(0, dtype), jnp.asarray(MASKED, dtype))
-  return shard(bias, (BATCH, None, None, None))
+def attention_bias(segment_ids_BxL: jax.Array, dtype):
+  """The additive attention bias, 0 where a query may see a key and MASKED elsewhere: [B, 1, L, L] for keys of the
+  same segment (the kernel's causal mask does the rest); under context parallelism the pair of biases of
+  `context.visibility` (causality included) for the balanced layout's `segment_ids_BxL`. The decoder makes it
+  once a step (Transformer.__call__) for every layer: made inside a layer, the backward pass's recompute of each
+  checkpointed layer would write it again, an L x L array a layer."""
+  as_bias = lambda visible: shard(jnp.where(visible, jnp.asarray(0, dtype), jnp.asarray(MASKED, dtype)),
+                                  (BATCH, None, LENGTH, None))
+  if context.context_axes():
+    return tuple(as_bias(v) for v in context.visibility(segment_ids_BxL))
+  return as_bias(segment_mask(segment_ids_BxL))
 
 
-def attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias_Bx1xLxL, implementation: str):
-  """Causal attention within segments (`bias`: `segment_bias`). `auto` takes cuDNN's flash attention when the
-  target is a GPU and falls back to XLA for the shapes, dtypes or masks cuDNN does not take (it raises at trace
-  time; the compile report says why: `cudnn_refusal`)."""
-  attention = lambda impl: jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias=bias_Bx1xLxL,
-                                                        is_causal=True, implementation=impl)
+def attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, implementation: str):
+  """Causal attention within segments (`bias`: `attention_bias`), whole or, under context parallelism, the
+  balanced layout's (ember/parallel/context.py)."""
+  if context.context_axes():
+    local = lambda q, k, v, b: local_attention(q, k, v, b, implementation, causal=False)
+    return context.attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, local)
+  return local_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, implementation, causal=True)
+
+
+def local_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias_Bx1xTxS, implementation: str, *, causal: bool):
+  """Attention on one device. `auto` takes cuDNN's flash attention when the target is a GPU and falls back to XLA
+  for the shapes, dtypes or masks cuDNN does not take (it raises at trace time; the compile report says why:
+  `cudnn_refusal`)."""
+  attention = lambda impl: jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=bias_Bx1xTxS,
+                                                        is_causal=causal, implementation=impl)
   if implementation == "auto":
     if target_platform() == "gpu":
       try:
@@ -58,13 +76,17 @@ def attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias_Bx1xLxL, implementation: str):
   return attention(implementation)
 
 
-def cudnn_refusal(batch: int, length: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype) -> str | None:
-  """Why cuDNN attention refuses these shapes (its one-line reason), or None if it takes them."""
-  q = jax.ShapeDtypeStruct((batch, length, num_heads, head_dim), dtype)
+def cudnn_refusal(batch: int, length: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype,
+                  shards: int = 1) -> str | None:
+  """Why cuDNN attention refuses these shapes (its one-line reason), or None if it takes them; `shards`: the
+  devices a sequence is split over (context parallelism: each attends a chunk of length / 2 shards queries to the
+  whole sequence under a bias, the larger of its two attentions)."""
+  queries = length if shards == 1 else length // (2 * shards)
+  q = jax.ShapeDtypeStruct((batch, queries, num_heads, head_dim), dtype)
   kv = jax.ShapeDtypeStruct((batch, length, num_kv_heads, head_dim), dtype)
-  bias = jax.ShapeDtypeStruct((batch, 1, length, length), dtype)
+  bias = jax.ShapeDtypeStruct((batch, 1, queries, length), dtype)
   try:
-    jax.eval_shape(lambda q, k, v, b: attend(q, k, v, b, "cudnn"), q, kv, kv, bias)
+    jax.eval_shape(lambda q, k, v, b: local_attention(q, k, v, b, "cudnn", causal=shards == 1), q, kv, kv, bias)
   except Exception as e:  # cuDNN's checks raise NotImplementedError, ValueError, RuntimeError...
     return one_line(e)
   return None
@@ -101,9 +123,13 @@ class Attention(nnx.Module):
     return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
 
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None):
-    """`bias`: `segment_bias(segment_ids_BxL)` if the caller made it already (the decoder does, once a step)."""
+    """`bias`: `attention_bias(segment_ids_BxL)` if the caller made it already (the decoder does, once a step)."""
     q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._qkv(x_BxLxD, positions_BxL, key)
-    bias = segment_bias(segment_ids_BxL, q_BxLxNxH.dtype) if bias is None else bias
+    if bias is None:
+      if context.context_axes():
+        raise ValueError("under context parallelism attention runs in the decoder's balanced layout, with the "
+                         "decoder's bias")
+      bias = attention_bias(segment_ids_BxL, q_BxLxNxH.dtype)
     ctx_BxLxNxH = attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, self.implementation)
     ctx_BxLxNxH = checkpoint_name(shard(ctx_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTENTION_CONTEXT)
     y_BxLxD = self.out(ctx_BxLxNxH, key)

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
-from ember.layers.attention import Attention, segment_bias
+from ember.layers.attention import Attention, attention_bias
 from ember.layers.embed import Embed
 from ember.layers.linear import Linear, projection_key
 from ember.layers.mlp import MLP
@@ -32,6 +32,7 @@ from ember.layers.norm import RMSNorm
 from ember.model_config import ModelConfig
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, LAYER_PROJECTIONS, LAYERS, LENGTH, LM_HEAD, MOE_EXPERT_LOADS,
                          MOE_LAYER_COUNTS, VOCAB)
+from ember.parallel import context
 from ember.parallel.sharding import shard
 from ember.quant import dot
 
@@ -261,16 +262,21 @@ class Transformer(nnx.Module):
                policy: remat.Preset = remat.PRESETS["none"]):
     """`policy`: the remat preset each scanned block runs under, the one place it is applied (the train
     step passes the config's, ember/trainer/step.py); a forward pass alone needs none."""
+    balanced = bool(context.context_axes())  # Context parallelism: its balanced layout (parallel/context.py).
+    if balanced:
+      tokens_BxL, segment_ids_BxL, positions_BxL = context.balance((tokens_BxL, segment_ids_BxL, positions_BxL),
+                                                                   (BATCH, LENGTH))
     x = self.embed(tokens_BxL)
     aux, per_layer = zero_aux(), []
-    bias = segment_bias(segment_ids_BxL, x.dtype)  # Once for every layer of every segment.
+    bias = attention_bias(segment_ids_BxL, x.dtype)  # Once for every layer of every segment.
     for segment in self.segments:
       x, a, counts = segment(x, segment_ids_BxL, positions_BxL, key, policy, bias)
       aux = jax.tree.map(jnp.add, aux, a)
       per_layer.append(counts)
     for k in per_layer[0]:  # Segments are consecutive runs of layers, in order.
       aux[k + BY_LAYER] = jnp.concatenate([counts[k] for counts in per_layer])
-    return self.final_norm(x), aux
+    h_BxLxD = self.final_norm(x)
+    return (context.unbalance(h_BxLxD, (BATCH, LENGTH, EMBED)) if balanced else h_BxLxD), aux
 
   def init_cache(self, batch: int, length: int) -> list:
     """An empty KV cache of `length` positions for `batch` rows: per segment (k, v) [blocks, block_size, B,

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ember.names import BATCH, EMBED, LENGTH, VOCAB
+from ember.parallel import context
 from ember.parallel.sharding import shard
 
 
@@ -15,5 +16,10 @@ class Embed(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-    x_BxLxD = jnp.take(self.embedding[...].astype(self.dtype), tokens_BxL, axis=0)
+    table_VxD = self.embedding[...].astype(self.dtype)
+    if context.context_axes():
+      # Looked up in a table sharded along `embed`, the rows come out split along `embed`, and XLA cannot move
+      # them onto batch x length when both are split (it would replicate them): gather the table first.
+      table_VxD = shard(table_VxD, (VOCAB, None))
+    x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
     return shard(x_BxLxD, (BATCH, LENGTH, EMBED))

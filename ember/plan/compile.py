@@ -20,7 +20,7 @@ from ember.parallel.mesh import make_mesh
 from ember.plan import auto_remat, cost, hlo
 from ember.plan import step as step_plan
 from ember.trainer import step as step_lib
-from ember.plan.layer import per_device_batch
+from ember.plan.layer import per_device_batch, sequence_shards
 from ember.plan.target import COMPILER_OPTIONS, Target, targeting
 from ember.plan.units import GiB
 from ember.trainer.optimizer import make_optimizer
@@ -123,5 +123,5 @@ def _why_not_cudnn(cfg, mesh) -> str:
   m = cfg.model
   tensor = int(mesh.shape["tensor"])  # Heads are split over it.
   reason = cudnn_refusal(per_device_batch(cfg, mesh), m.seq_len, m.num_heads // tensor, m.num_kv_heads // tensor,
-                         m.head_dim, m.dtype)
+                         m.head_dim, m.dtype, sequence_shards(cfg, mesh))
   return f"cuDNN refuses these shapes: {reason}" if reason else "cuDNN accepts the shapes; XLA kept its own attention"

@@ -16,6 +16,7 @@ are counted at the bits they take (uint4 = half a byte an element).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -29,6 +30,7 @@ from jax._src.interpreters import partial_eval as pe
 from ember import remat
 from ember.layers.decoder import Block, segments_of
 from ember.model_config import ModelConfig
+from ember.names import LENGTH
 from ember.plan.jaxpr import GEMM_PRIMITIVES, is_projection_gemm, is_quantize_cast, iter_eqns, name_stack, nbytes
 from ember.quant.core import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
 
@@ -58,6 +60,14 @@ def per_device_batch(cfg, mesh=None) -> int:
   return max(cfg.train.batch_size // shards // cfg.train.grad_accum_steps, 1)
 
 
+def sequence_shards(cfg, mesh=None) -> int:
+  """The devices each sequence is split over (context parallelism: the mesh axes `length` maps to), of the mesh
+  or of a derived config."""
+  size = lambda a: int(mesh.shape[a]) if mesh is not None else max(getattr(cfg.mesh, a), 1) * getattr(
+      cfg.mesh, f"dcn_{a}", 1)
+  return math.prod(size(a) for a in cfg.mesh.rules_dict.get(LENGTH, ()))
+
+
 def representative_block(model: ModelConfig) -> int:
   """The first block of the largest segment (blocks `quant.exclude` keeps in bf16 are the odd ones)."""
   return max(segments_of(model), key=len)[0]
@@ -70,7 +80,7 @@ def layer_problem(cfg, *, batch: int | None = None) -> LayerProblem:
   with nnx.use_eager_sharding(False):
     block = nnx.eval_shape(lambda: Block(model, first, nnx.Rngs(params=jax.random.key(0))))
   graphdef, state = nnx.split(block)
-  b, l, d = batch or per_device_batch(cfg), model.seq_len, model.d_model
+  b, l, d = batch or per_device_batch(cfg), model.seq_len // sequence_shards(cfg), model.d_model
   sds = jax.ShapeDtypeStruct
   key = jax.eval_shape(lambda: jax.random.key(0))
   return LayerProblem(graphdef, state, sds((b, l, d), model.dtype), sds((b, l), jnp.int32), sds((b, l), jnp.int32),

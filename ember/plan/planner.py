@@ -115,6 +115,9 @@ def presets(cfg) -> tuple[str, ...]:
 def layouts(cfg: ml_collections.ConfigDict, target: Target) -> list[Layout]:
   """Every layout of the (raw) config's model on the target (see the module doc); each passes config.validate."""
   settings = config_lib.derive(cfg, None)
+  if settings.mesh.context != 1:
+    raise ConfigError("config.mesh.context: the planner lays out whole sequences; compile a context-parallel "
+                      "layout with ember.tools.compile (docs/long_context.md)")
   m = settings.model
   per_node, nodes = target.per_node, target.nodes
   out = []
