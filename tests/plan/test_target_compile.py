@@ -206,6 +206,31 @@ def test_compile_tool_exit_codes(tmp_path, capsys):
   assert err[-1].startswith("error: needs ") and "GiB per device on h100x8" in err[-1]
 
 
+def test_long_context_fits_only_with_context_parallelism(tmp_path, capsys):
+  """llama3_8b at 131,072 tokens a sequence, fp8_current, h100x8, remat full. With the sequence split over the 8
+  GPUs (mesh.context=8, one sequence) the step fits; attention is cuDNN's, two calls per shard (the balanced
+  layout's early and late chunks) forward, again in the recompute, and backward; keys and values are
+  all-gathered whole ([131072, 8 kv heads, 128] a layer) and the layout moved by collective permutes; and the
+  step executes at most 1.6x the model's FLOPs (2.0x if every query met every key). Without it (a sequence a
+  GPU, batch 8) the tool says the step does not fit and exits 1."""
+  llama = [f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
+           "--config.quant.recipe=fp8_current", "--config.model.seq_len=131072", "--config.remat.policy=full",
+           "--target=h100x8"]
+  out = tmp_path / "context.json"
+  assert tool.main(["compile", *llama, "--config.mesh.context=8", "--config.train.batch_size=1",
+                    f"--out={out}"]) == 0
+  r = json.loads(out.read_text())
+  assert r["fits"] and r["peak_bytes"] < 80 * 2**30 and r["mesh"]["context"] == 8, r["peak_bytes"]
+  assert r["attention"] == "cudnn" and r["attention_kernels"] == {"forward": 4, "backward": 2}
+  assert r["collectives"]["collective-permute"] > 0
+  assert any(c["kind"] == "all-gather" and c["shape"].startswith("bf16[131072,8,128]") for c in r["largest_collectives"])
+  assert r["executed_over_model"] <= 1.6, r["executed_over_model"]
+  capsys.readouterr()
+  assert tool.main(["compile", *llama, "--config.train.batch_size=8"]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("error: needs ") and "GiB per device on h100x8" in err[-1]
+
+
 def test_unknown_target_is_one_line_exit_2(capsys):
   with pytest.raises(SystemExit) as e:
     tool.main(["compile", *TINY, "--target=a100x3"])
