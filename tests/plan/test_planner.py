@@ -91,3 +91,12 @@ def test_plan_refuses_a_cpu_target(capsys):
     tool.main(["plan", f"--config={ROOT}/configs/default.py:tiny", "--target=cpu"])
   assert e.value.code == 2
   assert "--target: the planner needs a GPU target" in capsys.readouterr().err
+
+
+def test_plan_refuses_context_parallelism(capsys):
+  """The planner lays out whole sequences: a config with `mesh.context` set is a one-line error, exit 2."""
+  with pytest.raises(SystemExit) as e:
+    tool.main(["plan", f"--config={ROOT}/configs/default.py:tiny", "--config.data.source=synthetic",
+               "--config.mesh.context=2", "--target=h100x8"])
+  assert e.value.code == 2
+  assert "config.mesh.context: the planner lays out whole sequences" in capsys.readouterr().err
