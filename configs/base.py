@@ -17,7 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   m = c.model = ml_collections.ConfigDict()
   m.name = "tiny"  # The preset the shapes came from (informational; set by configs/models/).
-  m.num_layers = 2  # Decoder layers; run under scan, so the compile cost is one layer's.
+  m.num_layers = 2  # Decoder layers.
   m.d_model = 64  # Residual stream width.
   m.num_heads = 4  # Query heads; must divide d_model unless head_dim is set.
   m.num_kv_heads = 2  # Key/value heads (grouped-query attention); must divide num_heads.
@@ -28,6 +28,11 @@ def get_config() -> ml_collections.ConfigDict:
   m.rope_theta = 10000.0  # Rotary embedding base.
   m.norm_eps = 1e-5  # RMSNorm epsilon.
   m.qk_norm = False  # RMSNorm over each head's dims on queries and keys, before RoPE (Qwen3's QK-norm).
+  # True: the layers run under one scan, so the program holds one layer and compiles in the time of one. False:
+  # one after another, each checkpointed alone: the compile grows with the depth, but no layer's saved
+  # activations are copied into a stacked buffer (nor that buffer zeroed) each step. Same parameters and
+  # checkpoints either way (docs/remat.md, "Scanned or unrolled layers").
+  m.scan_layers = True
   m.tie_embeddings = False  # Use the token embedding as the LM head.
   m.param_dtype = "float32"  # Master weights and optimizer state.
   m.dtype = "bfloat16"  # Activation / compute dtype.

@@ -42,6 +42,7 @@ class ModelConfig:
   attention: str = key("str", choices=("auto", "xla", "cudnn"))
   init_std: float = key("float", ">=0")
   qk_norm: bool = key("bool")  # RMSNorm over head_dim on queries and keys, before RoPE (Qwen3).
+  scan_layers: bool = key("bool")  # One scan over each segment's layers, or one block after another (decoder.py).
   num_experts: int = key("int", ">=0")  # 0 = dense.
   experts_per_token: int = key("int", ">=1")
   moe_every: int = key("int", ">=1")

@@ -155,8 +155,10 @@ def jax_policy(p: Preset) -> Callable | None:
   return policy
 
 
-def checkpoint(fn: Callable, p: Preset) -> Callable:
-  """Wraps one decoder block's body; `prevent_cse=False` is right (and faster) inside a scan."""
+def checkpoint(fn: Callable, p: Preset, *, scanned: bool = True) -> Callable:
+  """Wraps one decoder block's body. Inside a scan `prevent_cse=False` is right (and faster); a block called
+  outside one (unrolled layers) needs XLA kept from merging its backward pass's recompute with the forward
+  pass's values, which would keep every value alive and undo the policy."""
   if not p.remat:
     return fn
-  return jax.checkpoint(fn, policy=jax_policy(p), prevent_cse=False)
+  return jax.checkpoint(fn, policy=jax_policy(p), prevent_cse=not scanned)

@@ -5,6 +5,6 @@ sequence per GPU under FSDP 8 (46.0 GiB with fp8_current, 39.8 GiB with bf16, wh
 `none` needs 79.4 / 86.7 GiB. The whole table, and the command that made it: docs/remat.md ("Will it fit?").
 """
 MODEL = dict(name="llama3_8b", num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, d_ff=14336,
-             vocab_size=128256, seq_len=8192, rope_theta=500000.0)
+             vocab_size=128256, seq_len=8192, rope_theta=500000.0, scan_layers=False)
 TRAIN = dict(batch_size=256, learning_rate=3e-4, warmup_steps=2000)
 REMAT = dict(policy="minimal_quantized")

@@ -1,9 +1,11 @@
 """The decoder: embedding, scanned blocks of layers, final norm, LM head.
 
 Layers are stacked (a leading `layers` axis on every parameter, created with `nnx.vmap`) and run
-under `jax.lax.scan`, so XLA compiles one block body whatever the depth. `jax.checkpoint` with the
-remat preset's policy wraps that body (ember/remat.py), so the backward pass keeps one block's
-activations alive at a time.
+under `jax.lax.scan`, so XLA compiles one block body whatever the depth, or, with `model.scan_layers`
+False, one block after another on its row of the stacked parameters: a program as deep as the model, in
+which each layer's saved activations are buffers of their own instead of slices the scan copies into a
+stacked array (and zeroes first), the faster step. `jax.checkpoint` with the remat preset's policy wraps
+each block (ember/remat.py), so the backward pass keeps one block's activations alive at a time.
 
 A *block* is the repeating unit: one layer for dense models, `moe_every` layers (dense..., MoE)
 when layers are interleaved. Consecutive blocks that quantize identically form a *segment*, one
@@ -107,11 +109,21 @@ class Block(nnx.Module):
     return x, (jnp.stack(ks), jnp.stack(vs))
 
 
+def unstacked(state, n: int) -> list:
+  """The rows of a stacked state tree: one tree per block. By `lax.unstack`, whose transpose stacks the blocks'
+  gradients back into one array (a slice per block would add up n zero-padded copies)."""
+  leaves, treedef = jax.tree.flatten(state)
+  rows = [jax.lax.unstack(leaf) for leaf in leaves]
+  return [jax.tree.unflatten(treedef, [r[i] for r in rows]) for i in range(n)]
+
+
 class Segment(nnx.Module):
-  """Blocks `block_ids` stacked along a leading `layers` axis and run by one scan."""
+  """Blocks `block_ids` stacked along a leading `layers` axis, run by one scan (`model.scan_layers`) or one after
+  another."""
 
   def __init__(self, model: ModelConfig, block_ids: Sequence[int], rngs: nnx.Rngs):
     self.block_ids = tuple(block_ids)
+    self.scan = model.scan_layers
     first = self.block_ids[0] * model.block_size
 
     @nnx.split_rngs(splits=len(self.block_ids))
@@ -133,8 +145,15 @@ class Segment(nnx.Module):
       y, a, per_layer = nnx.merge(graphdef, block_state)(x, segment_ids, positions, block_key, bias)
       return (y, jax.tree.map(jnp.add, aux, a)), per_layer
 
-    ids = jnp.asarray(self.block_ids, jnp.int32)
-    (x, aux), per_layer = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids))
+    if self.scan:
+      ids = jnp.asarray(self.block_ids, jnp.int32)
+      (x, aux), per_layer = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids))
+    else:  # One block after another, on its row of the stacked state.
+      step, carry, outs = remat.checkpoint(body, policy, scanned=False), (x, zero_aux()), []
+      for block_state, block_id in zip(unstacked(state, len(self.block_ids)), self.block_ids):
+        carry, out = step(carry, (block_state, jnp.asarray(block_id, jnp.int32)))
+        outs.append(out)
+      (x, aux), per_layer = carry, {k: jnp.stack([out[k] for out in outs]) for k in outs[0]}
     return x, aux, {k: v.reshape(-1, *v.shape[2:]) for k, v in per_layer.items()}
 
   def decode(self, x, positions, cache, valid):
