@@ -30,8 +30,8 @@ KEY = "key_proj"
 VALUE = "value_proj"
 ATTENTION_CONTEXT = "attention_context"
 OUT_PROJ = "out_proj"
-MLP_WI_0 = "mlpwi_0"
-MLP_WI_1 = "mlpwi_1"
+MLP_WI = "mlpwi"  # The fused gate/up projection's output [.., 2, F], whole (MaxText names its halves mlpwi_0 and
+# mlpwi_1; saved apart, each half would be a copy of the GEMM's output, saved whole it is that output).
 MLP_WO = "mlpwo"
 MOE_WI_0 = "moe_wi_0"
 MOE_WI_1 = "moe_wi_1"
@@ -39,7 +39,7 @@ MOE_WO = "moe_wo"
 ROUTER_LOGITS = "router_logits"
 MOE_ROUTING = "moe_routing"  # The top-k expert choices (uint8); see ROUTED below.
 
-ACTIVATION_NAMES = (LAYER_INPUT, QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, MLP_WI_0, MLP_WI_1, MLP_WO,
+ACTIVATION_NAMES = (LAYER_INPUT, QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, MLP_WI, MLP_WO,
                     MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MOE_ROUTING)
 
 # Quantized residuals of every projection (ember.names.PROJECTIONS): the operand copies a quantized
@@ -65,7 +65,7 @@ ROUTED = (MOE_WI_0, MOE_WI_1, MOE_WO) + tuple(quantized_name(p, o) for p in ("mo
 ALL_NAMES = ACTIVATION_NAMES + QUANTIZED_NAMES
 
 # The projection outputs `minimal` keeps (every projection matmul's output).
-PROJECTION_OUTPUTS = (QUERY, KEY, VALUE, OUT_PROJ, MLP_WI_0, MLP_WI_1, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO,
+PROJECTION_OUTPUTS = (QUERY, KEY, VALUE, OUT_PROJ, MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO,
                       ROUTER_LOGITS)
 
 

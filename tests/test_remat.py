@@ -29,7 +29,7 @@ RECIPES = ("bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4")
 # Cheaper CPU code generation; the HLO passes (and so the numerics being compared) are unchanged.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 CUSTOM = remat.Preset(save=(remat.QUERY, remat.quantized_name("wi", "x")),
-                      offload=(remat.MLP_WI_0, remat.quantized_name("qkv", "kernel")))
+                      offload=(remat.MLP_WI, remat.quantized_name("qkv", "kernel")))
 
 
 def _values(abstract_state, seed: int):
@@ -105,8 +105,7 @@ def test_offloaded_presets_place_their_names_in_host_memory():
   """
   cfg, mesh, tx, schedule = _tiny_step()
   problem = layer_plan.layer_problem(cfg)
-  expected = {"minimal_offloaded": {remat.QUERY, remat.KEY, remat.VALUE, remat.OUT_PROJ, remat.MLP_WI_0,
-                                    remat.MLP_WI_1},
+  expected = {"minimal_offloaded": {remat.QUERY, remat.KEY, remat.VALUE, remat.OUT_PROJ, remat.MLP_WI},
               "save_quantized_offloaded": {remat.quantized_name(p, o) for p in ("qkv", "out", "wi", "wo")
                                            for o in ("x", "kernel")},
               # The activation copies only; the weight copies stay on device.

@@ -23,8 +23,9 @@ class MLP(nnx.Module):
                      init_std=model.out_init_std, **common)
 
   def __call__(self, x_BxLxD, key=None):
-    h = self.wi(x_BxLxD, key)  # [B, L, 2, F]
-    gate_BxLxF = checkpoint_name(shard(h[:, :, 0], (BATCH, LENGTH, MLP_AXIS)), remat.MLP_WI_0)
-    up_BxLxF = checkpoint_name(shard(h[:, :, 1], (BATCH, LENGTH, MLP_AXIS)), remat.MLP_WI_1)
+    # The projection's output is saved whole (remat.MLP_WI): saved apart, each half would be a copy of it.
+    h_BxLx2xF = checkpoint_name(shard(self.wi(x_BxLxD, key), (BATCH, LENGTH, GATE, MLP_AXIS)), remat.MLP_WI)
+    gate_BxLxF = shard(h_BxLx2xF[:, :, 0], (BATCH, LENGTH, MLP_AXIS))
+    up_BxLxF = shard(h_BxLx2xF[:, :, 1], (BATCH, LENGTH, MLP_AXIS))
     y_BxLxD = self.wo(jax.nn.silu(gate_BxLxF) * up_BxLxF, key)
     return checkpoint_name(shard(y_BxLxD, (BATCH, LENGTH, EMBED)), remat.MLP_WO)
