@@ -1,8 +1,8 @@
 """Llama-3-8B shapes: 32 layers, width 4096, 32 heads (8 kv), SwiGLU 14336, vocab 128256.
 
 Layers unrolled (`scan_layers=False`): a step without the scan's copies of the saved activations, 5% faster on
-8 H100s (fp8_current: 393 against 413 ms floors), for a compile of seconds more (docs/remat.md, "Scanned or
-unrolled layers").
+8 H100s (fp8_current: 387 against 413 ms floors, with the gate/up output saved whole), for a compile of seconds
+more (docs/remat.md, "Scanned or unrolled layers").
 
 Remat: `minimal_quantized`, the preset with the least recompute that fits an 80 GB H100 at one 8192-token
 sequence per GPU under FSDP 8 (42.1 GiB with fp8_current unrolled, 44.7 scanned). The whole table of the
