@@ -110,3 +110,20 @@ def train_losses(cfg, batches, num_devices: int, policy_name: str | None = None)
       state, metrics = step(state, {k: jax.device_put(v, sharding) for k, v in batch.items()})
       losses.append(float(metrics["loss"]))
   return losses
+
+
+def one_step(cfg, batch, num_devices: int):
+  """(metrics, new state), on the host, of one train step of `cfg` on the first `num_devices` devices, jitted as the
+  trainer jits it (its state not donated)."""
+  s = start(cfg, num_devices)
+  sharding = batch_sharding(s.cfg, s.mesh)
+  with s.rules():
+    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
+    new_state, metrics = step(s.state, {k: jax.device_put(v, sharding) for k, v in batch.items()})
+  return jax.device_get((metrics, new_state))
+
+
+def rel_error(a, b) -> float:
+  """max |a - b| over max |b| (float64)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))

@@ -6,17 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from ember.trainer.step import batch_sharding, jit_train_step
-from tests.helpers import config, random_batch, start
-
-
-def _step(cfg, batch, num_devices):
-  s = start(cfg, num_devices)
-  sharding = batch_sharding(s.cfg, s.mesh)
-  with s.rules():
-    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
-    new_state, metrics = step(s.state, {k: jax.device_put(v, sharding) for k, v in batch.items()})
-  return jax.device_get((metrics, new_state))
+from tests.helpers import config, one_step, random_batch
 
 
 @pytest.mark.parametrize("preset,recipe,devices", [("tiny", "nvfp4", 1), ("tiny", "fp8_current", 8),
@@ -28,8 +18,8 @@ def test_unrolled_layers_equal_the_scan(preset, recipe, devices):
   overrides = {"model.dtype": "float32", "quant.recipe": recipe, "model.num_layers": 4, "quant.exclude": ("layers[0]",),
                "train.batch_size": 8, "mesh.fsdp": devices}
   batch = random_batch(config(preset, **overrides), segments=3)
-  scanned = _step(config(preset, **overrides), batch, devices)
-  unrolled = _step(config(preset, **overrides, **{"model.scan_layers": False}), batch, devices)
+  scanned = one_step(config(preset, **overrides), batch, devices)
+  unrolled = one_step(config(preset, **overrides, **{"model.scan_layers": False}), batch, devices)
   flat = jax.tree_util.tree_flatten_with_path(scanned)[0]
   assert len(flat) == len(jax.tree.leaves(unrolled))
   for (path, a), b in zip(flat, jax.tree.leaves(unrolled)):

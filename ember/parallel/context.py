@@ -47,25 +47,24 @@ def _devices(axes) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def _chunk_destination(chunk: int, n: int) -> int:
-  """The device of the balanced layout that holds `chunk` (of 2n)."""
-  return chunk if chunk < n else 2 * n - 1 - chunk
+def _moves(n: int) -> tuple[list, list]:
+  """The two collective permutes from the contiguous layout (device s: chunks 2s, 2s+1) to the balanced one (device
+  r: chunks r, 2n-1-r), as (source, destination) pairs: each device's first chunk, then its second."""
+  holder = lambda chunk: chunk if chunk < n else 2 * n - 1 - chunk  # The balanced layout's device for `chunk`.
+  return tuple([(s, holder(2 * s + half)) for s in range(n)] for half in (0, 1))
 
 
-def _on_shards(fn, names: Sequence, *arrays):
-  """`fn` on each device's shard of `arrays` (all with the logical axes `names`), inside shard_map."""
+def _on_shards(fn, names: Sequence, *arrays) -> tuple:
+  """`fn` (arrays -> a tuple of as many) on each device's shard of `arrays`, all with the logical axes `names`."""
   mesh, rules = sharding.active_mesh(), sharding.active_rules()
-  spec = sharding.logical_to_spec(names, rules, mesh)
-  specs = tuple(spec for _ in arrays)
-  return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs if len(arrays) > 1 else spec)(*arrays)
+  specs = tuple(sharding.logical_to_spec(names, rules, mesh) for _ in arrays)
+  return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs)(*arrays)
 
 
 def balance(arrays: Sequence[jax.Array], names: Sequence) -> tuple[jax.Array, ...]:
   """[B, L, ...] arrays (logical axes `names`) from the contiguous layout into the balanced one."""
   axes = context_axes()
-  n = _devices(axes)
-  first = [(s, _chunk_destination(2 * s, n)) for s in range(n)]  # Each device's first chunk, 2s, to its device.
-  second = [(s, _chunk_destination(2 * s + 1, n)) for s in range(n)]
+  first, second = _moves(_devices(axes))
 
   def shard(*xs):
     even = jax.lax.axis_index(axes) % 2 == 0  # An even device's early chunk came first; an odd one's second.
@@ -76,15 +75,13 @@ def balance(arrays: Sequence[jax.Array], names: Sequence) -> tuple[jax.Array, ..
       out.append(jnp.concatenate([jnp.where(even, a, b), jnp.where(even, b, a)], axis=1))
     return tuple(out)
 
-  return tuple(jax.tree.leaves(_on_shards(shard, names, *arrays)))
+  return _on_shards(shard, names, *arrays)
 
 
 def unbalance(x: jax.Array, names: Sequence) -> jax.Array:
   """The inverse of `balance` for one array."""
   axes = context_axes()
-  n = _devices(axes)
-  first = [(_chunk_destination(2 * s, n), s) for s in range(n)]
-  second = [(_chunk_destination(2 * s + 1, n), s) for s in range(n)]
+  first, second = ([(dst, src) for src, dst in moves] for moves in _moves(_devices(axes)))
 
   def shard(x):
     even = jax.lax.axis_index(axes) % 2 == 0  # An even device holds an even chunk early, an odd one late.
@@ -92,9 +89,9 @@ def unbalance(x: jax.Array, names: Sequence) -> jax.Array:
     early, late = x[:, :c], x[:, c:]
     a = jax.lax.ppermute(jnp.where(even, early, late), axes, first)
     b = jax.lax.ppermute(jnp.where(even, late, early), axes, second)
-    return jnp.concatenate([a, b], axis=1)
+    return (jnp.concatenate([a, b], axis=1),)
 
-  return _on_shards(shard, names, x)
+  return _on_shards(shard, names, x)[0]
 
 
 def visibility(segment_ids_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:

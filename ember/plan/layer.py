@@ -51,21 +51,23 @@ class LayerProblem:
     return self.x_BxLxD, self.state, self.segment_ids_BxL, self.positions_BxL, self.key
 
 
+def _axis_size(cfg, mesh, axis: str) -> int:
+  """A mesh axis's size: the mesh's, or that of a derived config (per-host size times the `dcn_*` host count)."""
+  if mesh is not None:
+    return int(mesh.shape[axis])
+  return max(getattr(cfg.mesh, axis), 1) * getattr(cfg.mesh, f"dcn_{axis}", 1)
+
+
 def per_device_batch(cfg, mesh=None) -> int:
   """Sequences per device of one micro-batch (train.grad_accum_steps; at least 1), along the batch's mesh
-  axes: the mesh's, or those of a derived config (per-host sizes times the `dcn_*` host counts)."""
-  size = lambda a: int(mesh.shape[a]) if mesh is not None else max(getattr(cfg.mesh, a), 1) * getattr(
-      cfg.mesh, f"dcn_{a}", 1)
-  shards = size("data") * size("fsdp") * size("expert")
+  axes (`_axis_size`)."""
+  shards = math.prod(_axis_size(cfg, mesh, a) for a in ("data", "fsdp", "expert"))
   return max(cfg.train.batch_size // shards // cfg.train.grad_accum_steps, 1)
 
 
 def sequence_shards(cfg, mesh=None) -> int:
-  """The devices each sequence is split over (context parallelism: the mesh axes `length` maps to), of the mesh
-  or of a derived config."""
-  size = lambda a: int(mesh.shape[a]) if mesh is not None else max(getattr(cfg.mesh, a), 1) * getattr(
-      cfg.mesh, f"dcn_{a}", 1)
-  return math.prod(size(a) for a in cfg.mesh.rules_dict.get(LENGTH, ()))
+  """The devices each sequence is split over (context parallelism: the mesh axes `length` maps to)."""
+  return math.prod(_axis_size(cfg, mesh, a) for a in cfg.mesh.rules_dict.get(LENGTH, ()))
 
 
 def representative_block(model: ModelConfig) -> int:

@@ -2,15 +2,13 @@
 (float32, packed documents crossing the shards' boundaries), and a checkpoint it trained samples as any other."""
 
 import jax
-import numpy as np
 import pytest
 
 from ember import config as config_lib
 from ember.errors import ConfigError
 from ember.tools.sample import sample
 from ember.trainer.loop import train
-from ember.trainer.step import batch_sharding, jit_train_step
-from tests.helpers import config, random_batch, start
+from tests.helpers import config, one_step, random_batch, rel_error
 
 MESHES = {"context4": {"mesh.context": 4, "mesh.fsdp": 2},
           "context2_fsdp4": {"mesh.context": 2, "mesh.fsdp": 4},
@@ -20,21 +18,6 @@ MESHES = {"context4": {"mesh.context": 4, "mesh.fsdp": 2},
 def _cfg(preset, recipe, **overrides):
   return config(preset, **{"model.dtype": "float32", "quant.recipe": recipe, "train.batch_size": 4,
                            "train.warmup_steps": 1, **overrides})
-
-
-def _step(cfg, batch, num_devices):
-  """(metrics, new state) of one train step of `cfg` on `num_devices` devices."""
-  s = start(cfg, num_devices)
-  sharding = batch_sharding(s.cfg, s.mesh)
-  with s.rules():
-    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
-    new_state, metrics = step(s.state, {k: jax.device_put(v, sharding) for k, v in batch.items()})
-  return jax.device_get(metrics), jax.device_get(new_state)
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
 
 
 @pytest.mark.parametrize("preset,recipe,mesh", [("tiny", "bf16", "context4"), ("tiny", "bf16", "context2_fsdp4"),
@@ -53,18 +36,18 @@ def test_step_equals_one_device(preset, recipe, mesh):
   batch = random_batch(_cfg(preset, recipe), segments=3)
   segments = batch["segment_ids"][0]
   assert segments[15] == segments[16] and segments[31] == segments[32] != segments[0]  # Across boundaries.
-  one, state_one = _step(_cfg(preset, recipe, **{"mesh.fsdp": 1}), batch, 1)
-  split, state_split = _step(_cfg(preset, recipe, **MESHES[mesh]), batch, 8)
+  one, state_one = one_step(_cfg(preset, recipe, **{"mesh.fsdp": 1}), batch, 1)
+  split, state_split = one_step(_cfg(preset, recipe, **MESHES[mesh]), batch, 8)
   rounding_flips = preset == "tiny_moe" and recipe != "bf16"
-  assert _rel(split["loss"], one["loss"]) < 1e-5, (split["loss"], one["loss"])
-  assert _rel(split["grad_norm"], one["grad_norm"]) < (1e-3 if rounding_flips else 1e-5)
+  assert rel_error(split["loss"], one["loss"]) < 1e-5, (split["loss"], one["loss"])
+  assert rel_error(split["grad_norm"], one["grad_norm"]) < (1e-3 if rounding_flips else 1e-5)
   if rounding_flips:
     return
   flat_one = jax.tree_util.tree_flatten_with_path(state_one)[0]
   flat_split = jax.tree.leaves(state_split)
   assert len(flat_one) == len(flat_split)
   for (path, a), b in zip(flat_one, flat_split):
-    assert _rel(b, a) < 1e-5, jax.tree_util.keystr(path)
+    assert rel_error(b, a) < 1e-5, jax.tree_util.keystr(path)
 
 
 def test_sampling_from_a_context_parallel_checkpoint(tmp_path):

@@ -8,25 +8,10 @@ import numpy as np
 import pytest
 
 from ember.trainer.loop import train
-from ember.trainer.step import batch_sharding, jit_train_step, micro_batches
-from tests.helpers import config, random_batch, start
+from ember.trainer.step import micro_batches
+from tests.helpers import config, one_step, random_batch, rel_error
 
 MESH = {"mesh.data": 2, "mesh.fsdp": 4}
-
-
-def _step(cfg):
-  """(metrics, new state) of one train step of `cfg` on 8 devices, on a packed batch with padding."""
-  s = start(cfg, 8)
-  sharding = batch_sharding(s.cfg, s.mesh)
-  with s.rules():
-    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
-    new_state, metrics = step(s.state, {k: jax.device_put(v, sharding) for k, v in random_batch(s.cfg).items()})
-  return metrics, new_state
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
 
 
 @pytest.mark.parametrize("preset,recipe", [("tiny", "bf16"), ("tiny_moe", "bf16"), ("tiny", "fp8_delayed")])
@@ -41,17 +26,18 @@ def test_four_micro_batches_equal_one_batch(preset, recipe):
     overrides.update({"model.capacity_factor": 0.0, "model.load_balance_weight": 0.0})
   if recipe == "fp8_delayed":  # Health statistics too: counts add up, amaxes and staleness take the max.
     overrides["log.quant_stats_every"] = 1
-  one, state_one = _step(config(preset, **overrides))
-  four, state_four = _step(config(preset, **overrides, **{"train.grad_accum_steps": 4}))
+  batch = random_batch(config(preset, **overrides))  # Packed, with padding.
+  one, state_one = one_step(config(preset, **overrides), batch, 8)
+  four, state_four = one_step(config(preset, **overrides, **{"train.grad_accum_steps": 4}), batch, 8)
   for k in one:
     if k != "moe_load_balance_loss":
       for a, b in zip(jax.tree.leaves(one[k]), jax.tree.leaves(four[k]), strict=True):
-        assert _rel(b, a) < 1e-6, (k, b, a)
+        assert rel_error(b, a) < 1e-6, (k, b, a)
   flat_one = jax.tree_util.tree_flatten_with_path(state_one)[0]
   flat_four = jax.tree.leaves(state_four)
   assert len(flat_one) == len(flat_four)
   for (path, a), b in zip(flat_one, flat_four):
-    assert _rel(b, a) < 1e-6, jax.tree_util.keystr(path)
+    assert rel_error(b, a) < 1e-6, jax.tree_util.keystr(path)
 
 
 def test_micro_batches_keep_every_row_on_its_device():
