@@ -70,6 +70,9 @@ def test_plan_picks_the_fastest_compiled_layout_within_the_budget(tmp_path, caps
   assert all(best["tokens_per_s_ceiling"] >= c["tokens_per_s_ceiling"] for c in fitting)
   assert best["peak_bytes"] <= r["budget_bytes"] == int(0.9 * target_lib.parse("h100x8").device_memory_bytes)
   assert "best on h100x8" in capsys.readouterr().out
+  # The winner's layout was compiled with no remat too (the estimate the planner trusts least).
+  same = lambda c: (c["mesh"], c["dcn"], c["grad_accum_steps"]) == (best["mesh"], best["dcn"], best["grad_accum_steps"])
+  assert any(same(c) and c["remat_policy"] == "none" for c in r["candidates"])
   # The winner's flags give the winner: the same compiled figures.
   again = compile_report(_cfg("tiny", "--config.quant.recipe=fp8_current", "--config.train.batch_size=16",
                               *best["flags"]), target_lib.parse("h100x8"))
