@@ -537,23 +537,47 @@ def collectives(hlo: str | Program) -> dict[str, float]:
 
 
 def replica_groups(line: str) -> tuple[tuple[int, ...], ...]:
-  """The groups of a collective: explicit `{{0,1},{2,3}}`, iota `[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)`, or
+  """The groups of a collective: explicit `{{0,1},{2,3}}`, iota `[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)`, over the
+  axes of a device mesh (`mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}`), or
   `source_target_pairs` (each pair a group); () when it names none (all devices)."""
   m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
   if m:
-    shape, dims = [int(x) for x in m.group(1).split(",")], [int(x) for x in m.group(2).split(",")]
-    ids = list(range(math.prod(dims)))
-    if m.group(3):
-      perm = [int(x) for x in m.group(3).split(",")]
-      strides = [math.prod(dims[k + 1:]) for k in range(len(dims))]
-      order = _iota_transposed([dims[k] for k in perm], [strides[k] for k in perm])
-      ids = order
+    shape = [int(x) for x in m.group(1).split(",")]
+    ids = _iota(m.group(2), m.group(3))
     size = shape[-1]
     return tuple(tuple(ids[g * size:(g + 1) * size]) for g in range(len(ids) // size))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}",
+                line)
+  if m:
+    return _mesh_groups(m)
   m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", line)
   if m:
     return tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
   return ()
+
+
+def _iota(dims: str, perm: str | None) -> list[int]:
+  """The device ids of an iota `[dims]` (comma-separated), transposed by `perm` if given, in row-major order."""
+  sizes = [int(x) for x in dims.split(",")]
+  if not perm:
+    return list(range(math.prod(sizes)))
+  order = [int(x) for x in perm.split(",")]
+  strides = [math.prod(sizes[k + 1:]) for k in range(len(sizes))]
+  return _iota_transposed([sizes[k] for k in order], [strides[k] for k in order])
+
+
+def _mesh_groups(m: re.Match) -> tuple[tuple[int, ...], ...]:
+  """The groups of `replica_groups=mesh[...]`: the mesh's positions hold `device_ids` (an iota when absent) in
+  row-major order; a group is the devices whose positions differ only along the named axes."""
+  axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+  sizes = [size for _, size in axes]
+  ids = _iota(m.group(2), m.group(3)) if m.group(2) else list(range(math.prod(sizes)))
+  grouped = set(re.findall(r"'([^']+)'", m.group(4)))
+  strides = [math.prod(sizes[k + 1:]) for k in range(len(sizes))]
+  inside = [(size, stride) for (name, size), stride in zip(axes, strides) if name in grouped]
+  outside = [(size, stride) for (name, size), stride in zip(axes, strides) if name not in grouped]
+  offsets = lambda dims: _iota_transposed([n for n, _ in dims], [s for _, s in dims])
+  return tuple(tuple(ids[base + k] for k in offsets(inside)) for base in offsets(outside))
 
 
 def _iota_transposed(dims: list[int], strides: list[int]) -> list[int]:

@@ -110,6 +110,13 @@ def test_replica_groups_and_the_links_they_use():
   assert hlo.replica_groups("x, replica_groups=[4,2]<=[2,4]T(1,0), y") == ((0, 4), (1, 5), (2, 6), (3, 7))
   assert hlo.replica_groups("x, replica_groups=[2,8]<=[16], y") == (tuple(range(8)), tuple(range(8, 16)))
   assert hlo.replica_groups("replica_groups={{0,1},{2,3}}") == ((0, 1), (2, 3))
+  # Over the axes of a device mesh, as an h100x16 program with fsdp 8 x dcn_data 2 writes them (devices node-major):
+  # fsdp's groups are the nodes, data's pair each GPU with its peer on the other node.
+  mesh = "replica_groups=mesh['axis_0'=8,'axis_1'=1,'axis_2'=2], device_ids=([2,8]T(1,0)) {'axis_%d'}, use"
+  assert hlo.replica_groups(mesh % 0) == (tuple(range(8)), tuple(range(8, 16)))
+  assert hlo.replica_groups(mesh % 2) == tuple((d, d + 8) for d in range(8))
+  assert hlo.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0', 'axis_1'}") == (tuple(range(8)),)
+  assert hlo.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}") == ((0, 4), (1, 5), (2, 6), (3, 7))
   facts = hardware.facts("h100")
   two_nodes = cost.Machine(facts, 3.35e12, tuple(d // 8 for d in range(16)))
   inside = hlo.Collective("all-reduce", "f32[1000]", 4e9, 1, (tuple(range(8)), tuple(range(8, 16))), "")
