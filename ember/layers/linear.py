@@ -45,6 +45,28 @@ class QuantState(nnx.Variable):
   """
 
 
+class KernelAmax(nnx.Variable):
+  """A projection's max|kernel| (per layer where kernels are stacked), taken once for the micro-batches of a step
+  (`kernel_amaxes`) and set on the model each micro-batch runs (`use_kernel_amaxes`): the kernel's quantizer
+  then skips its own pass over the float32 weights (quant/dot.py's `takes_kernel_amax`). Never train state."""
+
+
+def kernel_amaxes(model: nnx.Module) -> dict:
+  """{path: max|kernel|} of every projection of `model` whose recipe takes a kernel's amax in a pass of its own."""
+  out = {}
+  for path, m in nnx.iter_graph(model):
+    if isinstance(m, Linear) and (amax := m.kernel_amax()) is not None:
+      out[path] = amax
+  return out
+
+
+def use_kernel_amaxes(model: nnx.Module, amaxes: dict) -> None:
+  """Gives each projection of `model` its amax from `kernel_amaxes` of a model of the same graph."""
+  for path, m in nnx.iter_graph(model):
+    if path in amaxes:
+      m.taken_kernel_amax = KernelAmax(amaxes[path])
+
+
 def projection_key(key: jax.Array | None, name: str) -> jax.Array | None:
   """The stochastic-rounding key of projection kind `name` within a layer's key (see names.RNG_STREAMS)."""
   return None if key is None else jax.random.fold_in(key, RNG_STREAMS[name])
@@ -79,7 +101,19 @@ class Linear(nnx.Module):
     history = self.amax_history[...] if self.recipe.delayed else None
     stats = self.quant_stats[...] if hasattr(self, "quant_stats") else None
     error = None if self.output_error is None else self.output_error[...]
+    amax = self.taken_kernel_amax[...] if hasattr(self, "taken_kernel_amax") else None
     y = dot.quantized_matmul(x.reshape(-1, k), self.kernel[...].reshape(k, n), recipe=self.recipe, name=self.name,
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
-                             error=error)
+                             error=error, kernel_amax=amax)
     return y.reshape(lead + self.out_shape)
+
+  def kernel_amax(self) -> jax.Array | None:
+    """max|kernel| as `__call__`'s quantizer takes it (one per layer of a stacked kernel), or None where that is
+    no pass of its own (quant/dot.py's `takes_kernel_amax`)."""
+    if not self.recipe.quantized or not dot.takes_kernel_amax(self.recipe, hasattr(self, "quant_stats")):
+      return None
+    kernel = self.kernel[...]
+    amax = dot.kernel_amax
+    for _ in range(kernel.ndim - len(self.in_shape) - len(self.out_shape)):
+      amax = jax.vmap(amax)
+    return amax(kernel)

@@ -71,7 +71,8 @@ class Layout(Protocol):
   def wgrad_copy(self, q: QuantizedTensor) -> QuantizedTensor:
     """A block-scaled copy quantized along the rows, stored as wgrad reads it (transposed or as it is)."""
 
-  def quantize_kernel(self, recipe: Recipe, w, history, axis: int, stats: bool) -> QuantizedTensor: ...
+  def quantize_kernel(self, recipe: Recipe, w, history, axis: int, stats: bool, amax=None) -> QuantizedTensor:
+    """`amax`: max|w| taken by the caller, or None (quantizers.py's `amax`)."""
 
   def whole(self, a):
     """A kernel (quantized or not) as the GEMMs read it (gathered where it is sharded)."""
@@ -91,19 +92,21 @@ class Layout(Protocol):
 
 
 def quantized_gemm(x, w, rows, history, key, stats, *, layout: Layout, recipe: Recipe, name: str, dtype,
-                   error=None):
+                   error=None, kernel_amax=None):
   """x @ w in `recipe`'s format (see the module doc); `history` and `stats` are (x, kernel, grad) triples or
-  None, `key` seeds stochastic rounding (nvfp4) or is None, `error` the probe's [2] input or None."""
+  None, `key` seeds stochastic rounding (nvfp4) or is None, `error` the probe's [2] input or None,
+  `kernel_amax` max|w| taken by the caller (`tensor_amax`; a step of micro-batches takes it once) or None."""
   if history is None:  # Unused outside fp8_delayed; keeps one signature.
     kernel_rows = (w.shape[0], 1) if layout.per_expert else (1,)
     history = (jnp.zeros((1,), jnp.float32), jnp.zeros(kernel_rows, jnp.float32), jnp.zeros((1,), jnp.float32))
   # Static facts the backward rule needs (residuals must be arrays).
   operand_info = (x.shape, jnp.dtype(x.dtype), jnp.dtype(w.dtype), vma_of(x), vma_of(w), layout.whole_kernel_shape(w))
-  return _gemm(x, w, rows, tuple(history), key, None if stats is None else tuple(stats), error, layout, recipe,
-               name, jnp.dtype(dtype), operand_info)
+  return _gemm(x, w, rows, tuple(history), key, None if stats is None else tuple(stats), error, kernel_amax, layout,
+               recipe, name, jnp.dtype(dtype), operand_info)
 
 
-def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name: str, stats: bool = False):
+def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name: str, stats: bool = False,
+                       kernel_amax=None):
   """Every operand copy the recipe's GEMMs read, each named for remat. A sharded kernel's copies are its
   shard's: what remat saves is the shard, gathered again where a GEMM reads it."""
   h_x, h_k, _ = history
@@ -121,16 +124,17 @@ def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name
     if one_pass:
       q[KERNEL_T], q[KERNEL] = fused.both(w)
     else:
-      q[KERNEL] = layout.quantize_kernel(recipe, w, h_k, 0, stats)
+      q[KERNEL] = layout.quantize_kernel(recipe, w, h_k, 0, stats, kernel_amax)
       if recipe.has_kernel_t:
-        q[KERNEL_T] = layout.quantize_kernel(recipe, w, h_k, 1, False)
+        q[KERNEL_T] = layout.quantize_kernel(recipe, w, h_k, 1, False, kernel_amax)
   return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
 
 
-def _forward(x, w, rows, history, layout: Layout, recipe: Recipe, name, dtype, kernel_shape, stats=False):
+def _forward(x, w, rows, history, layout: Layout, recipe: Recipe, name, dtype, kernel_shape, stats=False,
+             kernel_amax=None):
   b = recipe.block_size
   xp, wp = layout.prepare(x, rows, b), layout.pad_kernel(w, b)
-  q = _quantize_operands(layout, xp, wp, rows, history, recipe, name, stats)
+  q = _quantize_operands(layout, xp, wp, rows, history, recipe, name, stats, kernel_amax)
   if recipe.forward_quantized:
     y = layout.forward(q[X], layout.whole(q[KERNEL]), rows, dtype)
   else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
@@ -152,13 +156,14 @@ def _output_error(x, w, rows, y, error, layout: Layout, recipe: Recipe, kernel_s
   return sum_to(sums, vma_of(error)).astype(error.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _gemm(x, w, rows, history, key, stats, error, layout, recipe, name, dtype, operand_info):
-  return _forward(x, w, rows, history, layout, recipe, name, dtype, operand_info[-1])[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def _gemm(x, w, rows, history, key, stats, error, kernel_amax, layout, recipe, name, dtype, operand_info):
+  return _forward(x, w, rows, history, layout, recipe, name, dtype, operand_info[-1], kernel_amax=kernel_amax)[0]
 
 
-def _gemm_fwd(x, w, rows, history, key, stats, error, layout, recipe, name, dtype, operand_info):
-  y, q = _forward(x, w, rows, history, layout, recipe, name, dtype, operand_info[-1], stats is not None)
+def _gemm_fwd(x, w, rows, history, key, stats, error, kernel_amax, layout, recipe, name, dtype, operand_info):
+  y, q = _forward(x, w, rows, history, layout, recipe, name, dtype, operand_info[-1], stats is not None,
+                  kernel_amax)
   err = None if error is None else _output_error(x, w, rows, y, error, layout, recipe, operand_info[-1])
   return y, (q, rows, history, key, err)
 
@@ -201,7 +206,7 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
   dw = layout.kernel_gradient(dw[tuple(slice(0, s) for s in kernel_shape)])
   dw = sum_to(dw, w_vma).astype(w_dtype)
   health = (q[X].health, q[KERNEL].health, g_rows.health) if with_stats else None
-  return dx, dw, None, new_history, None, health, err
+  return dx, dw, None, new_history, None, health, err, None
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)

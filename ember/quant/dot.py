@@ -18,20 +18,23 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ember.quant.core import quantized_gemm
+from ember.quant.core import SCOPE_WEIGHT, quantized_gemm
 from ember.quant.gemm import block_scaled_dot, output_dtype
+from ember.quant.quantizers import tensor_amax
 from ember.quant.recipe import WEIGHT, Recipe, pad_to
 from ember.quant.tensor import QuantizedTensor
 
 
 def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name: str,
                      history: jax.Array | None = None, key: jax.Array | None = None, dtype=jnp.bfloat16,
-                     stats: jax.Array | None = None, error: jax.Array | None = None):
+                     stats: jax.Array | None = None, error: jax.Array | None = None,
+                     kernel_amax: jax.Array | None = None):
   """x @ w in `recipe`'s format. `name` is the projection (names its residuals); `history` the
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
   `stats`: a [3 (x, kernel, grad), NUM_STATS] input whose "gradient" is the operands' health
   (ember/quant/health.py), or None: no statistics, and no trace of them in the program. `error`: a [2]
-  input whose "gradient" is the forward output's error (quant/core.py), or None."""
+  input whose "gradient" is the forward output's error (quant/core.py), or None. `kernel_amax`: max|w| from
+  `kernel_amax` (taken once for the micro-batches of a step: `takes_kernel_amax`), or None."""
   dtype = jnp.dtype(dtype)
   if not recipe.quantized:
     return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype))
@@ -39,7 +42,20 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
   layout = DenseLayout(transposed=recipe.has_x_t)
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
-                        recipe=recipe, name=name, dtype=dtype, error=error)
+                        recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax)
+
+
+def kernel_amax(w: jax.Array) -> jax.Array:
+  """max|w| as a kernel's quantizer takes it (`quantizers.tensor_amax`), in its name scope."""
+  with jax.named_scope(SCOPE_WEIGHT):
+    return tensor_amax(w)
+
+
+def takes_kernel_amax(recipe: Recipe, stats: bool) -> bool:
+  """Whether quantizing a kernel reads it once just for max|w| (per-tensor recipes; with health statistics the
+  pass reads w whole anyway): a caller that quantizes the same kernel many times then takes max|w| once
+  (`kernel_amax`) and hands it in as `quantized_matmul`'s `kernel_amax`."""
+  return recipe.kernel_amax_pass and not stats
 
 
 def product(a, b, contracting: tuple[int, int], dtype, out):
@@ -122,8 +138,8 @@ class DenseLayout:
     """A copy quantized along the rows, as wgrad reads it."""
     return q.T if self.transposed else q
 
-  def quantize_kernel(self, recipe: Recipe, w, history, axis, stats):
-    q = recipe.quantizer(WEIGHT, history).quantize(w, axis=axis, stats=stats)
+  def quantize_kernel(self, recipe: Recipe, w, history, axis, stats, amax=None):
+    q = recipe.quantizer(WEIGHT, history).quantize(w, axis=axis, stats=stats, amax=amax)
     return q.T if self.transposed and axis == 0 and recipe.has_kernel_t else q
 
   def whole(self, a):

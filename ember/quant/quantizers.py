@@ -3,10 +3,12 @@
 Each is a frozen dataclass registered as a pytree (configuration in static
 fields, state such as an amax history in data fields) with one method,
 
-  quantize(x, axis=-1, *, rng=None, reduce_axes=(), stats=False) -> QuantizedTensor.
+  quantize(x, axis=-1, *, rng=None, reduce_axes=(), stats=False, amax=None) -> QuantizedTensor.
 
 `stats=True` also returns the tensor's health vector (ember/quant/health.py),
-reduced in the same pass.
+reduced in the same pass. `amax`: max|x| as `tensor_amax` takes it, taken by the
+caller (a kernel quantized for each micro-batch of a step takes it once); per-tensor
+quantizers (`reads_tensor_amax`) then skip their own pass over x, the others ignore it.
 
 A quantizer holds no mesh, device or axis name. Under `jit` with sharded
 inputs a plain `jnp.max` is already global, so nothing is needed; inside
@@ -92,9 +94,13 @@ class CurrentScaling:
   def __post_init__(self):
     object.__setattr__(self, "fmt", formats.get_format(self.fmt))
 
-  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False):
+  # Its amax is a pass of its own over x: a caller that quantizes the same x again (a kernel, once per
+  # micro-batch) takes it once and hands it in (`amax`).
+  reads_tensor_amax = True
+
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False, amax=None):
     del rng  # Round to nearest.
-    amax = tensor_amax(x, reduce_axes)
+    amax = tensor_amax(x, reduce_axes) if amax is None else amax
     scale = scale_from_amax(self.fmt.max, amax)
     return _per_tensor(x, axis, self.fmt, scale, amax, "fp8_current", stats=stats, reduce_axes=reduce_axes)
 
@@ -146,9 +152,11 @@ class DelayedScaling:
     ref = jnp.max(h) if self.compute_algo == "max" else h[0]
     return scale_from_amax(self.fmt.max, ref, self.margin)
 
-  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False):
+  reads_tensor_amax = True  # For the history (CurrentScaling's note).
+
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False, amax=None):
     del rng  # Round to nearest.
-    amax = tensor_amax(x, reduce_axes)
+    amax = tensor_amax(x, reduce_axes) if amax is None else amax
     scale = self.scale
     # amax over the amax the scale was made for (fmt.max / scale, margin undone).
     staleness = amax * scale * jnp.float32(2.0**self.margin) / jnp.float32(self.fmt.max)
@@ -173,9 +181,10 @@ class MXFP8Scaling:
   """
 
   block: int = static_field(32)
+  reads_tensor_amax = False  # Its block amaxes come from the pass that casts.
 
-  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False):
-    del rng
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False, amax=None):
+    del rng, amax
     x32 = x.astype(jnp.float32)
     axis = normalize_axis(axis, x.ndim)
     axes, block = (axis,), (self.block,)
@@ -227,8 +236,10 @@ class NVFP4Scaling:
   tile_2d: bool = static_field(False)
   stochastic_rounding: bool = static_field(False)
   block: int = static_field(16)
+  reads_tensor_amax = False  # Its tensor amax is the max of its block amaxes, from the pass that casts.
 
-  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False):
+  def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False, amax=None):
+    del amax
     x32 = x.astype(jnp.float32)
     axis = normalize_axis(axis, x.ndim)
     block = (self.block,) * (2 if self.tile_2d else 1)

@@ -160,6 +160,11 @@ class Recipe:
     return self.scheme.transposed_copies and not (self.scheme.hadamard and self.nvfp4_2d_weights)
 
   @property
+  def kernel_amax_pass(self) -> bool:
+    """Quantizing a kernel takes its tensor amax in a pass of its own (per-tensor scaling; quantizers.py)."""
+    return self.quantized and self.quantizer(WEIGHT, jnp.zeros((1,), jnp.float32)).reads_tensor_amax
+
+  @property
   def operands(self) -> tuple[str, ...]:
     """The quantized operand copies one matmul holds (and names for remat)."""
     return (X, KERNEL) + ((X_T,) if self.has_x_t else ()) + ((KERNEL_T,) if self.has_kernel_t else ())

@@ -6,10 +6,12 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+from ember.layers import linear
 from ember.trainer.loop import train
 from ember.trainer.step import micro_batches
-from tests.helpers import config, one_step, random_batch, rel_error
+from tests.helpers import config, one_step, random_batch, rel_error, start
 
 MESH = {"mesh.data": 2, "mesh.fsdp": 4}
 
@@ -38,6 +40,21 @@ def test_four_micro_batches_equal_one_batch(preset, recipe):
   assert len(flat_one) == len(flat_four)
   for (path, a), b in zip(flat_one, flat_four):
     assert rel_error(b, a) < 1e-6, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+def test_kernel_amaxes_taken_once_a_step_change_no_bit(recipe, monkeypatch):
+  """A step of micro-batches takes each kernel's amax once, before its scan (linear.kernel_amaxes): bit for bit
+  the step whose every micro-batch takes it. fsdp 8: the amax of the sharded kernels is the global one."""
+  cfg = lambda: config("tiny", **{"quant.recipe": recipe, "train.batch_size": 16, "train.grad_accum_steps": 2})
+  s = start(cfg(), 1)
+  assert len(linear.kernel_amaxes(nnx.merge(s.graphdef, s.state.params, s.state.quant_state))) == 4  # q/o/wi/wo.
+  batch = random_batch(cfg())
+  once = one_step(cfg(), batch, 8)
+  monkeypatch.setattr(linear, "kernel_amaxes", lambda model: {})
+  every = one_step(cfg(), batch, 8)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(once)[0], jax.tree.leaves(every), strict=True):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
 def test_micro_batches_keep_every_row_on_its_device():
