@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ember.names import PROJECTIONS, RNG_STREAMS
+from ember.names import BATCH, PROJECTIONS, RNG_STREAMS
+from ember.parallel import sharding
 from ember.quant import dot, health
 from ember.quant.recipe import Recipe
 
@@ -88,7 +89,7 @@ class Linear(nnx.Module):
     assert len(axes) == len(shape), (axes, shape)
     kernel = jax.random.normal(rngs.params(), shape, param_dtype) * init_std
     self.kernel = nnx.Param(kernel, out_sharding=tuple(axes))
-    self.name, self.dtype, self.recipe = name, dtype, recipe
+    self.name, self.dtype, self.recipe, self.axes = name, dtype, recipe, tuple(axes)
     if recipe.delayed:
       self.amax_history = QuantState(jnp.zeros((3, recipe.amax_history_len), jnp.float32), out_sharding=(None, None))
     if recipe.quantized and recipe.stats:
@@ -104,8 +105,20 @@ class Linear(nnx.Module):
     amax = self.taken_kernel_amax[...] if hasattr(self, "taken_kernel_amax") else None
     y = dot.quantized_matmul(x.reshape(-1, k), self.kernel[...].reshape(k, n), recipe=self.recipe, name=self.name,
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
-                             error=error, kernel_amax=amax)
+                             error=error, kernel_amax=amax, wgrad_transposed=self._reduced_along_output())
     return y.reshape(lead + self.out_shape)
+
+  def _reduced_along_output(self) -> bool:
+    """Whether the kernel's gradient is reduce-scattered along its output axes: under the active rules it is
+    sharded along them over a mesh axis the batch is split over (FSDP), and not along its input axes."""
+    rules, mesh = sharding.active_rules(), sharding.active_mesh()
+    if rules is None:
+      return False
+    spec = sharding.logical_to_spec(self.axes, rules, mesh)
+    batch = set(rules.get(BATCH, ()))
+    over = lambda entries: {a for e in entries for a in sharding.entry_axes(e)} & batch
+    n_in = len(self.in_shape)
+    return bool(over(spec[n_in:])) and not over(spec[:n_in])
 
   def kernel_amax(self) -> jax.Array | None:
     """max|kernel| as `__call__`'s quantizer takes it (one per layer of a stacked kernel), or None where that is

@@ -28,19 +28,21 @@ from ember.quant.tensor import QuantizedTensor
 def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name: str,
                      history: jax.Array | None = None, key: jax.Array | None = None, dtype=jnp.bfloat16,
                      stats: jax.Array | None = None, error: jax.Array | None = None,
-                     kernel_amax: jax.Array | None = None):
+                     kernel_amax: jax.Array | None = None, wgrad_transposed: bool = False):
   """x @ w in `recipe`'s format. `name` is the projection (names its residuals); `history` the
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
   `stats`: a [3 (x, kernel, grad), NUM_STATS] input whose "gradient" is the operands' health
   (ember/quant/health.py), or None: no statistics, and no trace of them in the program. `error`: a [2]
   input whose "gradient" is the forward output's error (quant/core.py), or None. `kernel_amax`: max|w| from
-  `kernel_amax` (taken once for the micro-batches of a step: `takes_kernel_amax`), or None."""
+  `kernel_amax` (taken once for the micro-batches of a step: `takes_kernel_amax`), or None.
+  `wgrad_transposed`: w's gradient is reduced across GPUs along its output axis (FSDP over an output axis):
+  a block-scaled wgrad then writes it transposed, that axis major (`DenseLayout`)."""
   dtype = jnp.dtype(dtype)
   if not recipe.quantized:
     return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype))
   # The [3, H] and [3, S] arrays as (x, kernel, grad) rows; autodiff stacks their cotangents back.
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
-  layout = DenseLayout(transposed=recipe.has_x_t)
+  layout = DenseLayout(transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t)
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax)
 
@@ -118,12 +120,19 @@ class DenseLayout:
   reads them and as the one-pass kernel writes them (quant/fused.py): quantized exactly as before (stochastic
   rounding's noise drawn in the same layout), then transposed, so XLA writes them transposed from the kernel
   that quantizes them instead of transposing them apart for the GEMM. Every GEMM contracts a block-scaled copy
-  along the axis it was quantized along, so it reads either layout."""
+  along the axis it was quantized along, so it reads either layout.
+
+  `wgrad_transposed` (block-scaled recipes): wgrad computes g.T @ x, [N, K], and returns its transpose. The
+  block-scaled GEMM writes its output row-major only, and a gradient reduce-scattered along N (an FSDP-sharded
+  output axis: `wo`, the attention output) wants N major: written [K, N], XLA transposed every such gradient
+  in float32 before its reduce-scatter (22 GB a step for llama3_8b mxfp8 on b200x8). The same products,
+  summed in another order (float32 rounding)."""
   x_axis: int = 1
   row_axis: int = 0
   per_expert: bool = False
   reduce_axes: tuple[str, ...] = ()
   transposed: bool = False
+  wgrad_transposed: bool = False
 
   def prepare(self, a, rows, block):
     return pad_to(a, (block, block))
@@ -155,6 +164,8 @@ class DenseLayout:
 
   def wgrad(self, x, g, rows, block, dtype, out):
     """Per-tensor copies contract their rows; block-scaled ones the axis they were quantized along."""
+    if block and self.wgrad_transposed:
+      return product(g, x, (g.axis, x.axis), dtype, out).T
     return product(x, g, (x.axis, g.axis) if block else (0, 0), dtype, out)
 
   def kernel_gradient(self, dw):
