@@ -123,7 +123,7 @@ class Linear(nnx.Module):
   def kernel_amax(self) -> jax.Array | None:
     """max|kernel| as `__call__`'s quantizer takes it (one per layer of a stacked kernel), or None where that is
     no pass of its own (quant/dot.py's `takes_kernel_amax`)."""
-    if not self.recipe.quantized or not dot.takes_kernel_amax(self.recipe, hasattr(self, "quant_stats")):
+    if not dot.takes_kernel_amax(self.recipe, hasattr(self, "quant_stats")):
       return None
     kernel = self.kernel[...]
     amax = dot.kernel_amax

@@ -31,6 +31,11 @@ def _batch_views(batch):
   return (shard(batch[INPUTS], rows), shard(batch[SEGMENT_IDS], rows), shard(batch[POSITIONS], rows), batch[TARGETS])
 
 
+def merged_model(graphdef, params, quant_state, stats=None):
+  """The model of a step: its parameters, quant state and (when statistics are on) health-statistics inputs."""
+  return nnx.merge(graphdef, params, quant_state, *([stats] if stats else []))
+
+
 def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
                  policy: remat.Preset = remat.PRESETS["none"], count=None, micro_batches: int = 1,
                  kernel_amaxes: dict | None = None):
@@ -41,7 +46,7 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
   auxiliary losses by `micro_batches`, so the step's losses, metrics and gradients are sums over its
   micro-batches (`train_step`). `kernel_amaxes`: the projections' max|kernel| taken ahead (`linear.kernel_amaxes`
   of this model), or None."""
-  model = nnx.merge(graphdef, params, quant_state, *([stats] if stats else []))
+  model = merged_model(graphdef, params, quant_state, stats)
   if kernel_amaxes:
     linear.use_kernel_amaxes(model, kernel_amaxes)
   inputs, segment_ids, positions, targets = _batch_views(batch)
@@ -143,8 +148,7 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   loop (114 GB a step for llama3_8b fp8_current at 16 micro-batches on 8 GPUs)."""
   count = token_count(batch[SEGMENT_IDS] > 0)
   xs = (jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch), jnp.arange(accum))
-  model = nnx.merge(graphdef, state.params, state.quant_state, *([stats] if stats else []))
-  amaxes = linear.kernel_amaxes(model)
+  amaxes = linear.kernel_amaxes(merged_model(graphdef, state.params, state.quant_state, stats))
 
   def run(micro, i):
     return grad_fn(state.params, state.quant_state, micro, stats, key=jax.random.fold_in(key, i), count=count,
