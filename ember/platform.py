@@ -1,5 +1,7 @@
 """The platform the code being traced will run on, and for a GPU its compute capability: what attention
-(cuDNN or not), the MoE exchange and the block-scaled GEMM path (quant/gemm.py) are chosen by.
+(cuDNN or not), the MoE exchange and the block-scaled GEMM path (quant/gemm.py) are chosen by; and how many
+devices the traced program is partitioned over (`traced_device_count`: a kernel that shards by whole blocks
+checks that its operands split evenly, quant/fused.py).
 
 A compile for a described GPU cluster traces on the CPU backend, so JAX's default backend is not the
 answer: `on_platform` names the platform outright (ember/plan/target.py), `on_devices` takes it from a
@@ -18,6 +20,7 @@ import jax
 # (platform, compute capability or None, named outright?)
 _TARGET: contextvars.ContextVar[tuple[str, tuple[int, int] | None, bool] | None] = contextvars.ContextVar(
     "ember_target", default=None)
+_DEVICE_COUNT: contextvars.ContextVar[int] = contextvars.ContextVar("ember_device_count", default=1)
 
 
 @contextlib.contextmanager
@@ -41,6 +44,21 @@ def on_devices(device):
   if current is not None and current[2]:
     return contextlib.nullcontext()
   return _set(_describe(device) + (False,))
+
+
+@contextlib.contextmanager
+def over_devices(count: int):
+  """Traces inside the block for a program partitioned over `count` devices (a mesh's size)."""
+  token = _DEVICE_COUNT.set(count)
+  try:
+    yield
+  finally:
+    _DEVICE_COUNT.reset(token)
+
+
+def traced_device_count() -> int:
+  """The devices the program traced now is partitioned over: the active mesh's size, 1 outside one."""
+  return _DEVICE_COUNT.get()
 
 
 def target_platform() -> str:

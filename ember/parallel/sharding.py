@@ -68,10 +68,10 @@ def named_sharding(names, mesh: Mesh, rules: dict) -> NamedSharding:
 @contextlib.contextmanager
 def use_rules(mesh: Mesh, rules):
   """Activates `mesh` and the rules table for `shard` calls traced inside the block, and the mesh's devices
-  as the platform traced for (ember/platform.py)."""
+  as the platform and device count traced for (ember/platform.py)."""
   token = _ACTIVE.set((mesh, rules_dict(rules)))
   try:
-    with platform.on_devices(mesh.devices.flat[0]):
+    with platform.on_devices(mesh.devices.flat[0]), platform.over_devices(mesh.size):
       yield
   finally:
     _ACTIVE.reset(token)

@@ -111,7 +111,7 @@ def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name
   shard's: what remat saves is the shard, gathered again where a GEMM reads it."""
   h_x, h_k, _ = history
   act, b, q = recipe.quantizer(ACTIVATION, h_x), recipe.block_size, {}
-  one_pass = fused.one_pass(layout, recipe, stats)
+  one_pass = fused.one_pass(layout, recipe, stats, x, w)
   with jax.named_scope(SCOPE_ACTIVATION):
     if one_pass:
       q[X], q[X_T] = fused.both(x, reduce_axes=layout.reduce_axes)
@@ -178,7 +178,7 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
   key_dgrad = key_wgrad = None
   if key is not None:
     key_dgrad, key_wgrad = jax.random.split(key)
-  one_pass = fused.one_pass(layout, recipe, with_stats)
+  one_pass = fused.one_pass(layout, recipe, with_stats, g)
   with jax.named_scope(SCOPE_GRADIENT):
     if one_pass:  # Round to nearest: no keys.
       g_rows, g_m = fused.both(g, reduce_axes=layout.reduce_axes)

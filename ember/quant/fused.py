@@ -17,8 +17,8 @@ CPU against it). The block exponent is read off the amax's float32 bits instead 
 a subnormal amax gives k <= -134 either way, clipped to -127 as before.
 
 Where it runs (`one_pass`): MXFP8 on a GPU, a dense projection's operands (whose first-axis copies are stored
-transposed, quant/dot.py's DenseLayout), without health statistics (they take the per-copy path, which measures
-them). The kernel is lowered with Pallas' Triton backend, a
+transposed, quant/dot.py's DenseLayout) whose blocks divide among the devices, without health statistics (they
+take the per-copy path, which measures them). The kernel is lowered with Pallas' Triton backend, a
 `__gpu$xla.gpu.triton` custom call that the compile report counts by its bytes; elsewhere the per-copy
 quantizers run and the first-axis copy is transposed after, so that both paths give the same arrays.
 Sharding: `custom_partitioning` runs the kernel on each device's shard; its rule splits a dimension between
@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ember.platform import target_platform
+from ember.platform import target_platform, traced_device_count
 from ember.quant.formats import E4M3
 from ember.quant.quantizers import tensor_amax
 from ember.quant.tensor import QuantizedTensor
@@ -47,10 +47,19 @@ _E8M0_BIAS = 127
 SCOPE = "mxfp8_quantize_both"  # The kernel's name scope: its row in the compile report's `memory_by_op`.
 
 
-def one_pass(layout, recipe, stats: bool) -> bool:
-  """Whether an operand of `recipe` (quant/recipe.py's Recipe) in `layout` (quant/core.py's) is quantized by the
+def one_pass(layout, recipe, stats: bool, *operands: jax.Array) -> bool:
+  """Whether `operands` of `recipe` (quant/recipe.py's Recipe) in `layout` (quant/core.py's) are quantized by the
   one-pass kernel (see the module doc; the recipe table says which recipes have one)."""
-  return layout.transposed and recipe.scheme.one_pass_kernel and not stats and target_platform() == "gpu"
+  return (layout.transposed and recipe.scheme.one_pass_kernel and not stats and target_platform() == "gpu"
+          and all(_splits_evenly(a.shape) for a in operands))
+
+
+def _splits_evenly(shape) -> bool:
+  """Whether each dimension's blocks divide among the traced program's devices. Otherwise sharding propagation
+  may split a dimension over part of a mesh axis (64 rows are 2 blocks: half of an 8-way axis), a sharding that
+  `custom_partitioning` cannot hand to the partition rule; such an operand takes the per-copy quantizers."""
+  devices = traced_device_count()
+  return all(n % BLOCK == 0 and (n // BLOCK) % devices == 0 for n in shape)
 
 
 def both(a: jax.Array, *, reduce_axes: tuple[str, ...] = (), interpret: bool | None = None):

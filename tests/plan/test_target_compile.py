@@ -115,7 +115,7 @@ def test_grad_reduce_dtype_is_the_dtype_gradients_are_reduced_in(target, recipe,
   moved = {}
   for dtype in ("float32", "bfloat16"):
     path = tmp_path / f"{dtype}.hlo"
-    compile_report(config_lib.load(["compile", *TINY, "--config.quant.recipe=mxfp8", "--config.mesh.fsdp=8",
+    compile_report(config_lib.load(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.mesh.fsdp=8",
                                      "--config.train.batch_size=16", f"--config.train.grad_reduce_dtype={dtype}"]),
                    target_lib.parse(target), hlo_out=str(path))
     moved[dtype] = collections.Counter()
@@ -439,3 +439,19 @@ def test_one_pass_moves_the_ideal_bytes():
   ideal = 2 * r * c + 2 * (r * c + r * c // fused.BLOCK)
   print(f"mxfp8 both layouts: {moved / 1e6:.0f} MB, ideal {ideal / 1e6:.0f} MB")
   assert moved <= 1.1 * ideal, (moved, ideal)
+
+
+def test_mxfp8_one_pass_runs_where_each_device_quantizes_whole_blocks(tmp_path):
+  """FSDP over 8 H100s: with d_model 256 (8 blocks of 32 a dimension, one a GPU) every dense operand still takes
+  the one-pass kernel; tiny's d_model 64 (2 blocks) would be split over part of the 8-way axis, which the kernel's
+  partitioning cannot take, so those operands take the per-copy quantizers and the step still compiles. Only the
+  gradient of the gate-and-up projection's output (16 x 64 tokens by 2 x 128: 32 by 8 blocks) splits evenly."""
+  for d_model, kernels_wanted in ((256, 3 * QUANTIZED_PROJECTIONS), (64, 1)):
+    path = tmp_path / f"{d_model}.hlo"
+    compile_report(config_lib.load(["compile", *TINY, "--config.quant.recipe=mxfp8", "--config.mesh.fsdp=8",
+                                     "--config.train.batch_size=16", f"--config.model.d_model={d_model}",
+                                     f"--config.model.d_ff={2 * d_model}"]),
+                   target_lib.parse("h100x8"), hlo_out=str(path))
+    kernels = [i for i in hlo.Program(path.read_text()).instructions
+               if i.opcode == "custom-call" and "triton" in (i.attribute("custom_call_target") or "")]
+    assert len(kernels) == kernels_wanted and all(fused.SCOPE in i.op_name for i in kernels), (d_model, kernels)
