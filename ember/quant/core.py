@@ -33,10 +33,10 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from ember.quant import fused
+from ember.quant import fused, fused_nvfp4
 from ember.quant.naming import name_quantized
 from ember.quant.quantizers import update_history
-from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, X, X_T, Recipe
+from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, WEIGHT, X, X_T, Recipe
 from ember.quant.tensor import QuantizedTensor
 from ember.quant.varying import sum_to, vma_of
 from ember.remat import quantized_name
@@ -111,23 +111,37 @@ def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name
   shard's: what remat saves is the shard, gathered again where a GEMM reads it."""
   h_x, h_k, _ = history
   act, b, q = recipe.quantizer(ACTIVATION, h_x), recipe.block_size, {}
-  one_pass = fused.one_pass(layout, recipe, stats, x, w)
   with jax.named_scope(SCOPE_ACTIVATION):
-    if one_pass:
-      q[X], q[X_T] = fused.both(x, reduce_axes=layout.reduce_axes)
+    copies = _one_pass_copies(layout, recipe, act, x, stats)
+    if copies is not None:
+      q[X], q[X_T] = copies
     else:
       q[X] = act.quantize(x, axis=layout.x_axis, reduce_axes=layout.reduce_axes, stats=stats)
       if recipe.has_x_t:
         x_rows = recipe.wgrad_transform(layout.wgrad_rows(x, rows, b), layout.row_axis)
         q[X_T] = layout.wgrad_copy(act.quantize(x_rows, axis=layout.row_axis, reduce_axes=layout.reduce_axes))
   with jax.named_scope(SCOPE_WEIGHT):
-    if one_pass:
+    if fused.one_pass(layout, recipe, stats, w):
       q[KERNEL_T], q[KERNEL] = fused.both(w)
+    elif fused_nvfp4.one_pass(layout, recipe, stats, w) and recipe.quantizer(WEIGHT).tile_2d:
+      q[KERNEL] = fused_nvfp4.quantize(w, tile_2d=True, axis=0)  # Its 16 x 16 tiles serve dgrad too.
     else:
       q[KERNEL] = layout.quantize_kernel(recipe, w, h_k, 0, stats, kernel_amax)
       if recipe.has_kernel_t:
         q[KERNEL_T] = layout.quantize_kernel(recipe, w, h_k, 1, False, kernel_amax)
   return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
+
+
+def _one_pass_copies(layout: Layout, recipe: Recipe, quantizer, a, stats: bool, keys=None):
+  """(a quantized along its last axis, a's wgrad copy) from a one-pass kernel (quant/fused.py for MXFP8,
+  quant/fused_nvfp4.py for NVFP4; `keys` seed the two copies' stochastic rounding where `quantizer` rounds so),
+  or None where neither runs: the same copies as `quantizer`'s, read from the tensor once."""
+  if fused.one_pass(layout, recipe, stats, a):
+    return fused.both(a, reduce_axes=layout.reduce_axes)
+  if fused_nvfp4.one_pass(layout, recipe, stats, a):
+    keys = keys if quantizer.stochastic_rounding else None
+    return fused_nvfp4.both(a, keys=keys, rht_seed=recipe.wgrad_rht_seed, reduce_axes=layout.reduce_axes)
+  return None
 
 
 def _forward(x, w, rows, history, layout: Layout, recipe: Recipe, name, dtype, kernel_shape, stats=False,
@@ -178,10 +192,10 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
   key_dgrad = key_wgrad = None
   if key is not None:
     key_dgrad, key_wgrad = jax.random.split(key)
-  one_pass = fused.one_pass(layout, recipe, with_stats, g)
   with jax.named_scope(SCOPE_GRADIENT):
-    if one_pass:  # Round to nearest: no keys.
-      g_rows, g_m = fused.both(g, reduce_axes=layout.reduce_axes)
+    copies = _one_pass_copies(layout, recipe, grad_q, g, with_stats, None if key is None else (key_dgrad, key_wgrad))
+    if copies is not None:
+      g_rows, g_m = copies
     else:
       g_rows = grad_q.quantize(g, axis=layout.x_axis, rng=key_dgrad, reduce_axes=layout.reduce_axes,
                                stats=with_stats)
@@ -189,7 +203,7 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
   if not recipe.has_x_t:  # Per-tensor: the forward copy of x and the dgrad copy of g serve wgrad too.
     x_m, g_m = q[X], g_rows
   else:  # Block-scaled: both along the rows (NVFP4 after the Hadamard transform, which cancels in the product).
-    if not one_pass:
+    if copies is None:
       with jax.named_scope(SCOPE_GRADIENT):
         g_m = layout.wgrad_copy(grad_q.quantize(recipe.wgrad_transform(layout.wgrad_rows(g, rows, b), layout.row_axis),
                                                 axis=layout.row_axis, rng=key_wgrad, reduce_axes=layout.reduce_axes))

@@ -179,11 +179,16 @@ class Recipe:
       _needs_history()
     return self.scheme.make(self, role, history)
 
+  @property
+  def wgrad_rht_seed(self) -> int | None:
+    """The seed of the RHT the wgrad operands go through, or None where the recipe uses none."""
+    return self.rht_seed if self.scheme.hadamard and self.nvfp4_rht else None
+
   def wgrad_transform(self, a: jax.Array, axis: int) -> jax.Array:
     """The wgrad operands' transform along the contraction `axis`: the RHT where the recipe uses it
     (applied to both operands, so it cancels in the product), else nothing."""
-    if self.scheme.hadamard and self.nvfp4_rht:
-      return hadamard.random_hadamard_transform(a, axis=axis, seed=self.rht_seed)
+    if self.wgrad_rht_seed is not None:
+      return hadamard.random_hadamard_transform(a, axis=axis, seed=self.wgrad_rht_seed)
     return a
 
   # --- Variants -----------------------------------------------------------------------------------

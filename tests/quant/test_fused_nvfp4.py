@@ -1,0 +1,163 @@
+"""NVFP4's one-kernel cast (ember/quant/fused_nvfp4.py), run in Pallas' interpret mode, against the quantizer
+(itself tested against NumPy in test_quantize.py): the same bytes (data, block scales, tensor scale) along the
+last axis and in 16 x 16 tiles, on random, heavy-tailed and special tensors; inside a sharded jit the same as on
+one device; and a dense projection built on it gives the same output and gradients as one without it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ember.quant import fused_nvfp4
+from ember.quant.hadamard import random_hadamard_transform
+from ember.quant.quantizers import NVFP4Scaling
+
+
+def _tensor(seed, shape, dtype=jnp.bfloat16):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  heavy = jax.random.normal(k1, shape) * jnp.exp(4 * jax.random.normal(k2, shape))  # Blocks of very unlike scales.
+  heavy = heavy.at[:16, :16].set(0.0)  # An all-zero block and tile: scale 0, data 0.
+  heavy = heavy.at[3, 40].set(3e38).at[40, 3].set(-1e-30).at[7, 7].set(-500.0)  # Saturating, tiny.
+  return heavy.at[20, 20].set(-0.0).astype(dtype)  # E2M1 keeps the sign of a zero.
+
+
+def _bits(a):
+  """Bytes of `a`: E2M1 elements in pairs (as they are packed), E4M3 one each."""
+  four_bits = jnp.finfo(a.dtype).bits == 4
+  return np.asarray(jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], -1, 2) if four_bits else a, jnp.uint8))
+
+
+def _same(got, want):
+  assert (got.data.shape, got.scale_inv.shape, got.axis, got.block, got.dtype) == (
+      want.data.shape, want.scale_inv.shape, want.axis, want.block, want.dtype)
+  for g, w in ((got.data, want.data), (got.scale_inv, want.scale_inv)):
+    np.testing.assert_array_equal(_bits(jnp.asarray(g)), _bits(jnp.asarray(w)))
+  assert float(got.global_scale_inv) == float(want.global_scale_inv) and float(got.amax) == float(want.amax)
+
+
+@pytest.mark.parametrize("tile_2d", [False, True])
+@pytest.mark.parametrize("shape", [(96, 160), (128, 64), (64, 4096)])  # Tiles of 32 and 64, one tall tile row.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cast_equals_the_quantizer(tile_2d, shape, dtype):
+  x = _tensor(0, shape, dtype)
+  got = jax.jit(lambda a: fused_nvfp4.quantize(a, tile_2d=tile_2d, interpret=True))(x)
+  _same(got, NVFP4Scaling(tile_2d=tile_2d).quantize(x, axis=1))
+
+
+def test_tiles_record_the_axis_they_are_read_along():
+  w = _tensor(1, (64, 96), jnp.float32)
+  got = jax.jit(lambda a: fused_nvfp4.quantize(a, tile_2d=True, axis=0, interpret=True))(w)
+  _same(got, NVFP4Scaling(tile_2d=True).quantize(w, axis=0))
+  with pytest.raises(ValueError, match="along the last axis only"):
+    fused_nvfp4.quantize(w, axis=0, interpret=True)
+
+
+def test_non_finite_values_follow_the_quantizer():
+  """NaN and infinities: an infinity makes the tensor amax infinite (tensor scale 1) and saturates its block; a
+  NaN's element is 0; the same bytes as the quantizer."""
+  x = _tensor(2, (64, 64), jnp.float32).at[5, 9].set(jnp.nan).at[40, 50].set(jnp.inf).at[41, 51].set(-jnp.inf)
+  for tile_2d in (False, True):
+    got = jax.jit(lambda a: fused_nvfp4.quantize(a, tile_2d=tile_2d, interpret=True))(x)
+    _same(got, NVFP4Scaling(tile_2d=tile_2d).quantize(x, axis=1))
+
+
+def test_sharded_equals_one_device():
+  """Inside jit on a 2 x 4 mesh (rows over 2 and columns over 4; rows over all 8, as a batch of tokens is): the
+  cast equals one device's, and data and scales come out sharded like the operand."""
+  x = _tensor(3, (512, 256))
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+  full = lambda s: tuple(s) + (None,) * (2 - len(s))
+  for tile_2d in (False, True):
+    want = NVFP4Scaling(tile_2d=tile_2d).quantize(x, axis=1)
+    for spec in (P("a", "b"), P(("a", "b"))):
+      got = jax.jit(lambda a: fused_nvfp4.quantize(a, tile_2d=tile_2d, interpret=True))(
+          jax.device_put(x, NamedSharding(mesh, spec)))
+      _same(got, want)
+      assert full(got.data.sharding.spec) == full(spec) == full(got.scale_inv.sharding.spec)
+
+
+KEYS = (jax.random.key(1), jax.random.key(2))
+
+
+def quantizer_copies(a, rht_seed, stochastic):
+  """`both`'s reference: the quantizer along the last axis, and along the first after the transform,
+  transposed."""
+  q = NVFP4Scaling(stochastic_rounding=stochastic)
+  keys = KEYS if stochastic else (None, None)
+  transformed = a if rht_seed is None else random_hadamard_transform(a, axis=0, seed=rht_seed)
+  return q.quantize(a, axis=1, rng=keys[0]), q.quantize(transformed, axis=0, rng=keys[1]).T
+
+
+@pytest.mark.parametrize("rht_seed,stochastic", [(0, False), (0, True), (None, False), (None, True)])
+@pytest.mark.parametrize("shape", [(96, 160), (64, 4096)])
+def test_both_copies_equal_the_quantizer(rht_seed, stochastic, shape):
+  """Round to nearest (activations) or stochastically (gradients: the same uniform draws, element by element),
+  with or without the Hadamard transform of the wgrad copy."""
+  x = _tensor(8, shape)
+  got = jax.jit(lambda a: fused_nvfp4.both(a, keys=KEYS if stochastic else None, rht_seed=rht_seed,
+                                           interpret=True))(x)
+  for g, w in zip(got, quantizer_copies(x, rht_seed, stochastic)):
+    _same(g, w)
+
+
+def test_row_bases_are_the_high_and_low_words_of_each_rows_first_index():
+  rows, cols = 100_000, 300_007  # 3e10 elements: indices past 2**32, where the high word counts.
+  high, low = fused_nvfp4._row_bases(rows, cols)  # pylint: disable=protected-access
+  first = np.arange(rows, dtype=np.uint64) * cols
+  np.testing.assert_array_equal(np.asarray(high)[:, 0], (first >> 32).astype(np.uint32))
+  np.testing.assert_array_equal(np.asarray(low)[:, 0], (first & 0xFFFFFFFF).astype(np.uint32))
+
+
+def test_both_sharded_equals_one_device():
+  """On a 2 x 4 mesh each device casts its shard, drawing what the whole tensor draws at its elements: the copies
+  equal one device's, the first sharded like the operand and the second transposed."""
+  x = _tensor(9, (512, 256))
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+  full = lambda s: tuple(s) + (None,) * (2 - len(s))
+  want = quantizer_copies(x, 0, True)
+  for spec in (P("a", "b"), P(("a", "b"))):
+    got = jax.jit(lambda a: fused_nvfp4.both(a, keys=KEYS, rht_seed=0, interpret=True))(
+        jax.device_put(x, NamedSharding(mesh, spec)))
+    for g, w in zip(got, want):
+      _same(g, w)
+    assert full(got[0].data.sharding.spec) == full(spec) and full(got[1].data.sharding.spec) == full(spec)[::-1]
+
+
+@pytest.mark.parametrize("rht,stochastic", [(True, True), (False, False)])
+def test_a_dense_projection_with_the_kernels_equals_one_without(monkeypatch, rht, stochastic):
+  """Traced for a Hopper-like GPU (block-scaled GEMMs emulated in bf16, which the CPU runs), a dense NVFP4
+  projection whose operand copies come from the kernels (interpret mode) gives the same output and gradients,
+  bit for bit, as one whose copies come from the quantizer: x's two copies, the kernel's tiles, the gradient's
+  two copies (stochastically rounded with the same draws; with and without the Hadamard transform)."""
+  from ember.platform import on_platform
+  from ember.quant import dot
+  from ember.quant.recipe import Recipe
+
+  x, w, g = _tensor(4, (96, 64)), _tensor(5, (64, 160), jnp.float32) * 0.05, _tensor(6, (96, 160))
+  recipe = Recipe("nvfp4", nvfp4_rht=rht, nvfp4_stochastic_rounding=stochastic)
+
+  def run(use_kernel: bool):
+    def f(x, w):
+      return dot.quantized_matmul(x, w, recipe=recipe, name="wi", dtype=jnp.bfloat16, key=jax.random.key(7))
+
+    def step(x, w, g):
+      y, vjp = jax.vjp(f, x, w)
+      return (y, *vjp(g))
+
+    calls = []
+    for kernel in ("quantize", "both"):
+      original = getattr(fused_nvfp4, kernel)
+      monkeypatch.setattr(fused_nvfp4, kernel, lambda a, _f=original, _k=kernel, **kw: calls.append(
+          (_k, a.shape, kw.get("keys") is not None)) or _f(a, interpret=True, **kw))
+    if not use_kernel:
+      monkeypatch.setattr(fused_nvfp4, "one_pass", lambda *a: False)
+    with on_platform("gpu", (9, 0)):
+      out = jax.jit(step)(x, w, g)  # A new function each time: no trace cached across the two.
+    monkeypatch.undo()
+    assert calls == ([("both", (96, 64), False), ("quantize", (64, 160), False), ("both", (96, 160), stochastic)]
+                     if use_kernel else [])
+    return out
+
+  for a, b in zip(run(True), run(False)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
