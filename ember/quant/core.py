@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from ember.quant import fused, fused_nvfp4
 from ember.quant.naming import name_quantized
 from ember.quant.quantizers import update_history
-from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, WEIGHT, X, X_T, Recipe
+from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, X, X_T, Recipe
 from ember.quant.tensor import QuantizedTensor
 from ember.quant.varying import sum_to, vma_of
 from ember.remat import quantized_name
@@ -123,8 +123,8 @@ def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name
   with jax.named_scope(SCOPE_WEIGHT):
     if fused.one_pass(layout, recipe, stats, w):
       q[KERNEL_T], q[KERNEL] = fused.both(w)
-    elif fused_nvfp4.one_pass(layout, recipe, stats, w) and recipe.quantizer(WEIGHT).tile_2d:
-      q[KERNEL] = fused_nvfp4.quantize(w, tile_2d=True, axis=0)  # Its 16 x 16 tiles serve dgrad too.
+    elif fused_nvfp4.one_pass(layout, recipe, stats, w) and fused_nvfp4.casts_kernel_tiles(recipe):
+      q[KERNEL] = fused_nvfp4.quantize(w, tile_2d=True, axis=0, amax=kernel_amax)  # Tiles serve dgrad too.
     else:
       q[KERNEL] = layout.quantize_kernel(recipe, w, h_k, 0, stats, kernel_amax)
       if recipe.has_kernel_t:

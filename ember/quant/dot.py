@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ember.quant import fused_nvfp4
 from ember.quant.core import SCOPE_WEIGHT, quantized_gemm
 from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.quantizers import tensor_amax
@@ -54,10 +55,11 @@ def kernel_amax(w: jax.Array) -> jax.Array:
 
 
 def takes_kernel_amax(recipe: Recipe, stats: bool) -> bool:
-  """Whether quantizing a kernel reads it once just for max|w| (per-tensor recipes; with health statistics the
-  pass reads w whole anyway): a caller that quantizes the same kernel many times then takes max|w| once
-  (`kernel_amax`) and hands it in as `quantized_matmul`'s `kernel_amax`."""
-  return recipe.kernel_amax_pass and not stats
+  """Whether quantizing a kernel reads it once just for max|w| (per-tensor recipes; NVFP4's tiles cast by
+  quant/fused_nvfp4.py; with health statistics the pass reads w whole anyway): a caller that quantizes the same
+  kernel many times then takes max|w| once (`kernel_amax`) and hands it in as `quantized_matmul`'s
+  `kernel_amax`."""
+  return (recipe.kernel_amax_pass or fused_nvfp4.casts_kernel_tiles(recipe)) and not stats
 
 
 def product(a, b, contracting: tuple[int, int], dtype, out):

@@ -51,6 +51,7 @@ from ember.platform import target_platform, traced_device_count
 from ember.quant.formats import E2M1, E4M3
 from ember.quant.hadamard import rht_matrix
 from ember.quant.quantizers import scale_from_amax, tensor_amax
+from ember.quant.recipe import WEIGHT
 from ember.quant.tensor import QuantizedTensor
 
 BLOCK = 16  # NVFP4's block (and tile side).
@@ -70,17 +71,25 @@ def one_pass(layout, recipe, stats: bool, *operands: jax.Array) -> bool:
                   for a in operands))
 
 
+def casts_kernel_tiles(recipe) -> bool:
+  """Whether a dense kernel of `recipe` traced now is cast by `quantize` in 16 x 16 tiles after an amax pass of
+  its own (which a step of micro-batches then takes once: quant/dot.py's `takes_kernel_amax`), where its shape
+  splits evenly among the devices."""
+  return (recipe.quantized and recipe.scheme.tensor_scale and target_platform() == "gpu"
+          and recipe.quantizer(WEIGHT).tile_2d)
+
+
 def quantize(x: jax.Array, *, tile_2d: bool = False, axis: int = 1, reduce_axes: tuple[str, ...] = (),
-             interpret: bool | None = None) -> QuantizedTensor:
+             amax: jax.Array | None = None, interpret: bool | None = None) -> QuantizedTensor:
   """`NVFP4Scaling(tile_2d=tile_2d).quantize(x, axis=axis)` (round to nearest) for a 2-d x of whole blocks:
   along its last axis, or in 16 x 16 tiles (which serve either axis: `axis` is then the one recorded).
-  `reduce_axes`: the mesh axes (inside shard_map) x's tensor amax is taken over. `interpret`: run the Pallas
-  kernel in interpret mode (default: off a GPU)."""
+  `reduce_axes`: the mesh axes (inside shard_map) x's tensor amax is taken over; `amax`: max|x|, taken by the
+  caller, or None. `interpret`: run the Pallas kernel in interpret mode (default: off a GPU)."""
   _check(x)
   if axis not in (1, -1) and not tile_2d:
     raise ValueError(f"one-pass NVFP4 quantize: 1 x {BLOCK} blocks along the last axis only, got axis {axis}")
   interpret = _interpret(interpret)
-  amax = tensor_amax(x, reduce_axes)
+  amax = tensor_amax(x, reduce_axes) if amax is None else amax
   global_scale = scale_from_amax(_GLOBAL, amax)
   with jax.named_scope(SCOPE):
     packed, scale = _cast_rows(x, global_scale.reshape(1, 1), tile_2d, interpret)

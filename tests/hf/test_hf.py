@@ -34,6 +34,9 @@ from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import abstract_init, state_shardings
 from tests import helpers
 
+# One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
+pytestmark = pytest.mark.xdist_group("test_hf")
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+# One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
+pytestmark = pytest.mark.xdist_group("test_slurm")
+
 ROOT = Path(__file__).resolve().parents[2]
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "scancel", "sinfo")
 # The model of tests/parallel/test_multiprocess.py: a tiny float32 step, 4 devices as fsdp=4 (2 per task).

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+# One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
+pytestmark = pytest.mark.xdist_group("test_multiprocess")
+
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--config.model.seq_len=16",
         "--config.train.batch_size=8", "--config.data.source=synthetic", "--config.train.eval_every_steps=0",

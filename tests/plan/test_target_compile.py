@@ -79,20 +79,23 @@ def test_lm_head_gradient_is_reduced_once_a_step(tmp_path):
   assert moved == {("reduce-scatter", "f32"): d_model * vocab * 4, ("all-gather", "bf16"): 2 * d_model * vocab * 2}, moved
 
 
-def test_accumulated_step_takes_each_kernel_amax_once(tmp_path):
+@pytest.mark.parametrize("target,recipe,gemm", [("h100x8", "fp8_current", "fp8"), ("b200x8", "nvfp4", "nvfp4")])
+def test_accumulated_step_takes_each_kernel_amax_once(target, recipe, gemm, tmp_path):
   """4 micro-batches, FSDP over 8: the kernels' amax pass runs once a step, before the micro-batches' loop (not
-  per layer and micro-batch), and every projection GEMM stays FP8 (the casts to FP8 stay in the loop, before the
-  gather)."""
+  per layer and micro-batch), and every projection GEMM stays in the recipe's format (the casts stay in the loop,
+  before the gather): FP8's per-tensor scales, NVFP4's tiles cast by their kernel (width 256: 16 x 16 tiles
+  that divide among 8 GPUs)."""
   path = tmp_path / "step.hlo"
-  r = compile_report(config_lib.load(["compile", *TINY, "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=8",
-                                      "--config.train.batch_size=32", "--config.train.grad_accum_steps=4"]),
-                     target_lib.parse("h100x8"), hlo_out=str(path))
+  width = ["--config.model.d_model=256", "--config.model.d_ff=512"] if recipe == "nvfp4" else []
+  r = compile_report(config_lib.load(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.mesh.fsdp=8",
+                                      "--config.train.batch_size=32", "--config.train.grad_accum_steps=4", *width]),
+                     target_lib.parse(target), hlo_out=str(path))
   p = hlo.Program(path.read_text())
   names = {k.name: p.by_name[k.name].op_name for k in hlo.memory_kernels(p)}
   amax = [k for k in hlo.memory_kernels(p)
           if "quantize_weight" in names[k.name] and names[k.name].endswith("reduce_max")]
   assert amax and all(k.times == 1 for k in amax), [(k.name, k.times) for k in amax]
-  assert r["gemms"]["bf16"] == HEAD_GEMMS and r["gemms"]["fp8"] >= 3 * QUANTIZED_PROJECTIONS, r["gemms"]
+  assert r["gemms"]["bf16"] == HEAD_GEMMS and r["gemms"][gemm] >= 3 * QUANTIZED_PROJECTIONS, r["gemms"]
 
 
 def test_block_scaled_wgrad_is_written_as_its_reduce_scatter_reads_it(tmp_path):

@@ -19,6 +19,9 @@ from ember.quant import (E4M3, E5M2, QUANTIZED_RECIPES, RECIPES, ROLES, CurrentS
                          QuantizedTensor, make_quantizer, quantize,
                          update_history)
 
+# One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
+pytestmark = pytest.mark.xdist_group("test_quantize")
+
 FIELDS = ("data", "scale_inv", "global_scale_inv", "amax")
 # Compiled once per shape and recipe: far faster than op-by-op dispatch.
 jquantize = jax.jit(quantize, static_argnames=("recipe", "role", "axis"))

@@ -15,6 +15,9 @@ from ember.trainer.state import split_model
 from flax import nnx
 from tests.helpers import ROOT
 
+# One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
+pytestmark = pytest.mark.xdist_group("test_precision_probe")
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):

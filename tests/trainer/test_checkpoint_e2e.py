@@ -28,7 +28,8 @@ BASE = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--co
         "--config.train.decay_steps=100"]
 F32 = ["--config.model.dtype=float32"]
 
-pytestmark = pytest.mark.slow
+# One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_checkpoint_e2e")]
 
 
 @pytest.fixture(scope="session")

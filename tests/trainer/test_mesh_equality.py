@@ -5,6 +5,9 @@ import pytest
 
 from tests.helpers import config, random_batch, train_losses
 
+# One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
+pytestmark = pytest.mark.xdist_group("test_mesh_equality")
+
 MESHES = {
     "data8": {"mesh.data": 8, "mesh.fsdp": 1},
     "fsdp8": {"mesh.data": 1, "mesh.fsdp": 8},
