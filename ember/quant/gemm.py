@@ -64,7 +64,7 @@ def block_scaled_dot(a: QuantizedTensor, b: QuantizedTensor, contracting: tuple[
   along): [batch?, a's free axis, b's free axis], as `jax.lax.dot_general` orders them, with the leading axis
   a batch axis when `batched` (experts in the capacity layout). `dtype`: the emulated GEMM's operand dtype;
   `out`: the dtype the consumer wants (the GEMM writes `output_dtype(out)`; where tensor scales are still to be
-  taken, cuDNN's GEMM takes them as its alpha and the others write float32 first)."""
+  taken, cuDNN's GEMM takes them as its alpha when it writes a narrower dtype, the others write float32 first)."""
   scaled = _has_tensor_scale(a) or _has_tensor_scale(b)
   path = block_gemm_path()
   if path == EMULATED:
@@ -75,12 +75,18 @@ def block_scaled_dot(a: QuantizedTensor, b: QuantizedTensor, contracting: tuple[
   else:
     (da, sa), (db, sb) = _rows_by_blocks(a, contracting[0], batched), _rows_by_blocks(b, contracting[1], batched)
     if path == NATIVE:
+      # NVFP4's tensor scales go inside cuDNN's call where its result is then rounded to a narrower dtype (so
+      # partial sums over a split contraction are added in that dtype), after it for a float32 result (a weight
+      # gradient: the product then runs on the reduce-scattered shard, not over every device's whole result).
+      written = jnp.dtype(output_dtype(out))
+      inside = scaled and written != F32
       alpha = jnp.ones((da.shape[0],), F32)
-      if scaled:
+      if inside:
         alpha = jnp.broadcast_to((_tensor_scale(a, batched) * _tensor_scale(b, batched)).reshape(-1), alpha.shape)
       with jax.named_scope(BLOCK_SCALED_GEMM_SCOPE):  # Names the partitioned region's kernels in `memory_by_op`.
-        y = _cudnn_block_scaled_matmul(da, db, _bytes(sa), _bytes(sb), alpha, sa.dtype,
-                                       jnp.dtype(output_dtype(out)), scaled)
+        y = _cudnn_block_scaled_matmul(da, db, _bytes(sa), _bytes(sb), alpha, sa.dtype, written, inside)
+      if scaled and not inside:
+        y = y * (_tensor_scale(a, batched) * _tensor_scale(b, batched))  # The same product as inside.
       scaled = False  # Taken.
     else:
       y = jax.lax.scaled_dot(da, db, lhs_scale=sa, rhs_scale=sb, dimension_numbers=(((2,), (2,)), ((0,), (0,))),
@@ -101,8 +107,9 @@ def _cudnn_block_scaled_matmul(a, b, a_scale_bytes, b_scale_bytes, alpha_B, scal
   """`jax.nn.scaled_matmul` ([B, M, K] x [B, N, K] -> [B, M, N]), times alpha (float32 [B]: NVFP4's tensor scales;
   only when `scaled`), written in `out_dtype`, with the block scales handed over as bytes.
   Why bytes: the GEMM's own partitioning moves the scales to its operands' layout (an FSDP gather of a quantized
-  weight, say), and NCCL has no E8M0 type; as uint8 the same collectives run. Why alpha inside: the result
-  leaves in `out_dtype` already scaled, so partial sums over a split contraction are added in that dtype."""
+  weight, say), and NCCL has no E8M0 type; as uint8 the same collectives run. Why alpha inside (for a result
+  rounded to a narrower dtype; `block_scaled_dot` scales a float32 one after): the result leaves in `out_dtype`
+  already scaled, so partial sums over a split contraction are added in that dtype."""
   scale = lambda s: jax.lax.bitcast_convert_type(s, scale_dtype)
   if not scaled:
     return jax.nn.scaled_matmul(a, b, scale(a_scale_bytes), scale(b_scale_bytes), preferred_element_type=out_dtype)

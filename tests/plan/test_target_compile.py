@@ -111,6 +111,19 @@ def test_block_scaled_wgrad_is_written_as_its_reduce_scatter_reads_it(tmp_path):
   assert not transposed, transposed
 
 
+def test_nvfp4_weight_gradients_take_their_tensor_scales_on_their_shard(tmp_path):
+  """nvfp4, FSDP over 8 B200s (width 256): a weight gradient (float32) leaves cuDNN's GEMM unscaled and takes
+  its tensor scales after it, on the reduce-scattered shard, so no kernel of the GEMM's region writes a float32
+  result (the scales inside the region were a pass over every device's whole gradient)."""
+  path = tmp_path / "step.hlo"
+  compile_report(config_lib.load(["compile", *TINY, "--config.quant.recipe=nvfp4", "--config.mesh.fsdp=8",
+                                   "--config.train.batch_size=16", "--config.model.d_model=256",
+                                   "--config.model.d_ff=512"]), target_lib.parse("b200x8"), hlo_out=str(path))
+  p = hlo.Program(path.read_text())
+  region = [p.by_name[k.name] for k in hlo.memory_kernels(p) if "block_scaled_gemm" in p.by_name[k.name].op_name]
+  assert region and not [i.shape for i in region if hlo.dtype_of(i.shape) == "f32"], [i.shape for i in region]
+
+
 @pytest.mark.parametrize("target,recipe", [("h100x8", "fp8_current"), ("b200x8", "nvfp4")])
 def test_grad_reduce_dtype_is_the_dtype_gradients_are_reduced_in(target, recipe, tmp_path):
   """FSDP over 8 GPUs: every weight gradient is reduce-scattered in float32 by default and, with
