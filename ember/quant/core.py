@@ -27,6 +27,7 @@ the same operands unquantized, so the error is the projection's own and not what
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Protocol
 
@@ -116,7 +117,9 @@ def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name
     if copies is not None:
       q[X], q[X_T] = copies
     else:
-      q[X] = act.quantize(x, axis=layout.x_axis, reduce_axes=layout.reduce_axes, stats=stats)
+      q[X] = _one_pass_rows(recipe, act, x, layout.x_axis, stats, layout.reduce_axes)
+      if q[X] is None:
+        q[X] = act.quantize(x, axis=layout.x_axis, reduce_axes=layout.reduce_axes, stats=stats)
       if recipe.has_x_t:
         x_rows = recipe.wgrad_transform(layout.wgrad_rows(x, rows, b), layout.row_axis)
         q[X_T] = layout.wgrad_copy(act.quantize(x_rows, axis=layout.row_axis, reduce_axes=layout.reduce_axes))
@@ -142,6 +145,24 @@ def _one_pass_copies(layout: Layout, recipe: Recipe, quantizer, a, stats: bool, 
     keys = keys if quantizer.stochastic_rounding else None
     return fused_nvfp4.both(a, keys=keys, rht_seed=recipe.wgrad_rht_seed, reduce_axes=layout.reduce_axes)
   return None
+
+
+def _one_pass_rows(recipe: Recipe, quantizer, a, axis: int, stats: bool, reduce_axes):
+  """`quantizer.quantize(a, axis)` from a one-pass kernel where one applies, or None: a's copy along its last
+  axis alone (an expert layout's x, which only the forward GEMM reads so), a viewed as 2-d [rows, K] (block and
+  tensor scales are the same either way), rounding to nearest. Not inside `shard_map`, where a Pallas call's
+  outputs would need their varying axes spelled out: expert layers under a mesh take the quantizer."""
+  if axis != a.ndim - 1 or a.ndim < 2 or vma_of(a):  # Not inside shard_map (the expert layers' exchange).
+    return None
+  rows = a.reshape(-1, a.shape[-1])
+  if fused.casts(recipe, stats, rows):
+    q = fused.rows(rows)
+  elif fused_nvfp4.casts(recipe, stats, rows) and not quantizer.stochastic_rounding:
+    q = fused_nvfp4.quantize(rows, reduce_axes=reduce_axes)
+  else:
+    return None
+  return dataclasses.replace(q, data=q.data.reshape(a.shape), scale_inv=q.scale_inv.reshape(*a.shape[:-1], -1),
+                             axis=axis)
 
 
 def _forward(x, w, rows, history, layout: Layout, recipe: Recipe, name, dtype, kernel_shape, stats=False,

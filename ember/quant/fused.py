@@ -50,8 +50,14 @@ SCOPE = "mxfp8_quantize_both"  # The kernel's name scope: its row in the compile
 def one_pass(layout, recipe, stats: bool, *operands: jax.Array) -> bool:
   """Whether `operands` of `recipe` (quant/recipe.py's Recipe) in `layout` (quant/core.py's) are quantized by the
   one-pass kernel (see the module doc; the recipe table says which recipes have one)."""
-  return (layout.transposed and recipe.scheme.one_pass_kernel and not stats and target_platform() == "gpu"
-          and all(_splits_evenly(a.shape) for a in operands))
+  return layout.transposed and casts(recipe, stats, *operands)
+
+
+def casts(recipe, stats: bool, *operands: jax.Array) -> bool:
+  """Whether this module's kernel casts 2-d `operands` of `recipe` (`both`, or `rows` alone): MXFP8 on a GPU,
+  without health statistics, blocks dividing among the devices."""
+  return (recipe.scheme.one_pass_kernel and not stats and target_platform() == "gpu"
+          and all(a.ndim == 2 and _splits_evenly(a.shape) for a in operands))
 
 
 def _splits_evenly(shape) -> bool:
@@ -70,12 +76,25 @@ def both(a: jax.Array, *, reduce_axes: tuple[str, ...] = (), interpret: bool | N
     raise ValueError(f"one-pass MXFP8 quantize: a 2-d operand of whole {BLOCK}-blocks, got {a.shape}")
   interpret = target_platform() != "gpu" if interpret is None else interpret
   with jax.named_scope(SCOPE):
-    data, scale, data_t, scale_t = _both(a, interpret)
+    data, scale, data_t, scale_t = _both(a, interpret, True)
   amax = tensor_amax(a, reduce_axes)  # Read only where a consumer needs it (health, not this path): else dead.
   quantized = lambda d, s: QuantizedTensor(
       data=d, scale_inv=jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu), global_scale_inv=jnp.float32(1.0),
       amax=amax, recipe="mxfp8", axis=1, block=(BLOCK,), dtype=jnp.dtype(a.dtype).name)
   return quantized(data, scale), quantized(data_t, scale_t)
+
+
+def rows(a: jax.Array, *, interpret: bool | None = None) -> QuantizedTensor:
+  """`MXFP8Scaling().quantize(a, axis=1)` for a 2-d a of whole blocks: `both`'s kernel writing the first copy
+  alone (an operand only one GEMM reads along its last axis: an expert layout's rows), one read of a."""
+  if a.ndim != 2 or a.shape[0] % BLOCK or a.shape[1] % BLOCK:
+    raise ValueError(f"one-pass MXFP8 quantize: a 2-d operand of whole {BLOCK}-blocks, got {a.shape}")
+  interpret = target_platform() != "gpu" if interpret is None else interpret
+  with jax.named_scope(SCOPE):
+    data, scale = _both(a, interpret, False)
+  return QuantizedTensor(data=data, scale_inv=jax.lax.bitcast_convert_type(scale, jnp.float8_e8m0fnu),
+                         global_scale_inv=jnp.float32(1.0), amax=tensor_amax(a), recipe="mxfp8", axis=1,
+                         block=(BLOCK,), dtype=jnp.dtype(a.dtype).name)
 
 
 # --- The kernel --------------------------------------------------------------------------------------------
@@ -101,24 +120,26 @@ def _cast(scaled):
   return jnp.where(jnp.isnan(scaled), scaled, clipped).astype(E4M3.dtype)
 
 
-def _kernel(x_ref, data_ref, scale_ref, data_t_ref, scale_t_ref, *, rows: int, cols: int):
+def _kernel(x_ref, data_ref, scale_ref, *transposed_refs, rows: int, cols: int):
   x = x_ref[...].astype(jnp.float32)
   magnitude = jnp.abs(x)
   k_rows = _exponents(jnp.max(magnitude.reshape(rows, cols // BLOCK, BLOCK), axis=2))  # [rows, cols / 32]
-  k_cols = _exponents(jnp.max(magnitude.reshape(rows // BLOCK, BLOCK, cols), axis=1))  # [rows / 32, cols]
   along_rows = jnp.broadcast_to(_inverse_scale(k_rows)[:, :, None], (rows, cols // BLOCK, BLOCK))
-  along_cols = jnp.broadcast_to(_inverse_scale(k_cols)[:, None, :], (rows // BLOCK, BLOCK, cols))
   data_ref[...] = _cast(x * along_rows.reshape(rows, cols))
   scale_ref[...] = (k_rows + _E8M0_BIAS).astype(jnp.uint8)
-  data_t_ref[...] = _cast(x * along_cols.reshape(rows, cols)).T
-  scale_t_ref[...] = (k_cols + _E8M0_BIAS).astype(jnp.uint8).T
+  if transposed_refs:  # `both`: the copy along the first axis too.
+    data_t_ref, scale_t_ref = transposed_refs
+    k_cols = _exponents(jnp.max(magnitude.reshape(rows // BLOCK, BLOCK, cols), axis=1))  # [rows / 32, cols]
+    along_cols = jnp.broadcast_to(_inverse_scale(k_cols)[:, None, :], (rows // BLOCK, BLOCK, cols))
+    data_t_ref[...] = _cast(x * along_cols.reshape(rows, cols)).T
+    scale_t_ref[...] = (k_cols + _E8M0_BIAS).astype(jnp.uint8).T
 
 
 def _tile(n: int) -> int:
   return next(t for t in _TILES if n % t == 0)
 
 
-def _call(a, interpret: bool):
+def _call(a, interpret: bool, transposed: bool = True):
   r, c = a.shape
   tr, tc = _tile(r), _tile(c)
   spec = lambda shape, index: pl.BlockSpec(shape, index)
@@ -130,26 +151,27 @@ def _call(a, interpret: bool):
   return pl.pallas_call(
       functools.partial(_kernel, rows=tr, cols=tc), grid=(r // tr, c // tc),
       in_specs=[spec((tr, tc), straight)],
-      out_specs=[spec((tr, tc), straight), spec((tr, tc // BLOCK), straight), spec((tc, tr), crossed),
-                 spec((tc, tr // BLOCK), crossed)],
-      out_shape=[jax.ShapeDtypeStruct((r, c), E4M3.dtype), jax.ShapeDtypeStruct((r, c // BLOCK), jnp.uint8),
-                 jax.ShapeDtypeStruct((c, r), E4M3.dtype), jax.ShapeDtypeStruct((c, r // BLOCK), jnp.uint8)],
+      out_specs=[spec((tr, tc), straight), spec((tr, tc // BLOCK), straight)] + (
+          [spec((tc, tr), crossed), spec((tc, tr // BLOCK), crossed)] if transposed else []),
+      out_shape=[jax.ShapeDtypeStruct((r, c), E4M3.dtype), jax.ShapeDtypeStruct((r, c // BLOCK), jnp.uint8)] + (
+          [jax.ShapeDtypeStruct((c, r), E4M3.dtype), jax.ShapeDtypeStruct((c, r // BLOCK), jnp.uint8)]
+          if transposed else []),
       interpret=interpret, **params)(a)
 
 
-@functools.partial(custom_partitioning, static_argnums=(1,))
-def _both(a, interpret):
-  return _call(a, interpret)
+@functools.partial(custom_partitioning, static_argnums=(1, 2))
+def _both(a, interpret, transposed):
+  return _call(a, interpret, transposed)
 
 
-def _shardings(mesh, shape):
-  """(the operand's, (data and scales along the last axis, the transposed copy and its scales)) shardings for an
-  operand of `shape`: each device quantizes its shard. A dimension whose shards would not hold whole blocks (the
-  rule's propagation may split blocks unevenly on small tensors) is gathered first."""
+def _shardings(mesh, shape, transposed: bool):
+  """(the operand's, (data and scales along the last axis[, the transposed copy and its scales])) shardings for
+  an operand of `shape`: each device quantizes its shard. A dimension whose shards would not hold whole blocks
+  (the rule's propagation may split blocks unevenly on small tensors) is gathered first."""
   spec = tuple(shape.sharding.spec) + (None,) * (2 - len(shape.sharding.spec))
   r, c = (s if _whole_blocks(s, n, mesh) else None for s, n in zip(spec, shape.shape))
   straight, crossed = NamedSharding(mesh, P(r, c)), NamedSharding(mesh, P(c, r))
-  return straight, (straight, straight, crossed, crossed)
+  return straight, (straight, straight) + ((crossed, crossed) if transposed else ())
 
 
 def _whole_blocks(entry, size: int, mesh) -> bool:
@@ -157,21 +179,21 @@ def _whole_blocks(entry, size: int, mesh) -> bool:
   return size % shards == 0 and (size // shards) % BLOCK == 0
 
 
-def _partition(interpret, mesh, arg_shapes, result_shape):
-  operand, results = _shardings(mesh, arg_shapes[0])
-  return mesh, lambda a: _call(a, interpret), results, (operand,)
+def _partition(interpret, transposed, mesh, arg_shapes, result_shape):
+  operand, results = _shardings(mesh, arg_shapes[0], transposed)
+  return mesh, lambda a: _call(a, interpret, transposed), results, (operand,)
 
 
-def _infer(interpret, mesh, arg_shapes, result_shape):
-  return _shardings(mesh, arg_shapes[0])[1]
+def _infer(interpret, transposed, mesh, arg_shapes, result_shape):
+  return _shardings(mesh, arg_shapes[0], transposed)[1]
 
 
-def _rule(interpret, mesh, operand_types, result_types):
+def _rule(interpret, transposed, mesh, operand_types, result_types):
   """Each dimension is (blocks, 32 within a block); a scale dimension is the blocks factor alone, so data and
   scales shard alike, and the within-block factors are never sharded: a block is never split."""
   del interpret, mesh, operand_types, result_types
-  return ("(r i) (c j) -> (r i) (c j), (r i) c, (c j) (r i), (c j) r",
-          dict(need_replication_factors=("i", "j"), i=BLOCK, j=BLOCK))
+  results = "(r i) (c j), (r i) c" + (", (c j) (r i), (c j) r" if transposed else "")
+  return f"(r i) (c j) -> {results}", dict(need_replication_factors=("i", "j"), i=BLOCK, j=BLOCK)
 
 
 _both.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_rule)

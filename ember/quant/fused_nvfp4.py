@@ -63,10 +63,16 @@ SCOPE = "nvfp4_quantize"  # The kernels' name scope: their row in the compile re
 
 def one_pass(layout, recipe, stats: bool, *operands: jax.Array) -> bool:
   """Whether NVFP4 `operands` of a dense projection (`layout`, quant/core.py's) are quantized by this module's
-  kernels: on a GPU, without health statistics, each dimension's blocks dividing among the traced program's
-  devices (otherwise propagation may split a block between devices, which the partition rule cannot take)."""
+  kernels (`casts`)."""
+  return layout.transposed and casts(recipe, stats, *operands)
+
+
+def casts(recipe, stats: bool, *operands: jax.Array) -> bool:
+  """Whether this module's kernels cast 2-d NVFP4 `operands`: on a GPU, without health statistics, each
+  dimension's blocks dividing among the traced program's devices (otherwise propagation may split a block
+  between devices, which the partition rule cannot take)."""
   devices = traced_device_count()
-  return (layout.transposed and recipe.scheme.tensor_scale and not stats and target_platform() == "gpu"
+  return (recipe.scheme.tensor_scale and not stats and target_platform() == "gpu"
           and all(a.ndim == 2 and all(n % BLOCK == 0 and (n // BLOCK) % devices == 0 for n in a.shape)
                   for a in operands))
 

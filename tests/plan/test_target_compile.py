@@ -439,11 +439,25 @@ def test_mxfp8_operands_are_quantized_in_one_pass(tmp_path):
     assert len(kernels) == 3 * QUANTIZED_PROJECTIONS and all(fused.SCOPE in i.op_name for i in kernels), target
 
 
+@pytest.mark.parametrize("recipe,scope", [("mxfp8", fused.SCOPE), ("nvfp4", fused_nvfp4.SCOPE)])
+def test_expert_rows_are_cast_by_the_kernels_on_one_gpu(recipe, scope, tmp_path):
+  """tiny_moe on one B200 (its experts run without shard_map): the experts' x, quantized along its last axis
+  only, is cast by the recipe's kernel (its `rows` / one-copy cast), not by the quantizer's passes."""
+  path = tmp_path / "step.hlo"
+  compile_report(config_lib.load(["compile", f"--config={ROOT}/configs/default.py:tiny_moe",
+                                   "--config.data.source=synthetic", f"--config.quant.recipe={recipe}"]),
+                 target_lib.parse("b200x1"), hlo_out=str(path))
+  kernels = [i.op_name for i in hlo.Program(path.read_text()).instructions
+             if i.opcode == "custom-call" and "triton" in (i.attribute("custom_call_target") or "")]
+  assert any("expert_gemm/quantize_activation/" + scope in name for name in kernels), kernels
+
+
 def _copies(quantized):
   return [(q.data, q.scale_inv, q.global_scale_inv) for q in quantized]
 
 
 ONE_PASS_CASES = {  # name: (the quantize, its ideal bytes for a bf16 [r, c]: reads of the source, copies written).
+    "mxfp8 one layout": (lambda a: _copies([fused.rows(a)]), lambda r, c: 2 * r * c + r * c + r * c // 32),
     "mxfp8 both layouts": (lambda a: _copies(fused.both(a)), lambda r, c: 2 * r * c + 2 * (r * c + r * c // 32)),
     "nvfp4 one layout": (lambda a: _copies([fused_nvfp4.quantize(a)]),
                          lambda r, c: 2 * 2 * r * c + r * c // 2 + r * c // 16),

@@ -44,6 +44,13 @@ def test_both_copies_equal_the_per_copy_quantizer(shape, dtype):
   _same(jax.jit(lambda a: fused.both(a, interpret=True))(x), per_copy(x))
 
 
+@pytest.mark.parametrize("shape", [(96, 160), (64, 4096)])
+def test_rows_alone_equal_the_quantizer(shape):
+  """`rows`, the kernel writing the copy along the last axis alone: the quantizer's bytes."""
+  x = _tensor(6, shape)
+  _same([jax.jit(lambda a: fused.rows(a, interpret=True))(x)], [MXFP8Scaling(fused.BLOCK).quantize(x, axis=1)])
+
+
 def test_non_finite_values_follow_the_format_rules():
   x = _tensor(1, (64, 64), jnp.float32).at[5, 9].set(jnp.nan).at[40, 50].set(jnp.inf).at[41, 51].set(-jnp.inf)
   got, want = jax.jit(lambda a: fused.both(a, interpret=True))(x), per_copy(x)
@@ -90,7 +97,7 @@ def test_a_dense_projection_with_the_kernel_equals_one_without(monkeypatch):
     calls = []
     kernel = fused.both
     monkeypatch.setattr(fused, "both", lambda a, **kw: calls.append(a.shape) or kernel(a, interpret=True, **kw))
-    monkeypatch.setattr(fused, "one_pass", lambda *a: use_kernel)
+    monkeypatch.setattr(fused, "casts", lambda *a: use_kernel)
     with on_platform("gpu", (9, 0)):
       out = jax.jit(step)(x, w, g)  # A new function each time: no trace cached across the two.
     monkeypatch.undo()

@@ -1,7 +1,8 @@
 """NVFP4's one-kernel cast (ember/quant/fused_nvfp4.py), run in Pallas' interpret mode, against the quantizer
 (itself tested against NumPy in test_quantize.py): the same bytes (data, block scales, tensor scale) along the
 last axis and in 16 x 16 tiles, on random, heavy-tailed and special tensors; inside a sharded jit the same as on
-one device; and a dense projection built on it gives the same output and gradients as one without it."""
+one device; and a dense projection built on it, or an expert layout whose x takes the one-copy kernels (MXFP8's
+too), gives the same output and gradients as one without them."""
 
 import jax
 import jax.numpy as jnp
@@ -151,12 +152,47 @@ def test_a_dense_projection_with_the_kernels_equals_one_without(monkeypatch, rht
       monkeypatch.setattr(fused_nvfp4, kernel, lambda a, _f=original, _k=kernel, **kw: calls.append(
           (_k, a.shape, kw.get("keys") is not None)) or _f(a, interpret=True, **kw))
     if not use_kernel:
-      monkeypatch.setattr(fused_nvfp4, "one_pass", lambda *a: False)
+      monkeypatch.setattr(fused_nvfp4, "casts", lambda *a: False)
     with on_platform("gpu", (9, 0)):
       out = jax.jit(step)(x, w, g)  # A new function each time: no trace cached across the two.
     monkeypatch.undo()
     assert calls == ([("both", (96, 64), False), ("quantize", (64, 160), False), ("both", (96, 160), stochastic)]
                      if use_kernel else [])
+    return out
+
+  for a, b in zip(run(True), run(False)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_expert_rows_cast_by_the_kernels_equal_the_quantizer(monkeypatch, recipe):
+  """The capacity layout's x [E, C, K], quantized along K only, goes through the one-copy kernels viewed as 2-d
+  (`fused.rows` for MXFP8, `fused_nvfp4.quantize` for NVFP4; interpret mode, traced for a Hopper-like GPU): the
+  expert GEMMs' output and gradients equal, bit for bit, those of the quantizer's copy."""
+  from ember.platform import on_platform
+  from ember.quant import fused
+  from ember.quant.batched import batched_matmul
+  from ember.quant.recipe import Recipe
+
+  x, w = _tensor(10, (4 * 32, 64)).reshape(4, 32, 64), _tensor(11, (4, 64, 48), jnp.float32) * 0.05
+  g = _tensor(12, (4 * 32, 48)).reshape(4, 32, 48)
+  kernel = {"mxfp8": (fused, "rows"), "nvfp4": (fused_nvfp4, "quantize")}[recipe]
+
+  def run(use_kernel: bool):
+    def step(x, w, g):
+      y, vjp = jax.vjp(lambda x, w: batched_matmul(x, w, recipe=Recipe(recipe, nvfp4_stochastic_rounding=False),
+                                                   name="moe_wi", dtype=jnp.bfloat16), x, w)
+      return (y, *vjp(g))
+
+    calls = []
+    original = getattr(*kernel)
+    monkeypatch.setattr(*kernel, lambda a, **kw: calls.append(a.shape) or original(a, interpret=True, **kw))
+    if not use_kernel:
+      monkeypatch.setattr(kernel[0], "casts", lambda *a: False)
+    with on_platform("gpu", (9, 0)):
+      out = jax.jit(step)(x, w, g)
+    monkeypatch.undo()
+    assert calls == ([(128, 64)] if use_kernel else [])
     return out
 
   for a, b in zip(run(True), run(False)):
