@@ -143,6 +143,8 @@ def _one_pass_copies(layout: Layout, recipe: Recipe, quantizer, a, stats: bool, 
     return fused.both(a, reduce_axes=layout.reduce_axes)
   if fused_nvfp4.one_pass(layout, recipe, stats, a):
     keys = keys if quantizer.stochastic_rounding else None
+    if keys is not None and not all(fused_nvfp4.draws_as_jax(k) for k in keys):
+      return None
     return fused_nvfp4.both(a, keys=keys, rht_seed=recipe.wgrad_rht_seed, reduce_axes=layout.reduce_axes)
   return None
 

@@ -30,9 +30,11 @@ so a shard draws what the whole tensor would. The Hadamard transform is a float3
 as in `hadamard.py`, rounded to the tensor's dtype; on a GPU its sums may be ordered differently from XLA's GEMM
 (a last-bit difference before that rounding), on the CPU they are the same.
 
-Where they run (`one_pass`): NVFP4 operands of a dense projection on a GPU, without health statistics, when each
-dimension's blocks divide among the devices. Sharding: `custom_partitioning` runs a kernel on each device's
-shard, split between blocks only; the amaxes are then reduced across devices by XLA.
+Where they run (`one_pass`, `casts`): NVFP4 operands of a dense projection, and an expert layout's x outside
+`shard_map` (quant/core.py), on a GPU, without health statistics, when each dimension's blocks divide among the
+devices; stochastic rounding only with keys whose draws the kernel reproduces (`draws_as_jax`). Sharding:
+`custom_partitioning` runs a kernel on each device's shard, split between blocks only; the amaxes are then
+reduced across devices by XLA.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def casts(recipe, stats: bool, *operands: jax.Array) -> bool:
 
 def casts_kernel_tiles(recipe) -> bool:
   """Whether a dense kernel of `recipe` traced now is cast by `quantize` in 16 x 16 tiles after an amax pass of
-  its own (which a step of micro-batches then takes once: quant/dot.py's `takes_kernel_amax`), where its shape
-  splits evenly among the devices."""
+  its own (which a step of micro-batches then takes once: quant/dot.py's `takes_kernel_amax`). A kernel whose
+  shape does not split evenly among the devices takes the quantizer instead, which ignores the amax handed in."""
   return (recipe.quantized and recipe.scheme.tensor_scale and target_platform() == "gpu"
           and recipe.quantizer(WEIGHT).tile_2d)
 
@@ -92,8 +94,9 @@ def quantize(x: jax.Array, *, tile_2d: bool = False, axis: int = 1, reduce_axes:
   `reduce_axes`: the mesh axes (inside shard_map) x's tensor amax is taken over; `amax`: max|x|, taken by the
   caller, or None. `interpret`: run the Pallas kernel in interpret mode (default: off a GPU)."""
   _check(x)
-  if axis not in (1, -1) and not tile_2d:
-    raise ValueError(f"one-pass NVFP4 quantize: 1 x {BLOCK} blocks along the last axis only, got axis {axis}")
+  if axis not in ((-2, -1, 0, 1) if tile_2d else (-1, 1)):
+    raise ValueError(f"one-pass NVFP4 quantize: axis {axis} of a 2-d operand, 1 x {BLOCK} blocks along the last "
+                     f"axis only")
   interpret = _interpret(interpret)
   amax = tensor_amax(x, reduce_axes) if amax is None else amax
   global_scale = scale_from_amax(_GLOBAL, amax)
@@ -113,8 +116,8 @@ def both(a: jax.Array, *, keys: tuple[jax.Array, jax.Array] | None = None, rht_s
   interpret = _interpret(interpret)
   stochastic = keys is not None
   with jax.named_scope(SCOPE):
-    m = _rht(rht_seed)
-    tile_amaxes = _amaxes(a, m, rht_seed is not None, interpret)
+    rht = _rht(rht_seed)
+    tile_amaxes = _amaxes(a, rht, rht_seed is not None, interpret)
     amax_rows, amax_cols = (tensor_amax(t, reduce_axes) for t in tile_amaxes)
     g_rows, g_cols = (scale_from_amax(_GLOBAL, m) for m in (amax_rows, amax_cols))
     extra = ()
@@ -123,11 +126,19 @@ def both(a: jax.Array, *, keys: tuple[jax.Array, jax.Array] | None = None, rht_s
       high, low = _row_bases(a.shape[0], a.shape[1])
       col = jnp.arange(a.shape[1], dtype=jnp.uint32)[None]
       extra = (*key_words, high, low, col, high.T, low.T, col.T)
-    outs = _cast_both(a, g_rows.reshape(1, 1), g_cols.reshape(1, 1), m, rht_seed is not None, stochastic, interpret,
-                      *extra)
+    outs = _cast_both(a, g_rows.reshape(1, 1), g_cols.reshape(1, 1), rht, rht_seed is not None, stochastic,
+                      interpret, *extra)
   rows = _tensor(outs[0], outs[1], g_rows, amax_rows, a, 1, (BLOCK,))
   cols = _tensor(outs[2], outs[3], g_cols, amax_cols, a.T, 1, (BLOCK,))  # Stored transposed: axis 0's copy.
   return rows, cols
+
+
+def draws_as_jax(key) -> bool:
+  """Whether `both`'s in-kernel draws are `jax.random.uniform(key, ...)`'s: a threefry2x32 key under JAX's
+  partitionable threefry (the default), whose bits the kernel computes."""
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  impl = jax.random.key_impl(key) if typed else jax.config.jax_default_prng_impl
+  return bool(jax.config.jax_threefry_partitionable) and str(impl) == "threefry2x32"
 
 
 def _check(x):
@@ -180,10 +191,12 @@ def _e4m3(v):
 def _e2m1_codes(y, u=None):
   """E2M1's 4-bit codes of y as int32: formats.cast (u None) or formats.stochastic_cast with uniform draws u."""
   a = jnp.minimum(jnp.abs(y), E2M1.max)
-  if u is not None:  # Between E2M1's neighbours lo and lo + ulp, up with probability (a - lo) / ulp: exact values.
+  if u is not None:  # Between E2M1's neighbours lo and lo + ulp, up with probability (a - lo) / ulp: exact values
+    # (ulp is a power of two: dividing by it is multiplying by its inverse).
     ulp = jnp.where(a >= 4.0, 2.0, jnp.where(a >= 2.0, 1.0, 0.5))
-    lo = jnp.floor(a / ulp) * ulp
-    a = jnp.minimum(jnp.where(u < (a - lo) / ulp, lo + ulp, lo), E2M1.max)
+    per_ulp = jnp.where(a >= 4.0, 0.5, jnp.where(a >= 2.0, 1.0, 2.0))
+    lo = jnp.floor(a * per_ulp) * ulp
+    a = jnp.minimum(jnp.where(u < (a - lo) * per_ulp, lo + ulp, lo), E2M1.max)
   code = sum(((a >= t) if inclusive else (a > t)).astype(jnp.int32) for t, inclusive in _E2M1_THRESHOLDS)
   negative = (jax.lax.bitcast_convert_type(y, jnp.int32) < 0) & ~jnp.isnan(y)
   return jnp.where(jnp.isnan(y), 0, code + 8 * negative.astype(jnp.int32))
@@ -216,15 +229,26 @@ def _repeat(s, n: int, axis: int):
   return jnp.broadcast_to(s[:, None, :], (r, n, c)).reshape(r * n, c)
 
 
-def _cast_blocks(x, global_scale, tile_2d: bool = False, u=None):
+def _divide(a, b, interpret: bool):
+  """a / b rounded to nearest, as XLA divides. Triton compiles a float32 `/` to PTX's div.full.f32, up to 2 ulp
+  off, which would move values across E4M3 and E2M1 rounding points: the GPU kernel divides with div.rn.f32."""
+  a, b = jnp.broadcast_arrays(a, b)
+  if interpret:
+    return a / b
+  from jax.experimental.pallas import triton as pallas_triton  # pylint: disable=g-import-not-at-top
+  return pallas_triton.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+                                              result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+
+
+def _cast_blocks(x, global_scale, interpret: bool, tile_2d: bool = False, u=None):
   """NVFP4 of float32 x [R, C] along its last axis: (packed data [R, C / 2], E4M3 scales [R, C / 16] or, for
   16 x 16 tiles, [R / 16, C / 16])."""
   magnitude = jnp.abs(x)
   amax = _tile_amaxes(magnitude) if tile_2d else _block_amaxes(magnitude)
-  block_scale = _e4m3((amax / 6.0) * global_scale)
+  block_scale = _e4m3(_divide(amax, 6.0, interpret) * global_scale)
   s = block_scale.astype(jnp.float32)
   s = _repeat(_repeat(s, BLOCK, 0) if tile_2d else s, BLOCK, 1)
-  y = jnp.where(s == 0, 0.0, (x * global_scale) / s)
+  y = jnp.where(s == 0, 0.0, _divide(x * global_scale, s, interpret))
   return _packed(_e2m1_codes(y, u)), block_scale
 
 
@@ -277,8 +301,9 @@ def _indices(high_ref, low_ref, col_ref):
   return high_ref[...] + (low < low_ref[...]).astype(jnp.uint32), low
 
 
-def _rows_kernel(scale_ref, x_ref, data_ref, block_scale_ref, *, tile_2d: bool):
-  data_ref[...], block_scale_ref[...] = _cast_blocks(x_ref[...].astype(jnp.float32), scale_ref[...], tile_2d)
+def _rows_kernel(scale_ref, x_ref, data_ref, block_scale_ref, *, tile_2d: bool, interpret: bool):
+  data_ref[...], block_scale_ref[...] = _cast_blocks(x_ref[...].astype(jnp.float32), scale_ref[...], interpret,
+                                                     tile_2d)
 
 
 def _amax_kernel(rht_ref, x_ref, rows_ref, cols_ref, *, transform: bool):
@@ -287,7 +312,7 @@ def _amax_kernel(rht_ref, x_ref, rows_ref, cols_ref, *, transform: bool):
   cols_ref[...] = _tile_amaxes(jnp.abs(_transformed_t(x_ref[...], rht_ref[...], transform))).T
 
 
-def _both_kernel(*refs, transform: bool, stochastic: bool):
+def _both_kernel(*refs, transform: bool, stochastic: bool, interpret: bool):
   g_rows_ref, g_cols_ref, rht_ref = refs[:3]
   u_rows = u_cols = None
   if stochastic:  # Draws for x [R, C] and for x.T [C, R], each from its elements' indices in the whole tensor.
@@ -296,9 +321,9 @@ def _both_kernel(*refs, transform: bool, stochastic: bool):
     u_cols = _uniform(k_cols1[...], k_cols2[...], *_indices(*refs[10:13]))
   x_ref, data_ref, scale_ref, data_t_ref, scale_t_ref = refs[-5:]
   x = x_ref[...].astype(jnp.float32)
-  data_ref[...], scale_ref[...] = _cast_blocks(x, g_rows_ref[...], u=u_rows)
+  data_ref[...], scale_ref[...] = _cast_blocks(x, g_rows_ref[...], interpret, u=u_rows)
   xt = _transformed_t(x_ref[...], rht_ref[...], transform)
-  data_t_ref[...], scale_t_ref[...] = _cast_blocks(xt, g_cols_ref[...], u=u_cols)
+  data_t_ref[...], scale_t_ref[...] = _cast_blocks(xt, g_cols_ref[...], interpret, u=u_cols)
 
 
 # --- Calls and their partitioning ----------------------------------------------------------------------------
@@ -324,9 +349,10 @@ def _rows_call(x, global_scale, tile_2d: bool, interpret: bool):
   (r, c), (tr, tc) = x.shape, (_tile(x.shape[0]), _tile(x.shape[1]))
   scale_rows, scale_tile_rows = (r // BLOCK, tr // BLOCK) if tile_2d else (r, tr)
   return _pallas(
-      functools.partial(_rows_kernel, tile_2d=tile_2d), (r // tr, c // tc),
+      functools.partial(_rows_kernel, tile_2d=tile_2d, interpret=interpret), (r // tr, c // tc),
       [_WHOLE((1, 1)), pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
-      [pl.BlockSpec((tr, tc // 2), lambda i, j: (i, j)), pl.BlockSpec((scale_tile_rows, tc // BLOCK), lambda i, j: (i, j))],
+      [pl.BlockSpec((tr, tc // 2), lambda i, j: (i, j)),
+       pl.BlockSpec((scale_tile_rows, tc // BLOCK), lambda i, j: (i, j))],
       [jax.ShapeDtypeStruct((r, c // 2), jnp.uint8), jax.ShapeDtypeStruct((scale_rows, c // BLOCK), E4M3.dtype)],
       interpret)(global_scale, x)
 
@@ -355,7 +381,8 @@ def _both_call(x, g_rows, g_cols, m, transform: bool, stochastic: bool, interpre
     in_specs += [_WHOLE((1, 1))] * 4 + [rows, rows, cols, rows_t, rows_t, cols_t]
   in_specs += [pl.BlockSpec((tr, tc), straight)]
   return _pallas(
-      functools.partial(_both_kernel, transform=transform, stochastic=stochastic), (r // tr, c // tc), in_specs,
+      functools.partial(_both_kernel, transform=transform, stochastic=stochastic, interpret=interpret),
+      (r // tr, c // tc), in_specs,
       [pl.BlockSpec((tr, tc // 2), straight), pl.BlockSpec((tr, tc // BLOCK), straight),
        pl.BlockSpec((tc, tr // 2), crossed), pl.BlockSpec((tc, tr // BLOCK), crossed)],
       [jax.ShapeDtypeStruct((r, c // 2), jnp.uint8), jax.ShapeDtypeStruct((r, c // BLOCK), E4M3.dtype),
@@ -415,7 +442,8 @@ _cast_rows.def_partition(partition=_rows_partition, infer_sharding_from_operands
                          sharding_rule=_rows_rule)
 
 
-# `both`'s amax pass: x [R, C] and the transform's matrix -> the max of each 16 x 16 tile of |x| and of |x transformed|, [R / 16, C / 16].
+# `both`'s amax pass: x [R, C] and the transform's matrix -> the max of each 16 x 16 tile of |x| and of
+# |x transformed|, [R / 16, C / 16].
 
 
 @functools.partial(custom_partitioning, static_argnums=(2, 3))
@@ -441,8 +469,9 @@ def _amax_rule(transform, interpret, mesh, operand_types, result_types):
 _amaxes.def_partition(partition=_amax_partition, infer_sharding_from_operands=_amax_infer, sharding_rule=_amax_rule)
 
 
-# `both`'s cast: x [R, C], the two tensor scales, the transform's matrix, [stochastic: four key words, row bases [R, 1] x 2, column ids
-# [1, C]] -> along rows: data [R, C / 2], scales [R, C / 16]; along columns: data [C, R / 2], scales [C, R / 16].
+# `both`'s cast: x [R, C], the two tensor scales, the transform's matrix, [stochastic: four key words, row bases
+# [R, 1] x 2, column ids [1, C], and those three transposed] -> along rows: data [R, C / 2], scales [R, C / 16];
+# along columns: data [C, R / 2], scales [C, R / 16].
 
 
 @functools.partial(custom_partitioning, static_argnums=(4, 5, 6))
@@ -471,7 +500,8 @@ def _both_infer(transform, stochastic, interpret, mesh, arg_shapes, result_shape
 def _both_rule(transform, stochastic, interpret, mesh, operand_types, result_types):
   """x is (r i) (c j), 16-blocks both ways; a data dimension of bytes is (blocks, 8), a scale dimension blocks."""
   del transform, interpret, mesh, operand_types, result_types
-  extra = ", k1 k2, k3 k4, k5 k6, k7 k8, (r i) z1, (r i) z2, y1 (c j), z3 (r i), z4 (r i), (c j) y2" if stochastic else ""
+  extra = (", k1 k2, k3 k4, k5 k6, k7 k8, (r i) z1, (r i) z2, y1 (c j), z3 (r i), z4 (r i), (c j) y2"
+           if stochastic else "")
   scalars = ("k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8", "z1", "z2", "y1", "z3", "z4", "y2") if stochastic else ()
   return (f"(r i) (c j), g1 g2, g3 g4, p q{extra} -> (r i) (c b), (r i) c, (c j) (r a), (c j) r",
           dict(need_replication_factors=("i", "j", "g1", "g2", "g3", "g4", "p", "q", *scalars, "b", "a"), i=BLOCK,

@@ -38,7 +38,7 @@ def _same(got, want):
 
 
 @pytest.mark.parametrize("tile_2d", [False, True])
-@pytest.mark.parametrize("shape", [(96, 160), (128, 64), (64, 4096)])  # Tiles of 32 and 64, one tall tile row.
+@pytest.mark.parametrize("shape", [(96, 160), (128, 64), (64, 4096), (48, 80)])  # Tiles of 32, 64 and 16.
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_cast_equals_the_quantizer(tile_2d, shape, dtype):
   x = _tensor(0, shape, dtype)
@@ -91,7 +91,7 @@ def quantizer_copies(a, rht_seed, stochastic):
 
 
 @pytest.mark.parametrize("rht_seed,stochastic", [(0, False), (0, True), (None, False), (None, True)])
-@pytest.mark.parametrize("shape", [(96, 160), (64, 4096)])
+@pytest.mark.parametrize("shape", [(96, 160), (64, 4096), (48, 80)])
 def test_both_copies_equal_the_quantizer(rht_seed, stochastic, shape):
   """Round to nearest (activations) or stochastically (gradients: the same uniform draws, element by element),
   with or without the Hadamard transform of the wgrad copy."""
@@ -108,6 +108,20 @@ def test_row_bases_are_the_high_and_low_words_of_each_rows_first_index():
   first = np.arange(rows, dtype=np.uint64) * cols
   np.testing.assert_array_equal(np.asarray(high)[:, 0], (first >> 32).astype(np.uint32))
   np.testing.assert_array_equal(np.asarray(low)[:, 0], (first & 0xFFFFFFFF).astype(np.uint32))
+
+
+def test_an_index_past_a_low_words_end_carries_into_the_high_word():
+  """In the kernel each element's index is its row's base (two words) plus its column id: a low word that wraps
+  adds one to the high word."""
+  indices = fused_nvfp4._indices  # pylint: disable=protected-access
+  high, low = indices(np.array([[1]], np.uint32), np.array([[2**32 - 3]], np.uint32), np.arange(5, dtype=np.uint32)[None])
+  index = (np.asarray(high, np.uint64) << 32) + np.asarray(low, np.uint64)
+  np.testing.assert_array_equal(index[0], 2**32 + 2**32 - 3 + np.arange(5, dtype=np.uint64))
+
+
+def test_stochastic_rounding_in_the_kernel_only_for_keys_it_reproduces():
+  assert fused_nvfp4.draws_as_jax(jax.random.key(0))
+  assert not fused_nvfp4.draws_as_jax(jax.random.key(0, impl="rbg"))
 
 
 def test_both_sharded_equals_one_device():
