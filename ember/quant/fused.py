@@ -28,7 +28,6 @@ blocks only, and a dimension whose shards would still not hold whole blocks is g
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ember.platform import target_platform, traced_device_count
+from ember.platform import target_platform
+from ember.quant import kernels
 from ember.quant.formats import E4M3
 from ember.quant.quantizers import tensor_amax
 from ember.quant.tensor import QuantizedTensor
@@ -57,15 +57,7 @@ def casts(recipe, stats: bool, *operands: jax.Array) -> bool:
   """Whether this module's kernel casts 2-d `operands` of `recipe` (`both`, or `rows` alone): MXFP8 on a GPU,
   without health statistics, blocks dividing among the devices."""
   return (recipe.scheme.one_pass_kernel and not stats and target_platform() == "gpu"
-          and all(a.ndim == 2 and _splits_evenly(a.shape) for a in operands))
-
-
-def _splits_evenly(shape) -> bool:
-  """Whether each dimension's blocks divide among the traced program's devices. Otherwise sharding propagation
-  may split a dimension over part of a mesh axis (64 rows are 2 blocks: half of an 8-way axis), a sharding that
-  `custom_partitioning` cannot hand to the partition rule; such an operand takes the per-copy quantizers."""
-  devices = traced_device_count()
-  return all(n % BLOCK == 0 and (n // BLOCK) % devices == 0 for n in shape)
+          and all(a.ndim == 2 and kernels.splits_evenly(a.shape, BLOCK) for a in operands))
 
 
 def both(a: jax.Array, *, reduce_axes: tuple[str, ...] = (), interpret: bool | None = None):
@@ -74,7 +66,7 @@ def both(a: jax.Array, *, reduce_axes: tuple[str, ...] = (), interpret: bool | N
   `.quantize(a.T, axis=1)`. `interpret`: run the Pallas kernel in interpret mode (default: off a GPU)."""
   if a.ndim != 2 or a.shape[0] % BLOCK or a.shape[1] % BLOCK:
     raise ValueError(f"one-pass MXFP8 quantize: a 2-d operand of whole {BLOCK}-blocks, got {a.shape}")
-  interpret = target_platform() != "gpu" if interpret is None else interpret
+  interpret = kernels.interpret_off_gpu(interpret)
   with jax.named_scope(SCOPE):
     data, scale, data_t, scale_t = _both(a, interpret, True)
   amax = tensor_amax(a, reduce_axes)  # Read only where a consumer needs it (health, not this path): else dead.
@@ -89,7 +81,7 @@ def rows(a: jax.Array, *, interpret: bool | None = None) -> QuantizedTensor:
   alone (an operand only one GEMM reads along its last axis: an expert layout's rows), one read of a."""
   if a.ndim != 2 or a.shape[0] % BLOCK or a.shape[1] % BLOCK:
     raise ValueError(f"one-pass MXFP8 quantize: a 2-d operand of whole {BLOCK}-blocks, got {a.shape}")
-  interpret = target_platform() != "gpu" if interpret is None else interpret
+  interpret = kernels.interpret_off_gpu(interpret)
   with jax.named_scope(SCOPE):
     data, scale = _both(a, interpret, False)
   return QuantizedTensor(data=data, scale_inv=jax.lax.bitcast_convert_type(scale, jnp.float8_e8m0fnu),
@@ -114,49 +106,34 @@ def _inverse_scale(k):
   return jax.lax.bitcast_convert_type((127 - k) << 23, jnp.float32)
 
 
-def _cast(scaled):
-  """formats.cast to E4M3: saturating, NaN kept, round to nearest even."""
-  clipped = jnp.minimum(jnp.maximum(scaled, -E4M3.max), E4M3.max)
-  return jnp.where(jnp.isnan(scaled), scaled, clipped).astype(E4M3.dtype)
-
-
 def _kernel(x_ref, data_ref, scale_ref, *transposed_refs, rows: int, cols: int):
   x = x_ref[...].astype(jnp.float32)
   magnitude = jnp.abs(x)
   k_rows = _exponents(jnp.max(magnitude.reshape(rows, cols // BLOCK, BLOCK), axis=2))  # [rows, cols / 32]
   along_rows = jnp.broadcast_to(_inverse_scale(k_rows)[:, :, None], (rows, cols // BLOCK, BLOCK))
-  data_ref[...] = _cast(x * along_rows.reshape(rows, cols))
+  data_ref[...] = kernels.cast_e4m3(x * along_rows.reshape(rows, cols))
   scale_ref[...] = (k_rows + _E8M0_BIAS).astype(jnp.uint8)
   if transposed_refs:  # `both`: the copy along the first axis too.
     data_t_ref, scale_t_ref = transposed_refs
     k_cols = _exponents(jnp.max(magnitude.reshape(rows // BLOCK, BLOCK, cols), axis=1))  # [rows / 32, cols]
     along_cols = jnp.broadcast_to(_inverse_scale(k_cols)[:, None, :], (rows // BLOCK, BLOCK, cols))
-    data_t_ref[...] = _cast(x * along_cols.reshape(rows, cols)).T
+    data_t_ref[...] = kernels.cast_e4m3(x * along_cols.reshape(rows, cols)).T
     scale_t_ref[...] = (k_cols + _E8M0_BIAS).astype(jnp.uint8).T
-
-
-def _tile(n: int) -> int:
-  return next(t for t in _TILES if n % t == 0)
 
 
 def _call(a, interpret: bool, transposed: bool = True):
   r, c = a.shape
-  tr, tc = _tile(r), _tile(c)
+  tr, tc = kernels.tile(r, _TILES), kernels.tile(c, _TILES)
   spec = lambda shape, index: pl.BlockSpec(shape, index)
   straight, crossed = (lambda i, j: (i, j)), (lambda i, j: (j, i))
-  params = {}
-  if not interpret:
-    from jax.experimental.pallas import triton as pallas_triton  # pylint: disable=g-import-not-at-top
-    params["compiler_params"] = pallas_triton.CompilerParams(num_warps=4, num_stages=1)
-  return pl.pallas_call(
-      functools.partial(_kernel, rows=tr, cols=tc), grid=(r // tr, c // tc),
-      in_specs=[spec((tr, tc), straight)],
-      out_specs=[spec((tr, tc), straight), spec((tr, tc // BLOCK), straight)] + (
+  return kernels.pallas(
+      functools.partial(_kernel, rows=tr, cols=tc), (r // tr, c // tc), [spec((tr, tc), straight)],
+      [spec((tr, tc), straight), spec((tr, tc // BLOCK), straight)] + (
           [spec((tc, tr), crossed), spec((tc, tr // BLOCK), crossed)] if transposed else []),
-      out_shape=[jax.ShapeDtypeStruct((r, c), E4M3.dtype), jax.ShapeDtypeStruct((r, c // BLOCK), jnp.uint8)] + (
+      [jax.ShapeDtypeStruct((r, c), E4M3.dtype), jax.ShapeDtypeStruct((r, c // BLOCK), jnp.uint8)] + (
           [jax.ShapeDtypeStruct((c, r), E4M3.dtype), jax.ShapeDtypeStruct((c, r // BLOCK), jnp.uint8)]
           if transposed else []),
-      interpret=interpret, **params)(a)
+      interpret)(a)
 
 
 @functools.partial(custom_partitioning, static_argnums=(1, 2))
@@ -168,15 +145,9 @@ def _shardings(mesh, shape, transposed: bool):
   """(the operand's, (data and scales along the last axis[, the transposed copy and its scales])) shardings for
   an operand of `shape`: each device quantizes its shard. A dimension whose shards would not hold whole blocks
   (the rule's propagation may split blocks unevenly on small tensors) is gathered first."""
-  spec = tuple(shape.sharding.spec) + (None,) * (2 - len(shape.sharding.spec))
-  r, c = (s if _whole_blocks(s, n, mesh) else None for s, n in zip(spec, shape.shape))
+  r, c = kernels.block_sharded_axes(mesh, shape, BLOCK)
   straight, crossed = NamedSharding(mesh, P(r, c)), NamedSharding(mesh, P(c, r))
   return straight, (straight, straight) + ((crossed, crossed) if transposed else ())
-
-
-def _whole_blocks(entry, size: int, mesh) -> bool:
-  shards = math.prod(mesh.shape[a] for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry))
-  return size % shards == 0 and (size // shards) % BLOCK == 0
 
 
 def _partition(interpret, transposed, mesh, arg_shapes, result_shape):

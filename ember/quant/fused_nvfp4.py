@@ -40,7 +40,6 @@ reduced across devices by XLA.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ember.platform import target_platform, traced_device_count
+from ember.platform import target_platform
+from ember.quant import kernels
 from ember.quant.formats import E2M1, E4M3
 from ember.quant.hadamard import rht_matrix
 from ember.quant.quantizers import scale_from_amax, tensor_amax
@@ -73,10 +73,8 @@ def casts(recipe, stats: bool, *operands: jax.Array) -> bool:
   """Whether this module's kernels cast 2-d NVFP4 `operands`: on a GPU, without health statistics, each
   dimension's blocks dividing among the traced program's devices (otherwise propagation may split a block
   between devices, which the partition rule cannot take)."""
-  devices = traced_device_count()
   return (recipe.scheme.tensor_scale and not stats and target_platform() == "gpu"
-          and all(a.ndim == 2 and all(n % BLOCK == 0 and (n // BLOCK) % devices == 0 for n in a.shape)
-                  for a in operands))
+          and all(a.ndim == 2 and kernels.splits_evenly(a.shape, BLOCK) for a in operands))
 
 
 def casts_kernel_tiles(recipe) -> bool:
@@ -97,7 +95,7 @@ def quantize(x: jax.Array, *, tile_2d: bool = False, axis: int = 1, reduce_axes:
   if axis not in ((-2, -1, 0, 1) if tile_2d else (-1, 1)):
     raise ValueError(f"one-pass NVFP4 quantize: axis {axis} of a 2-d operand, 1 x {BLOCK} blocks along the last "
                      f"axis only")
-  interpret = _interpret(interpret)
+  interpret = kernels.interpret_off_gpu(interpret)
   amax = tensor_amax(x, reduce_axes) if amax is None else amax
   global_scale = scale_from_amax(_GLOBAL, amax)
   with jax.named_scope(SCOPE):
@@ -113,7 +111,7 @@ def both(a: jax.Array, *, keys: tuple[jax.Array, jax.Array] | None = None, rht_s
   with sr = `keys` is not None (round to nearest otherwise) and rht `hadamard.random_hadamard_transform` with
   `rht_seed` (None: no transform). `reduce_axes`: mesh axes (inside shard_map) the amaxes are taken over."""
   _check(a)
-  interpret = _interpret(interpret)
+  interpret = kernels.interpret_off_gpu(interpret)
   stochastic = keys is not None
   with jax.named_scope(SCOPE):
     rht = _rht(rht_seed)
@@ -146,10 +144,6 @@ def _check(x):
     raise ValueError(f"one-pass NVFP4 quantize: a 2-d operand of whole {BLOCK}-blocks, got {x.shape}")
 
 
-def _interpret(interpret: bool | None) -> bool:
-  return target_platform() != "gpu" if interpret is None else interpret
-
-
 def _tensor(packed, scale, global_scale, amax, like, axis, block) -> QuantizedTensor:
   data = jax.lax.bitcast_convert_type(packed, E2M1.dtype).reshape(like.shape)
   return QuantizedTensor(data=data, scale_inv=scale, global_scale_inv=jnp.float32(1.0) / global_scale, amax=amax,
@@ -180,12 +174,6 @@ def _row_bases(rows: int, cols: int) -> tuple[jax.Array, jax.Array]:
 
 
 # --- Inside the kernels --------------------------------------------------------------------------------------
-
-
-def _e4m3(v):
-  """formats.cast to E4M3: saturating, NaN kept, round to nearest even."""
-  clipped = jnp.minimum(jnp.maximum(v, -E4M3.max), E4M3.max)
-  return jnp.where(jnp.isnan(v), v, clipped).astype(E4M3.dtype)
 
 
 def _e2m1_codes(y, u=None):
@@ -245,7 +233,7 @@ def _cast_blocks(x, global_scale, interpret: bool, tile_2d: bool = False, u=None
   16 x 16 tiles, [R / 16, C / 16])."""
   magnitude = jnp.abs(x)
   amax = _tile_amaxes(magnitude) if tile_2d else _block_amaxes(magnitude)
-  block_scale = _e4m3(_divide(amax, 6.0, interpret) * global_scale)
+  block_scale = kernels.cast_e4m3(_divide(amax, 6.0, interpret) * global_scale)
   s = block_scale.astype(jnp.float32)
   s = _repeat(_repeat(s, BLOCK, 0) if tile_2d else s, BLOCK, 1)
   y = jnp.where(s == 0, 0.0, _divide(x * global_scale, s, interpret))
@@ -329,26 +317,17 @@ def _both_kernel(*refs, transform: bool, stochastic: bool, interpret: bool):
 # --- Calls and their partitioning ----------------------------------------------------------------------------
 
 
-def _tile(n: int) -> int:
-  return next(t for t in _TILES if n % t == 0)
-
-
-def _pallas(kernel, grid, in_specs, out_specs, out_shape, interpret: bool):
-  params = {}
-  if not interpret:
-    from jax.experimental.pallas import triton as pallas_triton  # pylint: disable=g-import-not-at-top
-    params["compiler_params"] = pallas_triton.CompilerParams(num_warps=4, num_stages=1)
-  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                        interpret=interpret, **params)
+def _tiles(x) -> tuple[int, int]:
+  return kernels.tile(x.shape[0], _TILES), kernels.tile(x.shape[1], _TILES)
 
 
 _WHOLE = lambda shape: pl.BlockSpec(shape, lambda i, j: (0, 0))  # noqa: E731  A small input every tile reads.
 
 
 def _rows_call(x, global_scale, tile_2d: bool, interpret: bool):
-  (r, c), (tr, tc) = x.shape, (_tile(x.shape[0]), _tile(x.shape[1]))
+  (r, c), (tr, tc) = x.shape, _tiles(x)
   scale_rows, scale_tile_rows = (r // BLOCK, tr // BLOCK) if tile_2d else (r, tr)
-  return _pallas(
+  return kernels.pallas(
       functools.partial(_rows_kernel, tile_2d=tile_2d, interpret=interpret), (r // tr, c // tc),
       [_WHOLE((1, 1)), pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
       [pl.BlockSpec((tr, tc // 2), lambda i, j: (i, j)),
@@ -363,16 +342,16 @@ def _rht(seed: int | None) -> jax.Array:
 
 
 def _amax_call(x, m, transform: bool, interpret: bool):
-  (r, c), (tr, tc) = x.shape, (_tile(x.shape[0]), _tile(x.shape[1]))
+  (r, c), (tr, tc) = x.shape, _tiles(x)
   tiles = pl.BlockSpec((tr // BLOCK, tc // BLOCK), lambda i, j: (i, j))
   out = jax.ShapeDtypeStruct((r // BLOCK, c // BLOCK), jnp.float32)
-  return _pallas(functools.partial(_amax_kernel, transform=transform), (r // tr, c // tc),
+  return kernels.pallas(functools.partial(_amax_kernel, transform=transform), (r // tr, c // tc),
                  [_WHOLE((BLOCK, BLOCK)), pl.BlockSpec((tr, tc), lambda i, j: (i, j))], [tiles, tiles], [out, out],
                  interpret)(m, x)
 
 
 def _both_call(x, g_rows, g_cols, m, transform: bool, stochastic: bool, interpret: bool, *extra):
-  (r, c), (tr, tc) = x.shape, (_tile(x.shape[0]), _tile(x.shape[1]))
+  (r, c), (tr, tc) = x.shape, _tiles(x)
   straight, crossed = (lambda i, j: (i, j)), (lambda i, j: (j, i))
   in_specs = [_WHOLE((1, 1)), _WHOLE((1, 1)), _WHOLE((BLOCK, BLOCK))]
   if stochastic:  # Four key words; the rows' index bases (two words) and the columns' ids, then transposed.
@@ -380,7 +359,7 @@ def _both_call(x, g_rows, g_cols, m, transform: bool, stochastic: bool, interpre
     rows_t, cols_t = pl.BlockSpec((1, tr), lambda i, j: (0, i)), pl.BlockSpec((tc, 1), lambda i, j: (j, 0))
     in_specs += [_WHOLE((1, 1))] * 4 + [rows, rows, cols, rows_t, rows_t, cols_t]
   in_specs += [pl.BlockSpec((tr, tc), straight)]
-  return _pallas(
+  return kernels.pallas(
       functools.partial(_both_kernel, transform=transform, stochastic=stochastic, interpret=interpret),
       (r // tr, c // tc), in_specs,
       [pl.BlockSpec((tr, tc // 2), straight), pl.BlockSpec((tr, tc // BLOCK), straight),
@@ -391,15 +370,7 @@ def _both_call(x, g_rows, g_cols, m, transform: bool, stochastic: bool, interpre
 
 
 def _spec(mesh, shape):
-  """The operand's (rows, columns) mesh axes, each kept only where its shards hold whole blocks (the rule's
-  propagation may split blocks unevenly on small tensors; such a dimension is gathered first)."""
-  spec = tuple(shape.sharding.spec) + (None,) * (2 - len(shape.sharding.spec))
-  return tuple(s if _whole_blocks(s, n, mesh) else None for s, n in zip(spec, shape.shape))
-
-
-def _whole_blocks(entry, size: int, mesh) -> bool:
-  shards = math.prod(mesh.shape[a] for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry))
-  return size % shards == 0 and (size // shards) % BLOCK == 0
+  return kernels.block_sharded_axes(mesh, shape, BLOCK)
 
 
 def _named(mesh, *specs):

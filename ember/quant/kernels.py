@@ -1,0 +1,60 @@
+"""What the Pallas quantize kernels (quant/fused.py for MXFP8, quant/fused_nvfp4.py for NVFP4) share: where they
+run in interpret mode, their tiles, the E4M3 cast inside a kernel, the Triton call, and how an operand's sharding
+is split between whole blocks for `custom_partitioning`."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ember.platform import target_platform, traced_device_count
+from ember.quant.formats import E4M3
+
+
+def interpret_off_gpu(interpret: bool | None) -> bool:
+  """`interpret`, or by default: interpret mode wherever the traced platform is not a GPU."""
+  return target_platform() != "gpu" if interpret is None else interpret
+
+
+def tile(n: int, sides: tuple[int, ...]) -> int:
+  """The largest of `sides` (powers of two, multiples of the block, largest first) that divides n."""
+  return next(t for t in sides if n % t == 0)
+
+
+def cast_e4m3(v):
+  """formats.cast to E4M3 inside a kernel: saturating, NaN kept, round to nearest even."""
+  clipped = jnp.minimum(jnp.maximum(v, -E4M3.max), E4M3.max)
+  return jnp.where(jnp.isnan(v), v, clipped).astype(E4M3.dtype)
+
+
+def pallas(kernel, grid, in_specs, out_specs, out_shape, interpret: bool):
+  """`pl.pallas_call` lowered through Triton (4 warps, one stage: each tile is read once) or interpreted."""
+  params = {}
+  if not interpret:
+    from jax.experimental.pallas import triton as pallas_triton  # pylint: disable=g-import-not-at-top
+    params["compiler_params"] = pallas_triton.CompilerParams(num_warps=4, num_stages=1)
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                        interpret=interpret, **params)
+
+
+def splits_evenly(shape, block: int) -> bool:
+  """Whether each dimension's blocks divide among the traced program's devices. Otherwise sharding propagation
+  may split a dimension over part of a mesh axis (64 rows are 2 blocks of 32: half of an 8-way axis), a sharding
+  that `custom_partitioning` cannot hand to a partition rule; such an operand takes the quantizer."""
+  devices = traced_device_count()
+  return all(n % block == 0 and (n // block) % devices == 0 for n in shape)
+
+
+def block_sharded_axes(mesh, shape, block: int) -> tuple:
+  """A 2-d operand's (rows, columns) mesh axes, each kept only where its shards hold whole blocks (a partition
+  rule's propagation may split blocks unevenly on small tensors; such a dimension is gathered first)."""
+  spec = tuple(shape.sharding.spec) + (None,) * (2 - len(shape.sharding.spec))
+  return tuple(s if _whole_blocks(s, n, mesh, block) else None for s, n in zip(spec, shape.shape))
+
+
+def _whole_blocks(entry, size: int, mesh, block: int) -> bool:
+  shards = math.prod(mesh.shape[a] for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry))
+  return size % shards == 0 and (size // shards) % block == 0
