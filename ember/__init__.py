@@ -16,6 +16,10 @@ Floors, from the bottom up; each imports only itself and the floors listed befor
 
 from importlib import metadata
 
+from ember import platform as _platform
+
+_platform.require_xla_flags()  # Before JAX starts a backend: the XLA options ember's numerics rely on.
+
 try:
   __version__ = metadata.version("ember")
 except metadata.PackageNotFoundError:  # A source tree that was never installed.

@@ -8,14 +8,30 @@ answer: `on_platform` names the platform outright (ember/plan/target.py), `on_de
 mesh's devices (compile-only devices of a described GPU included; `parallel.sharding.use_rules` enters
 it), and JAX's default device answers otherwise. An outright `on_platform` wins over any `on_devices`
 inside it.
+
+It also holds the XLA options ember's numerics and recipes rely on (`REQUIRED_XLA_FLAGS`): `import ember` adds
+them to XLA_FLAGS before JAX starts a backend, and `divides_exactly` checks on a device that they took effect.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 
 import jax
+import numpy as np
+
+_EXTRA_OPTIONS = "--xla_backend_extra_options"  # A comma-separated map of LLVM options: merged key by key.
+REQUIRED_XLA_FLAGS = {
+    # Float32 division rounded as IEEE says (PTX div.rn.f32). XLA's GPU default, div.full.f32, is up to 2 ulp off:
+    # on an H100 it gave 29% of 2688 / amax and 57% of x / s one ulp away, and 4% of an NVFP4 tensor's E2M1
+    # codes differed from the rules docs/quantization.md states (which the CPU and the Pallas kernels follow).
+    _EXTRA_OPTIONS: "-nvptx-prec-divf32=2",
+    # GEMMs, FP8 ones included, to cuBLAS(Lt). With XLA's Triton GEMMs on, an H100 ran fp8_current's step with
+    # no FP8 GEMM at all (the `fp8_gemms` count of ember.tools.bench was 0), slower than bf16.
+    "--xla_gpu_enable_triton_gemm": "false",
+}
 
 # (platform, compute capability or None, named outright?)
 _TARGET: contextvars.ContextVar[tuple[str, tuple[int, int] | None, bool] | None] = contextvars.ContextVar(
@@ -84,3 +100,31 @@ def _describe(device) -> tuple[str, tuple[int, int] | None]:
 
 def _normalized(platform: str) -> str:
   return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def with_required_xla_flags(xla_flags: str) -> str:
+  """`xla_flags` (an XLA_FLAGS value) with each of REQUIRED_XLA_FLAGS added that it does not set itself: a flag
+  the user set wins, and an LLVM option joins the user's own --xla_backend_extra_options."""
+  tokens = xla_flags.split()
+  for flag, value in REQUIRED_XLA_FLAGS.items():
+    at = [i for i, t in enumerate(tokens) if t.split("=", 1)[0] == flag]
+    if not at:
+      tokens.append(f"{flag}={value}")
+    elif flag == _EXTRA_OPTIONS and value.split("=")[0] not in tokens[at[-1]]:
+      tokens[at[-1]] += "," + value
+  return " ".join(tokens)
+
+
+def require_xla_flags() -> None:
+  """Adds REQUIRED_XLA_FLAGS to the environment's XLA_FLAGS (`import ember` does it). XLA reads them when JAX
+  starts a backend: a process whose backend started before ember was imported keeps its own, which
+  `divides_exactly` reveals."""
+  os.environ["XLA_FLAGS"] = with_required_xla_flags(os.environ.get("XLA_FLAGS", ""))
+
+
+def divides_exactly(device) -> bool:
+  """Whether float32 division compiled for `device` rounds as IEEE says: quotients that div.full.f32 (XLA's GPU
+  default without REQUIRED_XLA_FLAGS) gets one ulp wrong in about half the cases, against NumPy's."""
+  a, b = np.random.default_rng(0).uniform(0.1, 10.0, (2, 4096)).astype(np.float32)
+  got = jax.jit(lambda x, y: x / y)(jax.device_put(a, device), jax.device_put(b, device))
+  return bool(np.array_equal(np.asarray(got), a / b))

@@ -2,8 +2,11 @@
 #
 #   source launch/xla_flags.sh      # then: python train.py ...
 #
+# The options ember's numerics and recipes need (cuBLAS GEMMs, IEEE float32 division) are not here:
+# `import ember` adds them itself (REQUIRED_XLA_FLAGS, ember/platform.py).
+#
 # Sourced by launch/slurm.sbatch and by the container command in launch/jobset.yaml. GPU-only:
-# a CPU-only jaxlib rejects unknown --xla_gpu_* flags, so launch/local.sh does not source it.
+# launch/local.sh (CPU processes) does not source it.
 # Flags already in XLA_FLAGS come after these, so a value set by hand wins. XLA flags are
 # jaxlib-version dependent: these were chosen for jax/jaxlib 0.10 (see the JAX GPU performance
 # tips and NVIDIA JAX-Toolbox's GPU performance guide); re-check them when upgrading.
@@ -33,9 +36,6 @@ ember_xla_flags=(
   --xla_gpu_enable_all_gather_combine_by_dim=false
   # The same for reduce-scatters.
   --xla_gpu_enable_reduce_scatter_combine_by_dim=false
-  # GEMMs, FP8 ones included, go to cuBLAS(Lt) rather than Triton-generated kernels: faster for
-  # the large, regular matmuls of a transformer.
-  --xla_gpu_enable_triton_gemm=false
   # ember decides what to rematerialise (remat.policy); XLA's own memory-driven remat pass would
   # recompute what a policy chose to save.
   --xla_disable_hlo_passes=rematerialization

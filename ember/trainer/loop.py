@@ -25,6 +25,7 @@ import numpy as np
 
 import ember
 from ember import config as config_lib
+from ember import platform
 from ember.data import build_tokenizer, records
 from ember.data.sharded import data_iterator, global_batch, source_shares
 from ember.errors import ConfigError
@@ -53,6 +54,11 @@ def prepare(cfg):
     if vocab > cfg.model.vocab_size:
       raise ConfigError(f"config.model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
                         f"vocabulary ({vocab})")
+  device = jax.local_devices()[0]
+  if platform.target_platform() == "gpu" and not platform.divides_exactly(device):
+    console("warning: float32 division on this GPU is not IEEE-rounded (JAX started its backend before ember was "
+            "imported, without ember's XLA_FLAGS): quantization scales may differ from docs/quantization.md's rules "
+            "by an ulp; import ember first, or set XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2")
   return cfg, make_mesh(cfg.mesh)
 
 
