@@ -338,7 +338,8 @@ class Transformer(nnx.Module):
 
 def _tied_logits(h_BxCxD, w_DxV, key=None):
   del key  # The tied head is never quantized.
-  return jnp.einsum("bcd,dv->bcv", h_BxCxD, w_DxV.astype(h_BxCxD.dtype), preferred_element_type=jnp.float32)
+  b, c, d = h_BxCxD.shape
+  return dot.float32_logits(h_BxCxD.reshape(b * c, d), w_DxV, h_BxCxD.dtype).reshape(b, c, -1)
 
 
 def _linear_logits(h_BxCxD, w_DxV, key=None, *, recipe, dtype):

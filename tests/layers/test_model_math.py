@@ -4,6 +4,7 @@ tied embeddings, the LM head's recipe under delayed scaling."""
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -104,6 +105,40 @@ def test_tied_embeddings_share_one_table():
   # Both uses: rows of tokens the lookup read differ from the rows only the head touched.
   np.testing.assert_allclose(g_full[100], g_full[200], rtol=1e-6)
   assert not np.allclose(g_full[3], g_full[100])
+
+
+def test_a_tied_heads_backward_gemms_take_bf16_operands():
+  """The tied head's float32 logits come from a bf16 GEMM, and its dgrad and wgrad are bf16 GEMMs too (the
+  logits' cotangent rounded to bf16), where plain autodiff pairs the float32 cotangent with a bf16 operand
+  (XLA then runs float32 x float32 GEMMs)."""
+  model, cfg = _model(**{"model.tie_embeddings": True, "model.dtype": "bfloat16"})
+  h = jax.random.normal(jax.random.key(1), (2, 3, cfg.model.d_model), jnp.bfloat16)
+  table = model.embed.embedding[...]
+  g = jax.random.normal(jax.random.key(2), (2, 3, cfg.model.vocab_size))
+
+  def dots(head):
+    jaxpr = jax.make_jaxpr(lambda h, w: jax.vjp(head, h, w)[1](g))(h, table)
+    found = []
+    def walk(j):
+      for e in j.eqns:
+        if e.primitive.name == "dot_general":
+          found.append(tuple(str(v.aval.dtype) for v in e.invars))
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+          walk(sub)
+    walk(jaxpr.jaxpr)
+    return found
+
+  _, logits = model.head_parts()
+  assert dots(lambda h, w: logits(h, w.T)) == [("bfloat16", "bfloat16")] * 3
+  plain = lambda h, w: jnp.einsum("bcd,vd->bcv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+  assert all("float32" in d for d in dots(plain)[1:])  # What the custom VJP avoids: XLA runs these in float32.
+  out, vjp = jax.vjp(lambda h, w: logits(h, w.T), h, table)
+  assert out.dtype == jnp.float32
+  np.testing.assert_array_equal(out, plain(h, table))  # The forward is the plain product, float32 out.
+  dh, dw = vjp(g)
+  want_dh, want_dw = jax.vjp(plain, h, table)[1](g.astype(jnp.bfloat16).astype(jnp.float32))
+  np.testing.assert_allclose(np.asarray(dh, np.float32), np.asarray(want_dh, np.float32), rtol=1e-2, atol=1e-2)
+  np.testing.assert_allclose(np.asarray(dw, np.float32), np.asarray(want_dw, np.float32), rtol=1e-2, atol=1e-2)
 
 
 def test_delayed_scaling_lm_head_falls_back_to_current_scaling():
