@@ -361,6 +361,11 @@ def attention(hlo: str | Program) -> dict[str, object]:
 # --- Memory traffic -----------------------------------------------------------------------------------
 
 
+# A fusion, or one XLA runs asynchronously (a `fusion-start` / `fusion-done` pair: the done moves nothing more),
+# as its GPU pipeline does for the scan's dynamic slices and updates with while-loop double buffering on.
+_FUSIONS = ("fusion", "fusion-start")
+
+
 def _own_bytes(p: Program, i: Instruction) -> float:
   """The bytes a kernel reads and writes (see the module doc)."""
   if i.opcode == "dynamic-update-slice":
@@ -371,8 +376,10 @@ def _own_bytes(p: Program, i: Instruction) -> float:
   parts = _top_level(i.shape)
   if i.opcode == "custom-call" and len(parts) > 1 and dtype_of(parts[-1]) in ("s8", "u8"):
     parts = parts[:-1]  # A library call's scratch workspace: no data moves through it.
+  if i.opcode == "fusion-start":  # ((operands), output, context): the fusion's own output is what it writes.
+    parts = parts[1:2]
   result = sum(nbytes(x) for x in parts)
-  if i.opcode == "fusion":
+  if i.opcode in _FUSIONS:
     body = p.computations.get(i.attribute("calls") or "", [])
     params = {int(re.search(r"parameter\((\d+)\)", b.line).group(1)): b.name for b in body if b.opcode == "parameter"}
     users = collections.defaultdict(list)
@@ -414,7 +421,7 @@ def _is_fill(p: Program, i: Instruction) -> bool:
 
 def _fusion_roots(p: Program, fusion: Instruction) -> list[Instruction]:
   """The root instructions of a fusion's body (each element of a root tuple); [] for another instruction."""
-  body = p.computations.get(fusion.attribute("calls") or "", []) if fusion.opcode == "fusion" else []
+  body = p.computations.get(fusion.attribute("calls") or "", []) if fusion.opcode in _FUSIONS else []
   root = next((b for b in body if b.line.lstrip().startswith("ROOT")), None)
   if root is None:
     return []

@@ -96,7 +96,11 @@ ENTRY %main (a: f32[16,64,64], i: s32[]) -> f32[16,64,64] {
   %i = s32[] parameter(1)
   %read = f32[64,64]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_read
   %double = f32[64,64]{1,0} add(%read, %read)
-  ROOT %write = f32[16,64,64]{2,1,0} fusion(%a, %double, %i), kind=kLoop, calls=%fused_write
+  %write = f32[16,64,64]{2,1,0} fusion(%a, %double, %i), kind=kLoop, calls=%fused_write
+  %read-start = ((f32[16,64,64]{2,1,0}, s32[]), f32[64,64]{1,0}, u32[]) fusion-start(%a, %i), kind=kLoop, calls=%fused_read
+  %read-done = f32[64,64]{1,0} fusion-done(%read-start)
+  %write-start = ((f32[16,64,64]{2,1,0}, f32[64,64]{1,0}, s32[]), f32[16,64,64]{2,1,0}, u32[]) fusion-start(%write, %read-done, %i), kind=kLoop, calls=%fused_write
+  ROOT %write-done = f32[16,64,64]{2,1,0} fusion-done(%write-start)
 }"""
   p = hlo.Program(text)
   traffic = {k.name: k.bytes for k in hlo.memory_kernels(p)}
@@ -104,6 +108,10 @@ ENTRY %main (a: f32[16,64,64], i: s32[]) -> f32[16,64,64] {
   assert traffic["read"] == tile + tile + 4  # The slice read, the result written, the index.
   assert traffic["double"] == 3 * tile
   assert traffic["write"] == tile + tile + 4  # The update read and written in place, the index.
+  # The same fusions run asynchronously (XLA's GPU pipeline with while-loop double buffering): the same bytes,
+  # and the done moves none.
+  assert traffic["read-start"] == traffic["read"] and traffic["write-start"] == traffic["write"]
+  assert "read-done" not in traffic and "write-done" not in traffic
 
 
 def test_replica_groups_and_the_links_they_use():
