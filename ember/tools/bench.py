@@ -11,6 +11,11 @@ optimised HLO. On a GPU, `fp8_gemms` > 0 shows that FP8 matmuls reached cuBLASLt
 `health_figures` counts the quantization health figures the step returned (0 unless log.quant_stats_every).
 Synthetic data, so input reading never limits the figure.
 
+On a GPU ember knows (ember/hardware/) and within one process, the JSON also holds the compile report's time floor
+for the very program it timed (`ember.plan.cost` on its optimised HLO and that GPU's peaks and bandwidths):
+`time_floor_s`, `time_floor_parts_s`, `mfu_ceiling`, and `step_over_floor`, the measured step over that floor:
+how far the real kernels are from the roofline. Elsewhere these are null.
+
 `--quant_stats` measures the step twice, without and with the quantization health statistics
 (`log.quant_stats_every`, ember/quant/health.py), and adds the second program's step times, their
 median, the count of health figures it returned and its relative cost: `quant_stats_step_times_s`,
@@ -28,17 +33,18 @@ import jax
 import numpy as np
 
 from ember import config as config_lib
+from ember import hardware
 from ember.data.sharded import data_iterator, global_batch
 from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
 from ember.parallel.sharding import use_rules
-from ember.plan import hlo
+from ember.plan import cost, hlo
 from ember.plan.auto_remat import resolve
 from ember.tools import cli
 from ember.trainer import quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.loop import prepare
 from ember.trainer.optimizer import make_optimizer
-from ember.trainer.perf import Throughput, peak_bytes
+from ember.trainer.perf import Throughput, peak_bytes, train_flops_per_step
 from ember.trainer.state import create_train_state
 
 def gemm_counts(hlo_text: str) -> dict[str, object]:
@@ -46,6 +52,20 @@ def gemm_counts(hlo_text: str) -> dict[str, object]:
   `fp8_gemms` > 0 on a GPU shows that FP8 matmuls reached cuBLASLt's FP8 kernels."""
   census = hlo.gemm_census(hlo_text)
   return {**{f"{precision}_gemms": n for precision, n in census.items()}, "attention": hlo.attention(hlo_text)["kernel"]}
+
+
+def measured_floor(hlo_text: str, cfg, device_kind: str, num_devices: int, step_time_s: float) -> dict:
+  """The time floor of a timed program on the GPU it ran on (`device_kind`), and the step over it; nulls for
+  a device ember has no facts for, or a job of several processes (whose devices' nodes it cannot tell)."""
+  facts = hardware.facts_for_kind(device_kind)
+  if facts is None or jax.process_count() > 1:
+    return {"time_floor_s": None, "time_floor_parts_s": None, "mfu_ceiling": None, "step_over_floor": None}
+  machine = cost.Machine(facts, hardware.gpu(facts.name).hbm_bytes_per_s, (0,) * num_devices)
+  p = hlo.Program(hlo_text)
+  floor = cost.roofline(p, hlo.gemms(p), hlo.attention_calls(p), model_flops=train_flops_per_step(cfg) / num_devices,
+                        tokens=cfg.train.batch_size * cfg.model.seq_len / num_devices, machine=machine)
+  return {k: floor[k] for k in ("time_floor_s", "time_floor_parts_s", "mfu_ceiling")} | {
+      "step_over_floor": step_time_s / floor["time_floor_s"] if floor["time_floor_s"] else None}
 
 
 def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
@@ -87,6 +107,7 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
       **perf.to_dict(), "step_times_s": times, "step_time_iqr_s": float(np.subtract(*np.percentile(times, [75, 25]))),
       "health_figures": health, "peak_bytes": memory, "peak_source": source, "final_loss": float(metrics["loss"]),
       **gemm_counts(hlo),
+      **measured_floor(hlo, cfg, jax.devices()[0].device_kind, jax.device_count(), perf.step_time_s),
   }
 
 
