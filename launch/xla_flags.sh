@@ -8,8 +8,9 @@
 # Sourced by launch/slurm.sbatch and by the container command in launch/jobset.yaml. GPU-only:
 # launch/local.sh (CPU processes) does not source it.
 # Flags already in XLA_FLAGS come after these, so a value set by hand wins. XLA flags are
-# jaxlib-version dependent: these were chosen for jax/jaxlib 0.10 (see the JAX GPU performance
-# tips and NVIDIA JAX-Toolbox's GPU performance guide); re-check them when upgrading.
+# jaxlib-version dependent: these were chosen for jax/jaxlib 0.10 (see the JAX GPU performance tips and
+# NVIDIA JAX-Toolbox's GPU performance guide) and ran unchanged on 0.11.2 on an H100 (docs/performance.md);
+# re-check them when upgrading.
 
 ember_xla_flags=(
   # Schedule collectives to overlap with compute (the FSDP all-gathers and reduce-scatters of
