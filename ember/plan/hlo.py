@@ -36,6 +36,7 @@ import math
 import re
 
 from ember.names import EMULATED_GEMM_SCOPE
+from ember.quant.gemm import CUBLAS_FP8_GEMM, CUDNN_BLOCK_SCALED_GEMM
 
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
@@ -45,8 +46,8 @@ _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "f4e2m1fn": 0.5, "s8": 1, "u8": 1, "f
           "u64": 8}
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 PRECISIONS = ("fp8", "mxfp8", "nvfp4", "bf16", "f32")
-_CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
-_BLOCK_SCALED = "__cudnn$blockScaledDot"
+_CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul", CUBLAS_FP8_GEMM)
+_BLOCK_SCALED = CUDNN_BLOCK_SCALED_GEMM
 _HALF = ("bf16", "f16")  # HLO element types of 16-bit floats.
 RECOMPUTE_SCOPE = "rematted_computation"  # JAX's name scope for a checkpointed forward run again.
 # Instructions that launch no kernel of their own (control flow, aliases, bookkeeping, async halves whose

@@ -41,7 +41,11 @@ from ember.quant.varying import varying_as
 
 NATIVE, SCALED_DOT, EMULATED = "native", "scaled_dot", "emulated"
 BLACKWELL = (10, 0)  # The first compute capability with block-scaled tensor cores.
+ADA = (8, 9)  # The first compute capability with FP8 tensor cores.
 F32 = jnp.float32
+# The library calls XLA compiles a GEMM on the low-precision tensor cores to (read by ember/plan/hlo.py too).
+CUBLAS_FP8_GEMM = "__cublas$lt$matmul$f8"  # cuBLASLt's FP8 GEMM: per-tensor FP8 (quant/dot.py's pattern).
+CUDNN_BLOCK_SCALED_GEMM = "__cudnn$blockScaledDot"  # cuDNN's block-scaled GEMM: MXFP8 / NVFP4 on `NATIVE`.
 
 
 def block_gemm_path(platform: str | None = None, compute_capability: tuple[int, int] | None = None) -> str:
@@ -51,6 +55,17 @@ def block_gemm_path(platform: str | None = None, compute_capability: tuple[int, 
     return SCALED_DOT
   cc = compute_capability if compute_capability is not None else target_compute_capability()
   return NATIVE if platform == "gpu" and cc is not None and tuple(cc) >= BLACKWELL else EMULATED
+
+
+def tensor_core_gemm(recipe, compute_capability: tuple[int, int] | None) -> str | None:
+  """The library call `recipe`'s GEMMs compile to on a GPU of `compute_capability` when they reach its
+  low-precision tensor cores; None where they have none to reach (bf16, block-scaled before Blackwell, FP8
+  before Ada). A compiled step of that recipe without one runs its GEMMs in another precision."""
+  if not recipe.quantized or compute_capability is None:
+    return None
+  if recipe.scheme.block_size > 1:
+    return CUDNN_BLOCK_SCALED_GEMM if tuple(compute_capability) >= BLACKWELL else None
+  return CUBLAS_FP8_GEMM if tuple(compute_capability) >= ADA else None
 
 
 def output_dtype(dtype, platform: str | None = None) -> jnp.dtype:

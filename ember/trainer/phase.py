@@ -11,6 +11,8 @@ import time
 import jax
 
 from ember.data import build_tokenizer
+from ember.platform import target_compute_capability, target_platform
+from ember.quant import gemm
 from ember.layers import moe_dispatch
 from ember.trainer import precision, quant_stats
 from ember.trainer import step as step_lib
@@ -35,7 +37,20 @@ def compile_step(step_fn, state, batch, cfg, mesh):
             f"(model.vocab_size {cfg.model.vocab_size})")
   console(f"compiled the train step in {time.time() - t0:.1f}s ({memory}; remat {cfg.remat.policy}, "
           f"recipe {cfg.quant.name}, mesh {dict(mesh.shape)}{moe})")
+  missing = missing_tensor_core_gemm(cfg, compiled.as_text) if target_platform() == "gpu" else None
+  if missing:
+    console(f"warning: recipe {cfg.quant.name}: the compiled step has no {missing} call, so its GEMMs run in "
+            "another precision (XLA chose other kernels: check XLA_FLAGS against ember/platform.py's "
+            "REQUIRED_XLA_FLAGS)")
   return compiled
+
+
+def missing_tensor_core_gemm(cfg, hlo_text, compute_capability=None) -> str | None:
+  """The library call the recipe's GEMMs should compile to on this GPU (quant/gemm.py's `tensor_core_gemm`)
+  when the compiled step (`hlo_text()`, its optimised HLO) has none; None otherwise. It caught XLA's Triton
+  GEMMs taking every FP8 GEMM of an H100's step."""
+  call = gemm.tensor_core_gemm(cfg.quant, compute_capability or target_compute_capability())
+  return call if call and f'custom_call_target="{call}"' not in hlo_text() else None
 
 
 class Phase:

@@ -93,3 +93,29 @@ def test_the_platform_rule():
   # A GEMM writes its consumer's dtype on a GPU (rounded in the epilogue), float32 on the CPU (the reference).
   assert gemm.output_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16
   assert gemm.output_dtype(jnp.bfloat16, "cpu") == jnp.float32
+
+
+def test_the_tensor_core_call_each_recipe_reaches_and_the_trainers_check_for_it():
+  """Which library call a recipe's GEMMs become where the GPU has tensor cores for its format; the trainer's
+  check (trainer/phase.py) names the call a compiled step lacks, as when XLA's Triton GEMMs took every FP8 GEMM
+  of an H100's step."""
+  from types import SimpleNamespace
+  from ember.trainer.phase import missing_tensor_core_gemm
+
+  hopper, blackwell, ampere = (9, 0), (10, 0), (8, 0)
+  for name in ("fp8_current", "fp8_delayed"):
+    assert gemm.tensor_core_gemm(Recipe(name), hopper) == gemm.tensor_core_gemm(Recipe(name), blackwell) == (
+        gemm.CUBLAS_FP8_GEMM)
+    assert gemm.tensor_core_gemm(Recipe(name), ampere) is None
+  for name in ("mxfp8", "nvfp4"):
+    assert gemm.tensor_core_gemm(Recipe(name), blackwell) == gemm.CUDNN_BLOCK_SCALED_GEMM
+    assert gemm.tensor_core_gemm(Recipe(name), hopper) is None  # Emulated in bf16: nothing to reach.
+  assert gemm.tensor_core_gemm(Recipe("bf16"), hopper) is None
+  assert gemm.tensor_core_gemm(Recipe("fp8_current"), None) is None  # Not a GPU.
+
+  cfg = SimpleNamespace(quant=Recipe("fp8_current"))
+  call = lambda target: lambda: f'%g = (bf16[8,8]{{1,0}}, s8[0]{{0}}) custom-call(%a), custom_call_target="{target}"'
+  with_fp8, bf16_only = call(gemm.CUBLAS_FP8_GEMM), call("__cublas$lt$matmul")
+  assert missing_tensor_core_gemm(cfg, with_fp8, hopper) is None
+  assert missing_tensor_core_gemm(cfg, bf16_only, hopper) == gemm.CUBLAS_FP8_GEMM
+  assert missing_tensor_core_gemm(SimpleNamespace(quant=Recipe("mxfp8")), bf16_only, hopper) is None
