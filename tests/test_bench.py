@@ -56,6 +56,7 @@ def test_bench_runs_a_tiny_config(tmp_path, capsys):
   assert result["peak_source"] == "compiled" and result["peak_bytes"] > 0
   assert result["bf16_gemms"] > 0 and result["fp8_gemms"] == 0  # CPU: dequantized bf16 dots, no cuBLASLt.
   assert result["time_floor_s"] is None and result["step_over_floor"] is None  # No GPU facts for a CPU.
+  assert result["missing_tensor_core_gemm"] is None
   # The reported step time is the median of the steps it measured (--steps=3 after the warmup).
   times, stats_times = result["step_times_s"], result["quant_stats_step_times_s"]
   assert len(times) == len(stats_times) == 3 and min(times + stats_times) > 0

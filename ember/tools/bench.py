@@ -7,8 +7,10 @@ It compiles the real train step once, runs `warmup` steps, then times `steps` st
 (each ends with a device sync) and prints one JSON object: the measured step times and their median,
 tokens/s, TFLOP/s per device, MFU, the peak device memory (the device's own statistics where it has them,
 the compiled estimate otherwise: `peak_source` says which), and a count of the GEMM kinds in the
-optimised HLO. On a GPU, `fp8_gemms` > 0 shows that FP8 matmuls reached cuBLASLt's FP8 kernels.
-`health_figures` counts the quantization health figures the step returned (0 unless log.quant_stats_every).
+optimised HLO. On a GPU, `fp8_gemms` > 0 shows that FP8 matmuls reached cuBLASLt's FP8 kernels, and
+`missing_tensor_core_gemm` names the library call the GPU's low-precision tensor cores would run the recipe's
+GEMMs through when the program has none (null otherwise). `health_figures` counts the quantization health
+figures the step returned (0 unless log.quant_stats_every).
 Synthetic data, so input reading never limits the figure.
 
 On a GPU ember knows (ember/hardware/) and within one process, the JSON also holds the compile report's time floor
@@ -37,6 +39,7 @@ from ember import hardware
 from ember.data.sharded import data_iterator, global_batch
 from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
 from ember.parallel.sharding import use_rules
+from ember.platform import target_platform
 from ember.plan import cost, hlo
 from ember.plan.auto_remat import resolve
 from ember.tools import cli
@@ -44,6 +47,7 @@ from ember.trainer import quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.loop import prepare
 from ember.trainer.optimizer import make_optimizer
+from ember.trainer.phase import missing_tensor_core_gemm
 from ember.trainer.perf import Throughput, peak_bytes, train_flops_per_step
 from ember.trainer.state import create_train_state
 
@@ -108,6 +112,8 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
       "health_figures": health, "peak_bytes": memory, "peak_source": source, "final_loss": float(metrics["loss"]),
       **gemm_counts(hlo),
       **measured_floor(hlo, cfg, jax.devices()[0].device_kind, jax.device_count(), perf.step_time_s),
+      # On a GPU, the tensor-core GEMM call the recipe should reach and the program lacks (trainer/phase.py).
+      "missing_tensor_core_gemm": missing_tensor_core_gemm(cfg, lambda: hlo) if target_platform() == "gpu" else None,
   }
 
 
