@@ -44,6 +44,7 @@ def test_the_floor_of_the_timed_program_on_the_gpu_it_ran_on():
   assert got["mfu_ceiling"] == pytest.approx(train_flops_per_step(cfg) / 2 / fp8_gemm / h100.facts.peak_flops("bf16"))
   assert got["time_floor_parts_s"]["memory"] == 0 and got["time_floor_parts_s"]["collectives"] == 0
   assert bench.measured_floor(hlo, cfg, "cpu", 2, 0.5) == dict.fromkeys(got, None)
+  assert bench.measured_floor(hlo, cfg, "NVIDIA A100-SXM4-80GB", 2, 0.5) == dict.fromkeys(got, None)  # No spec.
 
 
 def test_bench_runs_a_tiny_config(tmp_path, capsys):

@@ -19,8 +19,13 @@ def test_required_flags_are_added_once_and_a_users_own_value_wins():
       f"--a=1 {DIV} --xla_gpu_enable_triton_gemm=false")
   mine = "--xla_gpu_enable_triton_gemm=true --xla_backend_extra_options=-nvptx-prec-divf32=1"
   assert platform.with_required_xla_flags(mine) == mine
-  assert platform.with_required_xla_flags("--xla_backend_extra_options=-x=1").split()[0] == (
-      "--xla_backend_extra_options=-x=1,-nvptx-prec-divf32=2")
+  # The user's own division option wins wherever it is; their tokens are never edited (XLA merges repeated
+  # --xla_backend_extra_options into one map), quoted ones included.
+  twice = "--xla_backend_extra_options=-nvptx-prec-divf32=1 --xla_backend_extra_options=-x"
+  assert platform.with_required_xla_flags(twice) == f"{twice} --xla_gpu_enable_triton_gemm=false"
+  quoted = '--xla_backend_extra_options="-x=1"'
+  assert platform.with_required_xla_flags(quoted) == f"{quoted} {DIV} --xla_gpu_enable_triton_gemm=false"
+  assert platform.with_required_xla_flags("/etc/xla.flags") == "/etc/xla.flags"  # A file of flags: XLA's to read.
 
 
 def test_importing_ember_sets_them_before_a_backend_starts_and_the_cpu_accepts_them():

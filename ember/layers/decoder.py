@@ -269,6 +269,7 @@ class Transformer(nnx.Module):
     self.segments = nnx.List([Segment(model, ids, rngs) for ids in segments_of(model)])
     self.final_norm = RMSNorm(model.d_model, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.tie_embeddings = model.tie_embeddings
+    self.tied_wgrad_dtype = model.recipe.wgrad_out(model.param_dtype)  # The tied head's weight-gradient GEMM.
     self.kv_shape, self.kv_dtype, self.max_len = (model.num_kv_heads, model.head_dim), model.dtype, model.seq_len
     if not model.tie_embeddings:
       # The loss calls the head once per vocab slice, and delayed scaling's history update assumes
@@ -331,15 +332,15 @@ class Transformer(nnx.Module):
     for any vocab slice `w` of that weight: a pure function, which the loss calls once per slice
     (ember/trainer/loss.py)."""
     if self.tie_embeddings:
-      return self.embed.embedding[...].T, _tied_logits
+      return self.embed.embedding[...].T, functools.partial(_tied_logits, wgrad_dtype=self.tied_wgrad_dtype)
     head = self.lm_head
     return head.kernel[...], functools.partial(_linear_logits, recipe=head.recipe, dtype=head.dtype)
 
 
-def _tied_logits(h_BxCxD, w_DxV, key=None):
+def _tied_logits(h_BxCxD, w_DxV, key=None, *, wgrad_dtype):
   del key  # The tied head is never quantized.
   b, c, d = h_BxCxD.shape
-  return dot.float32_logits(h_BxCxD.reshape(b * c, d), w_DxV, h_BxCxD.dtype).reshape(b, c, -1)
+  return dot.float32_logits(h_BxCxD.reshape(b * c, d), w_DxV, h_BxCxD.dtype, wgrad_dtype).reshape(b, c, -1)
 
 
 def _linear_logits(h_BxCxD, w_DxV, key=None, *, recipe, dtype):

@@ -49,6 +49,9 @@ PRECISIONS = ("fp8", "mxfp8", "nvfp4", "bf16", "f32")
 _CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul", CUBLAS_FP8_GEMM)
 _BLOCK_SCALED = CUDNN_BLOCK_SCALED_GEMM
 _HALF = ("bf16", "f16")  # HLO element types of 16-bit floats.
+# A fusion, or one XLA runs asynchronously (a `fusion-start` / `fusion-done` pair: the done moves nothing more),
+# as its GPU pipeline does for the scan's dynamic slices and updates with while-loop double buffering on.
+_FUSIONS = ("fusion", "fusion-start")
 RECOMPUTE_SCOPE = "rematted_computation"  # JAX's name scope for a checkpointed forward run again.
 # Instructions that launch no kernel of their own (control flow, aliases, bookkeeping, async halves whose
 # work is counted elsewhere) and move no bytes in the memory term.
@@ -271,7 +274,7 @@ def gemms(hlo: str | Program) -> list[Gemm]:
 
 def _fused_gemm_kind(i: Instruction) -> str | None:
   """"triton_gemm" / "cudnn_gemm" for a GEMM fusion (a Triton or cuDNN kernel around a dot), else None."""
-  m = i.opcode == "fusion" and re.search(r'"kind":"__(triton_(?:nested_)?gemm|cudnn\$fusion)"', i.line)
+  m = i.opcode in _FUSIONS and re.search(r'"kind":"__(triton_(?:nested_)?gemm|cudnn\$fusion)"', i.line)
   return ("cudnn_gemm" if "cudnn" in m.group(1) else "triton_gemm") if m else None
 
 
@@ -360,11 +363,6 @@ def attention(hlo: str | Program) -> dict[str, object]:
 
 
 # --- Memory traffic -----------------------------------------------------------------------------------
-
-
-# A fusion, or one XLA runs asynchronously (a `fusion-start` / `fusion-done` pair: the done moves nothing more),
-# as its GPU pipeline does for the scan's dynamic slices and updates with while-loop double buffering on.
-_FUSIONS = ("fusion", "fusion-start")
 
 
 def _own_bytes(p: Program, i: Instruction) -> float:
@@ -489,8 +487,10 @@ def values(p: Program) -> list[Value]:
   broadcast of a constant) are not computed values: they show in the peak memory."""
   out = []
   for i in p.kernels():
+    # An async fusion's value is its done's, updated in place or filled as its start's fusion says.
+    work = p.by_name.get(i.operands[0], i) if i.opcode == "fusion-done" and i.operands else i
     if (i.opcode in _NO_KERNEL or i.opcode.endswith("-start") or i.opcode in ("dynamic-update-slice", "scatter")
-        or in_place_updates(p, i) or _is_fill(p, i)):
+        or in_place_updates(p, work) or _is_fill(p, work)):
       continue
     for part in _top_level(i.shape):
       if _SHAPE.search(part):

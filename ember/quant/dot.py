@@ -85,13 +85,14 @@ def contract_first(a_MxK, b_MxN, out=jnp.float32):
   return y.astype(out)
 
 
-def float32_logits(x_MxK: jax.Array, w_KxN: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+def float32_logits(x_MxK: jax.Array, w_KxN: jax.Array, dtype=jnp.bfloat16, wgrad_dtype=jnp.float32) -> jax.Array:
   """x @ w as float32 logits from `dtype` operands, for a head that is never quantized (tied embeddings):
   the forward GEMM writes float32, and its backward runs on `dtype` operands like every other projection's,
   the logits' cotangent rounded to `dtype` (see `_unquantized`). Autodiff of the plain dot runs dgrad and
   wgrad as float32 x float32 GEMMs instead: the 1b preset's tied head did so on an H100, 4 of the step's
-  GEMMs (17 of its 130 TFLOP) at TF32's rate on twice the bytes."""
-  return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), jnp.dtype(dtype), jnp.dtype(jnp.float32))
+  GEMMs (17 of its 130 TFLOP) at TF32's rate on twice the bytes. `wgrad_dtype`: what the weight-gradient GEMM
+  writes (Recipe.wgrad_out, as for every other projection)."""
+  return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), jnp.dtype(wgrad_dtype), jnp.dtype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

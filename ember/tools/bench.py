@@ -62,7 +62,7 @@ def measured_floor(hlo_text: str, cfg, device_kind: str, num_devices: int, step_
   """The time floor of a timed program on the GPU it ran on (`device_kind`), and the step over it; nulls for
   a device ember has no facts for, or a job of several processes (whose devices' nodes it cannot tell)."""
   facts = hardware.facts_for_kind(device_kind)
-  if facts is None or jax.process_count() > 1:
+  if facts is None or facts.name not in hardware.GPUS or jax.process_count() > 1:  # No spec: no HBM bandwidth.
     return {"time_floor_s": None, "time_floor_parts_s": None, "mfu_ceiling": None, "step_over_floor": None}
   machine = cost.Machine(facts, hardware.gpu(facts.name).hbm_bytes_per_s, (0,) * num_devices)
   p = hlo.Program(hlo_text)

@@ -112,6 +112,9 @@ ENTRY %main (a: f32[16,64,64], i: s32[]) -> f32[16,64,64] {
   # and the done moves none.
   assert traffic["read-start"] == traffic["read"] and traffic["write-start"] == traffic["write"]
   assert "read-done" not in traffic and "write-done" not in traffic
+  # A value the step computes: the async read's slice, never the buffer the async write updates in place.
+  assert {(v.shape, v.op_name) for v in hlo.values(p) if v.shape == "f32[16,64,64]"} == set()
+  assert sum(v.shape == "f32[64,64]" for v in hlo.values(p)) == 3  # read, double, read-done.
 
 
 def test_replica_groups_and_the_links_they_use():
