@@ -64,8 +64,7 @@ def both(a: jax.Array, *, reduce_axes: tuple[str, ...] = (), interpret: bool | N
   """(a quantized along its last axis [R, C], a quantized along its first axis as its transpose [C, R]), both
   MXFP8 QuantizedTensors with `axis=1`, equal to `MXFP8Scaling().quantize(a, axis=1)` and
   `.quantize(a.T, axis=1)`. `interpret`: run the Pallas kernel in interpret mode (default: off a GPU)."""
-  if a.ndim != 2 or a.shape[0] % BLOCK or a.shape[1] % BLOCK:
-    raise ValueError(f"one-pass MXFP8 quantize: a 2-d operand of whole {BLOCK}-blocks, got {a.shape}")
+  kernels.check_whole_blocks(a, BLOCK, "MXFP8")
   interpret = kernels.interpret_off_gpu(interpret)
   with jax.named_scope(SCOPE):
     data, scale, data_t, scale_t = _both(a, interpret, True)
@@ -79,8 +78,7 @@ def both(a: jax.Array, *, reduce_axes: tuple[str, ...] = (), interpret: bool | N
 def rows(a: jax.Array, *, interpret: bool | None = None) -> QuantizedTensor:
   """`MXFP8Scaling().quantize(a, axis=1)` for a 2-d a of whole blocks: `both`'s kernel writing the first copy
   alone (an operand only one GEMM reads along its last axis: an expert layout's rows), one read of a."""
-  if a.ndim != 2 or a.shape[0] % BLOCK or a.shape[1] % BLOCK:
-    raise ValueError(f"one-pass MXFP8 quantize: a 2-d operand of whole {BLOCK}-blocks, got {a.shape}")
+  kernels.check_whole_blocks(a, BLOCK, "MXFP8")
   interpret = kernels.interpret_off_gpu(interpret)
   with jax.named_scope(SCOPE):
     data, scale = _both(a, interpret, False)

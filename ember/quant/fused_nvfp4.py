@@ -91,7 +91,7 @@ def quantize(x: jax.Array, *, tile_2d: bool = False, axis: int = 1, reduce_axes:
   along its last axis, or in 16 x 16 tiles (which serve either axis: `axis` is then the one recorded).
   `reduce_axes`: the mesh axes (inside shard_map) x's tensor amax is taken over; `amax`: max|x|, taken by the
   caller, or None. `interpret`: run the Pallas kernel in interpret mode (default: off a GPU)."""
-  _check(x)
+  kernels.check_whole_blocks(x, BLOCK, "NVFP4")
   if axis not in ((-2, -1, 0, 1) if tile_2d else (-1, 1)):
     raise ValueError(f"one-pass NVFP4 quantize: axis {axis} of a 2-d operand, 1 x {BLOCK} blocks along the last "
                      f"axis only")
@@ -110,7 +110,7 @@ def both(a: jax.Array, *, keys: tuple[jax.Array, jax.Array] | None = None, rht_s
       NVFP4Scaling(stochastic_rounding=sr).quantize(rht(a, axis=0), axis=0, rng=keys[1]).T      along the first
   with sr = `keys` is not None (round to nearest otherwise) and rht `hadamard.random_hadamard_transform` with
   `rht_seed` (None: no transform). `reduce_axes`: mesh axes (inside shard_map) the amaxes are taken over."""
-  _check(a)
+  kernels.check_whole_blocks(a, BLOCK, "NVFP4")
   interpret = kernels.interpret_off_gpu(interpret)
   stochastic = keys is not None
   with jax.named_scope(SCOPE):
@@ -137,11 +137,6 @@ def draws_as_jax(key) -> bool:
   typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
   impl = jax.random.key_impl(key) if typed else jax.config.jax_default_prng_impl
   return bool(jax.config.jax_threefry_partitionable) and str(impl) == "threefry2x32"
-
-
-def _check(x):
-  if x.ndim != 2 or x.shape[0] % BLOCK or x.shape[1] % BLOCK:
-    raise ValueError(f"one-pass NVFP4 quantize: a 2-d operand of whole {BLOCK}-blocks, got {x.shape}")
 
 
 def _tensor(packed, scale, global_scale, amax, like, axis, block) -> QuantizedTensor:

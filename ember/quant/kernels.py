@@ -40,6 +40,12 @@ def pallas(kernel, grid, in_specs, out_specs, out_shape, interpret: bool):
                         interpret=interpret, **params)
 
 
+def check_whole_blocks(a, block: int, recipe: str) -> None:
+  """ValueError unless `a` is a 2-d operand of whole `block`-blocks both ways (what the kernels tile)."""
+  if a.ndim != 2 or a.shape[0] % block or a.shape[1] % block:
+    raise ValueError(f"one-pass {recipe} quantize: a 2-d operand of whole {block}-blocks, got {a.shape}")
+
+
 def splits_evenly(shape, block: int) -> bool:
   """Whether each dimension's blocks divide among the traced program's devices. Otherwise sharding propagation
   may split a dimension over part of a mesh axis (64 rows are 2 blocks of 32: half of an 8-way axis), a sharding

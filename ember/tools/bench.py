@@ -51,21 +51,22 @@ from ember.trainer.phase import missing_tensor_core_gemm
 from ember.trainer.perf import Throughput, peak_bytes, train_flops_per_step
 from ember.trainer.state import create_train_state
 
-def gemm_counts(hlo_text: str) -> dict[str, object]:
+def gemm_counts(program: str | hlo.Program) -> dict[str, object]:
   """The compiled step's GEMMs by precision and its attention kernel (ember/plan/hlo.py's rules);
   `fp8_gemms` > 0 on a GPU shows that FP8 matmuls reached cuBLASLt's FP8 kernels."""
-  census = hlo.gemm_census(hlo_text)
-  return {**{f"{precision}_gemms": n for precision, n in census.items()}, "attention": hlo.attention(hlo_text)["kernel"]}
+  p = program if isinstance(program, hlo.Program) else hlo.Program(program)
+  return {**{f"{precision}_gemms": n for precision, n in hlo.gemm_census(p).items()},
+          "attention": hlo.attention(p)["kernel"]}
 
 
-def measured_floor(hlo_text: str, cfg, device_kind: str, num_devices: int, step_time_s: float) -> dict:
+def measured_floor(program: str | hlo.Program, cfg, device_kind: str, num_devices: int, step_time_s: float) -> dict:
   """The time floor of a timed program on the GPU it ran on (`device_kind`), and the step over it; nulls for
   a device ember has no facts for, or a job of several processes (whose devices' nodes it cannot tell)."""
   facts = hardware.facts_for_kind(device_kind)
   if facts is None or facts.name not in hardware.GPUS or jax.process_count() > 1:  # No spec: no HBM bandwidth.
     return {"time_floor_s": None, "time_floor_parts_s": None, "mfu_ceiling": None, "step_over_floor": None}
   machine = cost.Machine(facts, hardware.gpu(facts.name).hbm_bytes_per_s, (0,) * num_devices)
-  p = hlo.Program(hlo_text)
+  p = program if isinstance(program, hlo.Program) else hlo.Program(program)
   floor = cost.roofline(p, hlo.gemms(p), hlo.attention_calls(p), model_flops=train_flops_per_step(cfg) / num_devices,
                         tokens=cfg.train.batch_size * cfg.model.seq_len / num_devices, machine=machine)
   return {k: floor[k] for k in ("time_floor_s", "time_floor_parts_s", "mfu_ceiling")} | {
@@ -88,10 +89,10 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
     t0 = time.time()
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.time() - t0
-    hlo = compiled.as_text()
+    text = compiled.as_text()
     if hlo_out:
       with open(hlo_out, "w") as f:
-        f.write(hlo)
+        f.write(text)
     times = []
     for i in range(warmup + steps):
       t = time.perf_counter()
@@ -101,6 +102,7 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
         times.append(time.perf_counter() - t)
   perf = Throughput.of(cfg, statistics.median(times), jax.device_count(), jax.devices()[0].device_kind)
   memory, source = peak_bytes(compiled)
+  program = hlo.Program(text)  # Parsed once for the GEMM counts and the floor.
   # The quant/... health figures the measured step returned (0 without log.quant_stats_every).
   health = (len(quant_stats.summarize(jax.device_get(metrics["quant_stats"]), cfg.model))
             if "quant_stats" in metrics else 0)
@@ -110,10 +112,10 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
       "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "compile_s": compile_s,
       **perf.to_dict(), "step_times_s": times, "step_time_iqr_s": float(np.subtract(*np.percentile(times, [75, 25]))),
       "health_figures": health, "peak_bytes": memory, "peak_source": source, "final_loss": float(metrics["loss"]),
-      **gemm_counts(hlo),
-      **measured_floor(hlo, cfg, jax.devices()[0].device_kind, jax.device_count(), perf.step_time_s),
+      **gemm_counts(program),
+      **measured_floor(program, cfg, jax.devices()[0].device_kind, jax.device_count(), perf.step_time_s),
       # On a GPU, the tensor-core GEMM call the recipe should reach and the program lacks (trainer/phase.py).
-      "missing_tensor_core_gemm": missing_tensor_core_gemm(cfg, lambda: hlo) if target_platform() == "gpu" else None,
+      "missing_tensor_core_gemm": missing_tensor_core_gemm(cfg, lambda: text) if target_platform() == "gpu" else None,
   }
 
 
