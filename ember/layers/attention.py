@@ -24,8 +24,10 @@ from ember.layers.rope import apply_rope
 from ember.model_config import ModelConfig
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV
 from ember.parallel import context
+from ember.parallel import sharding
 from ember.parallel.sharding import shard
 from ember.platform import target_platform
+from ember.quant.varying import manual_axes
 
 
 def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
@@ -57,7 +59,21 @@ def attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, implementation: str):
   if context.context_axes():
     local = lambda q, k, v, b: local_attention(q, k, v, b, implementation, causal=False)
     return context.attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, local)
+  if manual_axes():  # Inside a step's data-parallel shard_map (trainer/step.py): on each device's shard.
+    return _on_each_device(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, implementation)
   return local_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, implementation, causal=True)
+
+
+def _on_each_device(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias_Bx1xLxL, implementation: str):
+  """`local_attention` on each device's rows and heads. Why: where some mesh axes are already manual, cuDNN's
+  attention cannot partition itself (its rule reads every operand's sharding as a NamedSharding, and there
+  the compiler hands it others); on one device's shard there is nothing to partition."""
+  mesh, rules = sharding.active_mesh(), sharding.active_rules()
+  spec = lambda names: sharding.logical_to_spec(names, rules, mesh)
+  q_spec, kv_spec = spec((BATCH, LENGTH, HEADS, HEAD_DIM)), spec((BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+  attention = lambda q, k, v, b: local_attention(q, k, v, b, implementation, causal=True)
+  return sharding.shard_map(attention, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, spec((BATCH, None, LENGTH, None))),
+                            out_specs=q_spec)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias_Bx1xLxL)
 
 
 def local_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias_Bx1xTxS, implementation: str, *, causal: bool):

@@ -58,7 +58,7 @@ def _on_shards(fn, names: Sequence, *arrays) -> tuple:
   """`fn` (arrays -> a tuple of as many) on each device's shard of `arrays`, all with the logical axes `names`."""
   mesh, rules = sharding.active_mesh(), sharding.active_rules()
   specs = tuple(sharding.logical_to_spec(names, rules, mesh) for _ in arrays)
-  return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs)(*arrays)
+  return sharding.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs)(*arrays)
 
 
 def balance(arrays: Sequence[jax.Array], names: Sequence) -> tuple[jax.Array, ...]:
@@ -122,7 +122,7 @@ def visibility(segment_ids_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
     return early, late
 
   row_spec = sharding.logical_to_spec((BATCH, None, LENGTH, None), rules, mesh)
-  return jax.shard_map(shard, mesh=mesh, in_specs=(sharding.logical_to_spec((BATCH, LENGTH), rules, mesh),),
+  return sharding.shard_map(shard, mesh=mesh, in_specs=(sharding.logical_to_spec((BATCH, LENGTH), rules, mesh),),
                        out_specs=(row_spec, row_spec))(segment_ids_BxL)
 
 
@@ -145,5 +145,5 @@ def attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, biases, local_attention: Callable
     late = local_attention(q_BxTxNxH[:, c:], k_BxLxKxH, v_BxLxKxH, late_bias)
     return jnp.concatenate([early, late], axis=1)
 
-  return jax.shard_map(shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
+  return sharding.shard_map(shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
                        out_specs=q_spec)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *biases)

@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import platform
+from ember.quant.varying import manual_axes
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -96,7 +97,30 @@ def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   mesh, rules = active
   if len(names) != x.ndim:
     raise ValueError(f"shard: {len(names)} logical names {tuple(names)} for an array of rank {x.ndim}")
+  manual = manual_axes()
+  if manual:  # Inside shard_map: the other axes are still the compiler's to place.
+    spec = P(*(drop_axes(e, manual) for e in logical_to_spec(names, rules, mesh)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
   return jax.lax.with_sharding_constraint(x, named_sharding(names, mesh, rules))
+
+
+def drop_axes(entry, axes):
+  """One PartitionSpec entry without `axes`."""
+  kept = tuple(a for a in entry_axes(entry) if a not in axes)
+  return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def shard_map(fn, *, mesh: Mesh, in_specs, out_specs, **kwargs):
+  """`jax.shard_map` over `mesh`'s axes, inside an outer shard_map too (a step's data-parallel micro-batches,
+  trainer/step.py): there the axes already manual are left out of the specs and of the map."""
+  manual = manual_axes()
+  if not manual:
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
+  strip = lambda specs: jax.tree.map(lambda s: P(*(drop_axes(e, manual) for e in s)), specs,
+                                     is_leaf=lambda s: isinstance(s, P))
+  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=strip(in_specs),
+                       out_specs=strip(out_specs), axis_names=set(mesh.axis_names) - manual,
+                       **{**kwargs, "check_vma": False})
 
 
 def tree_shardings(logical_tree, mesh: Mesh, rules) -> object:

@@ -24,6 +24,7 @@ from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.quantizers import tensor_amax
 from ember.quant.recipe import WEIGHT, Recipe, pad_to
 from ember.quant.tensor import QuantizedTensor
+from ember.quant.varying import manual_axes
 
 
 def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name: str,
@@ -43,7 +44,10 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
     return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype), dtype)
   # The [3, H] and [3, S] arrays as (x, kernel, grad) rows; autodiff stacks their cotangents back.
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
-  layout = DenseLayout(transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t)
+  # Inside a step's data-parallel shard_map (trainer/step.py) x and its gradient hold one replica's rows: their
+  # amaxes are reduced over the replicas, the one amax of the whole batch, as outside it.
+  layout = DenseLayout(transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t,
+                       reduce_axes=tuple(sorted(manual_axes())))
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax)
 

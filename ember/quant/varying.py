@@ -12,6 +12,12 @@ def vma_of(a) -> frozenset:
   return frozenset(manual.varying if manual is not None else getattr(t, "vma", ()) or ())
 
 
+def manual_axes() -> frozenset[str]:
+  """The mesh axes the code being traced runs manually over (inside `jax.shard_map`), or none."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return frozenset(() if mesh.empty else mesh.manual_axes)
+
+
 def sum_to(a, vma: frozenset):
   """Sums a cotangent over the axes its primal was replicated on (a kernel shared by token shards),
   as the transpose of shard_map's implicit broadcast would; the VJP must return the primal's type."""

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import remat
 from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS, MOE_LAYER_COUNTS,
@@ -17,13 +17,15 @@ from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MO
 from ember.layers import linear, moe_dispatch
 from ember.layers.decoder import keys_of, stacked_layers
 from ember.layers.moe import ROUTER_BIAS
-from ember.parallel.sharding import logical_to_spec, shard
+from ember.parallel.sharding import active_mesh, logical_to_spec, shard
 from ember.platform import target_platform
 from ember.quant import health
+from ember.quant.varying import manual_axes
 from ember.trainer.loss import cross_entropy, token_count
 from ember.trainer.state import TrainState, stats_inputs, step_key
 
 F32 = jnp.float32
+REPLICA_AXIS = "data"  # The mesh axis of data-parallel replicas (mesh.data x mesh.dcn_data): parameters whole on each.
 
 
 def _batch_views(batch):
@@ -59,6 +61,8 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
   metrics = {"loss": ce, "z_loss": z}
   num_moe = cfg.model.num_moe_layers
   if num_moe:  # Dense models log no MoE keys (they would always be zero).
+    if (share := replica_share()) > 1:  # This replica's share of statistics summed over the replicas.
+      aux = jax.tree.map(lambda a: a / share, aux)
     lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / (num_moe * micro_batches), aux[MOE_ROUTER_Z_LOSS] / (num_moe * micro_batches)
     total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
     metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
@@ -89,7 +93,7 @@ def _train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy
   if accum == 1:
     (_, metrics), outs = grad_fn(state.params, state.quant_state, batch, stats, key=key)
   else:
-    metrics, outs = _accumulate(grad_fn, state, batch, stats, key, accum, batch_shards, graphdef)
+    metrics, outs = _accumulate(grad_fn, state, batch, stats, key, accum, batch_shards, graphdef, cfg.quant)
   grads, new_quant_state = outs[0], outs[1]
   if with_stats:
     metrics = dict(metrics, quant_stats=outs[2])
@@ -137,7 +141,8 @@ def micro_batches(a, accum: int, batch_shards: int):
   return shard(split, (None, BATCH, LENGTH) + (None,) * (a.ndim - 2))
 
 
-def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int, graphdef):
+def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int, graphdef,
+                recipe):
   """(metrics, (grads, quant state[, health])) of a step run as `accum` micro-batches in a scan, one
   micro-batch's activations alive at a time. Each micro-batch's losses are its share of the step's
   (`forward_loss`), so losses, counts and gradients add up; gradients are summed in float32. Delayed-scaling
@@ -145,14 +150,17 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   step rolls in the largest) and health statistics by `health.combine`. Micro-batch i's stochastic rounding
   draws from `fold_in(key, i)`. The kernels' amaxes (per-tensor recipes) are taken once, before the scan: every
   micro-batch would take the same ones, and XLA does not hoist that pass over the float32 weights out of the
-  loop (114 GB a step for llama3_8b fp8_current at 16 micro-batches on 8 GPUs)."""
+  loop (114 GB a step for llama3_8b fp8_current at 16 micro-batches on 8 GPUs). Over data-parallel replicas
+  each runs the scan on its own rows and their sums are reduced once a step (`_over_replicas`), but for
+  `recipe`s whose kernels partition themselves (`Recipe.custom_partitioned`), which reduce per micro-batch."""
   count = token_count(batch[SEGMENT_IDS] > 0)
-  xs = (jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch), jnp.arange(accum))
+  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(accum))
+  xs = (jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch), keys)
   amaxes = linear.kernel_amaxes(merged_model(graphdef, state.params, state.quant_state, stats))
 
-  def run(micro, i):
-    return grad_fn(state.params, state.quant_state, micro, stats, key=jax.random.fold_in(key, i), count=count,
-                   micro_batches=accum, kernel_amaxes=amaxes)
+  def run(micro, micro_key):
+    return grad_fn(state.params, state.quant_state, micro, stats, key=micro_key, count=count, micro_batches=accum,
+                   kernel_amaxes=amaxes)
 
   (_, metrics_shape), outs_shape = jax.eval_shape(run, *jax.tree.map(lambda a: a[0], xs))
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
@@ -169,11 +177,45 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
       new += (jax.tree.map(health.combine, carry[3], outs[2]),)
     return new, None
 
-  total, _ = jax.lax.scan(body, init, xs)
+  scan = lambda init, xs: jax.lax.scan(body, init, xs)[0]
+  mesh = active_mesh()
+  replicas = 1 if mesh is None else mesh.shape.get(REPLICA_AXIS, 1)
+  if replicas > 1 and not recipe.custom_partitioned(target_platform()):
+    total = _over_replicas(scan, init, xs, mesh)
+  else:  # One program over the whole mesh: the compiler reduces every micro-batch's gradient across replicas.
+    total = scan(init, xs)
   like = lambda tree, shapes: jax.tree.map(lambda a, s: a.astype(s.dtype), tree, shapes)
   metrics = like(total[0], metrics_shape)
   outs = (like(total[1], outs_shape[0]), like(total[2], outs_shape[1])) + tuple(total[3:])
   return metrics, outs
+
+
+def _over_replicas(scan, init, xs, mesh: Mesh):
+  """`scan(init, xs)` (the micro-batch loop: its carry the sums of the step's metrics and gradients), run by each
+  data-parallel replica (`REPLICA_AXIS`) on its own rows in a `shard_map`, then summed over the replicas: each
+  gradient is reduced across them once a step. Run as one program over the whole mesh instead, the compiler
+  reduces every micro-batch's gradient across them. Inside, each replica's activations and gradients are its
+  own: the quantizers reduce their amaxes over the replicas (quant/dot.py), the MoE layers their statistics (and
+  those summed values are each replica's 1 / n share of the step's: `replica_share`). What is the same on every
+  replica after that, the delayed-scaling histories and health statistics, is taken as it is. A replica's
+  stochastic rounding draws from its micro-batch's key folded with the replica's index: its noise is its own."""
+  def per_replica(init, xs):
+    rows, keys = xs  # A replica's tensors are its own: so is its stochastic rounding's noise.
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, jax.lax.axis_index(REPLICA_AXIS)))(keys)
+    metrics, grads, *same = scan(init, (rows, keys))
+    return (jax.lax.psum(metrics, REPLICA_AXIS), jax.lax.psum(grads, REPLICA_AXIS), *same)
+
+  rows = jax.tree.map(lambda a: P(None, REPLICA_AXIS), xs[0])
+  # check_vma=False: the model's scans start from constants (unvarying) and would each need a cast.
+  return jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), (rows, P())), out_specs=P(),
+                       axis_names={REPLICA_AXIS}, check_vma=False)(init, xs)
+
+
+def replica_share() -> int:
+  """n inside `_over_replicas`' shard_map of n replicas (1 elsewhere): a value reduced over the replicas there
+  (the MoE layers' statistics) is on every replica, and each contributes 1 / n of it to the step's sums."""
+  mesh = active_mesh()
+  return mesh.shape[REPLICA_AXIS] if mesh is not None and REPLICA_AXIS in manual_axes() else 1
 
 
 def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:

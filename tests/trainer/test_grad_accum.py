@@ -10,7 +10,8 @@ from flax import nnx
 
 from ember.layers import linear
 from ember.trainer.loop import train
-from ember.trainer.step import micro_batches
+from ember.plan import hlo
+from ember.trainer.step import batch_sharding, jit_train_step, micro_batches
 from tests.helpers import config, one_step, random_batch, rel_error, start
 
 MESH = {"mesh.data": 2, "mesh.fsdp": 4}
@@ -39,6 +40,21 @@ def test_four_micro_batches_equal_one_batch(preset, recipe):
   flat_four = jax.tree.leaves(state_four)
   assert len(flat_one) == len(flat_four)
   for (path, a), b in zip(flat_one, flat_four):
+    assert rel_error(b, a) < 1e-6, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "nvfp4"])
+def test_a_step_over_replicas_equals_the_step_over_one_group(recipe):
+  """4 micro-batches on data 2 x fsdp 4 (each replica sums its own, reduced once a step) equal them on fsdp 8
+  (one program over the mesh): the same micro-batches, each quantized with the amax of the whole micro-batch
+  (the replicas reduce theirs). NVFP4 rounds to nearest here: a replica's stochastic rounding draws noise of
+  its own."""
+  overrides = {"model.dtype": "float32", "quant.recipe": recipe, "quant.nvfp4_stochastic_rounding": False,
+               "train.batch_size": 32, "train.grad_accum_steps": 4}
+  batch = random_batch(config("tiny", **overrides))
+  replicas = one_step(config("tiny", **overrides, **MESH), batch, 8)
+  one_group = one_step(config("tiny", **overrides, **{"mesh.data": 1, "mesh.fsdp": 8}), batch, 8)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(one_group)[0], jax.tree.leaves(replicas), strict=True):
     assert rel_error(b, a) < 1e-6, jax.tree_util.keystr(path)
 
 
@@ -80,3 +96,26 @@ def test_resume_mid_way_and_tokens_per_s_count_the_step(tmp_path):
   assert [r["loss"] for r in resumed if r["step"] > 2] == [r["loss"] for r in straight if r["step"] > 2]
   for r in straight:
     assert abs(r["tokens_per_s"] * r["step_time_s"] / (16 * config("tiny").model.seq_len) - 1) < 1e-6
+
+
+def _replica_all_reduces(accum: int) -> list[hlo.Collective]:
+  """The all-reduces across the 2 data-parallel replicas (data 2 x fsdp 4, 32 sequences, fp8_current) of a
+  compiled step, with their loops' trip counts, but for the scalar amaxes (the quantizers' pmax)."""
+  cfg = config("tiny", **{"train.batch_size": 32, "train.grad_accum_steps": accum, **MESH})
+  s = start(cfg, 8)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding(s.cfg, s.mesh))
+           for k, v in random_batch(cfg).items()}
+  with s.rules():
+    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
+    text = step.lower(s.state, batch).compile().as_text()
+  return [c for c in hlo.collective_ops(text)
+          if c.kind == "all-reduce" and c.groups and len(c.groups[0]) == 2 and c.bytes > 4]
+
+
+def test_gradients_are_reduced_across_replicas_once_a_step():
+  """Each replica sums its micro-batches' gradients, and the sums are all-reduced across the replicas once a
+  step (before, every micro-batch all-reduced its gradient): no more bytes than a step of one batch, and the
+  scalar amaxes aside, no such all-reduce inside the micro-batch loop."""
+  one, four = _replica_all_reduces(1), _replica_all_reduces(4)
+  assert four and all(c.times == 1 for c in four), [(c.shape, c.times) for c in four]
+  assert sum(c.bytes for c in four) <= 1.25 * sum(c.bytes_per_step for c in one)  # + the step's metrics.
