@@ -59,15 +59,16 @@ def attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, implementation: str):
   if context.context_axes():
     local = lambda q, k, v, b: local_attention(q, k, v, b, implementation, causal=False)
     return context.attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, local)
-  if manual_axes():  # Inside a step's data-parallel shard_map (trainer/step.py): on each device's shard.
+  if manual_axes() and target_platform() == "gpu":  # cuDNN inside a step's data-parallel shard_map.
     return _on_each_device(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, implementation)
   return local_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, implementation, causal=True)
 
 
 def _on_each_device(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias_Bx1xLxL, implementation: str):
-  """`local_attention` on each device's rows and heads. Why: where some mesh axes are already manual, cuDNN's
-  attention cannot partition itself (its rule reads every operand's sharding as a NamedSharding, and there
-  the compiler hands it others); on one device's shard there is nothing to partition."""
+  """`local_attention` on each device's rows and heads. Why: where some mesh axes are already manual (a step's
+  data-parallel replicas, trainer/step.py), cuDNN's attention cannot partition itself (its rule reads every
+  operand's sharding as a NamedSharding, and there the compiler hands it others); on one device's shard there
+  is nothing to partition."""
   mesh, rules = sharding.active_mesh(), sharding.active_rules()
   spec = lambda names: sharding.logical_to_spec(names, rules, mesh)
   q_spec, kv_spec = spec((BATCH, LENGTH, HEADS, HEAD_DIM)), spec((BATCH, LENGTH, KV_HEADS, HEAD_DIM))

@@ -44,6 +44,7 @@ from ember.quant.recipe import Recipe
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import forward_flops_per_token
 from ember.trainer.state import state_shardings
+from ember.trainer.step import REPLICA_AXIS
 
 BUDGET_FRACTION = 0.9  # Default budget: the GPU's memory less 10% (allocator slack, cuDNN workspaces).
 ESTIMATE_SLACK = 1.15  # A layout is compiled if its estimated peak is within the budget times this.
@@ -240,10 +241,12 @@ class Estimator:
     compute = 3 * tokens_per_device * (projections * again / self.facts.peak_flops(precision if recipe.quantized
                                                                                      else "bf16")
                                        + (attention * again + head) / self.facts.peak_flops("bf16"))
-    # Collectives per micro-batch.
+    # Collectives per micro-batch, and once a step: a step over data-parallel replicas reduces its gradients
+    # across them once (trainer/step.py; per micro-batch where the recipe's kernels partition themselves).
     passes = 3 if block.recompute_fraction > 0 else 2  # Weight gathers: forward, backward, recompute.
     grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
-    seconds = 0.0
+    replicas_once = not recipe.custom_partitioned("gpu")
+    seconds = once = 0.0
     for elements, axes, projection in leaves:
       weight_bytes = _weight_bytes(recipe) if projection and recipe.quantized else 2.0
       for a in BATCH_AXES:
@@ -254,6 +257,9 @@ class Estimator:
           moved = elements * (n - 1) * (passes * weight_bytes + grad_bytes)
         else:  # Replicated over it: its gradient all-reduced.
           moved = 2 * elements * (n - 1) / n * grad_bytes
+          if a == REPLICA_AXIS and replicas_once:
+            once += moved / self._bandwidth(layout, a)
+            continue
         seconds += moved / self._bandwidth(layout, a)
     tokens = micro * m.seq_len
     experts = mesh["expert"]
@@ -264,7 +270,7 @@ class Estimator:
     if tensor > 1:  # Two activation all-reduces per layer and pass.
       moved = 2 * passes * 2 * tokens * m.d_model * 2 * (tensor - 1) / tensor * m.num_layers
       seconds += moved / (self.facts.nvlink_gb_s * 1e9)
-    network = seconds * layout.grad_accum_steps
+    network = seconds * layout.grad_accum_steps + once
     return Estimate(max(compute, network), compute, network, peak)
 
 
