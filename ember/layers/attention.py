@@ -72,8 +72,9 @@ def _on_each_device(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias_Bx1xLxL, implementatio
   mesh, rules = sharding.active_mesh(), sharding.active_rules()
   spec = lambda names: sharding.logical_to_spec(names, rules, mesh)
   q_spec, kv_spec = spec((BATCH, LENGTH, HEADS, HEAD_DIM)), spec((BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+  bias_spec = spec((BATCH, None, LENGTH, None))
   attention = lambda q, k, v, b: local_attention(q, k, v, b, implementation, causal=True)
-  return sharding.shard_map(attention, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, spec((BATCH, None, LENGTH, None))),
+  return sharding.shard_map(attention, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, bias_spec),
                             out_specs=q_spec)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias_Bx1xLxL)
 
 

@@ -175,10 +175,10 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   body = functools.partial(_experts, opts=opts, plan=plan, token_axes=token_axes,
                            embed_axes=sharding.entry_axes(d_spec))
   fn = sharding.shard_map(body, mesh=mesh,
-                     in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec, d_spec), P(e_spec, None, d_spec),
-                               specs_of(histories), None if keys is None else (P(), P()), specs_of(stats),
-                               None if bias_E is None else P(), tuple(None if e is None else P() for e in errors)),
-                     out_specs=(x_spec, P()))
+                          in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec, d_spec), P(e_spec, None, d_spec),
+                                    specs_of(histories), None if keys is None else (P(), P()), specs_of(stats),
+                                    None if bias_E is None else P(), tuple(None if e is None else P() for e in errors)),
+                          out_specs=(x_spec, P()))
   return fn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E, errors)
 
 

@@ -52,9 +52,9 @@ import jax.numpy as jnp
 
 from ember.names import BATCH, EXPERT, LENGTH, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.parallel.sharding import entry_axes, logical_to_spec
-from ember.quant.varying import manual_axes
 from ember.platform import target_platform
 from ember.quant.grouped import starts
+from ember.quant.varying import manual_axes
 
 AUTO, ALLGATHER, ALLTOALL, RAGGED = MOE_DISPATCHERS
 _, RAGGED_DOT, CAPACITY = MOE_EXPERT_GEMMS

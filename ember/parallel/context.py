@@ -123,7 +123,7 @@ def visibility(segment_ids_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
 
   row_spec = sharding.logical_to_spec((BATCH, None, LENGTH, None), rules, mesh)
   return sharding.shard_map(shard, mesh=mesh, in_specs=(sharding.logical_to_spec((BATCH, LENGTH), rules, mesh),),
-                       out_specs=(row_spec, row_spec))(segment_ids_BxL)
+                            out_specs=(row_spec, row_spec))(segment_ids_BxL)
 
 
 def attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, biases, local_attention: Callable):
@@ -146,4 +146,4 @@ def attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, biases, local_attention: Callable
     return jnp.concatenate([early, late], axis=1)
 
   return sharding.shard_map(shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
-                       out_specs=q_spec)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *biases)
+                            out_specs=q_spec)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *biases)

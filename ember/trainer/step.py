@@ -25,7 +25,7 @@ from ember.trainer.loss import cross_entropy, token_count
 from ember.trainer.state import TrainState, stats_inputs, step_key
 
 F32 = jnp.float32
-REPLICA_AXIS = "data"  # The mesh axis of data-parallel replicas (mesh.data x mesh.dcn_data): parameters whole on each.
+REPLICA_AXIS = "data"  # The mesh axis of data-parallel replicas (mesh.data x mesh.dcn_data).
 
 
 def _batch_views(batch):
