@@ -59,7 +59,7 @@ def attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, implementation: str):
   if context.context_axes():
     local = lambda q, k, v, b: local_attention(q, k, v, b, implementation, causal=False)
     return context.attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, local)
-  if manual_axes() and target_platform() == "gpu":  # cuDNN inside a step's data-parallel shard_map.
+  if manual_axes() and target_platform() == "gpu" and implementation != "xla":  # cuDNN in a step's replicas.
     return _on_each_device(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, implementation)
   return local_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, implementation, causal=True)
 

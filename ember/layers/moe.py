@@ -52,6 +52,7 @@ from ember.quant import health
 from ember.quant.batched import batched_matmul
 from ember.quant.grouped import grouped_matmul, starts
 from ember.quant.recipe import Recipe
+from ember.quant.varying import cotangent_once, manual_axes
 
 F32 = jnp.float32
 
@@ -174,12 +175,30 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   d_spec = _embed_shards(wi_ExDx2xF.shape[1], opts, mesh, rules, expert_axes)
   body = functools.partial(_experts, opts=opts, plan=plan, token_axes=token_axes,
                            embed_axes=sharding.entry_axes(d_spec))
+  outer = manual_axes()
+  if outer:  # Inside a step's data-parallel shard_map (trainer/step.py): this one does not check replication.
+    body = _global_cotangents_once(body, tuple(a for a in mesh.axis_names if a not in outer),
+                                   sharding.entry_axes(e_spec))
   fn = sharding.shard_map(body, mesh=mesh,
                           in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec, d_spec), P(e_spec, None, d_spec),
                                     specs_of(histories), None if keys is None else (P(), P()), specs_of(stats),
                                     None if bias_E is None else P(), tuple(None if e is None else P() for e in errors)),
                           out_specs=(x_spec, P()))
   return fn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E, errors)
+
+
+def _global_cotangents_once(body, axes: tuple[str, ...], expert_axes: tuple[str, ...]):
+  """`body` with its histories' and statistics' cotangents passed back once along the shard_map's `axes`
+  (`cotangent_once`: they are global values, not partial sums); a kernel's, split over `expert_axes`, once
+  along the others."""
+  kernel_axes = tuple(a for a in axes if a not in expert_axes)
+  once = lambda trees: tuple(None if t is None else (cotangent_once(t[0], axes), cotangent_once(t[1], kernel_axes),
+                                                     cotangent_once(t[2], axes)) for t in trees)
+
+  def wrapped(x, segment_ids, router, wi, wo, histories, keys, stats, bias, errors):
+    return body(x, segment_ids, router, wi, wo, once(histories), keys, once(stats), bias, errors)
+
+  return wrapped
 
 
 def _embed_shards(d: int, opts: Options, mesh, rules, expert_axes):

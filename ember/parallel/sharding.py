@@ -112,7 +112,10 @@ def drop_axes(entry, axes):
 
 def shard_map(fn, *, mesh: Mesh, in_specs, out_specs, **kwargs):
   """`jax.shard_map` over `mesh`'s axes, inside an outer shard_map too (a step's data-parallel micro-batches,
-  trainer/step.py): there the axes already manual are left out of the specs and of the map."""
+  trainer/step.py): there the axes already manual are left out of the specs and of the map, and, as the outer
+  one, it does not check replication (`check_vma=False`): its transpose sums an input's cotangent over the axes
+  the input's spec leaves out, so an input whose "cotangent" is a global value rather than a partial sum passes
+  it back once (quant/varying.py, `cotangent_once`)."""
   manual = manual_axes()
   if not manual:
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)

@@ -44,7 +44,7 @@ from ember.quant.recipe import Recipe
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import forward_flops_per_token
 from ember.trainer.state import state_shardings
-from ember.trainer.step import REPLICA_AXIS
+from ember.trainer.step import REPLICA_AXIS, reduces_once_a_step
 
 BUDGET_FRACTION = 0.9  # Default budget: the GPU's memory less 10% (allocator slack, cuDNN workspaces).
 ESTIMATE_SLACK = 1.15  # A layout is compiled if its estimated peak is within the budget times this.
@@ -245,7 +245,7 @@ class Estimator:
     # across them once (trainer/step.py; per micro-batch where the recipe's kernels partition themselves).
     passes = 3 if block.recompute_fraction > 0 else 2  # Weight gathers: forward, backward, recompute.
     grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
-    replicas_once = not recipe.custom_partitioned("gpu")
+    replicas_once = reduces_once_a_step(recipe, "gpu", BATCH_AXES)
     seconds = once = 0.0
     for elements, axes, projection in leaves:
       weight_bytes = _weight_bytes(recipe) if projection and recipe.quantized else 2.0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 
 
 def vma_of(a) -> frozenset:
@@ -31,3 +34,24 @@ def varying_as(y: jax.Array, *operands: jax.Array) -> jax.Array:
   another type."""
   missing = tuple(sorted(frozenset().union(*map(vma_of, operands)) - vma_of(y)))
   return jax.lax.pcast(y, missing, to="varying") if missing else y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cotangent_once(x, axes: tuple[str, ...]):
+  """x, whose cotangent only the first device along the shard_map `axes` passes back (the others pass zeros).
+  For an input of a shard_map that does not check replication (`check_vma=False`), whose transpose sums an
+  input's cotangent over the axes its spec leaves out: right for a gradient (a partial sum on each device),
+  but a delayed-scaling history's or health statistics' "cotangent" is one global value on every device."""
+  return x
+
+
+def _cotangent_once_fwd(x, axes):
+  return x, None
+
+
+def _cotangent_once_bwd(axes, _, ct):
+  first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in axes], jnp.asarray(True))
+  return (jnp.where(first, ct, jnp.zeros_like(ct)),)
+
+
+cotangent_once.defvjp(_cotangent_once_fwd, _cotangent_once_bwd)

@@ -17,7 +17,7 @@ from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MO
 from ember.layers import linear, moe_dispatch
 from ember.layers.decoder import keys_of, stacked_layers
 from ember.layers.moe import ROUTER_BIAS
-from ember.parallel.sharding import active_mesh, logical_to_spec, shard
+from ember.parallel.sharding import active_mesh, active_rules, entry_axes, logical_to_spec, shard
 from ember.platform import target_platform
 from ember.quant import health
 from ember.quant.varying import manual_axes
@@ -61,8 +61,7 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
   metrics = {"loss": ce, "z_loss": z}
   num_moe = cfg.model.num_moe_layers
   if num_moe:  # Dense models log no MoE keys (they would always be zero).
-    if (share := replica_share()) > 1:  # This replica's share of statistics summed over the replicas.
-      aux = jax.tree.map(lambda a: a / share, aux)
+    aux = jax.tree.map(replica_part, aux)  # Reduced over the replicas already: the step sums them again.
     lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / (num_moe * micro_batches), aux[MOE_ROUTER_Z_LOSS] / (num_moe * micro_batches)
     total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
     metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
@@ -148,11 +147,12 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   (`forward_loss`), so losses, counts and gradients add up; gradients are summed in float32. Delayed-scaling
   histories combine by max (every micro-batch rolls its amax into the same start-of-step history, so the
   step rolls in the largest) and health statistics by `health.combine`. Micro-batch i's stochastic rounding
-  draws from `fold_in(key, i)`. The kernels' amaxes (per-tensor recipes) are taken once, before the scan: every
-  micro-batch would take the same ones, and XLA does not hoist that pass over the float32 weights out of the
-  loop (114 GB a step for llama3_8b fp8_current at 16 micro-batches on 8 GPUs). Over data-parallel replicas
-  each runs the scan on its own rows and their sums are reduced once a step (`_over_replicas`), but for
-  `recipe`s whose kernels partition themselves (`Recipe.custom_partitioned`), which reduce per micro-batch."""
+  draws from `fold_in(key, i)` (folded again with a replica's index: `_over_replicas`). The kernels' amaxes
+  (per-tensor recipes) are taken once, before the scan: every micro-batch would take the same ones, and XLA
+  does not hoist that pass over the float32 weights out of the loop (114 GB a step for llama3_8b fp8_current at
+  16 micro-batches on 8 GPUs). Over data-parallel replicas
+  each runs the scan on its own rows and their sums are reduced once a step (`_over_replicas`; where
+  `reduces_once_a_step` says so for `recipe`)."""
   count = token_count(batch[SEGMENT_IDS] > 0)
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(accum))
   xs = (jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch), keys)
@@ -179,9 +179,9 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
 
   scan = lambda init, xs: jax.lax.scan(body, init, xs)[0]
   mesh = active_mesh()
-  replicas = 1 if mesh is None else mesh.shape.get(REPLICA_AXIS, 1)
-  if replicas > 1 and not recipe.custom_partitioned(target_platform()):
-    total = _over_replicas(scan, init, xs, mesh)
+  if mesh is not None and mesh.shape.get(REPLICA_AXIS, 1) > 1 and reduces_once_a_step(
+      recipe, target_platform(), entry_axes(logical_to_spec((BATCH,), active_rules(), mesh)[0])):
+    total = _over_replicas(scan, init, xs, mesh, jnp.dtype(recipe.wgrad_dtype))
   else:  # One program over the whole mesh: the compiler reduces every micro-batch's gradient across replicas.
     total = scan(init, xs)
   like = lambda tree, shapes: jax.tree.map(lambda a, s: a.astype(s.dtype), tree, shapes)
@@ -190,32 +190,44 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   return metrics, outs
 
 
-def _over_replicas(scan, init, xs, mesh: Mesh):
-  """`scan(init, xs)` (the micro-batch loop: its carry the sums of the step's metrics and gradients), run by each
-  data-parallel replica (`REPLICA_AXIS`) on its own rows in a `shard_map`, then summed over the replicas: each
-  gradient is reduced across them once a step. Run as one program over the whole mesh instead, the compiler
+def reduces_once_a_step(recipe, platform: str, batch_axes) -> bool:
+  """Whether a step of micro-batches reduces its gradients across data-parallel replicas once a step
+  (`_over_replicas`) rather than per micro-batch: the batch is split over them (`batch_axes`, the mesh axes
+  `mesh.rules` maps it to) and no kernel of `recipe` traced for `platform` partitions itself, which JAX cannot
+  do there (`Recipe.custom_partitioned`: MXFP8 and NVFP4 on a GPU)."""
+  return REPLICA_AXIS in batch_axes and not recipe.custom_partitioned(platform)
+
+
+def _over_replicas(scan, init, xs, mesh: Mesh, reduce_dtype):
+  """`scan(init, xs)`, the micro-batch loop (its carry: the sums of the step's metrics and gradients, the
+  delayed-scaling histories[, the health statistics]), run by each data-parallel replica (`REPLICA_AXIS`) on its
+  own rows in a `shard_map`, then summed over the replicas: each gradient is reduced across them once a step,
+  in `reduce_dtype` (train.grad_reduce_dtype). Run as one program over the whole mesh instead, the compiler
   reduces every micro-batch's gradient across them. Inside, each replica's activations and gradients are its
-  own: the quantizers reduce their amaxes over the replicas (quant/dot.py), the MoE layers their statistics (and
-  those summed values are each replica's 1 / n share of the step's: `replica_share`). What is the same on every
-  replica after that, the delayed-scaling histories and health statistics, is taken as it is. A replica's
-  stochastic rounding draws from its micro-batch's key folded with the replica's index: its noise is its own."""
+  own: the quantizers reduce their amaxes over the replicas (quant/dot.py), the MoE layers their statistics
+  (taken from the first replica alone: `replica_part`). What is the same on every replica after that, the
+  histories and health statistics, is taken as it is. A replica's stochastic rounding draws from its
+  micro-batch's key folded with the replica's index: its noise is its own."""
   def per_replica(init, xs):
-    rows, keys = xs  # A replica's tensors are its own: so is its stochastic rounding's noise.
+    rows, keys = xs
     keys = jax.vmap(lambda k: jax.random.fold_in(k, jax.lax.axis_index(REPLICA_AXIS)))(keys)
     metrics, grads, *same = scan(init, (rows, keys))
-    return (jax.lax.psum(metrics, REPLICA_AXIS), jax.lax.psum(grads, REPLICA_AXIS), *same)
+    grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(reduce_dtype), REPLICA_AXIS).astype(g.dtype), grads)
+    return (jax.lax.psum(metrics, REPLICA_AXIS), grads, *same)
 
-  rows = jax.tree.map(lambda a: P(None, REPLICA_AXIS), xs[0])
   # check_vma=False: the model's scans start from constants (unvarying) and would each need a cast.
-  return jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), (rows, P())), out_specs=P(),
+  return jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), (P(None, REPLICA_AXIS), P())), out_specs=P(),
                        axis_names={REPLICA_AXIS}, check_vma=False)(init, xs)
 
 
-def replica_share() -> int:
-  """n inside `_over_replicas`' shard_map of n replicas (1 elsewhere): a value reduced over the replicas there
-  (the MoE layers' statistics) is on every replica, and each contributes 1 / n of it to the step's sums."""
-  mesh = active_mesh()
-  return mesh.shape[REPLICA_AXIS] if mesh is not None and REPLICA_AXIS in manual_axes() else 1
+def replica_part(a: jax.Array) -> jax.Array:
+  """`a` from the first replica alone (zeros from the others) inside `_over_replicas`' shard_map, `a` elsewhere:
+  there a value already reduced over the replicas (the MoE layers' statistics) is on every replica, and the step
+  sums the replicas' metrics. Its gradient still reaches every replica's tokens: the reduction's transpose sums
+  the cotangents over the replicas."""
+  if REPLICA_AXIS not in manual_axes():
+    return a
+  return jnp.where(jax.lax.axis_index(REPLICA_AXIS) == 0, a, jnp.zeros_like(a))
 
 
 def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:

@@ -17,7 +17,8 @@ from tests.helpers import config, one_step, random_batch, rel_error, start
 MESH = {"mesh.data": 2, "mesh.fsdp": 4}
 
 
-@pytest.mark.parametrize("preset,recipe", [("tiny", "bf16"), ("tiny_moe", "bf16"), ("tiny", "fp8_delayed")])
+@pytest.mark.parametrize("preset,recipe", [("tiny", "bf16"), ("tiny_moe", "bf16"), ("tiny", "fp8_delayed"),
+                                           ("tiny_moe", "fp8_delayed")])
 def test_four_micro_batches_equal_one_batch(preset, recipe):
   """float32, data 2 x fsdp 4, 32 sequences: 4 micro-batches of 8 give the loss, the metrics, the gradients (the
   optimizer's first and second moments), the updated parameters and the delayed-scaling histories (each rolls
