@@ -99,15 +99,17 @@ def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     raise ValueError(f"shard: {len(names)} logical names {tuple(names)} for an array of rank {x.ndim}")
   manual = manual_axes()
   if manual:  # Inside shard_map: the other axes are still the compiler's to place.
-    spec = P(*(drop_axes(e, manual) for e in logical_to_spec(names, rules, mesh)))
+    spec = without_axes(logical_to_spec(names, rules, mesh), manual)
     return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
   return jax.lax.with_sharding_constraint(x, named_sharding(names, mesh, rules))
 
 
-def drop_axes(entry, axes):
-  """One PartitionSpec entry without `axes`."""
-  kept = tuple(a for a in entry_axes(entry) if a not in axes)
-  return None if not kept else kept[0] if len(kept) == 1 else kept
+def without_axes(spec: P, axes) -> P:
+  """`spec` with the mesh `axes` left out of every entry."""
+  def entry_without(entry):
+    kept = tuple(a for a in entry_axes(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+  return P(*(entry_without(e) for e in spec))
 
 
 def shard_map(fn, *, mesh: Mesh, in_specs, out_specs, **kwargs):
@@ -119,8 +121,7 @@ def shard_map(fn, *, mesh: Mesh, in_specs, out_specs, **kwargs):
   manual = manual_axes()
   if not manual:
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
-  strip = lambda specs: jax.tree.map(lambda s: P(*(drop_axes(e, manual) for e in s)), specs,
-                                     is_leaf=lambda s: isinstance(s, P))
+  strip = lambda specs: jax.tree.map(lambda s: without_axes(s, manual), specs, is_leaf=lambda s: isinstance(s, P))
   return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=strip(in_specs),
                        out_specs=strip(out_specs), axis_names=set(mesh.axis_names) - manual,
                        **{**kwargs, "check_vma": False})

@@ -36,6 +36,11 @@ def varying_as(y: jax.Array, *operands: jax.Array) -> jax.Array:
   return jax.lax.pcast(y, missing, to="varying") if missing else y
 
 
+def first_along(axes) -> jax.Array:
+  """Whether this device is the first along each of the shard_map `axes` (True for none)."""
+  return functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in axes], jnp.asarray(True))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def cotangent_once(x, axes: tuple[str, ...]):
   """x, whose cotangent only the first device along the shard_map `axes` passes back (the others pass zeros).
@@ -50,8 +55,7 @@ def _cotangent_once_fwd(x, axes):
 
 
 def _cotangent_once_bwd(axes, _, ct):
-  first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in axes], jnp.asarray(True))
-  return (jnp.where(first, ct, jnp.zeros_like(ct)),)
+  return (jnp.where(first_along(axes), ct, jnp.zeros_like(ct)),)
 
 
 cotangent_once.defvjp(_cotangent_once_fwd, _cotangent_once_bwd)

@@ -20,7 +20,7 @@ from ember.layers.moe import ROUTER_BIAS
 from ember.parallel.sharding import active_mesh, active_rules, entry_axes, logical_to_spec, shard
 from ember.platform import target_platform
 from ember.quant import health
-from ember.quant.varying import manual_axes
+from ember.quant.varying import first_along, manual_axes
 from ember.trainer.loss import cross_entropy, token_count
 from ember.trainer.state import TrainState, stats_inputs, step_key
 
@@ -150,9 +150,8 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   draws from `fold_in(key, i)` (folded again with a replica's index: `_over_replicas`). The kernels' amaxes
   (per-tensor recipes) are taken once, before the scan: every micro-batch would take the same ones, and XLA
   does not hoist that pass over the float32 weights out of the loop (114 GB a step for llama3_8b fp8_current at
-  16 micro-batches on 8 GPUs). Over data-parallel replicas
-  each runs the scan on its own rows and their sums are reduced once a step (`_over_replicas`; where
-  `reduces_once_a_step` says so for `recipe`)."""
+  16 micro-batches on 8 GPUs). Over data-parallel replicas each runs the scan on its own rows and their sums
+  are reduced once a step (`_over_replicas`; where `reduces_once_a_step` says so for `recipe`)."""
   count = token_count(batch[SEGMENT_IDS] > 0)
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(accum))
   xs = (jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch), keys)
@@ -227,7 +226,7 @@ def replica_part(a: jax.Array) -> jax.Array:
   the cotangents over the replicas."""
   if REPLICA_AXIS not in manual_axes():
     return a
-  return jnp.where(jax.lax.axis_index(REPLICA_AXIS) == 0, a, jnp.zeros_like(a))
+  return jnp.where(first_along((REPLICA_AXIS,)), a, jnp.zeros_like(a))
 
 
 def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:
