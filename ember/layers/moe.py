@@ -176,9 +176,14 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   body = functools.partial(_experts, opts=opts, plan=plan, token_axes=token_axes,
                            embed_axes=sharding.entry_axes(d_spec))
   outer = manual_axes()
-  if outer:  # Inside a step's data-parallel shard_map (trainer/step.py): this one does not check replication.
+  if outer:  # Inside a step's shard_map over its replicas (trainer/step.py): this one does not check replication.
     body = _global_cotangents_once(body, tuple(a for a in mesh.axis_names if a not in outer),
                                    sharding.entry_axes(e_spec))
+    split = tuple(a for a in expert_axes if a in outer)
+    if split:  # The kernels came in as this device's experts alone: so do their histories' and statistics' rows.
+      rows = opts.num_experts // math.prod(mesh.shape[a] for a in split)
+      own = lambda trees: tuple(None if t is None else (t[0], _own_rows(t[1], split, rows), t[2]) for t in trees)
+      histories, stats = own(histories), own(stats)
   fn = sharding.shard_map(body, mesh=mesh,
                           in_specs=(x_spec, P(*x_spec[:2]), P(), P(e_spec, d_spec), P(e_spec, None, d_spec),
                                     specs_of(histories), None if keys is None else (P(), P()), specs_of(stats),
@@ -199,6 +204,25 @@ def _global_cotangents_once(body, axes: tuple[str, ...], expert_axes: tuple[str,
     return body(x, segment_ids, router, wi, wo, once(histories), keys, once(stats), bias, errors)
 
   return wrapped
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _own_rows(a_ExS, axes: tuple[str, ...], rows: int):
+  """The rows of this device's experts (`rows` of them, split over the shard_map `axes`) of a per-expert
+  history or statistic. Its "cotangent" is the whole [E, S] on every device (all-gathered), the same value
+  everywhere as the step takes it (trainer/step.py)."""
+  return jax.lax.dynamic_slice_in_dim(a_ExS, jax.lax.axis_index(axes) * rows, rows)
+
+
+def _own_rows_fwd(a_ExS, axes, rows):
+  return _own_rows(a_ExS, axes, rows), None
+
+
+def _own_rows_bwd(axes, rows, _, ct):
+  return (jax.lax.all_gather(ct, axes, axis=0, tiled=True),)
+
+
+_own_rows.defvjp(_own_rows_fwd, _own_rows_bwd)
 
 
 def _embed_shards(d: int, opts: Options, mesh, rules, expert_axes):

@@ -112,6 +112,11 @@ def without_axes(spec: P, axes) -> P:
   return P(*(entry_without(e) for e in spec))
 
 
+def only_axes(spec: P, axes) -> P:
+  """`spec` with only the mesh `axes` kept in every entry."""
+  return without_axes(spec, {a for e in spec for a in entry_axes(e)} - set(axes))
+
+
 def shard_map(fn, *, mesh: Mesh, in_specs, out_specs, **kwargs):
   """`jax.shard_map` over `mesh`'s axes, inside an outer shard_map too (a step's data-parallel micro-batches,
   trainer/step.py): there the axes already manual are left out of the specs and of the map, and, as the outer

@@ -44,7 +44,7 @@ from ember.quant.recipe import Recipe
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import forward_flops_per_token
 from ember.trainer.state import state_shardings
-from ember.trainer.step import REPLICA_AXIS, reduces_once_a_step
+from ember.trainer.step import replica_axes
 
 BUDGET_FRACTION = 0.9  # Default budget: the GPU's memory less 10% (allocator slack, cuDNN workspaces).
 ESTIMATE_SLACK = 1.15  # A layout is compiled if its estimated peak is within the budget times this.
@@ -192,11 +192,11 @@ class Estimator:
     self.model = self.settings.model
     self.facts = target.facts
     self.blocks = _blocks(self.settings, presets(self.settings))
-    self._state: dict[tuple, tuple[float, float, list]] = {}
+    self._state: dict[tuple, tuple[float, float, list, tuple[str, ...]]] = {}
 
-  def _leaves(self, layout: Layout) -> tuple[float, float, list]:
+  def _leaves(self, layout: Layout) -> tuple[float, float, list, tuple[str, ...]]:
     """(train state bytes per device, parameter bytes per device, [(elements per device, sharded axes, is a
-    projection kernel)] per parameter) on the layout's mesh."""
+    projection kernel)] per parameter, the replica axes of a step of micro-batches) on the layout's mesh."""
     key = (layout.node, layout.dcn)
     if key not in self._state:
       cfg = config_lib.derive(layout.apply(self.cfg), self.target.count)
@@ -210,7 +210,7 @@ class Estimator:
         axes = {x for entry in s.spec for x in entry_axes(entry)}
         leaves.append((size(a, s), axes, a.ndim >= 2 and self.model.vocab_size not in a.shape))
       params = sum(n * 4 for n, _, _ in leaves)
-      self._state[key] = (state, params, leaves)
+      self._state[key] = (state, params, leaves, replica_axes(cfg, mesh, "gpu"))
     return self._state[key]
 
   def _bandwidth(self, layout: Layout, axis: str) -> float:
@@ -222,7 +222,7 @@ class Estimator:
     mesh = layout.mesh()
     n_devices = self.target.count
     micro = cfg.train.batch_size // math.prod(mesh[a] for a in BATCH_AXES) // layout.grad_accum_steps
-    state, params, leaves = self._leaves(layout)
+    state, params, leaves, replicas = self._leaves(layout)
     # Memory: the state, the float32 gradient (and the accumulator of a multi-micro-batch step), the kept
     # activations of every layer and one layer's whole working set, split over `tensor` where heads and MLP
     # units are.
@@ -241,11 +241,11 @@ class Estimator:
     compute = 3 * tokens_per_device * (projections * again / self.facts.peak_flops(precision if recipe.quantized
                                                                                      else "bf16")
                                        + (attention * again + head) / self.facts.peak_flops("bf16"))
-    # Collectives per micro-batch, and once a step: a step over data-parallel replicas reduces its gradients
-    # across them once (trainer/step.py; per micro-batch where the recipe's kernels partition themselves).
+    # Collectives per micro-batch, and once a step: a step over data- or expert-parallel replicas reduces its
+    # gradients across them once (trainer/step.py `replica_axes`; per micro-batch where the recipe's kernels
+    # partition themselves).
     passes = 3 if block.recompute_fraction > 0 else 2  # Weight gathers: forward, backward, recompute.
     grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
-    replicas_once = reduces_once_a_step(recipe, "gpu", BATCH_AXES)
     seconds = once = 0.0
     for elements, axes, projection in leaves:
       weight_bytes = _weight_bytes(recipe) if projection and recipe.quantized else 2.0
@@ -257,7 +257,7 @@ class Estimator:
           moved = elements * (n - 1) * (passes * weight_bytes + grad_bytes)
         else:  # Replicated over it: its gradient all-reduced.
           moved = 2 * elements * (n - 1) / n * grad_bytes
-          if a == REPLICA_AXIS and replicas_once:
+          if a in replicas:
             once += moved / self._bandwidth(layout, a)
             continue
         seconds += moved / self._bandwidth(layout, a)

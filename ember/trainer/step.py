@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -11,21 +12,24 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import remat
-from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS, MOE_LAYER_COUNTS,
-                         MOE_LOAD_BALANCE_LOSS, MOE_LOAD_MAX_OVER_MEAN, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS,
-                         MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
+from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
+                         MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS, MOE_LOAD_MAX_OVER_MEAN, MOE_OVERFLOW_TOKENS,
+                         MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
 from ember.layers import linear, moe_dispatch
 from ember.layers.decoder import keys_of, stacked_layers
 from ember.layers.moe import ROUTER_BIAS
-from ember.parallel.sharding import active_mesh, active_rules, entry_axes, logical_to_spec, shard
+from ember.parallel.sharding import active_mesh, active_rules, entry_axes, logical_to_spec, only_axes, shard
 from ember.platform import target_platform
 from ember.quant import health
 from ember.quant.varying import first_along, manual_axes
 from ember.trainer.loss import cross_entropy, token_count
-from ember.trainer.state import TrainState, stats_inputs, step_key
+from ember.trainer.state import TrainState, logical_axes, stats_inputs, step_key
 
 F32 = jnp.float32
-REPLICA_AXIS = "data"  # The mesh axis of data-parallel replicas (mesh.data x mesh.dcn_data).
+# The mesh axes a step's micro-batches may run over as replicas (`replica_axes`): data parallelism
+# (mesh.data x mesh.dcn_data) and expert parallelism (mesh.expert x mesh.dcn_expert), over which only the
+# experts' weights are split.
+REPLICA_AXES = ("data", "expert")
 
 
 def _batch_views(batch):
@@ -92,7 +96,7 @@ def _train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy
   if accum == 1:
     (_, metrics), outs = grad_fn(state.params, state.quant_state, batch, stats, key=key)
   else:
-    metrics, outs = _accumulate(grad_fn, state, batch, stats, key, accum, batch_shards, graphdef, cfg.quant)
+    metrics, outs = _accumulate(grad_fn, state, batch, stats, key, accum, batch_shards, graphdef, cfg)
   grads, new_quant_state = outs[0], outs[1]
   if with_stats:
     metrics = dict(metrics, quant_stats=outs[2])
@@ -140,8 +144,7 @@ def micro_batches(a, accum: int, batch_shards: int):
   return shard(split, (None, BATCH, LENGTH) + (None,) * (a.ndim - 2))
 
 
-def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int, graphdef,
-                recipe):
+def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int, graphdef, cfg):
   """(metrics, (grads, quant state[, health])) of a step run as `accum` micro-batches in a scan, one
   micro-batch's activations alive at a time. Each micro-batch's losses are its share of the step's
   (`forward_loss`), so losses, counts and gradients add up; gradients are summed in float32. Delayed-scaling
@@ -150,73 +153,119 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   draws from `fold_in(key, i)` (folded again with a replica's index: `_over_replicas`). The kernels' amaxes
   (per-tensor recipes) are taken once, before the scan: every micro-batch would take the same ones, and XLA
   does not hoist that pass over the float32 weights out of the loop (114 GB a step for llama3_8b fp8_current at
-  16 micro-batches on 8 GPUs). Over data-parallel replicas each runs the scan on its own rows and their sums
-  are reduced once a step (`_over_replicas`; where `reduces_once_a_step` says so for `recipe`)."""
+  16 micro-batches on 8 GPUs). Over data- and expert-parallel replicas each runs the scan on its own rows and
+  their sums are reduced once a step (`_over_replicas`, over `replica_axes`)."""
   count = token_count(batch[SEGMENT_IDS] > 0)
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(accum))
   xs = (jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch), keys)
   amaxes = linear.kernel_amaxes(merged_model(graphdef, state.params, state.quant_state, stats))
 
-  def run(micro, micro_key):
-    return grad_fn(state.params, state.quant_state, micro, stats, key=micro_key, count=count, micro_batches=accum,
+  def run(params, micro, micro_key):
+    return grad_fn(params, state.quant_state, micro, stats, key=micro_key, count=count, micro_batches=accum,
                    kernel_amaxes=amaxes)
 
-  (_, metrics_shape), outs_shape = jax.eval_shape(run, *jax.tree.map(lambda a: a[0], xs))
+  (_, metrics_shape), outs_shape = jax.eval_shape(run, state.params, *jax.tree.map(lambda a: a[0], xs))
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
   init = (f32_zeros(metrics_shape), f32_zeros(outs_shape[0]), f32_zeros(outs_shape[1]))
   if stats is not None:
     init += (jax.tree.map(lambda a: health.combine_identity(a.shape), outs_shape[2]),)
 
-  def body(carry, x):
-    (_, metrics), outs = run(*x)
-    add = lambda acc, a: acc + a.astype(F32)
-    new = (jax.tree.map(add, carry[0], metrics), jax.tree.map(add, carry[1], outs[0]),
-           jax.tree.map(jnp.maximum, carry[2], outs[1]))
-    if stats is not None:
-      new += (jax.tree.map(health.combine, carry[3], outs[2]),)
-    return new, None
+  def scan(init, xs, params):
+    def body(carry, x):
+      (_, metrics), outs = run(params, *x)
+      add = lambda acc, a: acc + a.astype(F32)
+      new = (jax.tree.map(add, carry[0], metrics), jax.tree.map(add, carry[1], outs[0]),
+             jax.tree.map(jnp.maximum, carry[2], outs[1]))
+      if stats is not None:
+        new += (jax.tree.map(health.combine, carry[3], outs[2]),)
+      return new, None
 
-  scan = lambda init, xs: jax.lax.scan(body, init, xs)[0]
+    return jax.lax.scan(body, init, xs)[0]
+
   mesh = active_mesh()
-  if mesh is not None and mesh.shape.get(REPLICA_AXIS, 1) > 1 and reduces_once_a_step(
-      recipe, target_platform(), entry_axes(logical_to_spec((BATCH,), active_rules(), mesh)[0])):
-    total = _over_replicas(scan, init, xs, mesh, jnp.dtype(recipe.wgrad_dtype))
+  replicas = () if mesh is None else replica_axes(cfg, mesh, target_platform())
+  if replicas:
+    total = _over_replicas(scan, init, xs, state.params, mesh, replicas, _param_specs(cfg, mesh, replicas),
+                           jnp.dtype(cfg.quant.wgrad_dtype))
   else:  # One program over the whole mesh: the compiler reduces every micro-batch's gradient across replicas.
-    total = scan(init, xs)
+    total = scan(init, xs, state.params)
   like = lambda tree, shapes: jax.tree.map(lambda a, s: a.astype(s.dtype), tree, shapes)
   metrics = like(total[0], metrics_shape)
   outs = (like(total[1], outs_shape[0]), like(total[2], outs_shape[1])) + tuple(total[3:])
   return metrics, outs
 
 
-def reduces_once_a_step(recipe, platform: str, batch_axes) -> bool:
-  """Whether a step of micro-batches reduces its gradients across data-parallel replicas once a step
-  (`_over_replicas`) rather than per micro-batch: the batch is split over them (`batch_axes`, the mesh axes
-  `mesh.rules` maps it to) and no kernel of `recipe` traced for `platform` partitions itself, which JAX cannot
-  do there (`Recipe.custom_partitioned`: MXFP8 and NVFP4 on a GPU)."""
-  return REPLICA_AXIS in batch_axes and not recipe.custom_partitioned(platform)
+def replica_axes(cfg, mesh: Mesh, platform: str) -> tuple[str, ...]:
+  """The mesh axes whose devices run a step's micro-batches as replicas, each on its own rows, and reduce their
+  gradients across one another once a step (`_over_replicas`) rather than per micro-batch: of REPLICA_AXES,
+  those of more than one device that the batch is split over and no parameter is, the experts' weights along
+  their experts aside (the MoE layers run over those axes as they are: layers/moe.py). None where a kernel of
+  the recipe traced for `platform` partitions itself, which JAX cannot do inside a shard_map over part of the
+  mesh (`Recipe.custom_partitioned`: MXFP8 and NVFP4 on a GPU). The step and the planner's estimate both ask."""
+  if cfg.quant.custom_partitioned(platform):
+    return ()
+  rules = cfg.mesh.rules_dict
+  batch = entry_axes(logical_to_spec((BATCH,), rules, mesh)[0])
+  split = set()  # The mesh axes some parameter dim other than an expert one is split over.
+  for names in jax.tree.leaves(logical_axes(cfg)[1], is_leaf=lambda x: isinstance(x, P)):
+    for name, entry in zip(names, logical_to_spec(tuple(names), rules, mesh)):
+      split |= set() if name == EXPERT else set(entry_axes(entry))
+  return tuple(a for a in REPLICA_AXES if a in batch and mesh.shape.get(a, 1) > 1 and a not in split)
 
 
-def _over_replicas(scan, init, xs, mesh: Mesh, reduce_dtype):
-  """`scan(init, xs)`, the micro-batch loop (its carry: the sums of the step's metrics and gradients, the
-  delayed-scaling histories[, the health statistics]), run by each data-parallel replica (`REPLICA_AXIS`) on its
-  own rows in a `shard_map`, then summed over the replicas: each gradient is reduced across them once a step,
-  in `reduce_dtype` (train.grad_reduce_dtype). Run as one program over the whole mesh instead, the compiler
-  reduces every micro-batch's gradient across them. Inside, each replica's activations and gradients are its
-  own: the quantizers reduce their amaxes over the replicas (quant/dot.py), the MoE layers their statistics
-  (taken from the first replica alone: `replica_part`). What is the same on every replica after that, the
-  histories and health statistics, is taken as it is. A replica's stochastic rounding draws from its
-  micro-batch's key folded with the replica's index: its noise is its own."""
-  def per_replica(init, xs):
+def _param_specs(cfg, mesh: Mesh, axes: tuple[str, ...]):
+  """Each parameter's PartitionSpec over the replica `axes` alone: where an expert weight is split over them."""
+  names = logical_axes(cfg)[1]
+  return jax.tree.map(lambda n: only_axes(logical_to_spec(tuple(n), cfg.mesh.rules_dict, mesh), axes), names,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], param_specs, reduce_dtype):
+  """`scan(init, xs, params)`, the micro-batch loop (its carry: the sums of the step's metrics and gradients, the
+  delayed-scaling histories[, the health statistics]), run by each replica (a device group along the mesh
+  `axes`: `replica_axes`) on its own rows in a `shard_map`, then summed over the replicas: each gradient is
+  reduced across them once a step, in `reduce_dtype` (train.grad_reduce_dtype). Run as one program over the
+  whole mesh instead, the compiler reduces every micro-batch's gradient across them. Inside, each replica's
+  activations and gradients are its own: the quantizers reduce their amaxes over the replicas (quant/dot.py),
+  the MoE layers their statistics (taken from the first replica alone: `replica_part`) and exchange tokens
+  over the expert axis as ever. The parameters enter as their `param_specs` say (an expert weight split over
+  `expert` stays split, its gradient reduced over the other axes alone). What is the same on every replica
+  after the loop, the histories and health statistics, is taken as it is. A replica's stochastic rounding
+  draws from its micro-batch's key folded with the replica's index: its noise is its own."""
+  def per_replica(init, xs, params):
     rows, keys = xs
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, jax.lax.axis_index(REPLICA_AXIS)))(keys)
-    metrics, grads, *same = scan(init, (rows, keys))
-    grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(reduce_dtype), REPLICA_AXIS).astype(g.dtype), grads)
-    return (jax.lax.psum(metrics, REPLICA_AXIS), grads, *same)
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, jax.lax.axis_index(axes)))(keys)
+    metrics, grads, *same = scan(init, (rows, keys), params)
 
+    def reduce(g, spec):
+      over = tuple(a for a in axes if a not in {x for e in spec for x in entry_axes(e)})
+      return jax.lax.psum(g.astype(reduce_dtype), over).astype(g.dtype) if over else g
+
+    grads = jax.tree.map(reduce, grads, param_specs)
+    return (jax.lax.psum(metrics, axes), grads, *same)
+
+  batch = entry_axes(logical_to_spec((BATCH,), active_rules(), mesh)[0])
+  lead = tuple(x for x in batch if x in axes)  # The replica axes in the order the batch is split over them.
+  rows = jax.tree.map(lambda a: replicas_first(a, mesh, batch, lead), xs[0])
+  specs = lambda grads: (P(), grads, *(P(),) * (len(init) - 2))
   # check_vma=False: the model's scans start from constants (unvarying) and would each need a cast.
-  return jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), (P(None, REPLICA_AXIS), P())), out_specs=P(),
-                       axis_names={REPLICA_AXIS}, check_vma=False)(init, xs)
+  return jax.shard_map(per_replica, mesh=mesh, in_specs=(specs(param_specs), (P(None, lead), P()), param_specs),
+                       out_specs=specs(param_specs), axis_names=set(axes), check_vma=False)(init, (rows, xs[1]), params)
+
+
+def replicas_first(a, mesh: Mesh, batch: tuple[str, ...], lead: tuple[str, ...]):
+  """Micro-batches [accum, rows, ...] whose rows are split over the mesh axes `batch` in that order, reordered
+  so that they are split over `lead` first and then the others: the order in which a shard_map over `lead`
+  splits rows. A permutation of the devices' blocks in which every row stays on its device."""
+  order = lead + tuple(x for x in batch if x not in lead)
+  if order == batch:
+    return a
+  n, b = a.shape[:2]
+  sizes = [mesh.shape[x] for x in batch]
+  blocks = a.reshape(n, *sizes, b // math.prod(sizes), *a.shape[2:])
+  moved = jnp.moveaxis(blocks, [1 + batch.index(x) for x in order], list(range(1, 1 + len(order))))
+  spec = logical_to_spec((None, BATCH, LENGTH) + (None,) * (a.ndim - 3), active_rules(), mesh)
+  return jax.lax.with_sharding_constraint(moved.reshape(a.shape), NamedSharding(mesh, P(None, order, *spec[2:])))
 
 
 def replica_part(a: jax.Array) -> jax.Array:
@@ -224,9 +273,10 @@ def replica_part(a: jax.Array) -> jax.Array:
   there a value already reduced over the replicas (the MoE layers' statistics) is on every replica, and the step
   sums the replicas' metrics. Its gradient still reaches every replica's tokens: the reduction's transpose sums
   the cotangents over the replicas."""
-  if REPLICA_AXIS not in manual_axes():
+  replicas = tuple(sorted(manual_axes()))
+  if not replicas:
     return a
-  return jnp.where(first_along((REPLICA_AXIS,)), a, jnp.zeros_like(a))
+  return jnp.where(first_along(replicas), a, jnp.zeros_like(a))
 
 
 def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:

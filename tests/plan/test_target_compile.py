@@ -129,7 +129,7 @@ def test_data_parallel_replicas_reduce_gradients_once_a_step(recipe, gemm, once,
   """b200x8, 2 replicas x FSDP 4, 4 micro-batches, bf16 gradient reduction: the replicas' gradient all-reduce runs
   once a step, in bf16, with cuDNN's attention (run per device there) and every projection GEMM in the recipe's
   format; MXFP8's kernels partition themselves, which JAX cannot do inside the replicas' shard_map: its step keeps
-  the all-reduce per micro-batch (trainer/step.py, `reduces_once_a_step`)."""
+  the all-reduce per micro-batch (trainer/step.py, `replica_axes`)."""
   path = tmp_path / "step.hlo"
   r = compile_report(config_lib.load(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.mesh.data=2",
                                       "--config.mesh.fsdp=4", "--config.train.batch_size=32",

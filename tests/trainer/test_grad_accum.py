@@ -15,17 +15,20 @@ from ember.trainer.step import batch_sharding, jit_train_step, micro_batches
 from tests.helpers import config, one_step, random_batch, rel_error, start
 
 MESH = {"mesh.data": 2, "mesh.fsdp": 4}
+MOE_MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2}
 
 
-@pytest.mark.parametrize("preset,recipe", [("tiny", "bf16"), ("tiny_moe", "bf16"), ("tiny", "fp8_delayed"),
-                                           ("tiny_moe", "fp8_delayed")])
-def test_four_micro_batches_equal_one_batch(preset, recipe):
-  """float32, data 2 x fsdp 4, 32 sequences: 4 micro-batches of 8 give the loss, the metrics, the gradients (the
-  optimizer's first and second moments), the updated parameters and the delayed-scaling histories (each rolls
-  in the largest micro-batch amax: the whole batch's) and health statistics of one batch of 32. tiny_moe: dropless and without the
-  load-balance loss, which is per micro-batch by design (docs/moe.md)."""
+@pytest.mark.parametrize("preset,recipe,mesh", [("tiny", "bf16", MESH), ("tiny_moe", "bf16", MESH),
+                                                ("tiny", "fp8_delayed", MESH), ("tiny_moe", "fp8_delayed", MOE_MESH)])
+def test_four_micro_batches_equal_one_batch(preset, recipe, mesh):
+  """float32, 32 sequences: 4 micro-batches of 8 give the loss, the metrics, the gradients (the optimizer's first
+  and second moments), the updated parameters and the delayed-scaling histories (each rolls in the largest
+  micro-batch amax: the whole batch's) and health statistics of one batch of 32. data 2 x fsdp 4: the replicas
+  are the data axis; data 2 x fsdp 2 x expert 2: the data and expert axes, the experts' weights, histories and
+  statistics split over the latter. tiny_moe: dropless and without the load-balance loss, which is per
+  micro-batch by design (docs/moe.md)."""
   overrides = {"model.dtype": "float32", "quant.recipe": recipe, "train.batch_size": 32, "train.z_loss_weight": 1e-3,
-               **MESH}
+               **mesh}
   if preset == "tiny_moe":
     overrides.update({"model.capacity_factor": 0.0, "model.load_balance_weight": 0.0})
   if recipe == "fp8_delayed":  # Health statistics too: counts add up, amaxes and staleness take the max.
@@ -100,23 +103,28 @@ def test_resume_mid_way_and_tokens_per_s_count_the_step(tmp_path):
 
 
 def _replica_all_reduces(accum: int) -> list[hlo.Collective]:
-  """The all-reduces across the 2 data-parallel replicas (data 2 x fsdp 4, 32 sequences, fp8_current) of a
-  compiled step, with their loops' trip counts, but for the scalar amaxes (the quantizers' pmax)."""
-  cfg = config("tiny", **{"train.batch_size": 32, "train.grad_accum_steps": accum, **MESH})
+  """The all-reduces across replicas (devices apart along the data or expert axes alone: MOE_MESH, tiny_moe, 32
+  sequences, fp8_current) of a compiled step, with their loops' trip counts, but for those of 1 KiB or less (the
+  quantizers' amaxes, the MoE layers' statistics)."""
+  cfg = config("tiny_moe", **{"train.batch_size": 32, "train.grad_accum_steps": accum, **MOE_MESH})
   s = start(cfg, 8)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding(s.cfg, s.mesh))
            for k, v in random_batch(cfg).items()}
   with s.rules():
     step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
     text = step.lower(s.state, batch).compile().as_text()
+  coords = {int(d): i for i, d in np.ndenumerate(s.mesh.device_ids)}
+  apart = lambda group: {s.mesh.axis_names[a] for a in range(s.mesh.devices.ndim)
+                         if len({coords[d][a] for d in group}) > 1}
   return [c for c in hlo.collective_ops(text)
-          if c.kind == "all-reduce" and c.groups and len(c.groups[0]) == 2 and c.bytes > 4]
+          if c.kind == "all-reduce" and c.groups and c.bytes > 1024 and apart(c.groups[0]) in ({"data"}, {"expert"},
+                                                                                               {"data", "expert"})]
 
 
 def test_gradients_are_reduced_across_replicas_once_a_step():
   """Each replica sums its micro-batches' gradients, and the sums are all-reduced across the replicas once a
-  step (before, every micro-batch all-reduced its gradient): no more bytes than a step of one batch, and the
-  scalar amaxes aside, no such all-reduce inside the micro-batch loop."""
+  step (before, every micro-batch all-reduced its gradient): the experts' weights' over the data axis, the
+  others' over data and expert; no more bytes than a step of one batch, and none inside the micro-batch loop."""
   one, four = _replica_all_reduces(1), _replica_all_reduces(4)
   assert four and all(c.times == 1 for c in four), [(c.shape, c.times) for c in four]
-  assert sum(c.bytes for c in four) <= 1.25 * sum(c.bytes_per_step for c in one)  # + the step's metrics.
+  assert sum(c.bytes for c in four) <= 1.25 * sum(c.bytes_per_step for c in one)
