@@ -1,7 +1,29 @@
-"""Test set-up: 8 virtual CPU devices, set before JAX is imported anywhere."""
+"""Test set-up: 8 virtual CPU devices, set before JAX is imported anywhere; one compilation cache per session."""
+import importlib.util
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Many tests compile the same small programs (the same config's step on the same mesh): the session's
+# xdist workers share JAX's persistent compilation cache, in a directory the controller makes (workers inherit
+# its environment) and nothing outlives. Not for the programs compiled for described GPUs (tests/plan with
+# the CUDA plugin), whose executables are for devices this machine does not have. In-process only: the
+# environment variable below is ember's own, so a subprocess that checks its output sees no cache warnings.
+_CACHE = "EMBER_TEST_COMPILATION_CACHE"
+_MADE_HERE = _CACHE not in os.environ and importlib.util.find_spec("jax_cuda12_plugin") is None
+if _MADE_HERE or _CACHE in os.environ:
+  os.environ.setdefault(_CACHE, tempfile.mkdtemp(prefix="ember-test-jax-cache-"))
+  import jax  # noqa: E402  (after the environment above)
+
+  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_unconfigure(config):
+  if _MADE_HERE:  # The process that made the cache (the xdist controller, or the only process).
+    shutil.rmtree(os.environ[_CACHE], ignore_errors=True)

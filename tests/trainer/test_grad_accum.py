@@ -19,7 +19,8 @@ MOE_MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2}
 
 
 @pytest.mark.parametrize("preset,recipe,mesh", [("tiny", "bf16", MESH), ("tiny_moe", "bf16", MESH),
-                                                ("tiny", "fp8_delayed", MESH), ("tiny_moe", "fp8_delayed", MOE_MESH)])
+                                                ("tiny", "fp8_delayed", MESH), ("tiny_moe", "fp8_delayed", MOE_MESH)],
+                         ids=["tiny-bf16", "tiny_moe-bf16", "tiny-fp8_delayed", "tiny_moe-fp8_delayed-expert2"])
 def test_four_micro_batches_equal_one_batch(preset, recipe, mesh):
   """float32, 32 sequences: 4 micro-batches of 8 give the loss, the metrics, the gradients (the optimizer's first
   and second moments), the updated parameters and the delayed-scaling histories (each rolls in the largest
