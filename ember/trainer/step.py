@@ -206,10 +206,14 @@ def replica_axes(cfg, mesh: Mesh, platform: str) -> tuple[str, ...]:
     return ()
   rules = cfg.mesh.rules_dict
   batch = entry_axes(logical_to_spec((BATCH,), rules, mesh)[0])
-  split = set()  # The mesh axes some parameter dim other than an expert one is split over.
+  split = set()  # The mesh axes a parameter is split over other than as the leading axes of its experts.
   for names in jax.tree.leaves(logical_axes(cfg)[1], is_leaf=lambda x: isinstance(x, P)):
     for name, entry in zip(names, logical_to_spec(tuple(names), rules, mesh)):
-      split |= set() if name == EXPERT else set(entry_axes(entry))
+      axes = entry_axes(entry)
+      if name == EXPERT:  # The experts enter the shard_map as blocks along its leading replica axes alone: in
+        # the order the MoE exchange numbers them (over (fsdp, expert), a block along `expert` would not be).
+        axes = axes[next((i for i, a in enumerate(axes) if a not in REPLICA_AXES), len(axes)):]
+      split |= set(axes)
   return tuple(a for a in REPLICA_AXES if a in batch and mesh.shape.get(a, 1) > 1 and a not in split)
 
 
