@@ -18,7 +18,8 @@ from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TO
 from ember.layers import linear, moe_dispatch
 from ember.layers.decoder import keys_of, stacked_layers
 from ember.layers.moe import ROUTER_BIAS
-from ember.parallel.sharding import active_mesh, active_rules, entry_axes, logical_to_spec, only_axes, shard
+from ember.parallel.sharding import (active_mesh, active_rules, entry_axes, logical_to_spec, only_axes, shard,
+                                     tree_shardings)
 from ember.platform import target_platform
 from ember.quant import health
 from ember.quant.varying import first_along, manual_axes
@@ -201,7 +202,8 @@ def replica_axes(cfg, mesh: Mesh, platform: str) -> tuple[str, ...]:
   those of more than one device that the batch is split over and no parameter is, the experts' weights along
   their experts aside (the MoE layers run over those axes as they are: layers/moe.py). None where a kernel of
   the recipe traced for `platform` partitions itself, which JAX cannot do inside a shard_map over part of the
-  mesh (`Recipe.custom_partitioned`: MXFP8 and NVFP4 on a GPU). The step and the planner's estimate both ask."""
+  mesh (`Recipe.custom_partitioned`: MXFP8 and NVFP4 on a GPU). In the order the batch is split over them (the
+  order a shard_map over them splits rows in: `replicas_first`). The step and the planner's estimate both ask."""
   if cfg.quant.custom_partitioned(platform):
     return ()
   rules = cfg.mesh.rules_dict
@@ -214,14 +216,12 @@ def replica_axes(cfg, mesh: Mesh, platform: str) -> tuple[str, ...]:
         # the order the MoE exchange numbers them (over (fsdp, expert), a block along `expert` would not be).
         axes = axes[next((i for i, a in enumerate(axes) if a not in REPLICA_AXES), len(axes)):]
       split |= set(axes)
-  return tuple(a for a in REPLICA_AXES if a in batch and mesh.shape.get(a, 1) > 1 and a not in split)
+  return tuple(a for a in batch if a in REPLICA_AXES and mesh.shape.get(a, 1) > 1 and a not in split)
 
 
 def _param_specs(cfg, mesh: Mesh, axes: tuple[str, ...]):
   """Each parameter's PartitionSpec over the replica `axes` alone: where an expert weight is split over them."""
-  names = logical_axes(cfg)[1]
-  return jax.tree.map(lambda n: only_axes(logical_to_spec(tuple(n), cfg.mesh.rules_dict, mesh), axes), names,
-                      is_leaf=lambda x: isinstance(x, P))
+  return jax.tree.map(lambda s: only_axes(s.spec, axes), tree_shardings(logical_axes(cfg)[1], mesh, cfg.mesh.rules))
 
 
 def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], param_specs, reduce_dtype):
@@ -249,11 +249,10 @@ def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], pa
     return (jax.lax.psum(metrics, axes), grads, *same)
 
   batch = entry_axes(logical_to_spec((BATCH,), active_rules(), mesh)[0])
-  lead = tuple(x for x in batch if x in axes)  # The replica axes in the order the batch is split over them.
-  rows = jax.tree.map(lambda a: replicas_first(a, mesh, batch, lead), xs[0])
+  rows = jax.tree.map(lambda a: replicas_first(a, mesh, batch, axes), xs[0])
   specs = lambda grads: (P(), grads, *(P(),) * (len(init) - 2))
   # check_vma=False: the model's scans start from constants (unvarying) and would each need a cast.
-  return jax.shard_map(per_replica, mesh=mesh, in_specs=(specs(param_specs), (P(None, lead), P()), param_specs),
+  return jax.shard_map(per_replica, mesh=mesh, in_specs=(specs(param_specs), (P(None, axes), P()), param_specs),
                        out_specs=specs(param_specs), axis_names=set(axes), check_vma=False)(init, (rows, xs[1]), params)
 
 
