@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ember.names import BATCH, PROJECTIONS, RNG_STREAMS
+from ember.names import BATCH, LENGTH, PROJECTIONS, RNG_STREAMS
 from ember.parallel import sharding
 from ember.quant import dot, health
 from ember.quant.recipe import Recipe
@@ -105,8 +105,16 @@ class Linear(nnx.Module):
     amax = self.taken_kernel_amax[...] if hasattr(self, "taken_kernel_amax") else None
     y = dot.quantized_matmul(x.reshape(-1, k), self.kernel[...].reshape(k, n), recipe=self.recipe, name=self.name,
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
-                             error=error, kernel_amax=amax, wgrad_transposed=self._reduced_along_output())
+                             error=error, kernel_amax=amax, wgrad_transposed=self._reduced_along_output(),
+                             row_axes=self._row_axes() if len(lead) == 2 else ())
     return y.reshape(lead + self.out_shape)
+
+  def _row_axes(self) -> tuple[str, ...]:
+    """The mesh axes the rows of x [batch, length, ...] are split over under the active rules, in their order."""
+    rules, mesh = sharding.active_rules(), sharding.active_mesh()
+    if rules is None:
+      return ()
+    return tuple(a for e in sharding.logical_to_spec((BATCH, LENGTH), rules, mesh) for a in sharding.entry_axes(e))
 
   def _reduced_along_output(self) -> bool:
     """Whether the kernel's gradient is reduce-scattered along its output axes: under the active rules it is

@@ -30,7 +30,8 @@ from ember.quant.varying import manual_axes
 def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name: str,
                      history: jax.Array | None = None, key: jax.Array | None = None, dtype=jnp.bfloat16,
                      stats: jax.Array | None = None, error: jax.Array | None = None,
-                     kernel_amax: jax.Array | None = None, wgrad_transposed: bool = False):
+                     kernel_amax: jax.Array | None = None, wgrad_transposed: bool = False,
+                     row_axes: tuple[str, ...] = ()):
   """x @ w in `recipe`'s format. `name` is the projection (names its residuals); `history` the
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
   `stats`: a [3 (x, kernel, grad), NUM_STATS] input whose "gradient" is the operands' health
@@ -38,7 +39,8 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   input whose "gradient" is the forward output's error (quant/core.py), or None. `kernel_amax`: max|w| from
   `kernel_amax` (taken once for the micro-batches of a step: `takes_kernel_amax`), or None.
   `wgrad_transposed`: w's gradient is reduced across GPUs along its output axis (FSDP over an output axis):
-  a block-scaled wgrad then writes it transposed, that axis major (`DenseLayout`)."""
+  a block-scaled wgrad then writes it transposed, that axis major (`DenseLayout`). `row_axes`: the mesh axes
+  x's rows are split over, in their order (layers/linear.py: the batch's and the sequence's)."""
   dtype = jnp.dtype(dtype)
   if not recipe.quantized:
     return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype), dtype)
@@ -46,8 +48,11 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
   # Inside a step's data-parallel shard_map (trainer/step.py) x and its gradient hold one replica's rows: their
   # amaxes are reduced over the replicas, the one amax of the whole batch, as outside it.
+  # There too a block-scaled wgrad sums its rows' parts on the compiler's axes outside its GEMM (`row_split`).
+  manual = manual_axes()
   layout = DenseLayout(transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t,
-                       reduce_axes=tuple(sorted(manual_axes())))
+                       reduce_axes=tuple(sorted(manual)),
+                       row_split=tuple(a for a in row_axes if a not in manual) if manual else ())
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax)
 
@@ -66,11 +71,12 @@ def takes_kernel_amax(recipe: Recipe, stats: bool) -> bool:
   return (recipe.kernel_amax_pass or fused_nvfp4.casts_kernel_tiles(recipe)) and not stats
 
 
-def product(a, b, contracting: tuple[int, int], dtype, out):
+def product(a, b, contracting: tuple[int, int], dtype, out, split: tuple[str, ...] = ()):
   """The GEMM of two quantized 2-d operands contracting a's axis `contracting[0]` with b's `contracting[1]`,
-  for a consumer of dtype `out` (quant/gemm.py's `output_dtype` rule; see the module doc)."""
+  for a consumer of dtype `out` (quant/gemm.py's `output_dtype` rule; see the module doc). `split`: the mesh axes
+  a block-scaled GEMM's contraction is split over, summed outside it (`block_scaled_dot`)."""
   if a.block:
-    return block_scaled_dot(a, b, contracting, batched=False, dtype=dtype, out=out)
+    return block_scaled_dot(a, b, contracting, batched=False, dtype=dtype, out=out, split=split)
   dims = ((contracting[:1], contracting[1:]), ((), ()))
   y = jax.lax.dot_general(a.dequantize(dtype), b.dequantize(dtype), dims, preferred_element_type=output_dtype(out))
   return y.astype(out)
@@ -143,13 +149,18 @@ class DenseLayout:
   block-scaled GEMM writes its output row-major only, and a gradient reduce-scattered along N (an FSDP-sharded
   output axis: `wo`, the attention output) wants N major: written [K, N], XLA transposed every such gradient
   in float32 before its reduce-scatter (22 GB a step for llama3_8b mxfp8 on b200x8). The same products,
-  summed in another order (float32 rounding)."""
+  summed in another order (float32 rounding).
+
+  `row_split` (inside a step's shard_map over its replicas): the mesh axes, left to the compiler, that the rows
+  are split over; a block-scaled wgrad, which contracts the rows, multiplies each device's part on its own and
+  sums the parts after the GEMM, as cuDNN's GEMM cannot sum them itself there (quant/gemm.py)."""
   x_axis: int = 1
   row_axis: int = 0
   per_expert: bool = False
   reduce_axes: tuple[str, ...] = ()
   transposed: bool = False
   wgrad_transposed: bool = False
+  row_split: tuple[str, ...] = ()
 
   def prepare(self, a, rows, block):
     return pad_to(a, (block, block))
@@ -182,8 +193,8 @@ class DenseLayout:
   def wgrad(self, x, g, rows, block, dtype, out):
     """Per-tensor copies contract their rows; block-scaled ones the axis they were quantized along."""
     if block and self.wgrad_transposed:
-      return product(g, x, (g.axis, x.axis), dtype, out).T
-    return product(x, g, (x.axis, g.axis) if block else (0, 0), dtype, out)
+      return product(g, x, (g.axis, x.axis), dtype, out, self.row_split).T
+    return product(x, g, (x.axis, g.axis) if block else (0, 0), dtype, out, self.row_split)
 
   def kernel_gradient(self, dw):
     return dw

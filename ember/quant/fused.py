@@ -36,7 +36,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ember.platform import target_platform
-from ember.quant import kernels
+from ember.quant import kernels, partitioning
 from ember.quant.formats import E4M3
 from ember.quant.quantizers import tensor_amax
 from ember.quant.tensor import QuantizedTensor
@@ -148,11 +148,13 @@ def _shardings(mesh, shape, transposed: bool):
   return straight, (straight, straight) + ((crossed, crossed) if transposed else ())
 
 
+@partitioning.rule
 def _partition(interpret, transposed, mesh, arg_shapes, result_shape):
   operand, results = _shardings(mesh, arg_shapes[0], transposed)
   return mesh, lambda a: _call(a, interpret, transposed), results, (operand,)
 
 
+@partitioning.rule
 def _infer(interpret, transposed, mesh, arg_shapes, result_shape):
   return _shardings(mesh, arg_shapes[0], transposed)[1]
 

@@ -49,7 +49,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ember.platform import target_platform
-from ember.quant import kernels
+from ember.quant import kernels, partitioning
 from ember.quant.formats import E2M1, E4M3
 from ember.quant.hadamard import rht_matrix
 from ember.quant.quantizers import scale_from_amax, tensor_amax
@@ -385,6 +385,7 @@ def _rows_shardings(mesh, arg_shapes):
   return _named(mesh, (r, c), ()), _named(mesh, (r, c), (r, c))
 
 
+@partitioning.rule
 def _rows_partition(tile_2d, interpret, mesh, arg_shapes, result_shape):
   operands, results = _rows_shardings(mesh, arg_shapes)
   return mesh, lambda x, g: _rows_call(x, g, tile_2d, interpret), results, operands
@@ -400,6 +401,7 @@ def _rows_rule(tile_2d, interpret, mesh, operand_types, result_types):
   return "r (c j k), g h -> r (c j), r c", dict(need_replication_factors=("j", "k", "g", "h"), j=BLOCK // 2, k=2)
 
 
+@partitioning.rule
 def _rows_infer(tile_2d, interpret, mesh, arg_shapes, result_shape):
   return _rows_shardings(mesh, arg_shapes)[1]
 
@@ -417,12 +419,14 @@ def _amaxes(x, m, transform, interpret):
   return _amax_call(x, m, transform, interpret)
 
 
+@partitioning.rule
 def _amax_partition(transform, interpret, mesh, arg_shapes, result_shape):
   r, c = _spec(mesh, arg_shapes[0])
   return (mesh, lambda x, m: _amax_call(x, m, transform, interpret), _named(mesh, (r, c), (r, c)),
           _named(mesh, (r, c), ()))
 
 
+@partitioning.rule
 def _amax_infer(transform, interpret, mesh, arg_shapes, result_shape):
   return _named(mesh, _spec(mesh, arg_shapes[0]), _spec(mesh, arg_shapes[0]))
 
@@ -452,6 +456,7 @@ def _both_shardings(mesh, arg_shapes, stochastic: bool):
   return _named(mesh, *operands), _named(mesh, (r, c), (r, c), (c, r), (c, r))
 
 
+@partitioning.rule
 def _both_partition(transform, stochastic, interpret, mesh, arg_shapes, result_shape):
   operands, results = _both_shardings(mesh, arg_shapes, stochastic)
   call = lambda x, g_rows, g_cols, m, *extra: _both_call(x, g_rows, g_cols, m, transform, stochastic, interpret,
@@ -459,6 +464,7 @@ def _both_partition(transform, stochastic, interpret, mesh, arg_shapes, result_s
   return mesh, call, results, operands
 
 
+@partitioning.rule
 def _both_infer(transform, stochastic, interpret, mesh, arg_shapes, result_shape):
   return _both_shardings(mesh, arg_shapes, stochastic)[1]
 

@@ -27,6 +27,7 @@ pattern is what XLA rewrites into cuBLASLt's FP8 GEMM (quant/dot.py, quant/batch
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ember.names import BLOCK_SCALED_GEMM_SCOPE, EMULATED_GEMM_SCOPE
 from ember.platform import target_compute_capability, target_platform
+from ember.quant import partitioning
 from ember.quant.recipe import SCHEMES
 from ember.quant.tensor import QuantizedTensor, block_axes, block_broadcast
 from ember.quant.varying import varying_as
@@ -74,12 +76,15 @@ def output_dtype(dtype, platform: str | None = None) -> jnp.dtype:
 
 
 def block_scaled_dot(a: QuantizedTensor, b: QuantizedTensor, contracting: tuple[int, int], *, batched: bool,
-                     dtype, out=F32) -> jax.Array:
+                     dtype, out=F32, split: tuple[str, ...] = ()) -> jax.Array:
   """a . b contracting a's axis `contracting[0]` with b's `contracting[1]` (each the axis it was quantized
   along): [batch?, a's free axis, b's free axis], as `jax.lax.dot_general` orders them, with the leading axis
   a batch axis when `batched` (experts in the capacity layout). `dtype`: the emulated GEMM's operand dtype;
   `out`: the dtype the consumer wants (the GEMM writes `output_dtype(out)`; where tensor scales are still to be
-  taken, cuDNN's GEMM takes them as its alpha when it writes a narrower dtype, the others write float32 first)."""
+  taken, cuDNN's GEMM takes them as its alpha when it writes a narrower dtype, the others write float32 first).
+  `split`: the mesh axes (the compiler's, inside a shard_map) the contraction is split over, in its order: cuDNN's
+  GEMM then multiplies each device's part as a batch of its own and the parts are summed after it
+  (`_split_contraction`), where its partition rule could not sum them (quant/partitioning.py)."""
   scaled = _has_tensor_scale(a) or _has_tensor_scale(b)
   path = block_gemm_path()
   if path == EMULATED:
@@ -89,6 +94,9 @@ def block_scaled_dot(a: QuantizedTensor, b: QuantizedTensor, contracting: tuple[
                               preferred_element_type=F32 if scaled else output_dtype(out))
   else:
     (da, sa), (db, sb) = _rows_by_blocks(a, contracting[0], batched), _rows_by_blocks(b, contracting[1], batched)
+    parts = _parts(split, da, sa) if path == NATIVE and not batched else 1
+    if parts > 1:
+      da, sa, db, sb = (_split_contraction(t, parts, split) for t in (da, sa, db, sb))
     if path == NATIVE:
       # NVFP4's tensor scales go inside cuDNN's call where its result is then rounded to a narrower dtype (so
       # partial sums over a split contraction are added in that dtype), after it for a float32 result (a weight
@@ -100,6 +108,8 @@ def block_scaled_dot(a: QuantizedTensor, b: QuantizedTensor, contracting: tuple[
         alpha = jnp.broadcast_to((_tensor_scale(a, batched) * _tensor_scale(b, batched)).reshape(-1), alpha.shape)
       with jax.named_scope(BLOCK_SCALED_GEMM_SCOPE):  # Names the partitioned region's kernels in `memory_by_op`.
         y = _cudnn_block_scaled_matmul(da, db, _bytes(sa), _bytes(sb), alpha, sa.dtype, written, inside)
+      if parts > 1:
+        y = jnp.sum(y, axis=0, keepdims=True, dtype=written)  # The parts' partial sums, in the dtype written.
       if scaled and not inside:
         y = y * (_tensor_scale(a, batched) * _tensor_scale(b, batched))  # The same product as inside.
       scaled = False  # Taken.
@@ -111,6 +121,22 @@ def block_scaled_dot(a: QuantizedTensor, b: QuantizedTensor, contracting: tuple[
   if scaled:
     y = y * _tensor_scale(a, batched) * _tensor_scale(b, batched)
   return y.astype(out)
+
+
+def _parts(split: tuple[str, ...], data: jax.Array, scale: jax.Array) -> int:
+  """How many parts of its contraction a [1, R, K] operand is multiplied in: the devices of the mesh axes `split`,
+  where each holds whole blocks of it (else 1: the contraction is gathered)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  parts = math.prod(mesh.shape[a] for a in split) if split and not mesh.empty else 1
+  return parts if data.shape[-1] % parts == 0 and scale.shape[-1] % parts == 0 else 1
+
+
+def _split_contraction(t: jax.Array, parts: int, split: tuple[str, ...]) -> jax.Array:
+  """[1, R, K] -> [parts, R, K / parts], the parts split over the mesh axes `split` as K is: each device's own
+  rows of the contraction as a batch entry of its own, moved nowhere (on its device the split axis has one)."""
+  _, r, k = t.shape
+  t = jnp.transpose(t.reshape(r, parts, k // parts), (1, 0, 2))
+  return jax.lax.with_sharding_constraint(t, NamedSharding(jax.sharding.get_abstract_mesh(), P(split, None, None)))
 
 
 def _bytes(scale: jax.Array) -> jax.Array:
@@ -137,12 +163,17 @@ def _overlap(x, y) -> bool:
   return bool(as_set(x) & as_set(y))
 
 
+@partitioning.rule
 def _partition(scale_dtype, out_dtype, scaled, mesh, arg_shapes, result_shape):
   """Each device multiplies its rows (M) by its columns (N) over the contraction (K) that both operands
-  split alike, summed across it; anything else is gathered first. Scales share their data's layout."""
+  split alike, summed across it; anything else is gathered first. Scales share their data's layout. Inside a
+  shard_map over part of the mesh no sum can be named (quant/partitioning.py): a split contraction is gathered
+  there, and the weight gradients' GEMMs, which contract rows split across devices, take the split outside as
+  a batch of their own (`block_scaled_dot`'s `split_rows`)."""
   (batch, m, k), (_, n, k_b) = arg_shapes[0].sharding.spec, arg_shapes[1].sharding.spec
   n = None if _overlap(m, n) else n
-  k = k if (k is not None and k == k_b and not _overlap(k, m) and not _overlap(k, n)) else None
+  k = k if (k is not None and k == k_b and not _overlap(k, m) and not _overlap(k, n)
+            and partitioning.collectives(mesh)) else None
   lhs, rhs = NamedSharding(mesh, P(batch, m, k)), NamedSharding(mesh, P(batch, n, k))
 
   def per_device(a, b, a_scale_bytes, b_scale_bytes, alpha_B):
@@ -155,6 +186,7 @@ def _partition(scale_dtype, out_dtype, scaled, mesh, arg_shapes, result_shape):
   return mesh, per_device, NamedSharding(mesh, P(batch, m, n)), (lhs, rhs, lhs, rhs, NamedSharding(mesh, P(batch)))
 
 
+@partitioning.rule
 def _infer(scale_dtype, out_dtype, scaled, mesh, arg_shapes, result_shape):
   (batch, m, _), (_, n, _) = arg_shapes[0].sharding.spec, arg_shapes[1].sharding.spec
   return NamedSharding(mesh, P(batch, m, None if _overlap(m, n) else n))

@@ -184,7 +184,7 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
     return jax.lax.scan(body, init, xs)[0]
 
   mesh = active_mesh()
-  replicas = () if mesh is None else replica_axes(cfg, mesh, target_platform())
+  replicas = () if mesh is None else replica_axes(cfg, mesh)
   if replicas:
     total = _over_replicas(scan, init, xs, state.params, mesh, replicas, _param_specs(cfg, mesh, replicas),
                            jnp.dtype(cfg.quant.wgrad_dtype))
@@ -196,16 +196,13 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   return metrics, outs
 
 
-def replica_axes(cfg, mesh: Mesh, platform: str) -> tuple[str, ...]:
+def replica_axes(cfg, mesh: Mesh) -> tuple[str, ...]:
   """The mesh axes whose devices run a step's micro-batches as replicas, each on its own rows, and reduce their
   gradients across one another once a step (`_over_replicas`) rather than per micro-batch: of REPLICA_AXES,
   those of more than one device that the batch is split over and no parameter is, the experts' weights along
-  their experts aside (the MoE layers run over those axes as they are: layers/moe.py). None where a kernel of
-  the recipe traced for `platform` partitions itself, which JAX cannot do inside a shard_map over part of the
-  mesh (`Recipe.custom_partitioned`: MXFP8 and NVFP4 on a GPU). In the order the batch is split over them (the
-  order a shard_map over them splits rows in: `replicas_first`). The step and the planner's estimate both ask."""
-  if cfg.quant.custom_partitioned(platform):
-    return ()
+  their experts aside (the MoE layers run over those axes as they are: layers/moe.py). In the order the batch is
+  split over them (the order a shard_map over them splits rows in: `replicas_first`). The step and the planner's
+  estimate both ask."""
   rules = cfg.mesh.rules_dict
   batch = entry_axes(logical_to_spec((BATCH,), rules, mesh)[0])
   split = set()  # The mesh axes a parameter is split over other than as the leading axes of its experts.
