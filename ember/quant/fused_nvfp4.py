@@ -27,8 +27,9 @@ it, as the cast does), and NaN is +0. Stochastic rounding is `formats.stochastic
 draws: `jax.random.uniform(key, shape)`'s bits are threefry2x32 of the key and each element's row-major index in
 the whole tensor (JAX's partitionable threefry), computed here per element from the global row and column ids,
 so a shard draws what the whole tensor would. The Hadamard transform is a float32 GEMM with a 16 x 16 matrix
-as in `hadamard.py`, rounded to the tensor's dtype; on a GPU its sums may be ordered differently from XLA's GEMM
-(a last-bit difference before that rounding), on the CPU they are the same.
+as in `hadamard.py`, rounded to the tensor's dtype (in bits: `kernels.round_like`); its sums may be ordered
+differently from XLA's GEMM, on a GPU, and on the CPU where a block's float32 sum rounds (16 values spanning more
+than about 2**12): a last-bit difference before that rounding.
 
 Where they run (`one_pass`, `casts`): NVFP4 operands of a dense projection, and an expert layout's x outside
 `shard_map` (quant/core.py), on a GPU, without health statistics, when each dimension's blocks divide among the
@@ -251,7 +252,7 @@ def _transformed_t(source, rht, transform: bool):
   else:
     y = jnp.dot(blocks.astype(jnp.float32), rht, precision=jax.lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32)
-  return y.reshape(c, r).astype(source.dtype).astype(jnp.float32)
+  return kernels.round_like(y.reshape(c, r), source.dtype)
 
 
 def _rotate_left(v, r: int):

@@ -30,6 +30,19 @@ def cast_e4m3(v):
   return jnp.where(jnp.isnan(v), v, clipped).astype(E4M3.dtype)
 
 
+def round_like(v, dtype):
+  """float32 `v` rounded to `dtype`'s precision (nearest even) and kept in float32: `v.astype(dtype)
+  .astype(float32)` for bf16, written in bits because a compiler that allows excess precision (XLA's default, which
+  runs a kernel in interpret mode) may elide that round trip and keep every bit of v. NaN stays NaN."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return v
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    raise ValueError(f"round_like: a float32 or bfloat16 source, got {jnp.dtype(dtype)}")
+  bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+  bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
+  return jnp.where(jnp.isnan(v), v, jax.lax.bitcast_convert_type(bits, jnp.float32))
+
+
 def pallas(kernel, grid, in_specs, out_specs, out_shape, interpret: bool):
   """`pl.pallas_call` lowered through Triton (4 warps, one stage: each tile is read once) or interpreted."""
   params = {}

@@ -102,6 +102,22 @@ def test_both_copies_equal_the_quantizer(rht_seed, stochastic, shape):
     _same(g, w)
 
 
+@pytest.mark.parametrize("shape", [(512, 256), (96, 160)])
+def test_the_transform_is_rounded_to_the_source_dtype(shape):
+  """The wgrad copy's transformed values, and its tensor amax (no saturating outlier sets it here), are the
+  transform rounded to the source's dtype (bf16), as the quantizer takes them, even where the compiler allows
+  excess precision (XLA elides a float32 -> bf16 -> float32 round trip, so a cast there kept every bit). The
+  values are sixteenths below 4, so every block's float32 sum is exact in any order and only the rounding is
+  tested, and one block of column 0 transforms to a largest value that bf16 rounds (59.7734375 -> 59.75)."""
+  from ember.quant.hadamard import random_signs  # pylint: disable=g-import-not-at-top
+  x = jax.random.randint(jax.random.key(5), shape, -64, 64) / 16
+  magnitudes = jnp.array([255 / 64] * 15 + [1 / 128])  # Each exact in bf16; their sum is not.
+  x = x.at[:16, 0].set(jnp.asarray(random_signs(0)) * magnitudes).astype(jnp.bfloat16)
+  got = jax.jit(lambda a: fused_nvfp4.both(a, rht_seed=0, interpret=True))(x)
+  for g, w in zip(got, quantizer_copies(x, 0, False)):
+    _same(g, w)
+
+
 def test_row_bases_are_the_high_and_low_words_of_each_rows_first_index():
   rows, cols = 100_000, 300_007  # 3e10 elements: indices past 2**32, where the high word counts.
   high, low = fused_nvfp4._row_bases(rows, cols)  # pylint: disable=protected-access
