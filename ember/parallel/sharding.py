@@ -98,6 +98,8 @@ def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   if len(names) != x.ndim:
     raise ValueError(f"shard: {len(names)} logical names {tuple(names)} for an array of rank {x.ndim}")
   manual = manual_axes()
+  if manual >= set(mesh.axis_names):  # Inside a shard_map over every axis: nothing is left to place.
+    return x
   if manual:  # Inside shard_map: the other axes are still the compiler's to place.
     spec = without_axes(logical_to_spec(names, rules, mesh), manual)
     return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
@@ -126,6 +128,8 @@ def shard_map(fn, *, mesh: Mesh, in_specs, out_specs, **kwargs):
   manual = manual_axes()
   if not manual:
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
+  if manual >= set(mesh.axis_names):  # Every axis already manual: the values are each device's already.
+    return fn
   strip = lambda specs: jax.tree.map(lambda s: without_axes(s, manual), specs, is_leaf=lambda s: isinstance(s, P))
   return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=strip(in_specs),
                        out_specs=strip(out_specs), axis_names=set(mesh.axis_names) - manual,

@@ -249,8 +249,11 @@ def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], pa
   rows = jax.tree.map(lambda a: replicas_first(a, mesh, batch, axes), xs[0])
   specs = lambda grads: (P(), grads, *(P(),) * (len(init) - 2))
   # check_vma=False: the model's scans start from constants (unvarying) and would each need a cast.
+  # Manual over the mesh's axes of one device too, which split nothing: where no other axis is left, every axis is
+  # manual and no kernel is handed to the partitioner for a group of one device (which JAX cannot read).
+  manual = set(axes) | {a for a, n in mesh.shape.items() if n == 1}
   return jax.shard_map(per_replica, mesh=mesh, in_specs=(specs(param_specs), (P(None, axes), P()), param_specs),
-                       out_specs=specs(param_specs), axis_names=set(axes), check_vma=False)(init, (rows, xs[1]), params)
+                       out_specs=specs(param_specs), axis_names=manual, check_vma=False)(init, (rows, xs[1]), params)
 
 
 def replicas_first(a, mesh: Mesh, batch: tuple[str, ...], lead: tuple[str, ...]):

@@ -16,17 +16,21 @@ from tests.helpers import config, one_step, random_batch, rel_error, start
 
 MESH = {"mesh.data": 2, "mesh.fsdp": 4}
 MOE_MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2}
+REPLICAS_ONLY = {"mesh.data": 2, "mesh.fsdp": 1, "mesh.expert": 4}  # Every axis of more than one device a replica.
 
 
 @pytest.mark.parametrize("preset,recipe,mesh", [("tiny", "bf16", MESH), ("tiny_moe", "bf16", MESH),
-                                                ("tiny", "fp8_delayed", MESH), ("tiny_moe", "fp8_delayed", MOE_MESH)],
-                         ids=["tiny-bf16", "tiny_moe-bf16", "tiny-fp8_delayed", "tiny_moe-fp8_delayed-expert2"])
+                                                ("tiny", "fp8_delayed", MESH), ("tiny_moe", "fp8_delayed", MOE_MESH),
+                                                ("tiny_moe", "fp8_delayed", REPLICAS_ONLY)],
+                         ids=["tiny-bf16", "tiny_moe-bf16", "tiny-fp8_delayed", "tiny_moe-fp8_delayed-expert2",
+                              "tiny_moe-fp8_delayed-replicas_only"])
 def test_four_micro_batches_equal_one_batch(preset, recipe, mesh):
   """float32, 32 sequences: 4 micro-batches of 8 give the loss, the metrics, the gradients (the optimizer's first
   and second moments), the updated parameters and the delayed-scaling histories (each rolls in the largest
   micro-batch amax: the whole batch's) and health statistics of one batch of 32. data 2 x fsdp 4: the replicas
   are the data axis; data 2 x fsdp 2 x expert 2: the data and expert axes, the experts' weights, histories and
-  statistics split over the latter. tiny_moe: dropless and without the load-balance loss, which is per
+  statistics split over the latter; data 2 x expert 4: no axis left to the compiler (the replicas' shard_map is
+  manual over every axis). tiny_moe: dropless and without the load-balance loss, which is per
   micro-batch by design (docs/moe.md)."""
   overrides = {"model.dtype": "float32", "quant.recipe": recipe, "train.batch_size": 32, "train.z_loss_weight": 1e-3,
                **mesh}
