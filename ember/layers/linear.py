@@ -110,11 +110,13 @@ class Linear(nnx.Module):
     return y.reshape(lead + self.out_shape)
 
   def _row_axes(self) -> tuple[str, ...]:
-    """The mesh axes the rows of x [batch, length, ...] are split over under the active rules, in their order."""
+    """The mesh axes the rows of x [batch, length, ...] are split over under the active rules, in their order;
+    none where the length is split too (a device's rows are then no one run of the flattened rows)."""
     rules, mesh = sharding.active_rules(), sharding.active_mesh()
     if rules is None:
       return ()
-    return tuple(a for e in sharding.logical_to_spec((BATCH, LENGTH), rules, mesh) for a in sharding.entry_axes(e))
+    batch, length = sharding.logical_to_spec((BATCH, LENGTH), rules, mesh)
+    return () if length is not None else sharding.entry_axes(batch)
 
   def _reduced_along_output(self) -> bool:
     """Whether the kernel's gradient is reduce-scattered along its output axes: under the active rules it is

@@ -210,7 +210,7 @@ class Estimator:
         axes = {x for entry in s.spec for x in entry_axes(entry)}
         leaves.append((size(a, s), axes, a.ndim >= 2 and self.model.vocab_size not in a.shape))
       params = sum(n * 4 for n, _, _ in leaves)
-      self._state[key] = (state, params, leaves, replica_axes(cfg, mesh))
+      self._state[key] = (state, params, leaves, replica_axes(cfg, mesh, "gpu"))
     return self._state[key]
 
   def _bandwidth(self, layout: Layout, axis: str) -> float:

@@ -13,6 +13,7 @@ Delayed scaling: a projection's histories are one [3 (x, kernel, grad), H] array
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 
 import jax
@@ -51,10 +52,18 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   # There too a block-scaled wgrad sums its rows' parts on the compiler's axes outside its GEMM (`row_split`).
   manual = manual_axes()
   layout = DenseLayout(transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t,
-                       reduce_axes=tuple(sorted(manual)),
-                       row_split=tuple(a for a in row_axes if a not in manual) if manual else ())
+                       reduce_axes=tuple(sorted(manual)), row_split=_row_split(x_MxK, row_axes, manual, recipe))
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax)
+
+
+def _row_split(x_MxK, row_axes: tuple[str, ...], manual, recipe: Recipe) -> tuple[str, ...]:
+  """The compiler's axes of `row_axes` inside a shard_map (`DenseLayout.row_split`), where the rows split into
+  whole blocks a device (padded to the block, the parts would not be each device's own rows)."""
+  split = tuple(a for a in row_axes if a not in manual) if manual else ()
+  mesh = jax.sharding.get_abstract_mesh()
+  parts = math.prod(mesh.shape[a] for a in split) if split else 1
+  return split if x_MxK.shape[0] % (parts * recipe.scheme.block_size) == 0 else ()
 
 
 def kernel_amax(w: jax.Array) -> jax.Array:

@@ -133,10 +133,12 @@ def _parts(split: tuple[str, ...], data: jax.Array, scale: jax.Array) -> int:
 
 def _split_contraction(t: jax.Array, parts: int, split: tuple[str, ...]) -> jax.Array:
   """[1, R, K] -> [parts, R, K / parts], the parts split over the mesh axes `split` as K is: each device's own
-  rows of the contraction as a batch entry of its own, moved nowhere (on its device the split axis has one)."""
+  rows of the contraction as a batch entry of its own, moved nowhere where the rows are split over `split` in
+  that order as whole parts (on its device the split axis has one)."""
   _, r, k = t.shape
   t = jnp.transpose(t.reshape(r, parts, k // parts), (1, 0, 2))
-  return jax.lax.with_sharding_constraint(t, NamedSharding(jax.sharding.get_abstract_mesh(), P(split, None, None)))
+  free = P.UNCONSTRAINED  # R stays as the compiler has it (split over a tensor axis, say).
+  return jax.lax.with_sharding_constraint(t, NamedSharding(jax.sharding.get_abstract_mesh(), P(split, free, free)))
 
 
 def _bytes(scale: jax.Array) -> jax.Array:
@@ -169,7 +171,7 @@ def _partition(scale_dtype, out_dtype, scaled, mesh, arg_shapes, result_shape):
   split alike, summed across it; anything else is gathered first. Scales share their data's layout. Inside a
   shard_map over part of the mesh no sum can be named (quant/partitioning.py): a split contraction is gathered
   there, and the weight gradients' GEMMs, which contract rows split across devices, take the split outside as
-  a batch of their own (`block_scaled_dot`'s `split_rows`)."""
+  a batch of their own (`block_scaled_dot`'s `split`)."""
   (batch, m, k), (_, n, k_b) = arg_shapes[0].sharding.spec, arg_shapes[1].sharding.spec
   n = None if _overlap(m, n) else n
   k = k if (k is not None and k == k_b and not _overlap(k, m) and not _overlap(k, n)

@@ -43,6 +43,8 @@ def _named(mesh, arg_shapes, result_shape):
   leaves = [s for s in jax.tree.leaves((arg_shapes, result_shape)) if s.sharding is not None]
   if all(isinstance(s.sharding, NamedSharding) for s in leaves):
     return mesh, arg_shapes, result_shape
+  if any(isinstance(s.sharding, NamedSharding) for s in leaves):
+    raise ValueError(f"a partition rule handed shardings over a mesh and a replica group's at once: {leaves}")
   first = leaves[0].sharding
   # The group's size: any tiled sharding's devices (a replicated one names none; all replicated, one will do).
   size = max(max(s.sharding._hlo_sharding.num_devices() for s in leaves), 1)  # pylint: disable=protected-access
@@ -52,7 +54,7 @@ def _named(mesh, arg_shapes, result_shape):
     try:
       return group, jax.tree.map(lambda s: _over(group, s), arg_shapes), jax.tree.map(lambda s: _over(group, s),
                                                                                         result_shape)
-    except (ValueError, AssertionError):  # JAX's decoder asserts where a tiling is not over `group`.
+    except (ValueError, AssertionError, KeyError, NotImplementedError):  # JAX's decoder: no tiling over `group`.
       continue
   raise ValueError(f"a replica group's sharding {first} is no tiling of a mesh of {size} devices")
 

@@ -164,6 +164,12 @@ class Recipe:
     """Quantizing a kernel takes its tensor amax in a pass of its own (per-tensor scaling; quantizers.py)."""
     return self.quantized and self.quantizer(WEIGHT, jnp.zeros((1,), jnp.float32)).reads_tensor_amax
 
+  def custom_partitioned(self, platform: str) -> bool:
+    """Whether this recipe traced for `platform` runs kernels that partition themselves (`custom_partitioning`:
+    the Pallas quantize kernels and cuDNN's block-scaled GEMM of the block-scaled recipes on a GPU), whose rules
+    cannot sum over the mesh inside a shard_map over part of it (quant/partitioning.py)."""
+    return self.quantized and self.scheme.block_size > 1 and platform == "gpu"
+
   @property
   def operands(self) -> tuple[str, ...]:
     """The quantized operand copies one matmul holds (and names for remat)."""

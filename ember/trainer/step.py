@@ -184,7 +184,7 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
     return jax.lax.scan(body, init, xs)[0]
 
   mesh = active_mesh()
-  replicas = () if mesh is None else replica_axes(cfg, mesh)
+  replicas = () if mesh is None else replica_axes(cfg, mesh, target_platform())
   if replicas:
     total = _over_replicas(scan, init, xs, state.params, mesh, replicas, _param_specs(cfg, mesh, replicas),
                            jnp.dtype(cfg.quant.wgrad_dtype))
@@ -196,15 +196,22 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   return metrics, outs
 
 
-def replica_axes(cfg, mesh: Mesh) -> tuple[str, ...]:
+def replica_axes(cfg, mesh: Mesh, platform: str) -> tuple[str, ...]:
   """The mesh axes whose devices run a step's micro-batches as replicas, each on its own rows, and reduce their
   gradients across one another once a step (`_over_replicas`) rather than per micro-batch: of REPLICA_AXES,
   those of more than one device that the batch is split over and no parameter is, the experts' weights along
   their experts aside (the MoE layers run over those axes as they are: layers/moe.py). In the order the batch is
   split over them (the order a shard_map over them splits rows in: `replicas_first`). The step and the planner's
-  estimate both ask."""
+  estimate both ask.
+
+  None for a recipe whose kernels partition themselves (`Recipe.custom_partitioned`: MXFP8 and NVFP4 on a GPU)
+  where the compiler would still split a projection's features (an axis of more than one device that the batch
+  is not split over: tensor, context). Inside the replicas' shard_map their partition rules cannot sum a split
+  contraction (quant/partitioning.py): a row-parallel GEMM would gather its operands instead."""
   rules = cfg.mesh.rules_dict
   batch = entry_axes(logical_to_spec((BATCH,), rules, mesh)[0])
+  if cfg.quant.custom_partitioned(platform) and any(n > 1 and a not in batch for a, n in mesh.shape.items()):
+    return ()
   split = set()  # The mesh axes a parameter is split over other than as the leading axes of its experts.
   for names in jax.tree.leaves(logical_axes(cfg)[1], is_leaf=lambda x: isinstance(x, P)):
     for name, entry in zip(names, logical_to_spec(tuple(names), rules, mesh)):
