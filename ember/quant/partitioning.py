@@ -10,7 +10,10 @@ PartitionSpec over it, and every operand's in the same numbering. A rule written
 unchanged, and the shardings it returns over that mesh are the group's again.
 
 What a rule cannot do there is name a collective: XLA reads a partitioned body's replica groups as the program's
-device ids, which an axis of the group's mesh does not give (`collectives`)."""
+device ids, which an axis of the group's mesh does not give (`collectives`). Nor can a group of one device be
+handed to a rule (JAX cannot read the sharding XLA gives it): where the replicas leave no axis of more than one
+device to the compiler, the step's shard_map is manual over every axis instead (trainer/step.py). The decoding
+reads JAX's own sharding internals (`_hlo_sharding`, `parse_flatten_op_sharding`; as of JAX 0.10)."""
 
 from __future__ import annotations
 
