@@ -13,7 +13,6 @@ Delayed scaling: a projection's histories are one [3 (x, kernel, grad), H] array
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
 
 import jax
@@ -58,12 +57,11 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
 
 
 def _row_split(x_MxK, row_axes: tuple[str, ...], manual, recipe: Recipe) -> tuple[str, ...]:
-  """The compiler's axes of `row_axes` inside a shard_map (`DenseLayout.row_split`), where the rows split into
-  whole blocks a device (padded to the block, the parts would not be each device's own rows)."""
-  split = tuple(a for a in row_axes if a not in manual) if manual else ()
-  mesh = jax.sharding.get_abstract_mesh()
-  parts = math.prod(mesh.shape[a] for a in split) if split else 1
-  return split if x_MxK.shape[0] % (parts * recipe.scheme.block_size) == 0 else ()
+  """The compiler's axes of `row_axes` inside a shard_map (`DenseLayout.row_split`), where the rows are not padded
+  to the block (padded, the parts would not be each device's own rows; whether they split into whole blocks a
+  device, the GEMM sees: quant/gemm.py's `_parts`)."""
+  unpadded = x_MxK.shape[0] % recipe.scheme.block_size == 0
+  return tuple(a for a in row_axes if a not in manual) if manual and unpadded else ()
 
 
 def kernel_amax(w: jax.Array) -> jax.Array:
