@@ -76,6 +76,10 @@ BLOCK_SCALED_GEMM_SCOPE = "block_scaled_gemm"
 # The name scope around NVFP4's random Hadamard transform (16x16 float32 GEMMs on the wgrad operands): the
 # compile report keeps them out of the expert GEMMs they feed.
 HADAMARD_SCOPE = "random_hadamard_transform"
+# The name scope around a kernel that reads one row of its largest operand, stacked [L, ...] (a layer's kernel where
+# it lies among stacked kernels, ember/quant/fused_nvfp4.py), with L filled in: the compile report counts that
+# row's bytes of the operand, not all L (ember/plan/hlo.py).
+STACKED_ROW_SCOPE = "reads_one_row_of_{}"
 AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS, MOE_OVERFLOW_TOKENS)
 
 # Data sources (`data.source`, and the kind of a `data.mixture` entry) and what each needs besides its

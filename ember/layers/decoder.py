@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ember import remat
 from ember.layers.attention import Attention, attention_bias
 from ember.layers.embed import Embed
+from ember.layers import linear
 from ember.layers.linear import Linear, projection_key
 from ember.layers.mlp import MLP
 from ember.layers.moe import MoE
@@ -138,20 +139,24 @@ class Segment(nnx.Module):
     the attention's segment bias (Transformer.__call__): an input of every checkpointed block, never recomputed."""
     graphdef, state = nnx.split(self.blocks)
 
-    def body(carry, xs):
+    def body(carry, xs, stacked=None, *, index=None):
       x, aux = carry
       block_state, block_id = xs
       block_key = None if key is None else jax.random.fold_in(key, block_id)
-      y, a, per_layer = nnx.merge(graphdef, block_state)(x, segment_ids, positions, block_key, bias)
+      block = nnx.merge(graphdef, block_state)
+      if stacked:
+        linear.use_stacked_kernels(block, stacked, index)
+      y, a, per_layer = block(x, segment_ids, positions, block_key, bias)
       return (y, jax.tree.map(jnp.add, aux, a)), per_layer
 
     if self.scan:
       ids = jnp.asarray(self.block_ids, jnp.int32)
       (x, aux), per_layer = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids))
-    else:  # One block after another, on its row of the stacked state.
-      step, carry, outs = remat.checkpoint(body, policy, scanned=False), (x, zero_aux()), []
-      for block_state, block_id in zip(unstacked(state, len(self.block_ids)), self.block_ids):
-        carry, out = step(carry, (block_state, jnp.asarray(block_id, jnp.int32)))
+    else:  # One block after another, on its row of the stacked state (kernel casts read theirs in place).
+      stacked, carry, outs = linear.stacked_kernels(self.blocks), (x, zero_aux()), []
+      for index, (block_state, block_id) in enumerate(zip(unstacked(state, len(self.block_ids)), self.block_ids)):
+        step = remat.checkpoint(functools.partial(body, index=index), policy, scanned=False)
+        carry, out = step(carry, (block_state, jnp.asarray(block_id, jnp.int32)), stacked)
         outs.append(out)
       (x, aux), per_layer = carry, {k: jnp.stack([out[k] for out in outs]) for k in outs[0]}
     return x, aux, {k: v.reshape(-1, *v.shape[2:]) for k, v in per_layer.items()}

@@ -68,6 +68,27 @@ def use_kernel_amaxes(model: nnx.Module, amaxes: dict) -> None:
       m.taken_kernel_amax = KernelAmax(amaxes[path])
 
 
+class StackedKernel(nnx.Variable):
+  """A projection's stacked kernels [L, ...] (one per layer of unrolled layers), set on each layer's projection
+  with its row index (`use_stacked_kernels`): its kernel cast then reads the layer's kernel where it lies
+  (quant/core.py's `KernelRow`). Never train state."""
+
+
+def stacked_kernels(blocks: nnx.Module) -> dict:
+  """{path: stacked kernel} of the projections of stacked `blocks` whose kernel cast can read a layer's kernel
+  where it lies (quant/dot.py's `reads_kernel_in_place`)."""
+  return {path: m.kernel[...] for path, m in nnx.iter_graph(blocks)
+          if isinstance(m, Linear) and dot.reads_kernel_in_place(m.recipe, hasattr(m, "quant_stats"))}
+
+
+def use_stacked_kernels(block: nnx.Module, stacked: dict, index: int) -> None:
+  """Gives each projection of `block` (row `index` of the stacked blocks `stacked_kernels` read) its stacked
+  kernels and its row of them."""
+  for path, m in nnx.iter_graph(block):
+    if path in stacked:
+      m.stacked_kernel, m.stacked_index = StackedKernel(stacked[path]), index
+
+
 def projection_key(key: jax.Array | None, name: str) -> jax.Array | None:
   """The stochastic-rounding key of projection kind `name` within a layer's key (see names.RNG_STREAMS)."""
   return None if key is None else jax.random.fold_in(key, RNG_STREAMS[name])
@@ -103,10 +124,13 @@ class Linear(nnx.Module):
     stats = self.quant_stats[...] if hasattr(self, "quant_stats") else None
     error = None if self.output_error is None else self.output_error[...]
     amax = self.taken_kernel_amax[...] if hasattr(self, "taken_kernel_amax") else None
+    row = None
+    if hasattr(self, "stacked_kernel"):
+      row = dot.KernelRow(self.stacked_kernel[...].reshape(-1, k, n), self.stacked_index)
     y = dot.quantized_matmul(x.reshape(-1, k), self.kernel[...].reshape(k, n), recipe=self.recipe, name=self.name,
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
                              error=error, kernel_amax=amax, wgrad_transposed=self._reduced_along_output(),
-                             row_axes=self._row_axes() if len(lead) == 2 else ())
+                             row_axes=self._row_axes() if len(lead) == 2 else (), kernel_row=row)
     return y.reshape(lead + self.out_shape)
 
   def _row_axes(self) -> tuple[str, ...]:

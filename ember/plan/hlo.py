@@ -23,8 +23,10 @@ Rules, in one place:
     routing moves; the rest: the operand), times the trip count of every loop around it (XLA records
     `known_trip_count` on the while ops of a scan), so `collectives` is bytes per device per step.
   * a kernel's memory traffic is the bytes of its operands and results, except what it only slices
-    (a fused `dynamic-slice`: the slice) and what it updates in place (a `dynamic-update-slice` or
-    `scatter` into its operand: the update, read and written).
+    (a fused `dynamic-slice` or `slice`, reached through bitcasts and elementwise ops: the slice, in the
+    operand's dtype), what it updates in place (a `dynamic-update-slice` or `scatter` into its operand: the
+    update, read and written), and the stacked operand (the largest) of a kernel under ember's
+    `STACKED_ROW_SCOPE` (one row of its L, the part that kernel reads).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import functools
 import math
 import re
 
-from ember.names import EMULATED_GEMM_SCOPE
+from ember.names import EMULATED_GEMM_SCOPE, STACKED_ROW_SCOPE
 from ember.quant.gemm import CUBLAS_FP8_GEMM, CUDNN_BLOCK_SCALED_GEMM
 
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
@@ -52,6 +54,10 @@ _HALF = ("bf16", "f16")  # HLO element types of 16-bit floats.
 # A fusion, or one XLA runs asynchronously (a `fusion-start` / `fusion-done` pair: the done moves nothing more),
 # as its GPU pipeline does for the scan's dynamic slices and updates with while-loop double buffering on.
 _FUSIONS = ("fusion", "fusion-start")
+# One-operand elementwise ops: a fused value that reaches slices only through them is read only where sliced.
+_ELEMENTWISE_UNARY = ("abs", "convert", "negate", "exponential", "log", "sqrt", "rsqrt", "tanh", "logistic",
+                      "sign", "floor", "ceil", "round-nearest-even", "copy")
+_STACKED_ROW = re.compile(STACKED_ROW_SCOPE.replace("{}", r"(\d+)"))
 RECOMPUTE_SCOPE = "rematted_computation"  # JAX's name scope for a checkpointed forward run again.
 # Instructions that launch no kernel of their own (control flow, aliases, bookkeeping, async halves whose
 # work is counted elsewhere) and move no bytes in the memory term.
@@ -372,6 +378,10 @@ def _own_bytes(p: Program, i: Instruction) -> float:
   if i.opcode in ("dynamic-slice", "slice"):
     return 2 * nbytes(i.shape)
   operands = [nbytes(p.type_of(o)) for o in i.operands]
+  row_of = _STACKED_ROW.search(i.op_name or "")
+  if row_of and operands:  # The stacked operand is the largest.
+    largest = max(range(len(operands)), key=operands.__getitem__)
+    operands[largest] /= int(row_of.group(1))
   parts = _top_level(i.shape)
   if i.opcode == "custom-call" and len(parts) > 1 and dtype_of(parts[-1]) in ("s8", "u8"):
     parts = parts[:-1]  # A library call's scratch workspace: no data moves through it.
@@ -386,7 +396,7 @@ def _own_bytes(p: Program, i: Instruction) -> float:
       for o in b.operands:
         users[o].append(b)
 
-    def reads(name):  # The slices a fused value is read through (bitcasts followed), or None: all of it.
+    def reads(name):  # The slices a fused value is read through (bitcasts, elementwise ops followed), or None: all.
       uses = users.get(name, [])
       if not uses:
         return None
@@ -395,7 +405,7 @@ def _own_bytes(p: Program, i: Instruction) -> float:
         if u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == name:
           sliced = [u]
         else:
-          sliced = reads(u.name) if u.opcode == "bitcast" else None
+          sliced = reads(u.name) if u.opcode == "bitcast" or u.opcode in _ELEMENTWISE_UNARY else None
         if sliced is None:
           return None
         out += sliced
@@ -403,8 +413,9 @@ def _own_bytes(p: Program, i: Instruction) -> float:
 
     for index, name in params.items():
       sliced = reads(name) if index < len(operands) else None
-      if sliced is not None:
-        operands[index] = sum(nbytes(u.shape) for u in sliced)
+      if sliced is not None:  # Each slice's elements in the operand's own dtype.
+        width = _BYTES.get(dtype_of(p.type_of(i.operands[index])), 4)
+        operands[index] = sum(width * math.prod(dims_of(u.shape)) for u in sliced)
     for index, update, whole in in_place_updates(p, i):
       if index < len(operands):
         operands[index] = 0.0

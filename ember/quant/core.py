@@ -92,22 +92,32 @@ class Layout(Protocol):
   def whole_kernel_shape(self, w) -> tuple[int, ...]: ...
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["stacked"], meta_fields=["index"])
+@dataclasses.dataclass(frozen=True)
+class KernelRow:
+  """A layer's kernel where it lies: row `index` of the stacked kernels [L, K, N] of unrolled layers. A kernel
+  cast that reads it there (quant/fused_nvfp4.py's `row_of`) saves XLA a copy of the row for the cast's call."""
+  stacked: jax.Array
+  index: int
+
+
 def quantized_gemm(x, w, rows, history, key, stats, *, layout: Layout, recipe: Recipe, name: str, dtype,
-                   error=None, kernel_amax=None):
+                   error=None, kernel_amax=None, kernel_row: KernelRow | None = None):
   """x @ w in `recipe`'s format (see the module doc); `history` and `stats` are (x, kernel, grad) triples or
   None, `key` seeds stochastic rounding (nvfp4) or is None, `error` the probe's [2] input or None,
-  `kernel_amax` max|w| taken by the caller (`tensor_amax`; a step of micro-batches takes it once) or None."""
+  `kernel_amax` max|w| taken by the caller (`tensor_amax`; a step of micro-batches takes it once) or None,
+  `kernel_row` w where it lies in stacked kernels (w is its row) or None."""
   if history is None:  # Unused outside fp8_delayed; keeps one signature.
     kernel_rows = (w.shape[0], 1) if layout.per_expert else (1,)
     history = (jnp.zeros((1,), jnp.float32), jnp.zeros(kernel_rows, jnp.float32), jnp.zeros((1,), jnp.float32))
   # Static facts the backward rule needs (residuals must be arrays).
   operand_info = (x.shape, jnp.dtype(x.dtype), jnp.dtype(w.dtype), vma_of(x), vma_of(w), layout.whole_kernel_shape(w))
-  return _gemm(x, w, rows, tuple(history), key, None if stats is None else tuple(stats), error, kernel_amax, layout,
-               recipe, name, jnp.dtype(dtype), operand_info)
+  return _gemm(x, w, rows, tuple(history), key, None if stats is None else tuple(stats), error, kernel_amax,
+               kernel_row, layout, recipe, name, jnp.dtype(dtype), operand_info)
 
 
 def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name: str, stats: bool = False,
-                       kernel_amax=None):
+                       kernel_amax=None, kernel_row: KernelRow | None = None):
   """Every operand copy the recipe's GEMMs read, each named for remat. A sharded kernel's copies are its
   shard's: what remat saves is the shard, gathered again where a GEMM reads it."""
   h_x, h_k, _ = history
@@ -127,7 +137,9 @@ def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name
     if fused.one_pass(layout, recipe, stats, w):
       q[KERNEL_T], q[KERNEL] = fused.both(w)
     elif fused_nvfp4.one_pass(layout, recipe, stats, w) and fused_nvfp4.casts_kernel_tiles(recipe):
-      q[KERNEL] = fused_nvfp4.quantize(w, tile_2d=True, axis=0, amax=kernel_amax)  # Tiles serve dgrad too.
+      in_place = kernel_row is not None and kernel_row.stacked.shape[1:] == w.shape  # Not where w was padded.
+      q[KERNEL] = fused_nvfp4.quantize(w, tile_2d=True, axis=0, amax=kernel_amax,  # Tiles serve dgrad too.
+                                       row_of=(kernel_row.stacked, kernel_row.index) if in_place else None)
     else:
       q[KERNEL] = layout.quantize_kernel(recipe, w, h_k, 0, stats, kernel_amax)
       if recipe.has_kernel_t:
@@ -168,10 +180,10 @@ def _one_pass_rows(recipe: Recipe, quantizer, a, axis: int, stats: bool, reduce_
 
 
 def _forward(x, w, rows, history, layout: Layout, recipe: Recipe, name, dtype, kernel_shape, stats=False,
-             kernel_amax=None):
+             kernel_amax=None, kernel_row=None):
   b = recipe.block_size
   xp, wp = layout.prepare(x, rows, b), layout.pad_kernel(w, b)
-  q = _quantize_operands(layout, xp, wp, rows, history, recipe, name, stats, kernel_amax)
+  q = _quantize_operands(layout, xp, wp, rows, history, recipe, name, stats, kernel_amax, kernel_row)
   if recipe.forward_quantized:
     y = layout.forward(q[X], layout.whole(q[KERNEL]), rows, dtype)
   else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
@@ -193,14 +205,16 @@ def _output_error(x, w, rows, y, error, layout: Layout, recipe: Recipe, kernel_s
   return sum_to(sums, vma_of(error)).astype(error.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
-def _gemm(x, w, rows, history, key, stats, error, kernel_amax, layout, recipe, name, dtype, operand_info):
-  return _forward(x, w, rows, history, layout, recipe, name, dtype, operand_info[-1], kernel_amax=kernel_amax)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _gemm(x, w, rows, history, key, stats, error, kernel_amax, kernel_row, layout, recipe, name, dtype, operand_info):
+  return _forward(x, w, rows, history, layout, recipe, name, dtype, operand_info[-1], kernel_amax=kernel_amax,
+                  kernel_row=kernel_row)[0]
 
 
-def _gemm_fwd(x, w, rows, history, key, stats, error, kernel_amax, layout, recipe, name, dtype, operand_info):
+def _gemm_fwd(x, w, rows, history, key, stats, error, kernel_amax, kernel_row, layout, recipe, name, dtype,
+              operand_info):
   y, q = _forward(x, w, rows, history, layout, recipe, name, dtype, operand_info[-1], stats is not None,
-                  kernel_amax)
+                  kernel_amax, kernel_row)
   err = None if error is None else _output_error(x, w, rows, y, error, layout, recipe, operand_info[-1])
   return y, (q, rows, history, key, err)
 
@@ -243,7 +257,7 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
   dw = layout.kernel_gradient(dw[tuple(slice(0, s) for s in kernel_shape)])
   dw = sum_to(dw, w_vma).astype(w_dtype)
   health = (q[X].health, q[KERNEL].health, g_rows.health) if with_stats else None
-  return dx, dw, None, new_history, None, health, err, None
+  return dx, dw, None, new_history, None, health, err, None, None  # The stacked kernels' gradient is w's.
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.quant import fused_nvfp4
-from ember.quant.core import SCOPE_WEIGHT, quantized_gemm
+from ember.quant.core import SCOPE_WEIGHT, KernelRow, quantized_gemm
 from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.quantizers import tensor_amax
 from ember.quant.recipe import WEIGHT, Recipe, pad_to
@@ -31,7 +31,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
                      history: jax.Array | None = None, key: jax.Array | None = None, dtype=jnp.bfloat16,
                      stats: jax.Array | None = None, error: jax.Array | None = None,
                      kernel_amax: jax.Array | None = None, wgrad_transposed: bool = False,
-                     row_axes: tuple[str, ...] = ()):
+                     row_axes: tuple[str, ...] = (), kernel_row: KernelRow | None = None):
   """x @ w in `recipe`'s format. `name` is the projection (names its residuals); `history` the
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
   `stats`: a [3 (x, kernel, grad), NUM_STATS] input whose "gradient" is the operands' health
@@ -40,7 +40,8 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   `kernel_amax` (taken once for the micro-batches of a step: `takes_kernel_amax`), or None.
   `wgrad_transposed`: w's gradient is reduced across GPUs along its output axis (FSDP over an output axis):
   a block-scaled wgrad then writes it transposed, that axis major (`DenseLayout`). `row_axes`: the mesh axes
-  x's rows are split over, in their order (layers/linear.py: the batch's and the sequence's)."""
+  x's rows are split over, in their order (layers/linear.py: the batch's and the sequence's). `kernel_row`: w
+  where it lies in stacked kernels (quant/core.py), or None."""
   dtype = jnp.dtype(dtype)
   if not recipe.quantized:
     return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype), dtype)
@@ -53,7 +54,8 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   layout = DenseLayout(transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t,
                        reduce_axes=tuple(sorted(manual)), row_split=_row_split(x_MxK, row_axes, manual, recipe))
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
-                        recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax)
+                        recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax,
+                        kernel_row=kernel_row)
 
 
 def _row_split(x_MxK, row_axes: tuple[str, ...], manual, recipe: Recipe) -> tuple[str, ...]:
@@ -78,12 +80,20 @@ def takes_kernel_amax(recipe: Recipe, stats: bool) -> bool:
   return (recipe.kernel_amax_pass or fused_nvfp4.casts_kernel_tiles(recipe)) and not stats
 
 
-def product(a, b, contracting: tuple[int, int], dtype, out, split: tuple[str, ...] = ()):
+def reads_kernel_in_place(recipe: Recipe, stats: bool) -> bool:
+  """Whether quantizing a kernel of `recipe` can read it where it lies in stacked kernels (`kernel_row`): NVFP4's
+  tile cast (quant/fused_nvfp4.py), without health statistics."""
+  return fused_nvfp4.casts_kernel_tiles(recipe) and not stats
+
+
+def product(a, b, contracting: tuple[int, int], dtype, out, split: tuple[str, ...] = (), weight_gradient=False):
   """The GEMM of two quantized 2-d operands contracting a's axis `contracting[0]` with b's `contracting[1]`,
   for a consumer of dtype `out` (quant/gemm.py's `output_dtype` rule; see the module doc). `split`: the mesh axes
-  a block-scaled GEMM's contraction is split over, summed outside it (`block_scaled_dot`)."""
+  a block-scaled GEMM's contraction is split over, summed outside it; `weight_gradient`: the product is one
+  (both: `block_scaled_dot`)."""
   if a.block:
-    return block_scaled_dot(a, b, contracting, batched=False, dtype=dtype, out=out, split=split)
+    return block_scaled_dot(a, b, contracting, batched=False, dtype=dtype, out=out, split=split,
+                            weight_gradient=weight_gradient)
   dims = ((contracting[:1], contracting[1:]), ((), ()))
   y = jax.lax.dot_general(a.dequantize(dtype), b.dequantize(dtype), dims, preferred_element_type=output_dtype(out))
   return y.astype(out)
@@ -200,8 +210,8 @@ class DenseLayout:
   def wgrad(self, x, g, rows, block, dtype, out):
     """Per-tensor copies contract their rows; block-scaled ones the axis they were quantized along."""
     if block and self.wgrad_transposed:
-      return product(g, x, (g.axis, x.axis), dtype, out, self.row_split).T
-    return product(x, g, (x.axis, g.axis) if block else (0, 0), dtype, out, self.row_split)
+      return product(g, x, (g.axis, x.axis), dtype, out, self.row_split, weight_gradient=True).T
+    return product(x, g, (x.axis, g.axis) if block else (0, 0), dtype, out, self.row_split, weight_gradient=True)
 
   def kernel_gradient(self, dw):
     return dw

@@ -40,6 +40,7 @@ reduced across devices by XLA.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -49,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ember.names import STACKED_ROW_SCOPE
 from ember.platform import target_platform
 from ember.quant import kernels, partitioning
 from ember.quant.formats import E2M1, E4M3
@@ -87,11 +89,15 @@ def casts_kernel_tiles(recipe) -> bool:
 
 
 def quantize(x: jax.Array, *, tile_2d: bool = False, axis: int = 1, reduce_axes: tuple[str, ...] = (),
-             amax: jax.Array | None = None, interpret: bool | None = None) -> QuantizedTensor:
+             amax: jax.Array | None = None, interpret: bool | None = None,
+             row_of: tuple[jax.Array, int] | None = None) -> QuantizedTensor:
   """`NVFP4Scaling(tile_2d=tile_2d).quantize(x, axis=axis)` (round to nearest) for a 2-d x of whole blocks:
   along its last axis, or in 16 x 16 tiles (which serve either axis: `axis` is then the one recorded).
   `reduce_axes`: the mesh axes (inside shard_map) x's tensor amax is taken over; `amax`: max|x|, taken by the
-  caller, or None. `interpret`: run the Pallas kernel in interpret mode (default: off a GPU)."""
+  caller, or None. `interpret`: run the Pallas kernel in interpret mode (default: off a GPU). `row_of`:
+  (stacked, i) where x is row i of a stacked [L, R, C] array (a layer's kernel): the kernel then reads that row
+  where it lies. A Pallas call reads whole arrays, so for x alone XLA first copied the row out of the stacked
+  parameter: 7 GB a step of float32 kernels for llama3_8b on b200x8, more than the cast itself reads."""
   kernels.check_whole_blocks(x, BLOCK, "NVFP4")
   if axis not in ((-2, -1, 0, 1) if tile_2d else (-1, 1)):
     raise ValueError(f"one-pass NVFP4 quantize: axis {axis} of a 2-d operand, 1 x {BLOCK} blocks along the last "
@@ -99,8 +105,12 @@ def quantize(x: jax.Array, *, tile_2d: bool = False, axis: int = 1, reduce_axes:
   interpret = kernels.interpret_off_gpu(interpret)
   amax = tensor_amax(x, reduce_axes) if amax is None else amax
   global_scale = scale_from_amax(_GLOBAL, amax)
-  with jax.named_scope(SCOPE):
-    packed, scale = _cast_rows(x, global_scale.reshape(1, 1), tile_2d, interpret)
+  source, layer = (x, None) if row_of is None else row_of
+  if layer is not None and source.shape[1:] != x.shape:
+    raise ValueError(f"one-pass NVFP4 quantize: row {layer} of {source.shape} is no {x.shape} operand")
+  reads = contextlib.nullcontext() if layer is None else jax.named_scope(STACKED_ROW_SCOPE.format(source.shape[0]))
+  with reads, jax.named_scope(SCOPE):
+    packed, scale = _cast_rows(source, global_scale.reshape(1, 1), tile_2d, interpret, layer)
   return _tensor(packed, scale, global_scale, amax, x, axis % 2, (BLOCK,) * (2 if tile_2d else 1))
 
 
@@ -314,18 +324,21 @@ def _both_kernel(*refs, transform: bool, stochastic: bool, interpret: bool):
 
 
 def _tiles(x) -> tuple[int, int]:
-  return kernels.tile(x.shape[0], _TILES), kernels.tile(x.shape[1], _TILES)
+  return kernels.tile(x.shape[-2], _TILES), kernels.tile(x.shape[-1], _TILES)
 
 
 _WHOLE = lambda shape: pl.BlockSpec(shape, lambda i, j: (0, 0))  # noqa: E731  A small input every tile reads.
 
 
-def _rows_call(x, global_scale, tile_2d: bool, interpret: bool):
-  (r, c), (tr, tc) = x.shape, _tiles(x)
+def _rows_call(x, global_scale, tile_2d: bool, interpret: bool, layer: int | None = None):
+  """x [R, C], or row `layer` of x [L, R, C] read where it lies."""
+  (r, c), (tr, tc) = x.shape[-2:], _tiles(x)
   scale_rows, scale_tile_rows = (r // BLOCK, tr // BLOCK) if tile_2d else (r, tr)
+  source = (pl.BlockSpec((tr, tc), lambda i, j: (i, j)) if layer is None
+            else pl.BlockSpec((None, tr, tc), lambda i, j: (layer, i, j)))
   return kernels.pallas(
       functools.partial(_rows_kernel, tile_2d=tile_2d, interpret=interpret), (r // tr, c // tc),
-      [_WHOLE((1, 1)), pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
+      [_WHOLE((1, 1)), source],
       [pl.BlockSpec((tr, tc // 2), lambda i, j: (i, j)),
        pl.BlockSpec((scale_tile_rows, tc // BLOCK), lambda i, j: (i, j))],
       [jax.ShapeDtypeStruct((r, c // 2), jnp.uint8), jax.ShapeDtypeStruct((scale_rows, c // BLOCK), E4M3.dtype)],
@@ -373,37 +386,46 @@ def _named(mesh, *specs):
   return tuple(NamedSharding(mesh, P(*s)) for s in specs)
 
 
-# `quantize`'s cast: x [R, C] and the tensor scale [1, 1] -> data [R, C / 2], scales.
+# `quantize`'s cast: x [R, C] (or [L, R, C] and a row of it) and the tensor scale [1, 1] -> data [R, C / 2],
+# scales.
 
 
-@functools.partial(custom_partitioning, static_argnums=(2, 3))
-def _cast_rows(x, global_scale, tile_2d, interpret):
-  return _rows_call(x, global_scale, tile_2d, interpret)
+@functools.partial(custom_partitioning, static_argnums=(2, 3, 4))
+def _cast_rows(x, global_scale, tile_2d, interpret, layer):
+  return _rows_call(x, global_scale, tile_2d, interpret, layer)
 
 
 def _rows_shardings(mesh, arg_shapes):
-  r, c = _spec(mesh, arg_shapes[0])
-  return _named(mesh, (r, c), ()), _named(mesh, (r, c), (r, c))
+  """A stacked operand's rows of layers are read whole on every device (only its own row is read)."""
+  x = arg_shapes[0]
+  lead = x.ndim - 2
+  spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+  row = jax.ShapeDtypeStruct(x.shape[lead:], x.dtype, sharding=NamedSharding(mesh, P(*spec[lead:])))
+  r, c = _spec(mesh, row)
+  return _named(mesh, (None,) * lead + (r, c), ()), _named(mesh, (r, c), (r, c))
 
 
 @partitioning.rule
-def _rows_partition(tile_2d, interpret, mesh, arg_shapes, result_shape):
+def _rows_partition(tile_2d, interpret, layer, mesh, arg_shapes, result_shape):
   operands, results = _rows_shardings(mesh, arg_shapes)
-  return mesh, lambda x, g: _rows_call(x, g, tile_2d, interpret), results, operands
+  return mesh, lambda x, g: _rows_call(x, g, tile_2d, interpret, layer), results, operands
 
 
-def _rows_rule(tile_2d, interpret, mesh, operand_types, result_types):
+def _rows_rule(tile_2d, interpret, layer, mesh, operand_types, result_types):
   """Rows are (blocks, 16) for tiles, columns (blocks, 8 byte pairs, 2): a byte is a pair of columns and a scale
-  a block of them (or a tile), so data and scales shard alike and no block is split."""
+  a block of them (or a tile), so data and scales shard alike and no block is split. A stacked operand's layers
+  (`l`) stay whole. Factors needing replication are listed in the order they appear."""
   del interpret, mesh, operand_types, result_types
+  lead, stacked = ("l ", ("l",)) if layer is not None else ("", ())
   if tile_2d:
-    return ("(r i) (c j k), g h -> (r i) (c j), r c",
-            dict(need_replication_factors=("i", "j", "k", "g", "h"), i=BLOCK, j=BLOCK // 2, k=2))
-  return "r (c j k), g h -> r (c j), r c", dict(need_replication_factors=("j", "k", "g", "h"), j=BLOCK // 2, k=2)
+    return (f"{lead}(r i) (c j k), g h -> (r i) (c j), r c",
+            dict(need_replication_factors=(*stacked, "i", "j", "k", "g", "h"), i=BLOCK, j=BLOCK // 2, k=2))
+  return (f"{lead}r (c j k), g h -> r (c j), r c",
+          dict(need_replication_factors=(*stacked, "j", "k", "g", "h"), j=BLOCK // 2, k=2))
 
 
 @partitioning.rule
-def _rows_infer(tile_2d, interpret, mesh, arg_shapes, result_shape):
+def _rows_infer(tile_2d, interpret, layer, mesh, arg_shapes, result_shape):
   return _rows_shardings(mesh, arg_shapes)[1]
 
 

@@ -117,6 +117,42 @@ ENTRY %main (a: f32[16,64,64], i: s32[]) -> f32[16,64,64] {
   assert sum(v.shape == "f32[64,64]" for v in hlo.values(p)) == 3  # read, double, read-done.
 
 
+def test_slices_read_through_elementwise_ops_and_a_stacked_row_count_only_what_is_read():
+  """Two reductions fused over one stacked parameter, each reading a row through `abs` (XLA's horizontal fusion of
+  two layers' amaxes): the two rows, not the parameter. A kernel under ember's STACKED_ROW_SCOPE (a cast reading a
+  layer's kernel where it lies in stacked kernels): one row of its stacked operand."""
+  text = """HloModule m
+
+%max (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %m = f32[] maximum(%a, %b)
+}
+
+%fused_amaxes (p0: f32[4,64,64]) -> (f32[], f32[]) {
+  %p0 = f32[4,64,64]{2,1,0} parameter(0)
+  %abs = f32[4,64,64]{2,1,0} abs(%p0)
+  %s0 = f32[1,64,64]{2,1,0} slice(%abs), slice={[0:1], [0:64], [0:64]}
+  %s3 = f32[1,64,64]{2,1,0} slice(%abs), slice={[3:4], [0:64], [0:64]}
+  %c = f32[] constant(-inf)
+  %r0 = f32[] reduce(%s0, %c), dimensions={0,1,2}, to_apply=%max
+  %r3 = f32[] reduce(%s3, %c), dimensions={0,1,2}, to_apply=%max
+  ROOT %t = (f32[], f32[]) tuple(%r0, %r3)
+}
+
+ENTRY %main (w: f32[4,64,64], g: f32[1,1]) -> (f32[], f32[]) {
+  %w = f32[4,64,64]{2,1,0} parameter(0)
+  %g = f32[1,1]{1,0} parameter(1)
+  %amaxes = (f32[], f32[]) fusion(%w), kind=kInput, calls=%fused_amaxes
+  %cast = (u8[64,32]{1,0}, u8[0]{0}) custom-call(%g, %w), custom_call_target="cast", metadata={op_name="q/reads_one_row_of_4/cast"}
+  ROOT %out = (f32[], f32[]) copy(%amaxes)
+}"""
+  traffic = {k.name: k.bytes for k in hlo.memory_kernels(hlo.Program(text))}
+  row = 64 * 64 * 4
+  assert traffic["amaxes"] == 2 * row + 2 * 4
+  assert traffic["cast"] == 4 + row + 64 * 32  # The scale, one row of the 4, the result.
+
+
 def test_replica_groups_and_the_links_they_use():
   assert hlo.replica_groups("x, replica_groups=[4,2]<=[2,4]T(1,0), y") == ((0, 4), (1, 5), (2, 6), (3, 7))
   assert hlo.replica_groups("x, replica_groups=[2,8]<=[16], y") == (tuple(range(8)), tuple(range(8, 16)))

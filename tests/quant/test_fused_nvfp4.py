@@ -78,6 +78,20 @@ def test_sharded_equals_one_device():
       assert full(got.data.sharding.spec) == full(spec) == full(got.scale_inv.sharding.spec)
 
 
+def test_a_stacked_kernels_row_is_cast_where_it_lies():
+  """`row_of`: a layer's row of stacked [L, R, C] kernels (float32, 16 x 16 tiles), read in place: the same bytes
+  as that row cast alone, on one device and sharded as FSDP shards a stacked kernel (its rows, a mesh axis)."""
+  stacked = jnp.stack([_tensor(s, (128, 256), jnp.float32) * (s + 1) for s in range(3)])
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+  for layer in range(3):
+    want = NVFP4Scaling(tile_2d=True).quantize(stacked[layer], axis=0)
+    cast = lambda w, i=layer: fused_nvfp4.quantize(w[i], tile_2d=True, axis=0, row_of=(w, i), interpret=True)
+    _same(jax.jit(cast)(stacked), want)
+    _same(jax.jit(cast)(jax.device_put(stacked, NamedSharding(mesh, P(None, "a", "b")))), want)
+  with pytest.raises(ValueError, match="is no"):
+    fused_nvfp4.quantize(stacked[0, :64], tile_2d=True, row_of=(stacked, 0), interpret=True)
+
+
 KEYS = (jax.random.key(1), jax.random.key(2))
 
 

@@ -3,6 +3,8 @@ dequantize-then-dot of per-tensor ones) against a float64 product of the same de
 three contraction layouts of a projection (forward, dgrad, wgrad) and the capacity layout's batched one, for
 shapes that need padding; and the platform rule."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,6 +85,25 @@ def test_nvfp4_tensor_scales_on_the_output_remove_the_bf16_rounding():
   new = product(a, b, dims, jnp.bfloat16, jnp.float32)
   assert _rel(new, ref) < F32_ERROR, _rel(new, ref)
   assert NVFP4_BF16_FOLDED_ERROR / 2 < _rel(folded, ref) < NVFP4_BF16_FOLDED_ERROR * 1.5, _rel(folded, ref)
+
+
+def test_a_bf16_result_takes_the_tensor_scale_in_bf16_a_weight_gradient_in_float32():
+  """quant/gemm.py's tensor-scale rule, on every path as cuDNN's GEMM takes it: the float32 accumulator of a
+  forward or dgrad result rounded to bf16 is multiplied by the tensor scales' product rounded to bf16 (cuDNN's
+  global scale has the result's dtype); a weight gradient's, even one reduced in bf16, by the float32 product.
+  The accumulator is the same GEMM with unit tensor scales."""
+  unit = lambda q: dataclasses.replace(q, global_scale_inv=jnp.ones_like(q.global_scale_inv))
+  for name, (a, b, dims) in _operands(Recipe("nvfp4")).items():
+    s = a.global_scale_inv * b.global_scale_inv
+    assert s.astype(jnp.bfloat16).astype(jnp.float32) != s  # These scales round: the test can tell.
+    acc = product(unit(a), unit(b), dims, jnp.bfloat16, jnp.float32)
+    f32_scale = (acc * s).astype(jnp.bfloat16)
+    bf16_scale = (acc * s.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16)
+    assert not np.array_equal(f32_scale, bf16_scale)
+    wgrad = name == "wgrad"
+    got = product(a, b, dims, jnp.bfloat16, jnp.bfloat16, weight_gradient=wgrad)
+    np.testing.assert_array_equal(got, f32_scale if wgrad else bf16_scale, err_msg=name)
+    np.testing.assert_array_equal(product(a, b, dims, jnp.bfloat16, jnp.float32, weight_gradient=wgrad), acc * s)
 
 
 def test_the_platform_rule():
