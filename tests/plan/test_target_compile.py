@@ -14,7 +14,9 @@ from ember import remat
 from ember.plan import hlo
 from ember.plan import target as target_lib
 from ember.plan.compile import compile_report
+from ember.names import STACKED_ROW_SCOPE
 from ember.quant import fused, fused_nvfp4
+from ember.quant.gemm import CUDNN_BLOCK_SCALED_GEMM
 from ember.trainer.perf import train_flops_per_step
 from ember.tools import compile as tool
 from tests.helpers import ROOT
@@ -111,17 +113,33 @@ def test_block_scaled_wgrad_is_written_as_its_reduce_scatter_reads_it(tmp_path):
   assert not transposed, transposed
 
 
-def test_nvfp4_weight_gradients_take_their_tensor_scales_on_their_shard(tmp_path):
-  """nvfp4, FSDP over 8 B200s (width 256): a weight gradient (float32) leaves cuDNN's GEMM unscaled and takes
-  its tensor scales after it, on the reduce-scattered shard, so no kernel of the GEMM's region writes a float32
-  result (the scales inside the region were a pass over every device's whole gradient)."""
+def test_nvfp4_gemms_take_their_scales_and_operands_without_passes_of_their_own(tmp_path):
+  """nvfp4, FSDP over 8 B200s (width 256):
+  - a weight gradient (float32) leaves cuDNN's GEMM unscaled and takes its tensor scales after it, on the
+    reduce-scattered shard, so no kernel of the GEMM's region writes a float32 result;
+  - every forward GEMM writes bf16 with the tensor scales as cuDNN's global scale (a fifth operand);
+  - no collective moves E2M1 data converted to float16 (the operands enter the GEMM as bytes);
+  - each layer's kernel is cast where it lies in the stacked kernels (layers unrolled, as llama3_8b's): no float32
+    copy of a layer's kernel."""
   path = tmp_path / "step.hlo"
   compile_report(config_lib.load(["compile", *TINY, "--config.quant.recipe=nvfp4", "--config.mesh.fsdp=8",
                                    "--config.train.batch_size=16", "--config.model.d_model=256",
-                                   "--config.model.d_ff=512"]), target_lib.parse("b200x8"), hlo_out=str(path))
+                                   "--config.model.d_ff=512", "--config.model.scan_layers=false"]),
+                 target_lib.parse("b200x8"), hlo_out=str(path))
   p = hlo.Program(path.read_text())
-  region = [p.by_name[k.name] for k in hlo.memory_kernels(p) if "block_scaled_gemm" in p.by_name[k.name].op_name]
+  kernels = [p.by_name[k.name] for k in hlo.memory_kernels(p)]
+  region = [i for i in kernels if "block_scaled_gemm" in i.op_name]
   assert region and not [i.shape for i in region if hlo.dtype_of(i.shape) == "f32"], [i.shape for i in region]
+  gemms = [i for i in p.by_name.values() if i.attribute("custom_call_target") == CUDNN_BLOCK_SCALED_GEMM]
+  forward = [i for i in gemms if "transpose(" not in i.op_name]
+  assert forward and all(hlo.dtype_of(i.shape) == "bf16" and len(i.operands) == 5 for i in forward), [
+      (i.shape, len(i.operands)) for i in forward]
+  assert not [c.shape for c in hlo.collective_ops(p) if hlo.dtype_of(c.shape) == "f16"]
+  assert [i for i in kernels if STACKED_ROW_SCOPE.format("") in i.op_name]
+  matrix = lambda shape: sum(d > 1 for d in hlo.dims_of(shape)) >= 2  # A kernel, not a norm's scale vector.
+  copied = [i.shape for i in kernels if i.op_name.endswith("unstack") and hlo.dtype_of(i.shape) == "f32"
+            and matrix(i.shape)]
+  assert not copied, copied
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8", "nvfp4"])
