@@ -25,3 +25,34 @@ def test_unrolled_layers_equal_the_scan(preset, recipe, devices):
   for (path, a), b in zip(flat, jax.tree.leaves(unrolled)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6 * float(np.max(np.abs(a))),
                                err_msg=jax.tree_util.keystr(path))
+
+
+def test_unrolled_layers_cast_each_kernel_from_its_own_row(monkeypatch):
+  """Unrolled NVFP4 layers hand each projection's tile cast the stacked kernels and the layer's row
+  (`Linear.stacked_kernel`; on a GPU the cast reads the row in place). With the cast run here (interpret mode:
+  the tile path made to apply to the float32 kernels on the CPU), the step equals, bit for bit, one whose casts
+  read each layer's kernel copied out, and every layer's row is read."""
+  from ember.layers import linear
+  from ember.quant import fused_nvfp4
+
+  rows = []
+  quantize = fused_nvfp4.quantize
+
+  def cast(a, row_of=None, **kw):
+    rows.append(None if row_of is None else row_of[1])
+    return quantize(a, row_of=row_of, **{**kw, "interpret": True})
+
+  kernels_only = lambda layout, recipe, stats, *ops: layout.transposed and all(o.dtype == np.float32 for o in ops)
+  monkeypatch.setattr(fused_nvfp4, "one_pass", kernels_only)
+  monkeypatch.setattr(fused_nvfp4, "casts_kernel_tiles", lambda recipe: True)
+  monkeypatch.setattr(fused_nvfp4, "quantize", cast)
+  overrides = {"quant.recipe": "nvfp4", "model.num_layers": 3, "model.scan_layers": False, "train.batch_size": 4}
+  batch = random_batch(config("tiny", **overrides))
+  in_place = one_step(config("tiny", **overrides), batch, 1)
+  assert sorted(set(rows)) == [0, 1, 2], rows
+  monkeypatch.setattr(linear, "stacked_kernels", lambda blocks: {})
+  rows.clear()
+  copied = one_step(config("tiny", **overrides), batch, 1)
+  assert rows and set(rows) == {None}
+  for a, b in zip(jax.tree.leaves(in_place), jax.tree.leaves(copied)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
