@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import platform
+from ember.quant.partitioning import entry_axes
 from ember.quant.varying import manual_axes
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -35,11 +36,6 @@ def rules_dict(rules) -> dict[str, tuple[str, ...]]:
     else:
       out[logical] = tuple(mesh_axes)
   return out
-
-
-def entry_axes(entry) -> tuple[str, ...]:
-  """The mesh axes one PartitionSpec entry names (None, an axis, or a tuple of axes)."""
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def logical_to_spec(names: Sequence[str | None], rules: dict, mesh: Mesh | None = None) -> P:

@@ -219,8 +219,7 @@ def _scaled_matmul_with_global_scale(a, b, a_scale, b_scale, global_scale):
 
 
 def _overlap(x, y) -> bool:
-  as_set = lambda s: set() if s is None else {s} if isinstance(s, str) else set(s)
-  return bool(as_set(x) & as_set(y))
+  return bool(set(partitioning.entry_axes(x)) & set(partitioning.entry_axes(y)))
 
 
 @partitioning.rule
@@ -265,7 +264,7 @@ def _gathered_by_rows(rows, contraction, summed, mesh, data, scale):
   over those axes; else None."""
   if summed is not None or contraction is None or rows is not None or not partitioning.collectives(mesh):
     return None
-  axes = (contraction,) if isinstance(contraction, str) else tuple(contraction)
+  axes = partitioning.entry_axes(contraction)
   size = math.prod(mesh.shape[a] for a in axes)
   return axes if data.shape[1] % size == 0 and scale.shape[1] % size == 0 else None
 

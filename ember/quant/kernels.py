@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ember.platform import target_platform, traced_device_count
+from ember.quant import partitioning
 from ember.quant.formats import E4M3
 
 
@@ -75,5 +76,5 @@ def block_sharded_axes(mesh, shape, block: int) -> tuple:
 
 
 def _whole_blocks(entry, size: int, mesh, block: int) -> bool:
-  shards = math.prod(mesh.shape[a] for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry))
+  shards = math.prod(mesh.shape[a] for a in partitioning.entry_axes(entry))
   return size % shards == 0 and (size // shards) % block == 0

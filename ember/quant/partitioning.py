@@ -37,6 +37,11 @@ def rule(fn):
   return wrapped
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+  """The mesh axes one PartitionSpec entry names (None, an axis, or a tuple of axes)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def collectives(mesh: Mesh) -> bool:
   """Whether a rule handed `mesh` may reduce over its axes: not over a replica group's own mesh."""
   return not any(a.startswith(_GROUP_AXIS) for a in mesh.axis_names)

@@ -144,7 +144,7 @@ ENTRY %main (w: f32[4,64,64], g: f32[1,1]) -> (f32[], f32[]) {
   %w = f32[4,64,64]{2,1,0} parameter(0)
   %g = f32[1,1]{1,0} parameter(1)
   %amaxes = (f32[], f32[]) fusion(%w), kind=kInput, calls=%fused_amaxes
-  %cast = (u8[64,32]{1,0}, u8[0]{0}) custom-call(%g, %w), custom_call_target="cast", metadata={op_name="q/reads_one_row_of_4/cast"}
+  %cast = (u8[64,32], u8[0]) custom-call(%g, %w), custom_call_target="c", metadata={op_name="reads_one_row_of_4/c"}
   ROOT %out = (f32[], f32[]) copy(%amaxes)
 }"""
   traffic = {k.name: k.bytes for k in hlo.memory_kernels(hlo.Program(text))}
