@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -327,29 +327,50 @@ class Transformer(nnx.Module):
     return self.final_norm(x), new_cache
 
   def head(self, h_BxCxD, key=None):
-    """Logits (float32) for a chunk of final hidden states: the whole vocab at once (inference; training
-    applies the head slice by slice, `head_parts`)."""
-    w_DxV, logits = self.head_parts()
-    return shard(logits(h_BxCxD, w_DxV, key), (BATCH, LENGTH, VOCAB))
+    """Logits (float32) for a chunk of final hidden states (inference; training applies the head chunk by
+    chunk inside the loss, `head_parts`)."""
+    head = self.head_parts()
+    return shard(head.logits(h_BxCxD, head.weight, key), (BATCH, LENGTH, VOCAB))
 
-  def head_parts(self):
-    """The LM head as (weight [D, V], logits), `logits(h [B, C, D], w [D, V'], key)` giving float32 logits
-    for any vocab slice `w` of that weight: a pure function, which the loss calls once per slice
-    (ember/trainer/loss.py)."""
+  def head_parts(self) -> Head:
+    """The LM head as the loss applies it, once per token chunk (ember/trainer/loss.py)."""
     if self.tie_embeddings:
-      return self.embed.embedding[...].T, functools.partial(_tied_logits, wgrad_dtype=self.tied_wgrad_dtype)
+      return Head(functools.partial(_tied_logits, wgrad_dtype=self.tied_wgrad_dtype), self.embed.embedding[...].T,
+                  read_dtype=self.embed.dtype, reduce_dtype=self.tied_wgrad_dtype)
     head = self.lm_head
-    return head.kernel[...], functools.partial(_linear_logits, recipe=head.recipe, dtype=head.dtype)
+    kernel = head.kernel[...]
+    return Head(functools.partial(_linear_logits, recipe=head.recipe, dtype=head.dtype), kernel,
+                read_dtype=kernel.dtype if head.recipe.quantized else head.dtype,
+                reduce_dtype=head.recipe.wgrad_out(kernel.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+  """The LM head as the loss applies it (ember/trainer/loss.py).
+
+  `logits(h [B, C, D], w [D, V], key)`: float32 logits, a pure function (the loss calls it once per token chunk
+  and takes its VJP); `weight`: the parameter [D, V]; `read_dtype`: the dtype its GEMMs read the weight in (the
+  compute dtype of an unquantized head; the parameter's own where a recipe quantizes it from there), which the
+  loss gathers it in; `reduce_dtype`: what its weight gradient is reduced across devices in (Recipe.wgrad_out)."""
+  logits: Callable
+  weight: jax.Array
+  read_dtype: jnp.dtype
+  reduce_dtype: jnp.dtype
 
 
 def _tied_logits(h_BxCxD, w_DxV, key=None, *, wgrad_dtype):
   del key  # The tied head is never quantized.
   b, c, d = h_BxCxD.shape
-  return dot.float32_logits(h_BxCxD.reshape(b * c, d), w_DxV, h_BxCxD.dtype, wgrad_dtype).reshape(b, c, -1)
+  return dot.head_matmul(h_BxCxD.reshape(b * c, d), w_DxV, dtype=h_BxCxD.dtype,
+                         wgrad_dtype=wgrad_dtype).reshape(b, c, -1)
 
 
 def _linear_logits(h_BxCxD, w_DxV, key=None, *, recipe, dtype):
   b, c, d = h_BxCxD.shape
-  y = dot.quantized_matmul(h_BxCxD.reshape(b * c, d), w_DxV, recipe=recipe, name=LM_HEAD,
-                           key=projection_key(key, LM_HEAD), dtype=dtype)
+  if recipe.quantized:
+    y = dot.quantized_matmul(h_BxCxD.reshape(b * c, d), w_DxV, recipe=recipe, name=LM_HEAD,
+                             key=projection_key(key, LM_HEAD), dtype=dtype)
+  else:  # Logits rounded to the compute dtype, as a projection's output.
+    y = dot.head_matmul(h_BxCxD.reshape(b * c, d), w_DxV, dtype=dtype, wgrad_dtype=recipe.wgrad_out(w_DxV.dtype),
+                        out_dtype=dtype)
   return y.reshape(b, c, -1).astype(jnp.float32)

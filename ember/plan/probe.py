@@ -33,7 +33,7 @@ from ember.layers.decoder import rows_by_layer, stacked_like, tree_leaves, withi
 from ember.names import INPUTS, LM_HEAD, POSITIONS, SEGMENT_IDS
 from ember.quant import quantize
 from ember.trainer import muon
-from ember.trainer.loss import vocab_slices
+from ember.trainer.loss import num_chunks
 from ember.trainer.state import abstract_init, logical_axes, stats_inputs, step_key
 from ember.trainer.step import forward_loss
 
@@ -144,23 +144,25 @@ def _gradient_fn(settings):
 
 @functools.lru_cache(maxsize=64)
 def _head_error_fn(settings):
-  """The jitted (sum of (y - y_ref)^2, sum of y_ref^2) of the LM head's logits, vocab slice by vocab slice as the
+  """The jitted (sum of (y - y_ref)^2, sum of y_ref^2) of the LM head's logits, token chunk by token chunk as the
   loss computes them (ember/trainer/loss.py), on the model's own final hidden states."""
   graphdef = logical_axes(settings)[0]
 
   def sums(params, quant_state, errors_in, batch, key):
     model = nnx.merge(graphdef, params, quant_state, *([errors_in] if errors_in else []))
     hidden, _ = model(batch[INPUTS], batch[SEGMENT_IDS], batch[POSITIONS], key=key)
-    w_DxV, logits = model.head_parts()
-    h32 = hidden.astype(jnp.float32)
+    head = model.head_parts()
+    b, length, d = hidden.shape
+    n = num_chunks(length, settings.train.loss_chunk_size)
+    chunks = jnp.moveaxis(hidden.reshape(b, length // n, n, d), 2, 0)
+    w32 = head.weight.astype(jnp.float32)
 
-    def body(total, w_DxC):
-      y = logits(hidden, w_DxC, key)
-      y_ref = jnp.einsum("bld,dc->blc", h32, w_DxC.astype(jnp.float32))
+    def body(total, h):
+      y = head.logits(h, head.weight, key)
+      y_ref = jnp.einsum("bld,dv->blv", h.astype(jnp.float32), w32)
       return total + jnp.stack([jnp.sum(jnp.square(y - y_ref)), jnp.sum(jnp.square(y_ref))]), None
 
-    slices = vocab_slices(w_DxV, hidden.shape[1], settings.train.loss_chunk_size)
-    return jax.lax.scan(body, jnp.zeros((2,), jnp.float32), slices)[0]
+    return jax.lax.scan(body, jnp.zeros((2,), jnp.float32), chunks)[0]
 
   return jax.jit(sums)
 

@@ -44,7 +44,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   where it lies in stacked kernels (quant/core.py), or None."""
   dtype = jnp.dtype(dtype)
   if not recipe.quantized:
-    return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype), dtype)
+    return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype), dtype, dtype)
   # The [3, H] and [3, S] arrays as (x, kernel, grad) rows; autodiff stacks their cotangents back.
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
   # Inside a step's data-parallel shard_map (trainer/step.py) x and its gradient hold one replica's rows: their
@@ -112,18 +112,19 @@ def contract_first(a_MxK, b_MxN, out=jnp.float32):
   return y.astype(out)
 
 
-def float32_logits(x_MxK: jax.Array, w_KxN: jax.Array, dtype=jnp.bfloat16, wgrad_dtype=jnp.float32) -> jax.Array:
-  """x @ w as float32 logits from `dtype` operands, for a head that is never quantized (tied embeddings):
-  the forward GEMM writes float32, and its backward runs on `dtype` operands like every other projection's,
-  the logits' cotangent rounded to `dtype` (see `_unquantized`). Autodiff of the plain dot runs dgrad and
-  wgrad as float32 x float32 GEMMs instead: the 1b preset's tied head did so on an H100, 4 of the step's
-  GEMMs (17 of its 130 TFLOP) at TF32's rate on twice the bytes. `wgrad_dtype`: what the weight-gradient GEMM
-  writes (Recipe.wgrad_out, as for every other projection)."""
-  return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), jnp.dtype(wgrad_dtype), jnp.dtype(jnp.float32))
+def head_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, dtype, wgrad_dtype, out_dtype=jnp.float32) -> jax.Array:
+  """x @ w for an unquantized LM head (tied or not), from `dtype` operands, written in `out_dtype`: its backward
+  runs on `dtype` operands like every other projection's, the logits' cotangent rounded to `dtype` (see
+  `_unquantized`). Autodiff of the plain dot runs dgrad and wgrad as float32 x float32 GEMMs instead: the 1b
+  preset's tied head did so on an H100, 4 of the step's GEMMs (17 of its 130 TFLOP) at TF32's rate on twice the
+  bytes. `w` comes in its own dtype and its gradient leaves in it unrounded, as `wgrad_dtype` (Recipe.wgrad_out)
+  wrote it: the loss sums the head's gradient over its token chunks (ember/trainer/loss.py), in float32 and
+  in the GEMM itself (a cuBLAS GEMM accumulating into its output), which a rounding between would prevent."""
+  return _unquantized(x_MxK.astype(dtype), w_KxN, jnp.dtype(wgrad_dtype), jnp.dtype(out_dtype), w_KxN.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _unquantized(x_MxK, w_KxN, wgrad_dtype, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _unquantized(x_MxK, w_KxN, wgrad_dtype, out_dtype, w_dtype):
   """x @ w in the operands' (compute) dtype with f32 accumulation, written in `out_dtype`: by the GEMM itself
   on GPUs (quant/gemm.py's `output_dtype`, the rule of every GEMM whose consumer reads bf16), in float32 and
   then rounded on the CPU (the reference).
@@ -131,21 +132,24 @@ def _unquantized(x_MxK, w_KxN, wgrad_dtype, out_dtype):
   The custom VJP keeps the backward GEMMs on compute-dtype operands: autodiff of the plain dot would
   pair the f32 cotangent of `preferred_element_type=f32` with the operand and XLA would run dgrad and
   wgrad as f32 x f32 GEMMs. The cotangent of a bf16 output is bf16-exact, so casting it back changes no
-  value; a float32 output's (`float32_logits`) is rounded to the compute dtype there. Both GEMMs accumulate in
+  value; a float32 output's (`head_matmul`) is rounded to the compute dtype there. Both GEMMs accumulate in
   f32 and are rounded to the compute dtype, as autodiff of the plain dot rounds them. wgrad writes
   `wgrad_dtype` (Recipe.wgrad_out): the weight's own (float32: under FSDP XLA reduce-scatters the f32 sum,
-  before any rounding) or bfloat16 (the reduction in bf16)."""
-  return jnp.dot(x_MxK, w_KxN, preferred_element_type=output_dtype(out_dtype)).astype(out_dtype)
+  before any rounding) or bfloat16 (the reduction in bf16). `w_dtype`: the dtype `w_KxN` comes in and its
+  gradient leaves in; w is cast to x's dtype inside (a projection hands it cast already: its cast copy is then
+  the residual XLA gathered for the forward GEMM; `head_matmul` hands the parameter's, so its gradient is not
+  rounded to the compute dtype)."""
+  return jnp.dot(x_MxK, w_KxN.astype(x_MxK.dtype), preferred_element_type=output_dtype(out_dtype)).astype(out_dtype)
 
 
-def _unquantized_fwd(x_MxK, w_KxN, wgrad_dtype, out_dtype):
-  return _unquantized(x_MxK, w_KxN, wgrad_dtype, out_dtype), (x_MxK, w_KxN)
+def _unquantized_fwd(x_MxK, w_KxN, wgrad_dtype, out_dtype, w_dtype):
+  return _unquantized(x_MxK, w_KxN, wgrad_dtype, out_dtype, w_dtype), (x_MxK, w_KxN.astype(x_MxK.dtype))
 
 
-def _unquantized_bwd(wgrad_dtype, out_dtype, res, g_MxN):
+def _unquantized_bwd(wgrad_dtype, out_dtype, w_dtype, res, g_MxN):
   x_MxK, w_KxN = res
   g_MxN = g_MxN.astype(x_MxK.dtype)
-  return contract_last(g_MxN, w_KxN, x_MxK.dtype), contract_first(x_MxK, g_MxN, wgrad_dtype).astype(w_KxN.dtype)
+  return contract_last(g_MxN, w_KxN, x_MxK.dtype), contract_first(x_MxK, g_MxN, wgrad_dtype).astype(w_dtype)
 
 
 _unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)

@@ -1,64 +1,49 @@
-"""Next-token cross-entropy over vocab slices, so [batch, length, vocab] logits never exist.
+"""Next-token cross-entropy and its gradient in one pass over token chunks, so [batch, length, vocab] logits
+never exist and the LM head's forward GEMM runs once.
 
-The LM head's weight [D, V] is cut into `n` vocab slices (slice c holds columns c, c + n, c + 2n, ...:
-strided, so a vocab axis sharded over `tensor` stays sharded inside every slice). The forward pass
-runs the head one slice at a time and folds each [batch, length, V/n] block into a running
-log-sum-exp; the backward pass (a custom VJP) recomputes each slice's logits, forms its softmax
-gradient from the saved log-sum-exp, and runs the head's own backward on it.
+The tokens are cut into `n` chunks (chunk c holds positions c, c + n, c + 2n, ... of every row: strided, so a
+length axis split over `context` stays split inside every chunk, and a chunk is the same tokens on any mesh).
+For each chunk the head runs once: its full-vocab logits give the chunk's log-sum-exp, NLL and z-loss and, at
+once, the loss's gradient with respect to those logits, which the head's own backward (its VJP: quantized like
+its forward where the recipe quantizes the head) turns into the chunk's hidden-state gradient and its share of
+the head's weight gradient. The custom VJP keeps those gradients, not logits: the backward pass only scales them
+by the loss's cotangent (the gradient is computed for the loss divided by the step's tokens, so in a train step
+that cotangent is 1), as fused cross-entropy kernels do. The head's GEMMs: one forward, one dgrad, one wgrad.
 
-Why slices of the vocab rather than chunks of the sequence: every sequence chunk contributes to the
-whole head gradient, so chunking the sequence accumulates (and, under data parallelism, reduces) the
-f32 [D, V] gradient once per chunk. A vocab slice's gradient is complete after its one backward
-step, so the head's gradient is computed, and reduce-scattered, exactly once a step; what is summed
-over slices is the hidden state's gradient, [batch, length, D] in float32.
+The weight gradient sums over every token. Summed chunk by chunk by the compiler, each chunk's partial sum would
+be reduced across the devices the tokens are split over (n reductions of the whole [D, V] float32 gradient a
+step). So the chunks run in a shard_map over the mesh axes that split the tokens (the batch's and the length's):
+each device sums its own tokens' shares locally ([D, V] in float32, the head's weight read whole on each device,
+in the dtype its GEMMs read), and the sums leave the map stacked, one per device, to be summed once, after the
+loop, where the compiler reduce-scatters them to the weight's sharding (in `Head.reduce_dtype`: bf16 with
+train.grad_reduce_dtype=bfloat16, as every projection's weight gradient).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from ember.layers.decoder import Head
 from ember.names import BATCH, EMBED, LENGTH, LM_HEAD, VOCAB
-from ember.parallel.sharding import shard
+from ember.parallel.sharding import active_mesh, active_rules, entry_axes, logical_to_spec, shard, shard_map
+from ember.quant.varying import manual_axes
 
 F32 = jnp.float32
 
 
-def num_slices(length: int, vocab: int, chunk_size: int) -> int:
-  """Vocab slices for a `chunk_size` budget: one slice's logits hold as many values as `chunk_size`
-  tokens' full-vocab logits (0 or >= length: one slice)."""
+def num_chunks(length: int, chunk_size: int) -> int:
+  """Token chunks of a `length`-token row for a `chunk_size` budget: each chunk's logits hold about as many values
+  as `chunk_size` tokens' full-vocab logits (0 or >= length: one chunk). The smallest count of at least
+  ceil(length / chunk_size) that divides `length` (each chunk strides the row evenly)."""
   if not chunk_size or chunk_size >= length:
     return 1
-  return min(-(-length // chunk_size), vocab)
-
-
-def cross_entropy(hidden_BxLxD, targets_BxL, weights_BxL, w_DxV, logits: Callable, *, key=None,
-                  chunk_size: int = 0, count=None):
-  """Returns (mean next-token NLL, mean log(Z)^2) over tokens with weight > 0.
-
-  `logits(h [B, L, D], w [D, C], key)` is the LM head applied to a vocab slice `w` of its weight
-  `w_DxV` (float32 logits [B, L, C]); it must be a pure function of its arguments (it is called in
-  both passes). `chunk_size` bounds the live logits (see `num_slices`). `count`: the denominator, when
-  these tokens are one micro-batch of a larger step (its weighted tokens); default these tokens' own.
-  """
-  vocab = w_DxV.shape[1]
-  w_NxDxC = vocab_slices(w_DxV, hidden_BxLxD.shape[1], chunk_size)
-  weights_BxL = weights_BxL.astype(F32)
-  nll_sum, z_sum = _sliced_sums(logits, vocab, hidden_BxLxD, w_NxDxC, targets_BxL, weights_BxL, key)
-  count = token_count(weights_BxL) if count is None else count
-  return nll_sum / count, z_sum / count
-
-
-def vocab_slices(w_DxV, length: int, chunk_size: int):
-  """The head's weight as its `num_slices` strided vocab slices [n, D, V/n] (zero columns pad the last)."""
-  d, vocab = w_DxV.shape
-  n = num_slices(length, vocab, chunk_size)
-  pad = -vocab % n
-  w_DxV = jnp.pad(w_DxV, ((0, 0), (0, pad))) if pad else w_DxV
-  return shard(jnp.moveaxis(w_DxV.reshape(d, (vocab + pad) // n, n), 2, 0), (None, EMBED, VOCAB))
+  return next(n for n in range(-(-length // chunk_size), length + 1) if length % n == 0)
 
 
 def token_count(weights_BxL):
@@ -66,70 +51,146 @@ def token_count(weights_BxL):
   return jnp.maximum(jnp.sum(weights_BxL.astype(F32)), 1.0)
 
 
-def _slice_logits(logits: Callable, vocab: int, n: int, h, w_DxC, c, key):
-  """Float32 logits of slice `c` (vocab columns c + n * j); padding columns are -inf. Scoped `lm_head`, so
-  the compiled step's ops of the head (its GEMMs, gathers and gradient reductions) are found by name."""
+def cross_entropy(hidden_BxLxD, targets_BxL, weights_BxL, head: Head, *, key=None, chunk_size: int = 0,
+                  count=None, z_loss_weight: float = 0.0):
+  """(loss, ce, z): ce the weighted mean next-token NLL, z the weighted mean log(Z)^2 over tokens with weight > 0,
+  loss = ce + z_loss_weight * z. Only `loss` carries a gradient (ce and z are its parts, to log).
+
+  `chunk_size` bounds the live logits (`num_chunks`, of each device's share of the length). `count`: the
+  denominator, when these tokens are one micro-batch of a larger step (its weighted tokens); default these
+  tokens' own."""
+  weights_BxL = weights_BxL.astype(F32)
+  count = token_count(weights_BxL) if count is None else jnp.asarray(count, F32)
+  plan = _Plan(head.logits, float(z_loss_weight), chunk_size, jnp.dtype(head.read_dtype),
+               jnp.dtype(head.reduce_dtype), hidden_BxLxD.dtype, head.weight.dtype)
+  loss, ce, z = _fused(plan, hidden_BxLxD, head.weight, targets_BxL, weights_BxL, count, key)
+  return loss, jax.lax.stop_gradient(ce), jax.lax.stop_gradient(z)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What `_fused` is traced for (its static argument)."""
+  logits: Callable
+  z_loss_weight: float
+  chunk_size: int
+  read_dtype: jnp.dtype
+  reduce_dtype: jnp.dtype
+  h_dtype: jnp.dtype
+  w_dtype: jnp.dtype
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(plan: _Plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key):
+  """(loss, ce, z), as `cross_entropy` returns them."""
+  return _run(plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key, grads=False)[0]
+
+
+def _fused_fwd(plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key):
+  out, dh_BxLxD, dw_SxDxV = _run(plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key, grads=True)
+  return out, (dh_BxLxD, dw_SxDxV)
+
+
+def _fused_bwd(plan, residuals, g):
+  dh_BxLxD, dw_SxDxV = residuals
+  g_loss = g[0]  # ce and z leave `cross_entropy` through stop_gradient: their cotangents are zeros.
+  dh = shard((dh_BxLxD * g_loss).astype(plan.h_dtype), (BATCH, LENGTH, EMBED))
+  # One sum over the devices' shares (a reduce-scatter to the weight's sharding), in the reduction's dtype.
+  dw = jnp.sum((dw_SxDxV * g_loss).astype(plan.reduce_dtype), axis=0, dtype=plan.reduce_dtype)
+  dw = shard(dw.astype(plan.w_dtype), (EMBED, VOCAB))
+  return dh, dw, None, None, None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def token_axes() -> tuple[str, ...]:
+  """The mesh axes, not already manual, that split the tokens (the batch's and the length's): the loss's map."""
+  mesh, rules = active_mesh(), active_rules()
+  if mesh is None:
+    return ()
+  manual = manual_axes()
+  spec = logical_to_spec((BATCH, LENGTH), rules, mesh)
+  return tuple(a for entry in spec for a in entry_axes(entry) if a not in manual)
+
+
+def _run(plan: _Plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key, grads: bool):
+  """((loss, ce, z), dh [B, L, D] in h's dtype or None, dw [devices, D, V] float32 or None) over the token chunks,
+  in a shard_map over `token_axes` (none: on the arrays as they are)."""
+  axes = token_axes()
+  w_read = w_DxV.astype(plan.read_dtype)  # Gathered as the GEMMs read it.
+  # Inside the step's replicas' map (parallel/sharding.py's `shard_map`) values carry no varying-axes types.
+  vary = bool(axes) and not manual_axes()
+  local = functools.partial(_local, plan, axes=axes, vary=vary, grads=grads)
+  if not axes:
+    return local(h_BxLxD, w_read, targets_BxL, weights_BxL, count, key)
+  mesh, rules = active_mesh(), active_rules()
+  rows = P(*(tuple(a for a in entry_axes(e) if a in axes) or None
+             for e in logical_to_spec((BATCH, LENGTH), rules, mesh)))
+  stacked = P(axes if len(axes) > 1 else axes[0], None, None)
+  mapped = shard_map(lambda h, w, t, wt, c: local(h, w, t, wt, c, key), mesh=mesh,
+                     in_specs=(P(*rows, None), P(), rows, rows, P()),
+                     out_specs=((P(), P(), P()), P(*rows, None) if grads else None, stacked if grads else None),
+                     axis_names=set(axes))
+  return mapped(h_BxLxD, w_read, targets_BxL, weights_BxL, count)
+
+
+def _local(plan: _Plan, h_BxLxD, w_read, targets_BxL, weights_BxL, count, key, *, axes, vary: bool, grads: bool):
+  """`_run` on each device's tokens (`axes`: the map's, summed over at the end; `vary`: the map types values by
+  the axes they vary over)."""
+  b, l, d = h_BxLxD.shape
+  n = num_chunks(l, plan.chunk_size)
+  # Chunk c: the positions c, c + n, ... (strided: [B, L / n, n, ...], index c on axis 2).
+  h4 = h_BxLxD.reshape(b, l // n, n, d)
+  t3, wt3 = targets_BxL.reshape(b, l // n, n), weights_BxL.reshape(b, l // n, n)
+  chunk = lambda a, c: jax.lax.dynamic_index_in_dim(a, c, axis=2, keepdims=False)
+  # The weight varies over the map's axes, so its gradient is each device's own partial sum (the transpose of
+  # an invariant input would sum it over them, once a chunk).
+  w_in = jax.lax.pcast(w_read, axes, to="varying") if vary else w_read
+
+  def one_chunk(c):
+    """(the chunk's [NLL sum, z sum], its dh in h's dtype, its dw in float32), no gradients without `grads`."""
+    h, targets, weights = chunk(h4, c), chunk(t3, c), chunk(wt3, c)
+    apply = lambda h, w: _logits(plan.logits, h, w, key)
+    # The VJP is taken at the weight in its own dtype, so the chunk's weight gradient is too; the cast is made
+    # here, beside the head's cast back to `read_dtype`, so the compiler drops the exact round trip.
+    w = w_in.astype(plan.w_dtype)
+    if grads:
+      out, head_vjp = jax.vjp(apply, h, w)
+    else:
+      out = apply(h, w)
+    lse = jax.nn.logsumexp(out, axis=-1)
+    hit = jax.lax.broadcasted_iota(jnp.int32, out.shape, 2) == targets[..., None]
+    target_logit = jnp.sum(jnp.where(hit, out, 0.0), axis=-1)
+    sums = jnp.stack([jnp.sum((lse - target_logit) * weights), jnp.sum(lse * lse * weights)])
+    if not grads:
+      return sums, None, None
+    # d/dlogits of (w * (lse - target) + z_w * w * lse^2) / count: w (1 + 2 z_w lse) softmax - w onehot, / count.
+    softmax_coeff = (weights * (1.0 + 2.0 * plan.z_loss_weight * lse) / count)[..., None]
+    d_out = softmax_coeff * jnp.exp(out - lse[..., None]) - jnp.where(hit, (weights / count)[..., None], 0.0)
+    dh, dw = head_vjp(d_out)
+    return sums, dh.astype(h_BxLxD.dtype), dw.astype(F32)
+
+  # Chunk 0 starts the sums (no zeros written for the [D, V] accumulator); the others add to them, each weight
+  # gradient in its GEMM (cuBLAS accumulates into the carried sum), and hand out their dh.
+  sums, dh0, dw = one_chunk(0)
+
+  def body(carry, c):
+    sums, dw = carry
+    sums_c, dh, dw_c = one_chunk(c)
+    return (sums + sums_c, None if dw is None else dw + dw_c), dh
+
+  (sums, dw), dh_rest = jax.lax.scan(body, (sums, dw), jnp.arange(1, n))
+  if axes:
+    sums = jax.lax.psum(sums, axes)
+  nll_sum, z_sum = sums[0], sums[1]
+  out = ((nll_sum + plan.z_loss_weight * z_sum) / count, nll_sum / count, z_sum / count)
+  if not grads:
+    return out, None, None
+  dh_NxBxCxD = jnp.concatenate([dh0[None], dh_rest])  # [n, B, L / n, D]: back to the positions' order.
+  return out, jnp.moveaxis(dh_NxBxCxD, 0, 2).reshape(b, l, d), dw[None]
+
+
+def _logits(logits: Callable, h_BxCxD, w_DxV, key):
+  """Float32 logits of a chunk, scoped `lm_head` (the compiled step's ops of the head are found by name)."""
   with jax.named_scope(LM_HEAD):
-    out_BxLxC = shard(logits(h, w_DxC, key).astype(F32), (BATCH, LENGTH, VOCAB))
-  if vocab % n:
-    column = c + n * jax.lax.broadcasted_iota(jnp.int32, out_BxLxC.shape, 2)
-    out_BxLxC = jnp.where(column < vocab, out_BxLxC, -jnp.inf)
-  return out_BxLxC
-
-
-def _target_in_slice(targets_BxL, c, n, size: int):
-  """[B, L, C] one-hot of each token's target within slice `c` (all False where it lies in another)."""
-  position = jax.lax.broadcasted_iota(jnp.int32, (*targets_BxL.shape, size), 2)
-  return ((targets_BxL % n == c)[..., None]) & (position == (targets_BxL // n)[..., None])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sliced_sums(logits, vocab, h_BxLxD, w_NxDxC, targets_BxL, weights_BxL, key):
-  """(sum of weighted NLL, sum of weighted log(Z)^2)."""
-  return _sliced_sums_fwd(logits, vocab, h_BxLxD, w_NxDxC, targets_BxL, weights_BxL, key)[0]
-
-
-def _sliced_sums_fwd(logits, vocab, h_BxLxD, w_NxDxC, targets_BxL, weights_BxL, key):
-  n, _, size = w_NxDxC.shape
-  rows = lambda x: shard(x, (BATCH, LENGTH))
-
-  def body(carry, xs):
-    running_max, scaled_sum, target_logit = carry
-    c, w_DxC = xs
-    out = _slice_logits(logits, vocab, n, h_BxLxD, w_DxC, c, key)
-    new_max = jnp.maximum(running_max, jnp.max(out, axis=-1))
-    scaled_sum = scaled_sum * jnp.exp(running_max - new_max) + jnp.sum(jnp.exp(out - new_max[..., None]), axis=-1)
-    hit = _target_in_slice(targets_BxL, c, n, size)
-    target_logit = target_logit + jnp.sum(jnp.where(hit, out, 0.0), axis=-1)
-    return (rows(new_max), rows(scaled_sum), rows(target_logit)), None
-
-  zeros = rows(jnp.zeros(targets_BxL.shape, F32))
-  init = (rows(jnp.full(targets_BxL.shape, -jnp.inf, F32)), zeros, zeros)
-  (running_max, scaled_sum, target_logit), _ = jax.lax.scan(body, init, (jnp.arange(n), w_NxDxC))
-  lse_BxL = running_max + jnp.log(scaled_sum)
-  sums = (jnp.sum((lse_BxL - target_logit) * weights_BxL), jnp.sum(lse_BxL * lse_BxL * weights_BxL))
-  return sums, (h_BxLxD, w_NxDxC, targets_BxL, weights_BxL, key, lse_BxL)
-
-
-def _sliced_sums_bwd(logits, vocab, residuals, g):
-  h_BxLxD, w_NxDxC, targets_BxL, weights_BxL, key, lse_BxL = residuals
-  n, _, size = w_NxDxC.shape
-  g_nll, g_z = g
-  # d/dlogits of w * (lse - target) and of w * lse^2: (w * (g_nll + 2 g_z lse)) * softmax - w * g_nll * onehot.
-  softmax_coeff = (weights_BxL * (g_nll + 2.0 * g_z * lse_BxL))[..., None]
-  target_coeff = (weights_BxL * g_nll)[..., None]
-
-  def body(dh_BxLxD, xs):
-    c, w_DxC = xs
-    out, head_vjp = jax.vjp(lambda h, w: _slice_logits(logits, vocab, n, h, w, c, key), h_BxLxD, w_DxC)
-    hit = _target_in_slice(targets_BxL, c, n, size)
-    d_out = softmax_coeff * jnp.exp(out - lse_BxL[..., None]) - jnp.where(hit, target_coeff, 0.0)
-    dh, dw_DxC = head_vjp(d_out)
-    return shard(dh_BxLxD + dh.astype(F32), (BATCH, LENGTH, EMBED)), dw_DxC
-
-  dh0 = shard(jnp.zeros(h_BxLxD.shape, F32), (BATCH, LENGTH, EMBED))
-  dh_BxLxD, dw_NxDxC = jax.lax.scan(body, dh0, (jnp.arange(n), w_NxDxC))
-  return dh_BxLxD.astype(h_BxLxD.dtype), dw_NxDxC, None, None, None
-
-
-_sliced_sums.defvjp(_sliced_sums_fwd, _sliced_sums_bwd)
+    return shard(logits(h_BxCxD, w_DxV, key).astype(F32), (BATCH, LENGTH, VOCAB))

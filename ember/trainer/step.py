@@ -59,10 +59,9 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
   inputs, segment_ids, positions, targets = _batch_views(batch)
   hidden, aux = model(inputs, segment_ids, positions, key=key, policy=policy)
   weights = (segment_ids > 0).astype(jnp.float32)
-  w_head, logits = model.head_parts()
-  ce, z = cross_entropy(hidden, targets, weights, w_head, logits, key=key, chunk_size=cfg.train.loss_chunk_size,
-                        count=count)
-  total = ce + cfg.train.z_loss_weight * z
+  total, ce, z = cross_entropy(hidden, targets, weights, model.head_parts(), key=key,
+                               chunk_size=cfg.train.loss_chunk_size, count=count,
+                               z_loss_weight=cfg.train.z_loss_weight)
   metrics = {"loss": ce, "z_loss": z}
   num_moe = cfg.model.num_moe_layers
   if num_moe:  # Dense models log no MoE keys (they would always be zero).

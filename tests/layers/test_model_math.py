@@ -128,7 +128,7 @@ def test_a_tied_heads_backward_gemms_take_bf16_operands():
     walk(jaxpr.jaxpr)
     return found
 
-  _, logits = model.head_parts()
+  logits = model.head_parts().logits
   assert dots(lambda h, w: logits(h, w.T)) == [("bfloat16", "bfloat16")] * 3
   plain = lambda h, w: jnp.einsum("bcd,vd->bcv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
   assert all("float32" in d for d in dots(plain)[1:])  # What the custom VJP avoids: XLA runs these in float32.

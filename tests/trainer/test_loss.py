@@ -1,19 +1,26 @@
-"""The vocab-sliced cross-entropy equals the full-logits one, in value and gradient."""
+"""The chunked cross-entropy equals the full-logits one, in value and gradient, on one device and sharded."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ember.trainer.loss import cross_entropy, num_slices
+from ember.layers.decoder import Head
+from ember.parallel.sharding import use_rules
+from ember.trainer.loss import cross_entropy, num_chunks
 
 
 def _matmul_logits(h, w, key=None):
   return jnp.einsum("bld,dv->blv", h, w)
 
 
+def _head(w, reduce_dtype=jnp.float32):
+  return Head(_matmul_logits, w, read_dtype=w.dtype, reduce_dtype=reduce_dtype)
+
+
 def _reference(h, w, targets, weights, z_weight):
-  """Full [B, L, V] logits, autodiffed: the definition the sliced loss must reproduce."""
+  """Full [B, L, V] logits, autodiffed: the definition the chunked loss must reproduce."""
   logits = jnp.einsum("bld,dv->blv", h, w)
   lse = jax.nn.logsumexp(logits, axis=-1)
   nll = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -21,49 +28,102 @@ def _reference(h, w, targets, weights, z_weight):
   return jnp.sum(nll * weights) / count + z_weight * jnp.sum(lse * lse * weights) / count
 
 
-@pytest.mark.parametrize("chunk_size", [0, 10, 8, 6])  # 1, 4, 5 and 7 slices of a 50-word vocab (7: padded).
-def test_sliced_matches_full_logits_value_and_gradient(chunk_size):
+def _case():
   kh, kw, kt = jax.random.split(jax.random.key(0), 3)
-  hidden = jax.random.normal(kh, (2, 40, 16))
+  hidden = jax.random.normal(kh, (4, 40, 16))
   w = jax.random.normal(kw, (16, 50)) * 0.3
-  targets = jax.random.randint(kt, (2, 40), 0, 50).at[0, :3].set(jnp.array([0, 49, 48]))  # Both ends of the vocab.
-  weights = jnp.ones((2, 40)).at[1, 30:].set(0.0)  # Padding is masked.
+  targets = jax.random.randint(kt, (4, 40), 0, 50).at[0, :3].set(jnp.array([0, 49, 48]))  # Both ends of the vocab.
+  weights = jnp.ones((4, 40)).at[1, 30:].set(0.0)  # Padding is masked.
+  return hidden, w, targets, weights
 
-  def loss(h, w):
-    ce, z = cross_entropy(h, targets, weights, w, _matmul_logits, chunk_size=chunk_size)
-    return ce + 0.1 * z
 
+def _loss(targets, weights, chunk_size, z_weight=0.1):
+  return lambda h, w: cross_entropy(h, targets, weights, _head(w), chunk_size=chunk_size, z_loss_weight=z_weight)[0]
+
+
+@pytest.mark.parametrize("chunk_size", [0, 10, 8, 6])  # 1, 4, 5 and 8 chunks of 40 positions.
+def test_chunked_matches_full_logits_value_and_gradient(chunk_size):
+  hidden, w, targets, weights = _case()
   ref, ref_grads = jax.value_and_grad(_reference, argnums=(0, 1))(hidden, w, targets, weights, 0.1)
-  val, grads = jax.value_and_grad(loss, argnums=(0, 1))(hidden, w)
+  val, grads = jax.value_and_grad(_loss(targets, weights, chunk_size), argnums=(0, 1))(hidden, w)
   np.testing.assert_allclose(val, ref, rtol=1e-6)
   for g, r in zip(grads, ref_grads):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
   assert np.abs(grads[0][1, 30:]).max() == 0  # Masked tokens get no gradient.
 
 
-def test_slices_follow_the_chunk_budget():
-  assert num_slices(8192, 128256, 1024) == 8  # A slice holds as many logits as 1024 tokens' full vocab.
-  assert num_slices(8192, 128256, 0) == num_slices(1024, 128256, 1024) == 1
-  assert num_slices(40, 50, 6) == 7
-  assert num_slices(40, 3, 1) == 3  # Never more slices than words.
+def test_parts_are_the_mean_nll_and_z_loss_and_scale_with_the_cotangent():
+  hidden, w, targets, weights = _case()
+  loss, ce, z = cross_entropy(hidden, targets, weights, _head(w), chunk_size=8, z_loss_weight=0.25)
+  np.testing.assert_allclose(ce, _reference(hidden, w, targets, weights, 0.0), rtol=1e-6)
+  np.testing.assert_allclose(loss, ce + 0.25 * z, rtol=1e-6)
+  # A cotangent of 3 (the loss of one micro-batch weighted in a larger sum) scales both gradients by 3.
+  f = _loss(targets, weights, 8)
+  g1 = jax.grad(f, argnums=(0, 1))(hidden, w)
+  g3 = jax.grad(lambda h, w: 3.0 * f(h, w), argnums=(0, 1))(hidden, w)
+  for a, b in zip(g1, g3):
+    np.testing.assert_allclose(b, 3.0 * a, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rules", [
+    (("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"), ("vocab", "tensor")),
+    (("batch", "fsdp"), ("length", "data"), ("embed", ("fsdp", "data")), ("vocab", "tensor")),  # A split length.
+])
+def test_sharded_equals_one_device(rules):
+  """Over 8 devices (the tokens split over 4, the vocab over 2), value and gradients equal one device's."""
+  hidden, w, targets, weights = _case()
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+  f = jax.value_and_grad(_loss(targets, weights, 10), argnums=(0, 1))
+  want_val, want = jax.jit(f)(hidden, w)
+  with use_rules(mesh, rules):
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    tok = P(*rules[0][1:2], rules[1][1])
+    got_val, got = jax.jit(f)(put(hidden, P(*tok, None)), put(w, P(rules[2][1], "tensor")))
+  np.testing.assert_allclose(got_val, want_val, rtol=1e-6)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_the_head_runs_once_a_chunk():
+  """One forward GEMM per chunk and its two backward GEMMs: no logits recomputed in the backward pass."""
+  hidden, w, targets, weights = _case()
+  jaxpr = jax.make_jaxpr(jax.grad(_loss(targets, weights, 8), argnums=(0, 1)))(hidden, w)
+  dots = []
+
+  def walk(j, trips):
+    for e in j.eqns:
+      if e.primitive.name == "dot_general":
+        dots.append(trips)
+      inner = trips * e.params["length"] if e.primitive.name == "scan" else trips
+      for sub in jax.extend.core.jaxprs_in_params(e.params):
+        walk(sub, inner)
+
+  walk(jaxpr.jaxpr, 1)
+  assert sum(dots) == 3 * num_chunks(40, 8) == 15, dots
+
+
+def test_chunks_follow_the_budget():
+  assert num_chunks(8192, 1024) == 8  # A chunk's logits: as many as 1024 tokens' full vocab.
+  assert num_chunks(8192, 0) == num_chunks(1024, 1024) == 1
+  assert num_chunks(40, 6) == 8  # The first count of at least 7 that divides 40.
+  assert num_chunks(7, 2) == 7
 
 
 def test_loss_is_mean_nll_over_unmasked_tokens():
   logits = jnp.log(jnp.array([[0.5, 0.5], [0.9, 0.1]]))
   targets = jnp.array([[0, 1]])
   weights = jnp.array([[1.0, 0.0]])
-  ce, _ = cross_entropy(jnp.eye(2)[None].astype(jnp.float32), targets, weights, logits, _matmul_logits)
+  _, ce, _ = cross_entropy(jnp.eye(2)[None].astype(jnp.float32), targets, weights, _head(logits))
   np.testing.assert_allclose(ce, np.log(2.0), rtol=1e-6)
 
 
-def test_sliced_loss_never_holds_full_logits():
-  """The compiled sliced loss's temporaries stay well under one [B, L, V] float32 logits block."""
+def test_chunked_loss_never_holds_full_logits():
+  """The compiled chunked loss's temporaries stay well under one [B, L, V] float32 logits block."""
   b, length, d, v = 2, 512, 32, 4096
   hidden = jnp.zeros((b, length, d))
   w = jnp.zeros((d, v))
   targets = jnp.zeros((b, length), jnp.int32)
   weights = jnp.ones((b, length))
-  grad = jax.jit(jax.grad(lambda h, w: cross_entropy(h, targets, weights, w, _matmul_logits, chunk_size=64)[0],
-                          argnums=(0, 1)))
+  grad = jax.jit(jax.grad(_loss(targets, weights, 32), argnums=(0, 1)))
   temp = grad.lower(hidden, w).compile().memory_analysis().temp_size_in_bytes
   assert temp < b * length * v * 4 / 2, temp
