@@ -116,7 +116,7 @@ def only_axes(spec: P, axes) -> P:
 
 
 def shard_map(fn, *, mesh: Mesh, in_specs, out_specs, **kwargs):
-  """`jax.shard_map` over `mesh`'s axes, inside an outer shard_map too (a step's data-parallel micro-batches,
+  """`jax.shard_map` over `mesh`'s axes (or `axis_names` of them), inside an outer shard_map too (a step's data-parallel micro-batches,
   trainer/step.py): there the axes already manual are left out of the specs and of the map, and, as the outer
   one, it does not check replication (`check_vma=False`): its transpose sums an input's cotangent over the axes
   the input's spec leaves out, so an input whose "cotangent" is a global value rather than a partial sum passes
@@ -127,9 +127,9 @@ def shard_map(fn, *, mesh: Mesh, in_specs, out_specs, **kwargs):
   if manual >= set(mesh.axis_names):  # Every axis already manual: the values are each device's already.
     return fn
   strip = lambda specs: jax.tree.map(lambda s: without_axes(s, manual), specs, is_leaf=lambda s: isinstance(s, P))
+  axis_names = set(kwargs.pop("axis_names", mesh.axis_names)) - manual
   return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=strip(in_specs),
-                       out_specs=strip(out_specs), axis_names=set(mesh.axis_names) - manual,
-                       **{**kwargs, "check_vma": False})
+                       out_specs=strip(out_specs), axis_names=axis_names, **{**kwargs, "check_vma": False})
 
 
 def tree_shardings(logical_tree, mesh: Mesh, rules) -> object:

@@ -15,7 +15,9 @@ FLOPs with what the preset recomputes, and the bytes each mesh axis moves per mi
 the weights in the recipe's format, gradient reductions in `train.grad_reduce_dtype`, the MoE token
 exchange, tensor-parallel activation reductions), at NVLink or NIC bandwidth by whether the axis crosses
 nodes. Of the layouts whose estimated peak is within the budget (with `ESTIMATE_SLACK`: the estimate is rough),
-`top` are compiled for the target with the compile report's machinery (plan/compile.py): the fastest by estimate
+`top` are compiled for the target with the compile report's machinery (plan/compile.py), each in a child process
+(plan/isolated.py: a compile that aborts its process is a failed candidate with its reason, and the search goes
+on): the fastest by estimate
 of each split of a node in turn (`select`). One whose compiled peak is over the budget is compiled again with a
 smaller micro-batch, up to `SMALLER_MICRO_BATCHES` times. The winner so far is compiled once more with no remat
 (`none`), the preset whose estimate is least trustworthy (`_without_remat`). The compiled layouts are ranked by their
@@ -37,7 +39,7 @@ from ember.errors import ConfigError, EmberError, one_line
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import entry_axes
 from ember.plan import auto_remat, layer
-from ember.plan.compile import compile_report
+from ember.plan.isolated import compile_report_isolated
 from ember.plan.target import Target, targeting
 from ember.plan.units import GiB
 from ember.quant.recipe import Recipe
@@ -335,7 +337,7 @@ def plan(cfg: ml_collections.ConfigDict, target: Target, *, budget_gb: float | N
   def compile_one(lay: Layout) -> dict:
     row = _row(lay, estimates[lay], tokens)
     try:
-      r = compile_report(lay.apply(cfg), target)
+      r = compile_report_isolated(lay.apply(cfg), target)
     except EmberError as e:
       row.update(error=one_line(e))
       log(f"plan: {lay.describe()}: {one_line(e)}")

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from ember import config as config_lib
-from ember.plan import planner
+from ember.plan import isolated, planner
 from ember.plan import target as target_lib
 from ember.plan.compile import compile_report
 from ember.tools import plan as tool
@@ -78,6 +78,24 @@ def test_plan_picks_the_fastest_compiled_layout_within_the_budget(tmp_path, caps
                               *best["flags"]), target_lib.parse("h100x8"))
   assert again["tokens_per_s_ceiling"] == pytest.approx(best["tokens_per_s_ceiling"])
   assert again["peak_bytes"] == best["peak_bytes"]
+
+
+@needs_plugin
+def test_a_compile_that_aborts_its_process_fails_alone():
+  """A layout whose compile ends in an XLA check failure (the process aborts: tensor 4 x data 2 x fsdp 4 across
+  nodes with 2 micro-batches, on jax 0.10) is a CompileFailed with XLA's line, and the caller goes on."""
+  cfg = _cfg("tiny", "--config.model.num_kv_heads=4", "--config.train.batch_size=32", "--config.mesh.fsdp=2",
+             "--config.mesh.tensor=4", "--config.mesh.dcn_data=2", "--config.mesh.dcn_fsdp=4",
+             "--config.train.grad_accum_steps=2")
+  try:
+    isolated.compile_report_isolated(cfg, target_lib.parse("h100x64"))
+  except isolated.CompileFailed as e:
+    assert str(e).startswith("the compile was killed by SIGABRT: ") and "Check failed" in str(e), e
+  else:
+    pytest.skip("this XLA compiles the layout: nothing aborts")
+  # A child's own error comes back as its one line.
+  with pytest.raises(isolated.CompileFailed, match="config.model.num_kv_heads"):
+    isolated.compile_report_isolated(_cfg("tiny", "--config.model.num_kv_heads=3"), target_lib.parse("h100x8"))
 
 
 @needs_plugin
