@@ -89,8 +89,9 @@ def get_config() -> ml_collections.ConfigDict:
   t.grad_reduce_dtype = "float32"  # The dtype each weight gradient leaves its GEMM in, and so the dtype it is
   # reduced in across data-parallel / FSDP devices: "bfloat16" halves those bytes (the GEMM still sums in
   # float32; micro-batch accumulation and the optimizer stay float32).
-  t.loss_chunk_size = 1024  # Live logits of the cross-entropy: as many as this many tokens' full-vocab logits
-  # (the vocab is cut into ceil(seq_len / loss_chunk_size) slices; ember/trainer/loss.py); 0 = all at once.
+  t.loss_chunk_size = 1024  # Live logits of the cross-entropy: about this many tokens' full-vocab logits per row
+  # (each device's share of the sequence is cut into ceil(its length / loss_chunk_size) token chunks, a count that
+  # divides it; ember/trainer/loss.py); 0 = all at once.
   t.z_loss_weight = 0.0  # Weight of the log(Z)^2 auxiliary loss.
   t.eval_every_steps = 100  # Eval loss every N steps (and after the last); 0 = never.
   t.eval_batches = 4  # Batches of the held-out split per evaluation.

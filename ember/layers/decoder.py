@@ -277,7 +277,7 @@ class Transformer(nnx.Module):
     self.tied_wgrad_dtype = model.recipe.wgrad_out(model.param_dtype)  # The tied head's weight-gradient GEMM.
     self.kv_shape, self.kv_dtype, self.max_len = (model.num_kv_heads, model.head_dim), model.dtype, model.seq_len
     if not model.tie_embeddings:
-      # The loss calls the head once per vocab slice, and delayed scaling's history update assumes
+      # The loss calls the head once per token chunk, and delayed scaling's history update assumes
       # one call per step, so the head's recipe keeps no amax history (`Recipe.stateless`).
       self.lm_head = Linear((model.d_model,), (model.vocab_size,), (EMBED, VOCAB), name=LM_HEAD,
                             recipe=model.recipe_for(LM_HEAD).stateless(), init_std=model.init_std,

@@ -8,7 +8,7 @@ rerun gives the same numbers):
                  the batches), the recipe applied to every projection the exclude list leaves quantized;
   output error   |y - y_ref| / |y_ref| of its forward output over the batches, y_ref the float32 product of
                  the same input and kernel unquantized (quant/core.py): the projection's own forward error,
-                 not what it inherits from the layers before it (the LM head's: its logits, slice by slice as
+                 not what it inherits from the layers before it (the LM head's: its logits, chunk by chunk as
                  the loss computes them, on the model's own final hidden states);
   weight error   |Q(W) - W| / |W| of its kernel as the recipe's forward GEMM reads it (the weight role's
                  quantizer, blocks along the kernel's inputs): the part of the error the forward pass starts from;

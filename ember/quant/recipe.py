@@ -201,7 +201,7 @@ class Recipe:
 
   def stateless(self) -> "Recipe":
     """This recipe where no per-step state can be kept (a projection called several times a step, like
-    the LM head, once per vocab slice of the loss): delayed scaling becomes current scaling, and no health
+    the LM head, once per token chunk of the loss): delayed scaling becomes current scaling, and no health
     statistics or output error (each call's would add up); the rest is unchanged."""
     return dataclasses.replace(self, name="fp8_current" if self.delayed else self.name, stats=False,
                                output_error=False)
