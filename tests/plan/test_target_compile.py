@@ -425,14 +425,14 @@ def test_block_scaled_gemms_are_emulated_on_hopper():
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_llama3_8b_block_scaled_compiles_for_eight_b200s(recipe, tmp_path):
   """The full model through the tool: exit 0; its 4 projections a layer in block-scaled GEMMs (with its
-  preset's recomputes), only the LM head's 4 GEMMs (forward, its recompute in the loss's backward, dgrad, wgrad)
-  in bf16."""
+  preset's recomputes), only the LM head's GEMMs in bf16: forward, dgrad and wgrad, each written twice (the loss's
+  first token chunk, then its loop), none recomputed."""
   out = tmp_path / "llama.json"
   assert tool.main(["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
                     "--config.train.batch_size=8", f"--config.quant.recipe={recipe}", "--target=b200x8",
                     *SCANNED, f"--out={out}"]) == 0
   gemms = json.loads(out.read_text())["gemms"]
-  assert gemms[recipe] >= 3 * QUANTIZED_PROJECTIONS and gemms["bf16"] == 4 and gemms["emulated"] == 0, gemms
+  assert gemms[recipe] >= 3 * QUANTIZED_PROJECTIONS and gemms["bf16"] == 6 and gemms["emulated"] == 0, gemms
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
