@@ -116,8 +116,8 @@ def only_axes(spec: P, axes) -> P:
 
 
 def shard_map(fn, *, mesh: Mesh, in_specs, out_specs, **kwargs):
-  """`jax.shard_map` over `mesh`'s axes (or `axis_names` of them), inside an outer shard_map too (a step's data-parallel micro-batches,
-  trainer/step.py): there the axes already manual are left out of the specs and of the map, and, as the outer
+  """`jax.shard_map` over `mesh`'s axes (or `axis_names` of them), inside an outer shard_map too (a step's
+  data-parallel micro-batches, trainer/step.py): there the axes already manual are left out of the specs and of the map, and, as the outer
   one, it does not check replication (`check_vma=False`): its transpose sums an input's cotangent over the axes
   the input's spec leaves out, so an input whose "cotangent" is a global value rather than a partial sum passes
   it back once (quant/varying.py, `cotangent_once`)."""

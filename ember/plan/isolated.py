@@ -50,7 +50,7 @@ def compile_report_isolated(cfg, target, *, timeout_s: float | None = None) -> d
 
 
 def _how_it_ended(status: int) -> str:
-  """'aborted (SIGABRT)', 'exited with status 1', ... for a child's return code."""
+  """'was killed by SIGABRT', 'exited with status 1', ... for a child's return code."""
   if status < 0 or status > 128:
     number = -status if status < 0 else status - 128
     try:

@@ -33,7 +33,7 @@ from ember.layers.decoder import rows_by_layer, stacked_like, tree_leaves, withi
 from ember.names import INPUTS, LM_HEAD, POSITIONS, SEGMENT_IDS
 from ember.quant import quantize
 from ember.trainer import muon
-from ember.trainer.loss import num_chunks
+from ember.trainer.loss import num_chunks, strided_chunks
 from ember.trainer.state import abstract_init, logical_axes, stats_inputs, step_key
 from ember.trainer.step import forward_loss
 
@@ -152,9 +152,8 @@ def _head_error_fn(settings):
     model = nnx.merge(graphdef, params, quant_state, *([errors_in] if errors_in else []))
     hidden, _ = model(batch[INPUTS], batch[SEGMENT_IDS], batch[POSITIONS], key=key)
     head = model.head_parts()
-    b, length, d = hidden.shape
-    n = num_chunks(length, settings.train.loss_chunk_size)
-    chunks = jnp.moveaxis(hidden.reshape(b, length // n, n, d), 2, 0)
+    n = num_chunks(hidden.shape[1], settings.train.loss_chunk_size)
+    chunks = jnp.moveaxis(strided_chunks(hidden, n), 2, 0)
     w32 = head.weight.astype(jnp.float32)
 
     def body(total, h):

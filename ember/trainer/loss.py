@@ -1,8 +1,7 @@
 """Next-token cross-entropy and its gradient in one pass over token chunks, so [batch, length, vocab] logits
 never exist and the LM head's forward GEMM runs once.
 
-The tokens are cut into `n` chunks (chunk c holds positions c, c + n, c + 2n, ... of every row: strided, so a
-length axis split over `context` stays split inside every chunk, and a chunk is the same tokens on any mesh).
+The tokens are cut into `n` chunks of strided positions (`strided_chunks`).
 For each chunk the head runs once: its full-vocab logits give the chunk's log-sum-exp, NLL and z-loss and, at
 once, the loss's gradient with respect to those logits, which the head's own backward (its VJP: quantized like
 its forward where the recipe quantizes the head) turns into the chunk's hidden-state gradient and its share of
@@ -31,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from ember.layers.decoder import Head
 from ember.names import BATCH, EMBED, LENGTH, LM_HEAD, VOCAB
-from ember.parallel.sharding import active_mesh, active_rules, entry_axes, logical_to_spec, shard, shard_map
+from ember.parallel.sharding import (active_mesh, active_rules, entry_axes, logical_to_spec, shard, shard_map,
+                                     without_axes)
 from ember.quant.varying import manual_axes
 
 F32 = jnp.float32
@@ -44,6 +44,14 @@ def num_chunks(length: int, chunk_size: int) -> int:
   if not chunk_size or chunk_size >= length:
     return 1
   return next(n for n in range(-(-length // chunk_size), length + 1) if length % n == 0)
+
+
+def strided_chunks(a_BxLx, n: int):
+  """[B, L, ...] -> [B, L / n, n, ...]: chunk c (index c on axis 2) holds the positions c, c + n, c + 2n, ...
+  (strided, so a length split over devices stays split inside every chunk, and a chunk is the same tokens on
+  any mesh)."""
+  b, length, *rest = a_BxLx.shape
+  return a_BxLx.reshape(b, length // n, n, *rest)
 
 
 def token_count(weights_BxL):
@@ -62,7 +70,7 @@ def cross_entropy(hidden_BxLxD, targets_BxL, weights_BxL, head: Head, *, key=Non
   weights_BxL = weights_BxL.astype(F32)
   count = token_count(weights_BxL) if count is None else jnp.asarray(count, F32)
   plan = _Plan(head.logits, float(z_loss_weight), chunk_size, jnp.dtype(head.read_dtype),
-               jnp.dtype(head.reduce_dtype), hidden_BxLxD.dtype, head.weight.dtype)
+               jnp.dtype(head.reduce_dtype), head.weight.dtype)
   loss, ce, z = _fused(plan, hidden_BxLxD, head.weight, targets_BxL, weights_BxL, count, key)
   return loss, jax.lax.stop_gradient(ce), jax.lax.stop_gradient(z)
 
@@ -75,7 +83,6 @@ class _Plan:
   chunk_size: int
   read_dtype: jnp.dtype
   reduce_dtype: jnp.dtype
-  h_dtype: jnp.dtype
   w_dtype: jnp.dtype
 
 
@@ -93,7 +100,7 @@ def _fused_fwd(plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key):
 def _fused_bwd(plan, residuals, g):
   dh_BxLxD, dw_SxDxV = residuals
   g_loss = g[0]  # ce and z leave `cross_entropy` through stop_gradient: their cotangents are zeros.
-  dh = shard((dh_BxLxD * g_loss).astype(plan.h_dtype), (BATCH, LENGTH, EMBED))
+  dh = shard((dh_BxLxD * g_loss).astype(dh_BxLxD.dtype), (BATCH, LENGTH, EMBED))  # dh is in h's dtype.
   # One sum over the devices' shares (a reduce-scatter to the weight's sharding), in the reduction's dtype.
   dw = jnp.sum((dw_SxDxV * g_loss).astype(plan.reduce_dtype), axis=0, dtype=plan.reduce_dtype)
   dw = shard(dw.astype(plan.w_dtype), (EMBED, VOCAB))
@@ -103,31 +110,28 @@ def _fused_bwd(plan, residuals, g):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def token_axes() -> tuple[str, ...]:
-  """The mesh axes, not already manual, that split the tokens (the batch's and the length's): the loss's map."""
-  mesh, rules = active_mesh(), active_rules()
+def _token_spec() -> P:
+  """How the tokens [B, L] are split over the mesh axes not already manual (the loss's map: its axes), P() with
+  no active mesh."""
+  mesh = active_mesh()
   if mesh is None:
-    return ()
-  manual = manual_axes()
-  spec = logical_to_spec((BATCH, LENGTH), rules, mesh)
-  return tuple(a for entry in spec for a in entry_axes(entry) if a not in manual)
+    return P()
+  return without_axes(logical_to_spec((BATCH, LENGTH), active_rules(), mesh), manual_axes())
 
 
 def _run(plan: _Plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key, grads: bool):
   """((loss, ce, z), dh [B, L, D] in h's dtype or None, dw [devices, D, V] float32 or None) over the token chunks,
-  in a shard_map over `token_axes` (none: on the arrays as they are)."""
-  axes = token_axes()
+  in a shard_map over the axes that split the tokens (none: on the arrays as they are)."""
+  rows = _token_spec()
+  axes = tuple(a for entry in rows for a in entry_axes(entry))
   w_read = w_DxV.astype(plan.read_dtype)  # Gathered as the GEMMs read it.
   # Inside the step's replicas' map (parallel/sharding.py's `shard_map`) values carry no varying-axes types.
   vary = bool(axes) and not manual_axes()
   local = functools.partial(_local, plan, axes=axes, vary=vary, grads=grads)
   if not axes:
     return local(h_BxLxD, w_read, targets_BxL, weights_BxL, count, key)
-  mesh, rules = active_mesh(), active_rules()
-  rows = P(*(tuple(a for a in entry_axes(e) if a in axes) or None
-             for e in logical_to_spec((BATCH, LENGTH), rules, mesh)))
-  stacked = P(axes if len(axes) > 1 else axes[0], None, None)
-  mapped = shard_map(lambda h, w, t, wt, c: local(h, w, t, wt, c, key), mesh=mesh,
+  stacked = P(axes, None, None)
+  mapped = shard_map(lambda h, w, t, wt, c: local(h, w, t, wt, c, key), mesh=active_mesh(),
                      in_specs=(P(*rows, None), P(), rows, rows, P()),
                      out_specs=((P(), P(), P()), P(*rows, None) if grads else None, stacked if grads else None),
                      axis_names=set(axes))
@@ -139,9 +143,7 @@ def _local(plan: _Plan, h_BxLxD, w_read, targets_BxL, weights_BxL, count, key, *
   the axes they vary over)."""
   b, l, d = h_BxLxD.shape
   n = num_chunks(l, plan.chunk_size)
-  # Chunk c: the positions c, c + n, ... (strided: [B, L / n, n, ...], index c on axis 2).
-  h4 = h_BxLxD.reshape(b, l // n, n, d)
-  t3, wt3 = targets_BxL.reshape(b, l // n, n), weights_BxL.reshape(b, l // n, n)
+  h4, t3, wt3 = (strided_chunks(a, n) for a in (h_BxLxD, targets_BxL, weights_BxL))
   chunk = lambda a, c: jax.lax.dynamic_index_in_dim(a, c, axis=2, keepdims=False)
   # The weight varies over the map's axes, so its gradient is each device's own partial sum (the transpose of
   # an invariant input would sum it over them, once a chunk).
