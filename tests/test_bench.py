@@ -43,6 +43,13 @@ def test_the_floor_of_the_timed_program_on_the_gpu_it_ran_on():
   assert got["step_over_floor"] == pytest.approx(0.5 / fp8_gemm)
   assert got["mfu_ceiling"] == pytest.approx(train_flops_per_step(cfg) / 2 / fp8_gemm / h100.facts.peak_flops("bf16"))
   assert got["time_floor_parts_s"]["memory"] == 0 and got["time_floor_parts_s"]["collectives"] == 0
+  # The predicted step of the same program: the GEMM at the H100's achievable FP8 rate (4096 x 4096 in 128 x 256
+  # tiles: 512 tiles in 4 waves of 132 SMs), or its bytes at its achievable bandwidth, plus a launch.
+  rates = hardware.rates("h100")
+  predicted = max(2 * 4096 * 8192 * 4096 / (h100.facts.peak_flops("fp8") * rates["gemm_fp8"] * 512 / (4 * 132)),
+                  (2 * 4096 * 8192 + 2 * 4096**2) / (h100.hbm_bytes_per_s * rates["hbm"])) + rates["launch_s"]
+  assert got["predicted_step_s"] == pytest.approx(predicted, rel=1e-6)
+  assert got["step_over_predicted"] == pytest.approx(0.5 / predicted)
   assert bench.measured_floor(hlo, cfg, "cpu", 2, 0.5) == dict.fromkeys(got, None)
   assert bench.measured_floor(hlo, cfg, "NVIDIA A100-SXM4-80GB", 2, 0.5) == dict.fromkeys(got, None)  # No spec.
 
@@ -57,6 +64,7 @@ def test_bench_runs_a_tiny_config(tmp_path, capsys):
   assert result["peak_source"] == "compiled" and result["peak_bytes"] > 0
   assert result["bf16_gemms"] > 0 and result["fp8_gemms"] == 0  # CPU: dequantized bf16 dots, no cuBLASLt.
   assert result["time_floor_s"] is None and result["step_over_floor"] is None  # No GPU facts for a CPU.
+  assert result["predicted_step_s"] is None and result["step_over_predicted"] is None
   assert result["missing_tensor_core_gemm"] is None
   # The reported step time is the median of the steps it measured (--steps=3 after the warmup).
   times, stats_times = result["step_times_s"], result["quant_stats_step_times_s"]

@@ -1,9 +1,12 @@
 """The GPUs ember knows, each in one place: its XLA device spec (`<gpu>.txtpb`, a GpuTargetConfigProto in text
 form: SMs, memory size and bandwidth, compute capability, the cuDNN version XLA compiles for) and its row of
-`facts.toml` (dense peak TFLOP/s per GEMM precision, NVLink and network bandwidth, with their sources).
+`facts.toml` (dense peak TFLOP/s per GEMM precision, NVLink and network bandwidth, with their sources) and
+its row of `rates.toml` (what its kernels reach in practice: fractions of those peaks, a kernel's launch cost,
+each with its source's range).
 
-Each GPU is read once into a `Gpu` (`gpu(name)`): the spec's figures and the facts row. The compile targets
-(ember/plan/target.py) and the roofline read it; a run's MFU (ember/trainer/perf.py) reads the peaks.
+Each GPU is read once into a `Gpu` (`gpu(name)`): the spec's figures, the facts row and the rates. The compile
+targets (ember/plan/target.py) and the roofline read it, the predicted step (ember/plan/predict.py) its rates;
+a run's MFU (ember/trainer/perf.py) reads the peaks.
 """
 
 from __future__ import annotations
@@ -51,6 +54,56 @@ def facts_for_kind(device_kind: str) -> DeviceFacts | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Rate:
+  """One achievable rate: the value used, its source's published range, and whether it was fit to ember's own
+  measured steps (benchmarks/measured/<gpu>/)."""
+  value: float
+  low: float
+  high: float
+  source: str
+  fit: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """A GPU's rows of rates.toml (its header says what each rate is), with the spec's SM count."""
+  gpu: str
+  table: dict[str, Rate]
+  sms: int
+
+  def __getitem__(self, name: str) -> float:
+    return self.table[name].value
+
+  def gemm(self, precision: str) -> float:
+    """The fraction of the dense peak a large GEMM reaches in `precision` (bf16's where the GPU has no entry)."""
+    return self.table.get(f"gemm_{precision}", self.table["gemm_bf16"]).value
+
+  def with_values(self, values: dict[str, float]) -> "Rates":
+    """The same rates with some values replaced (a fit's candidates)."""
+    table = {k: dataclasses.replace(r, value=values[k]) if k in values else r for k, r in self.table.items()}
+    return dataclasses.replace(self, table=table)
+
+  def outside_range(self) -> list[str]:
+    return [f"{k} = {r.value:g} outside [{r.low:g}, {r.high:g}]" for k, r in self.table.items()
+            if not r.low <= r.value <= r.high]
+
+
+@functools.cache
+def _rates_table() -> dict[str, dict]:
+  with open(os.path.join(_DIR, "rates.toml"), "rb") as f:
+    return tomllib.load(f)
+
+
+def rates(name: str) -> Rates:
+  """The achievable rates of GPU `name` (one of GPUS)."""
+  row = _rates_table()[name]
+  row = _rates_table()[row["inherit"]] if "inherit" in row else row
+  table = {k: Rate(float(v["value"]), float(v["low"]), float(v["high"]), v["source"], bool(v.get("fit", False)))
+           for k, v in row.items()}
+  return Rates(name, table, gpu(name).sms)
+
+
+@dataclasses.dataclass(frozen=True)
 class Gpu:
   """One GPU: its XLA spec (the text JAX builds compile-only devices from) and the figures read from it."""
   name: str
@@ -61,6 +114,7 @@ class Gpu:
   device_kind: str  # device_description_str, as JAX's device_kind names it.
   compute_capability: tuple[int, int]  # cuda_compute_capability
   cudnn_version: int  # dnn_version_info as cuDNN numbers it (9.8 -> 90800): what XLA compiles cuDNN calls for.
+  sms: int  # core_count: streaming multiprocessors.
 
 
 @functools.cache
@@ -74,4 +128,5 @@ def gpu(name: str) -> Gpu:
   return Gpu(name=name, spec=text, facts=facts(name), memory_bytes=int(field(r"device_memory_size:\s*(\d+)")[0]),
              hbm_bytes_per_s=float(field(r"memory_bandwidth:\s*(\d+)")[0]),
              device_kind=field(r'device_description_str:\s*"([^"]+)"')[0],
-             compute_capability=(int(cc[0]), int(cc[1])), cudnn_version=int(dnn[0]) * 10000 + int(dnn[1]) * 100)
+             compute_capability=(int(cc[0]), int(cc[1])), cudnn_version=int(dnn[0]) * 10000 + int(dnn[1]) * 100,
+             sms=int(field(r"core_count:\s*(\d+)")[0]))

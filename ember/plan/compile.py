@@ -1,7 +1,8 @@
 """Compile the train step a config would run for a target, without running it, and report what the
 compiled program does: memory against the target's, the GEMM census, the attention kernel, the
-collectives, the compile time, and what it costs (ember/plan/cost.py: executed FLOPs by precision against
-the model's, the largest values and collectives, the time floor on the target).
+collectives, the compile time, what it costs (ember/plan/cost.py: executed FLOPs by precision against
+the model's, the largest values and collectives, the time floor on the target) and the predicted step
+(ember/plan/predict.py: `predicted_step_s`, `tokens_per_s_predicted`, `mfu_predicted`, `time_by_op`).
 
 The step is the loop's own (ember/trainer/step.py, jitted the loop's way) on the config's mesh built
 from the target's devices, with the remat policy resolved as the loop would (`auto` chooses under the
@@ -16,8 +17,9 @@ import time
 import ml_collections
 
 from ember import config as config_lib
+from ember import hardware
 from ember.parallel.mesh import make_mesh
-from ember.plan import auto_remat, cost, hlo
+from ember.plan import auto_remat, cost, hlo, predict
 from ember.plan import step as step_plan
 from ember.trainer import step as step_lib
 from ember.plan.layer import per_device_batch, sequence_shards
@@ -85,22 +87,24 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
   if attention_note:
     report["attention_note"] = attention_note
   num_devices = len(mesh.devices.flat)
-  report.update(cost.step_cost(text, model_flops=train_flops_per_step(cfg) / num_devices,
-                               tokens=cfg.train.batch_size * cfg.model.seq_len / num_devices,
-                               machine=machine(target, mesh)))
+  per_device = dict(model_flops=train_flops_per_step(cfg) / num_devices,
+                    tokens=cfg.train.batch_size * cfg.model.seq_len / num_devices)
+  m = machine(target, mesh)
+  report.update(cost.step_cost(program, machine=m, **per_device))
+  report.update(predict.predicted_step(program, m, **per_device))
   if cfg.model.num_experts:
     report["moe"] = moe_figures(cfg, mesh, target, program)
   return report
 
 
 def machine(target: Target, mesh) -> cost.Machine | None:
-  """The target's roofline figures, with the node of each of the program's partitions (the mesh's devices in
-  order; the target's devices are node-major)."""
+  """The target's roofline figures and achievable rates, with the node of each of the program's partitions (the
+  mesh's devices in order; the target's devices are node-major)."""
   if not target.is_gpu:
     return None
   position = {d.id: k for k, d in enumerate(target.devices())}
   nodes = tuple(position[d.id] // target.per_node for d in mesh.devices.flat)
-  return cost.Machine(target.facts, target.hbm_bytes_per_s, nodes)
+  return cost.Machine(target.facts, target.hbm_bytes_per_s, nodes, hardware.rates(target.gpu))
 
 
 def moe_figures(cfg, mesh, target: Target, program: hlo.Program) -> dict:

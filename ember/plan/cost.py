@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ember.hardware import DeviceFacts
+from ember.hardware import DeviceFacts, Rates
 from ember.names import EXPERT_GEMM_SCOPE, HADAMARD_SCOPE
 from ember.plan import hlo
 
@@ -33,12 +33,13 @@ class Machine:
   facts: DeviceFacts
   hbm_bytes_per_s: float
   node_of_partition: tuple[int, ...]  # The node of each SPMD partition (device) of the program.
+  rates: Rates | None = None  # What its kernels reach in practice (ember/hardware/rates.toml): the prediction's.
 
 
-def step_cost(text: str, *, model_flops: float, tokens: float, machine: Machine | None) -> dict:
-  """The cost figures of an optimised HLO text. `model_flops` and `tokens` are per device per step;
+def step_cost(text: str | hlo.Program, *, model_flops: float, tokens: float, machine: Machine | None) -> dict:
+  """The cost figures of an optimised HLO text or program. `model_flops` and `tokens` are per device per step;
   `machine` None (a CPU target) leaves the time floor out."""
-  p = hlo.Program(text)
+  p = text if isinstance(text, hlo.Program) else hlo.Program(text)
   gemms, calls = hlo.gemms(p), hlo.attention_calls(p)
   executed = {prec: sum(g.flops_per_step for g in gemms if g.precision == prec and not g.recomputed)
               for prec in hlo.PRECISIONS}
@@ -77,12 +78,22 @@ _SENT = {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 1, "ragged-all-to-a
 
 
 def collective_seconds(c: hlo.Collective, machine: Machine) -> float:
+  """A collective's seconds per step at its link's full bandwidth."""
+  sent, crosses = bytes_sent(c, machine)
+  return c.times * sent / (link_bytes_per_s(machine, crosses))
+
+
+def bytes_sent(c: hlo.Collective, machine: Machine) -> tuple[float, bool]:
+  """(bytes a device sends per execution by the bus-bandwidth convention, whether its groups span nodes); 0
+  for a group of one."""
   n, crosses = group_shape(c, machine.node_of_partition)
   if n <= 1:
-    return 0.0
-  sent = c.bytes_per_step * (_SENT[c.kind] * (n - 1) / n if c.kind in _SENT else 1.0)
-  bandwidth = machine.facts.nic_gb_s if crosses else machine.facts.nvlink_gb_s
-  return sent / (bandwidth * 1e9)
+    return 0.0, crosses
+  return c.bytes * (_SENT[c.kind] * (n - 1) / n if c.kind in _SENT else 1.0), crosses
+
+
+def link_bytes_per_s(machine: Machine, crosses: bool) -> float:
+  return (machine.facts.nic_gb_s if crosses else machine.facts.nvlink_gb_s) * 1e9
 
 
 def group_shape(c: hlo.Collective, node_of_partition: tuple[int, ...]) -> tuple[int, bool]:
@@ -118,7 +129,8 @@ def pass_of(op_name: str) -> str:
 _WRAPPERS = ("custom_partitioning", "pallas_call")
 
 
-def _op_of(op_name: str) -> str:
+def op_of(op_name: str) -> str:
+  """The op a kernel is named by: the last part of its op name, past the wrappers around a Pallas kernel."""
   parts = op_name.split("/")
   while len(parts) > 1 and parts[-1] in _WRAPPERS:
     parts.pop()
@@ -133,7 +145,7 @@ def memory_by_op(p: hlo.Program, top: int = TOP_MEMORY_OPS) -> list[dict]:
   totals: dict[tuple[str, str], float] = {}
   for k in hlo.memory_kernels(p):
     name = p.by_name[k.name].op_name
-    key = (_op_of(name) if name else f"({k.opcode})", pass_of(name))
+    key = (op_of(name) if name else f"({k.opcode})", pass_of(name))
     totals[key] = totals.get(key, 0.0) + k.bytes * k.times
   rows = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
   return [{"op": op, "pass": pass_, "bytes": int(b)} for (op, pass_), b in rows]

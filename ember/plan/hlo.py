@@ -147,11 +147,16 @@ class Program:
       out.add(comp)
       for i in self.computations[comp]:
         keys = _KERNEL_CALLEES.get(i.opcode, ())
-        todo += [c for key in keys for c in _callees(i.line, key)]
+        todo += [c for key in keys for c in callees(i.line, key)]
     return out
 
   def kernels(self) -> list[Instruction]:
     return [i for c in self.kernel_computations for i in self.computations[c]]
+
+  @functools.cached_property
+  def gemm_fusion_bodies(self) -> set[str]:
+    """The bodies of GEMM fusions (a Triton or cuDNN kernel around a dot): their dots are the fusion's GEMM."""
+    return {i.attribute("calls") for i in self.instructions if _fused_gemm_kind(i)}
 
 
 # Which called computations of an instruction hold kernels: loop bodies, branches, plain calls (command
@@ -160,7 +165,7 @@ _KERNEL_CALLEES = {"while": ("body", "condition"), "conditional": ("branch_compu
                    "async-start": ("calls",)}
 
 
-def _callees(line: str, key: str = "body|condition|calls|to_apply|branch_computations|called_computations"
+def callees(line: str, key: str = "body|condition|calls|to_apply|branch_computations|called_computations"
              ) -> list[str]:
   # `key={%a, %b}` lists or `key=%a`; a list never runs on into the next attribute (`condition=%c, body=%b`).
   found = re.findall(rf"\b(?:{key})=(?:\{{([^}}]*)\}}|(%?[\w.\-]+))", line)
@@ -212,7 +217,7 @@ def loop_multipliers(instrs: list[Instruction]) -> dict[str, int]:
   calls = collections.defaultdict(set)
   loops = []  # (caller, body, trip count)
   for i in instrs:
-    calls[i.computation].update(_callees(i.line))
+    calls[i.computation].update(callees(i.line))
     if i.opcode == "while":
       trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', i.line)
       loops.append((i.computation, i.attribute("body"), int(trip.group(1)) if trip else 1))
@@ -257,25 +262,26 @@ class Gemm:
 
 def gemms(hlo: str | Program) -> list[Gemm]:
   p = hlo if isinstance(hlo, Program) else Program(hlo)
-  gemm_fusions = {i.attribute("calls"): i for i in p.instructions if _fused_gemm_kind(i)}
-  out = []
-  for i in p.instructions:
-    target = i.attribute("custom_call_target") if i.opcode == "custom-call" else None
-    if target in _CUBLAS or target == _BLOCK_SCALED:
-      kind, dot = target, i
-    elif _fused_gemm_kind(i):
-      kind = _fused_gemm_kind(i)
-      dot = next((d for d in p.computations[i.attribute("calls")] if d.opcode in ("dot", "scaled-dot")), None)
-      if dot is None:
-        continue
-    elif i.opcode in ("dot", "ragged-dot", "scaled-dot") and i.computation not in gemm_fusions:
-      kind, dot = i.opcode.replace("-", "_"), i
-    else:
-      continue
-    dtypes = tuple(dtype_of(p.type_of(o)) for o in dot.operands[:2])
-    out.append(Gemm(kind, dtypes, _precision(kind, dtypes), i.op_name, _gemm_flops(p, dot), p.times(i),
-                    _own_bytes(p, i), tuple(dims_of(_first(i.shape))), i.recomputed))
-  return out
+  return [g for i in p.instructions if (g := gemm_of(p, i)) is not None]
+
+
+def gemm_of(p: Program, i: Instruction) -> Gemm | None:
+  """The GEMM an instruction runs (see the module doc), None if it runs none."""
+  target = i.attribute("custom_call_target") if i.opcode == "custom-call" else None
+  if target in _CUBLAS or target == _BLOCK_SCALED:
+    kind, dot = target, i
+  elif _fused_gemm_kind(i):
+    kind = _fused_gemm_kind(i)
+    dot = next((d for d in p.computations[i.attribute("calls")] if d.opcode in ("dot", "scaled-dot")), None)
+    if dot is None:
+      return None
+  elif i.opcode in ("dot", "ragged-dot", "scaled-dot") and i.computation not in p.gemm_fusion_bodies:
+    kind, dot = i.opcode.replace("-", "_"), i
+  else:
+    return None
+  dtypes = tuple(dtype_of(p.type_of(o)) for o in dot.operands[:2])
+  return Gemm(kind, dtypes, _precision(kind, dtypes), i.op_name, _gemm_flops(p, dot), p.times(i), kernel_bytes(p, i),
+              tuple(dims_of(_first(i.shape))), i.recomputed)
 
 
 def _fused_gemm_kind(i: Instruction) -> str | None:
@@ -342,23 +348,25 @@ class AttentionCall:
 
 def attention_calls(hlo: str | Program) -> list[AttentionCall]:
   p = hlo if isinstance(hlo, Program) else Program(hlo)
-  out = []
-  for i in p.instructions:
-    target = i.attribute("custom_call_target") if i.opcode == "custom-call" else ""
-    if not (target or "").startswith("__cudnn$fmha"):
-      continue
-    backward = "Backward" in target
-    causal = bool(re.search(r'"mask_type":\s*"CAUSAL"', i.line))
-    # The score matrix [B, H, Lq, Lk] is in the backend config; head dims are the last of Q's and V's.
-    m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]', i.line)
-    q, v = (dims_of(p.type_of(o)) for o in (i.operands + ["", "", ""])[:3:2])
-    flops = 0.0
-    if m and q and v:
-      b, h, lq, lk = (int(d) for d in re.findall(r"\d+", m.group(1)))
-      d, dv = q[-1], v[-1]
-      flops = 2.0 * b * h * lq * lk * ((3 * d + 2 * dv) if backward else (d + dv)) * (0.5 if causal else 1.0)
-    out.append(AttentionCall(backward, causal, flops, p.times(i), _own_bytes(p, i), i.recomputed, i.op_name))
-  return out
+  return [c for i in p.instructions if (c := attention_of(p, i)) is not None]
+
+
+def attention_of(p: Program, i: Instruction) -> AttentionCall | None:
+  """The cuDNN attention call an instruction is (see the module doc), None if it is none."""
+  target = i.attribute("custom_call_target") if i.opcode == "custom-call" else ""
+  if not (target or "").startswith("__cudnn$fmha"):
+    return None
+  backward = "Backward" in target
+  causal = bool(re.search(r'"mask_type":\s*"CAUSAL"', i.line))
+  # The score matrix [B, H, Lq, Lk] is in the backend config; head dims are the last of Q's and V's.
+  m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]', i.line)
+  q, v = (dims_of(p.type_of(o)) for o in (i.operands + ["", "", ""])[:3:2])
+  flops = 0.0
+  if m and q and v:
+    b, h, lq, lk = (int(d) for d in re.findall(r"\d+", m.group(1)))
+    d, dv = q[-1], v[-1]
+    flops = 2.0 * b * h * lq * lk * ((3 * d + 2 * dv) if backward else (d + dv)) * (0.5 if causal else 1.0)
+  return AttentionCall(backward, causal, flops, p.times(i), kernel_bytes(p, i), i.recomputed, i.op_name)
 
 
 def attention(hlo: str | Program) -> dict[str, object]:
@@ -371,7 +379,7 @@ def attention(hlo: str | Program) -> dict[str, object]:
 # --- Memory traffic -----------------------------------------------------------------------------------
 
 
-def _own_bytes(p: Program, i: Instruction) -> float:
+def kernel_bytes(p: Program, i: Instruction) -> float:
   """The bytes a kernel reads and writes (see the module doc)."""
   if i.opcode == "dynamic-update-slice":
     return 2 * nbytes(p.type_of(i.operands[1]))
@@ -464,13 +472,14 @@ class Kernel:
 
 
 def memory_kernels(p: Program) -> list[Kernel]:
-  out = []
-  for i in p.kernels():
-    op = i.opcode[: -len("-start")] if i.opcode.endswith("-start") else i.opcode
-    if i.opcode in _NO_KERNEL or op in COLLECTIVES or i.opcode.endswith("-done") or _is_compute(i):
-      continue
-    out.append(Kernel(i.name, i.opcode, _own_bytes(p, i), p.times(i)))
-  return out
+  return [Kernel(i.name, i.opcode, kernel_bytes(p, i), p.times(i)) for i in p.kernels() if is_memory_kernel(i)]
+
+
+def is_memory_kernel(i: Instruction) -> bool:
+  """A kernel-level instruction that launches a kernel moving memory: not a GEMM, an attention call, a
+  collective, the done half of an async pair, or an instruction that launches nothing."""
+  op = i.opcode[: -len("-start")] if i.opcode.endswith("-start") else i.opcode
+  return not (i.opcode in _NO_KERNEL or op in COLLECTIVES or i.opcode.endswith("-done") or _is_compute(i))
 
 
 def _is_compute(i: Instruction) -> bool:
@@ -528,23 +537,25 @@ class Collective:
 
 def collective_ops(hlo: str | Program) -> list[Collective]:
   p = hlo if isinstance(hlo, Program) else Program(hlo)
-  out = []
-  for i in p.instructions:
-    op = i.opcode[: -len("-start")] if i.opcode.endswith("-start") else i.opcode
-    if op not in COLLECTIVES:
-      continue
-    parts = _top_level(i.shape)
-    if op == "reduce-scatter":  # Its input: the operands.
-      held = " ".join(p.type_of(o) for o in i.operands)
-    elif op == "ragged-all-to-all":  # Operands (data, output buffer, offsets and sizes...): at most the data
-      # leaves a device and at most the output buffer arrives.
-      held = min((p.type_of(o) for o in i.operands[:2]), key=nbytes)
-    elif i.opcode.endswith("-start") and op != "all-reduce" and len(parts) >= 2:
-      held = parts[1]  # An async start's type is (inputs, outputs[, context]): the outputs.
-    else:
-      held = i.shape
-    out.append(Collective(op, held, nbytes(held), p.times(i), replica_groups(i.line), i.op_name))
-  return out
+  return [c for i in p.instructions if (c := collective_of(p, i)) is not None]
+
+
+def collective_of(p: Program, i: Instruction) -> Collective | None:
+  """The collective an instruction starts or runs (see the module doc), None if it is none."""
+  op = i.opcode[: -len("-start")] if i.opcode.endswith("-start") else i.opcode
+  if op not in COLLECTIVES:
+    return None
+  parts = _top_level(i.shape)
+  if op == "reduce-scatter":  # Its input: the operands.
+    held = " ".join(p.type_of(o) for o in i.operands)
+  elif op == "ragged-all-to-all":  # Operands (data, output buffer, offsets and sizes...): at most the data
+    # leaves a device and at most the output buffer arrives.
+    held = min((p.type_of(o) for o in i.operands[:2]), key=nbytes)
+  elif i.opcode.endswith("-start") and op != "all-reduce" and len(parts) >= 2:
+    held = parts[1]  # An async start's type is (inputs, outputs[, context]): the outputs.
+  else:
+    held = i.shape
+  return Collective(op, held, nbytes(held), p.times(i), replica_groups(i.line), i.op_name)
 
 
 def collectives(hlo: str | Program) -> dict[str, float]:

@@ -21,8 +21,10 @@ on): the fastest by estimate
 of each split of a node in turn (`select`). One whose compiled peak is over the budget is compiled again with a
 smaller micro-batch, up to `SMALLER_MICRO_BATCHES` times. The winner so far is compiled once more with no remat
 (`none`), the preset whose estimate is least trustworthy (`_without_remat`). The compiled layouts are ranked by their
-`tokens_per_s_ceiling` among those whose compiled peak is within the budget: the winner is never a layout that
-does not fit, and never slower than another layout compiled.
+predicted step (`tokens_per_s_predicted`, ember/plan/predict.py: the scheduled program at the GPU's achievable
+rates, exposed collectives included) among those whose compiled peak is within the budget: the winner is never a
+layout that does not fit, and never predicted slower than another layout compiled. Each row keeps its roofline
+ceiling beside the prediction.
 """
 
 from __future__ import annotations
@@ -342,11 +344,13 @@ def plan(cfg: ml_collections.ConfigDict, target: Target, *, budget_gb: float | N
       row.update(error=one_line(e))
       log(f"plan: {lay.describe()}: {one_line(e)}")
       return row
-    row.update(tokens_per_s_ceiling=r["tokens_per_s_ceiling"], mfu_ceiling=r["mfu_ceiling"],
+    row.update(tokens_per_s_predicted=r["tokens_per_s_predicted"], mfu_predicted=r["mfu_predicted"],
+               predicted_step_s=r["predicted_step_s"], exposed_collectives_s=exposed_collectives(r["time_by_op"]),
+               tokens_per_s_ceiling=r["tokens_per_s_ceiling"], mfu_ceiling=r["mfu_ceiling"],
                time_floor_s=r["time_floor_s"], time_floor_parts_s=r["time_floor_parts_s"],
                peak_bytes=int(r["peak_bytes"]), fits=r["peak_bytes"] <= budget)
-    log(f"plan: {row['tokens_per_s_ceiling']:10,.0f} tokens/s/GPU ceiling, peak {row['peak_bytes'] / GiB:6.1f} GiB"
-        f"{'' if row['fits'] else ' (over budget)'}: {lay.describe()}")
+    log(f"plan: {row['tokens_per_s_predicted']:10,.0f} tokens/s/GPU predicted ({row['tokens_per_s_ceiling']:,.0f} "
+        f"ceiling), peak {row['peak_bytes'] / GiB:6.1f} GiB{'' if row['fits'] else ' (over budget)'}: {lay.describe()}")
     return row
 
   compiled: dict[Layout, dict] = {}
@@ -373,8 +377,13 @@ def plan(cfg: ml_collections.ConfigDict, target: Target, *, budget_gb: float | N
 
 
 def _ranked(rows) -> list[dict]:
-  """The compiled rows, those within the budget first, each group by tokens/s ceiling."""
-  return sorted((r for r in rows if "fits" in r), key=lambda r: (not r["fits"], -r["tokens_per_s_ceiling"]))
+  """The compiled rows, those within the budget first, each group by predicted tokens/s."""
+  return sorted((r for r in rows if "fits" in r), key=lambda r: (not r["fits"], -r["tokens_per_s_predicted"]))
+
+
+def exposed_collectives(time_by_op: list[dict]) -> float:
+  """Seconds a step waits for its collectives (the prediction's exposed collective rows)."""
+  return sum(t["seconds"] for t in time_by_op if t["kind"] == "collective" and t["exposed"])
 
 
 def _without_remat(best: dict, compiled: dict, found: list[Layout]) -> Layout | None:

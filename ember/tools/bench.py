@@ -16,7 +16,9 @@ Synthetic data, so input reading never limits the figure.
 On a GPU ember knows (ember/hardware/) and within one process, the JSON also holds the compile report's time floor
 for the very program it timed (`ember.plan.cost` on its optimised HLO and that GPU's peaks and bandwidths):
 `time_floor_s`, `time_floor_parts_s`, `mfu_ceiling`, and `step_over_floor`, the measured step over that floor:
-how far the real kernels are from the roofline. Elsewhere these are null.
+how far the real kernels are from the roofline; and the predicted step of that program (ember/plan/predict.py at
+the GPU's rates in ember/hardware/rates.toml): `predicted_step_s`, `mfu_predicted` and `step_over_predicted`,
+the measured step over the prediction. Elsewhere these are null.
 
 `--quant_stats` measures the step twice, without and with the quantization health statistics
 (`log.quant_stats_every`, ember/quant/health.py), and adds the second program's step times, their
@@ -40,7 +42,7 @@ from ember.data.sharded import data_iterator, global_batch
 from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
 from ember.parallel.sharding import use_rules
 from ember.platform import target_platform
-from ember.plan import cost, hlo
+from ember.plan import cost, hlo, predict
 from ember.plan.auto_remat import resolve
 from ember.tools import cli
 from ember.trainer import quant_stats
@@ -60,17 +62,24 @@ def gemm_counts(program: str | hlo.Program) -> dict[str, object]:
 
 
 def measured_floor(program: str | hlo.Program, cfg, device_kind: str, num_devices: int, step_time_s: float) -> dict:
-  """The time floor of a timed program on the GPU it ran on (`device_kind`), and the step over it; nulls for
-  a device ember has no facts for, or a job of several processes (whose devices' nodes it cannot tell)."""
+  """The time floor and the predicted step of a timed program on the GPU it ran on (`device_kind`), and the
+  measured step over each; nulls for a device ember has no facts for, or a job of several processes (whose
+  devices' nodes it cannot tell)."""
   facts = hardware.facts_for_kind(device_kind)
   if facts is None or facts.name not in hardware.GPUS or jax.process_count() > 1:  # No spec: no HBM bandwidth.
-    return {"time_floor_s": None, "time_floor_parts_s": None, "mfu_ceiling": None, "step_over_floor": None}
-  machine = cost.Machine(facts, hardware.gpu(facts.name).hbm_bytes_per_s, (0,) * num_devices)
+    return {"time_floor_s": None, "time_floor_parts_s": None, "mfu_ceiling": None, "step_over_floor": None,
+            "predicted_step_s": None, "mfu_predicted": None, "step_over_predicted": None}
+  machine = cost.Machine(facts, hardware.gpu(facts.name).hbm_bytes_per_s, (0,) * num_devices,
+                         hardware.rates(facts.name))
   p = program if isinstance(program, hlo.Program) else hlo.Program(program)
-  floor = cost.roofline(p, hlo.gemms(p), hlo.attention_calls(p), model_flops=train_flops_per_step(cfg) / num_devices,
-                        tokens=cfg.train.batch_size * cfg.model.seq_len / num_devices, machine=machine)
+  per_device = dict(model_flops=train_flops_per_step(cfg) / num_devices,
+                    tokens=cfg.train.batch_size * cfg.model.seq_len / num_devices)
+  floor = cost.roofline(p, hlo.gemms(p), hlo.attention_calls(p), machine=machine, **per_device)
+  predicted = predict.predicted_step(p, machine, **per_device)
   return {k: floor[k] for k in ("time_floor_s", "time_floor_parts_s", "mfu_ceiling")} | {
-      "step_over_floor": step_time_s / floor["time_floor_s"] if floor["time_floor_s"] else None}
+      "step_over_floor": step_time_s / floor["time_floor_s"] if floor["time_floor_s"] else None,
+      "predicted_step_s": predicted["predicted_step_s"], "mfu_predicted": predicted["mfu_predicted"],
+      "step_over_predicted": step_time_s / predicted["predicted_step_s"] if predicted["predicted_step_s"] else None}
 
 
 def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:

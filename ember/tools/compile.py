@@ -28,6 +28,9 @@ def _ms(seconds: float) -> str:
   return f"{seconds * 1e3:,.4g} ms"
 
 
+TOP_TIMES = 10  # Rows of `time_by_op` printed.
+
+
 def _work_lines(r: dict) -> list[str]:
   """Executed work against the model's, the time floor and its ceilings, where the bytes are."""
   ex = r["executed_flops"]
@@ -43,6 +46,12 @@ def _work_lines(r: dict) -> list[str]:
                  f"{_ms(parts['memory'])}, overlapped with collectives {_ms(parts['collectives'])}; serial "
                  f"{_ms(r['time_serial_s'])}): MFU at most {r['mfu_ceiling']:.1%}, at most "
                  f"{r['tokens_per_s_ceiling']:,.0f} tokens/s per device")
+  if r.get("predicted_step_s"):
+    lines.append(f"  predicted:   {_ms(r['predicted_step_s'])} a step (scheduled program at the GPU's achievable rates, "
+                 f"ember/hardware/rates.toml): MFU {r['mfu_predicted']:.1%}, {r['tokens_per_s_predicted']:,.0f} tokens/s "
+                 f"per device")
+    lines += [f"    {_ms(t['seconds']):>10}  {t['op']} ({t['pass']}, {t['kind']}{'' if t['exposed'] else ', hidden'})"
+              for t in r["time_by_op"][:TOP_TIMES]]
   if r.get("memory_by_op"):
     ops = ", ".join(f"{m['op']} ({m['pass']}) {m['bytes'] / 1e9:,.1f} GB" for m in r["memory_by_op"][:10])
     lines.append(f"  memory by op: {ops}")

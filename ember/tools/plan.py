@@ -4,11 +4,13 @@ remat preset, by compiling the most promising ones for the target (ember/plan/pl
   python -m ember.tools.plan --config=configs/default.py:llama3_70b --config.quant.recipe=fp8_current \
       --target=h100x64 [--budget_gb=72] [--top=6] [--out=plan.json]
 
-Prints one line per compiled layout, a table ranked by the compiled tokens/s ceiling, and the winner's flags
+Prints one line per compiled layout, a table ranked by the predicted tokens/s (ember/plan/predict.py), with the
+roofline ceiling beside it, and the winner's flags
 (append them to the training command). `--budget_gb`: per-device memory the compiled peak must stay within
 (default: the GPU's memory less 10%). Exits 0 with a winner, 1 when no compiled layout fits the budget, 2 for
-bad input. `--out` JSON: `best` and `candidates` (ranked), each with its `flags`, `tokens_per_s_ceiling`,
-`mfu_ceiling`, `peak_bytes` and the quick `estimate` that chose it for compiling.
+bad input. `--out` JSON: `best` and `candidates` (ranked), each with its `flags`, `tokens_per_s_predicted`,
+`mfu_predicted`, `predicted_step_s`, `exposed_collectives_s`, `tokens_per_s_ceiling`, `mfu_ceiling`, `peak_bytes`
+and the quick `estimate` that chose it for compiling; a candidate whose compile failed has its `error`.
 """
 
 from __future__ import annotations
@@ -20,19 +22,21 @@ from ember.tools import target_env
 
 def format_table(result: dict) -> str:
   gib = 2**30
-  lines = [f"{'rank':>4} {'tokens/s/GPU':>12} {'MFU':>6} {'peak GiB':>8} {'est tok/s':>10}  layout"]
+  lines = [f"{'rank':>4} {'tokens/s/GPU':>12} {'MFU':>6} {'ceiling':>8} {'peak GiB':>8} {'est tok/s':>10}  layout"]
   for k, r in enumerate(result["candidates"], 1):
     if "fits" not in r:
-      lines.append(f"{'-':>4} {'':>12} {'':>6} {'':>8} {r['estimate']['tokens_per_s']:>10,.0f}  "
+      lines.append(f"{'-':>4} {'':>12} {'':>6} {'':>8} {'':>8} {r['estimate']['tokens_per_s']:>10,.0f}  "
                    f"{r['layout']}: {r['error']}")
       continue
-    lines.append(f"{k:>4} {r['tokens_per_s_ceiling']:>12,.0f} {r['mfu_ceiling']:>6.1%} "
-                 f"{r['peak_bytes'] / gib:>8.1f}{'' if r['fits'] else '!'} {r['estimate']['tokens_per_s']:>10,.0f}  "
-                 f"{r['layout']}")
+    lines.append(f"{k:>4} {r['tokens_per_s_predicted']:>12,.0f} {r['mfu_predicted']:>6.1%} "
+                 f"{r['tokens_per_s_ceiling']:>8,.0f} {r['peak_bytes'] / gib:>8.1f}{'' if r['fits'] else '!'} "
+                 f"{r['estimate']['tokens_per_s']:>10,.0f}  {r['layout']}")
   best = result["best"]
-  lines.append(f"('!': over the budget; est: the quick estimate that chose the layout for compiling)")
-  lines.append(f"best on {result['target']}: {best['tokens_per_s_ceiling']:,.0f} tokens/s per GPU at most, peak "
-               f"{best['peak_bytes'] / gib:.1f} GiB of {result['budget_bytes'] / gib:.1f}")
+  lines.append("(tokens/s/GPU and MFU: the predicted step; ceiling: the roofline's tokens/s; '!': over the budget; "
+               "est: the quick estimate that chose the layout for compiling)")
+  lines.append(f"best on {result['target']}: {best['tokens_per_s_predicted']:,.0f} tokens/s per GPU predicted "
+               f"({best['tokens_per_s_ceiling']:,.0f} at most), peak {best['peak_bytes'] / gib:.1f} GiB of "
+               f"{result['budget_bytes'] / gib:.1f}")
   lines.append("  " + " ".join(best["flags"]))
   return "\n".join(lines)
 

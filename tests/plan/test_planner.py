@@ -67,7 +67,8 @@ def test_plan_picks_the_fastest_compiled_layout_within_the_budget(tmp_path, caps
   r = json.loads(out.read_text())
   best, fitting = r["best"], [c for c in r["candidates"] if c.get("fits")]
   assert len(r["candidates"]) >= 3 and best in fitting
-  assert all(best["tokens_per_s_ceiling"] >= c["tokens_per_s_ceiling"] for c in fitting)
+  assert all(best["tokens_per_s_predicted"] >= c["tokens_per_s_predicted"] for c in fitting)  # Ranked by prediction.
+  assert all(c["tokens_per_s_predicted"] <= c["tokens_per_s_ceiling"] for c in fitting)
   assert best["peak_bytes"] <= r["budget_bytes"] == int(0.9 * target_lib.parse("h100x8").device_memory_bytes)
   assert "best on h100x8" in capsys.readouterr().out
   # The winner's layout was compiled with no remat too (the estimate the planner trusts least).
@@ -77,6 +78,7 @@ def test_plan_picks_the_fastest_compiled_layout_within_the_budget(tmp_path, caps
   again = compile_report(_cfg("tiny", "--config.quant.recipe=fp8_current", "--config.train.batch_size=16",
                               *best["flags"]), target_lib.parse("h100x8"))
   assert again["tokens_per_s_ceiling"] == pytest.approx(best["tokens_per_s_ceiling"])
+  assert again["tokens_per_s_predicted"] == pytest.approx(best["tokens_per_s_predicted"])
   assert again["peak_bytes"] == best["peak_bytes"]
 
 

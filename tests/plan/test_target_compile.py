@@ -313,7 +313,16 @@ def test_compile_tool_exit_codes(tmp_path, capsys):
   assert len(r["largest_values"]) == 5 and len(r["largest_collectives"]) == 5
   assert {"shape", "dtype", "bytes", "op_name"} <= set(r["largest_values"][0])
   assert {"kind", "shape", "dtype", "bytes", "op_name"} <= set(r["largest_collectives"][0])
-  capsys.readouterr()
+  # The predicted step: slower than the floor, the MFU and tokens/s its own, and where its time goes.
+  assert r["time_floor_s"] < r["predicted_step_s"] < 3 * r["time_floor_s"]
+  assert r["tokens_per_s_predicted"] == pytest.approx(8 * 8192 / 8 / r["predicted_step_s"])
+  assert r["mfu_predicted"] == pytest.approx(r["model_flops"] / r["predicted_step_s"] / 989e12)
+  times = r["time_by_op"]
+  assert sum(t["seconds"] for t in times if t["exposed"]) == pytest.approx(r["predicted_step_s"])
+  assert {"op", "pass", "seconds", "exposed"} <= set(times[0])
+  assert {t["kind"] for t in times} >= {"gemm", "attention", "memory", "collective"}
+  printed = capsys.readouterr().out
+  assert "predicted:" in printed and f"{times[0]['op']} ({times[0]['pass']}" in printed
   assert tool.main(["compile", *llama, "--config.train.batch_size=16", "--config.remat.policy=none"]) == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith("error: needs ") and "GiB per device on h100x8" in err[-1]

@@ -1,0 +1,264 @@
+"""A predicted step: the optimised program walked in its scheduled order, each kernel at what its GPU reaches in
+practice, each asynchronous collective overlapped only with the work scheduled between its start and its done.
+
+The rules, in one place (the rates are the GPU's row of ember/hardware/rates.toml):
+  * a GEMM takes the larger of its FLOPs at `gemm_<precision>` x its precision's dense peak x its wave
+    efficiency, and its bytes at `hbm` x the HBM bandwidth. Wave efficiency: the GEMM's output cut into
+    `tile_m` x `tile_n` tiles runs in waves of one tile per SM; the useful fraction of the tiles x waves it
+    occupies is what a small or ragged GEMM loses;
+  * a cuDNN attention call: its FLOPs at `attention_forward` / `attention_backward` x the bf16 peak, or its bytes;
+  * every other kernel: its bytes (ember/plan/hlo.py's rule) at `hbm` x the HBM bandwidth;
+  * every kernel adds `launch_s`;
+  * a collective takes `collective_latency_s` plus the bytes it sends (the roofline's bus-bandwidth rule) at
+    `nvlink` or `nic` x the link's bandwidth. Collectives share the network one at a time. An asynchronous one
+    (a `*-start` / `*-done` pair) starts where the schedule starts it (or when the network frees) and is hidden
+    behind the kernels scheduled before its done; whatever is left when the done is reached is exposed: the
+    step waits. A synchronous one is exposed whole;
+  * a loop body is walked once and counted its trip count times; a called computation is walked in place; a
+    conditional takes its longest branch.
+The step is the compute stream's time at the end of the entry computation. What it leaves out: kernels running
+concurrently on other streams, NCCL kernels slowing the GEMMs they overlap, the host, and L2 reuse.
+
+`predicted_step_s`, `tokens_per_s_predicted` (per device) and `mfu_predicted` (model FLOPs against the dense
+bf16 peak, as a run's MFU is) go into the compile report, the bench and the planner; `time_by_op` says where
+the predicted time goes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from ember.hardware import Rates
+from ember.plan import cost, hlo
+
+GEMM, ATTENTION_FORWARD, ATTENTION_BACKWARD, MEMORY = range(4)
+_KIND_NAMES = {GEMM: "gemm", ATTENTION_FORWARD: "attention", ATTENTION_BACKWARD: "attention", MEMORY: "memory"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Span:  # Kernels [start, stop) of the program's table, run one after another.
+  start: int
+  stop: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:  # A computation run `times` times in place (a loop body, a loop condition, a call).
+  computations: tuple[str, ...]  # More than one: a conditional's branches, the longest taken.
+  times: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:  # An asynchronous collective's start.
+  collective: int  # Index into Walk.collectives.
+  name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Done:
+  start: str  # The start's name.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sync:  # A synchronous collective.
+  collective: int
+
+
+class Walk:
+  """A program's kernels and collectives in scheduled order, read once: the kernel table (one row per kernel
+  instruction: its class, precision, FLOPs and bytes per execution, executions per step, op and pass) and each
+  computation's events. `predict` times it for a GPU's rates; a fit times it many times."""
+
+  def __init__(self, p: hlo.Program):
+    self.program = p
+    rows, self.events = [], {}
+    self.collectives: list[hlo.Collective] = []
+    for comp in _in_call_order(p):
+      events: list = []
+      for i in p.computations[comp]:
+        event = self._event(p, i, rows)
+        if isinstance(event, int):  # A kernel: extend the current span or open one.
+          if events and isinstance(events[-1], _Span) and events[-1].stop == event:
+            events[-1] = _Span(events[-1].start, event + 1)
+          else:
+            events.append(_Span(event, event + 1))
+        elif isinstance(event, list):
+          events += event
+        elif event is not None:
+          events.append(event)
+      self.events[comp] = events
+    self.kind = np.array([r[0] for r in rows], dtype=np.int8)
+    self.precision = [r[1] for r in rows]
+    self.flops = np.array([r[2] for r in rows], dtype=np.float64)
+    self.bytes = np.array([r[3] for r in rows], dtype=np.float64)
+    self.times = np.array([r[4] for r in rows], dtype=np.float64)
+    self.output = [r[5] for r in rows]
+    self.labels = [(r[6], r[7]) for r in rows]  # (op, pass)
+
+  def _event(self, p: hlo.Program, i: hlo.Instruction, rows: list):
+    """The event an instruction is, or the index of the kernel row it adds, or None."""
+    if i.opcode == "while":  # Its condition as often as hlo.Program.times counts it (once), its body trips times.
+      body, condition = i.attribute("body"), i.attribute("condition")
+      trips = p.trips.get(body, 1) // max(p.times(i), 1)
+      return [_Call((c,), n) for c, n in ((condition, 1), (body, trips)) if c in p.computations]
+    if i.opcode in ("call", "async-start"):
+      callee = i.attribute("to_apply" if i.opcode == "call" else "calls")
+      return _Call((callee,)) if callee in p.computations else None
+    if i.opcode == "conditional":
+      branches = tuple(c for c in hlo.callees(i.line, "branch_computations") if c in p.computations)
+      return _Call(branches) if branches else None
+    if i.opcode.endswith("-done"):
+      return _Done(i.operands[0]) if i.operands and i.opcode != "fusion-done" else None
+    collective = hlo.collective_of(p, i)
+    if collective is not None:
+      self.collectives.append(collective)
+      index = len(self.collectives) - 1
+      return _Start(index, i.name) if i.opcode.endswith("-start") else _Sync(index)
+    label = (cost.op_of(i.op_name) if i.op_name else f"({i.opcode})", cost.pass_of(i.op_name))
+    gemm = hlo.gemm_of(p, i)
+    if gemm is not None:
+      rows.append((GEMM, gemm.precision, gemm.flops, gemm.bytes, gemm.times, gemm.output_dims, *label))
+      return len(rows) - 1
+    call = hlo.attention_of(p, i)
+    if call is not None:
+      kind = ATTENTION_BACKWARD if call.backward else ATTENTION_FORWARD
+      rows.append((kind, "bf16", call.flops, call.bytes, call.times, (), "attention", label[1]))
+      return len(rows) - 1
+    if hlo.is_memory_kernel(i):
+      rows.append((MEMORY, "", 0.0, hlo.kernel_bytes(p, i), p.times(i), (), *label))
+      return len(rows) - 1
+    return None
+
+  def kernel_seconds(self, machine: cost.Machine, rates: Rates) -> np.ndarray:
+    """Each kernel's seconds per execution."""
+    facts = machine.facts
+    efficiency = np.array([_efficiency(k, prec, rates) * facts.peak_flops(prec or "bf16") for k, prec in
+                           zip(self.kind, self.precision)], dtype=np.float64)
+    waves = self._wave_efficiency(int(rates["tile_m"]), int(rates["tile_n"]), rates.sms)
+    with np.errstate(divide="ignore", invalid="ignore"):
+      compute = np.where(self.flops > 0, self.flops / (efficiency * waves), 0.0)
+    memory = self.bytes / (machine.hbm_bytes_per_s * rates["hbm"])
+    return np.maximum(compute, memory) + rates["launch_s"]
+
+  @functools.cache
+  def _wave_efficiency(self, tile_m: int, tile_n: int, sms: int) -> np.ndarray:
+    out = np.ones(len(self.kind))
+    for k, dims in enumerate(self.output):
+      if self.kind[k] == GEMM and dims:
+        out[k] = wave_efficiency(dims, tile_m, tile_n, sms)
+    return out
+
+
+def _efficiency(kind: int, precision: str, rates: Rates) -> float:
+  if kind == GEMM:
+    return rates.gemm(precision)
+  if kind == ATTENTION_FORWARD:
+    return rates["attention_forward"]
+  if kind == ATTENTION_BACKWARD:
+    return rates["attention_backward"]
+  return 1.0
+
+
+def wave_efficiency(output_dims: tuple[int, ...], tile_m: int, tile_n: int, sms: int) -> float:
+  """The useful fraction of the tiles x waves a GEMM's output [..., M, N] occupies (see the module doc)."""
+  n = output_dims[-1]
+  m = output_dims[-2] if len(output_dims) > 1 else 1
+  batch = math.prod(output_dims[:-2])
+  tiles = batch * math.ceil(m / tile_m) * math.ceil(n / tile_n)
+  waves = math.ceil(tiles / sms)
+  return batch * m * n / (waves * sms * tile_m * tile_n)
+
+
+def _in_call_order(p: hlo.Program) -> list[str]:
+  """The computations whose instructions are kernels (hlo.Program.kernel_computations), each once."""
+  return [c for c in p.computations if c in p.kernel_computations]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  step_s: float
+  kernel_s: np.ndarray  # Per execution, as Walk's table.
+  collective_s: np.ndarray  # Per execution, as Walk.collectives.
+  exposed_s: np.ndarray  # Per execution: what the step waits for each collective.
+
+
+def predict(walk: Walk, machine: cost.Machine, rates: Rates | None = None) -> Prediction:
+  """The predicted step of a walked program on `machine` (at `rates`, by default the machine's)."""
+  rates = rates or machine.rates
+  kernel_s = walk.kernel_seconds(machine, rates)
+  cumulative = np.concatenate([[0.0], np.cumsum(kernel_s)])
+  collective_s = np.array([_collective_seconds(c, machine, rates) for c in walk.collectives])
+  exposed = np.zeros(len(walk.collectives))
+  durations: dict[str, float] = {}
+
+  def run(comp: str) -> float:
+    if comp in durations:
+      return durations[comp]
+    t, network_free, pending = 0.0, 0.0, {}
+    for e in walk.events.get(comp, ()):
+      if isinstance(e, _Span):
+        t += cumulative[e.stop] - cumulative[e.start]
+      elif isinstance(e, _Call):
+        t += e.times * max(run(c) for c in e.computations)
+      elif isinstance(e, _Start):
+        begin = max(t, network_free)
+        network_free = begin + collective_s[e.collective]
+        pending[e.name] = (e.collective, network_free)
+      elif isinstance(e, _Done) and e.start in pending:
+        index, end = pending.pop(e.start)
+        exposed[index] = max(end - t, 0.0)
+        t = max(t, end)
+      elif isinstance(e, _Sync):
+        begin = max(t, network_free)
+        network_free = begin + collective_s[e.collective]
+        exposed[e.collective] = network_free - t
+        t = network_free
+    for index, end in pending.values():  # Started and never waited for here: the computation ends after it.
+      exposed[index] = max(end - t, 0.0)
+      t = max(t, end)
+    durations[comp] = t
+    return t
+
+  return Prediction(run(walk.program.entry), kernel_s, collective_s, exposed)
+
+
+def _collective_seconds(c: hlo.Collective, machine: cost.Machine, rates: Rates) -> float:
+  sent, crosses = cost.bytes_sent(c, machine)
+  if sent <= 0:
+    return 0.0
+  return rates["collective_latency_s"] + sent / (cost.link_bytes_per_s(machine, crosses) * rates["nic" if crosses
+                                                                                                  else "nvlink"])
+
+
+def time_by_op(walk: Walk, prediction: Prediction) -> list[dict]:
+  """Where the predicted time goes, per device per step: kernels by op (the last part of the op name, as
+  `memory_by_op`), kind (gemm, attention, memory) and pass; collectives by kind and pass, the exposed part and
+  the hidden part in rows of their own. The exposed rows sum to the step. Exposed collectives first, then the
+  rest, each by seconds."""
+  totals: dict[tuple[str, str, str, bool], float] = collections.defaultdict(float)
+  for k, (op, pass_) in enumerate(walk.labels):
+    totals[(op, pass_, _KIND_NAMES[int(walk.kind[k])], True)] += prediction.kernel_s[k] * walk.times[k]
+  for k, c in enumerate(walk.collectives):
+    pass_ = cost.pass_of(c.op_name)
+    exposed = prediction.exposed_s[k] * c.times
+    totals[(c.kind, pass_, "collective", True)] += exposed
+    totals[(c.kind, pass_, "collective", False)] += prediction.collective_s[k] * c.times - exposed
+  rows = [{"op": op, "pass": pass_, "kind": kind, "seconds": s, "exposed": exposed}
+          for (op, pass_, kind, exposed), s in totals.items() if s > 0]
+  return sorted(rows, key=lambda r: (not (r["kind"] == "collective" and r["exposed"]), -r["seconds"]))
+
+
+def predicted_step(p: hlo.Program, machine: cost.Machine | None, *, model_flops: float, tokens: float) -> dict:
+  """The report's prediction figures for an optimised program (nulls without a GPU's rates)."""
+  if machine is None or machine.rates is None:
+    return {"predicted_step_s": None, "tokens_per_s_predicted": None, "mfu_predicted": None, "time_by_op": []}
+  walk = Walk(p)
+  prediction = predict(walk, machine)
+  step = prediction.step_s
+  return {"predicted_step_s": step, "tokens_per_s_predicted": tokens / step if step else None,
+          "mfu_predicted": model_flops / step / machine.facts.peak_flops("bf16") if step else None,
+          "time_by_op": time_by_op(walk, prediction)}

@@ -1,0 +1,129 @@
+"""The predicted step (ember/plan/predict.py) against hand-computed schedules, and the H100's rates against ember's
+own measured steps (ember/plan/calibrate.py, benchmarks/measured/h100/)."""
+
+import math
+
+import pytest
+
+from ember import hardware
+from ember.plan import calibrate, cost, hlo, predict
+from ember.tools import fit_rates
+
+H100 = hardware.gpu("h100")
+RATES = hardware.rates("h100")
+ONE_NODE = cost.Machine(H100.facts, H100.hbm_bytes_per_s, (0,) * 8, RATES)
+
+_GEMM = ('  %{name} = (bf16[8192,8192]{{1,0}}, s8[0]{{0}}) custom-call(%{a}, %{b}), custom_call_target="__cublas$gemm", '
+         'backend_config={{"gemm_backend_config":{{"dot_dimension_numbers":{{"lhs_contracting_dimensions":["1"]}}}}}}')
+_GROUPS = "replica_groups={{0,1,2,3,4,5,6,7}}"
+
+
+def _gemm_seconds(m: int, k: int, n: int) -> float:
+  """A bf16 GEMM [m, k] x [k, n] by the module doc's rule, computed here from the rates."""
+  tiles = math.ceil(m / RATES["tile_m"]) * math.ceil(n / RATES["tile_n"])
+  waves = math.ceil(tiles / H100.sms)
+  wave_efficiency = m * n / (waves * H100.sms * RATES["tile_m"] * RATES["tile_n"])
+  compute = 2 * m * k * n / (H100.facts.peak_flops("bf16") * RATES["gemm_bf16"] * wave_efficiency)
+  memory = 2 * (m * k + k * n + m * n) / (H100.hbm_bytes_per_s * RATES["hbm"])
+  return max(compute, memory) + RATES["launch_s"]
+
+
+def _collective_seconds(kind_factor: float, nbytes: float) -> float:
+  """A collective over the 8 GPUs of a node: the bus-bandwidth convention's bytes at NVLink x the rate."""
+  sent = nbytes * kind_factor * 7 / 8
+  return RATES["collective_latency_s"] + sent / (H100.facts.nvlink_gb_s * 1e9 * RATES["nvlink"])
+
+
+def _program(body: list[str], *, loop: int = 0) -> hlo.Program:
+  """An entry computation of `body` lines over two bf16 [8192, 8192] parameters %x and %y (and, with `loop`, the
+  same lines as a while loop's body run `loop` times instead)."""
+  params = ["  %x = bf16[8192,8192]{1,0} parameter(0)", "  %y = bf16[8192,8192]{1,0} parameter(1)"]
+  if not loop:
+    return hlo.Program("\n".join(["ENTRY %main () -> bf16[8192,8192] {", *params, *body, "}"]))
+  text = ["%body (p: (bf16[8192,8192], bf16[8192,8192])) -> (bf16[8192,8192], bf16[8192,8192]) {",
+          "  %p = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) parameter(0)",
+          "  %x = bf16[8192,8192]{1,0} get-tuple-element(%p), index=0",
+          "  %y = bf16[8192,8192]{1,0} get-tuple-element(%p), index=1", *body,
+          "  ROOT %t = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) tuple(%x, %y)", "}",
+          "%cond (p: (bf16[8192,8192], bf16[8192,8192])) -> pred[] {",
+          "  %p = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) parameter(0)",
+          "  ROOT %c = pred[] constant(true)", "}",
+          "ENTRY %main () -> bf16[8192,8192] {", *params,
+          "  %init = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) tuple(%x, %y)",
+          f'  ROOT %w = (bf16[8192,8192]{{1,0}}, bf16[8192,8192]{{1,0}}) while(%init), condition=%cond, body=%body, '
+          f'backend_config={{"known_trip_count":{{"n":"{loop}"}}}}', "}"]
+  return hlo.Program("\n".join(text))
+
+
+def test_an_all_gather_is_hidden_behind_the_gemm_scheduled_between_its_start_and_done():
+  # 1 GiB gathered over NVLink (about 2.6 ms) behind one 8192^3 GEMM (about 1.7 ms): partly exposed.
+  gather = [f"  %ag = (bf16[8192,8192]{{1,0}}, bf16[65536,8192]{{1,0}}) all-gather-start(%x), {_GROUPS}, "
+            'dimensions={0}, metadata={op_name="jit(step)/all_gather"}',
+            _GEMM.format(name="g", a="x", b="y"),
+            "  %agd = bf16[65536,8192]{1,0} all-gather-done(%ag)"]
+  walk = predict.Walk(_program(gather))
+  got = predict.predict(walk, ONE_NODE)
+  gemm, gathered = _gemm_seconds(8192, 8192, 8192), _collective_seconds(1, 65536 * 8192 * 2)
+  assert got.step_s == pytest.approx(max(gemm, gathered))
+  assert got.exposed_s[0] == pytest.approx(max(gathered - gemm, 0))
+  # Its done before the GEMM: nothing to hide behind, the whole gather is exposed.
+  walk = predict.Walk(_program([gather[0], gather[2], gather[1]]))
+  assert predict.predict(walk, ONE_NODE).step_s == pytest.approx(gathered + gemm)
+  # A synchronous all-reduce is exposed whole, and waits for the network.
+  reduce = [f"  %ar = bf16[8192,8192]{{1,0}} all-reduce(%x), {_GROUPS}, to_apply=%add", _GEMM.format(name="g", a="x", b="y")]
+  assert predict.predict(predict.Walk(_program(reduce)), ONE_NODE).step_s == pytest.approx(
+      _collective_seconds(2, 8192 * 8192 * 2) + gemm)
+
+
+def test_a_loop_body_counts_its_trips_and_time_by_op_sums_to_the_step():
+  gather = [f"  %ag = (bf16[8192,8192]{{1,0}}, bf16[65536,8192]{{1,0}}) all-gather-start(%x), {_GROUPS}, "
+            'dimensions={0}, metadata={op_name="jit(step)/transpose(jvp())/all_gather"}',
+            _GEMM.format(name="g", a="x", b="y") + ', metadata={op_name="jit(step)/dot_general"}',
+            "  %agd = bf16[65536,8192]{1,0} all-gather-done(%ag)"]
+  once = predict.predict(predict.Walk(_program(gather)), ONE_NODE).step_s
+  walk = predict.Walk(_program(gather, loop=4))
+  got = predict.predict(walk, ONE_NODE)
+  assert got.step_s == pytest.approx(4 * once)
+  rows = predict.time_by_op(walk, got)
+  assert sum(r["seconds"] for r in rows if r["exposed"]) == pytest.approx(got.step_s)
+  assert rows[0] == {"op": "all-gather", "pass": "bwd", "kind": "collective", "exposed": True,
+                     "seconds": pytest.approx(4 * got.exposed_s[0])}  # Exposed collectives first.
+  gemm = next(r for r in rows if r["kind"] == "gemm")
+  assert gemm["op"] == "dot_general" and gemm["seconds"] == pytest.approx(4 * _gemm_seconds(8192, 8192, 8192))
+
+
+def test_a_small_gemm_loses_to_wave_quantization():
+  """133 tiles on 132 SMs take two waves: about half the second wave's SMs' time is lost."""
+  assert predict.wave_efficiency((128 * 133, 256), 128, 256, 132) == pytest.approx(133 / 264)
+  assert predict.wave_efficiency((4, 8192, 8192), 128, 256, 132) == pytest.approx(4 * 64 * 32 / (63 * 132))
+  assert predict.wave_efficiency((100, 256), 128, 256, 132) == pytest.approx(100 / 128 / 132)  # A partial tile.
+
+
+@pytest.fixture(scope="module")
+def measured():
+  return calibrate.load("h100")
+
+
+def test_the_h100_rates_predict_each_measured_step_they_were_not_fit_on(measured):
+  """Leave-one-out over ember's seven measured H100 steps: each within 15%, each fit rate within its source's
+  range; rates.toml holds the fit on all seven."""
+  m = calibrate.machine("h100")
+  checks = calibrate.leave_one_out(measured, m)
+  assert len(checks) == 7
+  for c in checks:
+    assert abs(c.ratio - 1) <= 0.15, (c.name, c.ratio, c.rates)
+    assert not RATES.with_values(c.rates).outside_range()
+  fitted = calibrate.fit(measured, m)
+  for k, rate in RATES.table.items():
+    if rate.fit:
+      assert rate.value == pytest.approx(fitted[k], rel=0.02), k
+  assert not any(r.outside_range() for r in map(hardware.rates, hardware.GPUS))
+
+
+def test_fit_rates_prints_the_leave_one_out_check(capsys):
+  assert fit_rates.main(["fit_rates", "--gpu=h100"]) == 0
+  out = capsys.readouterr().out
+  assert "left out" in out and out.count("1b_") == 14
+  with pytest.raises(SystemExit) as e:
+    fit_rates.main(["fit_rates", "--gpu=a100"])
+  assert e.value.code == 2
