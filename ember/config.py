@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import math
 import os
 import re
 import sys
@@ -26,8 +25,8 @@ from ml_collections import config_flags
 from ember import config_schema as schema
 from ember.errors import ConfigError, bad_key, one_line
 from ember import config_phases
-from ember.names import BATCH, EXPERT, LENGTH
-from ember.parallel import distributed
+from ember.names import EXPERT
+from ember.parallel import axes, distributed
 from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import Recipe
 from ember.settings import Settings, section
@@ -226,15 +225,16 @@ def directory_problem(directory: str) -> str | None:
 def _validate_mesh(s: Settings) -> None:
   """The mesh (its sizes resolved) against the batch and the model."""
   sizes, rules, m = s.mesh.sizes(), s.mesh.rules_dict, s.model
-  batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  split = "*".join(axes.batch_axes(rules)) or "1"  # The mesh axes the batch is split over, as the rules say.
+  batch_shards = axes.shards(axes.batch_axes(rules), sizes)
   batch = s.train.batch_size
   if batch % batch_shards:
-    bad_key("train.batch_size", f"{batch} is not divisible by the data-parallel size data*fsdp*expert={batch_shards}")
+    bad_key("train.batch_size", f"{batch} is not divisible by the data-parallel size {split}={batch_shards}")
   accum = s.train.grad_accum_steps
   if (batch // batch_shards) % accum:
     bad_key("train.grad_accum_steps", f"{accum} does not divide the sequences each device holds: train.batch_size="
-          f"{batch} / data*fsdp*expert={batch_shards} = {batch // batch_shards}")
-  context = math.prod(sizes[a] for a in rules.get(LENGTH, ()))
+          f"{batch} / {split}={batch_shards} = {batch // batch_shards}")
+  context = axes.shards(axes.sequence_axes(rules), sizes)
   if context > 1 and m.seq_len % (2 * context):  # The balanced layout's 2 chunks a device (parallel/context.py).
     bad_key("mesh.context", f"the 2 x {context} chunks of a sequence split over {context} devices do not divide "
             f"model.seq_len={m.seq_len}")
@@ -244,7 +244,7 @@ def _validate_mesh(s: Settings) -> None:
     bad_key("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={m.num_experts}")
   if m.num_experts and sizes["expert"] > 1:
     expert_axes = [a for a in rules.get(EXPERT, ()) if sizes[a] > 1]
-    missing = [a for a in expert_axes if a not in rules.get(BATCH, ())]
+    missing = [a for a in expert_axes if a not in axes.batch_axes(rules)]
     if missing:
       bad_key("mesh.rules", f"expert parallelism over {missing[0]!r} needs the batch sharded over it too "
             f"('batch' -> (..., {missing[0]!r}))")

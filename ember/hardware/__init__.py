@@ -34,8 +34,9 @@ class DeviceFacts:
 
 
 @functools.cache
-def _table() -> dict[str, dict]:
-  with open(os.path.join(_DIR, "facts.toml"), "rb") as f:
+def _table(name: str = "facts.toml") -> dict[str, dict]:
+  """A TOML table beside this file, read once."""
+  with open(os.path.join(_DIR, name), "rb") as f:
     return tomllib.load(f)
 
 
@@ -88,16 +89,10 @@ class Rates:
             if not r.low <= r.value <= r.high]
 
 
-@functools.cache
-def _rates_table() -> dict[str, dict]:
-  with open(os.path.join(_DIR, "rates.toml"), "rb") as f:
-    return tomllib.load(f)
-
-
 def rates(name: str) -> Rates:
   """The achievable rates of GPU `name` (one of GPUS)."""
-  row = _rates_table()[name]
-  row = _rates_table()[row["inherit"]] if "inherit" in row else row
+  row = _table("rates.toml")[name]
+  row = _table("rates.toml")[row["inherit"]] if "inherit" in row else row
   table = {k: Rate(float(v["value"]), float(v["low"]), float(v["high"]), v["source"], bool(v.get("fit", False)))
            for k, v in row.items()}
   return Rates(name, table, gpu(name).sms)

@@ -47,7 +47,7 @@ from ember.model_config import ModelConfig
 from ember.names import (BATCH, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MOE_DROPPED_TOKENS,
                          MOE_EXPERT_LOADS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS,
                          PROJECTIONS)
-from ember.parallel import sharding
+from ember.parallel import axes as axes_lib, sharding
 from ember.quant import health
 from ember.quant.batched import batched_matmul
 from ember.quant.grouped import grouped_matmul, starts
@@ -162,7 +162,7 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
     return _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E,
                     errors, opts=opts, plan=plan, token_axes=())
   x_spec = sharding.logical_to_spec((BATCH, LENGTH, None), rules, mesh)
-  token_axes = sharding.entry_axes(x_spec[0]) + sharding.entry_axes(x_spec[1])
+  token_axes = axes_lib.token_axes(rules, mesh)
   e_spec = sharding.logical_to_spec((EXPERT,), rules, mesh)[0]
   expert_axes = plan.expert_axes
   if not set(expert_axes) <= set(token_axes):

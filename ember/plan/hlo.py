@@ -161,11 +161,12 @@ class Program:
 
 # Which called computations of an instruction hold kernels: loop bodies, branches, plain calls (command
 # buffers), the ops an async pair wraps.
-_KERNEL_CALLEES = {"while": ("body", "condition"), "conditional": ("branch_computations",), "call": ("to_apply",),
+BRANCHES = ("branch_computations", "true_computation", "false_computation")  # A conditional's, in either form.
+_KERNEL_CALLEES = {"while": ("body", "condition"), "conditional": BRANCHES, "call": ("to_apply",),
                    "async-start": ("calls",)}
 
 
-def callees(line: str, key: str = "body|condition|calls|to_apply|branch_computations|called_computations"
+def callees(line: str, key: str = "body|condition|calls|to_apply|called_computations|" + "|".join(BRANCHES)
              ) -> list[str]:
   # `key={%a, %b}` lists or `key=%a`; a list never runs on into the next attribute (`condition=%c, body=%b`).
   found = re.findall(rf"\b(?:{key})=(?:\{{([^}}]*)\}}|(%?[\w.\-]+))", line)

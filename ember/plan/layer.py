@@ -16,7 +16,6 @@ are counted at the bits they take (uint4 = half a byte an element).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any
 
@@ -30,7 +29,7 @@ from jax._src.interpreters import partial_eval as pe
 from ember import remat
 from ember.layers.decoder import Block, segments_of
 from ember.model_config import ModelConfig
-from ember.names import LENGTH
+from ember.parallel import axes
 from ember.plan.jaxpr import GEMM_PRIMITIVES, is_projection_gemm, is_quantize_cast, iter_eqns, name_stack, nbytes
 from ember.quant.core import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
 
@@ -61,13 +60,13 @@ def _axis_size(cfg, mesh, axis: str) -> int:
 def per_device_batch(cfg, mesh=None) -> int:
   """Sequences per device of one micro-batch (train.grad_accum_steps; at least 1), along the batch's mesh
   axes (`_axis_size`)."""
-  shards = math.prod(_axis_size(cfg, mesh, a) for a in ("data", "fsdp", "expert"))
+  shards = axes.shards(axes.batch_axes(cfg.mesh.rules_dict), lambda a: _axis_size(cfg, mesh, a))
   return max(cfg.train.batch_size // shards // cfg.train.grad_accum_steps, 1)
 
 
 def sequence_shards(cfg, mesh=None) -> int:
   """The devices each sequence is split over (context parallelism: the mesh axes `length` maps to)."""
-  return math.prod(_axis_size(cfg, mesh, a) for a in cfg.mesh.rules_dict.get(LENGTH, ()))
+  return axes.shards(axes.sequence_axes(cfg.mesh.rules_dict), lambda a: _axis_size(cfg, mesh, a))
 
 
 def representative_block(model: ModelConfig) -> int:

@@ -38,6 +38,7 @@ import ml_collections
 from ember import config as config_lib
 from ember import remat
 from ember.errors import ConfigError, EmberError, one_line
+from ember.parallel import axes
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import entry_axes
 from ember.plan import auto_remat, layer
@@ -56,7 +57,6 @@ TOP = 6  # Layouts chosen for compiling by default.
 SMALLER_MICRO_BATCHES = 2  # Retries of a chosen layout whose compiled peak is over the budget, micro-batch halved.
 NODE_AXES = ("fsdp", "tensor", "expert")  # Sized inside a node.
 DCN_AXES = ("data", "fsdp", "expert")  # Sized across nodes.
-BATCH_AXES = ("data", "fsdp", "expert")  # The mesh axes the batch is split over (the default rules).
 
 
 class NoLayoutFits(ConfigError):
@@ -125,6 +125,7 @@ def layouts(cfg: ml_collections.ConfigDict, target: Target) -> list[Layout]:
     raise ConfigError("config.mesh.context: the planner lays out whole sequences; compile a context-parallel "
                       "layout with ember.tools.compile (docs/long_context.md)")
   m = settings.model
+  batch_axes = axes.batch_axes(settings.mesh.rules_dict)
   per_node, nodes = target.per_node, target.nodes
   out = []
   for tensor in _divisors(per_node):
@@ -138,7 +139,7 @@ def layouts(cfg: ml_collections.ConfigDict, target: Target) -> list[Layout]:
         if de > 1 and (not m.num_experts or m.num_experts % (expert * de)):
           continue
         dcn = (("data", dd), ("fsdp", df), ("expert", de))
-        shards = math.prod(Layout(node, dcn, 1, "").mesh()[a] for a in BATCH_AXES)
+        shards = axes.shards(batch_axes, Layout(node, dcn, 1, "").mesh())
         if cfg.train.batch_size % shards:
           continue
         for accum in _divisors(cfg.train.batch_size // shards):
@@ -225,7 +226,8 @@ class Estimator:
     cfg, m, block = self.settings, self.model, self.blocks[layout.remat]
     mesh = layout.mesh()
     n_devices = self.target.count
-    micro = cfg.train.batch_size // math.prod(mesh[a] for a in BATCH_AXES) // layout.grad_accum_steps
+    batch_axes = axes.batch_axes(cfg.mesh.rules_dict)
+    micro = cfg.train.batch_size // axes.shards(batch_axes, mesh) // layout.grad_accum_steps
     state, params, leaves, replicas = self._leaves(layout)
     # Memory: the state, the float32 gradient (and the accumulator of a multi-micro-batch step), the kept
     # activations of every layer and one layer's whole working set, split over `tensor` where heads and MLP
@@ -253,7 +255,7 @@ class Estimator:
     seconds = once = 0.0
     for elements, axes, projection in leaves:
       weight_bytes = _weight_bytes(recipe) if projection and recipe.quantized else 2.0
-      for a in BATCH_AXES:
+      for a in batch_axes:
         n = mesh[a]
         if n == 1:
           continue

@@ -109,7 +109,7 @@ class Walk:
       callee = i.attribute("to_apply" if i.opcode == "call" else "calls")
       return _Call((callee,)) if callee in p.computations else None
     if i.opcode == "conditional":
-      branches = tuple(c for c in hlo.callees(i.line, "branch_computations") if c in p.computations)
+      branches = tuple(c for c in hlo.callees(i.line, "|".join(hlo.BRANCHES)) if c in p.computations)
       return _Call(branches) if branches else None
     if i.opcode.endswith("-done"):
       return _Done(i.operands[0]) if i.operands and i.opcode != "fusion-done" else None

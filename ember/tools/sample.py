@@ -74,14 +74,12 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
            top_p: float = 1.0, seed: int = 0, quantized: bool = False, dtype: str | None = None,
            one_device: bool = False) -> list[str]:
   """The continuation of each prompt, decoded to text."""
-  import math
-
   from ember.data import build_tokenizer
   from ember.errors import ConfigError
   from ember.inference.checkpoint import load_model
   from ember.inference.generate import generate
-  from ember.parallel.sharding import logical_to_spec, use_rules
-  from ember.names import BATCH
+  from ember.parallel import axes
+  from ember.parallel.sharding import use_rules
 
   cfg, mesh, model = load_model(checkpoint, what="--checkpoint", recipe=None if quantized else "bf16", dtype=dtype,
                                 one_device=one_device)
@@ -90,11 +88,10 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
   empty = next((i for i, e in enumerate(encoded) if len(e) == 0), None)
   if empty is not None:
     raise ConfigError(f"--prompt: prompt {empty} encodes to no tokens")
-  batch_axes = logical_to_spec((BATCH,), cfg.mesh.rules_dict, mesh)[0]
-  batch_axes = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+  batch_shards = axes.shards(axes.batch_axes(cfg.mesh.rules_dict, mesh), dict(mesh.shape))
   with use_rules(mesh, cfg.mesh.rules):
     out = generate(model, encoded, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                   batch_multiple=math.prod(mesh.shape[a] for a in batch_axes))
+                   batch_multiple=batch_shards)
   return [_continuation(tokenizer, prompt, new) for prompt, new in zip(encoded, out)]
 
 

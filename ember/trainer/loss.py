@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from ember.layers.decoder import Head
 from ember.names import BATCH, EMBED, LENGTH, LM_HEAD, VOCAB
-from ember.parallel.sharding import (active_mesh, active_rules, entry_axes, logical_to_spec, shard, shard_map,
-                                     without_axes)
+from ember.parallel import axes as axes_lib
+from ember.parallel.sharding import active_mesh, active_rules, entry_axes, shard, shard_map, without_axes
 from ember.quant.varying import manual_axes
 
 F32 = jnp.float32
@@ -116,7 +116,7 @@ def _token_spec() -> P:
   mesh = active_mesh()
   if mesh is None:
     return P()
-  return without_axes(logical_to_spec((BATCH, LENGTH), active_rules(), mesh), manual_axes())
+  return without_axes(axes_lib.token_spec(active_rules(), mesh), manual_axes())
 
 
 def _run(plan: _Plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key, grads: bool):

@@ -18,6 +18,7 @@ from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TO
 from ember.layers import linear, moe_dispatch
 from ember.layers.decoder import keys_of, stacked_layers
 from ember.layers.moe import ROUTER_BIAS
+from ember.parallel import axes as axes_lib
 from ember.parallel.sharding import (active_mesh, active_rules, entry_axes, logical_to_spec, only_axes, shard,
                                      tree_shardings)
 from ember.platform import target_platform
@@ -27,10 +28,6 @@ from ember.trainer.loss import cross_entropy, token_count
 from ember.trainer.state import TrainState, logical_axes, stats_inputs, step_key
 
 F32 = jnp.float32
-# The mesh axes a step's micro-batches may run over as replicas (`replica_axes`): data parallelism
-# (mesh.data x mesh.dcn_data) and expert parallelism (mesh.expert x mesh.dcn_expert), over which only the
-# experts' weights are split.
-REPLICA_AXES = ("data", "expert")
 
 
 def _batch_views(batch):
@@ -197,29 +194,16 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
 
 def replica_axes(cfg, mesh: Mesh, platform: str) -> tuple[str, ...]:
   """The mesh axes whose devices run a step's micro-batches as replicas, each on its own rows, and reduce their
-  gradients across one another once a step (`_over_replicas`) rather than per micro-batch: of REPLICA_AXES,
-  those of more than one device that the batch is split over and no parameter is, the experts' weights along
-  their experts aside (the MoE layers run over those axes as they are: layers/moe.py). In the order the batch is
-  split over them (the order a shard_map over them splits rows in: `replicas_first`). The step and the planner's
-  estimate both ask.
+  gradients across one another once a step (`_over_replicas`) rather than per micro-batch: parallel/axes.py's
+  `replica_axes` for this config's parameters. The step and the planner's estimate both ask.
 
   None for a recipe whose kernels partition themselves (`Recipe.custom_partitioned`: MXFP8 and NVFP4 on a GPU)
   where the compiler would still split a projection's features (an axis of more than one device that the batch
   is not split over: tensor, context). Inside the replicas' shard_map their partition rules cannot sum a split
   contraction (quant/partitioning.py): a row-parallel GEMM would gather its operands instead."""
-  rules = cfg.mesh.rules_dict
-  batch = entry_axes(logical_to_spec((BATCH,), rules, mesh)[0])
-  if cfg.quant.custom_partitioned(platform) and any(n > 1 and a not in batch for a, n in mesh.shape.items()):
-    return ()
-  split = set()  # The mesh axes a parameter is split over other than as the leading axes of its experts.
-  for names in jax.tree.leaves(logical_axes(cfg)[1], is_leaf=lambda x: isinstance(x, P)):
-    for name, entry in zip(names, logical_to_spec(tuple(names), rules, mesh)):
-      axes = entry_axes(entry)
-      if name == EXPERT:  # The experts enter the shard_map as blocks along its leading replica axes alone: in
-        # the order the MoE exchange numbers them (over (fsdp, expert), a block along `expert` would not be).
-        axes = axes[next((i for i, a in enumerate(axes) if a not in REPLICA_AXES), len(axes)):]
-      split |= set(axes)
-  return tuple(a for a in batch if a in REPLICA_AXES and mesh.shape.get(a, 1) > 1 and a not in split)
+  parameters = jax.tree.leaves(logical_axes(cfg)[1], is_leaf=lambda x: isinstance(x, P))
+  return axes_lib.replica_axes(cfg.mesh.rules_dict, mesh, parameters,
+                               features_split_apart=not cfg.quant.custom_partitioned(platform))
 
 
 def _param_specs(cfg, mesh: Mesh, axes: tuple[str, ...]):
@@ -251,7 +235,7 @@ def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], pa
     grads = jax.tree.map(reduce, grads, param_specs)
     return (jax.lax.psum(metrics, axes), grads, *same)
 
-  batch = entry_axes(logical_to_spec((BATCH,), active_rules(), mesh)[0])
+  batch = axes_lib.batch_axes(active_rules(), mesh)
   rows = jax.tree.map(lambda a: replicas_first(a, mesh, batch, axes), xs[0])
   specs = lambda grads: (P(), grads, *(P(),) * (len(init) - 2))
   # check_vma=False: the model's scans start from constants (unvarying) and would each need a cast.
@@ -290,7 +274,7 @@ def replica_part(a: jax.Array) -> jax.Array:
 
 def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:
   """Where a global batch [batch, length] lives: the `batch` logical axis over its mesh axes."""
-  return NamedSharding(mesh, logical_to_spec((BATCH, LENGTH), cfg.mesh.rules_dict, mesh))
+  return NamedSharding(mesh, axes_lib.token_spec(cfg.mesh.rules_dict, mesh))
 
 
 def moe_plan(cfg, mesh: Mesh, batch_size: int) -> moe_dispatch.Plan | None:

@@ -54,7 +54,7 @@ def test_the_update_rule_by_hand():
   assert others and all(not np.any(np.asarray(a)) for _, a in others)  # As the step gave them (zeros here).
 
 
-def _imbalance(rate: float, steps: int = 200) -> float:
+def _imbalance(rate: float, steps: int = 80) -> float:
   """tiny_moe on text (the default corpus) without the load-balancing loss: the mean of moe_load_max_over_mean
   over the last 20 of `steps` steps."""
   cfg = helpers.config("tiny_moe", **{"model.router_bias_update_rate": rate, "model.load_balance_weight": 0.0,

@@ -31,12 +31,10 @@ def checkpoint(tmp_path_factory):
 
 def test_the_probe_is_deterministic_and_its_exclude_meets_its_target(checkpoint, tmp_path):
   target = 0.03  # Under nvfp4's whole-model error at this checkpoint: the probe must exclude something.
-  outs = [tmp_path / "a.json", tmp_path / "b.json"]
-  for out in outs:
-    assert precision_probe.main(["probe", f"--checkpoint={checkpoint}", "--recipe=nvfp4", "--batches=1",
-                                 f"--target_error={target}", f"--out={out}"]) == 0
-  first, second = (json.loads(o.read_text()) for o in outs)
-  assert first == second  # Bit for bit, not within a point.
+  out = tmp_path / "probe.json"
+  assert precision_probe.main(["probe", f"--checkpoint={checkpoint}", "--recipe=nvfp4", "--batches=1",
+                               f"--target_error={target}", f"--out={out}"]) == 0
+  first = json.loads(out.read_text())
   kinds = {(r["layer"], r["kind"]) for r in first["projections"]}
   assert kinds == {(layer, kind) for layer in (0, 1) for kind in ("qkv", "out", "wi", "wo")}  # The head is bf16.
   assert first["whole_model_grad_error"] > target and first["exclude_grad_error"] < target
@@ -44,7 +42,7 @@ def test_the_probe_is_deterministic_and_its_exclude_meets_its_target(checkpoint,
   worst = max(first["projections"], key=lambda r: r["grad_error"])
   assert first["exclude"][1] == f"layers[{worst['layer']}].{worst['kind']}"  # Worst first.
 
-  # Measured again, from scratch, with the recommended list.
+  # Measured again, from scratch, with the recommended list: the same error bit for bit, not within a point.
   trained, _, model = load_model(checkpoint, what="test", recipe="bf16", one_device=True)
   _, params, quant_state, _ = split_model(model)
   probe = probe_lib.Probe(trained, nnx.to_pure_dict(params), nnx.to_pure_dict(quant_state), 1)

@@ -1,0 +1,82 @@
+"""Which mesh axes do what: read from the sharding rules (`mesh.rules`, parallel/sharding.py), in one place.
+
+Validation, the step, the loss, the MoE layer, the planner and the compile report ask these functions instead of
+naming axes themselves, so a rule changed in a config (or a new mesh axis) reaches all of them:
+
+  batch_axes      the mesh axes the batch is split over: the `batch` rule (data, fsdp, expert by default)
+  sequence_axes   the mesh axes each sequence is split over: the `length` rule (context parallelism)
+  layer_axes      the mesh axes the stacked layers are split over: the `layers` rule (none by default)
+  token_axes      the axes a step's tokens [batch, length] are split over, as an array of them is sharded
+  replica_axes    the batch axes whose devices hold replicas of every parameter they run (data and expert
+                  parallelism): their micro-batches run apart and reduce their gradients once a step
+  shards          how many pieces a set of axes cuts into, from each axis's size
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+from jax.sharding import Mesh, PartitionSpec as P
+
+from ember.names import BATCH, EXPERT, LAYERS, LENGTH
+from ember.parallel.sharding import entry_axes, logical_to_spec, rules_dict
+
+# The batch axes that may hold replicas (`replica_axes`): data parallelism (mesh.data x mesh.dcn_data) and expert
+# parallelism (mesh.expert x mesh.dcn_expert), over which only the experts' weights are split.
+REPLICA_AXES = ("data", "expert")
+
+
+def _rules(rules) -> dict[str, tuple[str, ...]]:
+  return rules if isinstance(rules, dict) else rules_dict(rules)
+
+
+def batch_axes(rules, mesh: Mesh | None = None) -> tuple[str, ...]:
+  """The `batch` rule's axes; on `mesh`, those of more than one device."""
+  return entry_axes(logical_to_spec((BATCH,), _rules(rules), mesh)[0])
+
+
+def sequence_axes(rules) -> tuple[str, ...]:
+  return _rules(rules).get(LENGTH, ())
+
+
+def layer_axes(rules) -> tuple[str, ...]:
+  return _rules(rules).get(LAYERS, ())
+
+
+def token_spec(rules, mesh: Mesh | None = None) -> P:
+  """How tokens [batch, length] are split (an axis used once, by the batch first; on `mesh`, its size-1 axes left
+  out)."""
+  return logical_to_spec((BATCH, LENGTH), _rules(rules), mesh)
+
+
+def token_axes(rules, mesh: Mesh | None = None) -> tuple[str, ...]:
+  return tuple(a for entry in token_spec(rules, mesh) for a in entry_axes(entry))
+
+
+def shards(axes: Iterable[str], size: Callable[[str], int] | dict) -> int:
+  """The pieces `axes` cut into: the product of their sizes (`size` a mapping or a function of an axis)."""
+  size_of = size.get if isinstance(size, dict) else size
+  return math.prod(int(size_of(a) or 1) for a in axes)
+
+
+def replica_axes(rules, mesh: Mesh, parameters: Iterable[tuple[str | None, ...]], *,
+                 features_split_apart: bool = True) -> tuple[str, ...]:
+  """Of the batch axes, those of REPLICA_AXES with more than one device over which no parameter is split (the
+  experts' weights along their experts aside: the MoE layers run over those axes as they are), in the order the
+  batch is split over them. `parameters`: every parameter's logical axis names. `features_split_apart` False (a
+  recipe whose kernels partition themselves, trainer/step.py says why) leaves none wherever the mesh also splits
+  features over an axis the batch is not split over (tensor, context)."""
+  rules = _rules(rules)
+  batch = batch_axes(rules, mesh)
+  if not features_split_apart and any(n > 1 and a not in batch for a, n in mesh.shape.items()):
+    return ()
+  split = set()  # The mesh axes a parameter is split over other than as the leading axes of its experts.
+  for names in parameters:
+    for name, entry in zip(names, logical_to_spec(tuple(names), rules, mesh)):
+      axes = entry_axes(entry)
+      if name == EXPERT:  # The experts enter the shard_map as blocks along its leading replica axes alone: in
+        # the order the MoE exchange numbers them (over (fsdp, expert), a block along `expert` would not be).
+        axes = axes[next((i for i, a in enumerate(axes) if a not in REPLICA_AXES), len(axes)):]
+      split |= set(axes)
+  return tuple(a for a in batch if a in REPLICA_AXES and mesh.shape.get(a, 1) > 1 and a not in split)

@@ -1,0 +1,66 @@
+"""Which mesh axes do what (ember/parallel/axes.py): read from `mesh.rules`, so a config that changes the rules
+changes what validation, the step and the planner count."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from ember import config as config_lib
+from ember.errors import ConfigError
+from ember.parallel import axes
+from ember.plan.layer import per_device_batch, sequence_shards
+from ember.trainer.step import replica_axes
+from tests.helpers import config
+
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
+
+
+def _rules(cfg, **changed):
+  return tuple((logical, changed.get(logical, mesh_axes)) for logical, mesh_axes in cfg.mesh.rules)
+
+
+def _mesh(**sizes) -> Mesh:
+  shape = [sizes.get(a, 1) for a in MESH_AXES]
+  return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), MESH_AXES)
+
+
+def test_the_default_rules():
+  rules = config_lib.derive(config("tiny"), 8).mesh.rules_dict
+  assert axes.batch_axes(rules) == ("data", "fsdp", "expert")
+  assert axes.sequence_axes(rules) == ("context",) and axes.layer_axes(rules) == ()
+  mesh = _mesh(data=2, fsdp=2, context=2)
+  assert axes.batch_axes(rules, mesh) == ("data", "fsdp")  # Axes of one device left out.
+  assert axes.token_axes(rules, mesh) == ("data", "fsdp", "context")
+  assert axes.shards(axes.token_axes(rules, mesh), dict(mesh.shape)) == 8
+
+
+def test_a_batch_rule_without_fsdp_is_what_validation_and_the_planner_count():
+  """Batch split over data alone: FSDP still shards the weights, but every fsdp device sees the same rows."""
+  cfg = config("tiny", **{"train.batch_size": 4, "mesh.fsdp": 2, "mesh.data": 4})
+  cfg.mesh.rules = _rules(cfg, batch=("data",))
+  settings = config_lib.validate(cfg, 8, 1)
+  assert axes.batch_axes(settings.mesh.rules_dict) == ("data",)
+  assert per_device_batch(settings) == 1 and sequence_shards(settings) == 1
+  cfg.train.batch_size = 6  # Divisible by data*fsdp? No; by data alone? No: named as the rules have it.
+  with pytest.raises(ConfigError, match=r"6 is not divisible by the data-parallel size data=4"):
+    config_lib.validate(cfg, 8, 1)
+  cfg.train.batch_size, cfg.train.grad_accum_steps = 8, 3
+  with pytest.raises(ConfigError, match=r"train.batch_size=8 / data=4 = 2"):
+    config_lib.validate(cfg, 8, 1)
+
+
+def test_replicas_are_the_batch_axes_no_parameter_is_split_over():
+  settings = config_lib.derive(config("tiny", **{"mesh.data": 2, "mesh.fsdp": 4}), 8)
+  mesh = _mesh(data=2, fsdp=4)
+  assert replica_axes(settings, mesh, "cpu") == ("data",)
+  params = [("embed", "mlp"), ("vocab", "embed")]
+  assert axes.replica_axes(settings.mesh.rules_dict, mesh, params) == ("data",)
+  # A parameter split over `data` makes it no replica axis; a recipe that partitions itself has none beside tensor.
+  assert axes.replica_axes(_dict(settings, mlp=("data",)), mesh, params) == ()
+  assert axes.replica_axes(settings.mesh.rules_dict, _mesh(data=2, tensor=4), params,
+                           features_split_apart=False) == ()
+
+
+def _dict(settings, **changed):
+  return {**settings.mesh.rules_dict, **changed}
