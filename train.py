@@ -1,6 +1,7 @@
 """ember's entry point.
 
   python train.py --config=configs/default.py[:PRESET] [--config.KEY=VALUE ...]
+  python train.py --help
 
 A bad flag, config value or input path exits with status 2 and one line on stderr.
 """
@@ -10,6 +11,10 @@ import sys
 
 def main(argv: list[str]) -> int:
   from ember.errors import EmberError, fail_and_exit
+  if any(a in ("-h", "--help", "-help") for a in argv[1:]):
+    from ember.config import usage
+    print(usage())
+    return 0
   try:
     from ember.config import load
     from ember.plan.auto_remat import resolve

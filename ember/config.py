@@ -36,6 +36,9 @@ def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_col
   files = [a for a in argv[1:] if a == "--config" or a.startswith("--config=")]
   if not files:
     raise ConfigError("--config: missing; pass --config=configs/default.py")
+  if len(files) > 1:
+    raise ConfigError(f"--config: given {len(files)} times ({', '.join(files)}); pass one config file and change "
+                      "keys with --config.KEY=VALUE")
   _load_file(argv[0], files[-1])  # The file alone first: its own errors are the file's, not an override's.
   fv = flag_values or flags.FlagValues()
   holder = config_flags.DEFINE_config_file("config", None, "Config file[:arg].", flag_values=fv, lock_config=True,
@@ -94,15 +97,15 @@ def _explain(argv: list[str], e: Exception) -> str:
   text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)  # str(KeyError) is a repr.
   msg = text.strip().splitlines()[0] if text.strip() else type(e).__name__
   if msg.startswith("Unknown command line flag 'config."):
-    return f"{msg.split(chr(39))[1]}: unknown config key"
+    return _unknown(msg.split(chr(39))[1])
   if isinstance(e, (AttributeError, KeyError)):
     key = msg.strip("'\"")
     named = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--config.")]
     named = [n for n in named if key in n.split(".")]
     unknown = [n for n in named if not schema.is_key(n.removeprefix("config."))]  # Not another flag's good key.
     if unknown or named:
-      return f"{(unknown or named)[0]}: unknown config key"
-    return f"config.{key}: unknown config key"
+      return _unknown((unknown or named)[0])
+    return _unknown(f"config.{key}")
   bad = re.fullmatch(r"flag --(config\.[\w.]+)=(.*?): (.*)", msg)  # absl could not parse the value.
   if bad:
     key, value, reason = bad.groups()
@@ -113,6 +116,30 @@ def _explain(argv: list[str], e: Exception) -> str:
     return f"{missing.group(1)}: no value; pass --{missing.group(1)}=VALUE"
   return msg.removeprefix("flag --")
 
+
+
+def _unknown(flag: str) -> str:
+  """The one line for an unknown `config.KEY`, with the nearest known key."""
+  near = schema.nearest_key(flag.removeprefix("config."))
+  return f"{flag}: unknown config key" + (f"; did you mean config.{near}?" if near else "")
+
+
+USAGE = """usage: python train.py --config=configs/default.py[:PRESET] [--config.KEY=VALUE ...]
+
+Trains the model the config describes.
+  PRESET  a model shape in configs/models/: {presets}
+  KEY     any key of configs/base.py, e.g. --config.steps=1000 --config.quant.recipe=fp8_current
+A bad flag, key or value exits 2 with one line naming it. README.md goes from install to a multi-host GPU launch."""
+
+
+def usage() -> str:
+  """`python train.py --help`: the command line and the model presets."""
+  try:
+    from configs.models import PRESETS
+    presets = ", ".join(PRESETS)
+  except ImportError:  # Run outside the repository: no presets beside it.
+    presets = "run from the repository to list them"
+  return USAGE.format(presets=presets)
 
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_count: int = 1) -> Settings:

@@ -6,6 +6,8 @@ sections are config.validate's.
 
 from __future__ import annotations
 
+import difflib
+
 import importlib.util
 import os
 
@@ -52,6 +54,18 @@ def _base_config() -> ml_collections.ConfigDict | None:
   return module.get_config()
 
 
+def nearest_key(dotted: str) -> str | None:
+  """The known key nearest to an unknown `dotted` one: the one with its last part under another section (a key
+  given the wrong section, `train.steps` for `steps`), else the closest spelling; None if none is close."""
+  keys = list(KEYS)
+  last = dotted.rsplit(".", 1)[-1]
+  same_name = [k for k in keys if k.rsplit(".", 1)[-1] == last]
+  if same_name:
+    return min(same_name, key=len)
+  close = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.75)
+  return close[0] if close else None
+
+
 def is_key(dotted: str) -> bool:
   """Whether `dotted` (e.g. "train.batch_size") is a key of configs/base.py (True where it is not shipped)."""
   node = _base_config()
@@ -72,7 +86,9 @@ def _check_known_keys(cfg) -> None:
   def walk(node, ref, prefix):
     for k in node.keys():
       if k not in ref:
-        bad_key(prefix + k, "unknown config key (configs/base.py lists every key)")
+        near = nearest_key(prefix + k)
+        bad_key(prefix + k, "unknown config key (configs/base.py lists every key)"
+                + (f"; did you mean config.{near}?" if near else ""))
       if isinstance(node[k], ml_collections.ConfigDict) and isinstance(ref[k], ml_collections.ConfigDict):
         walk(node[k], ref[k], f"{prefix}{k}.")
     missing = next((k for k in ref.keys() if k not in node), None)

@@ -12,7 +12,8 @@ from tests.helpers import ROOT
 
 CASES = [
     (["--config.no_such_key=1"], "no_such_key: unknown config key"),
-    (["--config.train.steps=3"], "config.train.steps: unknown config key"),  # A near miss: absl suggests a key.
+    (["--config.train.steps=3"], "config.train.steps: unknown config key; did you mean config.steps?"),  # Wrong section.
+    (["--config.quant.recipie=bf16"], "config.quant.recipie: unknown config key; did you mean config.quant.recipe?"),
     (["--config.model.d_model=abc"], "config.model.d_model"),
     (["--config.model.num_heads=5"], "config.model.num_heads: 5 heads do not divide model.d_model=64"),
     (["--config.model.num_kv_heads=3"], "config.model.num_kv_heads: 3 kv heads do not divide model.num_heads=4"),
@@ -165,3 +166,15 @@ def test_a_recipe_built_in_code_has_the_config_defaults():
   from ember.quant.recipe import Recipe
   built = config_lib.derive(base.get_config(), 1).quant
   assert dataclasses.replace(built, name="bf16", exclude=()) == Recipe()
+
+
+def test_config_given_twice_is_refused():
+  with pytest.raises(config_lib.ConfigError, match=r"^--config: given 2 times \(--config=a.py, --config=b.py\)"):
+    config_lib.load(["train.py", "--config=a.py", "--config.steps=2", "--config=b.py"])
+
+
+def test_help_prints_the_usage_and_the_presets():
+  proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and proc.stdout.startswith("usage: python train.py --config="), proc.stderr
+  from configs.models import PRESETS
+  assert all(p in proc.stdout for p in PRESETS) and "llama3_8b" in PRESETS

@@ -1,6 +1,7 @@
 """A markdown table of compile reports (`python -m ember.tools.compile ... --out=FILE.json`), one row each:
-what the compiled step executes against the model's FLOPs, its time floor, its MFU and tokens/s ceilings
-and its peak memory on the target; then, for reports of MoE models, one row each on their expert GEMMs: the
+what the compiled step executes against the model's FLOPs, its time floor, its MFU and tokens/s ceilings, its
+predicted step and tokens/s (ember/plan/predict.py; "n/a" in a report from before it) and its peak memory on the
+target; then, for reports of MoE models, one row each on their expert GEMMs: the
 layout the layer ran (ember/layers/moe_dispatch.py), the rows each device's expert GEMMs hold and their executed
 FLOPs by precision, read from the HLO.
 
@@ -17,7 +18,7 @@ from ember.tools import cli
 
 COLUMNS = ("model", "target", "recipe", "remat", "batch", "GEMM TFLOP (fp8 / mxfp8 / nvfp4 / bf16 / f32)",
            "executed / model", "recompute TFLOP", "time floor (ms)", "MFU ceiling", "tokens/s/GPU ceiling",
-           "peak GiB")
+           "predicted (ms)", "tokens/s/GPU predicted", "peak GiB")
 
 
 def row(r: dict) -> list[str]:
@@ -25,7 +26,9 @@ def row(r: dict) -> list[str]:
   return [r["model"], r["target"], r["recipe"], r["remat_policy"], f"{r['batch_size']} x {r['seq_len']}",
           " / ".join(f"{ex[p] / 1e12:.0f}" for p in ("fp8", "mxfp8", "nvfp4", "bf16", "f32")),
           f"{r['executed_over_model']:.2f}", f"{r['recompute_flops'] / 1e12:.0f}", f"{r['time_floor_s'] * 1e3:.0f}",
-          f"{r['mfu_ceiling']:.1%}", f"{r['tokens_per_s_ceiling']:,.0f}", f"{r['peak_bytes'] / 2**30:.1f}"]
+          f"{r['mfu_ceiling']:.1%}", f"{r['tokens_per_s_ceiling']:,.0f}",
+          *((f"{r['predicted_step_s'] * 1e3:.0f}", f"{r['tokens_per_s_predicted']:,.0f}") if r.get("predicted_step_s")
+            else ("n/a", "n/a")), f"{r['peak_bytes'] / 2**30:.1f}"]
 
 
 MOE_COLUMNS = ("model", "target", "recipe", "exchange", "expert GEMMs", "rows / device", "expert TFLOP (fp8 / mxfp8 / nvfp4 / "
