@@ -1,9 +1,9 @@
 """The training loop: prepare, restore, compile once, step, log, evaluate, checkpoint, stop cleanly.
 
-The device never waits for the host: the jitted step runs ahead asynchronously and metrics are
-fetched once per log interval (that fetch is also where step time is measured). SIGTERM (a
-preemption notice; with several processes JAX's preemption service agrees on the step) ends the
-loop after the current step with a synchronous checkpoint, and the process exits 0. Every
+The host waits for each step's loss before the next step (one step in flight: a step's dispatch costs the device
+far less than the step) and fetches metrics once per log interval (that fetch is also where step time is
+measured). SIGTERM (a preemption notice; with several processes JAX's preemption service agrees on the step) ends
+the loop after the step the device is running with a synchronous checkpoint, and the process exits 0. Every
 resource (data iterators and their threads, the checkpoint manager, writers) is closed on the way
 out, error or not, so a failed run ends with its one error line and nothing else.
 
@@ -89,6 +89,9 @@ def train(cfg, mesh=None) -> dict:
       _switch_phase(run, step)
       run.profiler.before(step)
       run.state, step_metrics = run.phase.compiled(run.state, run.batch)
+      # One step in flight at most: a SIGTERM is seen at the end of the step the device is running, not after the
+      # steps the host had queued ahead of it (the next batch is ready in the pipeline's threads meanwhile).
+      jax.block_until_ready(step_metrics["loss"])
       run.moe.add(step, step_metrics)
       done = step + 1
       run.profiler.after(done)
