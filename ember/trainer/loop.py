@@ -37,7 +37,7 @@ from ember.parallel.sharding import use_rules
 from ember.trainer import moe_counts, precision
 from ember.trainer import step as step_lib
 from ember.trainer.checkpointing import Checkpointer, restore_from
-from ember.trainer.metrics import MetricsWriter, console, progress_line
+from ember.trainer.metrics import MetricsWriter, console, format_eta, progress_line
 from ember.trainer.moe_counts import MoeCounts
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import Throughput, peak_bytes
@@ -85,7 +85,8 @@ def train(cfg, mesh=None) -> dict:
   _make_workdir(cfg.workdir)
   with contextlib.ExitStack() as resources, use_rules(mesh, cfg.mesh.rules):
     run = _Run.open(cfg, mesh, resources)
-    for step in range(int(run.state.step), cfg.steps):
+    first, timed_from, done = int(run.state.step), None, int(run.state.step)
+    for step in range(first, cfg.steps):
       _switch_phase(run, step)
       run.profiler.before(step)
       run.state, step_metrics = run.phase.compiled(run.state, run.batch)
@@ -94,6 +95,7 @@ def train(cfg, mesh=None) -> dict:
       jax.block_until_ready(step_metrics["loss"])
       run.moe.add(step, step_metrics)
       done = step + 1
+      timed_from = timed_from or (done, time.time())  # The first step carries the compile: not timed.
       run.profiler.after(done)
       stopping = _preempted(run, done)
       _log(run, done, step_metrics, stopping)
@@ -104,8 +106,27 @@ def train(cfg, mesh=None) -> dict:
         break
       if done < cfg.steps:
         run.batch = run.next_batch()
+    if done == cfg.steps and done > first:
+      console(_summary(run, first, timed_from, done, time.time() - t_start))
   run.last["wall_time_s"] = time.time() - t_start
   return run.last
+
+
+def _summary(run: _Run, first: int, timed_from: tuple[int, float], done: int, wall_s: float) -> str:
+  """The end of a finished run: what it trained, how fast (the steps after the first, which carries the
+  compile), its last losses, and where its outputs are."""
+  cfg = run.cfg
+  tokens = (done - first) * cfg.train.batch_size * cfg.model.seq_len
+  timed_steps, t0 = done - timed_from[0], timed_from[1]
+  speed = ""
+  if timed_steps > 0:
+    perf = Throughput.of(cfg, (time.time() - t0) / timed_steps, jax.device_count(), jax.devices()[0].device_kind)
+    mfu = "" if perf.mfu is None else f", MFU {perf.mfu:.1%}"
+    speed = f"; {perf.tokens_per_s:,.0f} tokens/s{mfu} over steps {timed_from[0] + 1}-{done}"
+  losses = ", ".join(f"{k} {run.last[k]:.4f}" for k in ("loss", "eval_loss") if k in run.last)
+  return (f"finished: {done - first} steps ({first + 1}-{done}), {tokens:,} tokens in {format_eta(wall_s)}{speed}; "
+          f"{losses}; metrics {os.path.join(os.path.abspath(cfg.workdir), 'metrics.jsonl')}, checkpoints "
+          f"{run.ckpt.directory}")
 
 
 @dataclasses.dataclass
@@ -229,6 +250,8 @@ def _checkpoint(run: _Run, done: int, stopping: bool) -> None:
   if run.ckpt.should_save(done, run.cfg.steps) or stopping:
     run.ckpt.save(done, run.state, run.train_it, seed=run.cfg.seed,
                   metadata={**run.meta, "quant_phase": run.phase.index}, force_sync=stopping)
+    if not stopping:  # A preemption's save has its own line.
+      console(f"checkpoint: step {done} to {os.path.join(run.ckpt.directory, str(done))}")
 
 
 class _Interval:

@@ -14,7 +14,7 @@ from tests.helpers import config
 CONTRACT_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
 
 
-def test_short_run_writes_metrics_and_tensorboard(tmp_path):
+def test_short_run_writes_metrics_and_tensorboard(tmp_path, capsys):
   cfg = config("tiny", **{"workdir": str(tmp_path), "steps": 30, "log.every_steps": 10, "log.tensorboard": True,
                           "train.eval_every_steps": 30, "train.eval_batches": 2, "train.warmup_steps": 5,
                           "checkpoint.every_steps": 0, "quant.recipe": "fp8_current", "train.learning_rate": 3e-3})
@@ -31,6 +31,13 @@ def test_short_run_writes_metrics_and_tensorboard(tmp_path):
   assert [r["step"] for r in eval_records] == [30] and "loss" not in eval_records[0]
   assert glob.glob(os.path.join(tmp_path, "tensorboard", "events.out.tfevents.*"))
   assert summary["step"] == 30
+  # The console: a line per checkpoint (the last step's only here), and the end of the run with where things are.
+  err = capsys.readouterr().err
+  assert f"checkpoint: step 30 to {tmp_path}/checkpoints/30" in err
+  finished = [line for line in err.splitlines() if "finished: 30 steps (1-30)" in line]
+  assert len(finished) == 1 and f"{30 * 8 * 64:,} tokens" in finished[0], err
+  assert f"loss {train_records[-1]['loss']:.4f}, eval_loss {eval_records[0]['eval_loss']:.4f}" in finished[0]
+  assert f"metrics {tmp_path}/metrics.jsonl" in finished[0]
 
 
 def _moe_records(tmp_path, every: int) -> list[dict]:
