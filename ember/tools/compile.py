@@ -31,6 +31,11 @@ def _ms(seconds: float) -> str:
 TOP_TIMES = 10  # Rows of `time_by_op` printed.
 
 
+def _over_100(mfu: float) -> str:
+  """Why an MFU can pass 100%: it is the model's FLOPs against the dense bf16 peak, whatever the recipe."""
+  return " (of the dense bf16 peak, as MFU is measured: FP8 and FP4 GEMMs run faster than it)" if mfu > 1 else ""
+
+
 def _work_lines(r: dict) -> list[str]:
   """Executed work against the model's, the time floor and its ceilings, where the bytes are."""
   ex = r["executed_flops"]
@@ -44,7 +49,7 @@ def _work_lines(r: dict) -> list[str]:
     parts = r["time_floor_parts_s"]
     lines.append(f"  time floor:  {_ms(r['time_floor_s'])} a step (roofline: compute {_ms(parts['compute'])} + memory "
                  f"{_ms(parts['memory'])}, overlapped with collectives {_ms(parts['collectives'])}; serial "
-                 f"{_ms(r['time_serial_s'])}): MFU at most {r['mfu_ceiling']:.1%}, at most "
+                 f"{_ms(r['time_serial_s'])}): MFU at most {r['mfu_ceiling']:.1%}{_over_100(r['mfu_ceiling'])}, at most "
                  f"{r['tokens_per_s_ceiling']:,.0f} tokens/s per device")
   if r.get("predicted_step_s"):
     lines.append(f"  predicted:   {_ms(r['predicted_step_s'])} a step (scheduled program at the GPU's achievable rates, "
