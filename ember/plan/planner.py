@@ -253,13 +253,13 @@ class Estimator:
     passes = 3 if block.recompute_fraction > 0 else 2  # Weight gathers: forward, backward, recompute.
     grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
     seconds = once = 0.0
-    for elements, axes, projection in leaves:
+    for elements, split_over, projection in leaves:
       weight_bytes = _weight_bytes(recipe) if projection and recipe.quantized else 2.0
       for a in batch_axes:
         n = mesh[a]
         if n == 1:
           continue
-        if a in axes:  # Sharded over it: gathered for each pass, its gradient reduce-scattered.
+        if a in split_over:  # Sharded over it: gathered for each pass, its gradient reduce-scattered.
           moved = elements * (n - 1) * (passes * weight_bytes + grad_bytes)
         else:  # Replicated over it: its gradient all-reduced.
           moved = 2 * elements * (n - 1) / n * grad_bytes
