@@ -212,8 +212,8 @@ class Estimator:
       state = sum(size(a, s) * a.dtype.itemsize for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
       leaves = []
       for a, s in zip(jax.tree.leaves(abstract.params), jax.tree.leaves(shardings.params)):
-        axes = {x for entry in s.spec for x in entry_axes(entry)}
-        leaves.append((size(a, s), axes, a.ndim >= 2 and self.model.vocab_size not in a.shape))
+        split_over = {x for entry in s.spec for x in entry_axes(entry)}
+        leaves.append((size(a, s), split_over, a.ndim >= 2 and self.model.vocab_size not in a.shape))
       params = sum(n * 4 for n, _, _ in leaves)
       self._state[key] = (state, params, leaves, replica_axes(cfg, mesh, "gpu"))
     return self._state[key]
