@@ -120,8 +120,7 @@ def _explain(argv: list[str], e: Exception) -> str:
 
 def _unknown(flag: str) -> str:
   """The one line for an unknown `config.KEY`, with the nearest known key."""
-  near = schema.nearest_key(flag.removeprefix("config."))
-  return f"{flag}: unknown config key" + (f"; did you mean config.{near}?" if near else "")
+  return f"{flag}: unknown config key" + schema.did_you_mean(flag.removeprefix("config."))
 
 
 USAGE = """usage: python train.py --config=configs/default.py[:PRESET] [--config.KEY=VALUE ...]
@@ -252,8 +251,9 @@ def directory_problem(directory: str) -> str | None:
 def _validate_mesh(s: Settings) -> None:
   """The mesh (its sizes resolved) against the batch and the model."""
   sizes, rules, m = s.mesh.sizes(), s.mesh.rules_dict, s.model
-  split = "*".join(axes.batch_axes(rules)) or "1"  # The mesh axes the batch is split over, as the rules say.
-  batch_shards = axes.shards(axes.batch_axes(rules), sizes)
+  batch_axes = axes.batch_axes(rules)  # The mesh axes the batch is split over, as the rules say.
+  split = "*".join(batch_axes) or "1"
+  batch_shards = axes.shards(batch_axes, sizes)
   batch = s.train.batch_size
   if batch % batch_shards:
     bad_key("train.batch_size", f"{batch} is not divisible by the data-parallel size {split}={batch_shards}")
@@ -271,7 +271,7 @@ def _validate_mesh(s: Settings) -> None:
     bad_key("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={m.num_experts}")
   if m.num_experts and sizes["expert"] > 1:
     expert_axes = [a for a in rules.get(EXPERT, ()) if sizes[a] > 1]
-    missing = [a for a in expert_axes if a not in axes.batch_axes(rules)]
+    missing = [a for a in expert_axes if a not in batch_axes]
     if missing:
       bad_key("mesh.rules", f"expert parallelism over {missing[0]!r} needs the batch sharded over it too "
             f"('batch' -> (..., {missing[0]!r}))")

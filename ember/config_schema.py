@@ -54,6 +54,12 @@ def _base_config() -> ml_collections.ConfigDict | None:
   return module.get_config()
 
 
+def did_you_mean(dotted: str) -> str:
+  """"; did you mean config.KEY?" for an unknown key with a known one near it (`nearest_key`), else ""."""
+  near = nearest_key(dotted)
+  return f"; did you mean config.{near}?" if near else ""
+
+
 def nearest_key(dotted: str) -> str | None:
   """The known key nearest to an unknown `dotted` one: the one with its last part under another section (a key
   given the wrong section, `train.steps` for `steps`), else the closest spelling; None if none is close."""
@@ -86,9 +92,7 @@ def _check_known_keys(cfg) -> None:
   def walk(node, ref, prefix):
     for k in node.keys():
       if k not in ref:
-        near = nearest_key(prefix + k)
-        bad_key(prefix + k, "unknown config key (configs/base.py lists every key)"
-                + (f"; did you mean config.{near}?" if near else ""))
+        bad_key(prefix + k, "unknown config key (configs/base.py lists every key)" + did_you_mean(prefix + k))
       if isinstance(node[k], ml_collections.ConfigDict) and isinstance(ref[k], ml_collections.ConfigDict):
         walk(node[k], ref[k], f"{prefix}{k}.")
     missing = next((k for k in ref.keys() if k not in node), None)

@@ -47,8 +47,7 @@ def load(gpu: str, directory: str = "") -> list[Row]:
 
 def machine(gpu: str) -> cost.Machine:
   """One GPU of `gpu` (the measured rows ran on one)."""
-  g = hardware.gpu(gpu)
-  return cost.Machine(g.facts, g.hbm_bytes_per_s, (0,), hardware.rates(gpu))
+  return cost.Machine.one_node(gpu)
 
 
 def error(rows: list[Row], m: cost.Machine, rates: hardware.Rates) -> float:

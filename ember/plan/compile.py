@@ -26,7 +26,7 @@ from ember.plan.layer import per_device_batch, sequence_shards
 from ember.plan.target import COMPILER_OPTIONS, Target, targeting
 from ember.plan.units import GiB
 from ember.trainer.optimizer import make_optimizer
-from ember.trainer.perf import host_bytes, memory_peak, train_flops_per_step
+from ember.trainer.perf import host_bytes, memory_peak, work_per_device
 
 ESTIMATE_NOTE = ("XLA's memory estimate for the compiled program: no autotuning on a compile-only target and "
                  "cuDNN workspaces unknown; the XLA options used are in xla_flags")
@@ -87,8 +87,7 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
   if attention_note:
     report["attention_note"] = attention_note
   num_devices = len(mesh.devices.flat)
-  per_device = dict(model_flops=train_flops_per_step(cfg) / num_devices,
-                    tokens=cfg.train.batch_size * cfg.model.seq_len / num_devices)
+  per_device = work_per_device(cfg, num_devices)
   m = machine(target, mesh)
   report.update(cost.step_cost(program, machine=m, **per_device))
   report.update(predict.predicted_step(program, m, **per_device))

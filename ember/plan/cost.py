@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ember import hardware
 from ember.hardware import DeviceFacts, Rates
 from ember.names import EXPERT_GEMM_SCOPE, HADAMARD_SCOPE
 from ember.plan import hlo
@@ -34,6 +35,12 @@ class Machine:
   hbm_bytes_per_s: float
   node_of_partition: tuple[int, ...]  # The node of each SPMD partition (device) of the program.
   rates: Rates | None = None  # What its kernels reach in practice (ember/hardware/rates.toml): the prediction's.
+
+  @classmethod
+  def one_node(cls, gpu: str, num_devices: int = 1) -> "Machine":
+    """`num_devices` GPUs `gpu` (one of ember/hardware/'s) in one node, with their rates."""
+    g = hardware.gpu(gpu)
+    return cls(g.facts, g.hbm_bytes_per_s, (0,) * num_devices, hardware.rates(gpu))
 
 
 def step_cost(text: str | hlo.Program, *, model_flops: float, tokens: float, machine: Machine | None) -> dict:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 
 import numpy as np
@@ -77,7 +76,8 @@ class Walk:
     self.program = p
     rows, self.events = [], {}
     self.collectives: list[hlo.Collective] = []
-    for comp in _in_call_order(p):
+    self._waves: dict[tuple[int, int, int], np.ndarray] = {}  # Wave efficiencies by (tile_m, tile_n, SMs).
+    for comp in (c for c in p.computations if c in p.kernel_computations):
       events: list = []
       for i in p.computations[comp]:
         event = self._event(p, i, rows)
@@ -144,13 +144,13 @@ class Walk:
     memory = self.bytes / (machine.hbm_bytes_per_s * rates["hbm"])
     return np.maximum(compute, memory) + rates["launch_s"]
 
-  @functools.cache
   def _wave_efficiency(self, tile_m: int, tile_n: int, sms: int) -> np.ndarray:
-    out = np.ones(len(self.kind))
-    for k, dims in enumerate(self.output):
-      if self.kind[k] == GEMM and dims:
-        out[k] = wave_efficiency(dims, tile_m, tile_n, sms)
-    return out
+    """Each kernel's wave efficiency (1 for a kernel that is no GEMM), computed once per tile and SM count."""
+    key = (tile_m, tile_n, sms)
+    if key not in self._waves:
+      self._waves[key] = np.array([wave_efficiency(dims, tile_m, tile_n, sms) if kind == GEMM and dims else 1.0
+                                   for kind, dims in zip(self.kind, self.output)])
+    return self._waves[key]
 
 
 def _efficiency(kind: int, precision: str, rates: Rates) -> float:
@@ -171,11 +171,6 @@ def wave_efficiency(output_dims: tuple[int, ...], tile_m: int, tile_n: int, sms:
   tiles = batch * math.ceil(m / tile_m) * math.ceil(n / tile_n)
   waves = math.ceil(tiles / sms)
   return batch * m * n / (waves * sms * tile_m * tile_n)
-
-
-def _in_call_order(p: hlo.Program) -> list[str]:
-  """The computations whose instructions are kernels (hlo.Program.kernel_computations), each once."""
-  return [c for c in p.computations if c in p.kernel_computations]
 
 
 @dataclasses.dataclass(frozen=True)

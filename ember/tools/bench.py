@@ -50,7 +50,7 @@ from ember.trainer import step as step_lib
 from ember.trainer.loop import prepare
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.phase import missing_tensor_core_gemm
-from ember.trainer.perf import Throughput, peak_bytes, train_flops_per_step
+from ember.trainer.perf import Throughput, peak_bytes, work_per_device
 from ember.trainer.state import create_train_state
 
 def gemm_counts(program: str | hlo.Program) -> dict[str, object]:
@@ -69,11 +69,9 @@ def measured_floor(program: str | hlo.Program, cfg, device_kind: str, num_device
   if facts is None or facts.name not in hardware.GPUS or jax.process_count() > 1:  # No spec: no HBM bandwidth.
     return {"time_floor_s": None, "time_floor_parts_s": None, "mfu_ceiling": None, "step_over_floor": None,
             "predicted_step_s": None, "mfu_predicted": None, "step_over_predicted": None}
-  machine = cost.Machine(facts, hardware.gpu(facts.name).hbm_bytes_per_s, (0,) * num_devices,
-                         hardware.rates(facts.name))
+  machine = cost.Machine.one_node(facts.name, num_devices)
   p = program if isinstance(program, hlo.Program) else hlo.Program(program)
-  per_device = dict(model_flops=train_flops_per_step(cfg) / num_devices,
-                    tokens=cfg.train.batch_size * cfg.model.seq_len / num_devices)
+  per_device = work_per_device(cfg, num_devices)
   floor = cost.roofline(p, hlo.gemms(p), hlo.attention_calls(p), machine=machine, **per_device)
   predicted = predict.predicted_step(p, machine, **per_device)
   return {k: floor[k] for k in ("time_floor_s", "time_floor_parts_s", "mfu_ceiling")} | {

@@ -34,6 +34,12 @@ def train_flops_per_step(cfg) -> float:
   return 3 * forward_flops_per_token(cfg.model) * cfg.train.batch_size * cfg.model.seq_len
 
 
+def work_per_device(cfg, num_devices: int) -> dict[str, float]:
+  """A step's model FLOPs and tokens per device: what the roofline and the prediction turn into MFU and tokens/s."""
+  return {"model_flops": train_flops_per_step(cfg) / num_devices,
+          "tokens": cfg.train.batch_size * cfg.model.seq_len / num_devices}
+
+
 def peak_tflops(device_kind: str) -> float | None:
   """The device's dense bf16 peak (ember/hardware/facts.toml), which MFU is measured against whatever the
   recipe; None for a device not in the table."""
