@@ -86,6 +86,9 @@ def get_config() -> ml_collections.ConfigDict:
   # halves their bytes; the update itself is computed in float32).
   t.grad_accum_steps = 1  # Micro-batches per optimizer step: batch_size / grad_accum_steps sequences each, run
   # one after another with their gradients summed; batch_size stays the step's global batch.
+  t.device_batch_size = 0  # > 0: sequences per device in each micro-batch, and grad_accum_steps follows from the mesh:
+  # batch_size / (device_batch_size x the data-parallel devices). A job restarted on fewer devices then keeps each
+  # device's memory and the global batch. 0 = grad_accum_steps as set.
   t.grad_reduce_dtype = "float32"  # The dtype each weight gradient leaves its GEMM in, and so the dtype it is
   # reduced in across data-parallel / FSDP devices: "bfloat16" halves those bytes (the GEMM still sums in
   # float32; micro-batch accumulation and the optimizer stay float32).
@@ -97,6 +100,13 @@ def get_config() -> ml_collections.ConfigDict:
   t.eval_batches = 4  # Batches of the held-out split per evaluation.
   t.profile_start_step = -1  # Profiler trace of steps [start, start + profile_steps) into workdir; -1 = off.
   t.profile_steps = 3
+  # Fault tolerance (docs/multihost.md, "When a job fails").
+  t.max_skipped_steps = 10  # A step whose loss or gradients are not finite is skipped (no update; counted in
+  # skipped_steps); this many in a row end the run (exit status 3). 0 = never end it.
+  t.step_timeout_s = 0.0  # A step (and its logging) that takes longer ends the job (status 75, Python stacks in
+  # the log; a stopped process or a stalled collective): 0 = 10x the median step once 5 are timed, at least 120 s;
+  # -1 = never.
+  t.compile_timeout_s = 3600.0  # The same for a stage that compiles or saves a checkpoint (and steps before timing).
 
   q = c.quant = ml_collections.ConfigDict()
   q.recipe = "bf16"  # bf16 | fp8_delayed | fp8_current | mxfp8 | nvfp4.
@@ -186,6 +196,8 @@ def get_config() -> ml_collections.ConfigDict:
   lg = c.log = ml_collections.ConfigDict()
   lg.every_steps = 10  # Console line, metrics.jsonl and TensorBoard every N steps.
   lg.tensorboard = True  # Write TensorBoard event files.
+  lg.straggler_ratio = 1.3  # Several processes: warn when the slowest process's devices run a fixed GEMM probe this
+  # many times slower than the median's (ember/trainer/stragglers.py); straggler_* keys in metrics.jsonl.
   lg.quant_stats_every = 0  # Quantization health (amax, scale, saturation, underflow, staleness per projection
   # and role; ember/quant/health.py) every N steps, with warnings past its thresholds; 0 = off (the step is
   # compiled without them).

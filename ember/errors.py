@@ -2,6 +2,13 @@
 
 A leaf module (it imports nothing of ember), so every floor can raise them without import loops.
 Each message names the config key, flag or path at fault and the reason.
+
+Every exit status of train.py (docs/multihost.md, "When a job fails", says what to do with each):
+  0   finished, or stopped by SIGTERM after saving a checkpoint;
+  1   an unexpected error (its traceback);
+  2   bad input (`EmberError`): a command line, config value, data path or checkpoint; one line;
+  3   diverged (`Diverged`): train.max_skipped_steps non-finite steps in a row; restarting will not help;
+  75  hung (ember/trainer/watchdog.py): a stage outlived its deadline; restart from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +38,13 @@ class DataError(EmberError):
 
 class CheckpointError(EmberError):
   """A checkpoint that cannot serve this run (shape mismatch, missing directory, other seed)."""
+
+
+DIVERGED_EXIT_STATUS = 3
+
+
+class Diverged(RuntimeError):
+  """The run stopped itself: too many non-finite steps in a row (train.max_skipped_steps)."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -65,9 +79,9 @@ def warn(msg: str) -> None:
 
 
 def fail_and_exit(err: BaseException) -> None:
-  """Prints one line and exits with status 2 (bad command line, config or input path).
+  """Prints one line and exits with status 2 (bad command line, config or input path), or 3 (`Diverged`).
 
   The line is one write, so the lines of processes sharing a stderr (launch/local.sh) never interleave."""
   sys.stderr.write(f"error: {one_line(err)}\n")
   sys.stderr.flush()
-  sys.exit(2)
+  sys.exit(DIVERGED_EXIT_STATUS if isinstance(err, Diverged) else 2)

@@ -20,6 +20,7 @@ from ember.keys import declared, key
 from ember.model_config import ModelConfig
 from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, SOURCE_NEEDS,
                          STATE_DTYPES)
+from ember.parallel import axes as axes_lib
 from ember.parallel import mesh as mesh_lib
 from ember.quant.recipe import WGRAD_DTYPES, Recipe
 
@@ -46,6 +47,7 @@ class Train:
   muon_ns_dtype: str = key("str", choices=STATE_DTYPES)
   optimizer_state_dtype: str = key("str", choices=STATE_DTYPES)
   grad_accum_steps: int = key("int", ">=1")
+  device_batch_size: int = key("int", ">=0")  # > 0: grad_accum_steps follows from it and the mesh (`_accumulation`).
   grad_reduce_dtype: str = key("str", choices=WGRAD_DTYPES)
   loss_chunk_size: int = key("int", ">=0")
   z_loss_weight: float = key("float", ">=0")
@@ -53,6 +55,13 @@ class Train:
   eval_batches: int = key("int", ">=1")
   profile_start_step: int = key("int", ">=-1")
   profile_steps: int = key("int", ">=1")
+  max_skipped_steps: int = key("int", ">=0")
+  step_timeout_s: float = key("float", ">=-1")  # 0 = auto, -1 = off (ember/trainer/watchdog.py).
+  compile_timeout_s: float = key("float", ">0")
+
+  def __post_init__(self):
+    if -1 < self.step_timeout_s < 0:
+      bad_key("train.step_timeout_s", f"{self.step_timeout_s} is neither seconds (> 0), 0 (auto) nor -1 (off)")
 
   @property
   def micro_batch_size(self) -> int:
@@ -198,6 +207,7 @@ class Checkpoint:
 class Log:
   every_steps: int = key("int", ">=1")
   tensorboard: bool = key("bool")
+  straggler_ratio: float = key("float", ">=1")
   quant_stats_every: int = key("int", ">=0")
 
 
@@ -206,6 +216,20 @@ class Distributed:
   coordinator_address: str = key("str")
   num_processes: int = key("int", ">=0")
   process_id: int = key("int", ">=-1")
+
+
+def _accumulation(train: Train, mesh: Mesh) -> int:
+  """The micro-batches a step runs for each device to hold `train.device_batch_size` sequences in each: the global
+  batch stays `train.batch_size` on any mesh, so a job restarted on fewer devices runs more micro-batches."""
+  if train.grad_accum_steps != 1:
+    bad_key("train.device_batch_size", f"set together with train.grad_accum_steps={train.grad_accum_steps}; the "
+            "micro-batches follow from it")
+  shards = axes_lib.shards(axes_lib.batch_axes(mesh.rules_dict), mesh.sizes())
+  per_device, rest = divmod(train.batch_size, shards)
+  if rest or per_device % train.device_batch_size:
+    bad_key("train.device_batch_size", f"{train.device_batch_size} does not divide the sequences each device holds "
+            f"in a step: train.batch_size={train.batch_size} over {shards} data-parallel devices")
+  return per_device // train.device_batch_size
 
 
 # The sections under their config names; `model` and `quant` are ModelConfig and Recipe.
@@ -250,11 +274,14 @@ class Settings:
     if num_devices is not None:
       mesh_sizes, _ = mesh_lib.ici_dcn(cfg.mesh, num_devices)  # Within a host; the mesh multiplies by dcn.
     train = section(Train, cfg.train, decay_steps=cfg.train.decay_steps or max(cfg.steps - cfg.train.warmup_steps, 1))
+    mesh = section(Mesh, cfg.mesh, **mesh_sizes)
+    if num_devices is not None and train.device_batch_size:
+      train = dataclasses.replace(train, grad_accum_steps=_accumulation(train, mesh))
     phases = tuple((start, quant if start == 0 else recipe(phase.quant))
                    for start, phase in config_phases.precision_phases(cfg))
     return cls(workdir=cfg.workdir, seed=cfg.seed, steps=cfg.steps, model=model, train=train, quant=quant,
                remat=section(Remat, cfg.remat), data=section(Data, cfg.data),
-               mesh=section(Mesh, cfg.mesh, **mesh_sizes), checkpoint=section(Checkpoint, cfg.checkpoint),
+               mesh=mesh, checkpoint=section(Checkpoint, cfg.checkpoint),
                log=section(Log, cfg.log), distributed=section(Distributed, cfg.distributed), phases=phases,
                schedule=_plain(cfg.quant.schedule))
 

@@ -100,11 +100,16 @@ def data_shards(num_shards: int, batch_size: int, process_index: int | None = No
 
 def sum_over_processes(values: np.ndarray) -> np.ndarray:
   """`values` summed over every process (each calls it at the same point); itself with one process."""
+  return gather_over_processes(values).sum(axis=0)
+
+
+def gather_over_processes(values: np.ndarray) -> np.ndarray:
+  """Every process's `values` stacked, [processes, ...] in process order (each calls it at the same point)."""
   values = np.asarray(values)
   if jax.process_count() == 1:
-    return values
+    return values[None]
   from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(values)).reshape(-1, *values.shape).sum(axis=0)
+  return np.asarray(multihost_utils.process_allgather(values)).reshape(-1, *values.shape)
 
 
 class Preemption:

@@ -2,7 +2,11 @@
 
 The host waits for each step's loss before the next step (one step in flight: a step's dispatch costs the device
 far less than the step) and fetches metrics once per log interval (that fetch is also where step time is
-measured). SIGTERM (a preemption notice; with several processes JAX's preemption service agrees on the step) ends
+measured). A step whose loss or gradients are not finite changes nothing (step.unless_non_finite): the loop
+counts it (`skipped_steps`) and ends the run after train.max_skipped_steps in a row, so the loop's step (batches
+consumed, the checkpoints' step) runs ahead of `state.step` (updates applied) by the steps skipped. Each stage has
+a deadline (ember/trainer/watchdog.py): a hung job ends itself. With several processes each one's speed is
+compared with the others' at every log step (ember/trainer/stragglers.py). SIGTERM (a preemption notice; with several processes JAX's preemption service agrees on the step) ends
 the loop after the step the device is running with a synchronous checkpoint, and the process exits 0. Every
 resource (data iterators and their threads, the checkpoint manager, writers) is closed on the way
 out, error or not, so a failed run ends with its one error line and nothing else.
@@ -28,7 +32,7 @@ from ember import config as config_lib
 from ember import platform
 from ember.data import build_tokenizer, records
 from ember.data.sharded import data_iterator, global_batch, source_shares
-from ember.errors import ConfigError
+from ember.errors import ConfigError, Diverged
 from ember.hf import load as hf_load
 from ember.names import RECORD_SOURCES
 from ember.parallel import distributed
@@ -43,10 +47,13 @@ from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import Throughput, peak_bytes
 from ember.trainer.phase import Phase
 from ember.trainer.state import create_train_state, state_around, state_shardings
+from ember.trainer.stragglers import Stragglers
+from ember.trainer.watchdog import Deadlines, Watchdog, xla_flags
 
 
 def prepare(cfg):
   """Joins the multi-process job, validates and derives the config, builds the mesh: (cfg, mesh)."""
+  _set_collective_timeouts(cfg.train)
   distributed.initialize(cfg.distributed)
   cfg = config_lib.validate(cfg, jax.device_count(), jax.process_count())
   if cfg.data.source != "synthetic":
@@ -60,6 +67,18 @@ def prepare(cfg):
             "imported, without ember's XLA_FLAGS): quantization scales may differ from docs/quantization.md's rules "
             "by an ulp; import ember first, or set XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2")
   return cfg, make_mesh(cfg.mesh)
+
+
+def _set_collective_timeouts(train_cfg) -> None:
+  """XLA's GPU collective timeouts set past the watchdog's (watchdog.xla_flags), while JAX has not yet started its
+  backend (a process that started it before keeps its own)."""
+  from jax._src import xla_bridge  # No public query in JAX 0.10.
+  try:
+    step_s, compile_s = float(train_cfg.step_timeout_s), float(train_cfg.compile_timeout_s)
+  except (AttributeError, TypeError, ValueError):  # Not a number: validation names the key.
+    return
+  if not xla_bridge.backends_are_initialized():
+    os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), step_s, compile_s)
 
 
 def _make_workdir(workdir: str) -> None:
@@ -85,16 +104,23 @@ def train(cfg, mesh=None) -> dict:
   _make_workdir(cfg.workdir)
   with contextlib.ExitStack() as resources, use_rules(mesh, cfg.mesh.rules):
     run = _Run.open(cfg, mesh, resources)
-    first, timed_from, done = int(run.state.step), None, int(run.state.step)
+    first, timed_from, done = run.first, None, run.first
+    last_ready = time.time()
     for step in range(first, cfg.steps):
+      compiles = _compiles(run, step)
+      run.watchdog.expect(f"step {step + 1}", run.deadlines.long() if compiles else run.deadlines.step())
       _switch_phase(run, step)
       run.profiler.before(step)
       run.state, step_metrics = run.phase.compiled(run.state, run.batch)
       # One step in flight at most: a SIGTERM is seen at the end of the step the device is running, not after the
       # steps the host had queued ahead of it (the next batch is ready in the pipeline's threads meanwhile).
       jax.block_until_ready(step_metrics["loss"])
+      if not compiles:  # The loop's time a step, its hooks included: what the step's deadline is a multiple of.
+        run.deadlines.timed(time.time() - last_ready)
+      last_ready = time.time()
       run.moe.add(step, step_metrics)
       done = step + 1
+      run.skips.count(done, step_metrics)
       timed_from = timed_from or (done, time.time())  # The first step carries the compile: not timed.
       run.profiler.after(done)
       stopping = _preempted(run, done)
@@ -105,7 +131,10 @@ def train(cfg, mesh=None) -> dict:
         console(f"preempted (SIGTERM): saved a checkpoint at step {done} in {run.ckpt.directory} and stopped")
         break
       if done < cfg.steps:
+        waited = time.time()
         run.batch = run.next_batch()
+        run.stragglers.add_input_wait(time.time() - waited)
+    run.watchdog.expect("the last checkpoint's write", run.deadlines.long())
     if done == cfg.steps and done > first:
       console(_summary(run, first, timed_from, done, time.time() - t_start))
   run.last["wall_time_s"] = time.time() - t_start
@@ -151,11 +180,21 @@ class _Run:
   moe: MoeCounts
   reads_records: bool
   last: dict
+  first: int  # The step the run starts after (its checkpoint's; 0 for a new run).
+  watchdog: Watchdog
+  deadlines: Deadlines
+  stragglers: Stragglers
+  skips: "_Skips"
+  evaluated: bool = False
 
   @classmethod
   def open(cls, cfg, mesh, resources: contextlib.ExitStack) -> "_Run":
     """The set-up: data, writers, preemption handler and checkpointer (closed by `resources`), then the state
     restored or initialised and its first batch."""
+    watch = Watchdog(process_index=jax.process_index())  # Closed last: it watches the others' closing too.
+    resources.callback(watch.close)
+    deadlines = Deadlines(cfg.train.step_timeout_s, cfg.train.compile_timeout_s)
+    watch.expect("the set-up (data, checkpoint restore)", deadlines.long())
     tx, schedule = make_optimizer(cfg)
     train_it = data_iterator(cfg, "train")
     resources.callback(train_it.close)
@@ -168,18 +207,19 @@ class _Run:
     resources.callback(ckpt.close)
     phases = precision.Phases(cfg)
     targets = lambda step: state_shardings(phases.cfg(phases.state_phase(step)), mesh, tx)[1:]
-    state = _restore_or_init(cfg, ckpt, mesh, tx, targets, metrics, train_it)
-    _check_phase(ckpt, phases, int(state.step))
+    state, first = _restore_or_init(cfg, ckpt, mesh, tx, targets, metrics, train_it)
+    _check_phase(ckpt, phases, first)
     batch_sharding = step_lib.batch_sharding(cfg, mesh)
     shares = source_shares(cfg)
     run = cls(cfg=cfg, mesh=mesh, train_it=train_it, metrics=metrics, preemption=preemption, ckpt=ckpt,
-              phases=phases, phase=Phase(phases, phases.state_phase(int(state.step)), mesh, tx, schedule,
-                                          batch_sharding),
+              phases=phases, phase=Phase(phases, phases.state_phase(first), mesh, tx, schedule, batch_sharding),
               state=state, batch=None, batch_sharding=batch_sharding, shares=shares,
               meta={"config": cfg.to_dict(), "ember_version": ember.__version__, "mesh": dict(mesh.shape),
                     "process_count": jax.process_count()},
-              interval=_Interval(cfg, start=int(state.step)), profiler=_Profiler(cfg), moe=MoeCounts(),
-              reads_records=_reads_records(cfg), last={"step": int(state.step)})
+              interval=_Interval(cfg, start=first), profiler=_Profiler(cfg), moe=MoeCounts(),
+              reads_records=_reads_records(cfg), last={"step": first}, first=first, watchdog=watch,
+              deadlines=deadlines, stragglers=Stragglers(cfg.log.straggler_ratio),
+              skips=_Skips(cfg.train.max_skipped_steps, skipped=first - int(state.step)))
     run.batch = run.next_batch()
     return run
 
@@ -198,10 +238,15 @@ def _reads_records(cfg) -> bool:
 # --- The hooks, in the order the loop calls them after each step ----------------------------------------------
 
 
+def _compiles(run: _Run, step: int) -> bool:
+  """Whether `step` starts a precision phase (the run's first step included), which compiles its step first."""
+  return run.phases.at(step) != run.phase.index or run.phase.compiled is None
+
+
 def _switch_phase(run: _Run, step: int) -> None:
   """Before a step: compiles the first phase, or moves the state into the precision phase `step` starts."""
-  if run.phases.at(step) != run.phase.index or run.phase.compiled is None:
-    run.phase, run.state = run.phase.enter(run.phases.at(step), run.state, run.batch)
+  if _compiles(run, step):
+    run.phase, run.state = run.phase.enter(run.phases.at(step), run.state, run.batch, step)
 
 
 def _preempted(run: _Run, done: int) -> bool:
@@ -217,7 +262,13 @@ def _log(run: _Run, done: int, step_metrics, stopping: bool) -> None:
   if not (done % cfg.log.every_steps == 0 or done == cfg.steps or stopping or health):
     return
   host = jax.device_get({k: v for k, v in step_metrics.items() if k != "quant_stats" and k not in moe_counts.KEYS})
-  record = {"step": done, **{k: float(v) for k, v in host.items()}, **run.interval.take(done)}
+  record = {"step": done, **{k: float(v) for k, v in host.items()}, **run.interval.take(done),
+            "skipped_steps": run.skips.total}
+  if jax.process_count() > 1:
+    straggler, warning = run.stragglers.take(distributed.gather_over_processes)
+    record.update(straggler)
+    if warning:
+      console(f"warning: {warning}")
   moe, moe_warnings = run.moe.take(done)
   record.update(moe)
   record["peak_bytes"], record["peak_source"] = peak_bytes(phase.compiled)
@@ -240,6 +291,10 @@ def _evaluate(run: _Run, done: int) -> None:
   cfg = run.cfg
   if not cfg.train.eval_every_steps or (done % cfg.train.eval_every_steps and done != cfg.steps):
     return
+  step_s = run.deadlines.step()  # The first evaluation compiles.
+  run.watchdog.expect(f"the evaluation at step {done}",
+                      run.deadlines.long() if not run.evaluated or step_s is None else step_s * cfg.train.eval_batches)
+  run.evaluated = True
   run.last["eval_loss"] = evaluate(cfg, run.state, run.phase.eval_fn, run.batch_sharding)
   run.metrics.write({"step": done, "eval_loss": run.last["eval_loss"]})
   console(f"step {done:>6}/{cfg.steps}  eval_loss {run.last['eval_loss']:.4f}")
@@ -248,10 +303,34 @@ def _evaluate(run: _Run, done: int) -> None:
 def _checkpoint(run: _Run, done: int, stopping: bool) -> None:
   """Every `checkpoint.every_steps`, at the end, and synchronously when stopping for a preemption."""
   if run.ckpt.should_save(done, run.cfg.steps) or stopping:
+    run.watchdog.expect(f"the checkpoint of step {done}", run.deadlines.long())
     run.ckpt.save(done, run.state, run.train_it, seed=run.cfg.seed,
                   metadata={**run.meta, "quant_phase": run.phase.index}, force_sync=stopping)
     if not stopping:  # A preemption's save has its own line.
       console(f"checkpoint: step {done} to {os.path.join(run.ckpt.directory, str(done))}")
+
+
+class _Skips:
+  """The steps skipped for a non-finite loss or gradient (the step itself leaves the state as it was:
+  step.unless_non_finite): counted, each one warned of, and `limit` in a row (train.max_skipped_steps; 0 = no
+  limit) end the run with `Diverged` (exit status 3); the checkpoints saved before stay as they are."""
+
+  def __init__(self, limit: int, *, skipped: int):
+    self.limit, self.total, self.in_a_row = limit, skipped, 0
+
+  def count(self, done: int, step_metrics: dict) -> None:
+    if not int(step_metrics.pop("skipped")):
+      self.in_a_row = 0
+      return
+    self.total += 1
+    self.in_a_row += 1
+    loss, norm = (float(step_metrics[k]) for k in ("loss", "grad_norm"))
+    console(f"warning: step {done}: loss {loss:.4g}, grad_norm {norm:.4g}: not finite, the step is skipped (no "
+            f"update; {self.in_a_row} in a row, {self.total} in the run)")
+    if self.limit and self.in_a_row >= self.limit:
+      raise Diverged(f"train.max_skipped_steps: {self.in_a_row} steps in a row ({done - self.in_a_row + 1}-{done}) had "
+                     f"a non-finite loss or gradients; stopped with the state of step {done - self.in_a_row} (its "
+                     "checkpoints are as saved); lower the learning rate or look at those steps' data")
 
 
 class _Interval:
@@ -289,14 +368,15 @@ class _Profiler:
 
 
 def _restore_or_init(cfg, ckpt, mesh, tx, targets, metrics, train_it):
-  """Resumes from the workdir's latest checkpoint, else starts from checkpoint.init_from_hf, checkpoint.restore_from
-  or init. `targets(step)`: (shardings, abstract) of the state after `step` steps (its precision phase's)."""
+  """(state, the step it is after): resumes from the workdir's latest checkpoint, else starts from
+  checkpoint.init_from_hf, checkpoint.restore_from or init. `targets(step)`: (shardings, abstract) of the state
+  after `step` steps (its precision phase's)."""
   restored = ckpt.restore_latest(targets, train_it, seed=cfg.seed)
   if restored is not None:
     state, step = restored
     metrics.truncate_after(step)
     console(f"resumed from {ckpt.directory} at step {step}")
-    return state
+    return state, step
   shardings, abstract = targets(0)
   init = lambda: create_train_state(cfg, mesh, tx)[1]
   if cfg.checkpoint.init_from_hf:
@@ -310,7 +390,7 @@ def _restore_or_init(cfg, ckpt, mesh, tx, targets, metrics, train_it):
   else:
     state = init()
   metrics.truncate_after(0)  # A new run: no records of an earlier one in this workdir.
-  return state
+  return state, int(state.step)
 
 
 def _check_phase(ckpt: Checkpointer, phases: precision.Phases, step: int) -> None:

@@ -62,14 +62,14 @@ class Phase:
     self.mesh, self.tx, self.schedule, self.batch_sharding = mesh, tx, schedule, batch_sharding
     self.compiled = self.eval_fn = self.quant_health = None
 
-  def enter(self, index: int, state, batch):
-    """(the phase `index` compiled, `state` moved into its structure)."""
+  def enter(self, index: int, state, batch, step: int):
+    """(the phase `index` compiled, `state` moved into its structure) before `step` (the loop's)."""
     phase = Phase(self.phases, index, self.mesh, self.tx, self.schedule, self.batch_sharding)
     cfg = phase.cfg
     graphdef, shardings, abstract = state_shardings(cfg, self.mesh, self.tx)
     if index != self.index:
       state = precision.carry(state, self.cfg, cfg, abstract, shardings)
-      console(f"precision schedule: {self.phases.describe(index)} from step {int(state.step) + 1}")
+      console(f"precision schedule: {self.phases.describe(index)} from step {step + 1}")
     phase.compiled = compile_step(step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings),
                               state, batch, cfg, self.mesh)
     eval_plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.batch_size)

@@ -104,9 +104,21 @@ def _train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy
       new_quant_state = update_router_biases(state.quant_state, new_quant_state, loads_LxE, cfg.model)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
+  grad_norm = optax.tree.norm(grads)
+  metrics = dict(metrics, grad_norm=grad_norm, lr=schedule(state.step))
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, quant_state=new_quant_state)
-  return new_state, metrics
+  return unless_non_finite(state, new_state, metrics, grad_norm)
+
+
+def unless_non_finite(state: TrainState, new_state: TrainState, metrics: dict, grad_norm: jax.Array):
+  """(the state after the step, metrics with `skipped`): `new_state`, or `state` itself, untouched, when the step's
+  loss or gradient norm is not finite. A skipped step applies no update: parameters, optimizer state (and so its
+  learning-rate count), amax histories and `step` (updates applied) stay as they were; the loop counts its batch
+  (ember/trainer/loop.py). The choice is an elementwise select that XLA fuses into the update's own kernels,
+  which read both states already: no extra pass over the state."""
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["total_loss"])
+  kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+  return kept, dict(metrics, skipped=(~finite).astype(jnp.int32))
 
 
 def load_max_over_mean(loads_LxE, model) -> jax.Array:

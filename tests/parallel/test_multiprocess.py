@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--config.model.seq_len=16",
         "--config.train.batch_size=8", "--config.data.source=synthetic", "--config.train.eval_every_steps=0",
         "--config.log.every_steps=1", "--config.checkpoint.every_steps=5", "--config.train.decay_steps=100",
-        "--config.quant.recipe=bf16", "--config.model.dtype=float32"]  # No data.num_shards: batches never
-# depend on the process count.
-ONE_HOST = ["--config.mesh.fsdp=4"]
+        "--config.quant.recipe=bf16", "--config.model.dtype=float32",
+        "--config.train.device_batch_size=2"]  # No data.num_shards: batches never depend on the process count; 2
+# sequences a device: one micro-batch on 4 devices, two on 2.
 TWO_HOSTS = ["--config.mesh.fsdp=2", "--config.mesh.dcn_fsdp=2"]  # The same mesh (fsdp=4), hybrid over processes.
 
 
@@ -43,10 +43,11 @@ def _losses(workdir: Path) -> dict[int, float]:
   return {r["step"]: r["loss"] for r in _records(workdir)}
 
 
-def _one_process(cache, workdir, steps) -> subprocess.CompletedProcess:
-  p = subprocess.run([sys.executable, "train.py", *ARGS, *ONE_HOST, "--config.log.tensorboard=false",
+def _one_process(cache, workdir, steps, devices: int = 4) -> subprocess.CompletedProcess:
+  p = subprocess.run([sys.executable, "train.py", *ARGS, f"--config.mesh.fsdp={devices}", "--config.log.tensorboard=false",
                       f"--config.workdir={workdir}", f"--config.steps={steps}"], cwd=ROOT, capture_output=True,
-                     text=True, timeout=300, env=_env(cache, XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+                     text=True, timeout=300,
+                     env=_env(cache, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"))
   assert p.returncode == 0, p.stderr[-3000:]
   return p
 
@@ -101,6 +102,15 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tm
   assert [r["step"] for r in _records(resumed)] == list(range(1, after[-1] + 1))  # Each step logged once.
   resumed_losses = _losses(resumed)
   assert [resumed_losses[s] for s in after] == pytest.approx([sp_losses[s] for s in after], rel=1e-6)
+
+  # ... and on half the devices (one process, 2): the same global batch, as 2 micro-batches of each device's 2
+  # sequences (train.device_batch_size); the same rows each step, summed in another order.
+  half = tmp_path / "half"
+  shutil.copytree(mp, half)
+  p = _one_process(cache, half, after[-1], devices=2)
+  assert f"at step {stopped}" in p.stderr and "warning" not in p.stderr
+  half_losses = _losses(half)
+  assert [half_losses[s] for s in after] == pytest.approx([sp_losses[s] for s in after], rel=1e-5)
 
 
 def test_local_sh_fails_when_a_process_fails(tmp_path):

@@ -1,0 +1,130 @@
+"""Hangs end the job: a deadline on each stage of the training loop, and what happens past it.
+
+A stopped or dead process stalls every other one in its next collective, and nothing raises: the job would hold
+its nodes forever. The loop tells the `Watchdog` what it starts and how long that may take (`expect`); past the
+deadline the watchdog's thread writes one line naming the stage and the stall, then every thread's Python stack
+(faulthandler), to stderr (the process's log), and ends the process with `HUNG_EXIT_STATUS` without running exit
+handlers (they would wait on the same stalled collective). SLURM (a `--requeue` or retry loop) or a JobSet then
+restarts the job, which resumes from its newest checkpoint (docs/multihost.md, "When a job fails").
+
+How long a stage may take (`Deadlines`): `train.step_timeout_s` for a step and its logging once set; by default
+(0) `AUTO_MULTIPLE` x the median of the steps timed so far, at least `AUTO_FLOOR_S`, once `AUTO_AFTER_STEPS`
+steps are timed. A stage that may compile (the first step of a precision phase, the first evaluation) or write
+a checkpoint, and every step before the timing starts, gets `train.compile_timeout_s`. XLA's own collective
+timeouts on GPUs (`xla_flags`) are set a margin past the watchdog's, so that the watchdog, which names the step,
+speaks first.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Callable
+
+HUNG_EXIT_STATUS = 75  # sysexits' EX_TEMPFAIL: "try again later"; docs/multihost.md lists every status.
+AUTO_MULTIPLE = 10.0
+AUTO_FLOOR_S = 120.0
+AUTO_AFTER_STEPS = 5
+XLA_MARGIN_S = 60  # XLA's collective timeouts: this much past the step's (or the compile's) timeout.
+
+
+class Watchdog:
+  """A daemon thread that ends the process when the stage set by `expect` outlives its deadline."""
+
+  def __init__(self, *, process_index: int = 0, out=None, exit: Callable[[int], None] = os._exit):
+    self._process, self._out, self._exit = process_index, out, exit
+    self._cond = threading.Condition()
+    self._deadline: float | None = None
+    self._what, self._seconds, self._closed = "", 0.0, False
+    self._thread = threading.Thread(target=self._watch, name="ember-watchdog", daemon=True)
+    self._thread.start()
+
+  def expect(self, what: str, seconds: float | None) -> None:
+    """`what` starts now and must end within `seconds` (None or <= 0: no deadline)."""
+    with self._cond:
+      self._what, self._seconds = what, seconds or 0.0
+      self._deadline = time.monotonic() + seconds if seconds and seconds > 0 else None
+      self._cond.notify()
+
+  def disarm(self) -> None:
+    self.expect("", None)
+
+  def close(self) -> None:
+    with self._cond:
+      self._closed, self._deadline = True, None
+      self._cond.notify()
+    self._thread.join(timeout=5)
+
+  def _watch(self) -> None:
+    with self._cond:
+      while not self._closed:
+        if self._deadline is None:
+          self._cond.wait()
+          continue
+        left = self._deadline - time.monotonic()
+        if left > 0:
+          self._cond.wait(timeout=left)
+          continue
+        self._fire()
+        return
+
+  def _fire(self) -> None:
+    out = self._out or sys.stderr
+    out.write(f"error: process {self._process}: {self._what} made no progress in {self._seconds:.0f} s "
+              f"(train.step_timeout_s): a stopped or lost process, or a stalled collective; exiting with status "
+              f"{HUNG_EXIT_STATUS} so the job can be restarted from its newest checkpoint. Python stacks:\n")
+    out.flush()
+    try:
+      faulthandler.dump_traceback(file=out, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # A stream without a file descriptor (a test's StringIO).
+      import traceback
+      for thread_id, frame in sys._current_frames().items():
+        out.write(f"Thread {thread_id:#x}:\n{''.join(traceback.format_stack(frame))}")
+    out.flush()
+    self._exit(HUNG_EXIT_STATUS)
+
+
+class Deadlines:
+  """How long each stage of the loop may take (the module's docstring says the rule); `timed(seconds)` feeds the
+  measured steps."""
+
+  def __init__(self, step_timeout_s: float, compile_timeout_s: float):
+    self.step_timeout_s, self.compile_timeout_s = step_timeout_s, compile_timeout_s
+    self._times: list[float] = []
+
+  def timed(self, seconds: float) -> None:
+    self._times = (self._times + [seconds])[-100:]
+
+  def step(self) -> float | None:
+    """A step (or its logging) that compiles nothing."""
+    if self.step_timeout_s < 0:
+      return None
+    if self.step_timeout_s > 0:
+      return self.step_timeout_s
+    if len(self._times) < AUTO_AFTER_STEPS:
+      return self.compile_timeout_s
+    return max(AUTO_MULTIPLE * statistics.median(self._times), AUTO_FLOOR_S)
+
+  def long(self) -> float | None:
+    """A stage that may compile or write a checkpoint."""
+    return None if self.step_timeout_s < 0 else max(self.compile_timeout_s, self.step_timeout_s)
+
+
+def xla_flags(xla_flags_value: str, step_timeout_s: float, compile_timeout_s: float) -> str:
+  """XLA_FLAGS with the GPU's collective timeouts set `XLA_MARGIN_S` past the watchdog's, unless the user set them:
+  a collective after `train.step_timeout_s` (or, while that is measured, `train.compile_timeout_s`), and the first
+  collective of a program, which waits for the slowest process's compile, after `train.compile_timeout_s`.
+  Unchanged when timeouts are off (-1). XLA reads them when JAX starts its backend."""
+  if step_timeout_s < 0 or (xla_flags_value.strip() and not xla_flags_value.lstrip().startswith("-")):
+    return xla_flags_value
+  tokens = xla_flags_value.split()
+  wanted = {"--xla_gpu_nccl_termination_timeout_seconds": (step_timeout_s or compile_timeout_s),
+            "--xla_gpu_first_collective_call_terminate_timeout_seconds": max(step_timeout_s, compile_timeout_s)}
+  for flag, seconds in wanted.items():
+    if not any(t.split("=", 1)[0] == flag for t in tokens):
+      tokens.append(f"{flag}={int(seconds) + XLA_MARGIN_S}")
+  return " ".join(tokens)

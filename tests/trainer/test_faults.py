@@ -1,0 +1,146 @@
+"""Faults a long job meets: a non-finite step skipped (the state as if its batch had never come), too many in a row
+ending the run, a hung stage ending the process with its stacks, stragglers named, XLA's timeouts matched."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from array_record.python.array_record_module import ArrayRecordWriter
+
+from ember.data.sources import encode_record
+from ember.errors import DIVERGED_EXIT_STATUS, Diverged, fail_and_exit
+from ember.trainer import stragglers as stragglers_lib
+from ember.trainer import watchdog as watchdog_lib
+from ember.trainer.loop import train
+from ember.trainer.step import batch_sharding, jit_train_step
+from tests.helpers import config, random_batch, start
+
+
+def test_a_non_finite_step_leaves_the_state_as_if_its_batch_never_came():
+  """good, bad, good against good, good: the bad step (a token id past the vocabulary: NaN embeddings) changes no
+  leaf, is flagged, and the third step equals the second of the clean run bit for bit (same state, same key)."""
+  s = start(config("tiny", **{"model.dtype": "float32", "quant.recipe": "fp8_delayed"}), 1)
+  good = [random_batch(s.cfg, seed=i) for i in (1, 2)]
+  bad = dict(good[0], inputs=np.full_like(good[0]["inputs"], 1 << 30))
+  sharding = batch_sharding(s.cfg, s.mesh)
+  put = lambda b: {k: jax.device_put(v, sharding) for k, v in b.items()}
+  with s.rules():
+    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
+    after_good, m1 = step(s.state, put(good[0]))
+    after_bad, m_bad = step(after_good, put(bad))
+    with_bad, _ = step(after_bad, put(good[1]))
+    clean, _ = step(after_good, put(good[1]))
+  assert int(m1["skipped"]) == 0 and int(m_bad["skipped"]) == 1
+  assert not np.isfinite(float(m_bad["loss"]))
+  assert int(after_bad.step) == int(after_good.step) == 1
+  for a, b in zip(jax.tree.leaves(after_bad), jax.tree.leaves(after_good)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert jax.tree.leaves(after_good.quant_state)  # fp8_delayed: the amax histories are among the leaves compared.
+  for a, b in zip(jax.tree.leaves(with_bad), jax.tree.leaves(clean)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.fixture(scope="module")
+def poisoned_corpus(tmp_path_factory):
+  """Pre-tokenized documents (ArrayRecord), one of them holding a token id past the vocabulary (a tokenizer
+  mismatch): the steps whose batch packs it have non-finite losses."""
+  root = tmp_path_factory.mktemp("poisoned")
+  rng = np.random.default_rng(0)
+  writer = ArrayRecordWriter(str(root / "docs.array_record"), "group_size:1")
+  for i in range(60):
+    tokens = rng.integers(0, 256, size=int(rng.integers(40, 120)), dtype=np.int32)
+    if i == 7:
+      tokens[5] = 1 << 20
+    writer.write(encode_record(tokens))
+  writer.close()
+  return root
+
+
+def _run(tmp_path, corpus, **overrides):
+  cfg = config("tiny", **{"workdir": str(tmp_path), "steps": 12, "log.every_steps": 1, "checkpoint.every_steps": -1,
+                          "data.source": "array_record", "data.path": str(corpus / "*.array_record"),
+                          "data.eval_fraction": 0.0, "data.chunk_shuffle_window": 0, "model.seq_len": 64, "train.batch_size": 8, **overrides})
+  return cfg
+
+
+def test_skipped_steps_are_counted_and_the_run_goes_on_or_ends_past_the_limit(tmp_path, poisoned_corpus, capsys):
+  train(_run(tmp_path / "on", poisoned_corpus, **{"train.max_skipped_steps": 2}))
+  records = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+  records = [r for r in records if "loss" in r]
+  assert [r["step"] for r in records] == list(range(1, 13))  # The run went on to its last step.
+  bad = [r["step"] for r in records if r["loss"] is None]
+  assert bad, "the poisoned document reached no batch"
+  for r in records:  # skipped_steps counts the non-finite steps up to each record's.
+    assert r["skipped_steps"] == sum(b <= r["step"] for b in bad)
+  assert all(np.isfinite(r["loss"]) for r in records if r["step"] not in bad)
+  err = capsys.readouterr().err
+  assert f"warning: step {bad[0]}: loss nan" in err and "not finite, the step is skipped" in err
+  # The same data with a limit of one: the first skipped step ends the run with a line naming the key.
+  with pytest.raises(Diverged, match=rf"train.max_skipped_steps: 1 steps in a row \({bad[0]}-{bad[0]}\)"):
+    train(_run(tmp_path / "limit", poisoned_corpus, **{"train.max_skipped_steps": 1}))
+  with pytest.raises(SystemExit) as exit_info:
+    fail_and_exit(Diverged("x"))
+  assert exit_info.value.code == DIVERGED_EXIT_STATUS == 3
+
+
+def test_the_watchdog_ends_the_process_past_a_deadline_with_its_stacks():
+  fired, out = threading.Event(), io.StringIO()
+  statuses = []
+  dog = watchdog_lib.Watchdog(process_index=1, out=out, exit=lambda code: (statuses.append(code), fired.set()))
+  try:
+    dog.expect("step 4", 0.3)
+    dog.expect("step 5", 0.3)  # Re-armed in time: step 4's deadline is gone.
+    assert fired.wait(5)
+  finally:
+    dog.close()
+  assert statuses == [watchdog_lib.HUNG_EXIT_STATUS]
+  text = out.getvalue()
+  assert text.startswith("error: process 1: step 5 made no progress in 0 s (train.step_timeout_s)")
+  assert "test_the_watchdog_ends_the_process_past_a_deadline_with_its_stacks" in text  # The main thread's stack.
+  quiet = watchdog_lib.Watchdog(exit=lambda code: statuses.append(code))
+  quiet.expect("step 1", 0.2)
+  quiet.disarm()
+  threading.Event().wait(0.4)
+  quiet.close()
+  assert statuses == [watchdog_lib.HUNG_EXIT_STATUS]  # Disarmed: nothing more.
+
+
+def test_deadlines_follow_the_measured_steps_and_xla_timeouts_sit_past_them():
+  auto = watchdog_lib.Deadlines(0.0, 900.0)
+  assert auto.step() == 900.0 and auto.long() == 900.0  # Nothing timed yet: the compile's deadline.
+  for seconds in (1.0, 30.0, 2.0, 3.0, 2.5):
+    auto.timed(seconds)
+  assert auto.step() == 120.0  # 10 x the median (2.5 s) is under the floor.
+  for seconds in (20.0,) * 5:
+    auto.timed(seconds)
+  assert auto.step() == 200.0  # 10 x the median of (1, 30, 2, 3, 2.5, 20 x 5) = 10 x 20.
+  assert watchdog_lib.Deadlines(45.0, 900.0).step() == 45.0
+  assert watchdog_lib.Deadlines(-1.0, 900.0).step() is None and watchdog_lib.Deadlines(-1.0, 900.0).long() is None
+  flags = watchdog_lib.xla_flags("--xla_foo=1 --xla_gpu_first_collective_call_terminate_timeout_seconds=5", 45.0,
+                                 900.0)
+  assert flags.split() == ["--xla_foo=1", "--xla_gpu_first_collective_call_terminate_timeout_seconds=5",
+                           "--xla_gpu_nccl_termination_timeout_seconds=105"]  # The user's value stays.
+  assert "termination_timeout_seconds=960" in watchdog_lib.xla_flags("", 0.0, 900.0)
+  assert watchdog_lib.xla_flags("--a=1", -1.0, 900.0) == "--a=1"
+
+
+def test_stragglers_name_the_slowest_prober_and_the_longest_input_wait():
+  gather = lambda mine: np.stack([[0.010, 0.001], [0.025, 0.000], [0.011, 0.004], mine])
+  s = stragglers_lib.Stragglers(warn_ratio=1.3)
+  s.add_input_wait(0.002)
+  s.add_input_wait(0.004)
+  record, warning = s.take(gather, probe=lambda: 0.012)
+  assert record["straggler_process"] == 1 and record["straggler_probe_s"] == 0.025
+  # The others' median: of 0.010, 0.011 and 0.012.
+  assert record["median_probe_s"] == 0.011 and record["straggler_ratio"] == pytest.approx(0.025 / 0.011)
+  assert record["input_wait_process"] == 2 and record["input_wait_s"] == 0.004
+  assert warning.startswith("process 1 is a straggler")
+  calm, warning = stragglers_lib.Stragglers(warn_ratio=3.0).take(gather, probe=lambda: 0.012)
+  assert calm["straggler_process"] == 1 and warning is None
+  assert stragglers_lib.probe_seconds(jax.local_devices()[:1]) > 0
