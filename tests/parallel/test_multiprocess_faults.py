@@ -1,4 +1,4 @@
-"""Two real processes (jax.distributed on 127.0.0.1): one slowed by a CPU hog pinned beside it is named the
+"""Two real processes (jax.distributed on 127.0.0.1): one slowed by CPU hogs pinned beside it is named the
 straggler in metrics.jsonl; then stopped (SIGSTOP), it stalls the other, which ends itself past
 train.step_timeout_s with one line naming the step, its Python stacks and the hang's exit status."""
 
@@ -45,7 +45,9 @@ def test_a_slowed_process_is_named_and_a_stopped_one_ends_the_job(tmp_path):
   env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "XLA_FLAGS"))}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
              EMBER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", EMBER_NUM_PROCESSES="2")
-  hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=_pinned(cpus[1]))
+  # Three busy loops share process 1's CPU: it gets a quarter of it, process 0 its CPU (whatever else the machine
+  # runs, a test worker beside this one, lands on both).
+  hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=_pinned(cpus[1])) for _ in range(3)]
   procs = [subprocess.Popen([sys.executable, "train.py", *ARGS, f"--config.workdir={tmp_path}"], cwd=ROOT,
                             env={**env, "EMBER_PROCESS_ID": str(i)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, preexec_fn=_pinned(cpus[i])) for i in range(2)]
@@ -57,20 +59,19 @@ def test_a_slowed_process_is_named_and_a_stopped_one_ends_the_job(tmp_path):
       assert time.time() < deadline
       time.sleep(0.2)
       records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    # The hog shares process 1's CPU: its devices run the probe at about half speed.
-    # The hog shares process 1's CPU: its devices run the probe at about half speed. Named in most records (a probe
-    # of a few tens of ms on a shared CPU is noisy), with a ratio near 2 to the other process.
+    # Process 1's devices run the probe several times slower. Named in most records (a probe of a few tens of ms on a
+    # shared CPU is noisy), with a ratio well past log.straggler_ratio to the other process.
     named = [r["straggler_process"] for r in records[1:]]
     assert named.count(1) > len(named) / 2, records
-    assert np.median([r["straggler_ratio"] for r in records[1:] if r["straggler_process"] == 1]) > 1.4, records
-    hog.kill()
+    assert np.median([r["straggler_ratio"] for r in records[1:] if r["straggler_process"] == 1]) > 1.5, records
+    for hog in hogs:
+      hog.kill()
     stopped_at = time.time()
     procs[1].send_signal(signal.SIGSTOP)
     _, err = procs[0].communicate(timeout=STEP_TIMEOUT_S + 60)
     assert time.time() - stopped_at < STEP_TIMEOUT_S + 60
   finally:
-    hog.kill()
-    for p in procs:
+    for p in hogs + procs:
       p.kill()
   assert procs[0].returncode == HUNG_EXIT_STATUS, err[-3000:]
   assert "warning: process 1 is a straggler" in err
