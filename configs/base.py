@@ -188,6 +188,9 @@ def get_config() -> ml_collections.ConfigDict:
   ck.every_steps = 500  # Save every N steps (and at the end); 0 = only at the end; -1 = never.
   ck.keep = 3  # Number of checkpoints kept.
   ck.async_save = True  # Save in a background thread while training continues.
+  ck.local_dir = ""  # Node-local storage for the local tier ("{process}" is replaced by the process index): each
+  # process's part of the state, and a copy of its peer's (docs/checkpointing.md, "Local checkpoints").
+  ck.local_every_steps = 0  # Save to local_dir every N steps (0 = never); a restart takes the newest of either tier.
   ck.restore_from = ""  # Start a new run from this checkpoint directory (or step directory).
   ck.params_only = False  # With restore_from: take only the parameters.
   ck.init_from_hf = ""  # Start a new run from a Hugging Face Llama / Mixtral directory whose shapes match

@@ -194,11 +194,15 @@ class Checkpoint:
   every_steps: int = key("int", ">=-1")
   keep: int = key("int", ">=1")
   async_save: bool = key("bool")
+  local_dir: str = key("str")
+  local_every_steps: int = key("int", ">=0")
   restore_from: str = key("str")
   params_only: bool = key("bool")
   init_from_hf: str = key("str")
 
   def __post_init__(self):
+    if self.local_every_steps and not self.local_dir:
+      bad_key("checkpoint.local_every_steps", f"{self.local_every_steps} needs checkpoint.local_dir (node-local storage)")
     if self.init_from_hf and self.restore_from:
       bad_key("checkpoint.init_from_hf", "set together with checkpoint.restore_from; a run starts from one of them")
 

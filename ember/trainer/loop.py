@@ -41,6 +41,7 @@ from ember.parallel.sharding import use_rules
 from ember.trainer import moe_counts, precision
 from ember.trainer import step as step_lib
 from ember.trainer.checkpointing import Checkpointer, restore_from
+from ember.trainer.local_checkpoints import LocalCheckpoints
 from ember.trainer.metrics import MetricsWriter, console, format_eta, progress_line
 from ember.trainer.moe_counts import MoeCounts
 from ember.trainer.optimizer import make_optimizer
@@ -168,6 +169,8 @@ class _Run:
   metrics: MetricsWriter
   preemption: distributed.Preemption
   ckpt: Checkpointer
+  local: LocalCheckpoints | None
+  targets: Any  # step -> (shardings, abstract) of the state after that step (its precision phase's).
   phases: precision.Phases
   phase: Phase
   state: Any
@@ -207,11 +210,14 @@ class _Run:
     resources.callback(ckpt.close)
     phases = precision.Phases(cfg)
     targets = lambda step: state_shardings(phases.cfg(phases.state_phase(step)), mesh, tx)[1:]
-    state, first = _restore_or_init(cfg, ckpt, mesh, tx, targets, metrics, train_it)
+    c = cfg.checkpoint
+    local = LocalCheckpoints(c.local_dir, c.local_every_steps, mesh, cfg.seed) if c.local_every_steps else None
+    state, first = _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it)
     _check_phase(ckpt, phases, first)
     batch_sharding = step_lib.batch_sharding(cfg, mesh)
     shares = source_shares(cfg)
-    run = cls(cfg=cfg, mesh=mesh, train_it=train_it, metrics=metrics, preemption=preemption, ckpt=ckpt,
+    run = cls(cfg=cfg, mesh=mesh, train_it=train_it, metrics=metrics, preemption=preemption, ckpt=ckpt, local=local,
+              targets=targets,
               phases=phases, phase=Phase(phases, phases.state_phase(first), mesh, tx, schedule, batch_sharding),
               state=state, batch=None, batch_sharding=batch_sharding, shares=shares,
               meta={"config": cfg.to_dict(), "ember_version": ember.__version__, "mesh": dict(mesh.shape),
@@ -308,6 +314,9 @@ def _checkpoint(run: _Run, done: int, stopping: bool) -> None:
                   metadata={**run.meta, "quant_phase": run.phase.index}, force_sync=stopping)
     if not stopping:  # A preemption's save has its own line.
       console(f"checkpoint: step {done} to {os.path.join(run.ckpt.directory, str(done))}")
+  elif run.local is not None and run.local.should_save(done):
+    run.watchdog.expect(f"the local checkpoint of step {done}", run.deadlines.long())
+    run.local.save(done, run.state, run.targets(done)[0], run.train_it)
 
 
 class _Skips:
@@ -367,10 +376,19 @@ class _Profiler:
       self.active = False
 
 
-def _restore_or_init(cfg, ckpt, mesh, tx, targets, metrics, train_it):
-  """(state, the step it is after): resumes from the workdir's latest checkpoint, else starts from
-  checkpoint.init_from_hf, checkpoint.restore_from or init. `targets(step)`: (shardings, abstract) of the state
-  after `step` steps (its precision phase's)."""
+def _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it):
+  """(state, the step it is after): resumes from the newest checkpoint of either tier (the local one when it is
+  newer than the workdir's newest persistent step), else starts from checkpoint.init_from_hf,
+  checkpoint.restore_from or init. `targets(step)`: (shardings, abstract) of the state after `step` steps (its
+  precision phase's)."""
+  newest_local = None if local is None else local.newest(targets, after=max(ckpt.steps(), default=0))
+  if newest_local is not None:
+    state, from_peers = local.restore(newest_local, targets, train_it)
+    metrics.truncate_after(newest_local)
+    peers = f"; the parts of processes {from_peers} from their peers' copies" if from_peers else ""
+    console(f"resumed from the local checkpoint {os.path.join(local.directory, str(newest_local))} at step "
+            f"{newest_local}{peers}")
+    return state, newest_local
   restored = ckpt.restore_latest(targets, train_it, seed=cfg.seed)
   if restored is not None:
     state, step = restored
