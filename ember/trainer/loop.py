@@ -316,7 +316,10 @@ def _checkpoint(run: _Run, done: int, stopping: bool) -> None:
       console(f"checkpoint: step {done} to {os.path.join(run.ckpt.directory, str(done))}")
   elif run.local is not None and run.local.should_save(done):
     run.watchdog.expect(f"the local checkpoint of step {done}", run.deadlines.long())
+    began = time.time()
     run.local.save(done, run.state, run.targets(done)[0], run.train_it)
+    console(f"local checkpoint: step {done} to {os.path.join(run.local.directory, str(done))} "
+            f"({time.time() - began:.1f} s)")
 
 
 class _Skips:

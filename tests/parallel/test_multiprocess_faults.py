@@ -45,16 +45,16 @@ def test_a_slowed_process_is_named_and_a_stopped_one_ends_the_job(tmp_path):
   env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "XLA_FLAGS"))}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
              EMBER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", EMBER_NUM_PROCESSES="2")
-  # Three busy loops share process 1's CPU: it gets a quarter of it, process 0 its CPU (whatever else the machine
-  # runs, a test worker beside this one, lands on both).
-  hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=_pinned(cpus[1])) for _ in range(3)]
+  # Two busy loops share process 1's CPU: it gets a third of it, process 0 its CPU (whatever else the machine runs,
+  # a test worker beside this one, lands on both).
+  hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=_pinned(cpus[1])) for _ in range(2)]
   procs = [subprocess.Popen([sys.executable, "train.py", *ARGS, f"--config.workdir={tmp_path}"], cwd=ROOT,
                             env={**env, "EMBER_PROCESS_ID": str(i)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, preexec_fn=_pinned(cpus[i])) for i in range(2)]
   try:
     metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 300
     records = []
-    while len(records) < 8:
+    while len(records) < 7:
       assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
       assert time.time() < deadline
       time.sleep(0.2)

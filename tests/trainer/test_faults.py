@@ -63,7 +63,7 @@ def poisoned_corpus(tmp_path_factory):
 
 
 def _run(tmp_path, corpus, **overrides):
-  cfg = config("tiny", **{"workdir": str(tmp_path), "steps": 12, "log.every_steps": 1, "checkpoint.every_steps": -1,
+  cfg = config("tiny", **{"workdir": str(tmp_path), "steps": 11, "log.every_steps": 1, "checkpoint.every_steps": -1,
                           "data.source": "array_record", "data.path": str(corpus / "*.array_record"),
                           "data.eval_fraction": 0.0, "data.chunk_shuffle_window": 0, "model.seq_len": 64, "train.batch_size": 8, **overrides})
   return cfg
@@ -73,9 +73,9 @@ def test_skipped_steps_are_counted_and_the_run_goes_on_or_ends_past_the_limit(tm
   train(_run(tmp_path / "on", poisoned_corpus, **{"train.max_skipped_steps": 2}))
   records = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
   records = [r for r in records if "loss" in r]
-  assert [r["step"] for r in records] == list(range(1, 13))  # The run went on to its last step.
+  assert [r["step"] for r in records] == list(range(1, 12))  # The run went on to its last step.
   bad = [r["step"] for r in records if r["loss"] is None]
-  assert bad, "the poisoned document reached no batch"
+  assert len(bad) == 1 and bad[0] < 11, bad  # The poisoned document reaches one batch in these 11 steps.
   for r in records:  # skipped_steps counts the non-finite steps up to each record's.
     assert r["skipped_steps"] == sum(b <= r["step"] for b in bad)
   assert all(np.isfinite(r["loss"]) for r in records if r["step"] not in bad)
