@@ -16,6 +16,13 @@ import time
 import jax
 
 
+# The keys of a record that measure this run's speed, not its training: they differ between two runs of the same
+# job (a resumed run's records equal an uninterrupted run's in every other key).
+TIMING_KEYS = frozenset({"step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "eta_s", "peak_bytes",
+                         "peak_source", "straggler_process", "straggler_ratio", "straggler_probe_s", "median_probe_s",
+                         "input_wait_process", "input_wait_s"})
+
+
 def _clean(v):
   if isinstance(v, float) and not math.isfinite(v):
     return None

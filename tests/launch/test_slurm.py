@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from ember.trainer.metrics import TIMING_KEYS
+
 # One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
 pytestmark = pytest.mark.xdist_group("test_slurm")
 
@@ -39,7 +41,6 @@ STEPS = 40
 # The module's tests share one cluster, so they belong in one pytest process (`pytest -n 2 --dist loadfile`, as
 # .ci/run does); under plain `-n 2` each worker starts a cluster of its own, which also works.
 # Fields of a metrics record that measure time, not the computation.
-TIMING = {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "eta_s", "peak_bytes", "peak_source"}
 
 
 def _ensure_slurm() -> None:
@@ -193,7 +194,7 @@ def _records(workdir: Path) -> list[dict]:
 
 
 def _computed(records: list[dict]) -> list[dict]:
-  return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+  return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from ember.trainer.metrics import TIMING_KEYS
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
 ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--config.model.seq_len=16",
@@ -26,10 +28,6 @@ ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--co
         "--config.log.every_steps=1", "--config.checkpoint.every_steps=10", "--config.quant.recipe=fp8_delayed",
         "--config.model.dtype=float32", "--config.mesh.fsdp=2", "--config.mesh.dcn_fsdp=2",
         "--config.log.tensorboard=false", "--config.checkpoint.local_every_steps=2"]
-TIMINGS = {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "eta_s", "peak_bytes", "peak_source",
-           "straggler_process", "straggler_ratio", "straggler_probe_s", "median_probe_s", "input_wait_process",
-           "input_wait_s"}
-
 
 def _start(workdir: Path) -> list[subprocess.Popen]:
   with socket.socket() as s:
@@ -69,7 +67,7 @@ def _kill_after(procs, workdir: Path, step: int) -> None:
 
 
 def _without_timings(records: list[dict]) -> list[dict]:
-  return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+  return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
 @pytest.mark.slow
