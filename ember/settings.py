@@ -225,15 +225,19 @@ class Distributed:
 def _accumulation(train: Train, mesh: Mesh) -> int:
   """The micro-batches a step runs for each device to hold `train.device_batch_size` sequences in each: the global
   batch stays `train.batch_size` on any mesh, so a job restarted on fewer devices runs more micro-batches."""
-  if train.grad_accum_steps != 1:
-    bad_key("train.device_batch_size", f"set together with train.grad_accum_steps={train.grad_accum_steps}; the "
-            "micro-batches follow from it")
   shards = axes_lib.shards(axes_lib.batch_axes(mesh.rules_dict), mesh.sizes())
   per_device, rest = divmod(train.batch_size, shards)
-  if rest or per_device % train.device_batch_size:
+  if rest:
+    bad_key("train.batch_size", f"{train.batch_size} is not divisible by the {shards} data-parallel devices")
+  if per_device % train.device_batch_size:
     bad_key("train.device_batch_size", f"{train.device_batch_size} does not divide the sequences each device holds "
             f"in a step: train.batch_size={train.batch_size} over {shards} data-parallel devices")
-  return per_device // train.device_batch_size
+  accum = per_device // train.device_batch_size
+  # A config saved by a run (its derived count written back) reads again on the same mesh.
+  if train.grad_accum_steps not in (1, accum):
+    bad_key("train.device_batch_size", f"set together with train.grad_accum_steps={train.grad_accum_steps}; the "
+            "micro-batches follow from it")
+  return accum
 
 
 # The sections under their config names; `model` and `quant` are ModelConfig and Recipe.

@@ -309,11 +309,12 @@ def _manager_dir_and_step(path: str, what: str) -> tuple[str, int | None]:
 
 
 def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it: ShardedIterator | None, *,
-                 params_only: bool, init: Callable[[], TrainState]) -> TrainState:
-  """Starts a new run from another run's checkpoint.
+                 params_only: bool, init: Callable[[], TrainState]) -> tuple[TrainState, int]:
+  """Starts a new run from another run's checkpoint: (the state, the step the run starts after).
 
   Full: the whole TrainState (its step, optimizer state, amax histories) and, where this run reads
-  the same data shards, the data position. `params_only`: the parameters, with a fresh optimizer
+  the same data shards, the data position; the run goes on from the checkpoint's step (its loop's, which
+  `state.step` trails by any steps skipped). `params_only`: the parameters, with a fresh optimizer
   state, quantization state, step 0 and data position (`init()` builds the rest).
   """
   what = "config.checkpoint.restore_from"
@@ -333,7 +334,7 @@ def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it
   finally:
     manager.close()
   console(f"started from {'the parameters of ' if params_only else ''}{directory} step {step}")
-  return state
+  return state, 0 if params_only else step
 
 
 def _open_step(path: str, what: str, *, partial_state: bool):

@@ -137,6 +137,8 @@ class LocalCheckpoints:
     if self.count > 1:
       _write(os.path.join(step_dir, self._name("peer", (self.process - 1) % self.count, tag)), peer)
     self._prune()
+    if self.count > 1:  # No process goes on to the next step's collectives while another is still writing.
+      multihost_utils.sync_global_devices(f"local checkpoint {step}")
 
   def _prune(self) -> None:
     steps = sorted(self._steps())

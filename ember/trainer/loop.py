@@ -109,7 +109,12 @@ def train(cfg, mesh=None) -> dict:
     last_ready = time.time()
     for step in range(first, cfg.steps):
       compiles = _compiles(run, step)
-      run.watchdog.expect(f"step {step + 1}", run.deadlines.long() if compiles else run.deadlines.step())
+      # Long: a step that compiles, and the steps up to the first logged one (its first all-gathers, the
+      # straggler probe's compile).
+      if compiles or step < first + cfg.log.every_steps:
+        run.watchdog.expect(f"step {step + 1}", run.deadlines.long(), Deadlines.LONG_KEY)
+      else:
+        run.watchdog.expect(f"step {step + 1}", run.deadlines.step())
       _switch_phase(run, step)
       run.profiler.before(step)
       run.state, step_metrics = run.phase.compiled(run.state, run.batch)
@@ -123,6 +128,8 @@ def train(cfg, mesh=None) -> dict:
       done = step + 1
       run.skips.count(done, step_metrics)
       timed_from = timed_from or (done, time.time())  # The first step carries the compile: not timed.
+      if run.profiler.stops(done):  # Writing a trace takes its time.
+        run.watchdog.expect(f"the profile's write at step {done}", run.deadlines.long(), Deadlines.LONG_KEY)
       run.profiler.after(done)
       stopping = _preempted(run, done)
       _log(run, done, step_metrics, stopping)
@@ -135,7 +142,7 @@ def train(cfg, mesh=None) -> dict:
         waited = time.time()
         run.batch = run.next_batch()
         run.stragglers.add_input_wait(time.time() - waited)
-    run.watchdog.expect("the last checkpoint's write", run.deadlines.long())
+    run.watchdog.expect("the last checkpoint's write", run.deadlines.long(), Deadlines.LONG_KEY)
     if done == cfg.steps and done > first:
       console(_summary(run, first, timed_from, done, time.time() - t_start))
   run.last["wall_time_s"] = time.time() - t_start
@@ -197,7 +204,7 @@ class _Run:
     watch = Watchdog(process_index=jax.process_index())  # Closed last: it watches the others' closing too.
     resources.callback(watch.close)
     deadlines = Deadlines(cfg.train.step_timeout_s, cfg.train.compile_timeout_s)
-    watch.expect("the set-up (data, checkpoint restore)", deadlines.long())
+    watch.expect("the set-up (data, checkpoint restore)", deadlines.long(), Deadlines.LONG_KEY)
     tx, schedule = make_optimizer(cfg)
     train_it = data_iterator(cfg, "train")
     resources.callback(train_it.close)
@@ -227,6 +234,9 @@ class _Run:
               deadlines=deadlines, stragglers=Stragglers(cfg.log.straggler_ratio),
               skips=_Skips(cfg.train.max_skipped_steps, skipped=first - int(state.step)))
     run.batch = run.next_batch()
+    # Closing (the callbacks run last first, so this one first): an error's way out waits for a checkpoint write
+    # in flight, which the last step's deadline was not made for.
+    resources.callback(lambda: watch.expect("closing the run", deadlines.long(), Deadlines.LONG_KEY))
     return run
 
   def next_batch(self):
@@ -253,6 +263,7 @@ def _switch_phase(run: _Run, step: int) -> None:
   """Before a step: compiles the first phase, or moves the state into the precision phase `step` starts."""
   if _compiles(run, step):
     run.phase, run.state = run.phase.enter(run.phases.at(step), run.state, run.batch, step)
+    run.evaluated = False  # The phase's evaluation compiles anew.
 
 
 def _preempted(run: _Run, done: int) -> bool:
@@ -298,8 +309,10 @@ def _evaluate(run: _Run, done: int) -> None:
   if not cfg.train.eval_every_steps or (done % cfg.train.eval_every_steps and done != cfg.steps):
     return
   step_s = run.deadlines.step()  # The first evaluation compiles.
-  run.watchdog.expect(f"the evaluation at step {done}",
-                      run.deadlines.long() if not run.evaluated or step_s is None else step_s * cfg.train.eval_batches)
+  if run.evaluated and step_s is not None:
+    run.watchdog.expect(f"the evaluation at step {done}", step_s * cfg.train.eval_batches)
+  else:
+    run.watchdog.expect(f"the evaluation at step {done}", run.deadlines.long(), Deadlines.LONG_KEY)
   run.evaluated = True
   run.last["eval_loss"] = evaluate(cfg, run.state, run.phase.eval_fn, run.batch_sharding)
   run.metrics.write({"step": done, "eval_loss": run.last["eval_loss"]})
@@ -309,13 +322,13 @@ def _evaluate(run: _Run, done: int) -> None:
 def _checkpoint(run: _Run, done: int, stopping: bool) -> None:
   """Every `checkpoint.every_steps`, at the end, and synchronously when stopping for a preemption."""
   if run.ckpt.should_save(done, run.cfg.steps) or stopping:
-    run.watchdog.expect(f"the checkpoint of step {done}", run.deadlines.long())
+    run.watchdog.expect(f"the checkpoint of step {done}", run.deadlines.long(), Deadlines.LONG_KEY)
     run.ckpt.save(done, run.state, run.train_it, seed=run.cfg.seed,
                   metadata={**run.meta, "quant_phase": run.phase.index}, force_sync=stopping)
     if not stopping:  # A preemption's save has its own line.
       console(f"checkpoint: step {done} to {os.path.join(run.ckpt.directory, str(done))}")
   elif run.local is not None and run.local.should_save(done):
-    run.watchdog.expect(f"the local checkpoint of step {done}", run.deadlines.long())
+    run.watchdog.expect(f"the local checkpoint of step {done}", run.deadlines.long(), Deadlines.LONG_KEY)
     began = time.time()
     run.local.save(done, run.state, run.targets(done)[0], run.train_it)
     console(f"local checkpoint: step {done} to {os.path.join(run.local.directory, str(done))} "
@@ -373,8 +386,11 @@ class _Profiler:
       jax.profiler.start_trace(self.dir)
       self.active = True
 
+  def stops(self, done: int) -> bool:
+    return self.active and (done == self.stop or done == self.last)
+
   def after(self, done: int) -> None:
-    if self.active and (done == self.stop or done == self.last):
+    if self.stops(done):
       jax.profiler.stop_trace()
       self.active = False
 
@@ -400,18 +416,18 @@ def _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it):
     return state, step
   shardings, abstract = targets(0)
   init = lambda: create_train_state(cfg, mesh, tx)[1]
+  metrics.truncate_after(0)  # A new run: no records of an earlier one in this workdir.
+  if cfg.checkpoint.restore_from:
+    return restore_from(cfg.checkpoint.restore_from, abstract, shardings, train_it,
+                        params_only=cfg.checkpoint.params_only, init=init)
   if cfg.checkpoint.init_from_hf:
     params = hf_load.load_params(cfg.checkpoint.init_from_hf, cfg.model, abstract.params,
                                  shardings.params)
     state = state_around(cfg, tx, params, shardings)
     console(f"started from the Hugging Face model in {cfg.checkpoint.init_from_hf}")
-  elif cfg.checkpoint.restore_from:
-    state = restore_from(cfg.checkpoint.restore_from, abstract, shardings, train_it,
-                         params_only=cfg.checkpoint.params_only, init=init)
   else:
     state = init()
-  metrics.truncate_after(0)  # A new run: no records of an earlier one in this workdir.
-  return state, int(state.step)
+  return state, 0
 
 
 def _check_phase(ckpt: Checkpointer, phases: precision.Phases, step: int) -> None:

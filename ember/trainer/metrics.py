@@ -17,7 +17,7 @@ import jax
 
 
 # The keys of a record that measure this run's speed, not its training: they differ between two runs of the same
-# job (a resumed run's records equal an uninterrupted run's in every other key).
+# job. (So may `data_skipped_records`, a count of each process's pipeline since it started, prefetch included.)
 TIMING_KEYS = frozenset({"step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "eta_s", "peak_bytes",
                          "peak_source", "straggler_process", "straggler_ratio", "straggler_probe_s", "median_probe_s",
                          "input_wait_process", "input_wait_s"})

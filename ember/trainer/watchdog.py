@@ -39,14 +39,14 @@ class Watchdog:
     self._process, self._out, self._exit = process_index, out, exit
     self._cond = threading.Condition()
     self._deadline: float | None = None
-    self._what, self._seconds, self._closed = "", 0.0, False
+    self._what, self._seconds, self._key, self._closed = "", 0.0, "", False
     self._thread = threading.Thread(target=self._watch, name="ember-watchdog", daemon=True)
     self._thread.start()
 
-  def expect(self, what: str, seconds: float | None) -> None:
-    """`what` starts now and must end within `seconds` (None or <= 0: no deadline)."""
+  def expect(self, what: str, seconds: float | None, key: str = "train.step_timeout_s") -> None:
+    """`what` starts now and must end within `seconds` (None or <= 0: no deadline), which config `key` set."""
     with self._cond:
-      self._what, self._seconds = what, seconds or 0.0
+      self._what, self._seconds, self._key = what, seconds or 0.0, key
       self._deadline = time.monotonic() + seconds if seconds and seconds > 0 else None
       self._cond.notify()
 
@@ -75,7 +75,7 @@ class Watchdog:
   def _fire(self) -> None:
     out = self._out or sys.stderr
     out.write(f"error: process {self._process}: {self._what} made no progress in {self._seconds:.0f} s "
-              f"(train.step_timeout_s): a stopped or lost process, or a stalled collective; exiting with status "
+              f"({self._key}): a stopped or lost process, or a stalled collective; exiting with status "
               f"{HUNG_EXIT_STATUS} so the job can be restarted from its newest checkpoint. Python stacks:\n")
     out.flush()
     try:
@@ -109,8 +109,10 @@ class Deadlines:
       return self.compile_timeout_s
     return max(AUTO_MULTIPLE * statistics.median(self._times), AUTO_FLOOR_S)
 
+  LONG_KEY = "train.compile_timeout_s"
+
   def long(self) -> float | None:
-    """A stage that may compile or write a checkpoint."""
+    """A stage that may compile or write a checkpoint (its key: LONG_KEY)."""
     return None if self.step_timeout_s < 0 else max(self.compile_timeout_s, self.step_timeout_s)
 
 

@@ -40,7 +40,6 @@ ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--co
 STEPS = 40
 # The module's tests share one cluster, so they belong in one pytest process (`pytest -n 2 --dist loadfile`, as
 # .ci/run does); under plain `-n 2` each worker starts a cluster of its own, which also works.
-# Fields of a metrics record that measure time, not the computation.
 
 
 def _ensure_slurm() -> None:
