@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -127,3 +130,16 @@ def rel_error(a, b) -> float:
   """max |a - b| over max |b| (float64)."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def train_processes(args: list[str], count: int = 2, devices: int = 2) -> list[subprocess.Popen]:
+  """`python train.py ARGS` as `count` real processes of one jax.distributed job on 127.0.0.1, `devices` CPU devices
+  each, started directly (not through launch/local.sh) so that a test can signal each one; stderr piped."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "XLA_FLAGS"))}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             EMBER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", EMBER_NUM_PROCESSES=str(count))
+  return [subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env={**env, "EMBER_PROCESS_ID": str(i)},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(count)]

@@ -11,17 +11,15 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from ember.trainer.metrics import TIMING_KEYS
+from tests.helpers import train_processes
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
 ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--config.model.seq_len=16",
         "--config.train.batch_size=8", "--config.data.source=synthetic", "--config.train.eval_every_steps=0",
@@ -30,16 +28,8 @@ ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--co
         "--config.log.tensorboard=false", "--config.checkpoint.local_every_steps=2"]
 
 def _start(workdir: Path) -> list[subprocess.Popen]:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "XLA_FLAGS"))}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             EMBER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", EMBER_NUM_PROCESSES="2")
-  args = [*ARGS, f"--config.workdir={workdir}", f"--config.checkpoint.local_dir={workdir}/local/{{process}}",
-          f"--config.steps={STEPS}"]
-  return [subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env={**env, "EMBER_PROCESS_ID": str(i)},
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  return train_processes([*ARGS, f"--config.workdir={workdir}",
+                          f"--config.checkpoint.local_dir={workdir}/local/{{process}}", f"--config.steps={STEPS}"])
 
 
 def _records(workdir: Path) -> list[dict]:

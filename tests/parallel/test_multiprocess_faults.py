@@ -7,30 +7,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from ember.trainer.watchdog import HUNG_EXIT_STATUS
+from tests.helpers import train_processes
 
-ROOT = Path(__file__).resolve().parents[2]
 STEP_TIMEOUT_S = 10
 ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--config.model.seq_len=16",
         "--config.train.batch_size=8", "--config.data.source=synthetic", "--config.train.eval_every_steps=0",
         "--config.log.every_steps=2", "--config.checkpoint.every_steps=-1", "--config.quant.recipe=bf16",
         "--config.model.dtype=float32", "--config.mesh.fsdp=2", "--config.mesh.dcn_fsdp=2",
         "--config.log.tensorboard=false", "--config.steps=100000", f"--config.train.step_timeout_s={STEP_TIMEOUT_S}"]
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 class Throttle:
@@ -58,13 +48,7 @@ class Throttle:
 
 @pytest.mark.slow
 def test_a_slowed_process_is_named_and_a_stopped_one_ends_the_job(tmp_path):
-  port = _free_port()
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "XLA_FLAGS"))}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             EMBER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", EMBER_NUM_PROCESSES="2")
-  procs = [subprocess.Popen([sys.executable, "train.py", *ARGS, f"--config.workdir={tmp_path}"], cwd=ROOT,
-                            env={**env, "EMBER_PROCESS_ID": str(i)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  procs = train_processes([*ARGS, f"--config.workdir={tmp_path}"])
   throttle = None
   try:
     metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 300
