@@ -80,7 +80,8 @@ class Layout:
     inside, across = dict(self.node), dict(self.dcn)
     out = [f"--config.mesh.{a}={inside.get(a, 1)}" for a in ("data", "fsdp", "tensor", "expert")]
     out += [f"--config.mesh.dcn_{a}={across[a]}" for a in DCN_AXES]
-    return out + [f"--config.train.grad_accum_steps={self.grad_accum_steps}", f"--config.remat.policy={self.remat}"]
+    return out + [f"--config.train.grad_accum_steps={self.grad_accum_steps}", "--config.train.device_batch_size=0",
+                  f"--config.remat.policy={self.remat}"]
 
   def describe(self) -> str:
     """Short form for tables: "node fsdp=4 tensor=2 | nodes data=2 | accum 4 | full" (sizes of 1 left out)."""
@@ -95,6 +96,7 @@ class Layout:
     for a in DCN_AXES:
       out.mesh[f"dcn_{a}"] = across[a]
     out.train.grad_accum_steps = self.grad_accum_steps
+    out.train.device_batch_size = 0  # The layout's micro-batches are its own, not derived from the mesh.
     out.remat.policy = self.remat
     return out
 
