@@ -103,14 +103,20 @@ def _normalized(platform: str) -> str:
 
 
 def with_required_xla_flags(xla_flags: str) -> str:
-  """`xla_flags` (an XLA_FLAGS value) with each of REQUIRED_XLA_FLAGS added that it does not set itself, as a
-  flag of its own after the user's (XLA merges repeated --xla_backend_extra_options into one map): a value the
+  """`xla_flags` (an XLA_FLAGS value) with each of REQUIRED_XLA_FLAGS added that it does not set itself
+  (`with_xla_flags`)."""
+  return with_xla_flags(xla_flags, REQUIRED_XLA_FLAGS)
+
+
+def with_xla_flags(xla_flags: str, wanted: dict[str, str]) -> str:
+  """`xla_flags` (an XLA_FLAGS value) with each flag of `wanted` ({flag: value}) added that it does not set itself,
+  as a flag of its own after the user's (XLA merges repeated --xla_backend_extra_options into one map): a value the
   user set wins, and the user's tokens are never edited. A value that is not flags (XLA reads one that does not
   start with '-' as a file of flags) is left as it is."""
   if xla_flags.strip() and not xla_flags.lstrip().startswith("-"):
     return xla_flags
   tokens = xla_flags.split()
-  for flag, value in REQUIRED_XLA_FLAGS.items():
+  for flag, value in wanted.items():
     given = [t for t in tokens if t.split("=", 1)[0] == flag]
     key = value.split("=")[0] if flag == _EXTRA_OPTIONS else None  # An LLVM option: the user's own key wins.
     if not given or (key is not None and not any(key in t for t in given)):

@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Callable
 
+from ember import platform
+
 HUNG_EXIT_STATUS = 75  # sysexits' EX_TEMPFAIL: "try again later"; docs/multihost.md lists every status.
 AUTO_MULTIPLE = 10.0
 AUTO_FLOOR_S = 120.0
@@ -121,12 +123,8 @@ def xla_flags(xla_flags_value: str, step_timeout_s: float, compile_timeout_s: fl
   a collective after `train.step_timeout_s` (or, while that is measured, `train.compile_timeout_s`), and the first
   collective of a program, which waits for the slowest process's compile, after `train.compile_timeout_s`.
   Unchanged when timeouts are off (-1). XLA reads them when JAX starts its backend."""
-  if step_timeout_s < 0 or (xla_flags_value.strip() and not xla_flags_value.lstrip().startswith("-")):
+  if step_timeout_s < 0:
     return xla_flags_value
-  tokens = xla_flags_value.split()
   wanted = {"--xla_gpu_nccl_termination_timeout_seconds": (step_timeout_s or compile_timeout_s),
             "--xla_gpu_first_collective_call_terminate_timeout_seconds": max(step_timeout_s, compile_timeout_s)}
-  for flag, seconds in wanted.items():
-    if not any(t.split("=", 1)[0] == flag for t in tokens):
-      tokens.append(f"{flag}={int(seconds) + XLA_MARGIN_S}")
-  return " ".join(tokens)
+  return platform.with_xla_flags(xla_flags_value, {flag: str(int(s) + XLA_MARGIN_S) for flag, s in wanted.items()})
