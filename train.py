@@ -7,15 +7,26 @@ A bad flag, config value or input path exits with status 2 and one line on stder
 every exit status.
 """
 
+import os
 import sys
+import time
+
+
+def _first_process() -> bool:
+  """Process 0 of the job, read from the launchers' variables: JAX, which knows it for sure, takes seconds to
+  import."""
+  return all(os.environ.get(k, "0") in ("", "0") for k in ("EMBER_PROCESS_ID", "SLURM_PROCID"))
 
 
 def main(argv: list[str]) -> int:
-  from ember.errors import Diverged, EmberError, fail_and_exit
   if any(a in ("-h", "--help", "-help") for a in argv[1:]):
     from ember.config import usage
     print(usage())
     return 0
+  if _first_process():  # Before the imports, on stdout (stderr is for the log): the run is seen to start at once.
+    print(f"[{time.strftime('%H:%M:%S')}] ember: starting ({' '.join(argv[1:]) or 'no flags'}); loading JAX",
+          flush=True)
+  from ember.errors import Diverged, EmberError, fail_and_exit
   try:
     from ember.config import load
     from ember.plan.auto_remat import resolve

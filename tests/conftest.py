@@ -1,8 +1,11 @@
-"""Test set-up: 8 virtual CPU devices, set before JAX is imported anywhere; one compilation cache per session."""
+"""Test set-up: 8 virtual CPU devices, set before JAX is imported anywhere; one compilation cache per session;
+the long cases (`@pytest.mark.long`) only with `--long`."""
 import importlib.util
 import os
 import shutil
 import tempfile
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -27,3 +30,18 @@ if _MADE_HERE or _CACHE in os.environ:
 def pytest_unconfigure(config):
   if _MADE_HERE:  # The process that made the cache (the xdist controller, or the only process).
     shutil.rmtree(os.environ[_CACHE], ignore_errors=True)
+
+
+def pytest_addoption(parser):
+  parser.addoption("--long", action="store_true",
+                   help="also run the long cases (marked `long`: end-to-end runs of several processes, costlier "
+                        "variants); .ci/run does")
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("--long"):
+    return
+  skip = pytest.mark.skip(reason="long case: run with pytest --long (.ci/run does)")
+  for item in items:
+    if "long" in item.keywords:
+      item.add_marker(skip)

@@ -54,6 +54,7 @@ def test_the_floor_of_the_timed_program_on_the_gpu_it_ran_on():
   assert bench.measured_floor(hlo, cfg, "NVIDIA A100-SXM4-80GB", 2, 0.5) == dict.fromkeys(got, None)  # No spec.
 
 
+@pytest.mark.long
 def test_bench_runs_a_tiny_config(tmp_path, capsys):
   out = tmp_path / "bench.json"
   rc = bench.main(["bench", f"--config={ROOT}/configs/default.py:tiny", "--config.quant.recipe=fp8_current",

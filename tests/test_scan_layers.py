@@ -9,6 +9,7 @@ import pytest
 from tests.helpers import config, one_step, random_batch
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("preset,recipe,devices", [("tiny", "nvfp4", 1), ("tiny", "fp8_current", 8),
                                                    ("tiny_moe", "fp8_current", 8)])
 def test_unrolled_layers_equal_the_scan(preset, recipe, devices):
@@ -27,6 +28,7 @@ def test_unrolled_layers_equal_the_scan(preset, recipe, devices):
                                err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.long
 def test_unrolled_layers_cast_each_kernel_from_its_own_row(monkeypatch):
   """Unrolled NVFP4 layers hand each projection's tile cast the stacked kernels and the layer's row
   (`Linear.stacked_kernel`; on a GPU the cast reads the row in place). With the cast run here (interpret mode:

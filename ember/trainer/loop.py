@@ -42,7 +42,7 @@ from ember.trainer import moe_counts, precision
 from ember.trainer import step as step_lib
 from ember.trainer.checkpointing import Checkpointer, restore_from
 from ember.trainer.local_checkpoints import LocalCheckpoints
-from ember.trainer.metrics import MetricsWriter, console, format_eta, progress_line
+from ember.trainer.metrics import MetricsWriter, console, format_count, format_eta, progress, progress_line
 from ember.trainer.moe_counts import MoeCounts
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import Throughput, peak_bytes
@@ -115,7 +115,10 @@ def train(cfg, mesh=None) -> dict:
         run.watchdog.expect(f"step {step + 1}", run.deadlines.long(), Deadlines.LONG_KEY)
       else:
         run.watchdog.expect(f"step {step + 1}", run.deadlines.step())
+      entered = time.time()
       _switch_phase(run, step)
+      if compiles:  # The compile has its own line; a step's figures are the step's.
+        run.interval.exclude(time.time() - entered)
       run.profiler.before(step)
       run.state, step_metrics = run.phase.compiled(run.state, run.batch)
       # One step in flight at most: a SIGTERM is seen at the end of the step the device is running, not after the
@@ -147,6 +150,24 @@ def train(cfg, mesh=None) -> dict:
       console(_summary(run, first, timed_from, done, time.time() - t_start))
   run.last["wall_time_s"] = time.time() - t_start
   return run.last
+
+
+def _plan(cfg, mesh, params) -> str:
+  """What the run trains and how, in one block: the model and its parameter count (active, for MoE), a step's
+  tokens, the devices and mesh axes in use, the precision and remat choices."""
+  m, t = cfg.model, cfg.train
+  total = sum(leaf.size for leaf in jax.tree.leaves(params))
+  inactive = m.num_moe_layers * (m.num_experts - m.experts_per_token) * 3 * m.d_model * m.d_ff if m.is_moe else 0
+  active = f" ({format_count(total - inactive)} active a token)" if inactive else ""
+  micro = f", {t.grad_accum_steps} micro-batches" if t.grad_accum_steps > 1 else ""
+  axes = {k: v for k, v in mesh.shape.items() if v > 1}
+  return (f"model {m.name}: {format_count(total)} parameters{active}, {m.num_layers} layers, d_model {m.d_model}, "
+          f"vocabulary {m.vocab_size:,}\n"
+          f"  step: {format_count(t.batch_size * m.seq_len)} tokens (batch {t.batch_size} x {m.seq_len}{micro}); "
+          f"{jax.device_count()} {jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), mesh "
+          + (" x ".join(f"{k} {v}" for k, v in axes.items()) or "of one device") + "\n"
+          f"  precision: recipe {cfg.quant.name}, remat {cfg.remat.policy}, optimizer {t.optimizer}; "
+          f"training to step {cfg.steps} in {os.path.abspath(cfg.workdir)}")
 
 
 def _summary(run: _Run, first: int, timed_from: tuple[int, float], done: int, wall_s: float) -> str:
@@ -206,6 +227,7 @@ class _Run:
     deadlines = Deadlines(cfg.train.step_timeout_s, cfg.train.compile_timeout_s)
     watch.expect("the set-up (data, checkpoint restore)", deadlines.long(), Deadlines.LONG_KEY)
     tx, schedule = make_optimizer(cfg)
+    progress(f"set-up: the {cfg.data.source} data pipeline")
     train_it = data_iterator(cfg, "train")
     resources.callback(train_it.close)
     metrics = MetricsWriter(cfg.workdir, tensorboard=cfg.log.tensorboard)
@@ -219,6 +241,7 @@ class _Run:
     targets = lambda step: state_shardings(phases.cfg(phases.state_phase(step)), mesh, tx)[1:]
     c = cfg.checkpoint
     local = LocalCheckpoints(c.local_dir, c.local_every_steps, mesh, cfg.seed) if c.local_every_steps else None
+    progress("set-up: the model state (the newest checkpoint, or initialised)")
     state, first = _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it)
     _check_phase(ckpt, phases, first)
     batch_sharding = step_lib.batch_sharding(cfg, mesh)
@@ -234,6 +257,7 @@ class _Run:
               deadlines=deadlines, stragglers=Stragglers(cfg.log.straggler_ratio),
               skips=_Skips(cfg.train.max_skipped_steps, skipped=first - int(state.step)))
     run.batch = run.next_batch()
+    console(_plan(cfg, mesh, state.params))
     # Closing (the callbacks run last first, so this one first): an error's way out waits for a checkpoint write
     # in flight, which the last step's deadline was not made for.
     resources.callback(lambda: watch.expect("closing the run", deadlines.long(), Deadlines.LONG_KEY))
@@ -364,6 +388,10 @@ class _Interval:
 
   def __init__(self, cfg, *, start: int):
     self.cfg, self.t_last, self.step_last = cfg, time.time(), start
+
+  def exclude(self, seconds: float) -> None:
+    """Leaves `seconds` (a compile) out of the interval's time."""
+    self.t_last += seconds
 
   def take(self, done: int) -> dict:
     now = time.time()

@@ -96,8 +96,24 @@ class MetricsWriter:
 
 
 def console(msg: str) -> None:
+  """The run's log on process 0: stderr, timestamped."""
   if jax.process_index() == 0:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def progress(msg: str) -> None:
+  """What the run is doing while it sets up, on process 0: stdout, so that a bad input found meanwhile is still
+  the only line on stderr (docs: exit status 2 and one line)."""
+  if jax.process_index() == 0:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def format_count(n: float) -> str:
+  """1234 -> 1.23K, 8.03e9 -> 8.03B: parameter and token counts at a glance."""
+  for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(n) >= size:
+      return f"{n / size:.3g}{unit}"
+  return f"{n:g}"
 
 
 def format_eta(seconds: float) -> str:

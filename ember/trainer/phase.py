@@ -23,6 +23,7 @@ from ember.trainer.state import state_shardings
 
 def compile_step(step_fn, state, batch, cfg, mesh):
   """The train step compiled ahead of time for these arguments (logged with its memory estimate)."""
+  console("compiling the train step")
   t0 = time.time()
   compiled = step_fn.lower(state, batch).compile()
   peak = compiled_peak_bytes(compiled)

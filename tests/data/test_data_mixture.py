@@ -5,6 +5,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from ember.data import make_iterator
 from ember.names import SEGMENT_IDS, SOURCE
@@ -77,6 +78,7 @@ def test_eval_mixture_may_differ(tmp_path, data_cfg):
   it.close()
 
 
+@pytest.mark.long
 def test_train_logs_each_source_share(tmp_path):
   a = _corpus(tmp_path / "a", b"a", 30, 0)
   b = _corpus(tmp_path / "b", b"b", 30, 1)

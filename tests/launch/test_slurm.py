@@ -27,7 +27,7 @@ import pytest
 from ember.trainer.metrics import TIMING_KEYS
 
 # One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
-pytestmark = pytest.mark.xdist_group("test_slurm")
+pytestmark = [pytest.mark.long, pytest.mark.xdist_group("test_slurm")]
 
 ROOT = Path(__file__).resolve().parents[2]
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "scancel", "sinfo")

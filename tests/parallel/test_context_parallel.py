@@ -20,11 +20,12 @@ def _cfg(preset, recipe, **overrides):
                            "train.warmup_steps": 1, **overrides})
 
 
-@pytest.mark.parametrize("preset,recipe,mesh", [("tiny", "bf16", "context4"), ("tiny", "bf16", "context2_fsdp4"),
-                                                ("tiny", "fp8_current", "context4"),
+@pytest.mark.parametrize("preset,recipe,mesh", [pytest.param("tiny", "bf16", "context4", marks=pytest.mark.long),
+                                                ("tiny", "bf16", "context2_fsdp4"),
+                                                pytest.param("tiny", "fp8_current", "context4", marks=pytest.mark.long),
                                                 ("tiny", "fp8_current", "context2_fsdp4"),
-                                                ("tiny_moe", "bf16", "context2_expert4"),
-                                                ("tiny_moe", "fp8_current", "context2_expert4")])
+                                                pytest.param("tiny_moe", "bf16", "context2_expert4", marks=pytest.mark.long),
+                                                pytest.param("tiny_moe", "fp8_current", "context2_expert4", marks=pytest.mark.long)])
 def test_step_equals_one_device(preset, recipe, mesh):
   """Loss, gradient norm, the gradients (the optimizer's moments) and the updated parameters equal one device's
   within 1e-5. The rows pack three documents and padding; with the 64 tokens split 4 or 2 ways the first two
@@ -50,6 +51,7 @@ def test_step_equals_one_device(preset, recipe, mesh):
     assert rel_error(b, a) < 1e-5, jax.tree_util.keystr(path)
 
 
+@pytest.mark.long
 def test_sampling_from_a_context_parallel_checkpoint(tmp_path):
   """A run trained with context=4 samples on its own 8 devices (the context devices shard the parameters as
   fsdp then) the text it samples on one device."""

@@ -60,7 +60,7 @@ def _without_timings(records: list[dict]) -> list[dict]:
   return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_killed_processes_resume_from_local_checkpoints_even_with_one_disk_lost(tmp_path):
   reference = tmp_path / "reference"
   _finish(_start(reference))

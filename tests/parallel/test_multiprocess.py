@@ -61,7 +61,7 @@ def cache(tmp_path_factory) -> Path:
   return root / "jax_cache"
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tmp_path, cache):
   mp = tmp_path / "two_processes"
   # 2 processes x 2 devices, stopped by SIGTERM to the launcher once step 5 is logged.

@@ -46,7 +46,7 @@ class Throttle:
     self.thread.join()
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_slowed_process_is_named_and_a_stopped_one_ends_the_job(tmp_path):
   procs = train_processes([*ARGS, f"--config.workdir={tmp_path}"])
   throttle = None

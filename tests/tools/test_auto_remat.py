@@ -10,6 +10,7 @@ from tests.helpers import config, start
 CANDIDATES = ("none", "minimal_quantized", "save_quantized")
 
 
+@pytest.mark.long
 def test_auto_picks_the_least_recompute_preset_that_fits():
   cfg = config("tiny", **{"quant.recipe": "fp8_current", "mesh.fsdp": 1, "remat.policy": "auto",
                           "remat.memory_budget_gb": 1.0, "remat.auto_candidates": CANDIDATES})

@@ -15,6 +15,7 @@ GRID = ["--grid=remat.policy=none,full,save_quantized", "--grid=quant.recipe=bf1
 FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
+@pytest.mark.long
 def test_sweep_runs_every_combination_and_records_a_failure(tmp_path, monkeypatch, capsys):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("XLA_FLAGS", FAST)

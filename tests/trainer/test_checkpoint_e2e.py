@@ -29,7 +29,7 @@ BASE = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--co
 F32 = ["--config.model.dtype=float32"]
 
 # One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_checkpoint_e2e")]
+pytestmark = pytest.mark.xdist_group("test_checkpoint_e2e")
 
 
 @pytest.fixture(scope="session")
@@ -122,7 +122,7 @@ def assert_steps_once(workdir, last: int) -> None:
 # --- Resume after SIGKILL -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])
+@pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_delayed", marks=pytest.mark.long)])
 def test_sigkill_then_resume_logs_the_uninterrupted_losses(shared, tmp_path, recipe):
   ref = losses(reference(shared, recipe))
   run = tmp_path / "run"
@@ -148,6 +148,7 @@ def test_sigkill_then_resume_logs_the_uninterrupted_losses(shared, tmp_path, rec
   assert checkpoint_steps(run)[-1] == 20
 
 
+@pytest.mark.long
 def test_muon_bfloat16_state_and_router_bias_resume_bitwise(shared, tmp_path):
   """Muon's momentum and AdamW's moments stored in bfloat16, and an MoE's router biases, come back from a
   checkpoint exactly: a run stopped at step 15 and resumed logs the uninterrupted run's losses and loads."""
@@ -295,8 +296,8 @@ def test_resume_with_other_shapes_fails_in_one_line_and_keeps_the_checkpoints(sh
 # --- Resharding -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mesh,devices", [(("data=2", "fsdp=2", "tensor=2"), 8), (("fsdp=4",), 4)],
-                         ids=["data2_fsdp2_tensor2", "4_devices"])
+@pytest.mark.parametrize("mesh,devices", [pytest.param(("data=2", "fsdp=2", "tensor=2"), 8, id="data2_fsdp2_tensor2", marks=pytest.mark.long),
+                                        pytest.param(("fsdp=4",), 4, id="4_devices")])
 def test_checkpoint_restores_onto_another_mesh(shared, tmp_path, mesh, devices):
   # fsdp=8: 6 steps, checkpoints at 5 and 6; the loss of step 6 on the original mesh is the reference.
   base = shared_run(shared, "fsdp8_f32", lambda w: train(shared, w, 6, *F32))
@@ -312,6 +313,7 @@ def test_checkpoint_restores_onto_another_mesh(shared, tmp_path, mesh, devices):
 SCHEDULE = ["--config.quant.recipe=nvfp4", "--config.quant.schedule=((12, {'forward': 'bf16'}),)"]
 
 
+@pytest.mark.long
 def test_sigkill_and_resume_across_a_precision_switch_is_bitwise(shared, tmp_path):
   """nvfp4, forward GEMMs in bf16 after 12 steps: the switch is at step 13 in every run, and runs killed before
   the switch (resumed from step 5 or 10) and after it (resumed from 15) log the uninterrupted run's losses."""

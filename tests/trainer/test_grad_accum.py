@@ -19,11 +19,11 @@ MOE_MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2}
 REPLICAS_ONLY = {"mesh.data": 2, "mesh.fsdp": 1, "mesh.expert": 4}  # Every axis of more than one device a replica.
 
 
-@pytest.mark.parametrize("preset,recipe,mesh", [("tiny", "bf16", MESH), ("tiny_moe", "bf16", MESH),
-                                                ("tiny", "fp8_delayed", MESH), ("tiny_moe", "fp8_delayed", MOE_MESH),
-                                                ("tiny_moe", "fp8_delayed", REPLICAS_ONLY)],
-                         ids=["tiny-bf16", "tiny_moe-bf16", "tiny-fp8_delayed", "tiny_moe-fp8_delayed-expert2",
-                              "tiny_moe-fp8_delayed-replicas_only"])
+@pytest.mark.parametrize("preset,recipe,mesh", [
+    pytest.param("tiny", "bf16", MESH, id="tiny-bf16", marks=pytest.mark.long), pytest.param("tiny_moe", "bf16", MESH, id="tiny_moe-bf16", marks=pytest.mark.long),
+    pytest.param("tiny", "fp8_delayed", MESH, id="tiny-fp8_delayed"),
+    pytest.param("tiny_moe", "fp8_delayed", MOE_MESH, id="tiny_moe-fp8_delayed-expert2", marks=pytest.mark.long),
+    pytest.param("tiny_moe", "fp8_delayed", REPLICAS_ONLY, id="tiny_moe-fp8_delayed-replicas_only", marks=pytest.mark.long)])
 def test_four_micro_batches_equal_one_batch(preset, recipe, mesh):
   """float32, 32 sequences: 4 micro-batches of 8 give the loss, the metrics, the gradients (the optimizer's first
   and second moments), the updated parameters and the delayed-scaling histories (each rolls in the largest
@@ -52,6 +52,7 @@ def test_four_micro_batches_equal_one_batch(preset, recipe, mesh):
     assert rel_error(b, a) < 1e-6, jax.tree_util.keystr(path)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("recipe", ["fp8_current", "nvfp4"])
 def test_a_step_over_replicas_equals_the_step_over_one_group(recipe):
   """4 micro-batches on data 2 x fsdp 4 (each replica sums its own, reduced once a step) equal them on fsdp 8
@@ -67,7 +68,7 @@ def test_a_step_over_replicas_equals_the_step_over_one_group(recipe):
     assert rel_error(b, a) < 1e-6, jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+@pytest.mark.parametrize("recipe", ["fp8_current", pytest.param("fp8_delayed", marks=pytest.mark.long)])
 def test_kernel_amaxes_taken_once_a_step_change_no_bit(recipe, monkeypatch):
   """A step of micro-batches takes each kernel's amax once, before its scan (linear.kernel_amaxes): bit for bit
   the step whose every micro-batch takes it. fsdp 8: the amax of the sharded kernels is the global one."""
@@ -93,6 +94,7 @@ def _records(workdir):
   return [json.loads(line) for line in open(workdir / "metrics.jsonl") if '"loss"' in line]
 
 
+@pytest.mark.long
 def test_resume_mid_way_and_tokens_per_s_count_the_step(tmp_path):
   """fp8_delayed (histories combine by max), 2 micro-batches: 4 steps straight, and 2 steps then a resume to 4,
   log the same losses bit for bit; tokens/s is the whole batch's tokens over the step time."""
@@ -126,6 +128,7 @@ def _replica_all_reduces(accum: int) -> list[hlo.Collective]:
           if c.kind == "all-reduce" and c.groups and c.bytes > 64 and apart(c.groups[0]) & {"data", "expert"}]
 
 
+@pytest.mark.long
 def test_gradients_are_reduced_across_replicas_once_a_step():
   """Each replica sums its micro-batches' gradients, and the sums are all-reduced across the replicas once a
   step (before, every micro-batch all-reduced its gradient): the experts' weights' over the data axis, the
