@@ -102,6 +102,11 @@ class ModelConfig:
     return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
   @property
+  def expert_params(self) -> int:
+    """One routed expert's kernel parameters: the fused gate/up projection [d_model, 2, d_ff] and wo [d_ff, d_model]."""
+    return 3 * self.d_model * self.d_ff
+
+  @property
   def block_size(self) -> int:
     """Layers per scan step: one for dense models, `moe_every` (dense..., MoE) when interleaved."""
     return self.moe_every if self.is_moe else 1

@@ -95,17 +95,21 @@ class MetricsWriter:
       self._tb.close()
 
 
-def console(msg: str) -> None:
-  """The run's log on process 0: stderr, timestamped."""
+def _say(msg: str, stream) -> None:
+  """One timestamped line, on process 0 only."""
   if jax.process_index() == 0:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=stream, flush=True)
+
+
+def console(msg: str) -> None:
+  """The run's log: stderr."""
+  _say(msg, sys.stderr)
 
 
 def progress(msg: str) -> None:
-  """What the run is doing while it sets up, on process 0: stdout, so that a bad input found meanwhile is still
-  the only line on stderr (docs: exit status 2 and one line)."""
-  if jax.process_index() == 0:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+  """What the run is doing while it sets up: stdout, so that a bad input found meanwhile is still the only line
+  on stderr (docs: exit status 2 and one line)."""
+  _say(msg, sys.stdout)
 
 
 def format_count(n: float) -> str:

@@ -22,7 +22,7 @@ def forward_flops_per_token(model: ModelConfig) -> float:
   m, hd = model, model.head_dim
   attn_proj = m.d_model * (m.num_heads + 2 * m.num_kv_heads) * hd + m.num_heads * hd * m.d_model
   dense_mlp = 3 * m.d_model * m.d_ff
-  moe_mlp = m.experts_per_token * 3 * m.d_model * m.d_ff + 3 * m.d_model * m.shared_expert_d_ff + m.d_model * m.num_experts
+  moe_mlp = m.experts_per_token * m.expert_params + 3 * m.d_model * m.shared_expert_d_ff + m.d_model * m.num_experts
   layers_moe = m.num_moe_layers
   layers_dense = m.num_layers - layers_moe
   matmul_params = m.num_layers * attn_proj + layers_dense * dense_mlp + layers_moe * moe_mlp + m.d_model * m.vocab_size
