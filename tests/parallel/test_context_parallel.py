@@ -20,29 +20,36 @@ def _cfg(preset, recipe, **overrides):
                            "train.warmup_steps": 1, **overrides})
 
 
-@pytest.mark.parametrize("preset,recipe,mesh", [pytest.param("tiny", "bf16", "context4", marks=pytest.mark.long),
-                                                ("tiny", "bf16", "context2_fsdp4"),
-                                                pytest.param("tiny", "fp8_current", "context4", marks=pytest.mark.long),
-                                                ("tiny", "fp8_current", "context2_fsdp4"),
-                                                pytest.param("tiny_moe", "bf16", "context2_expert4", marks=pytest.mark.long),
-                                                pytest.param("tiny_moe", "fp8_current", "context2_expert4", marks=pytest.mark.long)])
-def test_step_equals_one_device(preset, recipe, mesh):
+@pytest.mark.parametrize("preset,recipe,mesh,batch_size", [
+    pytest.param("tiny", "bf16", "context4", 4, marks=pytest.mark.long),
+    ("tiny", "bf16", "context2_fsdp4", 4),
+    pytest.param("tiny", "fp8_current", "context4", 4, marks=pytest.mark.long),
+    ("tiny", "fp8_current", "context2_fsdp4", 4),
+    pytest.param("tiny_moe", "bf16", "context2_expert4", 4, marks=pytest.mark.long),
+    pytest.param("tiny_moe", "fp8_current", "context2_expert4", 4, marks=pytest.mark.long),
+    ("tiny_moe", "fp8_current", "context4", 8)])
+def test_step_equals_one_device(preset, recipe, mesh, batch_size):
   """Loss, gradient norm, the gradients (the optimizer's moments) and the updated parameters equal one device's
   within 1e-5. The rows pack three documents and padding; with the 64 tokens split 4 or 2 ways the first two
   documents cross a shard boundary, so attention reaches keys on other devices, causally and within documents.
-  tiny_moe in FP8: the loss, and the gradient norm within 1e-3. The two programs sum in different orders, and a
-  float32 difference of 1e-7 can carry one FP8 value across a rounding boundary (an E5M2 gradient's ulp is 25%);
-  the gradients that flow through it then differ by up to a few percent, while every amax and scale agrees (the
-  health statistics within 1e-4). The bf16 case checks every gradient of the same model within 1e-5."""
-  batch = random_batch(_cfg(preset, recipe), segments=3)
+  Every amax, the MoE's routing and its statistics are taken over the whole batch, as on one device.
+
+  What no mesh can promise in FP8 is the float32 order of a sum, and one E5M2 gradient value within 1e-7 of a
+  rounding midpoint flips by a quarter when it moves: on tiny_moe with these rows at batch 4, one value of the
+  second layer's experts flips, and its change reaches the first layer's gradients, which then differ by a few
+  percent while every amax agrees to 5e-7. Context 4 x fsdp 2 runs at batch 8, whose gradients have no value that
+  near a midpoint, so any other difference would show; expert parallelism beside the context (which flips one
+  value at batch 8 too) is held to the loss and the gradient norm within 1e-4."""
+  batch = random_batch(_cfg(preset, recipe, **{"train.batch_size": batch_size}), segments=3)
   segments = batch["segment_ids"][0]
   assert segments[15] == segments[16] and segments[31] == segments[32] != segments[0]  # Across boundaries.
-  one, state_one = one_step(_cfg(preset, recipe, **{"mesh.fsdp": 1}), batch, 1)
-  split, state_split = one_step(_cfg(preset, recipe, **MESHES[mesh]), batch, 8)
-  rounding_flips = preset == "tiny_moe" and recipe != "bf16"
+  size = {"train.batch_size": batch_size}
+  one, state_one = one_step(_cfg(preset, recipe, **size, **{"mesh.fsdp": 1}), batch, 1)
+  split, state_split = one_step(_cfg(preset, recipe, **size, **MESHES[mesh]), batch, 8)
   assert rel_error(split["loss"], one["loss"]) < 1e-5, (split["loss"], one["loss"])
-  assert rel_error(split["grad_norm"], one["grad_norm"]) < (1e-3 if rounding_flips else 1e-5)
-  if rounding_flips:
+  flips = preset == "tiny_moe" and recipe != "bf16" and mesh == "context2_expert4"
+  assert rel_error(split["grad_norm"], one["grad_norm"]) < (1e-4 if flips else 1e-5)
+  if flips:
     return
   flat_one = jax.tree_util.tree_flatten_with_path(state_one)[0]
   flat_split = jax.tree.leaves(state_split)
