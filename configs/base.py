@@ -199,6 +199,10 @@ def get_config() -> ml_collections.ConfigDict:
   lg = c.log = ml_collections.ConfigDict()
   lg.every_steps = 10  # Console line, metrics.jsonl and TensorBoard every N steps.
   lg.tensorboard = True  # Write TensorBoard event files.
+  lg.wandb_project = ""  # Also log every record to this Weights & Biases project ("" = off; needs the extra
+  # `pip install -e '.[wandb]'`; WANDB_MODE=offline keeps it on disk). A resumed run continues the same W&B run.
+  lg.wandb_entity = ""  # The W&B team or user ("" = the logged-in default).
+  lg.wandb_run_name = ""  # The W&B run's name ("" = the workdir's last folder).
   lg.straggler_ratio = 1.3  # Several processes: warn when the slowest process's devices run a fixed GEMM probe this
   # many times slower than the median's (ember/trainer/stragglers.py); straggler_* keys in metrics.jsonl.
   lg.quant_stats_every = 0  # Quantization health (amax, scale, saturation, underflow, staleness per projection

@@ -156,6 +156,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_co
   for index, (start, recipe) in enumerate(settings.phases[1:]):
     _validate_exclude(recipe, settings.model.num_layers, f"quant.schedule[{index}]: from step {start}: quant.exclude")
   _validate_data(settings, process_count)
+  _validate_log(settings)
   if num_devices is not None:
     _validate_mesh(settings)
   _validate_paths(settings)
@@ -179,6 +180,11 @@ def _validate_exclude(recipe: Recipe, num_layers: int, key: str) -> None:
     exclude_lib.check_layers(recipe.selectors, num_layers)
   except ValueError as e:
     bad_key(key, str(e))
+
+
+def _validate_log(s: Settings) -> None:
+  if s.log.wandb_project and importlib.util.find_spec("wandb") is None:
+    bad_key("log.wandb_project", "Weights & Biases logging needs wandb; install the extra: pip install -e '.[wandb]'")
 
 
 def _validate_data(s: Settings, process_count: int) -> None:

@@ -49,6 +49,7 @@ from ember.trainer.perf import Throughput, peak_bytes
 from ember.trainer.phase import Phase
 from ember.trainer.state import create_train_state, state_around, state_shardings
 from ember.trainer.stragglers import Stragglers
+from ember.trainer.wandb_run import WandbRun
 from ember.trainer.watchdog import Deadlines, Watchdog, xla_flags
 
 
@@ -152,6 +153,15 @@ def train(cfg, mesh=None) -> dict:
   return run.last
 
 
+def _wandb_run(cfg) -> WandbRun | None:
+  """The W&B run of `log.wandb_project` (process 0), or None."""
+  lg = cfg.log
+  if not lg.wandb_project or jax.process_index() != 0:
+    return None
+  return WandbRun(project=lg.wandb_project, entity=lg.wandb_entity, name=lg.wandb_run_name, workdir=cfg.workdir,
+                  config=cfg.to_dict())
+
+
 def _plan(cfg, mesh, params) -> str:
   """What the run trains and how, in one block: the model and its parameter count (active, for MoE), a step's
   tokens, the devices and mesh axes in use, the precision and remat choices."""
@@ -230,7 +240,7 @@ class _Run:
     progress(f"set-up: the {cfg.data.source} data pipeline")
     train_it = data_iterator(cfg, "train")
     resources.callback(train_it.close)
-    metrics = MetricsWriter(cfg.workdir, tensorboard=cfg.log.tensorboard)
+    metrics = MetricsWriter(cfg.workdir, tensorboard=cfg.log.tensorboard, wandb=_wandb_run(cfg))
     resources.callback(metrics.close)
     preemption = distributed.Preemption().install()
     resources.callback(preemption.uninstall)

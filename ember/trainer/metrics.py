@@ -1,4 +1,5 @@
-"""metrics.jsonl, TensorBoard and the console line; written by process 0 only.
+"""metrics.jsonl, TensorBoard (and Weights & Biases: trainer/wandb_run.py) and the console line; written by
+process 0 only.
 
 Each record is one `write` of one complete line followed by flush + fsync, so a crash leaves at
 most a torn *last* line; `truncate_after` (called on resume) rewrites the file atomically without
@@ -44,9 +45,12 @@ def read_records(path: str) -> list[dict]:
 
 
 class MetricsWriter:
-  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool | None = None):
+  """`wandb`: a W&B run (trainer/wandb_run.py) that also takes every record's scalars, or None."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool | None = None, wandb=None):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self._wandb = wandb
     self._tb = None
     self._tb_dir = os.path.join(workdir, "tensorboard") if tensorboard else None
     if self.enabled:
@@ -82,17 +86,22 @@ class MetricsWriter:
       f.write(json.dumps(record) + "\n")
       f.flush()
       os.fsync(f.fileno())
+    step = record["step"]
+    scalars = {k: v for k, v in record.items()
+               if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
     tb = self._tensorboard()
     if tb is not None:
-      step = record["step"]
-      for k, v in record.items():
-        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-          tb.add_scalar(k, v, step)
+      for k, v in scalars.items():
+        tb.add_scalar(k, v, step)
       tb.flush()
+    if self._wandb is not None:
+      self._wandb.log(scalars, step)
 
   def close(self):
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.close()
 
 
 def _say(msg: str, stream) -> None:
