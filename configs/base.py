@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.num_kv_heads = 2  # Key/value heads (grouped-query attention); must divide num_heads.
   m.head_dim = 0  # 0 = d_model // num_heads.
   m.d_ff = 128  # Hidden units of the SwiGLU MLP (and of each expert).
-  m.vocab_size = 256  # 256 for the byte tokenizer; a SentencePiece model sets its own size.
+  m.vocab_size = 0  # 0 = the tokenizer's vocabulary rounded up to a multiple of 128 (the byte tokenizer: 256).
   m.seq_len = 128  # Tokens per training sequence (packed).
   m.rope_theta = 10000.0  # Rotary embedding base.
   m.norm_eps = 1e-5  # RMSNorm epsilon.

@@ -192,9 +192,6 @@ def _validate_data(s: Settings, process_count: int) -> None:
   if d.source == "tfds":
     if importlib.util.find_spec("tensorflow_datasets") is None:
       bad_key("data.source", "'tfds' needs tensorflow-datasets; install the extra: pip install -e '.[tfds]'")
-  if d.tokenizer != "byte" and not os.path.isfile(os.path.expanduser(d.tokenizer)) and not hf_tokenizer_json(
-      d.tokenizer):
-    bad_key("data.tokenizer", f"no SentencePiece model, tokenizer.json or directory holding one at {d.tokenizer!r}")
   for key in ("mixture", "eval_mixture"):
     for name, source, path, _, _ in getattr(d, key):
       if path and source != "synthetic" and not glob.glob(os.path.expanduser(path), recursive=True):

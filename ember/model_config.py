@@ -32,7 +32,7 @@ class ModelConfig:
   num_kv_heads: int = key("int", ">=1")
   head_dim: int = key("int", ">=0")  # The key's 0 (= d_model // num_heads) is resolved by the builder.
   d_ff: int = key("int", ">=1")
-  vocab_size: int = key("int", ">=1")
+  vocab_size: int = key("int", ">=0")  # The key's 0 (= the tokenizer's, padded to 128) is resolved by the builder.
   seq_len: int = key("int", ">=1")
   rope_theta: float = key("float", ">0")
   norm_eps: float = key("float", ">=0")

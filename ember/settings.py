@@ -15,7 +15,7 @@ import numpy as np
 
 from ember import config_phases
 from ember import remat
-from ember.errors import bad_key
+from ember.errors import DataError, bad_key
 from ember.keys import declared, key
 from ember.model_config import ModelConfig
 from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, SOURCE_NEEDS,
@@ -225,6 +225,17 @@ class Distributed:
   process_id: int = key("int", ">=-1")
 
 
+def tokenizer_vocab(data: Data) -> int:
+  """`model.vocab_size` when the config leaves it 0: the tokenizer's vocabulary rounded up to a multiple of 128
+  (the embedding's and the LM head's GEMMs then tile evenly; the extra rows are never a target)."""
+  from ember.data.tokenizers import build_tokenizer  # The data package reads the typed config too.
+  try:
+    vocab = build_tokenizer(data).vocab_size
+  except DataError as e:  # Its message names data.tokenizer: the config's error names it as a key.
+    bad_key("data.tokenizer", str(e).removeprefix("data.tokenizer: "))
+  return -(-vocab // 128) * 128
+
+
 def _accumulation(train: Train, mesh: Mesh) -> int:
   """The micro-batches a step runs for each device to hold `train.device_batch_size` sequences in each: the global
   batch stays `train.batch_size` on any mesh, so a job restarted on fewer devices runs more micro-batches."""
@@ -280,7 +291,10 @@ class Settings:
     if not m.head_dim and m.d_model % m.num_heads:
       bad_key("model.num_heads", f"{m.num_heads} heads do not divide model.d_model={m.d_model} (or set model.head_dim)")
     quant = recipe(cfg.quant)
-    model = section(ModelConfig, m, head_dim=m.head_dim or m.d_model // m.num_heads, recipe=quant)
+    data = section(Data, cfg.data)
+    vocab = tokenizer_vocab(data)  # Loading it checks data.tokenizer.
+    model = section(ModelConfig, m, head_dim=m.head_dim or m.d_model // m.num_heads,
+                    vocab_size=m.vocab_size or vocab, recipe=quant)
     mesh_sizes = {}
     if num_devices is not None:
       mesh_sizes, _ = mesh_lib.ici_dcn(cfg.mesh, num_devices)  # Within a host; the mesh multiplies by dcn.
@@ -291,7 +305,7 @@ class Settings:
     phases = tuple((start, quant if start == 0 else recipe(phase.quant))
                    for start, phase in config_phases.precision_phases(cfg))
     return cls(workdir=cfg.workdir, seed=cfg.seed, steps=cfg.steps, model=model, train=train, quant=quant,
-               remat=section(Remat, cfg.remat), data=section(Data, cfg.data),
+               remat=section(Remat, cfg.remat), data=data,
                mesh=mesh, checkpoint=section(Checkpoint, cfg.checkpoint),
                log=section(Log, cfg.log), distributed=section(Distributed, cfg.distributed), phases=phases,
                schedule=_plain(cfg.quant.schedule))

@@ -53,7 +53,8 @@ def random_batch(cfg, seed: int = 0, segments: int = 2) -> dict[str, np.ndarray]
   """A packed batch: each row holds `segments` documents of random tokens, then padding."""
   rng = np.random.default_rng(seed)
   b, length = cfg.train.batch_size, cfg.model.seq_len
-  tokens = rng.integers(0, min(cfg.model.vocab_size, 256), (b, length + 1), dtype=np.int32)
+  vocab = cfg.model.vocab_size or 256  # 0: the tokenizer's, the byte tokenizer's 256 in these tests.
+  tokens = rng.integers(0, min(vocab, 256), (b, length + 1), dtype=np.int32)
   seg = np.zeros((b, length), np.int32)
   pos = np.zeros((b, length), np.int32)
   bounds = np.linspace(0, length - length // 8, segments + 1).astype(int)

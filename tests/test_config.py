@@ -27,7 +27,7 @@ CASES = [
     (["--config.train.grad_accum_steps=0"], "config.train.grad_accum_steps: must be >= 1, got 0"),
     (["--config.data.path=/nonexistent/*.txt"], "config.data.path: no file matches '/nonexistent/*.txt'"),
     (["--config.data.tokenizer=/nonexistent/tokenizer.json"],
-     "config.data.tokenizer: no SentencePiece model, tokenizer.json or directory holding one at"),
+     "config.data.tokenizer: '/nonexistent/tokenizer.json' is neither 'byte', a SentencePiece .model file nor a tokenizer.json"),
     (["--config.quant.recipe=fp7"], "config.quant.recipe: unknown value 'fp7'; choose one of bf16, fp8_delayed"),
     (["--config.remat.policy=custom", "--config.remat.save_names=('bogus',)"],
      "config.remat.save_names: unknown checkpoint name 'bogus'; valid names: decoder_layer_input"),

@@ -111,10 +111,10 @@ def _tokenizer(name: str) -> ByteTokenizer | SentencePieceTokenizer | HFTokenize
       return HFTokenizer(name)
     except Exception as e:  # tokenizers raises its own Exception type for a bad file.
       raise DataError(f"data.tokenizer: cannot load {name!r} as a Hugging Face tokenizer ({e})") from e
-  if not os.path.isfile(name):
+  if not os.path.isfile(os.path.expanduser(name)):
     raise DataError(f"data.tokenizer: {name!r} is neither 'byte', a SentencePiece .model file nor a "
                     "tokenizer.json (or a directory holding one)")
   try:
-    return SentencePieceTokenizer(name)
+    return SentencePieceTokenizer(os.path.expanduser(name))
   except (RuntimeError, OSError) as e:
     raise DataError(f"data.tokenizer: cannot load {name!r} as a SentencePiece model ({e})") from e

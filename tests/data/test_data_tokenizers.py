@@ -6,7 +6,9 @@ import sys
 import numpy as np
 import pytest
 
+from ember.config import derive
 from ember.data import ByteTokenizer, DataError, build_tokenizer, make_iterator
+from tests.helpers import config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,3 +59,9 @@ def test_train_sentencepiece_cli(data_cfg, tmp_path):
 
   batch = next(make_iterator(cfg, seq_len=32, global_batch_size=2, seed=0, split="train"))
   assert batch["inputs"].shape == (2, 32) and batch["inputs"].max() < 300
+
+  # model.vocab_size 0 (the default) takes the tokenizer's, rounded up to a multiple of 128; a value set stays.
+  vocab = lambda **o: derive(config("tiny", **{"data.source": "text", "data.path": f"{corpus}/*.txt",
+                                               "data.tokenizer": model, **o}), 1).model.vocab_size
+  assert vocab() == 384 and vocab(**{"model.vocab_size": 320}) == 320
+  assert derive(config("tiny"), 1).model.vocab_size == 256  # The byte tokenizer.

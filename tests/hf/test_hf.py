@@ -271,9 +271,10 @@ def test_a_run_on_a_hugging_face_tokenizer_exports_it(tmp_path, capsys):
 
   cfg = helpers.config(**{"workdir": str(tmp_path / "run"), "steps": 2, "data.source": "text",
                           "data.path": str(tmp_path / "corpus" / "*.txt"), "data.tokenizer": str(tmp_path / "tokenizer.json"),
-                          "model.vocab_size": 320, "checkpoint.every_steps": 2, "log.every_steps": 1})
-  train(cfg)
-  assert f"tokenizer {tmp_path / 'tokenizer.json'}: vocabulary {bpe.get_vocab_size()}" in capsys.readouterr().err
+                          "checkpoint.every_steps": 2, "log.every_steps": 1})
+  train(cfg)  # model.vocab_size 0: the tokenizer's 300, padded to 384.
+  assert (f"tokenizer {tmp_path / 'tokenizer.json'}: vocabulary {bpe.get_vocab_size()} (model.vocab_size 384)"
+          in capsys.readouterr().err)
   ours = build_tokenizer(cfg.data)
   sample = "lambda alpha return beta"
   assert ours.encode(sample)[0] == 0  # The document's BOS.
