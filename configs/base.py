@@ -134,7 +134,7 @@ def get_config() -> ml_collections.ConfigDict:
   r.auto_candidates = ()  # policy=auto: presets to try (empty = all that apply).
 
   d = c.data = ml_collections.ConfigDict()
-  d.source = "text"  # synthetic | text | array_record | tfds | jsonl | parquet.
+  d.source = "text"  # synthetic | text | array_record | tfds | hf | jsonl | parquet.
   d.path = ""  # text: glob of files ("" = this interpreter's stdlib *.py); array_record: glob of files.
   d.tokenizer = "byte"  # "byte", a SentencePiece .model file, or a Hugging Face tokenizer.json (or its directory).
   d.eval_fraction = 0.05  # Share of documents held out for eval (by a hash of their name); the default
@@ -144,8 +144,13 @@ def get_config() -> ml_collections.ConfigDict:
   d.tfds_name = ""  # tfds: dataset name, e.g. "lm1b".
   d.tfds_data_dir = ""  # tfds: data_dir ("" = TFDS default).
   d.tfds_text_key = "text"  # tfds: the feature holding the text.
-  d.text_key = "text"  # jsonl, parquet: the field / column holding each record's text (ember/data/records.py).
-  d.cache_dir = ""  # jsonl: where .gz / .zst files are decompressed once ("" = the system temp directory).
+  d.hf_dataset = ""  # hf: a Hugging Face dataset: a hub name ("HuggingFaceFW/fineweb-edu"), or a local folder of
+  # data files or a loading script (`datasets.load_dataset`'s path; needs `pip install -e '.[hf]'`).
+  d.hf_config = ""  # hf: the dataset's configuration ("" = its default), e.g. "sample-10BT".
+  d.hf_split = "train"  # hf: the dataset's split to read; ember holds out data.eval_fraction of it for eval.
+  d.text_key = "text"  # jsonl, parquet, hf: the field / column holding each record's text (ember/data/records.py).
+  d.cache_dir = ""  # jsonl: where .gz / .zst files are decompressed once ("" = the system temp directory);
+  # hf: the datasets cache ("" = datasets' own, under HF_HOME).
   # Several sources mixed by weight (replaces data.source / path / text_key): a tuple of
   # (name, source, path, text_key, weight), e.g. (("code", "text", "src/**/*.py", "", 0.8),
   # ("web", "jsonl", "web/*.jsonl.zst", "text", 0.2)). Each source's share of the tokens follows its

@@ -192,6 +192,8 @@ def _validate_data(s: Settings, process_count: int) -> None:
   if d.source == "tfds":
     if importlib.util.find_spec("tensorflow_datasets") is None:
       bad_key("data.source", "'tfds' needs tensorflow-datasets; install the extra: pip install -e '.[tfds]'")
+  if d.source == "hf" and importlib.util.find_spec("datasets") is None:
+    bad_key("data.source", "'hf' needs Hugging Face datasets; install the extra: pip install -e '.[hf]'")
   for key in ("mixture", "eval_mixture"):
     for name, source, path, _, _ in getattr(d, key):
       if path and source != "synthetic" and not glob.glob(os.path.expanduser(path), recursive=True):
@@ -210,7 +212,7 @@ def hf_tokenizer_json(path: str) -> str | None:
 
 def _validate_paths(s: Settings) -> None:
   d = s.data
-  if d.source not in ("synthetic", "tfds") and d.path and not glob.glob(
+  if d.source not in ("synthetic", "tfds", "hf") and d.path and not glob.glob(
       os.path.expanduser(d.path), recursive=True):
     bad_key("data.path", f"no file matches {d.path!r}")
   restore = s.checkpoint.restore_from

@@ -85,18 +85,21 @@ AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_RO
 # Data sources (`data.source`, and the kind of a `data.mixture` entry) and what each needs besides its
 # name, one table: the config's checks, the loaders and the progress line read it.
 #   "path": a glob of files; "text_key": the record field that holds the text (jsonl / parquet records);
-#   "tfds_name": a TFDS dataset. `MIXABLE_SOURCES`: the kinds a mixture entry may be (TFDS is not one).
+#   "tfds_name": a TFDS dataset; "hf_dataset": a Hugging Face dataset. `MIXABLE_SOURCES`: the kinds a mixture
+#   entry may be (the two dataset libraries' are not). `RECORD_SOURCES`: files of records, whose bad records are
+#   skipped and counted (ember/data/records.py).
 SOURCE_NEEDS = {
     "synthetic": (),
     "text": (),
     "array_record": ("path",),
     "tfds": ("tfds_name",),
+    "hf": ("hf_dataset", "text_key"),
     "jsonl": ("path", "text_key"),
     "parquet": ("path", "text_key"),
 }
 DATA_SOURCES = tuple(SOURCE_NEEDS)
-MIXABLE_SOURCES = tuple(s for s in DATA_SOURCES if s != "tfds")
-RECORD_SOURCES = tuple(s for s, needs in SOURCE_NEEDS.items() if "text_key" in needs)
+MIXABLE_SOURCES = tuple(s for s in DATA_SOURCES if s not in ("tfds", "hf"))
+RECORD_SOURCES = tuple(s for s, needs in SOURCE_NEEDS.items() if needs == ("path", "text_key"))
 
 # `train.optimizer` (ember/trainer/optimizer.py), and the dtypes optimizer state and Muon's iteration may use.
 OPTIMIZERS = ("adamw", "muon")

@@ -140,6 +140,9 @@ class Data:
   tfds_name: str = key("str")
   tfds_data_dir: str = key("str")
   tfds_text_key: str = key("str")
+  hf_dataset: str = key("str")
+  hf_config: str = key("str")
+  hf_split: str = key("str")
   text_key: str = key("str")
   cache_dir: str = key("str")
   mixture: tuple = key("value")  # ((name, source, path, text_key, weight), ...).
@@ -149,7 +152,7 @@ class Data:
 
   def __post_init__(self):
     missing = missing_need(self.source, {"path": self.path, "text_key": self.text_key,
-                                         "tfds_name": self.tfds_name})
+                                         "tfds_name": self.tfds_name, "hf_dataset": self.hf_dataset})
     if missing:
       bad_key(f"data.{missing}", f"source {self.source} needs {NEED_MEANING[missing]}")
     for name in ("mixture", "eval_mixture"):
@@ -157,7 +160,7 @@ class Data:
 
 
 NEED_MEANING = {"path": "a glob of files", "text_key": "the field holding the text (text_key)",
-                "tfds_name": "a dataset name"}
+                "tfds_name": "a dataset name", "hf_dataset": "a dataset (a hub name or a local folder)"}
 
 
 def missing_need(source: str, fields: dict) -> str | None:

@@ -217,6 +217,41 @@ def tfds_documents(name: str, data_dir: str, text_key: str, split: str,
   return grain.MapDataset.source(keep).map(load)
 
 
+# --- Hugging Face datasets ----------------------------------------------------------------
+
+
+def hf_documents(dataset: str, config: str, hf_split: str, text_key: str, cache_dir: str, split: str,
+                 eval_fraction: float) -> grain.MapDataset:
+  """Documents of a Hugging Face dataset's `hf_split`, read by index from the Arrow files `datasets` prepares
+  (memory-mapped: the text is read when a document is, not held in memory). Random access, not streaming: each
+  data shard takes its own share and shuffles it every epoch, and a run resumes at the exact document, as with
+  every other source; the price is the dataset's download and conversion once, into the datasets cache.
+
+  datasets is an optional extra, imported only here."""
+  try:
+    import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise DataError("data.source: 'hf' needs Hugging Face datasets; install the extra: pip install -e '.[hf]'") from e
+  try:
+    ds = datasets.load_dataset(os.path.expanduser(dataset), config or None, split=hf_split,
+                               cache_dir=cache_dir or None)
+  except Exception as e:  # datasets raises many types for a missing dataset, config or split.
+    raise DataError(f"data.hf_dataset: cannot load {dataset!r} (config {config or 'default'!r}, split "
+                    f"{hf_split!r}): {one_line(e)}") from e
+  if text_key not in ds.column_names:
+    raise DataError(f"data.text_key: {dataset!r} has no column {text_key!r}; its columns: "
+                    f"{', '.join(ds.column_names)}")
+  ds = ds.select_columns([text_key])
+  keep = split_indices(mix64(np.arange(len(ds), dtype=np.uint64) ^ np.uint64(name_hash(dataset))),
+                       split, eval_fraction, "data.hf_dataset")
+
+  def load(k):
+    text = ds[int(k)][text_key]  # None (a null record): an empty document, which packs into nothing.
+    return b"" if text is None else text.encode() if isinstance(text, str) else bytes(text)
+
+  return grain.MapDataset.source(keep).map(load)
+
+
 def open_documents(data_cfg, split: str, *, seed: int, vocab_size: int) -> grain.MapDataset:
   """The documents of `split` for the configured `data.source`."""
   frac = float(data_cfg.eval_fraction)
@@ -230,6 +265,9 @@ def open_documents(data_cfg, split: str, *, seed: int, vocab_size: int) -> grain
   if source == "tfds":
     return tfds_documents(data_cfg.tfds_name, data_cfg.tfds_data_dir, data_cfg.tfds_text_key,
                           split, frac)
+  if source == "hf":
+    return hf_documents(data_cfg.hf_dataset, data_cfg.hf_config, data_cfg.hf_split, data_cfg.text_key,
+                        data_cfg.cache_dir, split, frac)
   if source in RECORD_SOURCES:
     from ember.data import records
     files, root = list_files(data_cfg.path)
@@ -249,7 +287,8 @@ def documents(data_cfg, split: str, *, seed: int, vocab_size: int) -> grain.MapD
   evaluation, slices the same index (listing files, scanning JSONL offsets and reading Parquet footers
   once). A MapDataset is immutable; slicing and shuffling it makes new ones."""
   key = json.dumps({k: getattr(data_cfg, k) for k in ("source", "path", "text_key", "cache_dir", "tfds_name",
-                                                  "tfds_data_dir", "tfds_text_key", "eval_fraction")},
+                                                  "tfds_data_dir", "tfds_text_key", "hf_dataset", "hf_config",
+                                                  "hf_split", "eval_fraction")},
                    sort_keys=True, default=str) + f"|{split}|{seed}|{vocab_size}"
   with _INDEX_LOCK:
     if key not in _INDEX:
