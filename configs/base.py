@@ -204,6 +204,8 @@ def get_config() -> ml_collections.ConfigDict:
   lg = c.log = ml_collections.ConfigDict()
   lg.every_steps = 10  # Console line, metrics.jsonl and TensorBoard every N steps.
   lg.tensorboard = True  # Write TensorBoard event files.
+  lg.verbose = False  # Also show the native libraries' own log lines (XLA's C++ warnings, Gloo's connections);
+  # read from the command line before JAX loads (train.py), so give it there: --config.log.verbose=true.
   lg.wandb_project = ""  # Also log every record to this Weights & Biases project ("" = off; needs the extra
   # `pip install -e '.[wandb]'`; WANDB_MODE=offline keeps it on disk). A resumed run continues the same W&B run.
   lg.wandb_entity = ""  # The W&B team or user ("" = the logged-in default).

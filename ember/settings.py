@@ -216,6 +216,7 @@ class Log:
   tensorboard: bool = key("bool")
   straggler_ratio: float = key("float", ">=1")
   quant_stats_every: int = key("int", ">=0")
+  verbose: bool = key("bool")
   wandb_project: str = key("str")
   wandb_entity: str = key("str")
   wandb_run_name: str = key("str")
