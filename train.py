@@ -72,6 +72,7 @@ class _Filter:
     os.dup2(write, 1)
     os.close(write)
     self._read = read
+    self._gone = False
     self._thread = threading.Thread(target=self._pump, name="ember-native-output", daemon=True)
     self._thread.start()
 
@@ -82,12 +83,19 @@ class _Filter:
       if not chunk:
         break
       *lines, pending = (pending + chunk).split(b"\n")
-      kept = b"".join(line + b"\n" for line in lines if not _noise(line))
-      if kept:
-        os.write(self._original, kept)
-    if pending and not _noise(pending):
-      os.write(self._original, pending)
+      self._write(b"".join(line + b"\n" for line in lines if not _noise(line)))
+    if not _noise(pending):
+      self._write(pending)
     os.close(self._read)
+
+  def _write(self, data: bytes) -> None:
+    """On to the original stdout; once that is gone (a closed pipe: `| head`), the rest is read and dropped, so
+    that the process never blocks on a full pipe."""
+    if data and not self._gone:
+      try:
+        os.write(self._original, data)
+      except OSError:
+        self._gone = True
 
   def close(self) -> None:
     try:
