@@ -2,7 +2,8 @@
 
 Floors, from the bottom up; each imports only itself and the floors listed before it (tests/test_structure.py):
   errors, keys, names,          leaves: user errors, config keys' declarations, the names everyone agrees
-  hardware, platform            on, the GPUs' facts, the platform traced for
+  xla_flags, native_output,     on, the XLA options ember needs, the native libraries' console lines (these
+  hardware, platform            three import no JAX), the GPUs' facts, the platform traced for
   remat                         checkpoint names and remat presets
   quant                         pure-JAX quantization (formats, quantizers, the recipe table, VJPs)
   parallel                      mesh, logical sharding rules, multi-process set-up
@@ -16,9 +17,9 @@ Floors, from the bottom up; each imports only itself and the floors listed befor
 
 from importlib import metadata
 
-from ember import platform as _platform
+from ember import xla_flags as _xla_flags
 
-_platform.require_xla_flags()  # Before JAX starts a backend: the XLA options ember's numerics rely on.
+_xla_flags.require()  # Before JAX starts a backend: the XLA options ember's numerics rely on.
 
 try:
   __version__ = metadata.version("ember")

@@ -201,15 +201,6 @@ def _validate_data(s: Settings, process_count: int) -> None:
   distributed.data_shards(d.num_shards, s.train.batch_size, 0, process_count)  # Raises naming the key.
 
 
-def hf_tokenizer_json(path: str) -> str | None:
-  """The Hugging Face `tokenizer.json` that a `data.tokenizer` value names (the file, or one in the named
-  directory), or None."""
-  path = os.path.expanduser(path)
-  if os.path.isdir(path):
-    path = os.path.join(path, "tokenizer.json")
-  return path if path.endswith(".json") and os.path.isfile(path) else None
-
-
 def _validate_paths(s: Settings) -> None:
   d = s.data
   if d.source not in ("synthetic", "tfds", "hf") and d.path and not glob.glob(

@@ -9,29 +9,17 @@ mesh's devices (compile-only devices of a described GPU included; `parallel.shar
 it), and JAX's default device answers otherwise. An outright `on_platform` wins over any `on_devices`
 inside it.
 
-It also holds the XLA options ember's numerics and recipes rely on (`REQUIRED_XLA_FLAGS`): `import ember` adds
-them to XLA_FLAGS before JAX starts a backend, and `divides_exactly` checks on a device that they took effect.
+`divides_exactly` checks on a device that the XLA options ember's numerics rely on (ember/xla_flags.py) took
+effect.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 
 import jax
 import numpy as np
-
-_EXTRA_OPTIONS = "--xla_backend_extra_options"  # A comma-separated map of LLVM options: merged key by key.
-REQUIRED_XLA_FLAGS = {
-    # Float32 division rounded as IEEE says (PTX div.rn.f32). XLA's GPU default, div.full.f32, is up to 2 ulp off:
-    # on an H100 it gave 29% of 2688 / amax and 57% of x / s one ulp away, and 4% of an NVFP4 tensor's E2M1
-    # codes differed from the rules docs/quantization.md states (which the CPU and the Pallas kernels follow).
-    _EXTRA_OPTIONS: "-nvptx-prec-divf32=2",
-    # GEMMs, FP8 ones included, to cuBLAS(Lt). With XLA's Triton GEMMs on, an H100 ran fp8_current's step with
-    # no FP8 GEMM at all (the `fp8_gemms` count of ember.tools.bench was 0), slower than bf16.
-    "--xla_gpu_enable_triton_gemm": "false",
-}
 
 # (platform, compute capability or None, named outright?)
 _TARGET: contextvars.ContextVar[tuple[str, tuple[int, int] | None, bool] | None] = contextvars.ContextVar(
@@ -100,35 +88,6 @@ def _describe(device) -> tuple[str, tuple[int, int] | None]:
 
 def _normalized(platform: str) -> str:
   return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
-
-
-def with_required_xla_flags(xla_flags: str) -> str:
-  """`xla_flags` (an XLA_FLAGS value) with each of REQUIRED_XLA_FLAGS added that it does not set itself
-  (`with_xla_flags`)."""
-  return with_xla_flags(xla_flags, REQUIRED_XLA_FLAGS)
-
-
-def with_xla_flags(xla_flags: str, wanted: dict[str, str]) -> str:
-  """`xla_flags` (an XLA_FLAGS value) with each flag of `wanted` ({flag: value}) added that it does not set itself,
-  as a flag of its own after the user's (XLA merges repeated --xla_backend_extra_options into one map): a value the
-  user set wins, and the user's tokens are never edited. A value that is not flags (XLA reads one that does not
-  start with '-' as a file of flags) is left as it is."""
-  if xla_flags.strip() and not xla_flags.lstrip().startswith("-"):
-    return xla_flags
-  tokens = xla_flags.split()
-  for flag, value in wanted.items():
-    given = [t for t in tokens if t.split("=", 1)[0] == flag]
-    key = value.split("=")[0] if flag == _EXTRA_OPTIONS else None  # An LLVM option: the user's own key wins.
-    if not given or (key is not None and not any(key in t for t in given)):
-      tokens.append(f"{flag}={value}")
-  return " ".join(tokens)
-
-
-def require_xla_flags() -> None:
-  """Adds REQUIRED_XLA_FLAGS to the environment's XLA_FLAGS (`import ember` does it). XLA reads them when JAX
-  starts a backend: a process whose backend started before ember was imported keeps its own, which
-  `divides_exactly` reveals."""
-  os.environ["XLA_FLAGS"] = with_required_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 
 def divides_exactly(device) -> bool:

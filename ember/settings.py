@@ -10,12 +10,14 @@ Everything below the entry points (train.py and the tools) reads these objects, 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 
 import numpy as np
 
 from ember import config_phases
 from ember import remat
-from ember.errors import DataError, bad_key
+from ember.errors import DataError, bad_key, one_line
 from ember.keys import declared, key
 from ember.model_config import ModelConfig
 from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, SOURCE_NEEDS,
@@ -229,15 +231,49 @@ class Distributed:
   process_id: int = key("int", ">=-1")
 
 
-def tokenizer_vocab(data: Data) -> int:
-  """`model.vocab_size` when the config leaves it 0: the tokenizer's vocabulary rounded up to a multiple of 128
-  (the embedding's and the LM head's GEMMs then tile evenly; the extra rows are never a target)."""
-  from ember.data.tokenizers import build_tokenizer  # The data package reads the typed config too.
+def hf_tokenizer_json(path: str) -> str | None:
+  """The Hugging Face `tokenizer.json` that a `data.tokenizer` value names (the file, or one in the named
+  directory), or None."""
+  path = os.path.expanduser(path)
+  if os.path.isdir(path):
+    path = os.path.join(path, "tokenizer.json")
+  return path if path.endswith(".json") and os.path.isfile(path) else None
+
+
+def tokenizer_file(name: str) -> tuple[str, str]:
+  """(kind, file) of a `data.tokenizer` value: ("byte", ""), ("hf", its tokenizer.json) or ("sentencepiece", its
+  .model file); a DataError naming the key for anything else. The data package loads what this names."""
+  if name in ("", "byte"):
+    return "byte", ""
+  json_path = hf_tokenizer_json(name)
+  if json_path:
+    return "hf", json_path
+  if not os.path.isfile(os.path.expanduser(name)):
+    raise DataError(f"data.tokenizer: {name!r} is neither 'byte', a SentencePiece .model file nor a "
+                    "tokenizer.json (or a directory holding one)")
+  return "sentencepiece", os.path.expanduser(name)
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_vocab(name: str) -> int:
+  """`model.vocab_size` when the config leaves it 0: the vocabulary of the `data.tokenizer` named, rounded up to a
+  multiple of 128 (the embedding's and the LM head's GEMMs then tile evenly; the extra rows are never a target).
+  A tokenizer that does not load is the config's error, naming data.tokenizer."""
   try:
-    vocab = build_tokenizer(data).vocab_size
-  except DataError as e:  # Its message names data.tokenizer: the config's error names it as a key.
+    kind, path = tokenizer_file(name)
+    if kind == "byte":
+      vocab = 256
+    elif kind == "hf":
+      import tokenizers  # pylint: disable=g-import-not-at-top
+      vocab = tokenizers.Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+    else:
+      import sentencepiece  # pylint: disable=g-import-not-at-top
+      vocab = sentencepiece.SentencePieceProcessor(model_file=path).get_piece_size()
+  except DataError as e:
     bad_key("data.tokenizer", str(e).removeprefix("data.tokenizer: "))
-  return -(-vocab // 128) * 128
+  except Exception as e:  # tokenizers and sentencepiece raise their own types for a bad file.
+    bad_key("data.tokenizer", f"cannot load {name!r} ({one_line(e)})")
+  return -(-int(vocab) // 128) * 128
 
 
 def _accumulation(train: Train, mesh: Mesh) -> int:
@@ -296,7 +332,7 @@ class Settings:
       bad_key("model.num_heads", f"{m.num_heads} heads do not divide model.d_model={m.d_model} (or set model.head_dim)")
     quant = recipe(cfg.quant)
     data = section(Data, cfg.data)
-    vocab = tokenizer_vocab(data)  # Loading it checks data.tokenizer.
+    vocab = tokenizer_vocab(data.tokenizer)  # Loading it checks data.tokenizer.
     model = section(ModelConfig, m, head_dim=m.head_dim or m.d_model // m.num_heads,
                     vocab_size=m.vocab_size or vocab, recipe=quant)
     mesh_sizes = {}

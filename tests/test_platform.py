@@ -1,4 +1,4 @@
-"""The XLA options ember relies on (ember/platform.py): added to XLA_FLAGS by `import ember` unless the user set
+"""The XLA options ember relies on (ember/xla_flags.py): added to XLA_FLAGS by `import ember` unless the user set
 them, merged into a user's own --xla_backend_extra_options, accepted by the CPU backend; and the division probe."""
 
 import os
@@ -8,24 +8,24 @@ import sys
 import jax
 import numpy as np
 
-from ember import platform
+from ember import platform, xla_flags
 
 DIV = "--xla_backend_extra_options=-nvptx-prec-divf32=2"
 
 
 def test_required_flags_are_added_once_and_a_users_own_value_wins():
-  assert platform.with_required_xla_flags("") == f"{DIV} --xla_gpu_enable_triton_gemm=false"
-  assert platform.with_required_xla_flags(platform.with_required_xla_flags("--a=1")) == (
+  assert xla_flags.with_required_xla_flags("") == f"{DIV} --xla_gpu_enable_triton_gemm=false"
+  assert xla_flags.with_required_xla_flags(xla_flags.with_required_xla_flags("--a=1")) == (
       f"--a=1 {DIV} --xla_gpu_enable_triton_gemm=false")
   mine = "--xla_gpu_enable_triton_gemm=true --xla_backend_extra_options=-nvptx-prec-divf32=1"
-  assert platform.with_required_xla_flags(mine) == mine
+  assert xla_flags.with_required_xla_flags(mine) == mine
   # The user's own division option wins wherever it is; their tokens are never edited (XLA merges repeated
   # --xla_backend_extra_options into one map), quoted ones included.
   twice = "--xla_backend_extra_options=-nvptx-prec-divf32=1 --xla_backend_extra_options=-x"
-  assert platform.with_required_xla_flags(twice) == f"{twice} --xla_gpu_enable_triton_gemm=false"
+  assert xla_flags.with_required_xla_flags(twice) == f"{twice} --xla_gpu_enable_triton_gemm=false"
   quoted = '--xla_backend_extra_options="-x=1"'
-  assert platform.with_required_xla_flags(quoted) == f"{quoted} {DIV} --xla_gpu_enable_triton_gemm=false"
-  assert platform.with_required_xla_flags("/etc/xla.flags") == "/etc/xla.flags"  # A file of flags: XLA's to read.
+  assert xla_flags.with_required_xla_flags(quoted) == f"{quoted} {DIV} --xla_gpu_enable_triton_gemm=false"
+  assert xla_flags.with_required_xla_flags("/etc/xla.flags") == "/etc/xla.flags"  # A file of flags: XLA's to read.
 
 
 def test_importing_ember_sets_them_before_a_backend_starts_and_the_cpu_accepts_them():
@@ -34,7 +34,7 @@ def test_importing_ember_sets_them_before_a_backend_starts_and_the_cpu_accepts_t
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = subprocess.run([sys.executable, "-c", code], env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True,
                        text=True, check=True, timeout=120).stdout.splitlines()
-  assert out[0] == platform.with_required_xla_flags("") and float(out[1]) == float(np.float32(1) / np.float32(3))
+  assert out[0] == xla_flags.with_required_xla_flags("") and float(out[1]) == float(np.float32(1) / np.float32(3))
 
 
 def test_the_cpu_divides_exactly():

@@ -12,7 +12,8 @@ PACKAGE = ROOT / "ember"
 
 # Each floor imports only itself and the floors below it (see ember/__init__.py).
 FLOORS = [
-    ("ember", "ember.errors", "ember.keys", "ember.names", "ember.hardware", "ember.platform"),
+    ("ember", "ember.errors", "ember.keys", "ember.names", "ember.xla_flags", "ember.native_output", "ember.hardware",
+     "ember.platform"),
     ("ember.remat",),
     ("ember.quant",),
     ("ember.parallel",),

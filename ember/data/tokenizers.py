@@ -17,8 +17,8 @@ import os
 
 import numpy as np
 
-from ember.config import hf_tokenizer_json
 from ember.errors import DataError
+from ember.settings import hf_tokenizer_json, tokenizer_file
 
 
 class ByteTokenizer:
@@ -104,17 +104,15 @@ def build_tokenizer(data_cfg) -> ByteTokenizer | SentencePieceTokenizer | HFToke
 
 @functools.lru_cache(maxsize=8)
 def _tokenizer(name: str) -> ByteTokenizer | SentencePieceTokenizer | HFTokenizer:
-  if name in ("", "byte"):
+  kind, path = tokenizer_file(name)
+  if kind == "byte":
     return ByteTokenizer()
-  if hf_tokenizer_json(name):
+  if kind == "hf":
     try:
       return HFTokenizer(name)
     except Exception as e:  # tokenizers raises its own Exception type for a bad file.
       raise DataError(f"data.tokenizer: cannot load {name!r} as a Hugging Face tokenizer ({e})") from e
-  if not os.path.isfile(os.path.expanduser(name)):
-    raise DataError(f"data.tokenizer: {name!r} is neither 'byte', a SentencePiece .model file nor a "
-                    "tokenizer.json (or a directory holding one)")
   try:
-    return SentencePieceTokenizer(os.path.expanduser(name))
+    return SentencePieceTokenizer(path)
   except (RuntimeError, OSError) as e:
     raise DataError(f"data.tokenizer: cannot load {name!r} as a SentencePiece model ({e})") from e

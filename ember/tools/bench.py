@@ -36,6 +36,7 @@ import time
 import jax
 import numpy as np
 
+from ember import native_output
 from ember import config as config_lib
 from ember import hardware
 from ember.data.sharded import data_iterator, global_batch
@@ -168,4 +169,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+  native_output.quiet(sys.argv)
   sys.exit(main(sys.argv))

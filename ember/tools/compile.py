@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+from ember import native_output
 from ember.tools import target_env
 
 
@@ -135,4 +136,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+  native_output.quiet(sys.argv)
   sys.exit(main(sys.argv))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ember import native_output
 from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
 from ember.tools import cli
 
@@ -77,4 +78,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+  native_output.quiet(sys.argv)
   sys.exit(main(sys.argv))

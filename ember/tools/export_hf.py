@@ -18,6 +18,8 @@ import os
 import re
 import sys
 
+from ember import native_output
+
 DTYPES = ("bfloat16", "float32", "float16")
 
 
@@ -100,4 +102,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+  native_output.quiet(sys.argv)
   sys.exit(main(sys.argv))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import sys
 
+from ember import native_output
+
 
 def main(argv: list[str]) -> int:
   from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
@@ -74,4 +76,5 @@ def format_table(report: dict) -> str:
 
 
 if __name__ == "__main__":
+  native_output.quiet(sys.argv)
   sys.exit(main(sys.argv))

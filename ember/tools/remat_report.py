@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import sys
 
+from ember import native_output
 from ember.tools import target_env
 
 target_env.prepare_environment(sys.argv)  # Before JAX is imported (python -m ember.tools.remat_report --target=...).
+if __name__ == "__main__":
+  native_output.quiet(sys.argv)  # Before JAX is imported: the CUDA plugin's notices come as it loads.
 
 import jax  # noqa: E402
 

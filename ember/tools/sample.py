@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import sys
 
+from ember import native_output
+
 
 def main(argv: list[str]) -> int:
   from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
@@ -105,4 +107,5 @@ def _continuation(tokenizer, prompt_ids, new_ids) -> str:
 
 
 if __name__ == "__main__":
+  native_output.quiet(sys.argv)
   sys.exit(main(sys.argv))

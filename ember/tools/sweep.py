@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 
+from ember import native_output
 from ember.errors import ArgumentParser, ConfigError, fail_and_exit
 from ember.tools import cli
 
@@ -278,4 +279,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+  native_output.quiet(sys.argv)
   sys.exit(main(sys.argv))

@@ -41,7 +41,7 @@ def compile_step(step_fn, state, batch, cfg, mesh):
   missing = missing_tensor_core_gemm(cfg, compiled.as_text) if target_platform() == "gpu" else None
   if missing:
     console(f"warning: recipe {cfg.quant.name}: the compiled step has no {missing} call, so its GEMMs run in "
-            "another precision (XLA chose other kernels: check XLA_FLAGS against ember/platform.py's "
+            "another precision (XLA chose other kernels: check XLA_FLAGS against ember/xla_flags.py's "
             "REQUIRED_XLA_FLAGS)")
   return compiled
 

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable
 
-from ember import platform
+from ember import xla_flags as xla_flags_lib
 
 HUNG_EXIT_STATUS = 75  # sysexits' EX_TEMPFAIL: "try again later"; docs/multihost.md lists every status.
 AUTO_MULTIPLE = 10.0
@@ -127,4 +127,4 @@ def xla_flags(xla_flags_value: str, step_timeout_s: float, compile_timeout_s: fl
     return xla_flags_value
   wanted = {"--xla_gpu_nccl_termination_timeout_seconds": (step_timeout_s or compile_timeout_s),
             "--xla_gpu_first_collective_call_terminate_timeout_seconds": max(step_timeout_s, compile_timeout_s)}
-  return platform.with_xla_flags(xla_flags_value, {flag: str(int(s) + XLA_MARGIN_S) for flag, s in wanted.items()})
+  return xla_flags_lib.with_xla_flags(xla_flags_value, {flag: str(int(s) + XLA_MARGIN_S) for flag, s in wanted.items()})
