@@ -104,9 +104,13 @@ def _last_line(text: str) -> str:
   return lines[-1][:300] if lines else ""
 
 
-def run_one(config: str, fixed: dict, overrides: dict, steps: int, out: str, timeout: float | None) -> dict:
+def run_one(config: str, fixed: dict, overrides: dict, steps: int, out: str, timeout: float | None,
+            name: str | None = None) -> dict:
+  """One run in its own process, its workdir OUT/<name> (default: the overrides spelled out), its log
+  OUT/logs/<name>.log; the result: status, figures (`summarize`), where it ran."""
   from ember.trainer.metrics import read_records
-  name = combo_name(overrides)
+  name = name or combo_name(overrides)
+  os.makedirs(os.path.dirname(os.path.join(out, "logs", f"{name}.log")), exist_ok=True)
   workdir = os.path.join(out, name)
   log_path = os.path.join(out, "logs", f"{name}.log")
   cmd = command(config, fixed, overrides, steps, workdir)

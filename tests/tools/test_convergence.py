@@ -1,0 +1,70 @@
+"""`python -m ember.tools.convergence`: every variant x seed a real train.py process; each variant's late loss gap
+to bf16 paired by seed, with its standard error, checked against the runs' own metrics and against hand-worked
+values."""
+
+import json
+import math
+import statistics
+
+import matplotlib.image
+import pytest
+
+from ember.errors import ConfigError
+from ember.tools import convergence
+from ember.trainer.metrics import read_records
+from tests.helpers import ROOT
+
+FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def test_gaps_are_paired_by_seed_with_their_standard_error():
+  late = {"bf16": {0: 2.0, 1: 4.0, 2: 3.0}, "fp8": {0: 2.02, 1: 4.0, 2: 3.03}, "broken": {0: 2.2, 1: None, 2: None}}
+  g = convergence.gaps(late)
+  # fp8: gaps +1%, 0%, +1% -> mean 2/3 %, sample sd 0.5774 %, over sqrt(3).
+  assert g["fp8"]["gap"] == pytest.approx(0.02 / 3) and g["fp8"]["seeds"] == 3
+  assert g["fp8"]["standard_error"] == pytest.approx(0.005773503 / math.sqrt(3))
+  assert g["bf16"]["gap"] == 0 and g["fp8"]["late_loss"] == pytest.approx(3.0166667)
+  assert g["broken"] == {"gap": pytest.approx(0.1), "standard_error": None, "seeds": 1, "late_loss": 2.2}
+
+
+def test_late_loss_is_the_mean_over_the_last_steps():
+  records = [{"step": s, "loss": float(s)} for s in range(1, 21)] + [{"step": 20, "eval_loss": 0.0}]
+  assert convergence.late_loss(records, 20, 0.1) == 19.5  # Steps 19 and 20.
+  assert convergence.late_loss(records, 20, 1.0) == 10.5
+
+
+def test_bad_variants_are_one_line():
+  with pytest.raises(ConfigError, match="--variant=nvfp4: expected NAME:KEY=VALUE"):
+    convergence.parse_variant("nvfp4")
+  assert convergence.parse_variant("x:quant.recipe=nvfp4;config.quant.exclude=(\"lm_head\", \"layers[0]\")") == (
+      "x", {"quant.recipe": "nvfp4", "quant.exclude": '("lm_head", "layers[0]")'})
+  with pytest.raises(ConfigError, match="--variants: unknown 'fp7'"):
+    convergence._parse([f"--config={ROOT}/configs/default.py:tiny", "--steps=2", "--out=/tmp/x", "--variants=fp7"])
+
+
+@pytest.mark.long
+def test_a_convergence_run_reports_each_variants_gap(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("XLA_FLAGS", FAST)
+  out = tmp_path / "conv"
+  assert convergence.main(["convergence", f"--config={ROOT}/configs/default.py:tiny", "--steps=6", "--seeds=2",
+                           "--variants=fp8_current", "--variant=fp8_lm_head:quant.recipe=fp8_current;quant.exclude=()",
+                           "--late=0.5", f"--out={out}", "--config.data.source=synthetic"]) == 0
+  report = json.loads((out / "convergence.json").read_text())
+  assert list(report["variants"]) == ["bf16", "fp8_current", "fp8_lm_head"]
+  assert [(r["variant"], r["seed"], r["status"]) for r in report["runs"]] == [
+      (v, s, "ok") for s in (0, 1) for v in ("bf16", "fp8_current", "fp8_lm_head")]
+  late = {}
+  for r in report["runs"]:  # Recomputed from each run's metrics.jsonl: the mean of steps 4-6.
+    losses = [x["loss"] for x in read_records(f"{r['workdir']}/metrics.jsonl") if x.get("step", 0) > 3 and "loss" in x]
+    assert len(losses) == 3
+    late[r["variant"], r["seed"]] = statistics.fmean(losses)
+    assert r["late_loss"] == pytest.approx(late[r["variant"], r["seed"]])
+  assert late["bf16", 0] != late["bf16", 1]  # The seeds differ.
+  for name in ("fp8_current", "fp8_lm_head"):
+    paired = [late[name, s] / late["bf16", s] - 1 for s in (0, 1)]
+    assert report["variants"][name]["gap"] == pytest.approx(statistics.fmean(paired))
+    assert report["variants"][name]["standard_error"] == pytest.approx(statistics.stdev(paired) / math.sqrt(2))
+  table = (out / "convergence.md").read_text()
+  assert "| fp8_lm_head |" in table and "(reference)" in table and table in capsys.readouterr().out
+  assert matplotlib.image.imread(str(out / "convergence.png")).shape[0] > 100
