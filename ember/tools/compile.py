@@ -115,15 +115,19 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--target", required=True, help="cpu or <gpu>x<count>, e.g. h100x8")
   parser.add_argument("--out", default="", help="JSON file to write")
   parser.add_argument("--hlo_out", default="", help="file for the optimised HLO text")
+  parser.add_argument("--plot", default="", help="PNG of where the step's time goes (ember/tools/figures.py)")
   try:
     own, config_argv = cli.split_config(argv)
     args = cli.parse(parser, own)
     target = target_lib.parse(args.target)
-    cli.check_out_files({"--out": args.out, "--hlo_out": args.hlo_out})
+    cli.check_out_files({"--out": args.out, "--hlo_out": args.hlo_out, "--plot": args.plot})
     cfg = config_lib.load(config_argv)
     report = compile_report(cfg, target, hlo_out=args.hlo_out)
     if args.out:
       cli.write_json("--out", args.out, report)
+    if args.plot:
+      from ember.tools import figures
+      figures.time_split(report, args.plot)
   except EmberError as e:
     fail_and_exit(e)
   print(format_report(report))

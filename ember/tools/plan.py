@@ -56,6 +56,7 @@ def main(argv: list[str]) -> int:
                                                                     "the GPU's)")
   parser.add_argument("--top", type=int, default=planner.TOP, help="layouts compiled")
   parser.add_argument("--out", default="", help="JSON file to write")
+  parser.add_argument("--plot", default="", help="PNG of the layouts' predicted tokens/s (ember/tools/figures.py)")
   try:
     own, config_argv = cli.split_config(argv)
     args = cli.parse(parser, own)
@@ -64,7 +65,7 @@ def main(argv: list[str]) -> int:
     if args.top < 1:
       raise ConfigError(f"--top: must be at least 1, got {args.top}")
     target = target_lib.parse(args.target)
-    cli.check_out_files({"--out": args.out})
+    cli.check_out_files({"--out": args.out, "--plot": args.plot})
     cfg = config_lib.load(config_argv)
     try:
       result = planner.plan(cfg, target, budget_gb=args.budget_gb or None, top=args.top,
@@ -74,6 +75,9 @@ def main(argv: list[str]) -> int:
       return 1
     if args.out:
       cli.write_json("--out", args.out, result)
+    if args.plot:
+      from ember.tools import figures
+      figures.layouts(result, args.plot)
   except EmberError as e:
     fail_and_exit(e)
   print(format_table(result))

@@ -27,7 +27,7 @@ def _cfg(preset, recipe, **overrides):
     ("tiny", "fp8_current", "context2_fsdp4", 4),
     pytest.param("tiny_moe", "bf16", "context2_expert4", 4, marks=pytest.mark.long),
     pytest.param("tiny_moe", "fp8_current", "context2_expert4", 4, marks=pytest.mark.long),
-    ("tiny_moe", "fp8_current", "context4", 8)])
+    pytest.param("tiny_moe", "fp8_current", "context4", 8, marks=pytest.mark.long)])
 def test_step_equals_one_device(preset, recipe, mesh, batch_size):
   """Loss, gradient norm, the gradients (the optimizer's moments) and the updated parameters equal one device's
   within 1e-5. The rows pack three documents and padding; with the 64 tokens split 4 or 2 ways the first two

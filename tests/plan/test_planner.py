@@ -3,6 +3,7 @@
 import json
 import math
 
+import matplotlib.image
 import pytest
 
 from ember import config as config_lib
@@ -62,8 +63,9 @@ def test_plan_picks_the_fastest_compiled_layout_within_the_budget(tmp_path, caps
   out = tmp_path / "plan.json"
   args = ["plan", f"--config={ROOT}/configs/default.py:tiny", "--config.data.source=synthetic",
           "--config.quant.recipe=fp8_current", "--config.train.batch_size=16", "--target=h100x8", "--top=3",
-          f"--out={out}"]
+          f"--out={out}", f"--plot={out.with_suffix('.png')}"]
   assert tool.main(args) == 0
+  assert matplotlib.image.imread(str(out.with_suffix(".png"))).shape[0] > 100
   r = json.loads(out.read_text())
   best, fitting = r["best"], [c for c in r["candidates"] if c.get("fits")]
   assert len(r["candidates"]) >= 3 and best in fitting

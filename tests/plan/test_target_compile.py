@@ -8,6 +8,7 @@ import json
 import re
 
 import jax
+import matplotlib.image
 import pytest
 
 from ember import config as config_lib
@@ -287,8 +288,9 @@ def test_compile_tool_exit_codes(tmp_path, capsys):
            "--config.quant.recipe=fp8_current", "--target=h100x8", *SCANNED]
   out = tmp_path / "fits.json"
   assert tool.main(["compile", *llama, "--config.train.batch_size=8", "--config.remat.policy=save_quantized",
-                    f"--out={out}"]) == 0
+                    f"--out={out}", f"--plot={out.with_suffix('.png')}"]) == 0
   r = json.loads(out.read_text())
+  assert matplotlib.image.imread(str(out.with_suffix(".png"))).shape[0] > 100
   assert r["fits"] and r["peak_bytes"] < 80 * 2**30 and r["num_devices"] == 8 and r["target"] == "h100x8"
   for key in ("device_kind", "device_memory_bytes", "argument_bytes", "output_bytes", "temp_bytes", "host_bytes",
               "gemms", "attention", "collectives", "remat_policy", "recipe", "compile_s", "xla_flags"):
