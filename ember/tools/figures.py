@@ -64,8 +64,8 @@ def layouts(result: dict, path: str) -> None:
   ax.barh(names[::-1], predicted[::-1], color=colors[::-1], label="predicted")
   ax.scatter([c["tokens_per_s_ceiling"] for c in compiled][::-1], [c["layout"] for c in compiled][::-1], marker="|",
              s=300, color="tab:red", label="ceiling (roofline)", zorder=3)
-  ax.set(xlabel="tokens/s per GPU", title=f"{result['model']}: layouts on {result['target']}, {result['recipe']} (grey: over "
-                                            "the memory budget)")
+  ax.set(xlabel="tokens/s per GPU",
+         title=f"{result['model']}: layouts on {result['target']}, {result['recipe']} (grey: over the memory budget)")
   ax.tick_params(axis="y", labelsize=8)
   ax.grid(True, axis="x", alpha=0.3)
   ax.legend(fontsize=8, loc="lower right")
