@@ -26,6 +26,20 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
   return args
 
 
+def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str],
+                         expected: str) -> tuple[argparse.Namespace, dict[str, str]]:
+  """(the tool's flags, {key: value} of its `--config.KEY=VALUE` flags) for a tool that starts runs of its own and
+  hands them the overrides; anything else is a ConfigError naming it and what `expected` lists."""
+  args, unknown = parser.parse_known_args(argv)
+  overrides = {}
+  for a in unknown:
+    if not a.startswith("--config.") or "=" not in a:
+      raise ConfigError(f"{a}: unknown command-line argument (expected {expected}, --config.KEY=VALUE)")
+    key, value = a[len("--config."):].split("=", 1)
+    overrides[key] = value
+  return args, overrides
+
+
 def boolean(value: str) -> bool:
   """An argparse type for a switch that may also be given a value: true / false, 1 / 0, yes / no."""
   if value.lower() in ("true", "1", "yes"):

@@ -162,13 +162,7 @@ def _parse(argv: list[str]):
   parser.add_argument("--late", type=float, default=0.1, help="the late window: this fraction of the last steps")
   parser.add_argument("--out", required=True, help="output directory")
   parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
-  args, unknown = parser.parse_known_args(argv)
-  fixed = {}
-  for a in unknown:
-    if not a.startswith("--config.") or "=" not in a:
-      raise ConfigError(f"{a}: unknown command-line argument")
-    key, value = a[len("--config."):].split("=", 1)
-    fixed[key] = value
+  args, fixed = cli.parse_with_overrides(parser, argv, "--steps, --seeds, --variants, --variant, --late, --out")
   if args.steps < 1:
     raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
   if args.seeds < 1:

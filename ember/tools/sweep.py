@@ -252,13 +252,7 @@ def _parse(argv: list[str]):
   parser.add_argument("--steps", type=int, required=True, help="training steps per run")
   parser.add_argument("--out", required=True, help="output directory")
   parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
-  args, unknown = parser.parse_known_args(argv)
-  fixed = {}
-  for a in unknown:
-    if not a.startswith("--config.") or "=" not in a:
-      raise ConfigError(f"{a}: unknown command-line argument (expected --grid, --steps, --out, --config.KEY=VALUE)")
-    key, value = a[len("--config."):].split("=", 1)
-    fixed[key] = value
+  args, fixed = cli.parse_with_overrides(parser, argv, "--grid, --steps, --out")
   if not args.grid:
     raise ConfigError("--grid: give at least one KEY=V1,V2,...")
   if args.steps < 1:
