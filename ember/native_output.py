@@ -99,11 +99,12 @@ class _Filter:
         self._gone = True
 
   def close(self) -> None:
-    for stream in (sys.stdout, sys.stderr):
-      try:
-        stream.flush()
-      except (OSError, ValueError):
-        pass
+    if threading.current_thread() is threading.main_thread():  # Elsewhere (the watchdog) the main thread may hold
+      for stream in (sys.stdout, sys.stderr):                  # a stream's lock; it flushed what it wrote.
+        try:
+          stream.flush()
+        except (OSError, ValueError):
+          pass
     os.dup2(self._original, self._fd)  # The pipe's last writer is gone: the reader sees its end.
     self._thread.join(timeout=5)
     os.close(self._original)

@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Callable
 
+from ember import native_output
 from ember import xla_flags as xla_flags_lib
 
 HUNG_EXIT_STATUS = 75  # sysexits' EX_TEMPFAIL: "try again later"; docs/multihost.md lists every status.
@@ -34,11 +35,18 @@ AUTO_AFTER_STEPS = 5
 XLA_MARGIN_S = 60  # XLA's collective timeouts: this much past the step's (or the compile's) timeout.
 
 
+def _exit_now(status: int) -> None:
+  """Ends the process at once (no clean-up: a collective may never return), its last lines written first: the
+  console's pipes (ember/native_output.py) drained to their descriptors."""
+  native_output.restore()
+  os._exit(status)
+
+
 class Watchdog:
   """A daemon thread that ends the process when the stage set by `expect` outlives its deadline."""
 
-  def __init__(self, *, process_index: int = 0, out=None, exit: Callable[[int], None] = os._exit):
-    self._process, self._out, self._exit = process_index, out, exit
+  def __init__(self, *, process_index: int = 0, out=None, exit: Callable[[int], None] | None = None):
+    self._process, self._out, self._exit = process_index, out, exit or _exit_now
     self._cond = threading.Condition()
     self._deadline: float | None = None
     self._what, self._seconds, self._key, self._closed = "", 0.0, "", False
