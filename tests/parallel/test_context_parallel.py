@@ -39,7 +39,9 @@ def test_step_equals_one_device(preset, recipe, mesh, batch_size):
   second layer's experts flips, and its change reaches the first layer's gradients, which then differ by a few
   percent while every amax agrees to 5e-7. Context 4 x fsdp 2 runs at batch 8, whose gradients have no value that
   near a midpoint, so any other difference would show; expert parallelism beside the context (which flips one
-  value at batch 8 too) is held to the loss and the gradient norm within 1e-4."""
+  value at batch 8 too) is held to the loss and the gradient norm within 1e-4. tiny in FP8: its attention's
+  gradients within 2e-5 (the tests' cheaper CPU code generation, conftest.py, computes some float32 arithmetic in
+  another order or form than the default, and the FP8 casts pass that on: 1.05e-5 on one kernel's moment)."""
   batch = random_batch(_cfg(preset, recipe, **{"train.batch_size": batch_size}), segments=3)
   segments = batch["segment_ids"][0]
   assert segments[15] == segments[16] and segments[31] == segments[32] != segments[0]  # Across boundaries.
@@ -55,7 +57,7 @@ def test_step_equals_one_device(preset, recipe, mesh, batch_size):
   flat_split = jax.tree.leaves(state_split)
   assert len(flat_one) == len(flat_split)
   for (path, a), b in zip(flat_one, flat_split):
-    assert rel_error(b, a) < 1e-5, jax.tree_util.keystr(path)
+    assert rel_error(b, a) < (1e-5 if preset == "tiny_moe" or recipe == "bf16" else 2e-5), jax.tree_util.keystr(path)
 
 
 @pytest.mark.long
