@@ -39,6 +39,7 @@ import time
 
 from ember import native_output
 from ember.errors import ArgumentParser, ConfigError, fail_and_exit
+from ember.plan.units import format_bytes
 from ember.tools import cli
 
 DEFAULTS = {"log.every_steps": "1", "train.eval_every_steps": "0", "checkpoint.every_steps": "-1",
@@ -224,7 +225,7 @@ def sweep(config: str, grid, steps: int, out: str, fixed: dict | None = None, ti
     log(f"[{i + 1}/{len(combos)}] {combo_name(overrides)}")
     r = run_one(config, fixed or {}, overrides, steps, out, timeout)
     results.append(r)
-    figures = (f"{r['step_time_s'] * 1e3:.1f} ms/step, peak {r['peak_bytes']} B ({r['peak_source']})"
+    figures = (f"{r['step_time_s'] * 1e3:.1f} ms/step, peak {format_bytes(r['peak_bytes'])} ({r['peak_source']})"
                if r["status"] == "ok" else r["error"])
     log(f"    {r['status']}: {figures}")
     write_results(out, grid, results)  # After every run, so a killed sweep keeps what it measured.

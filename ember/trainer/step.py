@@ -59,7 +59,9 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
   total, ce, z = cross_entropy(hidden, targets, weights, model.head_parts(), key=key,
                                chunk_size=cfg.train.loss_chunk_size, count=count,
                                z_loss_weight=cfg.train.z_loss_weight)
-  metrics = {"loss": ce, "z_loss": z}
+  metrics = {"loss": ce}
+  if cfg.train.z_loss_weight:  # Logged where it is in effect (a weight of 0 trains nothing toward it).
+    metrics["z_loss"] = z
   num_moe = cfg.model.num_moe_layers
   if num_moe:  # Dense models log no MoE keys (they would always be zero).
     aux = jax.tree.map(replica_part, aux)  # Reduced over the replicas already: the step sums them again.
@@ -68,7 +70,8 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
     metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
                     MOE_ROUTED_TOKENS: aux[MOE_ROUTED_TOKENS], MOE_OVERFLOW_TOKENS: aux[MOE_OVERFLOW_TOKENS]})
     metrics.update({k + BY_LAYER: aux[k + BY_LAYER] for k in (*MOE_LAYER_COUNTS, MOE_EXPERT_LOADS)})
-  metrics["total_loss"] = total
+  if cfg.train.z_loss_weight or num_moe:  # Else it is `loss`.
+    metrics["total_loss"] = total
   return total, metrics
 
 
@@ -116,7 +119,7 @@ def unless_non_finite(state: TrainState, new_state: TrainState, metrics: dict, g
   learning-rate count), amax histories and `step` (updates applied) stay as they were; the loop counts its batch
   (ember/trainer/loop.py). The choice is an elementwise select that XLA fuses into the update's own kernels,
   which read both states already: no extra pass over the state."""
-  finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["total_loss"])
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics.get("total_loss", metrics["loss"]))  # What was derived.
   kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
   return kept, dict(metrics, skipped=(~finite).astype(jnp.int32))
 

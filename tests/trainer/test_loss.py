@@ -127,3 +127,16 @@ def test_chunked_loss_never_holds_full_logits():
   grad = jax.jit(jax.grad(_loss(targets, weights, 32), argnums=(0, 1)))
   temp = grad.lower(hidden, w).compile().memory_analysis().temp_size_in_bytes
   assert temp < b * length * v * 4 / 2, temp
+
+
+def test_the_step_logs_the_z_loss_where_it_is_in_effect():
+  """A z-loss weight of 0 trains nothing toward it: the step logs neither `z_loss` nor a `total_loss` equal to
+  `loss`; with a weight it logs both, total = loss + weight * z."""
+  from tests.helpers import config, one_step, random_batch
+  off = config("tiny", **{"model.dtype": "float32", "quant.recipe": "bf16"})
+  metrics, _ = one_step(off, random_batch(off), 1)
+  assert "z_loss" not in metrics and "total_loss" not in metrics
+  on = config("tiny", **{"model.dtype": "float32", "quant.recipe": "bf16", "train.z_loss_weight": 0.5})
+  metrics, _ = one_step(on, random_batch(on), 1)
+  assert float(metrics["total_loss"]) == pytest.approx(float(metrics["loss"]) + 0.5 * float(metrics["z_loss"]),
+                                                         rel=1e-6)
