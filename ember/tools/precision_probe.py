@@ -1,6 +1,6 @@
 """Which projections a recipe hurts most, at a checkpoint, and the `quant.exclude` that keeps them in bf16.
 
-  python -m ember.tools.precision_probe --checkpoint=runs/small --recipe=nvfp4 [--batches=2]
+  python -m ember.tools.precision_probe --checkpoint=runs/default_small --recipe=nvfp4 [--batches=2]
       [--target_error=0.1] [--out=probe.json]
 
 Prints, per layer and projection kind, the gradient error, the forward output error and the forward weight

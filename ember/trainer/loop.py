@@ -149,6 +149,9 @@ def train(cfg, mesh=None) -> dict:
     run.watchdog.expect("the last checkpoint's write", run.deadlines.long(), Deadlines.LONG_KEY)
     if done == cfg.steps and done > first:
       console(_summary(run, first, timed_from, done, time.time() - t_start))
+    elif first >= cfg.steps:
+      console(f"finished already: the newest checkpoint in {run.ckpt.directory} is at step {first}, and the run "
+              f"trains to step {cfg.steps}; nothing to train (a larger --config.steps goes on from it)")
   run.last["wall_time_s"] = time.time() - t_start
   return run.last
 

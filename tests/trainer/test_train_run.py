@@ -39,6 +39,11 @@ def test_short_run_writes_metrics_and_tensorboard(tmp_path, capsys):
   assert len(finished) == 1 and f"{30 * 8 * 64:,} tokens" in finished[0], err
   assert f"loss {train_records[-1]['loss']:.4f}, eval_loss {eval_records[0]['eval_loss']:.4f}" in finished[0]
   assert f"metrics {tmp_path}/metrics.jsonl" in finished[0]
+  # Run again, it says it has nothing to do, and does nothing.
+  train(cfg)
+  err = capsys.readouterr().err
+  assert f"finished already: the newest checkpoint in {tmp_path}/checkpoints is at step 30" in err, err
+  assert "finished: " not in err and len(open(os.path.join(tmp_path, "metrics.jsonl")).readlines()) == len(records)
 
 
 def _moe_records(tmp_path, every: int) -> list[dict]:
