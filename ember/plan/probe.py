@@ -62,8 +62,9 @@ class Probe:
   """Gradients of one checkpoint's parameters (`params`, `quant_state`: trees of the `trained` settings) under
   settings that differ in recipe and exclude list, on the same batches."""
 
-  def __init__(self, trained, params: dict, quant_state: dict, batches: int):
+  def __init__(self, trained, params: dict, quant_state: dict, batches: int, log=lambda msg: None):
     self.trained = trained
+    self.log = log  # Progress, a line at a time: each pass compiles and runs the model's gradients.
     self.axes = kernel_axes(trained)
     self.rows = rows_by_layer(params, trained.model)
     self.quant_rows = rows_by_layer(quant_state, trained.model)
@@ -72,6 +73,7 @@ class Probe:
       self.batches = [{k: jnp.asarray(v) for k, v in next(it).items()} for _ in range(batches)]
     finally:
       it.close()
+    log(f"probe: the float32 reference gradients on {batches} held-out batch(es)")
     self.reference = self.gradients(trained.replace("quant.recipe", "bf16").replace("model.dtype", "float32")
                                     .replace("quant.exclude", ()))
 
@@ -190,13 +192,16 @@ def recommend(probe: Probe, recipe: str, target_error: float):
   """(projections under the recipe with the checkpoint's exclude list, its whole-model error, the exclude list
   that brings it under `target_error`, that list's whole-model error)."""
   settings = probe.trained.replace("quant.recipe", recipe)
+  probe.log(f"probe: the gradients and output errors under {recipe}")
   grads, errors = probe.measure(settings)
   found = probe.projections(settings, grads, errors)
   first = error = probe.whole_error(grads)
+  probe.log(f"probe: whole-model gradient error {first:.2%} (target {target_error:.2%})")
   exclude = tuple(settings.quant.exclude)
   for p in sorted(found, key=lambda p: -p.grad_error):
     if error < target_error:
       break
     exclude += (p.selector,)
     error = probe.whole_error(probe.gradients(settings.replace("quant.exclude", exclude)))
+    probe.log(f"probe: {p.selector} in bf16 too: {error:.2%}")
   return found, first, exclude, error
