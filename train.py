@@ -23,16 +23,12 @@ def main(argv: list[str]) -> int:
     from ember.config import usage
     print(usage())
     return 0
-  verbose = any(a.lower() in ("--config.log.verbose", "--config.log.verbose=true", "--config.log.verbose=1")
-                for a in argv[1:])  # ember.native_output.verbose_requested, which JAX would load with.
-  if not verbose:  # Before JAX loads: XLA reads its log level then (ember.native_output.quiet_xla).
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  from ember import native_output  # Imports no JAX (nor does `import ember`).
+  native_output.quiet(argv)  # Before JAX loads: XLA reads its log level then.
   if _first_process():  # Before the imports, on stdout (stderr is for the log): the run is seen to start at once.
     print(f"[{time.strftime('%H:%M:%S')}] ember: starting ({' '.join(argv[1:]) or 'no flags'}); loading JAX",
           flush=True)
-  from ember import native_output
   from ember.errors import Diverged, EmberError, fail_and_exit
-  native_output.quiet(argv)  # The C++ lines written straight to stdout and stderr (Gloo's; before logging is set).
   try:
     from ember.config import load
     from ember.plan.auto_remat import resolve

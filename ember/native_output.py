@@ -2,7 +2,7 @@
 unless `--config.log.verbose=true`:
 
 - XLA's C++ INFO and WARNING lines: TF_CPP_MIN_LOG_LEVEL=2 (a level the user set stays), which XLA reads when it
-  loads, so train.py sets it before JAX is imported (`quiet_xla`);
+  loads, so `quiet` works fully before JAX is imported (train.py calls it first; `import ember` imports no JAX);
 - what C++ writes before its logging is set up, which no level reaches: "WARNING: All log messages before
   absl::InitializeLog() is called are written to STDERR" and the INFO / WARNING lines under it (the CUDA plugin's
   "Could not find cuda drivers" on a machine that compiles for described GPUs);
@@ -39,17 +39,12 @@ def verbose_requested(argv: list[str]) -> bool:
   return any(a.lower() in _VERBOSE_FLAGS for a in argv[1:])
 
 
-def quiet_xla() -> None:
-  """XLA's C++ log at ERROR and up; before JAX is imported."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-
 def quiet(argv: list[str]) -> None:
   """Unless `argv` asks for the native lines: XLA's log level (in effect if JAX is not imported yet) and the
   descriptors' filters, once per process, undone at exit."""
   if verbose_requested(argv) or _filters:
     return
-  quiet_xla()
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's C++ log at ERROR and up, if JAX is not loaded yet.
   _filters.extend(_Filter(fd, NOISE[fd]) for fd in (1, 2))
   atexit.register(restore)
 

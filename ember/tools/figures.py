@@ -38,8 +38,8 @@ def time_split(report: dict, path: str, top: int = 12) -> None:
     m = merged.setdefault(label, {**e, "seconds": 0.0, "exposed": False})
     m["seconds"] += e["seconds"]
     m["exposed"] = m["exposed"] or bool(e.get("exposed"))
-  entries = sorted(merged.values(), key=lambda e: -e["seconds"])[:top][::-1]
-  labels = [f"{e['op']} ({e['pass']}, {e.get('kind', '?')})" for e in entries]
+  largest = sorted(merged.items(), key=lambda item: -item[1]["seconds"])[:top][::-1]  # Drawn bottom up.
+  labels, entries = [label for label, _ in largest], [e for _, e in largest]
   ops.barh(labels, [e["seconds"] * 1e3 for e in entries], color=[_KIND_COLORS.get(e.get("kind"), "tab:gray")
                                                                    for e in entries],
            hatch=["//" if e.get("exposed") and e.get("kind") == "collective" else "" for e in entries])
