@@ -24,7 +24,7 @@ from ml_collections import config_flags
 
 from ember import config_schema as schema
 from ember.errors import ConfigError, bad_key, one_line
-from ember import config_phases
+from ember import config_phases, storage
 from ember.names import EXPERT
 from ember.parallel import axes, distributed
 from ember.quant import exclude as exclude_lib
@@ -207,7 +207,7 @@ def _validate_paths(s: Settings) -> None:
       os.path.expanduser(d.path), recursive=True):
     bad_key("data.path", f"no file matches {d.path!r}")
   restore = s.checkpoint.restore_from
-  if restore and not os.path.isdir(os.path.expanduser(restore)):
+  if restore and (storage.scheme_problem(restore) or not storage.isdir(storage.absolute(restore))):
     bad_key("checkpoint.restore_from", f"no checkpoint directory at {restore}")
   hf = s.checkpoint.init_from_hf
   if hf:
@@ -225,9 +225,13 @@ def _validate_workdir(workdir: str) -> None:
 
 
 def directory_problem(directory: str) -> str | None:
-  """Why `directory` cannot be (or be created as) a writable directory, or None; nothing is created."""
+  """Why `directory` cannot be (or be created as) a writable directory, or None; nothing is created.
+  A gs:// URL (ember/storage.py) needs its library and an existing bucket."""
   if not directory:
     return "must name a directory"
+  problem = storage.scheme_problem(directory)
+  if problem or storage.is_remote(directory):
+    return problem or _bucket_problem(directory)
   path = os.path.abspath(os.path.expanduser(directory))
   if os.path.exists(path) and not os.path.isdir(path):
     return f"{path} exists and is not a directory"
@@ -238,6 +242,18 @@ def directory_problem(directory: str) -> str | None:
     return f"cannot create {path}: {existing} is not a directory"
   if not os.access(existing, os.W_OK | os.X_OK):
     return f"cannot write to {path}: no write permission on {existing}"
+  return None
+
+
+def _bucket_problem(url: str) -> str | None:
+  bucket = "gs://" + url.removeprefix("gs://").split("/")[0]
+  try:
+    if not storage.exists(bucket):
+      return f"{url}: the bucket {bucket} does not exist (or these credentials cannot see it)"
+  except ImportError as e:
+    return str(e)
+  except Exception as e:  # pylint: disable=broad-except  # No credentials, no network: say which.
+    return f"{url}: cannot reach {bucket} ({type(e).__name__}: {one_line(e)[:200]})"
   return None
 
 

@@ -25,7 +25,6 @@ records the state of the shards it reads, and the shards do not depend on the pr
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 from typing import Any, Callable
@@ -35,6 +34,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ember import storage
 from ember.data import ShardedIterator
 from ember.errors import CheckpointError, one_line
 from ember.trainer import integrity
@@ -46,13 +46,12 @@ from ember.trainer.state import TrainState
 
 def _merged_data_state(data_dir: str) -> dict | None:
   """The shard states of every process's file in a step's data/ (None if there are none)."""
-  files = sorted(glob.glob(os.path.join(data_dir, "process_*-of-*.json")))
+  files = storage.glob(data_dir, "process_*-of-*.json")
   if not files:
     return None
   merged = {"num_shards": None, "fingerprint": "", "shards": {}}
   for f in files:
-    with open(f) as fh:
-      s = json.load(fh)
+    s = json.loads(storage.read_text(f))
     merged["num_shards"], merged["fingerprint"] = s["num_shards"], s.get("fingerprint", "")
     merged["shards"].update(s["shards"])
   return merged
@@ -123,12 +122,11 @@ FINGERPRINTS = "fingerprints"  # The step's item (a JSON file) holding them.
 def _verify(step_dir: str, restored: dict, where: str) -> None:
   """Raises integrity.DamagedCheckpoint if the restored arrays (a dict of TrainState fields, or some of them)
   differ from the fingerprints saved with the step; a step saved without them (older) passes."""
-  path = os.path.join(step_dir, FINGERPRINTS, "metadata")
-  if not os.path.exists(path):
+  path = storage.join(step_dir, FINGERPRINTS, "metadata")
+  if not storage.exists(path):
     return
   try:
-    with open(path) as f:
-      saved = json.load(f)
+    saved = json.loads(storage.read_text(path))
   except (OSError, ValueError) as e:
     raise integrity.DamagedCheckpoint(f"{where}: its fingerprints cannot be read ({type(e).__name__})") from None
   integrity.verify(saved, _leaves_by_name(restored), where)
@@ -155,7 +153,7 @@ def _manager(directory: str, options: ocp.CheckpointManagerOptions, *, partial_s
 
 class Checkpointer:
   def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
+    self.directory = storage.absolute(directory)
     self.every_steps = every_steps
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                                            cleanup_tmp_directories=True)
@@ -189,17 +187,16 @@ class Checkpointer:
       return {}
 
   def _step_dir(self, step: int) -> str:
-    return os.path.join(self.directory, str(step))
+    return storage.join(self.directory, str(step))
 
   def check(self, step: int, abstract: TrainState, *, seed: int | None, what: str) -> None:
     """Shape and seed checks from the step's metadata; CheckpointError on a mismatch."""
     check_shapes(_state_metadata(self.manager, step), _as_dict(abstract), what)
     if seed is None:
       return
-    rng_path = os.path.join(self._step_dir(step), "rng", "metadata")
-    if os.path.exists(rng_path):
-      with open(rng_path) as f:
-        saved = json.load(f)
+    rng_path = storage.join(self._step_dir(step), "rng", "metadata")
+    if storage.exists(rng_path):
+      saved = json.loads(storage.read_text(rng_path))
       if saved.get("key_data") != rng_item(seed)["key_data"]:
         raise CheckpointError(f"config.seed: {seed}, but the checkpoint in {self.directory} step {step} was saved "
                               f"with seed {saved.get('seed')}; resume with the same seed (keys derive from it)")
@@ -209,15 +206,14 @@ class Checkpointer:
     """The state of `step` onto `shardings`; sets `data_it` to the saved position (with a warning
     and the iterator's start if the position cannot be mapped onto this run's shards)."""
     items = dict(state=ocp.args.StandardRestore(_abstract_target(abstract, shardings)))
-    own = os.path.join(self._step_dir(step), "data",
-                       f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-    use_grain = data_it is not None and os.path.exists(own)
+    own = storage.join(self._step_dir(step), "data", f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+    use_grain = data_it is not None and storage.exists(own)
     if use_grain:
       items["data"] = grain.checkpoint.CheckpointRestore(data_it)
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     _verify(self._step_dir(step), restored["state"], f"step {step}")
     if data_it is not None and not use_grain:
-      restore_data_position(os.path.join(self._step_dir(step), "data"), data_it)
+      restore_data_position(storage.join(self._step_dir(step), "data"), data_it)
     return TrainState(**restored["state"])
 
   def restore_latest(self, targets: Callable[[int], tuple[TrainState, TrainState]],
@@ -254,13 +250,13 @@ class Checkpointer:
   def _skip(self, step: int, error: Exception) -> None:
     """Moves a damaged step aside (`<step>.corrupt`, kept for inspection) so the run can write it again."""
     target, n = self._step_dir(step) + ".corrupt", 1
-    while os.path.exists(target):
+    while storage.exists(target):
       target, n = f"{self._step_dir(step)}.corrupt{n}", n + 1
     first = one_line(error)[:300]
     console(f"warning: skipping checkpoint step {step} in {self.directory}: cannot restore it "
             f"({type(error).__name__}: {first}); moved it to {os.path.basename(target)}, trying the previous one")
     if jax.process_index() == 0:
-      os.rename(self._step_dir(step), target)
+      storage.rename(self._step_dir(step), target)
     _barrier(f"ember_skip_{step}")
     self.manager.reload()
 
@@ -297,14 +293,14 @@ def _barrier(name: str) -> None:
 
 def _manager_dir_and_step(path: str, what: str) -> tuple[str, int | None]:
   """`path` is a run's workdir, its checkpoints/ directory (newest step) or one numbered step inside it."""
-  path = os.path.abspath(os.path.expanduser(path))
-  if not os.path.isdir(path):
+  path = storage.absolute(path)
+  if not storage.isdir(path):
     raise CheckpointError(f"{what}: no checkpoint directory at {path}")
-  base = os.path.basename(path.rstrip("/"))
+  base = os.path.basename(path)
   if base.isdigit():
     return os.path.dirname(path), int(base)
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    path = os.path.join(path, "checkpoints")
+  if storage.isdir(storage.join(path, "checkpoints")):
+    path = storage.join(path, "checkpoints")
   return path, None
 
 
@@ -330,7 +326,7 @@ def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it
       restored = _restore_checked(manager, directory, step, ocp.args.StandardRestore(target), what)
       state = TrainState(**restored)
       if data_it is not None:
-        restore_data_position(os.path.join(directory, str(step), "data"), data_it)
+        restore_data_position(storage.join(directory, str(step), "data"), data_it)
   finally:
     manager.close()
   console(f"started from {'the parameters of ' if params_only else ''}{directory} step {step}")

@@ -29,7 +29,7 @@ import numpy as np
 
 import ember
 from ember import config as config_lib
-from ember import platform
+from ember import platform, storage
 from ember.data import build_tokenizer, records
 from ember.data.sharded import data_iterator, global_batch, source_shares
 from ember.errors import ConfigError, Diverged
@@ -87,9 +87,9 @@ def _make_workdir(workdir: str) -> None:
   """config.validate checks the path without creating it; creating it can still fail where the permission
   bits allow it (a virtual or read-only file system such as /proc): one line, exit 2."""
   try:
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
   except OSError as e:
-    raise ConfigError(f"config.workdir: cannot create {os.path.abspath(workdir)}: {e.strerror or e}") from None
+    raise ConfigError(f"config.workdir: cannot create {storage.absolute(workdir)}: {e.strerror or e}") from None
 
 
 def train(cfg, mesh=None) -> dict:
@@ -180,7 +180,7 @@ def _plan(cfg, mesh, params) -> str:
           f"{jax.device_count()} {jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), mesh "
           + (" x ".join(f"{k} {v}" for k, v in axes.items()) or "of one device") + "\n"
           f"  precision: recipe {cfg.quant.name}, remat {cfg.remat.policy}, optimizer {t.optimizer}; "
-          f"training to step {cfg.steps} in {os.path.abspath(cfg.workdir)}")
+          f"training to step {cfg.steps} in {storage.absolute(cfg.workdir)}")
 
 
 def _summary(run: _Run, first: int, timed_from: tuple[int, float], done: int, wall_s: float) -> str:
@@ -196,7 +196,7 @@ def _summary(run: _Run, first: int, timed_from: tuple[int, float], done: int, wa
     speed = f"; {perf.tokens_per_s:,.0f} tokens/s{mfu} over steps {timed_from[0] + 1}-{done}"
   losses = ", ".join(f"{k} {run.last[k]:.4f}" for k in ("loss", "eval_loss") if k in run.last)
   return (f"finished: {done - first} steps ({first + 1}-{done}), {tokens:,} tokens in {format_eta(wall_s)}{speed}; "
-          f"{losses}; metrics {os.path.join(os.path.abspath(cfg.workdir), 'metrics.jsonl')}, checkpoints "
+          f"{losses}; metrics {storage.join(storage.absolute(cfg.workdir), 'metrics.jsonl')}, checkpoints "
           f"{run.ckpt.directory}")
 
 
@@ -247,7 +247,7 @@ class _Run:
     resources.callback(metrics.close)
     preemption = distributed.Preemption().install()
     resources.callback(preemption.uninstall)
-    ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"), every_steps=cfg.checkpoint.every_steps,
+    ckpt = Checkpointer(storage.join(cfg.workdir, "checkpoints"), every_steps=cfg.checkpoint.every_steps,
                         keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     resources.callback(ckpt.close)
     phases = precision.Phases(cfg)
@@ -415,16 +415,17 @@ class _Interval:
 
 
 class _Profiler:
-  """A profiler trace of steps [train.profile_start_step, + train.profile_steps) into workdir/profile."""
+  """A profiler trace of steps [train.profile_start_step, + train.profile_steps) into workdir/profile (written
+  locally and copied there for a gs:// workdir)."""
 
   def __init__(self, cfg):
     self.start, self.stop = cfg.train.profile_start_step, cfg.train.profile_start_step + cfg.train.profile_steps
-    self.last, self.dir = cfg.steps, os.path.join(cfg.workdir, "profile")
+    self.last, self.dir = cfg.steps, storage.Mirror(storage.join(cfg.workdir, "profile"))
     self.active = False
 
   def before(self, step: int) -> None:
     if self.start >= 0 and step == self.start:
-      jax.profiler.start_trace(self.dir)
+      jax.profiler.start_trace(self.dir.local)
       self.active = True
 
   def stops(self, done: int) -> bool:
@@ -433,6 +434,7 @@ class _Profiler:
   def after(self, done: int) -> None:
     if self.stops(done):
       jax.profiler.stop_trace()
+      self.dir.sync()
       self.active = False
 
 

@@ -1,20 +1,22 @@
 """metrics.jsonl, TensorBoard (and Weights & Biases: trainer/wandb_run.py) and the console line; written by
 process 0 only.
 
-Each record is one `write` of one complete line followed by flush + fsync, so a crash leaves at
-most a torn *last* line; `truncate_after` (called on resume) rewrites the file atomically without
-it and without records past the restored step, so the file never holds a step twice or a gap.
+Each record is one complete line added at once (ember/storage.py: appended and fsync'd locally, the object
+rewritten whole in a bucket), so a crash leaves at most a torn *last* line; `truncate_after` (called on resume)
+rewrites the file atomically without it and without records past the restored step, so the file never holds a
+step twice or a gap.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 
 import jax
+
+from ember import storage
 
 
 # The keys of a record that measure this run's speed, not its training: they differ between two runs of the same
@@ -32,15 +34,14 @@ def _clean(v):
 
 def read_records(path: str) -> list[dict]:
   """Complete records of a metrics file (a torn last line is skipped)."""
-  if not os.path.exists(path):
+  if not storage.exists(path):
     return []
   out = []
-  with open(path) as f:
-    for line in f:
-      try:
-        out.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
+  for line in storage.read_text(path).splitlines():
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
   return out
 
 
@@ -49,18 +50,18 @@ class MetricsWriter:
 
   def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool | None = None, wandb=None):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.path = storage.join(workdir, "metrics.jsonl")
     self._wandb = wandb
     self._tb = None
-    self._tb_dir = os.path.join(workdir, "tensorboard") if tensorboard else None
+    self._tb_dir = storage.Mirror(storage.join(workdir, "tensorboard")) if tensorboard and self.enabled else None
     if self.enabled:
-      os.makedirs(workdir, exist_ok=True)
+      storage.makedirs(workdir)
 
   def _tensorboard(self, purge_step: int | None = None):
     """The TensorBoard writer, opened lazily; `purge_step` hides events at or after it (resume)."""
     if self._tb is None and self.enabled and self._tb_dir is not None:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(self._tb_dir, purge_step=purge_step)
+      self._tb = SummaryWriter(self._tb_dir.local, purge_step=purge_step)
     return self._tb
 
   def truncate_after(self, step: int) -> None:
@@ -68,24 +69,16 @@ class MetricsWriter:
     if not self.enabled:
       return
     self._tensorboard(purge_step=step + 1)
-    if not os.path.exists(self.path):
+    if not storage.exists(self.path):
       return
     keep = [r for r in read_records(self.path) if r.get("step", 0) <= step]
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in keep)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, self.path)
+    storage.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
   def write(self, record: dict) -> None:
     if not self.enabled:
       return
     record = {k: _clean(v) for k, v in record.items()}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(record) + "\n")
-      f.flush()
-      os.fsync(f.fileno())
+    storage.append_line(self.path, json.dumps(record))
     step = record["step"]
     scalars = {k: v for k, v in record.items()
                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -94,12 +87,14 @@ class MetricsWriter:
       for k, v in scalars.items():
         tb.add_scalar(k, v, step)
       tb.flush()
+      self._tb_dir.sync()
     if self._wandb is not None:
       self._wandb.log(scalars, step)
 
   def close(self):
     if self._tb is not None:
       self._tb.close()
+      self._tb_dir.sync()
     if self._wandb is not None:
       self._wandb.close()
 

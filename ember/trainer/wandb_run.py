@@ -3,7 +3,8 @@
 The run's id is kept in the workdir (`wandb_run_id`), so a resumed run continues the same W&B run rather than
 starting a second one. W&B refuses a step at or below one it already holds: records a crash logged past the restored
 step are not rewritten there (metrics.jsonl is the record of truth; it is truncated to the restored step). W&B's
-own environment applies: WANDB_MODE=offline writes the run under the workdir's `wandb/` for a later `wandb sync`.
+own environment applies: WANDB_MODE=offline writes the run under the workdir's `wandb/` for a later `wandb sync`
+(W&B's own files are local: for a gs:// workdir, under ./wandb or WANDB_DIR).
 """
 
 from __future__ import annotations
@@ -11,21 +12,19 @@ from __future__ import annotations
 import os
 import secrets
 
+from ember import storage
+
 
 ID_FILE = "wandb_run_id"
 
 
 def _run_id(workdir: str) -> str:
   """This workdir's W&B run id, made and written (atomically) by its first run."""
-  path = os.path.join(workdir, ID_FILE)
-  if os.path.exists(path):
-    with open(path) as f:
-      return f.read().strip()
+  path = storage.join(workdir, ID_FILE)
+  if storage.exists(path):
+    return storage.read_text(path).strip()
   run_id = secrets.token_hex(4)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.write(run_id)
-  os.replace(tmp, path)
+  storage.write_atomic(path, run_id)
   return run_id
 
 
@@ -34,10 +33,11 @@ class WandbRun:
 
   def __init__(self, *, project: str, entity: str, name: str, workdir: str, config: dict):
     import wandb  # The optional extra; checked at validation (config.py).
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
     self._run = wandb.init(project=project, entity=entity or None,
-                           name=name or os.path.basename(os.path.normpath(workdir)),
-                           id=_run_id(workdir), resume="allow", dir=workdir, config=config,
+                           name=name or os.path.basename(storage.absolute(workdir)),
+                           id=_run_id(workdir), resume="allow", dir=None if storage.is_remote(workdir) else workdir,
+                           config=config,
                            settings=wandb.Settings(console="off", quiet=True))
 
   def log(self, scalars: dict, step: int) -> None:
