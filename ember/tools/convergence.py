@@ -17,7 +17,8 @@ mean over seeds and its standard error the seeds' standard deviation over sqrt(s
   OUT/convergence.md     the table;
   OUT/convergence.png    the train loss (mean over seeds, smoothed) by variant, and the gaps with their errors;
   OUT/<variant>/seed<s>/ each run's workdir, OUT/logs/ their output.
-A variant with a failed run reports the seeds that finished.
+A variant with a failed run reports the seeds that finished. A run whose metrics already reach --steps (an earlier
+invocation's, into the same --out) is kept and not run again: a stopped comparison goes on where it stopped.
 """
 
 from __future__ import annotations
@@ -75,6 +76,17 @@ def gaps(late: dict[str, dict[int, float | None]]) -> dict[str, dict]:
   return out
 
 
+def _finished(out: str, name: str, steps: int) -> dict | None:
+  """A run an earlier invocation finished (its metrics reach `steps`): kept, not run again, so an interrupted
+  comparison goes on where it stopped and more seeds or variants add to it. Delete its directory to rerun it."""
+  from ember.trainer.metrics import read_records
+  workdir = os.path.join(out, name)
+  if not any(r.get("step") == steps and r.get("loss") is not None
+             for r in read_records(os.path.join(workdir, "metrics.jsonl"))):
+    return None
+  return {"status": "ok", "error": None, "workdir": workdir, "wall_time_s": None}
+
+
 def run(config: str, variants: dict[str, dict], seeds: list[int], steps: int, out: str, fixed: dict,
         late: float, timeout: float | None, log=print) -> dict:
   from ember.trainer.metrics import read_records
@@ -83,8 +95,8 @@ def run(config: str, variants: dict[str, dict], seeds: list[int], steps: int, ou
   total = len(variants) * len(seeds)
   for i, (seed, (name, overrides)) in enumerate((s, v) for s in seeds for v in variants.items()):
     log(f"[{i + 1}/{total}] {name}, seed {seed}")
-    r = sweep.run_one(config, fixed, {**overrides, "seed": str(seed)}, steps, out, timeout,
-                      name=f"{name}/seed{seed}")
+    r = _finished(out, f"{name}/seed{seed}", steps) or sweep.run_one(
+        config, fixed, {**overrides, "seed": str(seed)}, steps, out, timeout, name=f"{name}/seed{seed}")
     loss = late_loss(read_records(os.path.join(r["workdir"], "metrics.jsonl")), steps, late) \
         if r["status"] == "ok" else None
     late_by[name][seed] = loss
