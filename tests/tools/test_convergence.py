@@ -68,3 +68,17 @@ def test_a_convergence_run_reports_each_variants_gap(tmp_path, monkeypatch, caps
   table = (out / "convergence.md").read_text()
   assert "| fp8_lm_head |" in table and "(reference)" in table and table in capsys.readouterr().out
   assert matplotlib.image.imread(str(out / "convergence.png")).shape[0] > 100
+
+
+def test_a_finished_run_is_kept_and_an_unfinished_one_runs_again(tmp_path):
+  def write(name: str, last: int) -> None:
+    (tmp_path / name).mkdir(parents=True)
+    (tmp_path / name / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, last + 1)))
+  write("bf16/seed0", 10)
+  write("bf16/seed1", 7)  # Stopped at step 7 of 10.
+  kept = convergence._finished(str(tmp_path), "bf16/seed0", 10)
+  assert kept["status"] == "ok" and kept["workdir"] == str(tmp_path / "bf16/seed0")
+  assert convergence._finished(str(tmp_path), "bf16/seed1", 10) is None
+  assert convergence._finished(str(tmp_path), "bf16/seed2", 10) is None  # Never started.
+  assert convergence._finished(str(tmp_path), "bf16/seed0", 20) is None  # Asked for more steps.
