@@ -72,7 +72,10 @@ def check_out_files(paths: dict[str, str]) -> None:
 
 def check_out_dir(flag: str, path: str) -> None:
   """`path` is, or can be created as, a directory this process may write (nothing is created)."""
+  from ember import storage
   from ember.config import directory_problem
+  if storage.is_remote(path) or storage.scheme_problem(path):
+    raise ConfigError(f"{flag}: {path}: the tools write their outputs to a local directory")
   problem = directory_problem(path)
   if problem:
     raise ConfigError(f"{flag}: {problem}")

@@ -38,6 +38,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ember import storage
+
 DATA_KEY = "__data__"
 KEEP = 2  # Local steps kept on each disk.
 CHUNK_BYTES = 1 << 29  # The peer exchange in pieces of at most this much device memory.
@@ -133,9 +135,9 @@ class LocalCheckpoints:
     tag = layout(state, shardings, self.mesh, self.seed)
     step_dir = os.path.join(self.directory, str(step))
     os.makedirs(step_dir, exist_ok=True)
-    _write(os.path.join(step_dir, self._name("process", self.process, tag)), own)
+    storage.write_bytes(os.path.join(step_dir, self._name("process", self.process, tag)), own)
     if self.count > 1:
-      _write(os.path.join(step_dir, self._name("peer", (self.process - 1) % self.count, tag)), peer)
+      storage.write_bytes(os.path.join(step_dir, self._name("peer", (self.process - 1) % self.count, tag)), peer)
     self._prune()
     if self.count > 1:  # No process goes on to the next step's collectives while another is still writing.
       multihost_utils.sync_global_devices(f"local checkpoint {step}")
@@ -184,7 +186,8 @@ class LocalCheckpoints:
       if not present:
         blob = returned
         os.makedirs(step_dir, exist_ok=True)
-        _write(os.path.join(step_dir, self._name("process", self.process, tag)), blob)  # Its disk holds it again.
+        # Its disk holds it again.
+        storage.write_bytes(os.path.join(step_dir, self._name("process", self.process, tag)), blob)
     parts = unpack(blob)
 
     def build(path, leaf, sharding):
@@ -196,15 +199,6 @@ class LocalCheckpoints:
     if data_it is not None and DATA_KEY in parts:
       data_it.set_state(parts[DATA_KEY].tobytes())
     return state, [int(p) for p in np.flatnonzero(lost)]
-
-
-def _write(path: str, blob: bytes) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(blob)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
 
 
 def _read(path: str) -> bytes:

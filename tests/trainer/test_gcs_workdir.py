@@ -37,15 +37,15 @@ def _wait_for(url: str) -> None:
 def bucket():
   """The fake server, every client pointed at it: gcsfs (STORAGE_EMULATOR_HOST, set by the wrapper) and TensorStore
   (TENSORSTORE_GCS_HTTP_URL, with a fixed token instead of Google credentials)."""
-  saved = dict(os.environ)
   port = _server._find_free_port()
   server = subprocess.Popen([str(_server._get_binary_path()), "-scheme", "http", "-backend", "memory", "-host",
                              "127.0.0.1", "-port", str(port), "-log-level", "error"])
   url = f"http://127.0.0.1:{port}"
   _wait_for(url)
-  os.environ.update(STORAGE_EMULATOR_HOST=url, TENSORSTORE_GCS_HTTP_URL=url,
-                    GOOGLE_AUTH_TOKEN_FOR_TESTING="test",
-                    GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")  # Its bucket-type probe speaks gRPC: not faked.
+  env = dict(STORAGE_EMULATOR_HOST=url, TENSORSTORE_GCS_HTTP_URL=url, GOOGLE_AUTH_TOKEN_FOR_TESTING="test",
+             GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")  # gcsfs's bucket-type probe speaks gRPC: not faked.
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
   import gcsfs
   gcsfs.GCSFileSystem(token="anon").mkdir(BUCKET)
   try:
@@ -53,8 +53,11 @@ def bucket():
   finally:
     server.kill()
     server.wait()
-    os.environ.clear()
-    os.environ.update(saved)
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
 
 
 def _logged(records: list[dict]) -> dict[int, dict]:
