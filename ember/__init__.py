@@ -3,7 +3,8 @@
 Floors, from the bottom up; each imports only itself and the floors listed before it (tests/test_structure.py):
   errors, keys, names,          leaves: user errors, config keys' declarations, the names everyone agrees
   xla_flags, native_output,     on, the XLA options ember needs, the native libraries' console lines (these
-  hardware, platform            three import no JAX), the GPUs' facts, the platform traced for
+  hardware, platform, storage   three import no JAX), the GPUs' facts, the platform traced for, a workdir's
+                                files (local or gs://)
   remat                         checkpoint names and remat presets
   quant                         pure-JAX quantization (formats, quantizers, the recipe table, VJPs)
   parallel                      mesh, logical sharding rules, multi-process set-up

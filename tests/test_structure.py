@@ -13,7 +13,7 @@ PACKAGE = ROOT / "ember"
 # Each floor imports only itself and the floors below it (see ember/__init__.py).
 FLOORS = [
     ("ember", "ember.errors", "ember.keys", "ember.names", "ember.xla_flags", "ember.native_output", "ember.hardware",
-     "ember.platform"),
+     "ember.platform", "ember.storage"),
     ("ember.remat",),
     ("ember.quant",),
     ("ember.parallel",),
