@@ -246,7 +246,7 @@ def directory_problem(directory: str) -> str | None:
 
 
 def _bucket_problem(url: str) -> str | None:
-  bucket = "gs://" + url.removeprefix("gs://").split("/")[0]
+  bucket = storage.bucket(url)
   try:
     if not storage.exists(bucket):
       return f"{url}: the bucket {bucket} does not exist (or these credentials cannot see it)"

@@ -28,6 +28,11 @@ def is_remote(path: str) -> bool:
   return str(path).startswith(REMOTE_SCHEMES)
 
 
+def bucket(url: str) -> str:
+  """`gs://BUCKET/a/b` -> `gs://BUCKET`."""
+  return "gs://" + url.removeprefix("gs://").split("/")[0]
+
+
 def scheme_problem(path: str) -> str | None:
   """Why `path` cannot hold a run (a URL scheme ember does not write to), or None."""
   path = str(path)
@@ -35,7 +40,7 @@ def scheme_problem(path: str) -> str | None:
     if path.startswith(scheme):
       return (f"{path}: {scheme} is not supported (Orbax writes checkpoints to local paths and gs:// only); "
               "use gs:// or a filesystem every host mounts")
-  if is_remote(path) and not path.removeprefix("gs://").split("/")[0]:
+  if is_remote(path) and bucket(path) == "gs://":
     return f"{path}: names no bucket"
   return None
 
@@ -101,7 +106,10 @@ def write_bytes(path: str, data: bytes) -> None:
 def append_line(path: str, line: str) -> None:
   """One complete line added to `path` (created if missing), on disk when this returns."""
   if is_remote(path):
-    old = read_text(path) if exists(path) else ""
+    try:
+      old = read_text(path)  # One request, not an existence check and then a read.
+    except FileNotFoundError:
+      old = ""
     write_atomic(path, old + line + "\n")
     return
   with open(path, "a") as f:
