@@ -62,6 +62,29 @@ def get_config() -> ml_collections.ConfigDict:
   m.router_bias_update_rate = 0.0  # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the routing
   # scores for the top-k choice only, moved by this much per optimizer step toward balanced loads (after each
   # step: bias += rate * sign(mean load - load)); 0 = off. Usually with load_balance_weight = 0 (or tiny).
+  # DeepSeek-V3's MoE (docs/moe.md, "DeepSeek-V3"). "softmax" or "sigmoid" routing scores; sigmoid weights the
+  # chosen experts by their scores renormalised over the k, times routed_scaling_factor.
+  m.router_score = "softmax"
+  m.n_group = 1  # Expert groups (contiguous experts); tokens choose their experts within the best topk_group
+  m.topk_group = 1  # groups, a group scored by its two best experts (node-limited routing: a group per node).
+  m.routed_scaling_factor = 1.0  # Multiplies the routed experts' weights.
+  m.num_shared_experts = 0  # Always-on shared experts beside the routed ones, each of d_ff (DeepSeek-V3: 1).
+  m.first_k_dense = 0  # The first k layers are dense (of dense_d_ff), the rest MoE.
+  m.dense_d_ff = 0  # Width of the dense layers' SwiGLU in an MoE model (0 = d_ff).
+  m.seq_load_balance_weight = 0.0  # DeepSeek-V3's sequence-wise balance loss (each document's loads; 0 = off).
+  # Multi-head latent attention (ember/layers/mla.py), on where kv_lora_rank > 0: keys and values come from a
+  # compressed latent of kv_lora_rank and a RoPE key of qk_rope_head_dim shared by all heads; queries from a
+  # q_lora_rank latent (0 = a full projection). Per head: qk_nope_head_dim + qk_rope_head_dim query/key dims and
+  # v_head_dim value dims. Sampling caches the latent and the RoPE key.
+  m.q_lora_rank = 0
+  m.kv_lora_rank = 0
+  m.qk_rope_head_dim = 0
+  m.qk_nope_head_dim = 0
+  m.v_head_dim = 0
+  # Multi-token prediction (ember/layers/mtp.py): mtp_depth modules predicting 2, 3, ... tokens ahead, sharing the
+  # embedding and LM head; their mean loss (logged as mtp_loss) is added with mtp_loss_weight. Off in sampling.
+  m.mtp_depth = 0
+  m.mtp_loss_weight = 0.3
 
   t = c.train = ml_collections.ConfigDict()
   t.batch_size = 8  # Global batch, in sequences.

@@ -19,6 +19,7 @@ from ember.quant.recipe import Recipe
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 
@@ -56,6 +57,26 @@ class ModelConfig:
   load_balance_weight: float = key("float", ">=0")
   router_z_weight: float = key("float", ">=0")
   router_bias_update_rate: float = key("float", ">=0")  # 0 = no router bias (layers/moe.py, RouterBias).
+  # DeepSeek-V3's MoE (layers/moe.py, `route`): sigmoid scores, top-k within the best `topk_group` of `n_group`
+  # expert groups, the chosen weights renormalised and scaled; `num_shared_experts` always-on experts of d_ff;
+  # the first `first_k_dense` layers dense, of `dense_d_ff`.
+  router_score: str = key("str", choices=ROUTER_SCORES)
+  n_group: int = key("int", ">=1")
+  topk_group: int = key("int", ">=1")
+  routed_scaling_factor: float = key("float", ">0")
+  num_shared_experts: int = key("int", ">=0")
+  first_k_dense: int = key("int", ">=0")
+  dense_d_ff: int = key("int", ">=0")  # 0 = d_ff.
+  seq_load_balance_weight: float = key("float", ">=0")  # DeepSeek-V3's sequence-wise balance loss (0 = off).
+  # Multi-head latent attention (layers/mla.py): on where kv_lora_rank > 0.
+  q_lora_rank: int = key("int", ">=0")  # 0 = a full-rank query projection.
+  kv_lora_rank: int = key("int", ">=0")
+  qk_rope_head_dim: int = key("int", ">=0")
+  qk_nope_head_dim: int = key("int", ">=0")
+  v_head_dim: int = key("int", ">=0")
+  # Multi-token prediction (layers/mtp.py): modules predicting 2, 3, ... tokens ahead, their loss weighted.
+  mtp_depth: int = key("int", ">=0")
+  mtp_loss_weight: float = key("float", ">=0")
   recipe: Recipe = dataclasses.field(default_factory=Recipe)  # The `quant` section (with its log and train
   # options), which every projection reads through `recipe_for`.
 
@@ -74,6 +95,42 @@ class ModelConfig:
       if self.num_layers % self.moe_every:
         bad_key("model.moe_every",
                 f"model.num_layers={self.num_layers} is not a multiple of moe_every={self.moe_every}")
+      self._check_routing()
+    if self.first_k_dense and self.first_k_dense >= self.num_layers:
+      bad_key("model.first_k_dense", f"{self.first_k_dense} dense layers leave no MoE layer of "
+              f"model.num_layers={self.num_layers}")
+    if self.first_k_dense % self.block_size:
+      bad_key("model.first_k_dense", f"{self.first_k_dense} is not a multiple of model.moe_every={self.moe_every}")
+    if self.shared_expert_d_ff and self.num_shared_experts:
+      bad_key("model.num_shared_experts", "set it or model.shared_expert_d_ff, not both (the shared width is "
+              "num_shared_experts x d_ff)")
+    if self.is_mla:
+      self._check_mla()
+
+  def _check_routing(self):
+    group = self.num_experts // self.n_group
+    if self.num_experts % self.n_group:
+      bad_key("model.n_group", f"{self.n_group} groups do not divide model.num_experts={self.num_experts}")
+    if self.topk_group > self.n_group:
+      bad_key("model.topk_group", f"{self.topk_group} groups chosen of model.n_group={self.n_group}")
+    if self.n_group > 1 and group < 2:
+      bad_key("model.n_group", f"a group is scored by its two best experts: {self.n_group} groups of "
+              f"{self.num_experts} experts hold {group}")
+    if self.experts_per_token > self.topk_group * group:
+      bad_key("model.experts_per_token", f"{self.experts_per_token} experts do not fit in model.topk_group="
+              f"{self.topk_group} groups of {group}")
+
+  def _check_mla(self):
+    for name in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+      if not getattr(self, name):
+        bad_key(f"model.{name}", "multi-head latent attention (model.kv_lora_rank > 0) needs it > 0")
+    if self.qk_rope_head_dim % 2:
+      bad_key("model.qk_rope_head_dim", f"rotary embeddings need an even size, got {self.qk_rope_head_dim}")
+    if self.v_head_dim > self.qk_nope_head_dim + self.qk_rope_head_dim:
+      bad_key("model.v_head_dim", f"{self.v_head_dim} exceeds a query's size, qk_nope_head_dim + qk_rope_head_dim = "
+              f"{self.qk_nope_head_dim + self.qk_rope_head_dim} (the attention kernels pad values to it)")
+    if self.qk_norm:
+      bad_key("model.qk_norm", "multi-head latent attention normalises its latents, not per-head queries and keys")
 
   # --- Attention ------------------------------------------------------------------------------------
 
@@ -87,6 +144,23 @@ class ModelConfig:
     """Init std of the projections that write into the residual stream (scaled by depth)."""
     return self.init_std / (2 * self.num_layers) ** 0.5
 
+  @property
+  def is_mla(self) -> bool:
+    """Multi-head latent attention (layers/mla.py) instead of grouped-query attention."""
+    return self.kv_lora_rank > 0
+
+  @property
+  def qk_head_dim(self) -> int:
+    """A query's and a key's size per head: MLA's no-RoPE and RoPE parts, else head_dim."""
+    return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+  @property
+  def cache_values_per_token(self) -> int:
+    """Values one layer caches per token for sampling: MLA's latent and RoPE key, else K and V of every kv head."""
+    if self.is_mla:
+      return self.kv_lora_rank + self.qk_rope_head_dim
+    return 2 * self.num_kv_heads * self.head_dim
+
   # --- Layers and blocks ------------------------------------------------------------------------------
 
   @property
@@ -94,8 +168,31 @@ class ModelConfig:
     return self.num_experts > 0
 
   def is_moe_layer(self, index: int) -> bool:
-    """Layer `index` is MoE when experts are on and it closes a group of `moe_every` layers."""
-    return self.is_moe and index % self.moe_every == self.moe_every - 1
+    """Layer `index` is MoE when experts are on, it is past the first `first_k_dense` and it closes a group of
+    `moe_every` layers. A multi-token-prediction module's layer (index num_layers + k) is like the last layer."""
+    index = min(index, self.num_layers - 1)
+    return self.is_moe and index >= self.first_k_dense and index % self.moe_every == self.moe_every - 1
+
+  @property
+  def stat_layers(self) -> int:
+    """The layers whose statistics a train step reports per layer: the decoder's, then the multi-token-prediction
+    modules' (layers/mtp.py)."""
+    return self.num_layers + self.mtp_depth
+
+  @property
+  def num_routed_layers(self) -> int:
+    """MoE layers among `stat_layers`: what the balance losses are averaged over."""
+    return sum(self.is_moe_layer(i) for i in range(self.stat_layers))
+
+  @property
+  def dense_width(self) -> int:
+    """The SwiGLU width of a dense layer."""
+    return self.dense_d_ff or self.d_ff
+
+  @property
+  def shared_d_ff(self) -> int:
+    """The always-on shared experts' width in an MoE layer (0 = none)."""
+    return self.shared_expert_d_ff or self.num_shared_experts * self.d_ff
 
   @property
   def num_moe_layers(self) -> int:

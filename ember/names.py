@@ -36,14 +36,18 @@ BATCH_KEYS = (INPUTS, TARGETS, SEGMENT_IDS, POSITIONS)
 SOURCE = "source"
 
 # --- Projections: the `name` of every quantized matmul (names its residuals, seeds its noise). ----
-LAYER_PROJECTIONS = ("qkv", "out", "wi", "wo", "moe_wi", "moe_wo", "shared_wi", "shared_wo")
+# Multi-head latent attention (ember/layers/mla.py) replaces `qkv` with q_a, q_b (or q_b alone: the full query
+# projection), kv_a (the compressed latent and the shared RoPE key) and kv_b (the latent's keys and values);
+# `mtp_proj` is a multi-token-prediction module's projection of [embedding; hidden] (ember/layers/mtp.py).
+LAYER_PROJECTIONS = ("qkv", "out", "wi", "wo", "moe_wi", "moe_wo", "shared_wi", "shared_wo", "q_a", "q_b", "kv_a",
+                     "kv_b", "mtp_proj")
 LM_HEAD = "lm_head"
 PROJECTIONS = LAYER_PROJECTIONS + (LM_HEAD,)
 
 # The stochastic-rounding stream of each projection kind: its key is `fold_in(layer_key, stream)`.
 # Explicit numbers, so that reordering a tuple can never change the noise (and a resumed run's bits).
 RNG_STREAMS = {"qkv": 0, "out": 1, "wi": 2, "wo": 3, "moe_wi": 4, "moe_wo": 5, "shared_wi": 6, "shared_wo": 7,
-               "lm_head": 8}
+               "lm_head": 8, "q_a": 9, "q_b": 10, "kv_a": 11, "kv_b": 12, "mtp_proj": 13}
 
 # --- MoE statistics a layer returns (summed over layers; logged only by MoE models). ----------------
 MOE_LOAD_BALANCE_LOSS = "moe_load_balance_loss"

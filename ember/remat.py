@@ -38,9 +38,13 @@ MOE_WI_1 = "moe_wi_1"
 MOE_WO = "moe_wo"
 ROUTER_LOGITS = "router_logits"
 MOE_ROUTING = "moe_routing"  # The top-k expert choices (uint8); see ROUTED below.
+# Multi-head latent attention (ember/layers/mla.py): the low-rank query and the compressed key/value latent with
+# the shared RoPE key, as their down-projections write them. Its queries, keys and values take QUERY, KEY, VALUE.
+MLA_Q_LATENT = "mla_q_latent"
+MLA_KV_LATENT = "mla_kv_latent"
 
 ACTIVATION_NAMES = (LAYER_INPUT, QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, MLP_WI, MLP_WO,
-                    MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MOE_ROUTING)
+                    MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MOE_ROUTING, MLA_Q_LATENT, MLA_KV_LATENT)
 
 # Quantized residuals of every projection (ember.names.PROJECTIONS): the operand copies a quantized
 # matmul may hold (ember/quant/recipe.py says which copies a recipe makes).
@@ -66,7 +70,7 @@ ALL_NAMES = ACTIVATION_NAMES + QUANTIZED_NAMES
 
 # The projection outputs `minimal` keeps (every projection matmul's output).
 PROJECTION_OUTPUTS = (QUERY, KEY, VALUE, OUT_PROJ, MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO,
-                      ROUTER_LOGITS)
+                      ROUTER_LOGITS, MLA_Q_LATENT, MLA_KV_LATENT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +92,9 @@ PRESETS: dict[str, Preset] = {
     "minimal": Preset(save=PROJECTION_OUTPUTS),
     "save_quantized": Preset(save=QUANTIZED_NAMES),
     "minimal_quantized": Preset(save=PROJECTION_OUTPUTS + QUANTIZED_NAMES),
-    "save_qkv_proj": Preset(save=(QUERY, KEY, VALUE)),
-    "save_dot_except_mlp": Preset(save=(QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, ROUTER_LOGITS)),
+    "save_qkv_proj": Preset(save=(QUERY, KEY, VALUE, MLA_Q_LATENT, MLA_KV_LATENT)),
+    "save_dot_except_mlp": Preset(save=(QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, ROUTER_LOGITS, MLA_Q_LATENT,
+                                        MLA_KV_LATENT)),
     "minimal_offloaded": Preset(offload=PROJECTION_OUTPUTS),
     "save_quantized_offloaded": Preset(offload=QUANTIZED_NAMES),
     # The activation copies to host, the weight copies kept on device. Under FSDP a weight copy is the

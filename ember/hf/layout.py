@@ -101,11 +101,11 @@ LAYER_RULES = {
             m.num_heads, m.head_dim, m.d_model)),
     ("mlp", "wi", "kernel"): Rule(
         lambda m, w: {"mlp.gate_proj.weight": w[:, 0].T, "mlp.up_proj.weight": w[:, 1].T},
-        lambda m, get: np.stack([get("mlp.gate_proj.weight", (m.d_ff, m.d_model)).T,
-                                 get("mlp.up_proj.weight", (m.d_ff, m.d_model)).T], axis=1)),
+        lambda m, get: np.stack([get("mlp.gate_proj.weight", (m.dense_width, m.d_model)).T,
+                                 get("mlp.up_proj.weight", (m.dense_width, m.d_model)).T], axis=1)),
     ("mlp", "wo", "kernel"): Rule(
         lambda m, w: {"mlp.down_proj.weight": w.T},
-        lambda m, get: get("mlp.down_proj.weight", (m.d_model, m.d_ff)).T),
+        lambda m, get: get("mlp.down_proj.weight", (m.d_model, m.dense_width)).T),
 }
 
 _HEAD_NORMS = {("attn", f"{n}_norm", "scale"): Rule(
@@ -115,12 +115,92 @@ _MOE_RULES = {
     "mixtral": _moe_rules("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}", "w1", "w3", "w2"),
     "qwen3_moe": _moe_rules("mlp.gate.weight", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
 }
+
+
+# --- DeepSeek-V3: multi-head latent attention, shared experts, the router's bias -----------------------------------
+
+def rope_order(r: int) -> np.ndarray:
+  """The HF column of each of ember's RoPE columns: DeepSeek rotates interleaved pairs (2i, 2i + 1), ember the
+  half-split pairs (i, i + r / 2) (layers/rope.py) at the same frequencies, so ember's column i is HF's 2i and
+  its column r / 2 + i HF's 2i + 1."""
+  return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
+
+
+def _rope_to_hf(w, r: int):
+  """The last axis of `w`, whose last `r` entries are ember's RoPE columns, in HF's order (one gather: traced with
+  `jax.eval_shape` too)."""
+  n = w.shape[-1]
+  return w[..., np.concatenate([np.arange(n - r), n - r + np.argsort(rope_order(r))])]
+
+
+def _rope_from_hf(w, r: int):
+  n = w.shape[-1]
+  return w[..., np.concatenate([np.arange(n - r), n - r + rope_order(r)])]
+
+
+def _q_name(m: ModelConfig) -> str:
+  return "self_attn.q_b_proj.weight" if m.q_lora_rank else "self_attn.q_proj.weight"
+
+
+def _ds_norm(hf: str, size) -> Rule:
+  return Rule(lambda m, w: {hf: w}, lambda m, get: get(hf, (size(m),)))
+
+
+_DEEPSEEK_RULES = {
+    ("attn", "q_a", "kernel"): Rule(
+        lambda m, w: {"self_attn.q_a_proj.weight": w.T},
+        lambda m, get: get("self_attn.q_a_proj.weight", (m.q_lora_rank, m.d_model)).T),
+    ("attn", "q_a_norm", "scale"): _ds_norm("self_attn.q_a_layernorm.weight", lambda m: m.q_lora_rank),
+    ("attn", "q_b", "kernel"): Rule(
+        lambda m, w: {_q_name(m): _rope_to_hf(w, m.qk_rope_head_dim).reshape(w.shape[0], -1).T},
+        lambda m, get: _rope_from_hf(get(_q_name(m), (m.num_heads * m.qk_head_dim, m.q_lora_rank or m.d_model)).T
+                                     .reshape(-1, m.num_heads, m.qk_head_dim), m.qk_rope_head_dim)),
+    ("attn", "kv_a", "kernel"): Rule(
+        lambda m, w: {"self_attn.kv_a_proj_with_mqa.weight": _rope_to_hf(w, m.qk_rope_head_dim).T},
+        lambda m, get: _rope_from_hf(get("self_attn.kv_a_proj_with_mqa.weight",
+                                         (m.kv_lora_rank + m.qk_rope_head_dim, m.d_model)).T, m.qk_rope_head_dim)),
+    ("attn", "kv_a_norm", "scale"): _ds_norm("self_attn.kv_a_layernorm.weight", lambda m: m.kv_lora_rank),
+    ("attn", "kv_b", "kernel"): Rule(
+        lambda m, w: {"self_attn.kv_b_proj.weight": w.reshape(w.shape[0], -1).T},
+        lambda m, get: get("self_attn.kv_b_proj.weight", (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                                                          m.kv_lora_rank)).T.reshape(m.kv_lora_rank, m.num_heads, -1)),
+    ("attn", "out", "kernel"): Rule(
+        lambda m, w: {"self_attn.o_proj.weight": w.reshape(-1, w.shape[-1]).T},
+        lambda m, get: get("self_attn.o_proj.weight", (m.d_model, m.num_heads * m.v_head_dim)).T.reshape(
+            m.num_heads, m.v_head_dim, m.d_model)),
+    ("moe", "router_bias"): Rule(
+        lambda m, w: {"mlp.gate.e_score_correction_bias": w},
+        lambda m, get: get("mlp.gate.e_score_correction_bias", (m.num_experts,))),
+    ("moe", "shared", "wi", "kernel"): Rule(
+        lambda m, w: {"mlp.shared_experts.gate_proj.weight": w[:, 0].T, "mlp.shared_experts.up_proj.weight": w[:, 1].T},
+        lambda m, get: np.stack([get(f"mlp.shared_experts.{p}_proj.weight", (m.shared_d_ff, m.d_model)).T
+                                 for p in ("gate", "up")], axis=1)),
+    ("moe", "shared", "wo", "kernel"): Rule(
+        lambda m, w: {"mlp.shared_experts.down_proj.weight": w.T},
+        lambda m, get: get("mlp.shared_experts.down_proj.weight", (m.d_model, m.shared_d_ff)).T),
+}
+# A multi-token-prediction module's own tensors (below its layer's prefix, `mtp_prefix`), as DeepSeek's checkpoints
+# keep them: the module after the decoder's last layer is `model.layers.{num_layers}`. Its embedding and head are
+# the model's (copies `MTP_SHARED` in the checkpoint).
+_MTP_RULES = {
+    ("embed_norm", "scale"): _norm("enorm.weight"),
+    ("hidden_norm", "scale"): _norm("hnorm.weight"),
+    ("out_norm", "scale"): _norm("shared_head.norm.weight"),
+    ("proj", "kernel"): Rule(lambda m, w: {"eh_proj.weight": w.T},
+                             lambda m, get: get("eh_proj.weight", (m.d_model, 2 * m.d_model)).T),
+}
+MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+
 # family -> (architecture, model_type).
 FAMILIES = {"llama": ("LlamaForCausalLM", "llama"), "mixtral": ("MixtralForCausalLM", "mixtral"),
-            "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+            "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+            "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3")}
+_MOE_RULES["deepseek_v3"] = _MOE_RULES["qwen3_moe"]  # The routed experts' tensors are named alike.
 
 
 def family(m: ModelConfig) -> str:
+  if m.is_mla:
+    return "deepseek_v3"
   if m.qk_norm:
     return "qwen3_moe" if m.is_moe else "qwen3"
   return "mixtral" if m.is_moe else "llama"
@@ -128,7 +208,20 @@ def family(m: ModelConfig) -> str:
 
 def layer_rules(m: ModelConfig) -> dict[tuple, Rule]:
   """The rules of one layer's tensors in `m`'s family."""
+  if family(m) == "deepseek_v3":
+    return {**LAYER_RULES, **_MOE_RULES["deepseek_v3"], **_DEEPSEEK_RULES}
   return {**LAYER_RULES, **_MOE_RULES.get(family(m), {}), **(_HEAD_NORMS if m.qk_norm else {})}
+
+
+def mtp_prefix(m: ModelConfig, depth: int) -> str:
+  """The HF prefix of multi-token-prediction module `depth` (0-based)."""
+  return layer_prefix(m.num_layers + depth)
+
+
+def _prefixed(rule: Rule, prefix: str) -> Rule:
+  """`rule` with every HF name below `prefix`."""
+  return Rule(lambda m, w: {prefix + k: v for k, v in rule.to_hf(m, w).items()},
+              lambda m, get: rule.from_hf(m, lambda name, shape: get(prefix + name, shape)))
 
 TOP_RULES = {
     ("embed", "embedding"): Rule(
@@ -146,10 +239,31 @@ def layer_prefix(layer: int) -> str:
 
 def unsupported(m: ModelConfig) -> str | None:
   """Why this architecture has no form in any family of `FAMILIES` (None if it has one)."""
+  if family(m) == "deepseek_v3":
+    return _unsupported_by_deepseek(m)
+  deepseek = next((f"{key} = {value}" for key, value in (
+      ("model.router_score", m.router_score), ("model.n_group", m.n_group), ("model.num_shared_experts",
+      m.num_shared_experts), ("model.first_k_dense", m.first_k_dense), ("model.routed_scaling_factor",
+      m.routed_scaling_factor)) if value not in ("softmax", 1, 0, 1.0)), None)
+  if m.is_moe and deepseek:
+    return f"DeepSeek-V3's routing ({deepseek}) without its latent attention has no Hugging Face family here"
   if m.shared_expert_d_ff:
     return "an MoE with a shared expert (model.shared_expert_d_ff > 0) has no Mixtral or Qwen3-MoE form"
   if m.is_moe and m.moe_every != 1:
     return f"dense layers between MoE layers (model.moe_every = {m.moe_every}) have no Mixtral or Qwen3-MoE form"
+  return None
+
+
+def _unsupported_by_deepseek(m: ModelConfig) -> str | None:
+  """What DeepseekV3ForCausalLM cannot say of an MLA model."""
+  if not m.is_moe:
+    return "a dense model with latent attention has no DeepseekV3 form (it has MoE layers past first_k_dense)"
+  if m.moe_every != 1:
+    return f"dense layers between MoE layers (model.moe_every = {m.moe_every}) have no DeepseekV3 form"
+  if m.router_score != "sigmoid":
+    return "DeepseekV3 routes by sigmoid scores: model.router_score must be sigmoid"
+  if m.shared_expert_d_ff or not m.num_shared_experts:
+    return "DeepseekV3's shared experts are model.num_shared_experts >= 1 of d_ff (not model.shared_expert_d_ff)"
   return None
 
 
@@ -169,7 +283,21 @@ def to_hf(m: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   if "lm_head" in params:
     out.update({k: np.ascontiguousarray(v) for k, v in
                 TOP_RULES[("lm_head", "kernel")].to_hf(m, np.asarray(params["lm_head"]["kernel"])).items()})
+  if family(m) == "deepseek_v3":
+    for k, module in sorted(params.get("mtp", {}).items()):  # nnx.List's pure dict: {depth: module}.
+      for path, w in tree_leaves(module):
+        out.update({name: np.ascontiguousarray(a) for name, a in mtp_rule(m, ("mtp", k) + path).to_hf(m, w).items()})
+      prefix = mtp_prefix(m, k)  # The shared embedding and head, copied as DeepSeek's checkpoints hold them.
+      out[prefix + MTP_SHARED[0]] = out["model.embed_tokens.weight"]
+      out[prefix + MTP_SHARED[1]] = out.get("lm_head.weight", out["model.embed_tokens.weight"])
   return out
+
+
+def mtp_rule(m: ModelConfig, path: tuple) -> Rule:
+  """The rule of a multi-token-prediction module's leaf at ("mtp", k, ...), its HF names in full."""
+  k, rest = path[1], tuple(path[2:])
+  rule = layer_rules(m)[rest[1:]] if rest[0] == "layer" else _MTP_RULES[rest]
+  return _prefixed(rule, mtp_prefix(m, int(k)))
 
 
 # --- Hugging Face -> ember -------------------------------------------------------------------------
@@ -178,6 +306,8 @@ def to_hf(m: ModelConfig, params: dict) -> dict[str, np.ndarray]:
 def leaf_source(m: ModelConfig, path: tuple) -> tuple[Rule, list[int] | None]:
   """For a leaf of ember's parameter tree: its rule and, for stacked layer leaves, the layer of each
   index of the leading axis (None for leaves outside the layers)."""
+  if path[0] == "mtp":
+    return mtp_rule(m, path), None
   layers = stacked_layers(m, path)
   return (TOP_RULES[tuple(path)] if layers is None else layer_rules(m)[within_layer(path)]), layers
 
@@ -187,7 +317,7 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
   architecture, model_type = FAMILIES[family(m)]
   c = {
       "architectures": [architecture], "model_type": model_type,
-      "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,
+      "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.dense_width,
       "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
       "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
       "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
@@ -197,7 +327,15 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
       # ember trains without BOS/EOS tokens (document boundaries are segment ids).
       "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
   }
-  if family(m) == "qwen3_moe":  # Every layer MoE; the renormalised top-k is ember's router.
+  if family(m) == "deepseek_v3":
+    c.update(num_key_value_heads=m.num_heads, head_dim=m.qk_rope_head_dim, moe_intermediate_size=m.d_ff,
+             intermediate_size=m.dense_width, n_routed_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
+             n_shared_experts=m.num_shared_experts, routed_scaling_factor=m.routed_scaling_factor,
+             n_group=m.n_group, topk_group=m.topk_group, first_k_dense_replace=m.first_k_dense, norm_topk_prob=True,
+             q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
+             qk_nope_head_dim=m.qk_nope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=True,
+             num_nextn_predict_layers=m.mtp_depth, pretraining_tp=1)
+  elif family(m) == "qwen3_moe":  # Every layer MoE; the renormalised top-k is ember's router.
     c.update(num_experts=m.num_experts, num_experts_per_tok=m.experts_per_token, moe_intermediate_size=m.d_ff,
              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
              router_aux_loss_coef=0.0, use_sliding_window=False, sliding_window=None)
@@ -207,6 +345,29 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
   else:
     c.update(mlp_bias=False, pretraining_tp=1)
   return c
+
+
+def _deepseek_mismatch(m: ModelConfig, hf: dict) -> str | None:
+  """The first DeepSeek-V3 hyper-parameter of config.json that disagrees with ember's model."""
+  if not hf.get("norm_topk_prob", True):
+    return "norm_topk_prob is off; ember's sigmoid router renormalises the top-k weights"
+  if not hf.get("rope_interleave", True):
+    return "rope_interleave is off; ember reads DeepSeek's interleaved RoPE layout"
+  if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
+    return "topk_method / scoring_func are not DeepSeek-V3's (noaux_tc, sigmoid)"
+  for key, mine, ours in (("q_lora_rank", m.q_lora_rank or None, "model.q_lora_rank"),
+                          ("kv_lora_rank", m.kv_lora_rank, "model.kv_lora_rank"),
+                          ("qk_rope_head_dim", m.qk_rope_head_dim, "model.qk_rope_head_dim"),
+                          ("qk_nope_head_dim", m.qk_nope_head_dim, "model.qk_nope_head_dim"),
+                          ("v_head_dim", m.v_head_dim, "model.v_head_dim"),
+                          ("n_routed_experts", m.num_experts, "model.num_experts"),
+                          ("n_shared_experts", m.num_shared_experts, "model.num_shared_experts"),
+                          ("n_group", m.n_group, "model.n_group"), ("topk_group", m.topk_group, "model.topk_group"),
+                          ("routed_scaling_factor", m.routed_scaling_factor, "model.routed_scaling_factor"),
+                          ("first_k_dense_replace", m.first_k_dense, "model.first_k_dense")):
+    if key in hf and hf[key] != mine:
+      return f"{key} is {hf[key]!r}, config.{ours} is {mine!r}"
+  return None
 
 
 def config_mismatch(m: ModelConfig, hf: dict) -> str | None:
@@ -220,6 +381,10 @@ def config_mismatch(m: ModelConfig, hf: dict) -> str | None:
                                    or hf.get("decoder_sparse_step", 1) != 1):
     return ("norm_topk_prob is off, or some layers are dense (mlp_only_layers, decoder_sparse_step): ember's "
             "MoE renormalises the top-k weights in every layer")
+  if want_type == "deepseek_v3":
+    problem = _deepseek_mismatch(m, hf)
+    if problem:
+      return problem
   rope = hf.get("rope_parameters") or {}
   theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
   if (rope.get("rope_type") or "default") != "default" or hf.get("rope_scaling"):
@@ -229,9 +394,9 @@ def config_mismatch(m: ModelConfig, hf: dict) -> str | None:
     return f"rms_norm_eps is {eps!r}, config.model.norm_eps is {m.norm_eps!r}"
   if hf.get("sliding_window") and hf["sliding_window"] < m.seq_len:
     return f"sliding_window is {hf['sliding_window']}; ember's attention sees the whole sequence ({m.seq_len})"
-  checks = [("num_attention_heads", m.num_heads, "model.num_heads"),
-            ("num_key_value_heads", m.num_kv_heads, "model.num_kv_heads"),
-            ("head_dim", m.head_dim, "model.head_dim"),
+  heads = [] if m.is_mla else [("num_key_value_heads", m.num_kv_heads, "model.num_kv_heads"),
+                               ("head_dim", m.head_dim, "model.head_dim")]
+  checks = [("num_attention_heads", m.num_heads, "model.num_heads"), *heads,
             ("rope_theta", m.rope_theta, "model.rope_theta"),
             ("tie_word_embeddings", m.tie_embeddings, "model.tie_embeddings")]
   values = {**hf, "rope_theta": theta, "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],

@@ -54,18 +54,55 @@ def check(directory: str, m: ModelConfig, abstract_params: dict) -> Reader:
   reader = Reader(directory)
   want = expected_tensors(m, abstract_params)
   for name, shape in want.items():
+    if name not in reader and m.mtp_depth and name.startswith(layout.mtp_prefix(m, 0)):
+      raise CheckpointError(f"{WHAT}: {directory} holds no multi-token-prediction module ({name} is missing); set "
+                            f"config.model.mtp_depth=0, or to the modules it holds")
     if name not in reader:
       raise CheckpointError(f"{WHAT}: {directory} has no tensor {name} (shape {shape} in this config)")
     if reader.shape(name) != tuple(shape):
       raise CheckpointError(f"{WHAT}: tensor {name} has shape {reader.shape(name)} in {directory} but "
                             f"{tuple(shape)} in this config")
   ignored = {"lm_head.weight"} if m.tie_embeddings else set()  # Tied models may store the head anyway.
+  # DeepSeek's multi-token-prediction modules hold copies of the shared embedding and head; its routers' biases
+  # are the model's router state (`router_biases`), not parameters.
+  ignored |= {layout.mtp_prefix(m, k) + name for k in range(m.mtp_depth) for name in layout.MTP_SHARED}
+  ignored |= set(_router_bias_names(m, reader))
   extra = next((n for n in reader.names() if n not in want and n not in ignored
                 and not n.endswith("rotary_emb.inv_freq")), None)
   if extra is not None:
     raise CheckpointError(f"{WHAT}: tensor {extra} (shape {reader.shape(extra)}) of {directory} has no place "
                           "in this config")
   return reader
+
+
+def _router_bias_names(m: ModelConfig, reader: Reader) -> list[str]:
+  """The routers' bias tensors of the directory ({layer prefix}mlp.gate.e_score_correction_bias); where the model
+  keeps no router bias (model.router_bias_update_rate = 0) each must be zero, else it would route otherwise."""
+  names = [n for n in reader.names() if n.endswith("mlp.gate.e_score_correction_bias")]
+  if not m.router_bias_update_rate:
+    live = next((n for n in names if np.any(np.asarray(reader[n]) != 0)), None)
+    if live is not None:
+      raise CheckpointError(f"{WHAT}: tensor {live} is not zero; set config.model.router_bias_update_rate > 0 so "
+                            "that the model keeps its routers' biases")
+  return names
+
+
+def keeps_router_biases(m: ModelConfig) -> bool:
+  """Whether the model's Hugging Face form holds its routers' biases (DeepSeek-V3's, where the model has them)."""
+  return m.is_moe and bool(m.router_bias_update_rate) and layout.family(m) == "deepseek_v3"
+
+
+def router_biases(directory: str, m: ModelConfig, quant_state: dict) -> dict:
+  """`quant_state` (a new run's, placed) with every MoE layer's router bias read from the directory's
+  `mlp.gate.e_score_correction_bias` (DeepSeek-V3): the bias is routing state, kept beside the amax histories."""
+  from ember.layers.moe import ROUTER_BIAS
+  reader = Reader(os.path.abspath(os.path.expanduser(directory)))
+
+  def take(path, leaf):
+    keys = keys_of(path)
+    return _load_leaf(reader, m, keys, leaf, leaf.sharding) if keys[-1] == ROUTER_BIAS else leaf
+
+  return jax.tree_util.tree_map_with_path(take, quant_state)
 
 
 def load_params(directory: str, m: ModelConfig, abstract_params: dict, shardings: dict) -> dict:

@@ -29,6 +29,8 @@ from ember.layers.attention import Attention, attention_bias
 from ember.layers.embed import Embed
 from ember.layers import linear
 from ember.layers.linear import Linear, projection_key
+from ember.layers.mla import LatentAttention
+from ember.layers import mtp as mtp_lib
 from ember.layers.mlp import MLP
 from ember.layers.moe import MoE
 from ember.layers.norm import RMSNorm
@@ -48,13 +50,13 @@ class DecoderLayer(nnx.Module):
   def __init__(self, model: ModelConfig, index: int, rngs: nnx.Rngs):
     norm = dict(eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.attn_norm = RMSNorm(model.d_model, **norm)
-    self.attn = Attention(model, layer=index, rngs=rngs)
+    self.attn = (LatentAttention if model.is_mla else Attention)(model, layer=index, rngs=rngs)
     self.mlp_norm = RMSNorm(model.d_model, **norm)
     self.is_moe = model.is_moe_layer(index)
     if self.is_moe:
       self.moe = MoE(model, layer=index, rngs=rngs)
     else:
-      self.mlp = MLP(model, model.d_ff, layer=index, rngs=rngs)
+      self.mlp = MLP(model, model.dense_width, layer=index, rngs=rngs)
 
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None):
     """`bias`: the attention's segment bias, made once for every layer (Transformer.__call__), or None."""
@@ -101,7 +103,8 @@ class Block(nnx.Module):
     return x, aux, by_layer
 
   def decode(self, x, positions, cache, valid):
-    """`cache`: (k, v) [block_size, B, S, K, H], one entry per layer of the block."""
+    """`cache`: (k, v) [block_size, B, S, K, H] (MLA: latent [.., B, S, C], RoPE key [.., B, S, R]), one entry
+    per layer of the block."""
     ks, vs = [], []
     for j, layer in enumerate(self.layers):
       x, (k, v) = layer.decode(x, positions, (cache[0][j], cache[1][j]), valid)
@@ -173,11 +176,14 @@ class Segment(nnx.Module):
 
 
 def segments_of(model: ModelConfig) -> list[list[int]]:
-  """Groups consecutive blocks whose projections resolve to the same recipes under `quant.exclude`."""
+  """Groups consecutive blocks of the same layers (dense or MoE: `model.first_k_dense`) whose projections resolve
+  to the same recipes under `quant.exclude`."""
   size = model.block_size
 
   def signature(b):
-    return tuple(model.recipe_for(p, b * size + j).name for j in range(size) for p in LAYER_PROJECTIONS)
+    layers = range(b * size, (b + 1) * size)
+    return (tuple(model.is_moe_layer(i) for i in layers),
+            tuple(model.recipe_for(p, i).name for i in layers for p in LAYER_PROJECTIONS))
 
   groups: list[list[int]] = []
   for b in range(model.num_blocks):
@@ -272,10 +278,15 @@ class Transformer(nnx.Module):
     self.embed = Embed(model.vocab_size, model.d_model, init_std=model.init_std, dtype=model.dtype,
                        param_dtype=model.param_dtype, rngs=rngs)
     self.segments = nnx.List([Segment(model, ids, rngs) for ids in segments_of(model)])
+    self.num_blocks, self.num_experts = model.num_blocks, model.num_experts
+    if model.mtp_depth:
+      self.mtp = nnx.List([mtp_lib.PredictionModule(model, k, rngs) for k in range(1, model.mtp_depth + 1)])
     self.final_norm = RMSNorm(model.d_model, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.tie_embeddings = model.tie_embeddings
     self.tied_wgrad_dtype = model.recipe.wgrad_out(model.param_dtype)  # The tied head's weight-gradient GEMM.
-    self.kv_shape, self.kv_dtype, self.max_len = (model.num_kv_heads, model.head_dim), model.dtype, model.seq_len
+    self.cache_shapes = ((model.kv_lora_rank,), (model.qk_rope_head_dim,)) if model.is_mla else \
+        ((model.num_kv_heads, model.head_dim),) * 2  # Per token: (k, v), or MLA's (latent, RoPE key).
+    self.kv_dtype, self.max_len = model.dtype, model.seq_len
     if not model.tie_embeddings:
       # The loss calls the head once per token chunk, and delayed scaling's history update assumes
       # one call per step, so the head's recipe keeps no amax history (`Recipe.stateless`).
@@ -285,12 +296,25 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BxL, segment_ids_BxL, positions_BxL, key=None,
                policy: remat.Preset = remat.PRESETS["none"]):
-    """`policy`: the remat preset each scanned block runs under, the one place it is applied (the train
-    step passes the config's, ember/trainer/step.py); a forward pass alone needs none."""
+    """(final normed hidden states [B, L, D], aux). `policy`: the remat preset each scanned block runs under, the
+    one place it is applied (the train step passes the config's, ember/trainer/step.py); a forward pass alone
+    needs none."""
+    h_BxLxD, aux, _ = self.with_predictions(tokens_BxL, segment_ids_BxL, positions_BxL, None, key, policy)
+    return h_BxLxD, aux
+
+  def with_predictions(self, tokens_BxL, segment_ids_BxL, positions_BxL, targets_BxL=None, key=None,
+                       policy: remat.Preset = remat.PRESETS["none"]):
+    """`__call__`, and with `targets_BxL` the multi-token-prediction modules' normed hidden states too (one [B, L,
+    D] per depth, ember/layers/mtp.py; none without modules): (h, aux, [h_1, ...]). Their layers' statistics
+    follow the decoder's in aux's per-layer arrays (rows num_layers, ...)."""
     balanced = bool(context.context_axes())  # Context parallelism: its balanced layout (parallel/context.py).
+    rows = (BATCH, LENGTH)
+    depths = len(self.mtp) if targets_BxL is not None and hasattr(self, "mtp") else 0
+    # Each depth's tokens, taken from the targets in the batch's own layout (a shift along the length).
+    ahead = [mtp_lib.depth_inputs(targets_BxL, segment_ids_BxL, k)[0] for k in range(1, depths + 1)]
     if balanced:
-      tokens_BxL, segment_ids_BxL, positions_BxL = context.balance((tokens_BxL, segment_ids_BxL, positions_BxL),
-                                                                   (BATCH, LENGTH))
+      tokens_BxL, segment_ids_BxL, positions_BxL, *ahead = context.balance(
+          (tokens_BxL, segment_ids_BxL, positions_BxL, *ahead), rows)
     x = self.embed(tokens_BxL)
     aux, per_layer = zero_aux(), []
     bias = attention_bias(segment_ids_BxL, x.dtype)  # Once for every layer of every segment.
@@ -298,19 +322,40 @@ class Transformer(nnx.Module):
       x, a, counts = segment(x, segment_ids_BxL, positions_BxL, key, policy, bias)
       aux = jax.tree.map(jnp.add, aux, a)
       per_layer.append(counts)
-    for k in per_layer[0]:  # Segments are consecutive runs of layers, in order.
+    predictions, hidden = [], x
+    for k, tokens_k in enumerate(ahead):
+      hidden, h_k, a = self._predict(k, hidden, self.embed(tokens_k), segment_ids_BxL, positions_BxL, key, policy,
+                                     bias)
+      aux = jax.tree.map(jnp.add, aux, {name: a[name] for name in AUX_KEYS})
+      per_layer.append({name: a[name][None] for name in per_layer[0]})
+      predictions.append(context.unbalance(h_k, (BATCH, LENGTH, EMBED)) if balanced else h_k)
+    for k in per_layer[0]:  # Segments are consecutive runs of layers, in order (then the prediction modules').
       aux[k + BY_LAYER] = jnp.concatenate([counts[k] for counts in per_layer])
     h_BxLxD = self.final_norm(x)
-    return (context.unbalance(h_BxLxD, (BATCH, LENGTH, EMBED)) if balanced else h_BxLxD), aux
+    return (context.unbalance(h_BxLxD, (BATCH, LENGTH, EMBED)) if balanced else h_BxLxD), aux, predictions
+
+  def _predict(self, k: int, hidden, embedded, segment_ids, positions, key, policy: remat.Preset, bias):
+    """Prediction module k (0-based) under the remat policy, its layer checkpointed like a block: (its hidden
+    state, it normed, its layer's aux with MOE_LAYER_COUNTS and MOE_EXPERT_LOADS)."""
+    graphdef, state = nnx.split(self.mtp[k])
+    module_key = None if key is None else jax.random.fold_in(key, self.num_blocks + k)
+
+    def run(state, hidden, embedded):
+      x, h, aux = nnx.merge(graphdef, state)(hidden, embedded, segment_ids, positions, module_key, bias)
+      if MOE_EXPERT_LOADS not in aux and self.num_experts:
+        aux = dict(aux, **{MOE_EXPERT_LOADS: jnp.zeros((self.num_experts,), jnp.float32)})
+      return x, h, aux
+
+    return remat.checkpoint(run, policy, scanned=False)(state, hidden, embedded)
 
   def init_cache(self, batch: int, length: int) -> list:
     """An empty KV cache of `length` positions for `batch` rows: per segment (k, v) [blocks, block_size, B,
-    length, K, H] in the compute dtype."""
+    length, K, H] (MLA: its latent [.., C] and RoPE key [.., R]) in the compute dtype."""
     cache = []
     for segment in self.segments:
       blocks, size = len(segment.block_ids), len(segment.blocks.layers)
-      zeros = jnp.zeros((blocks, size, batch, length, *self.kv_shape), self.kv_dtype)
-      cache.append((zeros, zeros))
+      cache.append(tuple(jnp.zeros((blocks, size, batch, length, *shape), self.kv_dtype)
+                         for shape in self.cache_shapes))
     return cache
 
   def decode(self, tokens_BxT, positions_BxT, cache: list, valid_BxT=None):

@@ -66,6 +66,10 @@ class Options:
   dtype: jnp.dtype
   wi_recipe: Recipe
   wo_recipe: Recipe
+  score: str = "softmax"  # model.router_score: "softmax" or "sigmoid" (DeepSeek-V3).
+  n_group: int = 1  # Group-limited routing: the k experts come from the best `topk_group` of `n_group` groups.
+  topk_group: int = 1
+  scale: float = 1.0  # model.routed_scaling_factor.
 
 
 class ExpertKernel(nnx.Module):
@@ -124,10 +128,11 @@ class MoE(nnx.Module):
                            recipe=model.recipe_for("moe_wi", layer), init_std=model.init_std, **common)
     self.wo = ExpertKernel((e, f, d), (EXPERT, MLP_AXIS, EMBED), name="moe_wo", recipe=model.recipe_for("moe_wo", layer),
                            init_std=model.out_init_std, **common)
-    self.shared = MLP(model, model.shared_expert_d_ff, layer=layer, rngs=rngs,
-                      names=("shared_wi", "shared_wo")) if model.shared_expert_d_ff else None
+    self.shared = MLP(model, model.shared_d_ff, layer=layer, rngs=rngs,
+                      names=("shared_wi", "shared_wo")) if model.shared_d_ff else None
     self.options = Options(e, model.experts_per_token, model.router_softmax_first, model.dtype, self.wi.recipe,
-                           self.wo.recipe)
+                           self.wo.recipe, model.router_score, model.n_group, model.topk_group,
+                           model.routed_scaling_factor)
     self.model = model  # What the MoE plan reads (layers/moe_dispatch.py: exchange, expert GEMMs, buffers).
     # Replicated like the router.
     self.router_bias = RouterBias(jnp.zeros((e,), F32), out_sharding=(None,)) if model.router_bias_update_rate \
@@ -355,6 +360,12 @@ def route(x_TxD, router_DxE, opts: Options, bias_E=None):
   router bias) is added to the scores for the choice alone: the weights are the unbiased scores' at the
   choices.
 
+  Scores: the logits (softmax over the k chosen), a softmax over all experts (`softmax_first`: top-k,
+  renormalised) or, DeepSeek-V3's, sigmoids (top-k, renormalised); the weights times `opts.scale`. With groups
+  (`opts.n_group` > 1) each group of consecutive experts is scored by the sum of its two best biased scores and
+  the k experts are chosen within the best `opts.topk_group` groups alone. The probabilities the balance losses
+  read are the softmax, or the sigmoids normalised over the experts.
+
   The choices are named `remat.MOE_ROUTING`: a policy that saves residuals laid out in routing
   order (the grouped GEMMs' quantized rows) saves them too, because the backward pass's recompute of
   the logits need not be bitwise the forward's (XLA may keep excess precision in a fusion), and a
@@ -362,16 +373,38 @@ def route(x_TxD, router_DxE, opts: Options, bias_E=None):
   (possibly recomputed) scores at the saved choices."""
   logits_TxE = jnp.dot(x_TxD.astype(F32), router_DxE.astype(F32), precision=jax.lax.Precision.HIGHEST)
   logits_TxE = checkpoint_name(logits_TxE, remat.ROUTER_LOGITS)
-  probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
-  scores_TxE = probs_TxE if opts.softmax_first else logits_TxE
+  if opts.score == "sigmoid":
+    scores_TxE = jax.nn.sigmoid(logits_TxE)
+    probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
+  else:
+    probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+    scores_TxE = probs_TxE if opts.softmax_first else logits_TxE
   choice_TxE = jax.lax.stop_gradient(scores_TxE if bias_E is None else scores_TxE + bias_E)
+  if opts.n_group > 1:
+    choice_TxE = within_best_groups(choice_TxE, opts.n_group, opts.topk_group)
   experts_TxK = _saved_routing(jax.lax.top_k(choice_TxE, opts.k)[1], opts.num_experts)
   top_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
-  if opts.softmax_first:
+  if opts.score == "sigmoid":
+    weights_TxK = top_TxK / (jnp.sum(top_TxK, axis=-1, keepdims=True) + 1e-20)
+  elif opts.softmax_first:
     weights_TxK = top_TxK / jnp.sum(top_TxK, axis=-1, keepdims=True)
   else:
     weights_TxK = jax.nn.softmax(top_TxK, axis=-1)
+  if opts.scale != 1.0:
+    weights_TxK = weights_TxK * opts.scale
   return logits_TxE, probs_TxE, weights_TxK, experts_TxK
+
+
+def within_best_groups(choice_TxE, n_group: int, topk_group: int):
+  """The choice scores with every expert outside each token's best `topk_group` groups at -inf: `n_group` groups of
+  consecutive experts, each scored by the sum of its two best scores (DeepSeek-V3's node-limited routing: with a
+  group per expert-parallel node, a token's copies reach at most `topk_group` nodes)."""
+  t, e = choice_TxE.shape
+  grouped_TxGxS = choice_TxE.reshape(t, n_group, e // n_group)
+  group_TxG = jnp.sum(jax.lax.top_k(grouped_TxGxS, 2)[0], axis=-1)
+  chosen_TxG = jax.lax.top_k(group_TxG, topk_group)[1]
+  keep_TxG = jnp.any(jnp.arange(n_group)[None, None, :] == chosen_TxG[:, :, None], axis=1)
+  return jnp.where(keep_TxG[:, :, None], grouped_TxGxS, -jnp.inf).reshape(t, e)
 
 
 def _saved_routing(experts_TxK, num_experts: int):

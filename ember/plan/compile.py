@@ -125,6 +125,7 @@ def _why_not_cudnn(cfg, mesh) -> str:
   from ember.layers.attention import cudnn_refusal
   m = cfg.model
   tensor = int(mesh.shape["tensor"])  # Heads are split over it.
-  reason = cudnn_refusal(per_device_batch(cfg, mesh), m.seq_len, m.num_heads // tensor, m.num_kv_heads // tensor,
-                         m.head_dim, m.dtype, sequence_shards(cfg, mesh))
+  kv_heads = m.num_heads if m.is_mla else m.num_kv_heads  # MLA's keys and values: one per head (values padded).
+  reason = cudnn_refusal(per_device_batch(cfg, mesh), m.seq_len, m.num_heads // tensor, kv_heads // tensor,
+                         m.qk_head_dim, m.dtype, sequence_shards(cfg, mesh))
   return f"cuDNN refuses these shapes: {reason}" if reason else "cuDNN accepts the shapes; XLA kept its own attention"

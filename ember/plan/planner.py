@@ -47,7 +47,7 @@ from ember.plan.target import Target, targeting
 from ember.plan.units import GiB
 from ember.quant.recipe import Recipe
 from ember.trainer.optimizer import make_optimizer
-from ember.trainer.perf import forward_flops_per_token
+from ember.trainer.perf import attention_flops_per_token, forward_flops_per_token, head_flops_per_token
 from ember.trainer.state import state_shardings
 from ember.trainer.step import replica_axes
 
@@ -242,8 +242,7 @@ class Estimator:
     recipe = m.recipe
     precision = {"fp8_current": "fp8", "fp8_delayed": "fp8"}.get(recipe.name, recipe.name)
     tokens_per_device = cfg.train.batch_size * m.seq_len / n_devices
-    attention = m.num_layers * 2 * 2 * m.num_heads * m.head_dim * m.seq_len / 2
-    head = 2 * m.d_model * m.vocab_size
+    attention, head = attention_flops_per_token(m), head_flops_per_token(m)
     projections = forward_flops_per_token(m) - attention - head
     again = 1 + block.recompute_fraction
     compute = 3 * tokens_per_device * (projections * again / self.facts.peak_flops(precision if recipe.quantized

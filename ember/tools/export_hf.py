@@ -1,4 +1,5 @@
-"""Export a checkpoint as a Hugging Face model directory (LlamaForCausalLM, or MixtralForCausalLM for MoE).
+"""Export a checkpoint as a Hugging Face model directory (LlamaForCausalLM, MixtralForCausalLM, Qwen3's or
+DeepseekV3ForCausalLM, by the model: ember/hf/layout.py).
 
   python -m ember.tools.export_hf --checkpoint=runs/default_small --out=hf/default_small [--dtype=bfloat16]
       [--max_shard_size=5GB]
@@ -45,10 +46,12 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
   from ember.errors import CheckpointError, ConfigError, warn
   from ember.hf import layout, safetensors, tokenizer
   from ember.inference.checkpoint import load_model
+  from ember.layers.moe import RouterBias
 
   cfg, _, model = load_model(checkpoint, what="--checkpoint", one_device=True, host=True)
   m = cfg.model
-  problem = layout.unsupported(m) or (m.is_moe and m.router_bias_update_rate and (
+  deepseek = layout.family(m) == "deepseek_v3"  # Its format keeps the router's bias and the MTP modules.
+  problem = layout.unsupported(m) or (m.is_moe and m.router_bias_update_rate and not deepseek and (
       "its router bias (model.router_bias_update_rate > 0) has no Mixtral or Qwen3-MoE form, and without it the "
       "model would route to other experts"))
   if problem:
@@ -57,7 +60,11 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
   if m.capacity_factor > 0:
     warn(f"the model was trained with model.capacity_factor={m.capacity_factor} (tokens past capacity dropped); "
          "the exported Mixtral is dropless")
-  params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  if m.mtp_depth and not deepseek:
+    warn(f"the {m.mtp_depth} multi-token-prediction modules have no {layout.FAMILIES[layout.family(m)][0]} form; "
+         "the model is exported without them (sampling never runs them)")
+  params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Any(nnx.Param, RouterBias) if deepseek
+                                                     else nnx.Param)))
   np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
   tensors = {name: w.astype(np_dtype) for name, w in layout.to_hf(m, params).items()}
   try:

@@ -467,6 +467,9 @@ def _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it):
     params = hf_load.load_params(cfg.checkpoint.init_from_hf, cfg.model, abstract.params,
                                  shardings.params)
     state = state_around(cfg, tx, params, shardings)
+    if hf_load.keeps_router_biases(cfg.model):  # DeepSeek-V3's routers' biases (routing state, not parameters).
+      state = dataclasses.replace(state, quant_state=hf_load.router_biases(cfg.checkpoint.init_from_hf, cfg.model,
+                                                                           state.quant_state))
     console(f"started from the Hugging Face model in {cfg.checkpoint.init_from_hf}")
   else:
     state = init()

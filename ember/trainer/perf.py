@@ -19,15 +19,38 @@ from ember.model_config import ModelConfig
 
 
 def forward_flops_per_token(model: ModelConfig) -> float:
-  m, hd = model, model.head_dim
-  attn_proj = m.d_model * (m.num_heads + 2 * m.num_kv_heads) * hd + m.num_heads * hd * m.d_model
-  dense_mlp = 3 * m.d_model * m.d_ff
-  moe_mlp = m.experts_per_token * m.expert_params + 3 * m.d_model * m.shared_expert_d_ff + m.d_model * m.num_experts
-  layers_moe = m.num_moe_layers
-  layers_dense = m.num_layers - layers_moe
-  matmul_params = m.num_layers * attn_proj + layers_dense * dense_mlp + layers_moe * moe_mlp + m.d_model * m.vocab_size
-  attention = m.num_layers * 2 * 2 * m.num_heads * hd * m.seq_len / 2  # QK^T and AV, causal half.
-  return 2 * matmul_params + attention
+  """A token's forward FLOPs: every projection (the active experts' alone), causal attention's two batched matmuls
+  (half the square) and the LM head, for the decoder's layers and each multi-token-prediction module (its
+  projection of [embedding; hidden], its layer, and the shared head once more), as Megatron counts them."""
+  m = model
+  layers = m.num_layers + m.mtp_depth
+  moe_layers = sum(m.is_moe_layer(i) for i in range(layers))
+  moe_mlp = m.experts_per_token * m.expert_params + 3 * m.d_model * m.shared_d_ff + m.d_model * m.num_experts
+  matmul_params = (layers * attention_params(m) + (layers - moe_layers) * 3 * m.d_model * m.dense_width
+                   + moe_layers * moe_mlp + m.mtp_depth * 2 * m.d_model * m.d_model)
+  return 2 * matmul_params + attention_flops_per_token(m) + head_flops_per_token(m)
+
+
+def attention_flops_per_token(m: ModelConfig) -> float:
+  """Causal attention's QK^T and AV of a token, every layer (the prediction modules' too): half the square."""
+  v = m.v_head_dim if m.is_mla else m.head_dim
+  return (m.num_layers + m.mtp_depth) * 2 * m.num_heads * (m.qk_head_dim + v) * m.seq_len / 2
+
+
+def head_flops_per_token(m: ModelConfig) -> float:
+  """The LM head's forward FLOPs of a token: once, and once more per multi-token-prediction depth."""
+  return (1 + m.mtp_depth) * 2 * m.d_model * m.vocab_size
+
+
+def attention_params(m: ModelConfig) -> int:
+  """One layer's attention projection weights: MLA's query path (through its latent or whole), latent
+  down-projection with the RoPE key, its expansion into keys and values, and the output; else Q, K, V and O."""
+  if not m.is_mla:
+    return m.d_model * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * m.d_model
+  n, qk = m.num_heads, m.qk_head_dim
+  query = m.q_lora_rank * (m.d_model + n * qk) if m.q_lora_rank else m.d_model * n * qk
+  latent = m.d_model * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+  return query + latent + n * m.v_head_dim * m.d_model
 
 
 def train_flops_per_step(cfg) -> float:

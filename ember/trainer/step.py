@@ -18,6 +18,7 @@ from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TO
 from ember.layers import linear, moe_dispatch
 from ember.layers.decoder import keys_of, stacked_layers
 from ember.layers.moe import ROUTER_BIAS
+from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.parallel import axes as axes_lib
 from ember.parallel.sharding import (active_mesh, active_rules, entry_axes, logical_to_spec, only_axes, shard,
                                      tree_shardings)
@@ -28,6 +29,7 @@ from ember.trainer.loss import cross_entropy, token_count
 from ember.trainer.state import TrainState, logical_axes, stats_inputs, step_key
 
 F32 = jnp.float32
+MTP_KEY = 1 << 20  # Multi-token prediction depth k's head draws its rounding noise from fold_in(key, MTP_KEY + k).
 
 
 def _batch_views(batch):
@@ -54,15 +56,27 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
   if kernel_amaxes:
     linear.use_kernel_amaxes(model, kernel_amaxes)
   inputs, segment_ids, positions, targets = _batch_views(batch)
-  hidden, aux = model(inputs, segment_ids, positions, key=key, policy=policy)
+  hidden, aux, predictions = model.with_predictions(inputs, segment_ids, positions, targets, key=key, policy=policy)
   weights = (segment_ids > 0).astype(jnp.float32)
-  total, ce, z = cross_entropy(hidden, targets, weights, model.head_parts(), key=key,
-                               chunk_size=cfg.train.loss_chunk_size, count=count,
-                               z_loss_weight=cfg.train.z_loss_weight)
+  head = model.head_parts()
+  total, ce, z = cross_entropy(hidden, targets, weights, head, key=key, chunk_size=cfg.train.loss_chunk_size,
+                               count=count, z_loss_weight=cfg.train.z_loss_weight)
   metrics = {"loss": ce}
   if cfg.train.z_loss_weight:  # Logged where it is in effect (a weight of 0 trains nothing toward it).
     metrics["z_loss"] = z
-  num_moe = cfg.model.num_moe_layers
+  if predictions:  # Multi-token prediction (layers/mtp.py): each depth's NLL over the main loss's token count.
+    count = token_count(weights) if count is None else count
+    depth_losses = []
+    for k, h_k in enumerate(predictions, start=1):
+      _, targets_k, weights_k = mtp_inputs(targets, segment_ids, k)
+      loss_k, _, _ = cross_entropy(h_k, targets_k, weights_k, head, key=None if key is None else
+                                   jax.random.fold_in(key, MTP_KEY + k), chunk_size=cfg.train.loss_chunk_size,
+                                   count=count)
+      depth_losses.append(loss_k)
+    mtp_loss = sum(depth_losses) / len(depth_losses)
+    total = total + cfg.model.mtp_loss_weight * mtp_loss
+    metrics["mtp_loss"] = jax.lax.stop_gradient(mtp_loss)
+  num_moe = cfg.model.num_routed_layers
   if num_moe:  # Dense models log no MoE keys (they would always be zero).
     aux = jax.tree.map(replica_part, aux)  # Reduced over the replicas already: the step sums them again.
     lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / (num_moe * micro_batches), aux[MOE_ROUTER_Z_LOSS] / (num_moe * micro_batches)
@@ -70,7 +84,7 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
     metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
                     MOE_ROUTED_TOKENS: aux[MOE_ROUTED_TOKENS], MOE_OVERFLOW_TOKENS: aux[MOE_OVERFLOW_TOKENS]})
     metrics.update({k + BY_LAYER: aux[k + BY_LAYER] for k in (*MOE_LAYER_COUNTS, MOE_EXPERT_LOADS)})
-  if cfg.train.z_loss_weight or num_moe:  # Else it is `loss`.
+  if cfg.train.z_loss_weight or num_moe or predictions:  # Else it is `loss`.
     metrics["total_loss"] = total
   return total, metrics
 
@@ -126,7 +140,7 @@ def unless_non_finite(state: TrainState, new_state: TrainState, metrics: dict, g
 
 def load_max_over_mean(loads_LxE, model) -> jax.Array:
   """The largest expert load over the mean load, averaged over the MoE layers (1 = balanced)."""
-  moe = jnp.asarray([i for i in range(model.num_layers) if model.is_moe_layer(i)])
+  moe = jnp.asarray([i for i in range(model.stat_layers) if model.is_moe_layer(i)])
   loads = loads_LxE[moe]
   return jnp.mean(jnp.max(loads, axis=-1) / jnp.maximum(jnp.mean(loads, axis=-1), 1e-9))
 
@@ -140,7 +154,10 @@ def update_router_biases(old_quant_state, new_quant_state, loads_LxE, model):
     keys = keys_of(path)
     if keys[-1] != ROUTER_BIAS:
       return new
-    loads = loads_LxE[jnp.asarray(stacked_layers(model, keys))]  # [the leaf's layers, experts].
+    if keys[0] == "mtp":  # A multi-token-prediction module's layer: its row follows the decoder's.
+      loads = loads_LxE[model.num_layers + keys[1]]  # [experts].
+    else:
+      loads = loads_LxE[jnp.asarray(stacked_layers(model, keys))]  # [the leaf's layers, experts].
     return old + rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)
 
   return jax.tree_util.tree_map_with_path(update, old_quant_state, new_quant_state)

@@ -32,6 +32,7 @@ from ember.trainer.loop import train
 from ember.trainer.metrics import read_records
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import abstract_init, state_shardings
+from configs import models
 from tests import helpers
 
 # One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
@@ -48,10 +49,20 @@ def _save_checkpoint(workdir, **overrides):
                           "model.dtype": "float32", "quant.recipe": "bf16", **overrides})
   start = helpers.start(cfg, jax.device_count())
   cfg, state = start.cfg, start.state
+  state = dataclasses.replace(state, quant_state=_random_router_biases(state.quant_state))
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=1, keep=1, async_save=False)
   ckpt.save(1, state, None, seed=cfg.seed, metadata={"config": cfg.to_dict()})
   ckpt.close()
   return cfg, state
+
+
+def _random_router_biases(quant_state):
+  """Router biases (DeepSeek-V3's) of a few tenths, as a trained model has, so that an export that lost them would
+  route otherwise; other leaves unchanged."""
+  rng = np.random.default_rng(1)
+  return jax.tree_util.tree_map_with_path(
+      lambda p, a: jax.device_put(jnp.asarray(rng.normal(0, 0.3, a.shape), a.dtype), a.sharding)
+      if jax.tree_util.keystr(p).endswith("['router_bias']") else a, quant_state)
 
 
 def _tool(module, *args, text=True):
@@ -79,7 +90,10 @@ _EXPORTS = {}
 # Each family of Hugging Face layouts (ember/hf/layout.py): Llama, Mixtral, Qwen3, Qwen3-MoE.
 KINDS = {"dense": {}, "moe": {"model.num_experts": 4, "model.experts_per_token": 2}, "qwen3": {"model.qk_norm": True},
          "qwen3_moe": {"model.num_experts": 4, "model.experts_per_token": 2, "model.qk_norm": True,
-                       "model.router_softmax_first": True}}
+                       "model.router_softmax_first": True},
+         # DeepSeek-V3's: latent attention, a dense first layer, grouped sigmoid routing with biases, a shared
+         # expert and a multi-token-prediction module (exported as DeepSeek's checkpoints keep it).
+         "deepseek": {f"model.{k}": v for k, v in models.get("deepseek_tiny").MODEL.items()}}
 # Qwen3's QK-norm is checked with its MoE variant; the dense one is a long case.
 KIND_PARAMS = [pytest.param(k, marks=pytest.mark.long) if k == "qwen3" else k for k in KINDS]
 
@@ -113,7 +127,8 @@ def test_transformers_logits_equal_embers(exported):
   assert "model.safetensors.index.json" in files and "tokenizer.json" in files  # Sharded past 100 KB.
   with open(os.path.join(out, "config.json")) as f:
     assert json.load(f)["architectures"] == [{"dense": "LlamaForCausalLM", "moe": "MixtralForCausalLM",
-                                               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]]
+                                               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                                               "deepseek": "DeepseekV3ForCausalLM"}[kind]]
   tokens = _hf_tokens(out)
   model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
   with torch.no_grad():
@@ -139,6 +154,11 @@ def test_export_then_import_is_bit_identical(exported):
     assert a.sharding == jax.tree_util.tree_reduce(lambda x, y: x, [s for p, s in jax.tree_util.tree_leaves_with_path(
         shardings.params) if p == path]), path
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+  if load.keeps_router_biases(cfg.model):  # DeepSeek's routers' biases come back into the router state.
+    placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract.quant_state,
+                          shardings.quant_state)
+    got = load.router_biases(out, cfg.model, placed)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, state.quant_state)
 
 
 def test_greedy_sampling_equals_transformers_generate(exported):
@@ -163,8 +183,10 @@ def test_import_mismatch_names_the_tensor(exported, tmp_path):
   _, cfg, _, _, out = exported
   other = cfg.replace("model.d_ff", 96)
   abstract, _ = abstract_init(other)
-  with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\..*(mlp|experts).* has shape .* but"):
+  with pytest.raises(CheckpointError, match=r"tensor model\.layers\.\d+\..*(mlp|experts).* has shape .* but"):
     load.check(out, other.model, abstract)
+  if cfg.model.mtp_depth:  # A shallower model would expect its prediction module where a layer lies.
+    return
   other = cfg.replace("model.num_layers", 1)
   abstract, _ = abstract_init(other)
   with pytest.raises(CheckpointError, match=r"model\.layers\.1\..* has no place in this config"):
@@ -299,8 +321,9 @@ def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path)
   """A randomly initialised Llama / Mixtral / Qwen3 / Qwen3-MoE saved by transformers itself (not by ember's export) starts
   an ember model with transformers' logits."""
 
+  # transformers' DeepseekV3 has no multi-token-prediction module to save.
   cfg = helpers.config(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.rope_theta": 50000.0,
-                          **KINDS[kind]})
+                          **KINDS[kind], **({"model.mtp_depth": 0} if kind == "deepseek" else {})})
   start = helpers.start(cfg)
   cfg = start.cfg
   m = cfg.model
@@ -309,6 +332,9 @@ def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path)
   config = transformers.AutoConfig.for_model(**hf_config)
   torch.manual_seed(0)
   theirs_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+  for name, buffer in theirs_model.named_buffers():  # DeepSeek's routers' biases: routing state to import too.
+    if name.endswith("e_score_correction_bias"):
+      buffer.copy_(torch.randn(buffer.shape) * 0.3)
   theirs_model.save_pretrained(tmp_path / "hf")
   tokens = np.asarray([list(TEXTS[0].encode())[:24], list(TEXTS[1].encode())[:24]], np.int32)
   with torch.no_grad():
@@ -316,7 +342,10 @@ def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path)
 
   with start.rules():
     params = load.load_params(str(tmp_path / "hf"), m, start.state.params, start.shardings.params)
-    model = nnx.merge(start.graphdef, params, start.state.quant_state)
+    quant_state = start.state.quant_state
+    if load.keeps_router_biases(m):
+      quant_state = load.router_biases(str(tmp_path / "hf"), m, quant_state)
+    model = nnx.merge(start.graphdef, params, quant_state)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     h, _ = model(jnp.asarray(tokens), jnp.ones_like(tokens), positions)
     ours = np.asarray(model.head(h))
