@@ -65,10 +65,38 @@ def _decode(graphdef, state, logits_BxV, cache, lengths_B, key, steps: int, temp
   return tokens_NxB.T
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature", "top_p"))
+def _uncached(graphdef, state, tokens_BxN, lengths_B, key, steps: int, temperature: float, top_p: float):
+  """`_prefill` and `_decode` without a cache: each new token from the whole forward pass over the row so far
+  (the rows padded to their final length, the padding a segment of its own that no token attends to)."""
+  model: Transformer = nnx.merge(graphdef, state)
+  b, n = tokens_BxN.shape
+  positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+
+  def step(tokens, t):
+    length = lengths_B + t
+    segments = jnp.where(positions < length[:, None], 1, 2).astype(jnp.int32)
+    h, _ = model(tokens, segments, positions)
+    last = jnp.take_along_axis(h, (length - 1)[:, None, None], axis=1)
+    token_B = pick(model.head(last)[:, 0], jax.random.fold_in(key, t), temperature, top_p)
+    return tokens.at[jnp.arange(b), length].set(token_B, mode="drop"), token_B
+
+  _, tokens_NxB = jax.lax.scan(step, tokens_BxN, jnp.arange(steps, dtype=jnp.int32))
+  return tokens_NxB.T
+
+
+def cache_bytes_per_token(model: Transformer) -> int:
+  """What sampling caches per token: over every layer, K and V (MLA: its latent and RoPE key) in the compute dtype."""
+  values = sum(int(np.prod(shape)) for shape in model.cache_shapes)
+  layers = sum(len(segment.block_ids) * len(segment.blocks.layers) for segment in model.segments)
+  return values * layers * jnp.dtype(model.kv_dtype).itemsize
+
+
 def generate(model: Transformer, prompts: Sequence[np.ndarray], *, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, batch_multiple: int = 1) -> list[np.ndarray]:
+             top_p: float = 1.0, seed: int = 0, batch_multiple: int = 1, cache: bool = True) -> list[np.ndarray]:
   """`max_new_tokens` new tokens after each prompt (a non-empty int sequence). `batch_multiple` pads the
-  batch with copies of the first prompt to a multiple of the devices its rows are sharded over."""
+  batch with copies of the first prompt to a multiple of the devices its rows are sharded over. `cache=False`
+  runs the whole forward pass for every new token (the reference the cache is held to)."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("every prompt needs at least one token")
   rows = len(prompts) + (-len(prompts) % batch_multiple)
@@ -81,7 +109,12 @@ def generate(model: Transformer, prompts: Sequence[np.ndarray], *, max_new_token
     warn(f"prompt and new tokens reach position {int(lengths.max()) + max_new_tokens}, past the "
          f"{model.max_len} positions the model was trained on")
   graphdef, state = nnx.split(model)
-  logits, cache = _prefill(graphdef, state, tokens, lengths, cache_len=int(lengths.max()) + max_new_tokens)
-  out = _decode(graphdef, state, logits, cache, lengths, jax.random.key(seed), steps=max_new_tokens,
+  if not cache:
+    whole = np.pad(tokens, ((0, 0), (0, max_new_tokens)))
+    out = _uncached(graphdef, state, whole, lengths, jax.random.key(seed), steps=max_new_tokens,
+                    temperature=float(temperature), top_p=float(top_p))
+    return list(np.asarray(out)[: len(prompts)])
+  logits, kv = _prefill(graphdef, state, tokens, lengths, cache_len=int(lengths.max()) + max_new_tokens)
+  out = _decode(graphdef, state, logits, kv, lengths, jax.random.key(seed), steps=max_new_tokens,
                 temperature=float(temperature), top_p=float(top_p))
   return list(np.asarray(out)[: len(prompts)])

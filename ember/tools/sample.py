@@ -2,14 +2,16 @@
 
   python -m ember.tools.sample --checkpoint=runs/default_small --prompt='def ' [--max_new_tokens=128]
       [--temperature=0.8] [--top_p=0.95] [--seed=0] [--prompt_file=prompts.txt] [--quantized] [--dtype=float32]
-      [--one_device]
+      [--one_device] [--no_cache]
 
 Prints the continuation (the new tokens, decoded). Temperature 0 (the default) is greedy.
 `--prompt_file` holds one prompt per line (`\\n` inside a line is a newline), decoded as one batch;
 each continuation is printed after a `--- prompt i` line. The
 model runs unquantized by default, as Hugging Face and serving stacks run the exported weights;
 `--quantized` keeps the recipe it was trained with. It runs on the mesh it was trained on when this
-job has that many devices, else (or with `--one_device`) on one device.
+job has that many devices, else (or with `--one_device`) on one device. The KV cache's size per token goes to
+stderr (multi-head latent attention caches its latent and RoPE key); `--no_cache` runs the whole forward pass for
+every new token instead (the same tokens, slower).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--quantized", action="store_true", help="run the forward pass in the trained recipe")
   parser.add_argument("--dtype", default="", help="compute dtype (default: the trained model.dtype)")
   parser.add_argument("--one_device", action="store_true", help="one device, whatever the trained mesh")
+  parser.add_argument("--no_cache", action="store_true", help="no KV cache: the whole forward pass for every token")
   try:
     args = cli.parse(parser, argv[1:])
     if (args.prompt is None) == (not args.prompt_file):
@@ -49,7 +52,7 @@ def main(argv: list[str]) -> int:
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompt_file)
     texts = sample(args.checkpoint, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_p=args.top_p, seed=args.seed, quantized=args.quantized, dtype=args.dtype or None,
-                   one_device=args.one_device)
+                   one_device=args.one_device, cache=not args.no_cache)
   except EmberError as e:
     fail_and_exit(e)
   for i, text in enumerate(texts):
@@ -74,12 +77,12 @@ def _read_prompts(path: str) -> list[str]:
 
 def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperature: float = 0.0,
            top_p: float = 1.0, seed: int = 0, quantized: bool = False, dtype: str | None = None,
-           one_device: bool = False) -> list[str]:
+           one_device: bool = False, cache: bool = True) -> list[str]:
   """The continuation of each prompt, decoded to text."""
   from ember.data import build_tokenizer
   from ember.errors import ConfigError
   from ember.inference.checkpoint import load_model
-  from ember.inference.generate import generate
+  from ember.inference.generate import cache_bytes_per_token, generate
   from ember.parallel import axes
   from ember.parallel.sharding import use_rules
 
@@ -91,9 +94,15 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
   if empty is not None:
     raise ConfigError(f"--prompt: prompt {empty} encodes to no tokens")
   batch_shards = axes.shards(axes.batch_axes(cfg.mesh.rules_dict, mesh), dict(mesh.shape))
+  m = cfg.model
+  per_token = cache_bytes_per_token(model)
+  what = (f"(kv_lora_rank {m.kv_lora_rank} + qk_rope_head_dim {m.qk_rope_head_dim})" if m.is_mla else
+          f"2 x {m.num_kv_heads} kv heads x head_dim {m.head_dim}")
+  print(f"KV cache: {per_token:,} bytes per token = {what} x {m.num_layers} layers x {m.dtype.itemsize} bytes "
+        f"({m.dtype.name}){'' if cache else '; not used (--no_cache)'}", file=sys.stderr)
   with use_rules(mesh, cfg.mesh.rules):
     out = generate(model, encoded, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                   batch_multiple=batch_shards)
+                   batch_multiple=batch_shards, cache=cache)
   return [_continuation(tokenizer, prompt, new) for prompt, new in zip(encoded, out)]
 
 

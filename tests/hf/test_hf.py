@@ -179,6 +179,26 @@ def test_greedy_sampling_equals_transformers_generate(exported):
   assert tokens.tolist() == theirs[4:]
 
 
+def test_latent_cache_samples_the_text_of_no_cache(tmp_path_factory):
+  """DeepSeek's latent attention samples from its cache (the latent and RoPE key) the tokens that the whole forward
+  pass gives for each new token, and the tool states the cache's size: (kv_lora_rank 32 + qk_rope_head_dim 8) x
+  3 layers x 4 bytes (float32)."""
+  _, cfg, _, run, _ = _export("deepseek", tmp_path_factory)
+  args = (f"--checkpoint={run}", "--prompt_file=" + str(_prompts(tmp_path_factory)), "--max_new_tokens=16")
+  cached, uncached = _tool("sample", *args), _tool("sample", *args, "--no_cache")
+  assert cached.returncode == 0 and uncached.returncode == 0, cached.stderr + uncached.stderr
+  assert cached.stdout == uncached.stdout and cached.stdout.count("--- prompt") == 2
+  m = cfg.model
+  per_token = (m.kv_lora_rank + m.qk_rope_head_dim) * m.num_layers * 4
+  assert per_token == 480 and f"KV cache: {per_token:,} bytes per token" in cached.stderr
+
+
+def _prompts(tmp_path_factory):
+  path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+  path.write_text("def \nimport os\n")
+  return path
+
+
 def test_import_mismatch_names_the_tensor(exported, tmp_path):
   _, cfg, _, _, out = exported
   other = cfg.replace("model.d_ff", 96)
