@@ -25,7 +25,7 @@ from ml_collections import config_flags
 from ember import config_schema as schema
 from ember.errors import ConfigError, bad_key, one_line
 from ember import config_phases, storage
-from ember.names import EXPERT
+from ember.names import EMBED, EXPERT
 from ember.parallel import axes, distributed
 from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import Recipe
@@ -281,6 +281,12 @@ def _validate_mesh(s: Settings) -> None:
     bad_key("mesh.tensor", f"{sizes['tensor']} does not divide model.num_kv_heads={m.num_kv_heads}")
   if m.num_experts and m.num_experts % sizes["expert"]:
     bad_key("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={m.num_experts}")
+  embed = [a for a in rules.get(EMBED, ()) if sizes[a] > 1]  # Latent attention's ranks are sharded as `embed`.
+  embed_shards = axes.shards(embed, sizes)
+  for rank in ("q_lora_rank", "kv_lora_rank") if m.is_mla else ():
+    if getattr(m, rank) % embed_shards:
+      bad_key(f"mesh.{embed[0]}", f"the {'*'.join(embed)}={embed_shards} devices the weights' embed axis is split "
+              f"over do not divide model.{rank}={getattr(m, rank)} (latent attention's ranks are split alike)")
   if m.num_experts and sizes["expert"] > 1:
     expert_axes = [a for a in rules.get(EXPERT, ()) if sizes[a] > 1]
     missing = [a for a in expert_axes if a not in batch_axes]

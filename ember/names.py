@@ -52,6 +52,7 @@ RNG_STREAMS = {"qkv": 0, "out": 1, "wi": 2, "wo": 3, "moe_wi": 4, "moe_wo": 5, "
 # --- MoE statistics a layer returns (summed over layers; logged only by MoE models). ----------------
 MOE_LOAD_BALANCE_LOSS = "moe_load_balance_loss"
 MOE_ROUTER_Z_LOSS = "moe_router_z_loss"
+MOE_SEQ_BALANCE_LOSS = "moe_seq_balance_loss"  # DeepSeek-V3's sequence-wise balance loss (model.seq_load_balance_weight).
 MOE_DROPPED_TOKENS = "moe_dropped_tokens"
 MOE_ROUTED_TOKENS = "moe_routed_tokens"
 MOE_OVERFLOW_TOKENS = "moe_overflow_tokens"  # Copies beyond the ragged dispatcher's receive buffer.
@@ -84,7 +85,8 @@ HADAMARD_SCOPE = "random_hadamard_transform"
 # it lies among stacked kernels, ember/quant/fused_nvfp4.py), with L filled in: the compile report counts that
 # row's bytes of the operand, not all L (ember/plan/hlo.py).
 STACKED_ROW_SCOPE = "reads_one_row_of_{}"
-AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS, MOE_OVERFLOW_TOKENS)
+AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS, MOE_OVERFLOW_TOKENS,
+            MOE_SEQ_BALANCE_LOSS)
 
 # Data sources (`data.source`, and the kind of a `data.mixture` entry) and what each needs besides its
 # name, one table: the config's checks, the loaders and the progress line read it.

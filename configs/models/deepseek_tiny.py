@@ -6,5 +6,6 @@ MODEL = dict(name="deepseek_tiny", num_layers=3, d_model=64, num_heads=4, num_kv
              seq_len=64, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
              num_experts=8, experts_per_token=2, router_score="sigmoid", n_group=4, topk_group=2,
              routed_scaling_factor=2.5, num_shared_experts=1, first_k_dense=1, router_bias_update_rate=1e-3,
+             seq_load_balance_weight=1e-4,
              load_balance_weight=0.0, router_z_weight=0.0, mtp_depth=1, mtp_loss_weight=0.3)
 TRAIN = dict(batch_size=128, learning_rate=3e-3)

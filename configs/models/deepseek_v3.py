@@ -9,7 +9,8 @@ MODEL = dict(name="deepseek_v3", num_layers=61, d_model=7168, num_heads=128, num
              dense_d_ff=18432, vocab_size=129280, seq_len=4096, rope_theta=10000.0, norm_eps=1e-6, q_lora_rank=1536,
              kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_experts=256,
              experts_per_token=8, router_score="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5,
-             num_shared_experts=1, first_k_dense=3, router_bias_update_rate=1e-3, load_balance_weight=0.0, router_z_weight=0.0,
+             num_shared_experts=1, first_k_dense=3, router_bias_update_rate=1e-3, seq_load_balance_weight=1e-4,
+             load_balance_weight=0.0, router_z_weight=0.0,
              mtp_depth=1, mtp_loss_weight=0.3)
 TRAIN = dict(batch_size=8192, learning_rate=2.2e-4, warmup_steps=2000)
 REMAT = dict(policy="full")

@@ -280,7 +280,8 @@ class Transformer(nnx.Module):
     self.segments = nnx.List([Segment(model, ids, rngs) for ids in segments_of(model)])
     self.num_blocks, self.num_experts = model.num_blocks, model.num_experts
     if model.mtp_depth:
-      self.mtp = nnx.List([mtp_lib.PredictionModule(model, k, rngs) for k in range(1, model.mtp_depth + 1)])
+      self.mtp = nnx.List([mtp_lib.PredictionModule(model, k, rngs, make_layer=DecoderLayer)
+                           for k in range(1, model.mtp_depth + 1)])
     self.final_norm = RMSNorm(model.d_model, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.tie_embeddings = model.tie_embeddings
     self.tied_wgrad_dtype = model.recipe.wgrad_out(model.param_dtype)  # The tied head's weight-gradient GEMM.

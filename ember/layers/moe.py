@@ -46,13 +46,13 @@ from ember.layers.mlp import MLP
 from ember.model_config import ModelConfig
 from ember.names import (BATCH, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MOE_DROPPED_TOKENS,
                          MOE_EXPERT_LOADS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS,
-                         PROJECTIONS)
+                         MOE_SEQ_BALANCE_LOSS, PROJECTIONS)
 from ember.parallel import axes as axes_lib, sharding
 from ember.quant import health
 from ember.quant.batched import batched_matmul
 from ember.quant.grouped import grouped_matmul, starts
 from ember.quant.recipe import Recipe
-from ember.quant.varying import cotangent_once, manual_axes
+from ember.quant.varying import cotangent_once, first_along, manual_axes
 
 F32 = jnp.float32
 
@@ -70,6 +70,7 @@ class Options:
   n_group: int = 1  # Group-limited routing: the k experts come from the best `topk_group` of `n_group` groups.
   topk_group: int = 1
   scale: float = 1.0  # model.routed_scaling_factor.
+  seq_balance: bool = False  # Take the sequence-wise balance loss (model.seq_load_balance_weight > 0).
 
 
 class ExpertKernel(nnx.Module):
@@ -132,7 +133,7 @@ class MoE(nnx.Module):
                       names=("shared_wi", "shared_wo")) if model.shared_d_ff else None
     self.options = Options(e, model.experts_per_token, model.router_softmax_first, model.dtype, self.wi.recipe,
                            self.wo.recipe, model.router_score, model.n_group, model.topk_group,
-                           model.routed_scaling_factor)
+                           model.routed_scaling_factor, model.seq_load_balance_weight > 0)
     self.model = model  # What the MoE plan reads (layers/moe_dispatch.py: exchange, expert GEMMs, buffers).
     # Replicated like the router.
     self.router_bias = RouterBias(jnp.zeros((e,), F32), out_sharding=(None,)) if model.router_bias_update_rate \
@@ -179,7 +180,8 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   specs_of = lambda trees: tuple(None if t is None else (P(), P(e_spec, None), P()) for t in trees)
   d_spec = _embed_shards(wi_ExDx2xF.shape[1], opts, mesh, rules, expert_axes)
   body = functools.partial(_experts, opts=opts, plan=plan, token_axes=token_axes,
-                           embed_axes=sharding.entry_axes(d_spec))
+                           embed_axes=sharding.entry_axes(d_spec),
+                           sequence_axes=tuple(a for a in axes_lib.sequence_axes(rules) if mesh.shape[a] > 1))
   outer = manual_axes()
   if outer:  # Inside a step's shard_map over its replicas (trainer/step.py): this one does not check replication.
     body = _global_cotangents_once(body, tuple(a for a in mesh.axis_names if a not in outer),
@@ -246,7 +248,7 @@ def _embed_shards(d: int, opts: Options, mesh, rules, expert_axes):
 # ----------------------------------------------------------------------------- one token shard
 
 def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E, errors,
-             *, opts: Options, plan: moe_dispatch.Plan, token_axes, embed_axes=()):
+             *, opts: Options, plan: moe_dispatch.Plan, token_axes, embed_axes=(), sequence_axes=()):
   b, l, d = x_BxLxD.shape
   t = b * l
   assert t == plan.tokens, (t, plan)  # The token shard the plan was made for.
@@ -256,6 +258,9 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
   logits_TxE, probs_TxE, weights_TxK, experts_TxK = route(x_TxD, router_DxE, opts, bias_E)
   keep_TxK = keep_mask(experts_TxK, valid_T, opts.num_experts, plan.capacity)
   aux = aux_losses(logits_TxE, probs_TxE, experts_TxK, keep_TxK, valid_T, opts.num_experts, token_axes)
+  aux[MOE_SEQ_BALANCE_LOSS] = sequence_balance_loss(probs_TxE.reshape(b, l, -1), experts_TxK.reshape(b, l, -1),
+                                                    valid_T.reshape(b, l), token_axes, sequence_axes) \
+      if opts.seq_balance else jnp.zeros((), F32)
 
   if keys is not None and token_axes:  # Distinct stochastic-rounding noise on every token shard.
     keys = tuple(jax.random.fold_in(key, jax.lax.axis_index(token_axes)) for key in keys)
@@ -430,6 +435,27 @@ def keep_mask(experts_TxK, valid_T, num_experts: int, capacity: int | None) -> j
   group_KT = jnp.where(valid_TxK, experts_TxK, num_experts).T.reshape(-1)
   rank_TxK = _rank_in_group(group_KT, num_experts + 1).reshape(experts_TxK.shape[::-1]).T
   return valid_TxK & (rank_TxK < capacity)
+
+
+def sequence_balance_loss(probs_BxLxE, experts_BxLxK, valid_BxL, token_axes, sequence_axes):
+  """DeepSeek-V3's sequence-wise balance loss: per sequence (row), E / K * sum_i f_i P_i with f_i the share of its
+  real tokens' copies routed to expert i and P_i its mean normalised score; the mean over rows with tokens (1.0
+  when a row is balanced). A row split over `sequence_axes` (context parallelism) sums its parts first."""
+  e, k = probs_BxLxE.shape[-1], experts_BxLxK.shape[-1]
+  v = valid_BxL.astype(F32)
+  hits_BxE = jnp.sum(jax.nn.one_hot(experts_BxLxK, e, dtype=F32).sum(axis=2) * v[..., None], axis=1)
+  row = {"count": hits_BxE, "prob": jnp.sum(probs_BxLxE * v[..., None], axis=1), "tokens": jnp.sum(v, axis=1)}
+  if sequence_axes:
+    row = jax.lax.psum(row, sequence_axes)
+  n = jnp.maximum(row["tokens"], 1.0)[:, None]
+  per_row = e / k * jnp.sum((row["count"] / n) * (row["prob"] / n), axis=-1)
+  has = (row["tokens"] > 0).astype(F32)
+  totals = jnp.stack([jnp.sum(per_row * has), jnp.sum(has)])
+  if sequence_axes:  # The parts of a row hold the same value: count each row once.
+    totals = totals * first_along(sequence_axes)
+  if token_axes:
+    totals = jax.lax.psum(totals, token_axes)
+  return totals[0] / jnp.maximum(totals[1], 1.0)
 
 
 def aux_losses(logits_TxE, probs_TxE, experts_TxK, keep_TxK, valid_T, num_experts: int, token_axes):

@@ -15,6 +15,8 @@ not run the modules.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,16 +30,15 @@ from ember.names import EMBED
 class PredictionModule(nnx.Module):
   """Depth `depth` (1-based): its layer is the model's layer `num_layers + depth - 1` for recipes and MoE-ness."""
 
-  def __init__(self, model: ModelConfig, depth: int, rngs: nnx.Rngs):
-    from ember.layers.decoder import DecoderLayer  # The decoder holds these modules.
-
+  def __init__(self, model: ModelConfig, depth: int, rngs: nnx.Rngs, *, make_layer: Callable):
+    """`make_layer(model, index, rngs)`: the decoder's layer (ember/layers/decoder.py, which holds these modules)."""
     layer = model.num_layers + depth - 1
     norm = lambda: RMSNorm(model.d_model, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.embed_norm, self.hidden_norm, self.out_norm = norm(), norm(), norm()
     self.proj = Linear((2 * model.d_model,), (model.d_model,), (None, EMBED), name="mtp_proj",
                        recipe=model.recipe_for("mtp_proj", layer), init_std=model.init_std, dtype=model.dtype,
                        param_dtype=model.param_dtype, rngs=rngs)
-    self.layer = DecoderLayer(model, layer, rngs)
+    self.layer = make_layer(model, layer, rngs)
 
   def __call__(self, hidden_BxLxD, embedded_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None):
     """(this depth's hidden state for the next depth, it normed for the LM head, the layer's aux)."""

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ember import remat
 from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
                          MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS, MOE_LOAD_MAX_OVER_MEAN, MOE_OVERFLOW_TOKENS,
-                         MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
+                         MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, MOE_SEQ_BALANCE_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
 from ember.layers import linear, moe_dispatch
 from ember.layers.decoder import keys_of, stacked_layers
 from ember.layers.moe import ROUTER_BIAS
@@ -81,6 +81,10 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
     aux = jax.tree.map(replica_part, aux)  # Reduced over the replicas already: the step sums them again.
     lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / (num_moe * micro_batches), aux[MOE_ROUTER_Z_LOSS] / (num_moe * micro_batches)
     total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
+    if cfg.model.seq_load_balance_weight:  # DeepSeek-V3's sequence-wise balance loss, where it is on.
+      seq = aux[MOE_SEQ_BALANCE_LOSS] / (num_moe * micro_batches)
+      total = total + cfg.model.seq_load_balance_weight * seq
+      metrics[MOE_SEQ_BALANCE_LOSS] = seq
     metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
                     MOE_ROUTED_TOKENS: aux[MOE_ROUTED_TOKENS], MOE_OVERFLOW_TOKENS: aux[MOE_OVERFLOW_TOKENS]})
     metrics.update({k + BY_LAYER: aux[k + BY_LAYER] for k in (*MOE_LAYER_COUNTS, MOE_EXPERT_LOADS)})

@@ -165,8 +165,32 @@ def test_mtp_leaves_the_main_loss_alone_and_predicts_two_ahead():
       nll += np.log(np.exp(row - row.max()).sum()) + row.max() - row[targets[b, i + 1]]
   want = nll / (seg > 0).sum()
   assert float(metrics["mtp_loss"]) == pytest.approx(want, rel=1e-5)
+  balance = cfg.model.seq_load_balance_weight * float(metrics["moe_seq_balance_loss"])
   assert float(metrics["total_loss"]) == pytest.approx(
-      float(metrics["loss"]) + cfg.model.mtp_loss_weight * want, rel=1e-5)
+      float(metrics["loss"]) + cfg.model.mtp_loss_weight * want + balance, rel=1e-6)
+
+
+def test_sequence_balance_loss_by_hand():
+  """Per row: E / K * sum_i f_i P_i over its real tokens (f_i: its copies' share at expert i; P_i: its mean
+  normalised score); the mean over rows that have tokens. A row routed evenly with even scores scores 1."""
+  rng = np.random.default_rng(2)
+  b, l, e, k = 3, 10, 8, 2
+  probs = rng.dirichlet(np.ones(e), size=(b, l)).astype(np.float32)
+  experts = np.stack([rng.choice(e, size=k, replace=False) for _ in range(b * l)]).reshape(b, l, k)
+  valid = rng.random((b, l)) < 0.7
+  valid[2] = False  # A row of padding alone counts in no mean.
+  got = float(moe_lib.sequence_balance_loss(jnp.asarray(probs), jnp.asarray(experts), jnp.asarray(valid), (), ()))
+  rows = []
+  for r in range(2):
+    t = valid[r].sum()
+    f = np.asarray([(experts[r][valid[r]] == i).sum() for i in range(e)]) / (t * k)
+    p = probs[r][valid[r]].sum(0) / t
+    rows.append(e * np.sum(f * p))
+  assert got == pytest.approx(np.mean(rows), rel=1e-6)
+  even = np.full((1, 8, e), 1 / e, np.float32)
+  experts_even = np.arange(8 * k).reshape(1, 8, k) % e
+  assert float(moe_lib.sequence_balance_loss(jnp.asarray(even), jnp.asarray(experts_even), jnp.ones((1, 8), bool),
+                                             (), ())) == pytest.approx(1.0)
 
 
 def test_mtp_loss_is_logged(tmp_path):
