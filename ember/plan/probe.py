@@ -41,6 +41,7 @@ from ember.trainer.step import forward_loss
 KINDS = {("attn", "qkv", "kernel"): "qkv", ("attn", "out", "kernel"): "out", ("mlp", "wi", "kernel"): "wi",
          ("mlp", "wo", "kernel"): "wo", ("moe", "wi", "kernel"): "moe_wi", ("moe", "wo", "kernel"): "moe_wo",
          ("moe", "shared", "wi", "kernel"): "shared_wi", ("moe", "shared", "wo", "kernel"): "shared_wo",
+         **{("attn", p, "kernel"): p for p in ("q_a", "q_b", "kv_a", "kv_b")},  # Latent attention's.
          ("lm_head", "kernel"): LM_HEAD}
 
 

@@ -170,7 +170,7 @@ def _plan(cfg, mesh, params) -> str:
   tokens, the devices and mesh axes in use, the precision and remat choices."""
   m, t = cfg.model, cfg.train
   total = sum(leaf.size for leaf in jax.tree.leaves(params))
-  inactive = m.num_moe_layers * (m.num_experts - m.experts_per_token) * m.expert_params
+  inactive = m.num_routed_layers * (m.num_experts - m.experts_per_token) * m.expert_params
   active = f" ({format_count(total - inactive)} active a token)" if inactive else ""
   micro = f", {t.grad_accum_steps} micro-batches" if t.grad_accum_steps > 1 else ""
   axes = {k: v for k, v in mesh.shape.items() if v > 1}

@@ -41,7 +41,8 @@ pytestmark = pytest.mark.xdist_group("test_hf")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.path.join('a', 'b'))\n"]
+TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.path.join('a', 'b'))\n",
+         "class Point:\n    x: int = 0\n    y: int = 0\n", "for i in range(10):\n    print(i * i)\n"]
 
 
 def _save_checkpoint(workdir, **overrides):
@@ -356,7 +357,7 @@ def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path)
     if name.endswith("e_score_correction_bias"):
       buffer.copy_(torch.randn(buffer.shape) * 0.3)
   theirs_model.save_pretrained(tmp_path / "hf")
-  tokens = np.asarray([list(TEXTS[0].encode())[:24], list(TEXTS[1].encode())[:24]], np.int32)
+  tokens = np.asarray([list(text.encode())[:24] for text in TEXTS], np.int32)
   with torch.no_grad():
     theirs = theirs_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
