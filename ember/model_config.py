@@ -155,11 +155,11 @@ class ModelConfig:
     return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
 
   @property
-  def cache_values_per_token(self) -> int:
-    """Values one layer caches per token for sampling: MLA's latent and RoPE key, else K and V of every kv head."""
+  def cache_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What sampling caches per token and layer: (k, v) of every kv head, or MLA's (latent, RoPE key)."""
     if self.is_mla:
-      return self.kv_lora_rank + self.qk_rope_head_dim
-    return 2 * self.num_kv_heads * self.head_dim
+      return (self.kv_lora_rank,), (self.qk_rope_head_dim,)
+    return ((self.num_kv_heads, self.head_dim),) * 2
 
   # --- Layers and blocks ------------------------------------------------------------------------------
 

@@ -158,10 +158,16 @@ class Attention(nnx.Module):
     (k, v) [B, S, K, H]: their keys and values are written at their positions, and each query sees the
     cache up to its own position. Returns (y [B, T, D], cache)."""
     q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = self._qkv(x_BxTxD, positions_BxT, None)
-    write = jax.vmap(lambda c, u, start: jax.lax.dynamic_update_slice_in_dim(c, u.astype(c.dtype), start, axis=0))
-    cache_k, cache_v = (write(c, u, positions_BxT[:, 0]) for c, u in zip(cache, (k_BxTxKxH, v_BxTxKxH)))
+    cache_k, cache_v = write_cache(cache, (k_BxTxKxH, v_BxTxKxH), positions_BxT)
     ctx_BxTxNxH = cached_attention(q_BxTxNxH, cache_k, cache_v, positions_BxT)
     return self.out(ctx_BxTxNxH), (cache_k, cache_v)
+
+
+def write_cache(cache, new, positions_BxT) -> tuple:
+  """Each cache array [B, S, ...] with the T new tokens' rows of `new` [B, T, ...] written at their positions
+  (consecutive from `positions_BxT[:, 0]`), in the cache's dtype."""
+  write = jax.vmap(lambda c, u, start: jax.lax.dynamic_update_slice_in_dim(c, u.astype(c.dtype), start, axis=0))
+  return tuple(write(c, u, positions_BxT[:, 0]) for c, u in zip(cache, new))
 
 
 def cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, positions_BxT):

@@ -285,8 +285,7 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(model.d_model, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.tie_embeddings = model.tie_embeddings
     self.tied_wgrad_dtype = model.recipe.wgrad_out(model.param_dtype)  # The tied head's weight-gradient GEMM.
-    self.cache_shapes = ((model.kv_lora_rank,), (model.qk_rope_head_dim,)) if model.is_mla else \
-        ((model.num_kv_heads, model.head_dim),) * 2  # Per token: (k, v), or MLA's (latent, RoPE key).
+    self.cache_shapes = model.cache_shapes  # Per token: (k, v), or MLA's (latent, RoPE key).
     self.kv_dtype, self.max_len = model.dtype, model.seq_len
     if not model.tie_embeddings:
       # The loss calls the head once per token chunk, and delayed scaling's history update assumes

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
-from ember.layers.attention import attend, attention_bias
+from ember.layers.attention import attend, attention_bias, write_cache
 from ember.layers.linear import Linear
 from ember.layers.norm import RMSNorm
 from ember.layers.rope import apply_rope
@@ -97,18 +97,13 @@ class LatentAttention(nnx.Module):
     y_BxLxD = self.out(ctx_BxLxNxV, key)
     return checkpoint_name(shard(y_BxLxD, (BATCH, LENGTH, EMBED)), remat.OUT_PROJ)
 
-  def cache_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per token: the latent's and the RoPE key's shapes (the sampling cache, `decode`)."""
-    return (self.kv_rank,), (self.rope,)
-
   def decode(self, x_BxTxD, positions_BxT, cache):
     """Attention of T new tokens per row (consecutive positions from `positions_BxT[:, 0]`) over the latent cache
     (latent [B, S, C], RoPE key [B, S, R]): theirs are written at their positions, and each query sees the cache up
     to its own position. Returns (y [B, T, D], cache)."""
     q_BxTxNxQ = self._queries(x_BxTxD, positions_BxT, None)
     latent, k_rope = self._latent(x_BxTxD, positions_BxT, None)
-    write = jax.vmap(lambda c, u, start: jax.lax.dynamic_update_slice_in_dim(c, u.astype(c.dtype), start, axis=0))
-    cache = tuple(write(c, u, positions_BxT[:, 0]) for c, u in zip(cache, (latent, k_rope)))
+    cache = write_cache(cache, (latent, k_rope), positions_BxT)
     ctx_BxTxNxV = latent_attention(q_BxTxNxQ, *cache, self.kv_b_kernel(), positions_BxT, self.nope)
     return self.out(ctx_BxTxNxV.astype(x_BxTxD.dtype)), cache
 
