@@ -195,6 +195,8 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.dcn_data = 1  # Across hosts (slow network): multiplies `data`.
   mesh.dcn_fsdp = 1  # Across hosts: multiplies `fsdp`.
   mesh.dcn_expert = 1  # Across hosts: multiplies `expert` (expert parallelism over the network).
+  mesh.pipeline = 1  # Pipeline parallelism: the decoder's layers split into this many stages (docs/parallelism.md).
+  mesh.dcn_pipeline = 1  # Across hosts: multiplies `pipeline` (stages on different nodes: the usual place for it).
   # Logical axis -> mesh axes. Layer code names logical axes only; this table decides the rest.
   mesh.rules = (
       ("batch", ("data", "fsdp", "expert")),
@@ -206,11 +208,15 @@ def get_config() -> ml_collections.ConfigDict:
       ("mlp", "tensor"),
       ("vocab", "tensor"),
       ("expert", "expert"),
-      ("layers", None),
+      ("layers", "pipeline"),  # Each pipeline stage holds its own layers.
       ("norm", None),
       ("qkv", None),
       ("gate", None),
   )
+
+  pp = c.pipeline = ml_collections.ConfigDict()  # Used where mesh.pipeline x mesh.dcn_pipeline > 1.
+  pp.schedule = "gpipe"  # gpipe: every micro-batch's forward, then every backward (ember/parallel/pipeline.py).
+  pp.virtual_stages = 1  # Chunks of layers a device holds (interleaved schedules); 1 = one contiguous stage.
 
   ck = c.checkpoint = ml_collections.ConfigDict()
   ck.every_steps = 500  # Save every N steps (and at the end); 0 = only at the end; -1 = never.

@@ -25,7 +25,7 @@ from ml_collections import config_flags
 from ember import config_schema as schema
 from ember.errors import ConfigError, bad_key, one_line
 from ember import config_phases, storage
-from ember.names import EMBED, EXPERT
+from ember.names import EMBED, EXPERT, PIPELINE
 from ember.parallel import axes, distributed
 from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import Recipe
@@ -287,6 +287,8 @@ def _validate_mesh(s: Settings) -> None:
     if getattr(m, rank) % embed_shards:
       bad_key(f"mesh.{embed[0]}", f"the {'*'.join(embed)}={embed_shards} devices the weights' embed axis is split "
               f"over do not divide model.{rank}={getattr(m, rank)} (latent attention's ranks are split alike)")
+  if sizes[PIPELINE] > 1:
+    _validate_pipeline(s)
   if m.num_experts and sizes["expert"] > 1:
     expert_axes = [a for a in rules.get(EXPERT, ()) if sizes[a] > 1]
     missing = [a for a in expert_axes if a not in batch_axes]
@@ -300,3 +302,31 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Settings:
   (head_dim, the mesh's sizes within a host, the decay length, each precision phase's recipe).
   `num_devices=None` leaves the mesh's sizes as written (for what does not depend on the devices)."""
   return Settings.from_config(cfg, num_devices)
+
+
+def _validate_pipeline(s: Settings) -> None:
+  """A pipelined mesh against the model and the step (ember/parallel/pipeline.py)."""
+  stages, m, accum = s.mesh.sizes()[PIPELINE], s.model, s.train.grad_accum_steps
+  key = "mesh.pipeline" if s.mesh.pipeline > 1 else "mesh.dcn_pipeline"
+  if axes.layer_axes(s.mesh.rules_dict) != (PIPELINE,):
+    bad_key("mesh.rules", f"a pipeline needs the stacked layers split over it alone ('layers' -> 'pipeline'), got "
+            f"{axes.layer_axes(s.mesh.rules_dict)}")
+  if PIPELINE in axes.batch_axes(s.mesh.rules_dict) or PIPELINE in axes.sequence_axes(s.mesh.rules_dict):
+    bad_key("mesh.rules", "the pipeline axis splits the layers; the batch and the sequence cannot be split over it")
+  if s.pipeline.schedule != "gpipe" or s.pipeline.virtual_stages != 1:
+    bad_key("pipeline.schedule" if s.pipeline.schedule != "gpipe" else "pipeline.virtual_stages",
+            "only the gpipe schedule with one stage a device (virtual_stages=1) is built so far")
+  segments = m.segments()
+  if len(segments) > 1:
+    bad_key(key, f"the decoder's layers form {len(segments)} scan segments (model.first_k_dense or layer-specific "
+            "quant.exclude entries); a pipeline splits one")
+  if m.num_blocks % stages:
+    bad_key(key, f"{stages} stages do not divide the decoder's {m.num_blocks} blocks of {m.block_size} layer(s)")
+  if axes.shards(axes.sequence_axes(s.mesh.rules_dict), s.mesh.sizes()) > 1:
+    bad_key(key, "context parallelism (mesh.context) does not run in a pipeline yet")
+  if m.mtp_depth:
+    bad_key(key, "multi-token prediction (model.mtp_depth) does not run in a pipeline yet")
+  if accum % stages:
+    bad_key("train.grad_accum_steps", f"{accum} micro-batches do not split over the {stages} pipeline stages (the "
+            "loss runs on each stage's share of them)")
+

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ember.errors import bad_key
 from ember.keys import key
-from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember.names import LAYER_PROJECTIONS, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.quant.recipe import Recipe
 
 
@@ -215,3 +215,19 @@ class ModelConfig:
   def recipe_for(self, projection: str, layer: int | None = None) -> Recipe:
     """The recipe of projection kind `projection` in `layer` (None: the LM head), `quant.exclude` applied."""
     return self.recipe.for_projection(projection, layer, self.num_layers)
+
+  def segments(self) -> list[list[int]]:
+    """The decoder's scan segments (ember/layers/decoder.py): runs of consecutive blocks of the same layers (dense
+    or MoE: `first_k_dense`) whose projections resolve to the same recipes under `quant.exclude`."""
+    def signature(b):
+      layers = range(b * self.block_size, (b + 1) * self.block_size)
+      return (tuple(self.is_moe_layer(i) for i in layers),
+              tuple(self.recipe_for(p, i).name for i in layers for p in LAYER_PROJECTIONS))
+
+    groups: list[list[int]] = []
+    for b in range(self.num_blocks):
+      if groups and signature(groups[-1][0]) == signature(b):
+        groups[-1].append(b)
+      else:
+        groups.append([b])
+    return groups

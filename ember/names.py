@@ -23,7 +23,9 @@ GATE = "gate"  # The (gate, up) axis of the fused SwiGLU kernel.
 LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, NORM, QKV, GATE)
 
 # Mesh axes, in the mesh's order (the last vary fastest: tensor and expert on the closest devices).
-MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
+MESH_AXES = ("pipeline", "data", "fsdp", "context", "tensor", "expert")
+PIPELINE = "pipeline"  # The mesh axis the decoder's layers are split into stages over (ember/parallel/pipeline.py).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 # --- A batch: int32 [batch, length] arrays under these keys (ember/data/packing.py builds them). ---
 INPUTS = "inputs"

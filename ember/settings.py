@@ -20,8 +20,8 @@ from ember import remat
 from ember.errors import DataError, bad_key, one_line
 from ember.keys import declared, key
 from ember.model_config import ModelConfig
-from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, SOURCE_NEEDS,
-                         STATE_DTYPES)
+from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, PIPELINE_SCHEDULES,
+                         SOURCE_NEEDS, STATE_DTYPES)
 from ember.parallel import axes as axes_lib
 from ember.parallel import mesh as mesh_lib
 from ember.quant.recipe import WGRAD_DTYPES, Recipe
@@ -100,6 +100,8 @@ class Mesh:
   dcn_data: int = key("int", ">=1")
   dcn_fsdp: int = key("int", ">=1")
   dcn_expert: int = key("int", ">=1")
+  pipeline: int = key("value")
+  dcn_pipeline: int = key("int", ">=1")
   rules: tuple = key("value")
 
   def __post_init__(self):
@@ -295,8 +297,15 @@ def _accumulation(train: Train, mesh: Mesh) -> int:
 
 
 # The sections under their config names; `model` and `quant` are ModelConfig and Recipe.
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+  """How a pipelined step runs its stages (ember/parallel/pipeline.py); read where the mesh has a pipeline axis."""
+  schedule: str = key("str", choices=PIPELINE_SCHEDULES)
+  virtual_stages: int = key("int", ">=1")
+
+
 SECTIONS = {"model": ModelConfig, "train": Train, "quant": Recipe, "remat": Remat, "data": Data, "mesh": Mesh,
-            "checkpoint": Checkpoint, "log": Log, "distributed": Distributed}
+            "pipeline": Pipeline, "checkpoint": Checkpoint, "log": Log, "distributed": Distributed}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +321,7 @@ class Settings:
   remat: Remat = None
   data: Data = None
   mesh: Mesh = None
+  pipeline: Pipeline = None
   checkpoint: Checkpoint = None
   log: Log = None
   distributed: Distributed = None
@@ -346,7 +356,7 @@ class Settings:
                    for start, phase in config_phases.precision_phases(cfg))
     return cls(workdir=cfg.workdir, seed=cfg.seed, steps=cfg.steps, model=model, train=train, quant=quant,
                remat=section(Remat, cfg.remat), data=data,
-               mesh=mesh, checkpoint=section(Checkpoint, cfg.checkpoint),
+               mesh=mesh, pipeline=section(Pipeline, cfg.pipeline), checkpoint=section(Checkpoint, cfg.checkpoint),
                log=section(Log, cfg.log), distributed=section(Distributed, cfg.distributed), phases=phases,
                schedule=_plain(cfg.quant.schedule))
 

@@ -18,7 +18,7 @@ CASES = [
     (["--config.model.num_heads=5"], "config.model.num_heads: 5 heads do not divide model.d_model=64"),
     (["--config.model.num_kv_heads=3"], "config.model.num_kv_heads: 3 kv heads do not divide model.num_heads=4"),
     (["--config.mesh.data=3", "--config.mesh.fsdp=1"],
-     "config.mesh: mesh (data=3, fsdp=1, context=1, tensor=1, expert=1) has 3"),
+     "config.mesh: mesh (pipeline=1, data=3, fsdp=1, context=1, tensor=1, expert=1) has 3"),
     (["--config.train.batch_size=6", "--config.mesh.fsdp=4", "--config.mesh.data=2"],
      "config.train.batch_size: 6 is not divisible by the data-parallel size"),
     (["--config.train.grad_accum_steps=3"],

@@ -35,7 +35,7 @@ from ember.layers.mlp import MLP
 from ember.layers.moe import MoE
 from ember.layers.norm import RMSNorm
 from ember.model_config import ModelConfig
-from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, LAYER_PROJECTIONS, LAYERS, LENGTH, LM_HEAD, MOE_EXPERT_LOADS,
+from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, LAYERS, LENGTH, LM_HEAD, MOE_EXPERT_LOADS,
                          MOE_LAYER_COUNTS, VOCAB)
 from ember.parallel import context
 from ember.parallel.sharding import shard
@@ -137,10 +137,13 @@ class Segment(nnx.Module):
 
     self.blocks = make(rngs)
 
-  def __call__(self, x, segment_ids, positions, key, policy: remat.Preset, bias=None):
+  def __call__(self, x, segment_ids, positions, key, policy: remat.Preset, bias=None, block_ids=None):
     """(x, aux summed over the segment's layers, the block's per-layer values for each of its layers). `bias`:
-    the attention's segment bias (Transformer.__call__): an input of every checkpointed block, never recomputed."""
+    the attention's segment bias (Transformer.__call__): an input of every checkpointed block, never recomputed.
+    `block_ids`: the blocks whose rows the stacked state holds (int32 [rows]; a pipeline stage's share of them,
+    ember/parallel/pipeline.py); all of the segment's by default."""
     graphdef, state = nnx.split(self.blocks)
+    ids = jnp.asarray(self.block_ids, jnp.int32) if block_ids is None else block_ids
 
     def body(carry, xs, stacked=None, *, index=None):
       x, aux = carry
@@ -153,13 +156,12 @@ class Segment(nnx.Module):
       return (y, jax.tree.map(jnp.add, aux, a)), per_layer
 
     if self.scan:
-      ids = jnp.asarray(self.block_ids, jnp.int32)
       (x, aux), per_layer = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids))
     else:  # One block after another, on its row of the stacked state (kernel casts read theirs in place).
       stacked, carry, outs = linear.stacked_kernels(self.blocks), (x, zero_aux()), []
-      for index, (block_state, block_id) in enumerate(zip(unstacked(state, len(self.block_ids)), self.block_ids)):
+      for index, block_state in enumerate(unstacked(state, ids.shape[0])):
         step = remat.checkpoint(functools.partial(body, index=index), policy, scanned=False)
-        carry, out = step(carry, (block_state, jnp.asarray(block_id, jnp.int32)), stacked)
+        carry, out = step(carry, (block_state, ids[index]), stacked)
         outs.append(out)
       (x, aux), per_layer = carry, {k: jnp.stack([out[k] for out in outs]) for k in outs[0]}
     return x, aux, {k: v.reshape(-1, *v.shape[2:]) for k, v in per_layer.items()}
@@ -176,22 +178,8 @@ class Segment(nnx.Module):
 
 
 def segments_of(model: ModelConfig) -> list[list[int]]:
-  """Groups consecutive blocks of the same layers (dense or MoE: `model.first_k_dense`) whose projections resolve
-  to the same recipes under `quant.exclude`."""
-  size = model.block_size
-
-  def signature(b):
-    layers = range(b * size, (b + 1) * size)
-    return (tuple(model.is_moe_layer(i) for i in layers),
-            tuple(model.recipe_for(p, i).name for i in layers for p in LAYER_PROJECTIONS))
-
-  groups: list[list[int]] = []
-  for b in range(model.num_blocks):
-    if groups and signature(groups[-1][0]) == signature(b):
-      groups[-1].append(b)
-    else:
-      groups.append([b])
-  return groups
+  """The blocks of each scan segment (ModelConfig.segments)."""
+  return model.segments()
 
 
 @dataclasses.dataclass(frozen=True)

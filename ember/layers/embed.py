@@ -7,6 +7,7 @@ from flax import nnx
 from ember.names import BATCH, EMBED, LENGTH, VOCAB
 from ember.parallel import context
 from ember.parallel.sharding import shard
+from ember.quant.varying import manual_axes
 
 
 class Embed(nnx.Module):
@@ -17,9 +18,11 @@ class Embed(nnx.Module):
 
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
     table_VxD = self.embedding[...].astype(self.dtype)
-    if context.context_axes():
+    if context.context_axes() or manual_axes():
       # Looked up in a table sharded along `embed`, the rows come out split along `embed`, and XLA cannot move
-      # them onto batch x length when both are split (it would replicate them): gather the table first.
+      # them onto batch x length when both are split (it would replicate them): gather the table first. Inside a
+      # map manual over some axes (a pipeline's stages, a step's replicas) XLA's partitioner aborts on that
+      # lookup when two other axes are split (a check failure in spmd_partitioner_util.cc): gathered, it does not.
       table_VxD = shard(table_VxD, (VOCAB, None))
     x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
     return shard(x_BxLxD, (BATCH, LENGTH, EMBED))

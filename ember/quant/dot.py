@@ -24,7 +24,7 @@ from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.quantizers import tensor_amax
 from ember.quant.recipe import WEIGHT, Recipe, pad_to
 from ember.quant.tensor import QuantizedTensor
-from ember.quant.varying import manual_axes
+from ember.quant.varying import shard_axes
 
 
 def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name: str,
@@ -50,7 +50,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   # Inside a step's data-parallel shard_map (trainer/step.py) x and its gradient hold one replica's rows: their
   # amaxes are reduced over the replicas, the one amax of the whole batch, as outside it.
   # There too a block-scaled wgrad sums its rows' parts on the compiler's axes outside its GEMM (`row_split`).
-  manual = manual_axes()
+  manual = shard_axes()
   layout = DenseLayout(transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t,
                        reduce_axes=tuple(sorted(manual)), row_split=_row_split(x_MxK, row_axes, manual, recipe))
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,

@@ -21,6 +21,17 @@ def manual_axes() -> frozenset[str]:
   return frozenset(() if mesh.empty else mesh.manual_axes)
 
 
+# Manual axes whose devices hold different layers, not shards of one tensor: a pipeline's stages
+# (ember/parallel/pipeline.py). No amax or statistic is ever reduced over them.
+STAGE_AXES = frozenset({"pipeline"})
+
+
+def shard_axes() -> frozenset[str]:
+  """The manual axes over which one tensor is split (a step's replicas): `manual_axes` but a pipeline's stages.
+  Where one value of the whole tensor is wanted (an amax, a routing statistic), it is reduced over these."""
+  return manual_axes() - STAGE_AXES
+
+
 def sum_to(a, vma: frozenset):
   """Sums a cotangent over the axes its primal was replicated on (a kernel shared by token shards),
   as the transpose of shard_map's implicit broadcast would; the VJP must return the primal's type."""

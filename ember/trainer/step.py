@@ -20,77 +20,18 @@ from ember.layers.decoder import keys_of, stacked_layers
 from ember.layers.moe import ROUTER_BIAS
 from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.parallel import axes as axes_lib
+from ember.parallel import pipeline
 from ember.parallel.sharding import (active_mesh, active_rules, entry_axes, logical_to_spec, only_axes, shard,
                                      tree_shardings)
 from ember.platform import target_platform
 from ember.quant import health
-from ember.quant.varying import first_along, manual_axes
-from ember.trainer.loss import cross_entropy, token_count
+from ember.quant.varying import first_along, shard_axes
+from ember.trainer.loss import token_count
+from ember.trainer import pipelined
+from ember.trainer.objective import forward_loss, merged_model, micro_batches, replica_part  # noqa: F401
 from ember.trainer.state import TrainState, logical_axes, stats_inputs, step_key
 
 F32 = jnp.float32
-MTP_KEY = 1 << 20  # Multi-token prediction depth k's head draws its rounding noise from fold_in(key, MTP_KEY + k).
-
-
-def _batch_views(batch):
-  rows = (BATCH, LENGTH)
-  return (shard(batch[INPUTS], rows), shard(batch[SEGMENT_IDS], rows), shard(batch[POSITIONS], rows), batch[TARGETS])
-
-
-def merged_model(graphdef, params, quant_state, stats=None):
-  """The model of a step: its parameters, quant state and (when statistics are on) health-statistics inputs."""
-  return nnx.merge(graphdef, params, quant_state, *([stats] if stats else []))
-
-
-def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
-                 policy: remat.Preset = remat.PRESETS["none"], count=None, micro_batches: int = 1,
-                 kernel_amaxes: dict | None = None):
-  """(total loss, metrics) for one batch: next-token CE + z-loss (+ the MoE auxiliary losses of MoE models).
-  `stats`: the health-statistics inputs (state.stats_inputs) when log.quant_stats_every > 0; `policy`: the
-  remat preset the layers run under. `count`, `micro_batches`: the batch is one of `micro_batches` of a step
-  whose weighted tokens number `count`; its CE and z-loss are divided by the step's tokens and its MoE
-  auxiliary losses by `micro_batches`, so the step's losses, metrics and gradients are sums over its
-  micro-batches (`train_step`). `kernel_amaxes`: the projections' max|kernel| taken ahead (`linear.kernel_amaxes`
-  of this model), or None."""
-  model = merged_model(graphdef, params, quant_state, stats)
-  if kernel_amaxes:
-    linear.use_kernel_amaxes(model, kernel_amaxes)
-  inputs, segment_ids, positions, targets = _batch_views(batch)
-  hidden, aux, predictions = model.with_predictions(inputs, segment_ids, positions, targets, key=key, policy=policy)
-  weights = (segment_ids > 0).astype(jnp.float32)
-  head = model.head_parts()
-  total, ce, z = cross_entropy(hidden, targets, weights, head, key=key, chunk_size=cfg.train.loss_chunk_size,
-                               count=count, z_loss_weight=cfg.train.z_loss_weight)
-  metrics = {"loss": ce}
-  if cfg.train.z_loss_weight:  # Logged where it is in effect (a weight of 0 trains nothing toward it).
-    metrics["z_loss"] = z
-  if predictions:  # Multi-token prediction (layers/mtp.py): each depth's NLL over the main loss's token count.
-    count = token_count(weights) if count is None else count
-    depth_losses = []
-    for k, h_k in enumerate(predictions, start=1):
-      _, targets_k, weights_k = mtp_inputs(targets, segment_ids, k)
-      loss_k, _, _ = cross_entropy(h_k, targets_k, weights_k, head, key=None if key is None else
-                                   jax.random.fold_in(key, MTP_KEY + k), chunk_size=cfg.train.loss_chunk_size,
-                                   count=count)
-      depth_losses.append(loss_k)
-    mtp_loss = sum(depth_losses) / len(depth_losses)
-    total = total + cfg.model.mtp_loss_weight * mtp_loss
-    metrics["mtp_loss"] = jax.lax.stop_gradient(mtp_loss)
-  num_moe = cfg.model.num_routed_layers
-  if num_moe:  # Dense models log no MoE keys (they would always be zero).
-    aux = jax.tree.map(replica_part, aux)  # Reduced over the replicas already: the step sums them again.
-    lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / (num_moe * micro_batches), aux[MOE_ROUTER_Z_LOSS] / (num_moe * micro_batches)
-    total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
-    if cfg.model.seq_load_balance_weight:  # DeepSeek-V3's sequence-wise balance loss, where it is on.
-      seq = aux[MOE_SEQ_BALANCE_LOSS] / (num_moe * micro_batches)
-      total = total + cfg.model.seq_load_balance_weight * seq
-      metrics[MOE_SEQ_BALANCE_LOSS] = seq
-    metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
-                    MOE_ROUTED_TOKENS: aux[MOE_ROUTED_TOKENS], MOE_OVERFLOW_TOKENS: aux[MOE_OVERFLOW_TOKENS]})
-    metrics.update({k + BY_LAYER: aux[k + BY_LAYER] for k in (*MOE_LAYER_COUNTS, MOE_EXPERT_LOADS)})
-  if cfg.train.z_loss_weight or num_moe or predictions:  # Else it is `loss`.
-    metrics["total_loss"] = total
-  return total, metrics
 
 
 def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy: remat.Preset,
@@ -111,7 +52,11 @@ def _train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy
   grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 3) if with_stats else (0, 1), has_aux=True)
   stats = stats_inputs(cfg) if with_stats else None
   accum = cfg.train.grad_accum_steps
-  if accum == 1:
+  mesh = active_mesh()
+  if pipeline.stages(mesh) > 1:  # The micro-batches flow through the stages (trainer/pipelined.py).
+    metrics, outs = pipelined.grads(state, batch, stats, key, graphdef=graphdef, cfg=cfg, policy=policy, mesh=mesh,
+                                    batch_shards=batch_shards)
+  elif accum == 1:
     (_, metrics), outs = grad_fn(state.params, state.quant_state, batch, stats, key=key)
   else:
     metrics, outs = _accumulate(grad_fn, state, batch, stats, key, accum, batch_shards, graphdef, cfg)
@@ -165,16 +110,6 @@ def update_router_biases(old_quant_state, new_quant_state, loads_LxE, model):
     return old + rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)
 
   return jax.tree_util.tree_map_with_path(update, old_quant_state, new_quant_state)
-
-
-def micro_batches(a, accum: int, batch_shards: int):
-  """[B, ...] -> [accum, B / accum, ...]: micro-batch i takes rows [i * m, (i + 1) * m) of every device's B /
-  batch_shards rows (m = B / batch_shards / accum), so each micro-batch is sharded as the batch is and no
-  row moves between devices."""
-  b = a.shape[0]
-  m = b // batch_shards // accum
-  split = a.reshape(batch_shards, accum, m, *a.shape[1:]).swapaxes(0, 1).reshape(accum, b // accum, *a.shape[1:])
-  return shard(split, (None, BATCH, LENGTH) + (None,) * (a.ndim - 2))
 
 
 def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int, graphdef, cfg):
@@ -295,17 +230,6 @@ def replicas_first(a, mesh: Mesh, batch: tuple[str, ...], lead: tuple[str, ...])
   moved = jnp.moveaxis(blocks, [1 + batch.index(x) for x in order], list(range(1, 1 + len(order))))
   spec = logical_to_spec((None, BATCH, LENGTH) + (None,) * (a.ndim - 3), active_rules(), mesh)
   return jax.lax.with_sharding_constraint(moved.reshape(a.shape), NamedSharding(mesh, P(None, order, *spec[2:])))
-
-
-def replica_part(a: jax.Array) -> jax.Array:
-  """`a` from the first replica alone (zeros from the others) inside `_over_replicas`' shard_map, `a` elsewhere:
-  there a value already reduced over the replicas (the MoE layers' statistics) is on every replica, and the step
-  sums the replicas' metrics. Its gradient still reaches every replica's tokens: the reduction's transpose sums
-  the cotangents over the replicas."""
-  replicas = tuple(sorted(manual_axes()))
-  if not replicas:
-    return a
-  return jnp.where(first_along(replicas), a, jnp.zeros_like(a))
 
 
 def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:

@@ -71,7 +71,8 @@ def test_plan_reads_the_expert_axes_from_the_rules_and_sizes_every_buffer():
   from tests.helpers import settings
   s = settings("tiny_moe", **{"model.num_experts": 8, "model.seq_len": 128})
   model = s.model
-  mesh = make_mesh(Mesh(data=1, fsdp=4, context=1, tensor=1, expert=2, dcn_data=1, dcn_fsdp=1, dcn_expert=1, rules=()),
+  mesh = make_mesh(Mesh(pipeline=1, data=1, fsdp=4, context=1, tensor=1, expert=2, dcn_pipeline=1, dcn_data=1, dcn_fsdp=1,
+                        dcn_expert=1, rules=()),
                    jax.devices()[:8])
   default = s.mesh.rules_dict
   moved = dict(default, expert=("fsdp",))

@@ -28,7 +28,7 @@ def _mesh(**sizes) -> Mesh:
 def test_the_default_rules():
   rules = config_lib.derive(config("tiny"), 8).mesh.rules_dict
   assert axes.batch_axes(rules) == ("data", "fsdp", "expert")
-  assert axes.sequence_axes(rules) == ("context",) and axes.layer_axes(rules) == ()
+  assert axes.sequence_axes(rules) == ("context",) and axes.layer_axes(rules) == ("pipeline",)
   mesh = _mesh(data=2, fsdp=2, context=2)
   assert axes.batch_axes(rules, mesh) == ("data", "fsdp")  # Axes of one device left out.
   assert axes.token_axes(rules, mesh) == ("data", "fsdp", "context")

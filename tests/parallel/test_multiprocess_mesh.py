@@ -73,22 +73,23 @@ def _devices(processes: int, per_process: int, shuffle: bool = False) -> list[Fa
 
 
 def _mesh_cfg(**sizes):
-  m = dict(data=1, fsdp=1, context=1, tensor=1, expert=1, dcn_data=1, dcn_fsdp=1, dcn_expert=1, rules=())
+  m = dict(pipeline=1, data=1, fsdp=1, context=1, tensor=1, expert=1, dcn_pipeline=1, dcn_data=1, dcn_fsdp=1,
+           dcn_expert=1, rules=())
   m.update(sizes)
   return Mesh(**m)
 
 
 def test_each_process_owns_a_contiguous_block_without_dcn():
   grid = device_grid(_mesh_cfg(data=2, fsdp=4), _devices(2, 4, shuffle=True))
-  procs = np.vectorize(lambda d: d.process_index)(grid)[:, :, 0, 0, 0]
+  procs = np.vectorize(lambda d: d.process_index)(grid)[0, :, :, 0, 0, 0]
   np.testing.assert_array_equal(procs, [[0, 0, 0, 0], [1, 1, 1, 1]])
 
 
 def test_hybrid_mesh_puts_only_dcn_axes_across_processes():
   # 4 processes x 4 devices: per host data=1, fsdp=2, tensor=2; across hosts data=2, fsdp=2.
   grid = device_grid(_mesh_cfg(fsdp=2, tensor=2, dcn_data=2, dcn_fsdp=2), _devices(4, 4, shuffle=True))
-  assert grid.shape == (2, 4, 1, 2, 1)
-  procs = np.vectorize(lambda d: d.process_index)(grid)[:, :, 0, :, 0]
+  assert grid.shape == (1, 2, 4, 1, 2, 1)
+  procs = np.vectorize(lambda d: d.process_index)(grid)[0, :, :, 0, :, 0]
   # The tensor axis never crosses a process; the 2x2 host blocks follow process order.
   assert (procs[:, :, 0] == procs[:, :, 1]).all()
   np.testing.assert_array_equal(procs[:, :, 0], [[0, 0, 1, 1], [2, 2, 3, 3]])
@@ -97,8 +98,8 @@ def test_hybrid_mesh_puts_only_dcn_axes_across_processes():
 def test_expert_parallelism_across_hosts():
   # 2 processes x 4 devices: experts over 4 devices per host and 2 hosts (dcn_expert), fsdp inside each host.
   grid = device_grid(_mesh_cfg(fsdp=2, expert=2, dcn_expert=2), _devices(2, 4, shuffle=True))
-  assert grid.shape == (1, 2, 1, 1, 4)
-  procs = np.vectorize(lambda d: d.process_index)(grid)[0, :, 0, 0, :]
+  assert grid.shape == (1, 1, 2, 1, 1, 4)
+  procs = np.vectorize(lambda d: d.process_index)(grid)[0, 0, :, 0, 0, :]
   assert (procs[0] == procs[1]).all()  # fsdp stays inside a host ...
   np.testing.assert_array_equal(procs[0], [0, 0, 1, 1])  # ... and the expert axis spans both.
 
@@ -110,7 +111,7 @@ def test_dcn_axes_must_match_the_process_count():
 
 def test_make_mesh_on_this_process():
   mesh = make_mesh(_mesh_cfg(data=2, fsdp=2, tensor=2))
-  assert dict(mesh.shape) == dict(data=2, fsdp=2, context=1, tensor=2, expert=1)
+  assert dict(mesh.shape) == dict(pipeline=1, data=2, fsdp=2, context=1, tensor=2, expert=1)
   assert list(mesh.devices.flat) == sorted(jax.devices(), key=lambda d: d.id)
 
 

@@ -1,0 +1,113 @@
+"""What a step minimises: the next-token loss, the multi-token-prediction and MoE auxiliary losses, and the
+metrics a step logs with them (`forward_loss` for one batch or micro-batch; `step_terms`, shared with a pipelined
+step, ember/trainer/pipelined.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ember import remat
+from ember.layers import linear
+from ember.layers.mtp import depth_inputs as mtp_inputs
+from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
+                         MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS,
+                         MOE_ROUTER_Z_LOSS, MOE_SEQ_BALANCE_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
+from ember.parallel.sharding import shard
+from ember.quant.varying import first_along, shard_axes
+from ember.trainer.loss import cross_entropy, token_count
+
+MTP_KEY = 1 << 20  # Multi-token prediction depth k's head draws its rounding noise from fold_in(key, MTP_KEY + k).
+
+
+def _batch_views(batch):
+  rows = (BATCH, LENGTH)
+  return (shard(batch[INPUTS], rows), shard(batch[SEGMENT_IDS], rows), shard(batch[POSITIONS], rows), batch[TARGETS])
+
+
+def merged_model(graphdef, params, quant_state, stats=None):
+  """The model of a step: its parameters, quant state and (when statistics are on) health-statistics inputs."""
+  return nnx.merge(graphdef, params, quant_state, *([stats] if stats else []))
+
+
+def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
+                 policy: remat.Preset = remat.PRESETS["none"], count=None, micro_batches: int = 1,
+                 kernel_amaxes: dict | None = None):
+  """(total loss, metrics) for one batch: next-token CE + z-loss (+ the MoE auxiliary losses of MoE models).
+  `stats`: the health-statistics inputs (state.stats_inputs) when log.quant_stats_every > 0; `policy`: the
+  remat preset the layers run under. `count`, `micro_batches`: the batch is one of `micro_batches` of a step
+  whose weighted tokens number `count`; its CE and z-loss are divided by the step's tokens and its MoE
+  auxiliary losses by `micro_batches`, so the step's losses, metrics and gradients are sums over its
+  micro-batches (`train_step`). `kernel_amaxes`: the projections' max|kernel| taken ahead (`linear.kernel_amaxes`
+  of this model), or None."""
+  model = merged_model(graphdef, params, quant_state, stats)
+  if kernel_amaxes:
+    linear.use_kernel_amaxes(model, kernel_amaxes)
+  inputs, segment_ids, positions, targets = _batch_views(batch)
+  hidden, aux, predictions = model.with_predictions(inputs, segment_ids, positions, targets, key=key, policy=policy)
+  weights = (segment_ids > 0).astype(jnp.float32)
+  head = model.head_parts()
+  total, ce, z = cross_entropy(hidden, targets, weights, head, key=key, chunk_size=cfg.train.loss_chunk_size,
+                               count=count, z_loss_weight=cfg.train.z_loss_weight)
+  mtp_loss = None
+  if predictions:  # Multi-token prediction (layers/mtp.py): each depth's NLL over the main loss's token count.
+    count = token_count(weights) if count is None else count
+    depth_losses = []
+    for k, h_k in enumerate(predictions, start=1):
+      _, targets_k, weights_k = mtp_inputs(targets, segment_ids, k)
+      loss_k, _, _ = cross_entropy(h_k, targets_k, weights_k, head, key=None if key is None else
+                                   jax.random.fold_in(key, MTP_KEY + k), chunk_size=cfg.train.loss_chunk_size,
+                                   count=count)
+      depth_losses.append(loss_k)
+    mtp_loss = sum(depth_losses) / len(depth_losses)
+  return step_terms(total, ce, z, aux, cfg, micro_batches, mtp_loss)
+
+
+def step_terms(total, ce, z, aux: dict, cfg, micro_batches: int = 1, mtp_loss=None):
+  """(total loss, metrics) from the next-token loss (`cross_entropy`'s total, ce, z), the decoder's aux (its MoE
+  sums and per-layer arrays) and the multi-token-prediction loss (or None): the terms a step adds to the loss and
+  logs, for one micro-batch of `micro_batches` (`forward_loss`) or a pipelined step's whole batch."""
+  metrics = {"loss": ce}
+  if cfg.train.z_loss_weight:  # Logged where it is in effect (a weight of 0 trains nothing toward it).
+    metrics["z_loss"] = z
+  if mtp_loss is not None:
+    total = total + cfg.model.mtp_loss_weight * mtp_loss
+    metrics["mtp_loss"] = jax.lax.stop_gradient(mtp_loss)
+  num_moe = cfg.model.num_routed_layers
+  if num_moe:  # Dense models log no MoE keys (they would always be zero).
+    aux = jax.tree.map(replica_part, aux)  # Reduced over the replicas already: the step sums them again.
+    lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / (num_moe * micro_batches), aux[MOE_ROUTER_Z_LOSS] / (num_moe * micro_batches)
+    total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
+    if cfg.model.seq_load_balance_weight:  # DeepSeek-V3's sequence-wise balance loss, where it is on.
+      seq = aux[MOE_SEQ_BALANCE_LOSS] / (num_moe * micro_batches)
+      total = total + cfg.model.seq_load_balance_weight * seq
+      metrics[MOE_SEQ_BALANCE_LOSS] = seq
+    metrics.update({MOE_LOAD_BALANCE_LOSS: lb, MOE_ROUTER_Z_LOSS: rz, MOE_DROPPED_TOKENS: aux[MOE_DROPPED_TOKENS],
+                    MOE_ROUTED_TOKENS: aux[MOE_ROUTED_TOKENS], MOE_OVERFLOW_TOKENS: aux[MOE_OVERFLOW_TOKENS]})
+    metrics.update({k + BY_LAYER: aux[k + BY_LAYER] for k in (*MOE_LAYER_COUNTS, MOE_EXPERT_LOADS)})
+  if cfg.train.z_loss_weight or num_moe or mtp_loss is not None:  # Else it is `loss`.
+    metrics["total_loss"] = total
+  return total, metrics
+
+
+
+def micro_batches(a, accum: int, batch_shards: int):
+  """[B, ...] -> [accum, B / accum, ...]: micro-batch i takes rows [i * m, (i + 1) * m) of every device's B /
+  batch_shards rows (m = B / batch_shards / accum), so each micro-batch is sharded as the batch is and no
+  row moves between devices."""
+  b = a.shape[0]
+  m = b // batch_shards // accum
+  split = a.reshape(batch_shards, accum, m, *a.shape[1:]).swapaxes(0, 1).reshape(accum, b // accum, *a.shape[1:])
+  return shard(split, (None, BATCH, LENGTH) + (None,) * (a.ndim - 2))
+
+
+def replica_part(a: jax.Array) -> jax.Array:
+  """`a` from the first replica alone (zeros from the others) inside `_over_replicas`' shard_map, `a` elsewhere:
+  there a value already reduced over the replicas (the MoE layers' statistics) is on every replica, and the step
+  sums the replicas' metrics. Its gradient still reaches every replica's tokens: the reduction's transpose sums
+  the cotangents over the replicas."""
+  replicas = tuple(sorted(shard_axes()))
+  if not replicas:
+    return a
+  return jnp.where(first_along(replicas), a, jnp.zeros_like(a))

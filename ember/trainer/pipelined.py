@@ -1,0 +1,144 @@
+"""A pipelined step: the decoder's layers in stages over the mesh axis `pipeline`, the step's micro-batches
+flowing through them (the schedule and its transfers: ember/parallel/pipeline.py).
+
+The whole forward pass and loss run in one `shard_map` manual over `pipeline`; its gradient is taken outside,
+so the backward pass is the loop's transpose (every transfer reversed). Inside, each stage holds its rows of
+the stacked layers (parameters, delayed-scaling histories, health-statistics inputs); the embedding, final norm
+and LM head are on every stage. Stage 0 embeds each micro-batch as it enters; the last stage's outputs are
+spread over all stages afterwards (`from_last_stage`) so the head and the chunked loss run on 1 / S of the
+micro-batches each, not all on the last stage. The losses, MoE sums and per-layer statistics are then summed
+(per-layer arrays gathered) over the stages, and the step's terms are those of the micro-batch loop
+(objective.step_terms), so a pipelined step logs and trains as the same step on one device does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from ember import remat
+from ember.layers import linear
+from ember.layers.attention import attention_bias
+from ember.names import AUX_KEYS, BY_LAYER, INPUTS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS
+from ember.parallel import pipeline
+from ember.parallel.sharding import shard_map
+from ember.quant import health
+from ember.quant.varying import cotangent_once
+from ember.trainer.loss import cross_entropy, token_count
+from ember.trainer.objective import merged_model, micro_batches, step_terms
+
+F32 = jnp.float32
+
+
+def stage_spec(path) -> P:
+  """A state leaf's PartitionSpec over `pipeline`: the stacked layers' rows are split into the stages (the
+  `layers` rule), every other leaf is on every stage."""
+  return P(PIPELINE) if path[0].key == "segments" else P()
+
+
+def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh: Mesh, batch_shards: int):
+  """(metrics, (gradients, new quant state[, health statistics])) of one step over `train.grad_accum_steps`
+  micro-batches in the pipeline: what the micro-batch loop (trainer/step.py's `_accumulate`) returns, with
+  micro-batch i's stochastic rounding drawn from fold_in(key, i) as there."""
+  accum = cfg.train.grad_accum_steps
+  count = token_count(batch[SEGMENT_IDS] > 0)
+  micro = jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch)
+  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(accum))
+  specs = lambda tree: jax.tree_util.tree_map_with_path(lambda path, _: stage_spec(path), tree)
+  with_stats = stats is not None
+  trees = (state.params, state.quant_state) + ((stats,) if with_stats else ())
+  in_specs = tuple(specs(t) for t in trees) + (P(), P(), P())
+  manual = {PIPELINE} | {a for a, n in mesh.shape.items() if n == 1}
+
+  def body(params, quant_state, *rest):
+    stats_, (micro_, keys_, count_) = (rest[0] if with_stats else None), rest[-3:]
+    return _loss(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg, policy=policy,
+                 stages=pipeline.stages(mesh))
+
+  def loss(*trees_):
+    mapped = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), axis_names=manual,
+                       check_vma=False)
+    return mapped(*trees_, micro, keys, count)
+
+  argnums = tuple(range(len(trees)))
+  (_, metrics), outs = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(*trees)
+  return metrics, outs
+
+
+def _once_per_stage(tree):
+  """A tree whose non-stage leaves' "cotangents" are global values (histories, statistics): passed back once
+  over the stages rather than summed (varying.cotangent_once)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, a: a if stage_spec(path) != P() else cotangent_once(a, (PIPELINE,)), tree)
+
+
+def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, policy: remat.Preset, stages: int):
+  """Inside the map over `pipeline`: (total loss, metrics) of the step, the same on every stage."""
+  m = keys.shape[0]
+  t_T = jnp.arange(pipeline.iterations(m, stages))
+  stage = pipeline.stage_index()
+  valid_T = (t_T >= stage) & (t_T < stage + m)  # Whether stage s has a micro-batch (t - s) at iteration t.
+  quant_state = _once_per_stage(quant_state)
+  kernel_amaxes = linear.kernel_amaxes(merged_model(graphdef, params, quant_state, stats))  # Once a step.
+  quant_T = pipeline.fan_out(quant_state, valid_T, jnp.maximum, pipeline.lowest)
+  stats_T = None
+  if stats is not None:
+    stats_T = pipeline.fan_out(_once_per_stage(stats), valid_T, health.combine, health.combine_identity)
+  model = merged_model(graphdef, params, quant_state, stats)
+  segment = model.segments[0]
+  per_stage = len(segment.block_ids) // stages
+  block_ids = jax.lax.dynamic_slice_in_dim(jnp.asarray(segment.block_ids, jnp.int32), stage * per_stage, per_stage)
+  inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
+
+  def iteration(carry, xs):
+    received, outputs, aux = carry
+    t, quant, stat, valid = xs
+    layers = merged_model(graphdef, params, quant, stat)
+    if kernel_amaxes:
+      linear.use_kernel_amaxes(layers, kernel_amaxes)
+    i = jnp.clip(t - stage, 0, m - 1)
+    x = jnp.where(stage == 0, layers.embed(inputs[i]), received)
+    segs = jnp.where(valid, segment_ids[i], 0)  # Nothing to run: padding, which the layers map to zeros.
+    y, a, per_layer = layers.segments[0](x, segs, positions[i], keys[i], policy, attention_bias(segs, x.dtype),
+                                         block_ids=block_ids)
+    keep = lambda v: jnp.where(valid, v, jnp.zeros_like(v))
+    y = keep(y)
+    last = valid & (stage == stages - 1)
+    outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(last, y, outputs[i]), i, 0)
+    aux = jax.tree.map(lambda acc, v: acc + keep(v).astype(F32), aux, {**a, **{k + BY_LAYER: v for k, v in
+                                                                             per_layer.items()}})
+    return (pipeline.to_next_stage(y, stages), outputs, aux), None
+
+  x0 = jax.eval_shape(model.embed, inputs[0])
+  _, a0, l0 = jax.eval_shape(lambda x: segment(x, segment_ids[0], positions[0], None, policy,
+                                               attention_bias(segment_ids[0], x.dtype), block_ids=block_ids),
+                             x0)
+  zeros = lambda s: jnp.zeros(s.shape, F32)
+  aux0 = {**jax.tree.map(zeros, a0), **{k + BY_LAYER: zeros(v) for k, v in l0.items()}}
+  init = (jnp.zeros(x0.shape, x0.dtype), jnp.zeros((m, *x0.shape), x0.dtype), aux0)
+  (_, outputs, aux), _ = jax.lax.scan(iteration, init, (t_T, quant_T, stats_T, valid_T))
+  return _head_losses(model, pipeline.from_last_stage(outputs, stages), micro, keys, count, aux, cfg, stages)
+
+
+def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg, stages: int):
+  """The losses of this stage's share of the micro-batches (`from_last_stage`), summed over the stages with the
+  layers' aux, as the step's terms."""
+  share = hidden_NxBxLxD.shape[0]
+  first = pipeline.stage_index() * share
+  mine = lambda a: jax.lax.dynamic_slice_in_dim(a, first, share)
+  head = model.head_parts()
+
+  def one(total, xs):
+    h, targets, segs, key = xs
+    out = cross_entropy(model.final_norm(h), targets, (segs > 0).astype(F32), head, key=key,
+                        chunk_size=cfg.train.loss_chunk_size, count=count, z_loss_weight=cfg.train.z_loss_weight)
+    return jax.tree.map(jnp.add, total, out), None
+
+  zero = jnp.zeros((), F32)
+  losses, _ = jax.lax.scan(one, (zero, zero, zero),
+                           (hidden_NxBxLxD, mine(micro[TARGETS]), mine(micro[SEGMENT_IDS]), mine(keys)))
+  total, ce, z = jax.lax.psum(losses, PIPELINE)
+  by_layer = {k: jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True) for k, v in aux.items() if k.endswith(BY_LAYER)}
+  sums = {k: jax.lax.psum(aux[k], PIPELINE) for k in AUX_KEYS}
+  return step_terms(total, ce, z, {**sums, **by_layer}, cfg, keys.shape[0])
