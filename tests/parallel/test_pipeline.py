@@ -131,3 +131,20 @@ def test_bad_pipeline_layouts_name_the_key(overrides, key):
   with pytest.raises(ConfigError) as e:
     config_lib.validate(_cfg(**{"mesh.data": 1, **overrides}), 8, 1)
   assert str(e.value).startswith(key), str(e.value)
+
+
+def test_health_statistics_are_one_devices():
+  """log.quant_stats_every: a pipelined step's health statistics (each stage's layers', combined over the
+  micro-batches, bubbles left out) equal one device's over the same micro-batches."""
+  over = {"quant.recipe": "fp8_delayed", "log.quant_stats_every": 1}
+  cfg = _cfg(**over)
+  batch = helpers.random_batch(cfg)
+  one, _ = helpers.one_step(cfg, {k: v[_same_micro_batches(16, 2)] for k, v in batch.items()}, 1)
+  piped, _ = helpers.one_step(_cfg(**over, **{"mesh.pipeline": 4, "mesh.fsdp": 2, "mesh.data": 1}), batch, 8)
+  # Amaxes and scales to float32 rounding; counts (underflow: gradients below FP8's smallest value) to 1e-3, as
+  # a gradient summed in another order moves a few values across the threshold.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-6), one["quant_stats"],
+               piped["quant_stats"])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b[..., :2], a[..., :2], rtol=1e-5), one["quant_stats"],
+               piped["quant_stats"])
+  assert max(float(np.max(np.abs(a))) for a in jax.tree.leaves(one["quant_stats"])) > 0
