@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 import time
 
+import jax.numpy as jnp
 import ml_collections
 
 from ember import config as config_lib
 from ember import hardware
+from ember.parallel import axes, pipeline
 from ember.parallel.mesh import make_mesh
 from ember.plan import auto_remat, cost, hlo, predict
 from ember.plan import step as step_plan
@@ -93,7 +95,27 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
   report.update(predict.predicted_step(program, m, **per_device))
   if cfg.model.num_experts:
     report["moe"] = moe_figures(cfg, mesh, target, program)
+  if pipeline.stages(mesh) > 1:
+    report["pipeline"] = pipeline_figures(cfg, mesh, report)
+    report["pipeline_bubble_fraction"] = report["pipeline"]["bubble_fraction"]
   return report
+
+
+def pipeline_figures(cfg, mesh, report: dict) -> dict:
+  """A pipelined step's schedule: its stages and micro-batches, the idle share of the step (`bubble_fraction`,
+  ember/parallel/pipeline.py; the compiled program runs those idle iterations on zeros, so the floor and the
+  prediction above include them), and the activation bytes one stage sends the next a step (forward and
+  backward). Every stage runs one program: under GPipe each holds the same peak (`peak_bytes`)."""
+  stages, micro = pipeline.stages(mesh), cfg.train.grad_accum_steps
+  m = cfg.model
+  batch_shards = axes.shards(axes.token_axes(cfg.mesh.rules_dict, mesh), dict(mesh.shape))
+  activation = cfg.train.micro_batch_size * m.seq_len * m.d_model * jnp.dtype(m.dtype).itemsize / batch_shards
+  fraction = pipeline.bubble_fraction(micro, stages)
+  floor = report.get("time_floor_s")
+  return {"schedule": cfg.pipeline.schedule, "stages": stages, "virtual_stages": cfg.pipeline.virtual_stages,
+          "micro_batches": micro, "bubble_fraction": fraction,
+          "bubble_s": None if floor is None else floor * fraction,
+          "stage_transfer_bytes": 2 * pipeline.iterations(micro, stages) * activation}
 
 
 def machine(target: Target, mesh) -> cost.Machine | None:

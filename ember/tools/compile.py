@@ -58,6 +58,12 @@ def _work_lines(r: dict) -> list[str]:
                  f"per device")
     lines += [f"    {_ms(t['seconds']):>10}  {t['op']} ({t['pass']}, {t['kind']}{'' if t['exposed'] else ', hidden'})"
               for t in r["time_by_op"][:TOP_TIMES]]
+  if r.get("pipeline"):
+    p = r["pipeline"]
+    bubble = "" if p["bubble_s"] is None else f", {_ms(p['bubble_s'])} of the floor"
+    lines.append(f"  pipeline:    {p['stages']} stages ({p['schedule']}), {p['micro_batches']} micro-batches: bubble "
+                 f"{p['bubble_fraction']:.1%} of the step{bubble}; {p['stage_transfer_bytes'] / 2**20:,.1f} MiB a stage "
+                 "sends the next a step")
   if r.get("memory_by_op"):
     ops = ", ".join(f"{m['op']} ({m['pass']}) {m['bytes'] / 1e9:,.1f} GB" for m in r["memory_by_op"][:10])
     lines.append(f"  memory by op: {ops}")

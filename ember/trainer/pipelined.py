@@ -20,15 +20,17 @@ from jax.sharding import Mesh, PartitionSpec as P
 from ember import remat
 from ember.layers import linear
 from ember.layers.attention import attention_bias
-from ember.names import AUX_KEYS, BY_LAYER, INPUTS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS
+from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, PIPELINE, POSITIONS, SEGMENT_IDS,
+                         TARGETS)
 from ember.parallel import pipeline
-from ember.parallel.sharding import shard_map
+from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant import health
 from ember.quant.varying import cotangent_once
 from ember.trainer.loss import cross_entropy, token_count
 from ember.trainer.objective import merged_model, micro_batches, step_terms
 
 F32 = jnp.float32
+ACTIVATION = (BATCH, LENGTH, EMBED)  # A micro-batch's hidden states between stages.
 
 
 def stage_spec(path) -> P:
@@ -92,7 +94,7 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, poli
   inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
 
   def iteration(carry, xs):
-    received, outputs, aux = carry
+    received, aux = carry
     t, quant, stat, valid = xs
     layers = merged_model(graphdef, params, quant, stat)
     if kernel_amaxes:
@@ -103,12 +105,10 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, poli
     y, a, per_layer = layers.segments[0](x, segs, positions[i], keys[i], policy, attention_bias(segs, x.dtype),
                                          block_ids=block_ids)
     keep = lambda v: jnp.where(valid, v, jnp.zeros_like(v))
-    y = keep(y)
-    last = valid & (stage == stages - 1)
-    outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(last, y, outputs[i]), i, 0)
-    aux = jax.tree.map(lambda acc, v: acc + keep(v).astype(F32), aux, {**a, **{k + BY_LAYER: v for k, v in
-                                                                             per_layer.items()}})
-    return (pipeline.to_next_stage(y, stages), outputs, aux), None
+    y = shard(keep(y), ACTIVATION)
+    aux = jax.tree.map(lambda acc, v: acc + keep(v).astype(F32), aux,
+                       {**a, **{k + BY_LAYER: v for k, v in per_layer.items()}})
+    return (pipeline.to_next_stage(y, stages), aux), y
 
   x0 = jax.eval_shape(model.embed, inputs[0])
   _, a0, l0 = jax.eval_shape(lambda x: segment(x, segment_ids[0], positions[0], None, policy,
@@ -116,12 +116,17 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, poli
                              x0)
   zeros = lambda s: jnp.zeros(s.shape, F32)
   aux0 = {**jax.tree.map(zeros, a0), **{k + BY_LAYER: zeros(v) for k, v in l0.items()}}
-  init = (jnp.zeros(x0.shape, x0.dtype), jnp.zeros((m, *x0.shape), x0.dtype), aux0)
-  (_, outputs, aux), _ = jax.lax.scan(iteration, init, (t_T, quant_T, stats_T, valid_T))
-  return _head_losses(model, pipeline.from_last_stage(outputs, stages), micro, keys, count, aux, cfg, stages)
+  (_, aux), ys = jax.lax.scan(iteration, (jnp.zeros(x0.shape, x0.dtype), aux0), (t_T, quant_T, stats_T, valid_T))
+  # The last stage's outputs are those of its iterations S - 1, ..., S + M - 2: micro-batches 0, ..., M - 1.
+  outputs = shard(ys[stages - 1:], (None, *ACTIVATION))
+  # Each device's own rows: compiled over the compiler's axes, the reduce-scatter gathered its operand whole.
+  spec = logical_to_spec((None, *ACTIVATION), active_rules(), active_mesh())
+  shares = shard_map(lambda a: pipeline.from_last_stage(a, stages), mesh=active_mesh(), in_specs=(spec,),
+                     out_specs=spec)(outputs)
+  return _head_losses(model, shares, micro, keys, count, aux, cfg)
 
 
-def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg, stages: int):
+def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg):
   """The losses of this stage's share of the micro-batches (`from_last_stage`), summed over the stages with the
   layers' aux, as the step's terms."""
   share = hidden_NxBxLxD.shape[0]
