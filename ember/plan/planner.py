@@ -1,7 +1,7 @@
 """The layout planner: which mesh, micro-batch and remat preset to run a config with on a target.
 
-A layout is the mesh inside a node (`fsdp`, `tensor`, `expert`; their product is the node's GPUs), the mesh
-across nodes (`dcn_data`, `dcn_fsdp`, `dcn_expert`; their product is the node count), the micro-batch
+A layout is the mesh inside a node (`pipeline`, `fsdp`, `tensor`, `expert`; their product is the node's GPUs), the
+mesh across nodes (`dcn_pipeline`, `dcn_data`, `dcn_fsdp`, `dcn_expert`; their product is the node count), the micro-batch
 (`train.grad_accum_steps`) and the remat preset. `layouts` lists every one that applies to the model: tensor
 sizes that divide the heads, expert sizes that divide the experts, batch shards that divide the batch, every
 micro-batch size, every preset without host offloading (offloading is for when no layout fits; name one in
@@ -38,7 +38,7 @@ import ml_collections
 from ember import config as config_lib
 from ember import remat
 from ember.errors import ConfigError, EmberError, one_line
-from ember.parallel import axes
+from ember.parallel import axes, pipeline
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import entry_axes
 from ember.plan import auto_remat, layer
@@ -55,8 +55,9 @@ BUDGET_FRACTION = 0.9  # Default budget: the GPU's memory less 10% (allocator sl
 ESTIMATE_SLACK = 1.15  # A layout is compiled if its estimated peak is within the budget times this.
 TOP = 6  # Layouts chosen for compiling by default.
 SMALLER_MICRO_BATCHES = 2  # Retries of a chosen layout whose compiled peak is over the budget, micro-batch halved.
-NODE_AXES = ("fsdp", "tensor", "expert")  # Sized inside a node.
-DCN_AXES = ("data", "fsdp", "expert")  # Sized across nodes.
+NODE_AXES = ("pipeline", "fsdp", "tensor", "expert")  # Sized inside a node.
+DCN_AXES = ("pipeline", "data", "fsdp", "expert")  # Sized across nodes.
+MESH = ("pipeline", "data", "fsdp", "tensor", "expert")  # The axes a layout sizes.
 
 
 class NoLayoutFits(ConfigError):
@@ -66,20 +67,20 @@ class NoLayoutFits(ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  node: tuple[tuple[str, int], ...]  # Mesh sizes inside a node: (("fsdp", 4), ("tensor", 2), ("expert", 1)).
-  dcn: tuple[tuple[str, int], ...]  # Node counts along (data, fsdp, expert).
+  node: tuple[tuple[str, int], ...]  # Mesh sizes inside a node: (("pipeline", 1), ("fsdp", 4), ("tensor", 2), ...).
+  dcn: tuple[tuple[str, int], ...]  # Node counts along (pipeline, data, fsdp, expert).
   grad_accum_steps: int
   remat: str
 
   def mesh(self) -> dict[str, int]:
     """The whole mesh: each axis's size inside a node times its node count."""
     inside, across = dict(self.node), dict(self.dcn)
-    return {a: inside.get(a, 1) * across.get(a, 1) for a in ("data", "fsdp", "tensor", "expert")}
+    return {a: inside.get(a, 1) * across.get(a, 1) for a in MESH}
 
   def flags(self) -> list[str]:
     inside, across = dict(self.node), dict(self.dcn)
-    out = [f"--config.mesh.{a}={inside.get(a, 1)}" for a in ("data", "fsdp", "tensor", "expert")]
-    out += [f"--config.mesh.dcn_{a}={across[a]}" for a in DCN_AXES]
+    out = [f"--config.mesh.{a}={inside.get(a, 1)}" for a in MESH]
+    out += [f"--config.mesh.dcn_{a}={across.get(a, 1)}" for a in DCN_AXES]
     return out + [f"--config.train.grad_accum_steps={self.grad_accum_steps}", "--config.train.device_batch_size=0",
                   f"--config.remat.policy={self.remat}"]
 
@@ -91,10 +92,10 @@ class Layout:
   def apply(self, cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     out = ml_collections.ConfigDict(cfg.to_dict())
     inside, across = dict(self.node), dict(self.dcn)
-    for a in ("data", "fsdp", "tensor", "expert"):
+    for a in MESH:
       out.mesh[a] = inside.get(a, 1)
     for a in DCN_AXES:
-      out.mesh[f"dcn_{a}"] = across[a]
+      out.mesh[f"dcn_{a}"] = across.get(a, 1)
     out.train.grad_accum_steps = self.grad_accum_steps
     out.train.device_batch_size = 0  # The layout's micro-batches are its own, not derived from the mesh.
     out.remat.policy = self.remat
@@ -130,28 +131,28 @@ def layouts(cfg: ml_collections.ConfigDict, target: Target) -> list[Layout]:
   batch_axes = axes.batch_axes(settings.mesh.rules_dict)
   per_node, nodes = target.per_node, target.nodes
   out = []
-  for tensor in _divisors(per_node):
-    if m.num_heads % tensor or m.num_kv_heads % tensor or m.d_ff % tensor:
-      continue
-    for expert in _divisors(per_node // tensor) if m.num_experts else [1]:
-      if m.num_experts and m.num_experts % expert:
+  splits = [(p, t, e) for p, t, e, _ in _factorizations(per_node, 4) if (p == 1 or nodes == 1)
+            and not (m.num_heads % t or m.num_kv_heads % t or m.d_ff % t)
+            and (e == 1 or (m.num_experts and m.num_experts % e == 0))]  # A pipeline inside a node on one node only.
+  for pipe, tensor, expert in splits:
+    node = (("pipeline", pipe), ("fsdp", per_node // pipe // tensor // expert), ("tensor", tensor), ("expert", expert))
+    for dp, dd, df, de in _factorizations(nodes, 4):
+      if de > 1 and (not m.num_experts or m.num_experts % (expert * de)):
         continue
-      node = (("fsdp", per_node // tensor // expert), ("tensor", tensor), ("expert", expert))
-      for dd, df, de in _factorizations(nodes, 3):
-        if de > 1 and (not m.num_experts or m.num_experts % (expert * de)):
-          continue
-        dcn = (("data", dd), ("fsdp", df), ("expert", de))
-        shards = axes.shards(batch_axes, Layout(node, dcn, 1, "").mesh())
-        if cfg.train.batch_size % shards:
-          continue
-        for accum in _divisors(cfg.train.batch_size // shards):
-          for preset in presets(settings):
-            candidate = Layout(node, dcn, accum, preset)
-            try:
-              config_lib.validate(candidate.apply(cfg), target.count, 1)
-            except ConfigError:
-              continue
-            out.append(candidate)
+      if pipe * dp > 1 and m.num_blocks % (pipe * dp):
+        continue
+      dcn = (("pipeline", dp), ("data", dd), ("fsdp", df), ("expert", de))
+      shards = axes.shards(batch_axes, Layout(node, dcn, 1, "").mesh())
+      if cfg.train.batch_size % shards:
+        continue
+      for accum in _divisors(cfg.train.batch_size // shards):
+        for preset in presets(settings):
+          candidate = Layout(node, dcn, accum, preset)
+          try:
+            config_lib.validate(candidate.apply(cfg), target.count, 1)
+          except ConfigError:
+            continue
+          out.append(candidate)
   return out
 
 
@@ -231,11 +232,18 @@ class Estimator:
     batch_axes = axes.batch_axes(cfg.mesh.rules_dict)
     micro = cfg.train.batch_size // axes.shards(batch_axes, mesh) // layout.grad_accum_steps
     state, params, leaves, replicas = self._leaves(layout)
+    # A pipeline (parallel/pipeline.py): each stage runs its share of the layers in every one of the loop's
+    # iterations (the micro-batches and the bubble) and keeps what every iteration saves until the backward pass.
+    stages = mesh["pipeline"]
+    iterations = pipeline.iterations(layout.grad_accum_steps, stages) if stages > 1 else layout.grad_accum_steps
+    kept = iterations if stages > 1 else 1  # Micro-batches whose activations are alive at once.
     # Memory: the state, the float32 gradient (and the accumulator of a multi-micro-batch step), the kept
     # activations of every layer and one layer's whole working set, split over `tensor` where heads and MLP
     # units are.
     tensor = mesh["tensor"]
-    activations = micro * (m.num_layers * block.residual_bytes + 2 * block.working_bytes) / tensor
+    hidden = micro * m.seq_len * m.d_model * m.dtype.itemsize  # One micro-batch's hidden states on a device.
+    activations = micro * (kept * m.num_layers / stages * block.residual_bytes + 2 * block.working_bytes) / tensor
+    activations += (kept * hidden if stages > 1 else 0)  # The last stage's outputs, kept for the loss.
     peak = state + params * (2 if layout.grad_accum_steps > 1 else 1) + activations
     # Compute: the model's FLOPs and the recomputed share; projections at the recipe's GEMM peak, attention and
     # the LM head at bf16's.
@@ -245,7 +253,7 @@ class Estimator:
     attention, head = attention_flops_per_token(m), head_flops_per_token(m)
     projections = forward_flops_per_token(m) - attention - head
     again = 1 + block.recompute_fraction
-    compute = 3 * tokens_per_device * (projections * again / self.facts.peak_flops(precision if recipe.quantized
+    compute = 3 * tokens_per_device * iterations / layout.grad_accum_steps * (projections * again / self.facts.peak_flops(precision if recipe.quantized
                                                                                      else "bf16")
                                        + (attention * again + head) / self.facts.peak_flops("bf16"))
     # Collectives per micro-batch, and once a step: a step over data- or expert-parallel replicas reduces its
@@ -277,7 +285,9 @@ class Estimator:
     if tensor > 1:  # Two activation all-reduces per layer and pass.
       moved = 2 * passes * 2 * tokens * m.d_model * 2 * (tensor - 1) / tensor * m.num_layers
       seconds += moved / (self.facts.nvlink_gb_s * 1e9)
-    network = seconds * layout.grad_accum_steps + once
+    if stages > 1:  # Each iteration's hidden states to the next stage and their gradient back.
+      seconds += 2 * hidden / self._bandwidth(layout, "pipeline")
+    network = seconds * iterations + once
     return Estimate(max(compute, network), compute, network, peak)
 
 

@@ -37,15 +37,19 @@ def test_layouts_follow_the_model_and_the_cluster():
     assert 16 % (shards * lay.grad_accum_steps) == 0
     seen.add((node["tensor"], node["expert"], tuple(sorted(dcn.items())), lay.grad_accum_steps, lay.remat))
   assert {t for t, *_ in seen} == {1, 2} and {e for _, e, *_ in seen} == {1, 2, 4}
-  assert {d for *_, d, _, _ in seen} == {(("data", 2), ("expert", 1), ("fsdp", 1)),
-                                         (("data", 1), ("expert", 1), ("fsdp", 2)),
-                                         (("data", 1), ("expert", 2), ("fsdp", 1))}
+  assert {d for *_, d, _, _ in seen} == {(("data", 2), ("expert", 1), ("fsdp", 1), ("pipeline", 1)),
+                                         (("data", 1), ("expert", 1), ("fsdp", 2), ("pipeline", 1)),
+                                         (("data", 1), ("expert", 2), ("fsdp", 1), ("pipeline", 1)),
+                                         (("data", 1), ("expert", 1), ("fsdp", 1), ("pipeline", 2))}
+  # Two stages (one per node) split the 2 layers; their micro-batches divide over the stages.
+  assert all(lay.grad_accum_steps % 2 == 0 for lay in found if dict(lay.dcn)["pipeline"] == 2)
   presets = planner.presets(config_lib.derive(cfg, None))
   assert {r for *_, r in seen} == set(presets) and "save_quantized_offloaded" not in presets
   # The flags say the whole layout, and read back as it.
   lay = found[-1]
   back = config_lib.load(["plan", f"--config={ROOT}/configs/default.py:tiny_moe", *lay.flags()])
-  assert {a: back.mesh[a] for a in ("data", "fsdp", "tensor", "expert")} == {**{"data": 1}, **dict(lay.node)}
+  assert {a: back.mesh[a] for a in ("pipeline", "data", "fsdp", "tensor", "expert")} == {"data": 1, **dict(lay.node)}
+  assert {a: back.mesh[f"dcn_{a}"] for a in ("pipeline", "data", "fsdp", "expert")} == dict(lay.dcn)
   assert (back.train.grad_accum_steps, back.remat.policy) == (lay.grad_accum_steps, lay.remat)
 
 
