@@ -313,9 +313,9 @@ def _validate_pipeline(s: Settings) -> None:
             f"{axes.layer_axes(s.mesh.rules_dict)}")
   if PIPELINE in axes.batch_axes(s.mesh.rules_dict) or PIPELINE in axes.sequence_axes(s.mesh.rules_dict):
     bad_key("mesh.rules", "the pipeline axis splits the layers; the batch and the sequence cannot be split over it")
-  if s.pipeline.schedule != "gpipe" or s.pipeline.virtual_stages != 1:
-    bad_key("pipeline.schedule" if s.pipeline.schedule != "gpipe" else "pipeline.virtual_stages",
-            "only the gpipe schedule with one stage a device (virtual_stages=1) is built so far")
+  if s.pipeline.schedule == "interleaved_1f1b" or s.pipeline.virtual_stages != 1:
+    bad_key("pipeline.schedule" if s.pipeline.schedule == "interleaved_1f1b" else "pipeline.virtual_stages",
+            "interleaved stages (virtual_stages > 1) are not built yet: gpipe or 1f1b, one stage a device")
   segments = m.segments()
   if len(segments) > 1:
     bad_key(key, f"the decoder's layers form {len(segments)} scan segments (model.first_k_dense or layer-specific "
@@ -326,7 +326,7 @@ def _validate_pipeline(s: Settings) -> None:
     bad_key(key, "context parallelism (mesh.context) does not run in a pipeline yet")
   if m.mtp_depth:
     bad_key(key, "multi-token prediction (model.mtp_depth) does not run in a pipeline yet")
-  if accum % stages:
+  if accum % stages and s.pipeline.schedule == "gpipe":
     bad_key("train.grad_accum_steps", f"{accum} micro-batches do not split over the {stages} pipeline stages (the "
             "loss runs on each stage's share of them)")
 

@@ -58,6 +58,11 @@ def to_next_stage(x: jax.Array, num_stages: int) -> jax.Array:
   return jax.lax.ppermute(x, PIPELINE, [(s, s + 1) for s in range(num_stages - 1)])
 
 
+def to_previous_stage(x: jax.Array, num_stages: int) -> jax.Array:
+  """Each stage's `x` at the previous stage (the last stage receives zeros): a gradient on its way back."""
+  return jax.lax.ppermute(x, PIPELINE, [(s + 1, s) for s in range(num_stages - 1)])
+
+
 def from_last_stage(x_MxN: jax.Array, num_stages: int) -> jax.Array:
   """The last stage's [M, ...] split over the stages along M (stage s gets rows [s M / S, (s + 1) M / S)): one
   reduce-scatter, so the loss after the pipeline runs on every stage's share of the micro-batches."""

@@ -20,8 +20,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from ember import remat
 from ember.layers import linear
 from ember.layers.attention import attention_bias
-from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, PIPELINE, POSITIONS, SEGMENT_IDS,
-                         TARGETS)
+from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
+                         MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS)
 from ember.parallel import pipeline
 from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant import health
@@ -53,10 +53,18 @@ def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh
   in_specs = tuple(specs(t) for t in trees) + (P(), P(), P())
   manual = {PIPELINE} | {a for a, n in mesh.shape.items() if n == 1}
 
+  run = _one_f_one_b if cfg.pipeline.schedule == "1f1b" else _loss
+
   def body(params, quant_state, *rest):
     stats_, (micro_, keys_, count_) = (rest[0] if with_stats else None), rest[-3:]
-    return _loss(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg, policy=policy,
-                 stages=pipeline.stages(mesh))
+    out = run(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg, policy=policy,
+              stages=pipeline.stages(mesh))
+    return out if run is _loss else (out[0], out[1:] if with_stats else out[1:3])
+
+  if run is _one_f_one_b:  # The schedule takes the gradients itself.
+    mapped = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), in_specs[:len(trees)]),
+                       axis_names=manual, check_vma=False)
+    return mapped(*trees, micro, keys, count)
 
   def loss(*trees_):
     mapped = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), axis_names=manual,
@@ -147,3 +155,131 @@ def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg):
   by_layer = {k: jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True) for k, v in aux.items() if k.endswith(BY_LAYER)}
   sums = {k: jax.lax.psum(aux[k], PIPELINE) for k in AUX_KEYS}
   return step_terms(total, ce, z, {**sums, **by_layer}, cfg, keys.shape[0])
+
+
+def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, policy: remat.Preset,
+                 stages: int):
+  """Inside the map over `pipeline`, the 1F1B schedule: (metrics, parameter gradients, new quant state, health
+  statistics), the gradients taken here, micro-batch by micro-batch, instead of by autodiff of a loop.
+
+  Tick τ = 0 .. M + 2S - 3: stage s runs the forward pass of micro-batch τ - s and the backward pass of micro-batch
+  τ - 2(S - 1) + s, each where it exists; the last stage takes a micro-batch's loss and its gradient in the tick of
+  its forward pass. A stage keeps the residuals of the forward passes whose backward has not run (at most 2S - 1
+  micro-batches: `slots`), not all M, in a ring of buffers: the residuals a remat policy saves (the stage's
+  parameters themselves are not copied). Each tick hands a forward output on and a gradient back (`ppermute`)."""
+  m = keys.shape[0]
+  stage = pipeline.stage_index()
+  last = stage == stages - 1
+  slots = min(m, 2 * stages - 1)
+  train = (params, quant_state, stats)
+  kernel_amaxes = linear.kernel_amaxes(merged_model(graphdef, *train))
+  inputs, segment_ids, positions, targets = (micro[k] for k in (INPUTS, SEGMENT_IDS, POSITIONS, TARGETS))
+  segment = merged_model(graphdef, *train).segments[0]
+  per_stage = len(segment.block_ids) // stages
+  block_ids = jax.lax.dynamic_slice_in_dim(jnp.asarray(segment.block_ids, jnp.int32), stage * per_stage, per_stage)
+
+  def forward(train, x_received, f):
+    model = merged_model(graphdef, *train)
+    if kernel_amaxes:
+      linear.use_kernel_amaxes(model, kernel_amaxes)
+    x = jnp.where(stage == 0, model.embed(inputs[f]), x_received)
+    y, a, per_layer = model.segments[0](x, segment_ids[f], positions[f], keys[f], policy,
+                                        attention_bias(segment_ids[f], x.dtype), block_ids=block_ids)
+    return shard(y, ACTIVATION), {**a, **{k + BY_LAYER: v for k, v in per_layer.items()}}
+
+  def head(train, y, f):
+    model = merged_model(graphdef, *train)
+    total, ce, z = cross_entropy(model.final_norm(y), targets[f], (segment_ids[f] > 0).astype(F32),
+                                 model.head_parts(), key=keys[f], chunk_size=cfg.train.loss_chunk_size, count=count,
+                                 z_loss_weight=cfg.train.z_loss_weight)
+    return total, (ce, z)
+
+  def run_forward(train, x, f):
+    """The forward pass of micro-batch f with its VJP: (y, aux, the VJP's leaves, its structure, which leaves vary
+    from one micro-batch to the next: all but the stage's own state and kernel amaxes, which are never copied)."""
+    (y, aux), vjp = jax.vjp(lambda t, x_: forward(t, x_, f), train, x)
+    leaves, treedef = jax.tree.flatten(vjp)
+    fixed = {id(a) for a in jax.tree.leaves((train, kernel_amaxes))}
+    return y, aux, leaves, treedef, [id(a) not in fixed for a in leaves]
+
+  x_like = jax.eval_shape(lambda t: forward(t, jnp.zeros((), F32), 0)[0], train)
+  x_zero = jnp.zeros(x_like.shape, x_like.dtype)
+  shapes = jax.eval_shape(lambda t: [a for a, v in zip(*(lambda r: (r[2], r[4]))(run_forward(t, x_zero, 0))) if v],
+                          train)
+  ring0 = [jnp.zeros((slots, *s.shape), s.dtype) for s in shapes]
+  _, aux_like = jax.eval_shape(lambda t: forward(t, x_zero, 0), train)
+  f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
+  acc0 = (f32_zeros(params), jax.tree.map(lambda a: pipeline.lowest(a.shape), quant_state),
+          None if stats is None else jax.tree.map(lambda a: health.combine_identity(a.shape), stats),
+          f32_zeros(aux_like), jnp.zeros((3,), F32))
+
+  # The MoE auxiliary losses' share of the step's loss (objective.step_terms): their cotangents in every backward pass.
+  routed = cfg.model.num_routed_layers * m
+  weights = {MOE_LOAD_BALANCE_LOSS: cfg.model.load_balance_weight, MOE_ROUTER_Z_LOSS: cfg.model.router_z_weight,
+             MOE_SEQ_BALANCE_LOSS: cfg.model.seq_load_balance_weight}
+  aux_cotangent = {k: jnp.full(a.shape, weights.get(k, 0.0) / routed if routed else 0.0, a.dtype)
+                   for k, a in aux_like.items()}
+
+  def tick(carry, tau):
+    received, returned, ring, (grads, quant, stat, aux, losses) = carry
+    f, b = tau - stage, tau - 2 * (stages - 1) + stage  # Forward micro-batch f, backward micro-batch b.
+    has_f, has_b = (f >= 0) & (f < m), (b >= 0) & (b < m)
+    f, b = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
+    y, a, leaves, treedef, varies = run_forward(train, received, f)
+    ring = [buf.at[f % slots].set(jnp.where(has_f, r, buf[f % slots]))
+            for buf, r in zip(ring, [r for r, v in zip(leaves, varies) if v])]
+    (total, parts), vjp_head = _vjp_with_aux(head, train, y, f)
+    d_head, dy_last = vjp_head(jnp.ones((), F32))
+    kept = iter(buf[b % slots] for buf in ring)
+    vjp_b = jax.tree.unflatten(treedef, [next(kept) if v else r for r, v in zip(leaves, varies)])
+    d_train, dx = vjp_b((jnp.where(last, dy_last, returned), aux_cotangent))
+    at_last = has_f & last
+    take = lambda on, v: jnp.where(on, v, jnp.zeros_like(v))
+    grads = jax.tree.map(lambda g, d, h: g + take(has_b, d).astype(F32) + take(at_last, h).astype(F32), grads,
+                         d_train[0], d_head[0])
+    # Histories and statistics: a stage's rows from its backward passes, the others' (the head's) from the loss.
+    by_stage = lambda path, acc, d, h, combine: (jnp.where(has_b, combine(acc, d.astype(F32)), acc)
+                                                  if stage_spec(path) != P() else
+                                                  jnp.where(at_last, combine(acc, h.astype(F32)), acc))
+    quant = jax.tree_util.tree_map_with_path(lambda p_, q, d, h: by_stage(p_, q, d, h, jnp.maximum), quant,
+                                             d_train[1], d_head[1])
+    if stat is not None:
+      stat = jax.tree_util.tree_map_with_path(lambda p_, s_, d, h: by_stage(p_, s_, d, h, health.combine), stat,
+                                              d_train[2], d_head[2])
+    aux = jax.tree.map(lambda acc, v: acc + take(has_f, v).astype(F32), aux, a)
+    losses = losses + take(at_last, jnp.stack([total, *parts]).astype(F32))
+    sent = (pipeline.to_next_stage(take(has_f, y), stages), pipeline.to_previous_stage(take(has_b, dx), stages))
+    return (*sent, ring, (grads, quant, stat, aux, losses)), None
+
+  init = (x_zero, x_zero, ring0, acc0)
+  (_, _, _, (grads, quant, stat, aux, losses)), _ = jax.lax.scan(tick, init, jnp.arange(m + 2 * stages - 2))
+  return _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m, stages)
+
+
+def _vjp_with_aux(fn, train, y, f):
+  out, vjp, aux = jax.vjp(lambda t, y_: fn(t, y_, f), train, y, has_aux=True)
+  return (out, aux), vjp
+
+
+def _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m: int, stages: int):
+  """The 1F1B loop's sums over the stages: each stage's rows of the stacked layers stay its own; the leaves on every
+  stage (embedding, final norm, head) sum their gradients over the stages and take the stage's statistics that
+  ran them. (metrics, gradients, quant state, statistics)."""
+  def over_stages(path, g, like, combine):
+    return g.astype(like.dtype) if stage_spec(path) != P() else combine(g).astype(like.dtype)
+  grads = jax.tree_util.tree_map_with_path(
+      lambda path, g, p: over_stages(path, g, p, lambda v: jax.lax.psum(v, PIPELINE)), grads, params)
+  unused = lambda new, old: jnp.where(jnp.isfinite(new), new, old.astype(new.dtype))  # No micro-batch used it.
+  quant = jax.tree_util.tree_map_with_path(
+      lambda path, q, old: over_stages(path, unused(q, old), old, lambda v: jax.lax.pmax(v, PIPELINE)), quant,
+      quant_state)
+  if stat is not None:
+    last = pipeline.stage_index() == stages - 1
+    stat = jax.tree_util.tree_map_with_path(
+        lambda path, s_, old: over_stages(path, s_, old, lambda v: jax.lax.psum(jnp.where(last, v, 0), PIPELINE)),
+        stat, stats)
+  total, ce, z = jax.lax.psum(losses, PIPELINE)
+  by_layer = {k: jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True) for k, v in aux.items() if k.endswith(BY_LAYER)}
+  sums = {k: jax.lax.psum(aux[k], PIPELINE) for k in AUX_KEYS}
+  _, metrics = step_terms(total, ce, z, {**sums, **by_layer}, cfg, m)
+  return metrics, grads, quant, stat

@@ -51,13 +51,14 @@ def _same_micro_batches(batch_size: int, batch_shards: int) -> np.ndarray:
   return rows.swapaxes(0, 1).reshape(-1)
 
 
-def _compare(preset, recipe, mesh: dict, batch_size: int = 16):
+def _compare(preset, recipe, mesh: dict, batch_size: int = 16, schedule: str = "gpipe"):
   cfg = _cfg(preset, **{"quant.recipe": recipe, "train.batch_size": batch_size})
   batches = [helpers.random_batch(cfg, seed=s % 2) for s in range(5)]  # Batches 0, 1, 0, 1, 0.
   shards = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1)
   one, params_one = _train(cfg.copy_and_resolve_references(), batches, 1,
                            order=_same_micro_batches(batch_size, shards))
   piped, params_piped = _train(_cfg(preset, **{"quant.recipe": recipe, "train.batch_size": batch_size,
+                                               "pipeline.schedule": schedule,
                                                **{f"mesh.{a}": n for a, n in {"data": 1, **mesh}.items()}}),
                                batches, math.prod(mesh.values()))
   rel = jax.tree.map(lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(a)), params_one, params_piped)
@@ -65,10 +66,14 @@ def _compare(preset, recipe, mesh: dict, batch_size: int = 16):
   return one, piped, max(jax.tree.leaves(rel))
 
 
+SCHEDULES = ["gpipe", "1f1b"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_current", marks=pytest.mark.long)])
-def test_four_stages_train_like_one_device(recipe):
+def test_four_stages_train_like_one_device(recipe, schedule):
   """pipeline 4 x fsdp 2, 8 micro-batches, float32, 5 steps: one device's losses and parameters."""
-  one, piped, rel = _compare("tiny", recipe, {"pipeline": 4, "fsdp": 2})
+  one, piped, rel = _compare("tiny", recipe, {"pipeline": 4, "fsdp": 2}, schedule=schedule)
   if recipe == "bf16":
     np.testing.assert_allclose(piped, one, rtol=1e-5)
     assert rel < 1e-5, rel
@@ -79,25 +84,38 @@ def test_four_stages_train_like_one_device(recipe):
     np.testing.assert_allclose(piped, one, rtol=1e-4)
 
 
-def test_stages_with_fsdp_and_tensor_inside_train_like_one_device():
-  one, piped, rel = _compare("tiny", "bf16", {"pipeline": 2, "fsdp": 2, "tensor": 2}, batch_size=32)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stages_with_fsdp_and_tensor_inside_train_like_one_device(schedule):
+  one, piped, rel = _compare("tiny", "bf16", {"pipeline": 2, "fsdp": 2, "tensor": 2}, batch_size=32,
+                             schedule=schedule)
+  np.testing.assert_allclose(piped, one, rtol=1e-5)
+  assert rel < 1e-5, rel
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_moe_stages_train_like_one_device(schedule):
+  """tiny_moe, bf16, 2 stages: the MoE auxiliary losses' gradients reach the routers in either schedule."""
+  one, piped, rel = _compare("tiny_moe", "bf16", {"pipeline": 2}, schedule=schedule)
   np.testing.assert_allclose(piped, one, rtol=1e-5)
   assert rel < 1e-5, rel
 
 
 @pytest.mark.long
-def test_moe_stages_with_expert_parallelism_inside_train_like_one_device():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_moe_stages_with_expert_parallelism_inside_train_like_one_device(schedule):
   """tiny_moe, fp8_delayed (amax histories per stage, combined over the micro-batches by max), expert 2 x fsdp 2
   inside each of 2 stages."""
-  one, piped, _ = _compare("tiny_moe", "fp8_delayed", {"pipeline": 2, "fsdp": 2, "expert": 2}, batch_size=32)
+  one, piped, _ = _compare("tiny_moe", "fp8_delayed", {"pipeline": 2, "fsdp": 2, "expert": 2}, batch_size=32,
+                           schedule=schedule)
   np.testing.assert_allclose(piped[:3], one[:3], rtol=1e-5)
   np.testing.assert_allclose(piped, one, rtol=1e-4)
 
 
-def _step_quantize_casts(policy_name: str) -> int:
+def _step_quantize_casts(policy_name: str, schedule: str) -> int:
   """Casts to a low-precision format outside gradients' quantizers in a whole pipelined train step's program
   (pipeline 4, fp8_current): the forward's, plus any the backward pass recomputes."""
-  s = helpers.start(_cfg(**{"quant.recipe": "fp8_current", "mesh.pipeline": 4, "mesh.fsdp": 2, "mesh.data": 1}), 8)
+  s = helpers.start(_cfg(**{"quant.recipe": "fp8_current", "mesh.pipeline": 4, "mesh.fsdp": 2, "mesh.data": 1,
+                            "pipeline.schedule": schedule}), 8)
   batch = {k: jax.numpy.asarray(v) for k, v in helpers.random_batch(s.cfg).items()}
   with s.rules():
     step = functools.partial(train_step, graphdef=s.graphdef, cfg=s.cfg, tx=s.tx, schedule=s.schedule,
@@ -106,10 +124,11 @@ def _step_quantize_casts(policy_name: str) -> int:
   return sum(1 for e in iter_eqns(jaxpr) if is_quantize_cast(e) and SCOPE_GRADIENT not in name_stack(e))
 
 
-def test_save_quantized_recomputes_no_quantize_op_in_a_pipelined_step():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_save_quantized_recomputes_no_quantize_op_in_a_pipelined_step(schedule):
   """Under save_quantized the pipelined step casts exactly what it casts with no remat at all (its forward's
   casts); under full the backward recomputes some."""
-  casts = {p: _step_quantize_casts(p) for p in ("none", "save_quantized", "full")}
+  casts = {p: _step_quantize_casts(p, schedule) for p in ("none", "save_quantized", "full")}
   assert casts["save_quantized"] == casts["none"] < casts["full"], casts
 
 
@@ -121,7 +140,7 @@ def test_bubble_fraction():
 @pytest.mark.parametrize("overrides,key", [
     ({"mesh.pipeline": 8, "mesh.fsdp": 1}, "config.mesh.pipeline: 8 stages do not divide"),
     ({"mesh.pipeline": 4, "mesh.fsdp": 2, "train.grad_accum_steps": 2}, "config.train.grad_accum_steps: 2"),
-    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "pipeline.schedule": "1f1b"}, "config.pipeline.schedule"),
+    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "pipeline.schedule": "interleaved_1f1b"}, "config.pipeline.schedule"),
     ({"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.context": 2}, "config.mesh.pipeline: context parallelism"),
     ({"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "quant.recipe": "fp8_current",
       "quant.exclude": ("layers[0]",)},
@@ -133,10 +152,11 @@ def test_bad_pipeline_layouts_name_the_key(overrides, key):
   assert str(e.value).startswith(key), str(e.value)
 
 
-def test_health_statistics_are_one_devices():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_health_statistics_are_one_devices(schedule):
   """log.quant_stats_every: a pipelined step's health statistics (each stage's layers', combined over the
   micro-batches, bubbles left out) equal one device's over the same micro-batches."""
-  over = {"quant.recipe": "fp8_delayed", "log.quant_stats_every": 1}
+  over = {"quant.recipe": "fp8_delayed", "log.quant_stats_every": 1, "pipeline.schedule": schedule}
   cfg = _cfg(**over)
   batch = helpers.random_batch(cfg)
   one, _ = helpers.one_step(cfg, {k: v[_same_micro_batches(16, 2)] for k, v in batch.items()}, 1)
