@@ -105,17 +105,19 @@ def pipeline_figures(cfg, mesh, report: dict) -> dict:
   """A pipelined step's schedule: its stages and micro-batches, the idle share of the step (`bubble_fraction`,
   ember/parallel/pipeline.py; the compiled program runs those idle iterations on zeros, so the floor and the
   prediction above include them), and the activation bytes one stage sends the next a step (forward and
-  backward). Every stage runs one program: under GPipe each holds the same peak (`peak_bytes`)."""
+  backward). Every stage runs one program, so each holds the same peak (`peak_bytes`): GPipe's holds every
+  iteration's activations, 1F1B's at most 2S - 1 micro-batches'."""
   stages, micro = pipeline.stages(mesh), cfg.train.grad_accum_steps
   m = cfg.model
   batch_shards = axes.shards(axes.token_axes(cfg.mesh.rules_dict, mesh), dict(mesh.shape))
   activation = cfg.train.micro_batch_size * m.seq_len * m.d_model * jnp.dtype(m.dtype).itemsize / batch_shards
-  fraction = pipeline.bubble_fraction(micro, stages)
+  fraction = pipeline.bubble_fraction(micro, stages, cfg.pipeline.schedule)
+  loops = pipeline.ticks(micro, stages) if cfg.pipeline.schedule == "1f1b" else pipeline.iterations(micro, stages)
   floor = report.get("time_floor_s")
   return {"schedule": cfg.pipeline.schedule, "stages": stages, "virtual_stages": cfg.pipeline.virtual_stages,
           "micro_batches": micro, "bubble_fraction": fraction,
           "bubble_s": None if floor is None else floor * fraction,
-          "stage_transfer_bytes": 2 * pipeline.iterations(micro, stages) * activation}
+          "stage_transfer_bytes": 2 * loops * activation}
 
 
 def machine(target: Target, mesh) -> cost.Machine | None:

@@ -58,6 +58,7 @@ SMALLER_MICRO_BATCHES = 2  # Retries of a chosen layout whose compiled peak is o
 NODE_AXES = ("pipeline", "fsdp", "tensor", "expert")  # Sized inside a node.
 DCN_AXES = ("pipeline", "data", "fsdp", "expert")  # Sized across nodes.
 MESH = ("pipeline", "data", "fsdp", "tensor", "expert")  # The axes a layout sizes.
+SCHEDULES = ("gpipe", "1f1b")  # The pipeline schedules planned over (ember/parallel/pipeline.py).
 
 
 class NoLayoutFits(ConfigError):
@@ -71,6 +72,7 @@ class Layout:
   dcn: tuple[tuple[str, int], ...]  # Node counts along (pipeline, data, fsdp, expert).
   grad_accum_steps: int
   remat: str
+  schedule: str = "gpipe"  # pipeline.schedule, where the layout has a pipeline.
 
   def mesh(self) -> dict[str, int]:
     """The whole mesh: each axis's size inside a node times its node count."""
@@ -81,13 +83,15 @@ class Layout:
     inside, across = dict(self.node), dict(self.dcn)
     out = [f"--config.mesh.{a}={inside.get(a, 1)}" for a in MESH]
     out += [f"--config.mesh.dcn_{a}={across.get(a, 1)}" for a in DCN_AXES]
-    return out + [f"--config.train.grad_accum_steps={self.grad_accum_steps}", "--config.train.device_batch_size=0",
-                  f"--config.remat.policy={self.remat}"]
+    out += [f"--config.train.grad_accum_steps={self.grad_accum_steps}", "--config.train.device_batch_size=0",
+            f"--config.remat.policy={self.remat}"]
+    return out + ([f"--config.pipeline.schedule={self.schedule}"] if self.mesh()["pipeline"] > 1 else [])
 
   def describe(self) -> str:
     """Short form for tables: "node fsdp=4 tensor=2 | nodes data=2 | accum 4 | full" (sizes of 1 left out)."""
     sizes = lambda pairs: " ".join(f"{a}={n}" for a, n in pairs if n > 1) or "-"
-    return (f"node {sizes(self.node)} | nodes {sizes(self.dcn)} | accum {self.grad_accum_steps} | {self.remat}")
+    schedule = f" | {self.schedule}" if self.mesh()["pipeline"] > 1 else ""
+    return f"node {sizes(self.node)} | nodes {sizes(self.dcn)} | accum {self.grad_accum_steps} | {self.remat}{schedule}"
 
   def apply(self, cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     out = ml_collections.ConfigDict(cfg.to_dict())
@@ -99,6 +103,7 @@ class Layout:
     out.train.grad_accum_steps = self.grad_accum_steps
     out.train.device_batch_size = 0  # The layout's micro-batches are its own, not derived from the mesh.
     out.remat.policy = self.remat
+    out.pipeline.schedule = self.schedule
     return out
 
 
@@ -147,12 +152,13 @@ def layouts(cfg: ml_collections.ConfigDict, target: Target) -> list[Layout]:
         continue
       for accum in _divisors(cfg.train.batch_size // shards):
         for preset in presets(settings):
-          candidate = Layout(node, dcn, accum, preset)
-          try:
-            config_lib.validate(candidate.apply(cfg), target.count, 1)
-          except ConfigError:
-            continue
-          out.append(candidate)
+          for schedule in SCHEDULES if pipe * dp > 1 else ("gpipe",):
+            candidate = Layout(node, dcn, accum, preset, schedule)
+            try:
+              config_lib.validate(candidate.apply(cfg), target.count, 1)
+            except ConfigError:
+              continue
+            out.append(candidate)
   return out
 
 
@@ -234,16 +240,20 @@ class Estimator:
     state, params, leaves, replicas = self._leaves(layout)
     # A pipeline (parallel/pipeline.py): each stage runs its share of the layers in every one of the loop's
     # iterations (the micro-batches and the bubble) and keeps what every iteration saves until the backward pass.
-    stages = mesh["pipeline"]
-    iterations = pipeline.iterations(layout.grad_accum_steps, stages) if stages > 1 else layout.grad_accum_steps
-    kept = iterations if stages > 1 else 1  # Micro-batches whose activations are alive at once.
+    stages, accum = mesh["pipeline"], layout.grad_accum_steps
+    if stages == 1:
+      iterations, kept = accum, 1  # The micro-batch loop: one micro-batch's activations alive at a time.
+    elif layout.schedule == "1f1b":  # Lockstep ticks, each a forward and a backward pass (and the head).
+      iterations, kept = pipeline.ticks(accum, stages), min(accum, 2 * stages - 1)
+    else:  # GPipe: every iteration's activations kept for the backward pass.
+      iterations = kept = pipeline.iterations(accum, stages)
     # Memory: the state, the float32 gradient (and the accumulator of a multi-micro-batch step), the kept
     # activations of every layer and one layer's whole working set, split over `tensor` where heads and MLP
     # units are.
     tensor = mesh["tensor"]
     hidden = micro * m.seq_len * m.d_model * m.dtype.itemsize  # One micro-batch's hidden states on a device.
     activations = micro * (kept * m.num_layers / stages * block.residual_bytes + 2 * block.working_bytes) / tensor
-    activations += (kept * hidden if stages > 1 else 0)  # The last stage's outputs, kept for the loss.
+    activations += kept * hidden if stages > 1 and layout.schedule == "gpipe" else 0  # Outputs kept for the loss.
     peak = state + params * (2 if layout.grad_accum_steps > 1 else 1) + activations
     # Compute: the model's FLOPs and the recomputed share; projections at the recipe's GEMM peak, attention and
     # the LM head at bf16's.

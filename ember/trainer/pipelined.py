@@ -252,7 +252,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     return (*sent, ring, (grads, quant, stat, aux, losses)), None
 
   init = (x_zero, x_zero, ring0, acc0)
-  (_, _, _, (grads, quant, stat, aux, losses)), _ = jax.lax.scan(tick, init, jnp.arange(m + 2 * stages - 2))
+  (_, _, _, (grads, quant, stat, aux, losses)), _ = jax.lax.scan(tick, init, jnp.arange(pipeline.ticks(m, stages)))
   return _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m, stages)
 
 

@@ -135,6 +135,7 @@ def test_save_quantized_recomputes_no_quantize_op_in_a_pipelined_step(schedule):
 def test_bubble_fraction():
   assert pipeline.bubble_fraction(8, 4) == pytest.approx(3 / 11)
   assert pipeline.bubble_fraction(16, 1) == 0
+  assert pipeline.bubble_fraction(8, 4, "1f1b") == pytest.approx(6 / 14)  # Lockstep ticks: M + 2S - 2.
 
 
 @pytest.mark.parametrize("overrides,key", [

@@ -41,8 +41,11 @@ def test_layouts_follow_the_model_and_the_cluster():
                                          (("data", 1), ("expert", 1), ("fsdp", 2), ("pipeline", 1)),
                                          (("data", 1), ("expert", 2), ("fsdp", 1), ("pipeline", 1)),
                                          (("data", 1), ("expert", 1), ("fsdp", 1), ("pipeline", 2))}
-  # Two stages (one per node) split the 2 layers; their micro-batches divide over the stages.
-  assert all(lay.grad_accum_steps % 2 == 0 for lay in found if dict(lay.dcn)["pipeline"] == 2)
+  # Two stages (one per node) split the 2 layers, under each schedule; GPipe's micro-batches divide over them.
+  piped = [lay for lay in found if dict(lay.dcn)["pipeline"] == 2]
+  assert {lay.schedule for lay in piped} == {"gpipe", "1f1b"}
+  assert all(lay.grad_accum_steps % 2 == 0 for lay in piped if lay.schedule == "gpipe")
+  assert {lay.schedule for lay in found if lay not in piped} == {"gpipe"}
   presets = planner.presets(config_lib.derive(cfg, None))
   assert {r for *_, r in seen} == set(presets) and "save_quantized_offloaded" not in presets
   # The flags say the whole layout, and read back as it.
