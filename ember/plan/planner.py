@@ -326,13 +326,13 @@ def _halved(lay: Layout, found: list[Layout]) -> Layout | None:
 
 
 def select(promising: list[Layout], estimates: dict[Layout, Estimate], top: int) -> list[Layout]:
-  """The `top` layouts to compile: in rounds, the next fastest by estimate of each split of a node (fsdp x tensor x
-  expert), the splits in the order of their fastest. The estimate counts bytes and FLOPs but cannot see what the
+  """The `top` layouts to compile: in rounds, the next fastest by estimate of each split of a node (pipeline x fsdp x
+  tensor x expert; pipelined across nodes or not), the splits in the order of their fastest. The estimate counts bytes and FLOPs but cannot see what the
   partitioner makes of a layout (a tensor-parallel split may gather more than it should), so the compiled few
   span the splits instead of being the one split the estimate likes best."""
   by_split: dict[tuple, list[Layout]] = {}
   for lay in sorted(promising, key=lambda lay: (estimates[lay].seconds, estimates[lay].peak_bytes)):
-    by_split.setdefault(lay.node, []).append(lay)
+    by_split.setdefault((lay.node, lay.mesh()["pipeline"] > 1), []).append(lay)
   chosen, rank = [], 0
   while len(chosen) < top and any(len(group) > rank for group in by_split.values()):
     chosen += [group[rank] for group in by_split.values() if len(group) > rank][:top - len(chosen)]

@@ -1,14 +1,19 @@
 """A pipelined step: the decoder's layers in stages over the mesh axis `pipeline`, the step's micro-batches
-flowing through them (the schedule and its transfers: ember/parallel/pipeline.py).
+flowing through them (the schedules, their bubbles and transfers: ember/parallel/pipeline.py).
 
-The whole forward pass and loss run in one `shard_map` manual over `pipeline`; its gradient is taken outside,
-so the backward pass is the loop's transpose (every transfer reversed). Inside, each stage holds its rows of
-the stacked layers (parameters, delayed-scaling histories, health-statistics inputs); the embedding, final norm
-and LM head are on every stage. Stage 0 embeds each micro-batch as it enters; the last stage's outputs are
-spread over all stages afterwards (`from_last_stage`) so the head and the chunked loss run on 1 / S of the
-micro-batches each, not all on the last stage. The losses, MoE sums and per-layer statistics are then summed
-(per-layer arrays gathered) over the stages, and the step's terms are those of the micro-batch loop
-(objective.step_terms), so a pipelined step logs and trains as the same step on one device does.
+Everything runs in one `shard_map` manual over `pipeline`. Inside, each stage holds its rows of the stacked
+layers (parameters, delayed-scaling histories, health-statistics inputs); the embedding, final norm and LM head
+are on every stage, and stage 0 embeds each micro-batch as it enters. Two schedules:
+
+- GPipe (`_loss`): the forward loop and the loss; the gradient is taken outside the map, so the backward pass is
+  the loop's transpose (every transfer reversed). The last stage's outputs are spread over all stages after the
+  loop (`from_last_stage`), so the head and the chunked loss run on 1 / S of the micro-batches each.
+- 1F1B (`_one_f_one_b`): the gradients are taken inside, one micro-batch at a time, the last stage's loss in the
+  tick of its forward pass.
+
+Either way the losses, MoE sums and per-layer statistics are summed (per-layer arrays gathered) over the stages,
+and the step's terms are those of the micro-batch loop (objective.step_terms): a pipelined step logs and trains as
+the same step on one device does.
 """
 
 from __future__ import annotations
@@ -204,8 +209,11 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
 
   x_like = jax.eval_shape(lambda t: forward(t, jnp.zeros((), F32), 0)[0], train)
   x_zero = jnp.zeros(x_like.shape, x_like.dtype)
-  shapes = jax.eval_shape(lambda t: [a for a, v in zip(*(lambda r: (r[2], r[4]))(run_forward(t, x_zero, 0))) if v],
-                          train)
+  def varying(t):
+    _, _, leaves, _, varies = run_forward(t, x_zero, 0)
+    return [a for a, v in zip(leaves, varies) if v]
+
+  shapes = jax.eval_shape(varying, train)
   ring0 = [jnp.zeros((slots, *s.shape), s.dtype) for s in shapes]
   _, aux_like = jax.eval_shape(lambda t: forward(t, x_zero, 0), train)
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
