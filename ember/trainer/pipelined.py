@@ -207,7 +207,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     fixed = {id(a) for a in jax.tree.leaves((train, kernel_amaxes))}
     return y, aux, leaves, treedef, [id(a) not in fixed for a in leaves]
 
-  x_like = jax.eval_shape(lambda t: forward(t, jnp.zeros((), F32), 0)[0], train)
+  x_like = jax.eval_shape(lambda t: merged_model(graphdef, *t).embed(inputs[0]), train)  # In the compute dtype.
   x_zero = jnp.zeros(x_like.shape, x_like.dtype)
   def varying(t):
     _, _, leaves, _, varies = run_forward(t, x_zero, 0)
