@@ -19,7 +19,7 @@ nodes. Of the layouts whose estimated peak is within the budget (with `ESTIMATE_
 (plan/isolated.py: a compile that aborts its process is a failed candidate with its reason, and the search goes
 on): the fastest by estimate
 of each split of a node in turn (`select`). One whose compiled peak is over the budget is compiled again with a
-smaller micro-batch, up to `SMALLER_MICRO_BATCHES` times. The winner so far is compiled once more with no remat
+smaller micro-batch (where there is none, under remat `full`), up to `SMALLER_MICRO_BATCHES` times. The winner so far is compiled once more with no remat
 (`none`), the preset whose estimate is least trustworthy (`_without_remat`). The compiled layouts are ranked by their
 predicted step (`tokens_per_s_predicted`, ember/plan/predict.py: the scheduled program at the GPU's achievable
 rates, exposed collectives included) among those whose compiled peak is within the budget: the winner is never a
@@ -319,10 +319,12 @@ def _row(layout: Layout, est: Estimate, tokens: float) -> dict:
 
 
 def _halved(lay: Layout, found: list[Layout]) -> Layout | None:
-  """`lay` with the next smaller micro-batch (more accumulation steps), if that is a layout."""
-  smaller = [f for f in found if (f.node, f.dcn, f.remat) == (lay.node, lay.dcn, lay.remat)
+  """`lay` with the next smaller micro-batch (more accumulation steps), if that is a layout; where there is none,
+  `lay` under remat `full` (the least a preset keeps), if that is a layout."""
+  smaller = [f for f in found if (f.node, f.dcn, f.remat, f.schedule) == (lay.node, lay.dcn, lay.remat, lay.schedule)
              and f.grad_accum_steps > lay.grad_accum_steps]
-  return min(smaller, key=lambda f: f.grad_accum_steps, default=None)
+  fewer = dataclasses.replace(lay, remat="full")
+  return min(smaller, key=lambda f: f.grad_accum_steps, default=fewer if fewer in found and fewer != lay else None)
 
 
 def select(promising: list[Layout], estimates: dict[Layout, Estimate], top: int) -> list[Layout]:
@@ -379,8 +381,8 @@ def plan(cfg: ml_collections.ConfigDict, target: Target, *, budget_gb: float | N
   compiled: dict[Layout, dict] = {}
   for lay in chosen:
     compiled[lay] = row = compile_one(lay)
-    for _ in range(SMALLER_MICRO_BATCHES):  # Over the budget: the same layout with half the micro-batch.
-      if row.get("fits", True) or (lay := _halved(lay, found)) is None:
+    for _ in range(SMALLER_MICRO_BATCHES):  # Over the budget: half the micro-batch (or remat full).
+      if row.get("fits", True) or (lay := _halved(lay, found)) is None or lay in compiled:
         break
       compiled[lay] = row = compile_one(lay)
   ranked = _ranked(compiled.values())
