@@ -101,19 +101,25 @@ def one_device_start(**overrides) -> Start:
   return start(config(**overrides), 1)
 
 
-def train_losses(cfg, batches, num_devices: int, policy_name: str | None = None):
-  """Losses of len(batches) train steps of `cfg` on the first `num_devices` devices (under the remat
-  preset `policy_name`, default the config's)."""
+def run_steps(cfg, batches, num_devices: int, policy_name: str | None = None):
+  """(each step's metrics, the final state), on the host, of len(batches) train steps of `cfg` on the first
+  `num_devices` devices (under the remat preset `policy_name`, default the config's), jitted as the trainer jits
+  the step."""
   s = start(cfg, num_devices)
   policy = remat.preset(s.cfg.remat, policy_name)
   sharding = batch_sharding(s.cfg, s.mesh)
   with s.rules():
     step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, policy=policy, donate=False)
-    state, losses = s.state, []
+    state, out = s.state, []
     for batch in batches:
       state, metrics = step(state, {k: jax.device_put(v, sharding) for k, v in batch.items()})
-      losses.append(float(metrics["loss"]))
-  return losses
+      out.append(jax.device_get(metrics))
+  return out, jax.device_get(state)
+
+
+def train_losses(cfg, batches, num_devices: int, policy_name: str | None = None):
+  """Losses of len(batches) train steps of `cfg` on the first `num_devices` devices (`run_steps`)."""
+  return [float(m["loss"]) for m in run_steps(cfg, batches, num_devices, policy_name)[0]]
 
 
 def one_step(cfg, batch, num_devices: int):

@@ -22,7 +22,7 @@ from ember.trainer.checkpointing import Checkpointer
 from ember.trainer.loop import train
 from ember.trainer.metrics import read_records
 from ember.trainer.perf import forward_flops_per_token
-from ember.trainer.step import batch_sharding, forward_loss, jit_train_step, moe_plan
+from ember.trainer.step import batch_sharding, forward_loss, moe_plan
 from ember.quant.recipe import Recipe
 from tests import helpers
 
@@ -36,15 +36,8 @@ def _cfg(**overrides):
 
 def _train_metrics(cfg, batches, num_devices):
   """(loss, mtp_loss) of each of len(batches) train steps on the first `num_devices` devices."""
-  s = helpers.start(cfg, num_devices)
-  sharding = batch_sharding(s.cfg, s.mesh)
-  with s.rules():
-    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
-    state, out = s.state, []
-    for batch in batches:
-      state, metrics = step(state, {k: jax.device_put(v, sharding) for k, v in batch.items()})
-      out.append((float(metrics["loss"]), float(metrics["mtp_loss"])))
-  return np.asarray(out)
+  metrics, _ = helpers.run_steps(cfg, batches, num_devices)
+  return np.asarray([(float(m["loss"]), float(m["mtp_loss"])) for m in metrics])
 
 
 @pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_current", marks=pytest.mark.long)])

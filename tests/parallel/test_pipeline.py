@@ -18,7 +18,7 @@ from ember.errors import ConfigError
 from ember.parallel import pipeline
 from ember.plan.jaxpr import is_quantize_cast, iter_eqns, name_stack
 from ember.quant.core import SCOPE_GRADIENT
-from ember.trainer.step import batch_sharding, jit_train_step, train_step
+from ember.trainer.step import train_step
 
 ACCUM = 8
 
@@ -32,16 +32,9 @@ def _cfg(preset="tiny", **overrides):
 def _train(cfg, batches, num_devices: int, order=None):
   """(losses, final parameters) of len(batches) steps on the first `num_devices` devices; `order`: the rows of
   each batch as this run reads them."""
-  s = helpers.start(cfg, num_devices)
-  sharding = batch_sharding(s.cfg, s.mesh)
-  with s.rules():
-    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
-    state, losses = s.state, []
-    for batch in batches:
-      batch = {k: v if order is None else v[order] for k, v in batch.items()}
-      state, metrics = step(state, {k: jax.device_put(v, sharding) for k, v in batch.items()})
-      losses.append(float(metrics["loss"]))
-  return np.asarray(losses), jax.device_get(state.params)
+  batches = [{k: v if order is None else v[order] for k, v in batch.items()} for batch in batches]
+  metrics, state = helpers.run_steps(cfg, batches, num_devices)
+  return np.asarray([float(m["loss"]) for m in metrics]), state.params
 
 
 def _same_micro_batches(batch_size: int, batch_shards: int) -> np.ndarray:
