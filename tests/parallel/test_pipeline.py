@@ -60,6 +60,8 @@ def _compare(preset, recipe, mesh: dict, batch_size: int = 16, schedule: str = "
 
 
 SCHEDULES = ["gpipe", "1f1b"]
+# Where a behaviour is checked under both schedules, one of them is a long case (pytest --long).
+ONE_LONG = [pytest.param("gpipe", marks=pytest.mark.long), "1f1b"]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -77,7 +79,7 @@ def test_four_stages_train_like_one_device(recipe, schedule):
     np.testing.assert_allclose(piped, one, rtol=1e-4)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ONE_LONG)
 def test_stages_with_fsdp_and_tensor_inside_train_like_one_device(schedule):
   one, piped, rel = _compare("tiny", "bf16", {"pipeline": 2, "fsdp": 2, "tensor": 2}, batch_size=32,
                              schedule=schedule)
@@ -85,7 +87,7 @@ def test_stages_with_fsdp_and_tensor_inside_train_like_one_device(schedule):
   assert rel < 1e-5, rel
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ONE_LONG)
 def test_moe_stages_train_like_one_device(schedule):
   """tiny_moe, bf16, 2 stages: the MoE auxiliary losses' gradients reach the routers in either schedule."""
   one, piped, rel = _compare("tiny_moe", "bf16", {"pipeline": 2}, schedule=schedule)
@@ -117,7 +119,7 @@ def _step_quantize_casts(policy_name: str, schedule: str) -> int:
   return sum(1 for e in iter_eqns(jaxpr) if is_quantize_cast(e) and SCOPE_GRADIENT not in name_stack(e))
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ONE_LONG)
 def test_save_quantized_recomputes_no_quantize_op_in_a_pipelined_step(schedule):
   """Under save_quantized the pipelined step casts exactly what it casts with no remat at all (its forward's
   casts); under full the backward recomputes some."""
@@ -146,7 +148,7 @@ def test_bad_pipeline_layouts_name_the_key(overrides, key):
   assert str(e.value).startswith(key), str(e.value)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ONE_LONG)
 def test_health_statistics_are_one_devices(schedule):
   """log.quant_stats_every: a pipelined step's health statistics (each stage's layers', combined over the
   micro-batches, bubbles left out) equal one device's over the same micro-batches."""
