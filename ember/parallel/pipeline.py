@@ -48,13 +48,16 @@ def ticks(micro_batches: int, num_stages: int) -> int:
   return micro_batches + 2 * num_stages - 2
 
 
+def loop_length(micro_batches: int, num_stages: int, schedule: str) -> int:
+  """The schedule's loop: GPipe's `iterations` (of each pass), 1F1B's `ticks`."""
+  return (ticks if schedule == "1f1b" else iterations)(micro_batches, num_stages)
+
+
 def bubble_fraction(micro_batches: int, num_stages: int, schedule: str = "gpipe") -> float:
   """The share of a step each stage idles: GPipe (S - 1) / (M + S - 1) of its forward and of its backward
   iterations; ember's 1F1B, whose stages run one forward and one backward pass every tick in lockstep (the
   backward pass of a micro-batch reaches stage s a tick after stage s + 1), 2(S - 1) / (M + 2S - 2) of its ticks."""
-  if schedule == "1f1b":
-    return (2 * num_stages - 2) / ticks(micro_batches, num_stages)
-  return (num_stages - 1) / iterations(micro_batches, num_stages)
+  return 1 - micro_batches / loop_length(micro_batches, num_stages, schedule)
 
 
 def stage_index() -> jax.Array:

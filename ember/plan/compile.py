@@ -112,7 +112,7 @@ def pipeline_figures(cfg, mesh, report: dict) -> dict:
   batch_shards = axes.shards(axes.token_axes(cfg.mesh.rules_dict, mesh), dict(mesh.shape))
   activation = cfg.train.micro_batch_size * m.seq_len * m.d_model * jnp.dtype(m.dtype).itemsize / batch_shards
   fraction = pipeline.bubble_fraction(micro, stages, cfg.pipeline.schedule)
-  loops = pipeline.ticks(micro, stages) if cfg.pipeline.schedule == "1f1b" else pipeline.iterations(micro, stages)
+  loops = pipeline.loop_length(micro, stages, cfg.pipeline.schedule)
   floor = report.get("time_floor_s")
   return {"schedule": cfg.pipeline.schedule, "stages": stages, "virtual_stages": cfg.pipeline.virtual_stages,
           "micro_batches": micro, "bubble_fraction": fraction,

@@ -243,10 +243,9 @@ class Estimator:
     stages, accum = mesh["pipeline"], layout.grad_accum_steps
     if stages == 1:
       iterations, kept = accum, 1  # The micro-batch loop: one micro-batch's activations alive at a time.
-    elif layout.schedule == "1f1b":  # Lockstep ticks, each a forward and a backward pass (and the head).
-      iterations, kept = pipeline.ticks(accum, stages), min(accum, 2 * stages - 1)
-    else:  # GPipe: every iteration's activations kept for the backward pass.
-      iterations = kept = pipeline.iterations(accum, stages)
+    else:  # 1F1B keeps at most 2S - 1 micro-batches; GPipe every iteration's, for the backward pass.
+      iterations = pipeline.loop_length(accum, stages, layout.schedule)
+      kept = min(accum, 2 * stages - 1) if layout.schedule == "1f1b" else iterations
     # Memory: the state, the float32 gradient (and the accumulator of a multi-micro-batch step), the kept
     # activations of every layer and one layer's whole working set, split over `tensor` where heads and MLP
     # units are.

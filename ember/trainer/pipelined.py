@@ -91,7 +91,7 @@ def _once_per_stage(tree):
 def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, policy: remat.Preset, stages: int):
   """Inside the map over `pipeline`: (total loss, metrics) of the step, the same on every stage."""
   m = keys.shape[0]
-  t_T = jnp.arange(pipeline.iterations(m, stages))
+  t_T = jnp.arange(pipeline.loop_length(m, stages, "gpipe"))
   stage = pipeline.stage_index()
   valid_T = (t_T >= stage) & (t_T < stage + m)  # Whether stage s has a micro-batch (t - s) at iteration t.
   quant_state = _once_per_stage(quant_state)
@@ -156,10 +156,16 @@ def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg):
   zero = jnp.zeros((), F32)
   losses, _ = jax.lax.scan(one, (zero, zero, zero),
                            (hidden_NxBxLxD, mine(micro[TARGETS]), mine(micro[SEGMENT_IDS]), mine(keys)))
+  return _terms_over_stages(losses, aux, cfg, keys.shape[0])
+
+
+def _terms_over_stages(losses, aux: dict, cfg, micro_batches: int):
+  """The step's (total loss, metrics) from each stage's sums: its (loss, ce, z) and its layers' aux (MoE sums summed
+  over the stages, per-layer arrays gathered in layer order)."""
   total, ce, z = jax.lax.psum(losses, PIPELINE)
   by_layer = {k: jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True) for k, v in aux.items() if k.endswith(BY_LAYER)}
   sums = {k: jax.lax.psum(aux[k], PIPELINE) for k in AUX_KEYS}
-  return step_terms(total, ce, z, {**sums, **by_layer}, cfg, keys.shape[0])
+  return step_terms(total, ce, z, {**sums, **by_layer}, cfg, micro_batches)
 
 
 def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, policy: remat.Preset,
@@ -260,7 +266,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     return (*sent, ring, (grads, quant, stat, aux, losses)), None
 
   init = (x_zero, x_zero, ring0, acc0)
-  (_, _, _, (grads, quant, stat, aux, losses)), _ = jax.lax.scan(tick, init, jnp.arange(pipeline.ticks(m, stages)))
+  (_, _, _, (grads, quant, stat, aux, losses)), _ = jax.lax.scan(tick, init, jnp.arange(pipeline.loop_length(m, stages, "1f1b")))
   return _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m, stages)
 
 
@@ -286,8 +292,5 @@ def _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, 
     stat = jax.tree_util.tree_map_with_path(
         lambda path, s_, old: over_stages(path, s_, old, lambda v: jax.lax.psum(jnp.where(last, v, 0), PIPELINE)),
         stat, stats)
-  total, ce, z = jax.lax.psum(losses, PIPELINE)
-  by_layer = {k: jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True) for k, v in aux.items() if k.endswith(BY_LAYER)}
-  sums = {k: jax.lax.psum(aux[k], PIPELINE) for k in AUX_KEYS}
-  _, metrics = step_terms(total, ce, z, {**sums, **by_layer}, cfg, m)
+  _, metrics = _terms_over_stages(losses, aux, cfg, m)
   return metrics, grads, quant, stat
