@@ -313,15 +313,24 @@ def _validate_pipeline(s: Settings) -> None:
             f"{axes.layer_axes(s.mesh.rules_dict)}")
   if PIPELINE in axes.batch_axes(s.mesh.rules_dict) or PIPELINE in axes.sequence_axes(s.mesh.rules_dict):
     bad_key("mesh.rules", "the pipeline axis splits the layers; the batch and the sequence cannot be split over it")
-  if s.pipeline.schedule == "interleaved_1f1b" or s.pipeline.virtual_stages != 1:
-    bad_key("pipeline.schedule" if s.pipeline.schedule == "interleaved_1f1b" else "pipeline.virtual_stages",
-            "interleaved stages (virtual_stages > 1) are not built yet: gpipe or 1f1b, one stage a device")
+  virtual = s.pipeline.virtual_stages
+  if virtual > 1 and s.pipeline.schedule != "interleaved_1f1b":
+    bad_key("pipeline.virtual_stages", f"{virtual} chunks a stage need pipeline.schedule=interleaved_1f1b, not "
+            f"{s.pipeline.schedule!r}")
   segments = m.segments()
   if len(segments) > 1:
     bad_key(key, f"the decoder's layers form {len(segments)} scan segments (model.first_k_dense or layer-specific "
             "quant.exclude entries); a pipeline splits one")
-  if m.num_blocks % stages:
-    bad_key(key, f"{stages} stages do not divide the decoder's {m.num_blocks} blocks of {m.block_size} layer(s)")
+  if m.num_blocks % (stages * virtual):
+    chunks = f"{stages} stages x {virtual} chunks" if virtual > 1 else f"{stages} stages"
+    bad_key(key, f"{chunks} do not divide the decoder's {m.num_blocks} blocks of {m.block_size} layer(s)")
+  if virtual > 1 and accum % stages:
+    bad_key("train.grad_accum_steps", f"{accum} micro-batches do not form groups of the {stages} pipeline stages "
+            "that interleaved 1F1B runs through each chunk in turn")
+  if s.pipeline.schedule != "gpipe" and m.seq_len % (stages * axes.shards(axes.sequence_axes(s.mesh.rules_dict),
+                                                                           s.mesh.sizes())):
+    bad_key("model.seq_len", f"{m.seq_len} positions do not split over the {stages} stages that share the LM head "
+            "under 1F1B")
   if axes.shards(axes.sequence_axes(s.mesh.rules_dict), s.mesh.sizes()) > 1:
     bad_key(key, "context parallelism (mesh.context) does not run in a pipeline yet")
   if m.mtp_depth:

@@ -39,25 +39,97 @@ def stages(mesh) -> int:
 
 
 def iterations(micro_batches: int, num_stages: int) -> int:
-  """The loop's length: the last micro-batch enters stage 0 at M - 1 and leaves the last stage S - 1 later."""
+  """GPipe's loop: the last micro-batch enters stage 0 at M - 1 and leaves the last stage S - 1 later."""
   return micro_batches + num_stages - 1
 
 
-def ticks(micro_batches: int, num_stages: int) -> int:
-  """The 1F1B loop's length: micro-batch M - 1's backward pass reaches stage 0 2(S - 1) ticks after it entered."""
-  return micro_batches + 2 * num_stages - 2
+def phases(micro_batches: int, num_stages: int, virtual_stages: int = 1) -> tuple[int, int, int]:
+  """The (interleaved) 1F1B loop's ticks in its three phases: (warm-up, steady, cool-down). Before the first
+  backward pass anywhere (the last stage's of micro-batch 0's last chunk, tick VS - 1) the ticks run forward
+  passes only; after the last forward pass (tick MV + S - 2) backward passes only; in between both."""
+  m, s, v = micro_batches, num_stages, virtual_stages
+  return v * s - 1, m * v + s - v * s, v * s - 1
 
 
-def loop_length(micro_batches: int, num_stages: int, schedule: str) -> int:
-  """The schedule's loop: GPipe's `iterations` (of each pass), 1F1B's `ticks`."""
-  return (ticks if schedule == "1f1b" else iterations)(micro_batches, num_stages)
+def loop_length(micro_batches: int, num_stages: int, schedule: str, virtual_stages: int = 1) -> int:
+  """The schedule's loop: GPipe's `iterations` (of each pass), the 1F1B schedules' ticks (`phases`)."""
+  if schedule == "gpipe":
+    return iterations(micro_batches, num_stages)
+  return sum(phases(micro_batches, num_stages, virtual_stages))
 
 
-def bubble_fraction(micro_batches: int, num_stages: int, schedule: str = "gpipe") -> float:
-  """The share of a step each stage idles: GPipe (S - 1) / (M + S - 1) of its forward and of its backward
-  iterations; ember's 1F1B, whose stages run one forward and one backward pass every tick in lockstep (the
-  backward pass of a micro-batch reaches stage s a tick after stage s + 1), 2(S - 1) / (M + 2S - 2) of its ticks."""
-  return 1 - micro_batches / loop_length(micro_batches, num_stages, schedule)
+def bubble_fraction(micro_batches: int, num_stages: int, schedule: str = "gpipe", virtual_stages: int = 1) -> float:
+  """The share of a step each stage idles: (S - 1) / (MV + S - 1) for M micro-batches, S stages and V chunks a
+  stage (V = 1 but for interleaved 1F1B). GPipe runs M + S - 1 forward and as many backward iterations for M of
+  work; the 1F1B schedules run (VS - 1) forward-only ticks, MV + S - VS ticks of a forward and a backward pass
+  and (VS - 1) backward-only ticks, each pass 1/V of a stage: MV + S - 1 ticks' worth of both passes for MV."""
+  v = virtual_stages if schedule == "interleaved_1f1b" else 1
+  return (num_stages - 1) / (micro_batches * v + num_stages - 1)
+
+
+def in_flight(micro_batches: int, num_stages: int, virtual_stages: int = 1) -> int:
+  """Chunks (1/V of a stage each) whose forward pass a 1F1B stage has run and whose backward pass it has not, at
+  most: stage 0's first chunk waits 2VS - 2 ticks for its backward pass, a forward pass entering every tick."""
+  return min(micro_batches * virtual_stages, 2 * virtual_stages * num_stages - 1)
+
+
+def stage_transfers(micro_batches: int, num_stages: int, schedule: str, virtual_stages: int = 1) -> float:
+  """Activation-sized transfers a stage sends a step: one per pass and boundary (GPipe: each iteration's output
+  forward and its gradient back); the 1F1B schedules' forward passes and gradients plus, in each steady tick, the
+  share of the last stage's output each stage's LM head takes and the gradient it returns (2 (S - 1) / S)."""
+  if schedule == "gpipe":
+    return 2 * iterations(micro_batches, num_stages)
+  warm, steady, cool = phases(micro_batches, num_stages, virtual_stages)
+  return warm + cool + steady * (2 + 2 * (num_stages - 1) / num_stages)
+
+
+def forward_unit(tick, stage, micro_batches: int, num_stages: int, virtual_stages: int):
+  """The (micro-batch, chunk, whether there is one) whose forward pass `stage` runs at `tick` (1F1B schedules).
+
+  A stage's forward passes run one a tick from tick `stage` on, in groups of S micro-batches: group g's micro-
+  batches through chunk 0, then chunk 1, ... (Megatron's interleaved order). Chunk v of stage s holds the
+  layers of virtual stage vS + s, so a micro-batch's output passes from stage s to s + 1 and from the last stage
+  to stage 0's next chunk, one tick each."""
+  n = tick - stage
+  return _unit(n, micro_batches, num_stages, virtual_stages, backward=False)
+
+
+def backward_unit(tick, stage, micro_batches: int, num_stages: int, virtual_stages: int):
+  """The (micro-batch, chunk, whether there is one) whose backward pass `stage` runs at `tick`: the forward order
+  with the chunks reversed, stage S - 1 starting at tick VS - 1, when its first chunk V - 1's forward pass runs (the
+  same tick: its loss's gradient is taken there), and the gradient passing back one stage a tick."""
+  n = tick - (num_stages - 1 - stage) - (virtual_stages * num_stages - 1)
+  return _unit(n, micro_batches, num_stages, virtual_stages, backward=True)
+
+
+def _unit(n, micro_batches: int, num_stages: int, virtual_stages: int, *, backward: bool):
+  s, v = num_stages, virtual_stages
+  valid = (n >= 0) & (n < micro_batches * v)
+  n = jnp.clip(n, 0, micro_batches * v - 1)
+  group, r = n // (s * v), n % (s * v)
+  chunk = r // s
+  return group * s + r % s, (v - 1 - chunk) if backward else chunk, valid
+
+
+def forward_index(micro, chunk, num_stages: int, virtual_stages: int):
+  """The position of (micro-batch, chunk) in a stage's forward order (`forward_unit`'s inverse)."""
+  s, v = num_stages, virtual_stages
+  return (micro // s) * s * v + chunk * s + micro % s
+
+
+def to_pipeline_order(a: jax.Array, num_stages: int, virtual_stages: int) -> jax.Array:
+  """Stacked layers [L, ...] in model order -> stage-major order: stage s's contiguous rows (its shard over
+  `pipeline`) are its chunks v = 0 .. V - 1, virtual stages vS + s. The identity for V = 1."""
+  if virtual_stages == 1:
+    return a
+  return a.reshape(virtual_stages, num_stages, -1, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+
+
+def from_pipeline_order(a: jax.Array, num_stages: int, virtual_stages: int) -> jax.Array:
+  """`to_pipeline_order`'s inverse."""
+  if virtual_stages == 1:
+    return a
+  return a.reshape(num_stages, virtual_stages, -1, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
 
 
 def stage_index() -> jax.Array:
@@ -65,22 +137,25 @@ def stage_index() -> jax.Array:
   return jax.lax.axis_index(PIPELINE)
 
 
-def to_next_stage(x: jax.Array, num_stages: int) -> jax.Array:
-  """Each stage's `x` at the next stage (the first stage receives zeros)."""
-  return jax.lax.ppermute(x, PIPELINE, [(s, s + 1) for s in range(num_stages - 1)])
+def to_next_stage(x: jax.Array, num_stages: int, ring: bool = False) -> jax.Array:
+  """Each stage's `x` at the next stage; the first stage receives zeros, or the last stage's `x` on a `ring`
+  (interleaved chunks: the last stage's output enters stage 0's next chunk)."""
+  last = num_stages if ring else num_stages - 1
+  return jax.lax.ppermute(x, PIPELINE, [(s, (s + 1) % num_stages) for s in range(last)])
 
 
-def to_previous_stage(x: jax.Array, num_stages: int) -> jax.Array:
-  """Each stage's `x` at the previous stage (the last stage receives zeros): a gradient on its way back."""
-  return jax.lax.ppermute(x, PIPELINE, [(s + 1, s) for s in range(num_stages - 1)])
+def to_previous_stage(x: jax.Array, num_stages: int, ring: bool = False) -> jax.Array:
+  """Each stage's `x` at the previous stage (a gradient on its way back); the last stage receives zeros, or stage
+  0's on a `ring`."""
+  last = num_stages if ring else num_stages - 1
+  return jax.lax.ppermute(x, PIPELINE, [((s + 1) % num_stages, s) for s in range(last)])
 
 
-def from_last_stage(x_MxN: jax.Array, num_stages: int) -> jax.Array:
-  """The last stage's [M, ...] split over the stages along M (stage s gets rows [s M / S, (s + 1) M / S)): one
-  reduce-scatter, so the loss after the pipeline runs on every stage's share of the micro-batches."""
+def from_last_stage(x: jax.Array, num_stages: int, axis: int = 0) -> jax.Array:
+  """The last stage's `x` split over the stages along `axis` (stage s gets the s-th of S equal slices): one
+  reduce-scatter, so what follows the pipeline (the LM head and the loss) runs on every stage's share."""
   last = stage_index() == num_stages - 1
-  return jax.lax.psum_scatter(jnp.where(last, x_MxN, jnp.zeros_like(x_MxN)), PIPELINE, scatter_dimension=0,
-                              tiled=True)
+  return jax.lax.psum_scatter(jnp.where(last, x, jnp.zeros_like(x)), PIPELINE, scatter_dimension=axis, tiled=True)
 
 
 def fan_out(tree, valid_T: jax.Array, combine: Callable, identity: Callable):

@@ -18,6 +18,8 @@ the same step on one device does.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
@@ -58,18 +60,25 @@ def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh
   in_specs = tuple(specs(t) for t in trees) + (P(), P(), P())
   manual = {PIPELINE} | {a for a, n in mesh.shape.items() if n == 1}
 
-  run = _one_f_one_b if cfg.pipeline.schedule == "1f1b" else _loss
+  run = _loss if cfg.pipeline.schedule == "gpipe" else _one_f_one_b
+  stages, virtual = pipeline.stages(mesh), cfg.pipeline.virtual_stages
 
   def body(params, quant_state, *rest):
     stats_, (micro_, keys_, count_) = (rest[0] if with_stats else None), rest[-3:]
-    out = run(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg, policy=policy,
-              stages=pipeline.stages(mesh))
-    return out if run is _loss else (out[0], out[1:] if with_stats else out[1:3])
+    if run is _loss:
+      return _loss(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg, policy=policy,
+                   stages=stages)
+    out = _one_f_one_b(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg,
+                       policy=policy, stages=stages, virtual=virtual)
+    return out[0], out[1:] if with_stats else out[1:3]
 
   if run is _one_f_one_b:  # The schedule takes the gradients itself.
+    # Interleaved chunks: each stage's rows in stage-major order for the map, the results back in the model's.
+    order = lambda to: lambda tree: _map_stage_rows(lambda a: to(a, stages, virtual), tree)
     mapped = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), in_specs[:len(trees)]),
                        axis_names=manual, check_vma=False)
-    return mapped(*trees, micro, keys, count)
+    metrics, outs = mapped(*map(order(pipeline.to_pipeline_order), trees), micro, keys, count)
+    return metrics, tuple(map(order(pipeline.from_pipeline_order), outs))
 
   def loss(*trees_):
     mapped = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), axis_names=manual,
@@ -136,10 +145,10 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, poli
   spec = logical_to_spec((None, *ACTIVATION), active_rules(), active_mesh())
   shares = shard_map(lambda a: pipeline.from_last_stage(a, stages), mesh=active_mesh(), in_specs=(spec,),
                      out_specs=spec)(outputs)
-  return _head_losses(model, shares, micro, keys, count, aux, cfg)
+  return _head_losses(model, shares, micro, keys, count, aux, cfg, stages)
 
 
-def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg):
+def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg, stages: int):
   """The losses of this stage's share of the micro-batches (`from_last_stage`), summed over the stages with the
   layers' aux, as the step's terms."""
   share = hidden_NxBxLxD.shape[0]
@@ -156,76 +165,86 @@ def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg):
   zero = jnp.zeros((), F32)
   losses, _ = jax.lax.scan(one, (zero, zero, zero),
                            (hidden_NxBxLxD, mine(micro[TARGETS]), mine(micro[SEGMENT_IDS]), mine(keys)))
-  return _terms_over_stages(losses, aux, cfg, keys.shape[0])
+  return _terms_over_stages(losses, aux, cfg, keys.shape[0], stages)
 
 
-def _terms_over_stages(losses, aux: dict, cfg, micro_batches: int):
+def _terms_over_stages(losses, aux: dict, cfg, micro_batches: int, stages: int, virtual: int = 1):
   """The step's (total loss, metrics) from each stage's sums: its (loss, ce, z) and its layers' aux (MoE sums summed
   over the stages, per-layer arrays gathered in layer order)."""
   total, ce, z = jax.lax.psum(losses, PIPELINE)
-  by_layer = {k: jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True) for k, v in aux.items() if k.endswith(BY_LAYER)}
+  by_layer = {k: pipeline.from_pipeline_order(jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True), stages, virtual)
+              for k, v in aux.items() if k.endswith(BY_LAYER)}
   sums = {k: jax.lax.psum(aux[k], PIPELINE) for k in AUX_KEYS}
   return step_terms(total, ce, z, {**sums, **by_layer}, cfg, micro_batches)
 
 
 def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, policy: remat.Preset,
-                 stages: int):
-  """Inside the map over `pipeline`, the 1F1B schedule: (metrics, parameter gradients, new quant state, health
-  statistics), the gradients taken here, micro-batch by micro-batch, instead of by autodiff of a loop.
+                 stages: int, virtual: int):
+  """Inside the map over `pipeline`, the 1F1B schedules (V = `virtual` chunks a stage: interleaved 1F1B where V > 1):
+  (metrics, parameter gradients, new quant state, health statistics), the gradients taken here, one micro-batch's
+  chunk at a time, instead of by autodiff of a loop.
 
-  Tick τ = 0 .. M + 2S - 3: stage s runs the forward pass of micro-batch τ - s and the backward pass of micro-batch
-  τ - 2(S - 1) + s, each where it exists; the last stage takes a micro-batch's loss and its gradient in the tick of
-  its forward pass. A stage keeps the residuals of the forward passes whose backward has not run (at most 2S - 1
-  micro-batches: `slots`), not all M, in a ring of buffers: the residuals a remat policy saves (the stage's
-  parameters themselves are not copied). Each tick hands a forward output on and a gradient back (`ppermute`)."""
+  At each tick a stage runs the forward pass of one (micro-batch, chunk) and the backward pass of another
+  (`pipeline.forward_unit` / `backward_unit`), each where it exists, and hands an output on and a gradient back
+  (`ppermute`). The ticks before the first backward pass anywhere and after the last forward pass are traced
+  without the pass they lack (`pipeline.phases`), so the idle share is the schedule's own, (S - 1) / (MV + S - 1).
+  A stage keeps the residuals of the forward passes whose backward has not run (`pipeline.in_flight`) in a ring
+  of buffers: the residuals a remat policy saves; the stage's parameters and kernel amaxes are recognised among
+  them and never copied. The LM head runs where the last stage's last chunk ends a micro-batch: each stage takes
+  1/S of its tokens (`_head_share`), so every stage runs the same share of the head."""
   m = keys.shape[0]
+  ring_order = virtual > 1
   stage = pipeline.stage_index()
   last = stage == stages - 1
-  slots = min(m, 2 * stages - 1)
+  slots = pipeline.in_flight(m, stages, virtual)
   train = (params, quant_state, stats)
-  kernel_amaxes = linear.kernel_amaxes(merged_model(graphdef, *train))
-  inputs, segment_ids, positions, targets = (micro[k] for k in (INPUTS, SEGMENT_IDS, POSITIONS, TARGETS))
-  segment = merged_model(graphdef, *train).segments[0]
-  per_stage = len(segment.block_ids) // stages
-  block_ids = jax.lax.dynamic_slice_in_dim(jnp.asarray(segment.block_ids, jnp.int32), stage * per_stage, per_stage)
+  whole = merged_model(graphdef, *train)
+  kernel_amaxes = linear.kernel_amaxes(whole)
+  rows = len(whole.segments[0].block_ids) // (stages * virtual)  # Layers per chunk.
+  all_block_ids = jnp.asarray(whole.segments[0].block_ids, jnp.int32)
+  inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
+  unit = lambda fn, tau: fn(tau, stage, m, stages, virtual)
 
-  def forward(train, x_received, f):
-    model = merged_model(graphdef, *train)
-    if kernel_amaxes:
-      linear.use_kernel_amaxes(model, kernel_amaxes)
-    x = jnp.where(stage == 0, model.embed(inputs[f]), x_received)
+  def chunk(v):
+    """Chunk v's (train state, kernel amaxes): the stage's rows v * rows .. (v + 1) * rows of the stacked layers."""
+    cut = lambda a: jax.lax.dynamic_slice_in_dim(a, v * rows, rows)
+    state = tuple(_map_stage_rows(cut, t) for t in train)
+    return state, {p: cut(a) if p[0] == "segments" else a for p, a in kernel_amaxes.items()}
+
+  def forward(state, amaxes, x_received, f, v):
+    model = merged_model(graphdef, *state)
+    if amaxes:
+      linear.use_kernel_amaxes(model, amaxes)
+    x = jnp.where((stage == 0) & (v == 0), model.embed(inputs[f]), x_received)
+    block_ids = jax.lax.dynamic_slice_in_dim(all_block_ids, (v * stages + stage) * rows, rows)
     y, a, per_layer = model.segments[0](x, segment_ids[f], positions[f], keys[f], policy,
                                         attention_bias(segment_ids[f], x.dtype), block_ids=block_ids)
-    return shard(y, ACTIVATION), {**a, **{k + BY_LAYER: v for k, v in per_layer.items()}}
+    return shard(y, ACTIVATION), {**a, **{k + BY_LAYER: v_ for k, v_ in per_layer.items()}}
 
-  def head(train, y, f):
-    model = merged_model(graphdef, *train)
-    total, ce, z = cross_entropy(model.final_norm(y), targets[f], (segment_ids[f] > 0).astype(F32),
-                                 model.head_parts(), key=keys[f], chunk_size=cfg.train.loss_chunk_size, count=count,
-                                 z_loss_weight=cfg.train.z_loss_weight)
-    return total, (ce, z)
-
-  def run_forward(train, x, f):
-    """The forward pass of micro-batch f with its VJP: (y, aux, the VJP's leaves, its structure, which leaves vary
-    from one micro-batch to the next: all but the stage's own state and kernel amaxes, which are never copied)."""
-    (y, aux), vjp = jax.vjp(lambda t, x_: forward(t, x_, f), train, x)
+  def run_forward(x, f, v):
+    """The forward pass of micro-batch f through chunk v: (y, aux, the VJP's leaves kept in the ring). The VJP's
+    structure and, for each of its leaves, the index of the chunk's state or kernel amax it is (None: kept) go to
+    `structure`, the same at every tick (a backward-only tick has no forward pass to read them from)."""
+    state, amaxes = chunk(v)
+    (y, aux), vjp = jax.vjp(lambda t, x_: forward(t, amaxes, x_, f, v), state, x)
     leaves, treedef = jax.tree.flatten(vjp)
-    fixed = {id(a) for a in jax.tree.leaves((train, kernel_amaxes))}
-    return y, aux, leaves, treedef, [id(a) not in fixed for a in leaves]
+    sources = {}
+    for i, a in enumerate(jax.tree.leaves((state, amaxes))):
+      sources.setdefault(id(a), i)
+    structure.update(treedef=treedef, fixed=[sources.get(id(a)) for a in leaves])
+    return y, aux, [a for a, i in zip(leaves, structure["fixed"]) if i is None]
 
   x_like = jax.eval_shape(lambda t: merged_model(graphdef, *t).embed(inputs[0]), train)  # In the compute dtype.
   x_zero = jnp.zeros(x_like.shape, x_like.dtype)
-  def varying(t):
-    _, _, leaves, _, varies = run_forward(t, x_zero, 0)
-    return [a for a, v in zip(leaves, varies) if v]
-
-  shapes = jax.eval_shape(varying, train)
+  structure = {}
+  index = jax.ShapeDtypeStruct((), jnp.int32)
+  _, aux_like, shapes = jax.eval_shape(run_forward, x_zero, index, index)
   ring0 = [jnp.zeros((slots, *s.shape), s.dtype) for s in shapes]
-  _, aux_like = jax.eval_shape(lambda t: forward(t, x_zero, 0), train)
+  stage_rows = lambda k, a: (virtual * a.shape[0], *a.shape[1:]) if k.endswith(BY_LAYER) else a.shape
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
   acc0 = (f32_zeros(params), jax.tree.map(lambda a: pipeline.lowest(a.shape), quant_state),
           None if stats is None else jax.tree.map(lambda a: health.combine_identity(a.shape), stats),
-          f32_zeros(aux_like), jnp.zeros((3,), F32))
+          {k: jnp.zeros(stage_rows(k, a), F32) for k, a in aux_like.items()}, jnp.zeros((3,), F32))
 
   # The MoE auxiliary losses' share of the step's loss (objective.step_terms): their cotangents in every backward pass.
   routed = cfg.model.num_routed_layers * m
@@ -233,52 +252,119 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
              MOE_SEQ_BALANCE_LOSS: cfg.model.seq_load_balance_weight}
   aux_cotangent = {k: jnp.full(a.shape, weights.get(k, 0.0) / routed if routed else 0.0, a.dtype)
                    for k, a in aux_like.items()}
+  take = lambda on, v: jnp.where(on, v, jnp.zeros_like(v))
 
-  def tick(carry, tau):
+  def tick(carry, tau, *, forwards: bool, backwards: bool):
     received, returned, ring, (grads, quant, stat, aux, losses) = carry
-    f, b = tau - stage, tau - 2 * (stages - 1) + stage  # Forward micro-batch f, backward micro-batch b.
-    has_f, has_b = (f >= 0) & (f < m), (b >= 0) & (b < m)
-    f, b = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
-    y, a, leaves, treedef, varies = run_forward(train, received, f)
-    ring = [buf.at[f % slots].set(jnp.where(has_f, r, buf[f % slots]))
-            for buf, r in zip(ring, [r for r, v in zip(leaves, varies) if v])]
-    (total, parts), vjp_head = _vjp_with_aux(head, train, y, f)
-    d_head, dy_last = vjp_head(jnp.ones((), F32))
-    kept = iter(buf[b % slots] for buf in ring)
-    vjp_b = jax.tree.unflatten(treedef, [next(kept) if v else r for r, v in zip(leaves, varies)])
-    d_train, dx = vjp_b((jnp.where(last, dy_last, returned), aux_cotangent))
-    at_last = has_f & last
-    take = lambda on, v: jnp.where(on, v, jnp.zeros_like(v))
-    grads = jax.tree.map(lambda g, d, h: g + take(has_b, d).astype(F32) + take(at_last, h).astype(F32), grads,
-                         d_train[0], d_head[0])
-    # Histories and statistics: a stage's rows from its backward passes, the others' (the head's) from the loss.
-    by_stage = lambda path, acc, d, h, combine: (jnp.where(has_b, combine(acc, d.astype(F32)), acc)
-                                                  if stage_spec(path) != P() else
-                                                  jnp.where(at_last, combine(acc, h.astype(F32)), acc))
-    quant = jax.tree_util.tree_map_with_path(lambda p_, q, d, h: by_stage(p_, q, d, h, jnp.maximum), quant,
-                                             d_train[1], d_head[1])
-    if stat is not None:
-      stat = jax.tree_util.tree_map_with_path(lambda p_, s_, d, h: by_stage(p_, s_, d, h, health.combine), stat,
-                                              d_train[2], d_head[2])
-    aux = jax.tree.map(lambda acc, v: acc + take(has_f, v).astype(F32), aux, a)
-    losses = losses + take(at_last, jnp.stack([total, *parts]).astype(F32))
-    sent = (pipeline.to_next_stage(take(has_f, y), stages), pipeline.to_previous_stage(take(has_b, dx), stages))
-    return (*sent, ring, (grads, quant, stat, aux, losses)), None
+    dy_head = None
+    if forwards:
+      f, v_f, has_f = unit(pipeline.forward_unit, tau)
+      y, a, kept = run_forward(received, f, v_f)
+      slot = pipeline.forward_index(f, v_f, stages, virtual) % slots
+      ring = [buf.at[slot].set(jnp.where(has_f, r, buf[slot])) for buf, r in zip(ring, kept)]
+      aux = {k: _add_rows(acc, take(has_f, a[k]).astype(F32), v_f) if k.endswith(BY_LAYER)
+             else acc + take(has_f, a[k]).astype(F32) for k, acc in aux.items()}
+      received = pipeline.to_next_stage(take(has_f, y), stages, ring=ring_order)
+    if forwards and backwards:  # The LM head of the micro-batch the last stage's last chunk ends, if one does.
+      f_last, v_last, has_last = pipeline.forward_unit(tau, stages - 1, m, stages, virtual)
+      at_head = has_last & (v_last == virtual - 1)
+      (total, parts), d_head, dy_head = _head_share(chunk(v_f)[0], y, f_last, graphdef=graphdef, micro=micro,
+                                                    keys=keys, count=count, cfg=cfg, stages=stages)
+      grads = jax.tree_util.tree_map_with_path(
+          lambda path, g, h: g if stage_spec(path) != P() else g + take(at_head, h).astype(F32), grads, d_head[0])
+      quant = _combine_shared(quant, d_head[1], at_head, jnp.maximum)
+      if stat is not None:
+        stat = _combine_shared(stat, d_head[2], at_head, health.combine)
+      losses = losses + take(at_head, jnp.stack([total, *parts]).astype(F32))
+    if backwards:
+      b, v_b, has_b = unit(pipeline.backward_unit, tau)
+      slot = pipeline.forward_index(b, v_b, stages, virtual) % slots
+      sources = jax.tree.leaves(chunk(v_b))
+      kept = iter(buf[slot] for buf in ring)
+      vjp = jax.tree.unflatten(structure["treedef"], [next(kept) if i is None else sources[i]
+                                                       for i in structure["fixed"]])
+      dy = returned if dy_head is None else jnp.where(last & (v_b == virtual - 1), dy_head, returned)
+      d_state, dx = vjp((dy, aux_cotangent))
+      grads = _add_stage_rows(grads, d_state[0], v_b, has_b, lambda acc, d: acc + d.astype(F32))
+      quant = _add_stage_rows(quant, d_state[1], v_b, has_b, lambda acc, d: jnp.maximum(acc, d.astype(F32)))
+      if stat is not None:
+        stat = _add_stage_rows(stat, d_state[2], v_b, has_b, lambda acc, d: health.combine(acc, d.astype(F32)))
+      returned = pipeline.to_previous_stage(take(has_b, dx), stages, ring=ring_order)
+    return (received, returned, ring, (grads, quant, stat, aux, losses)), None
 
-  init = (x_zero, x_zero, ring0, acc0)
-  (_, _, _, (grads, quant, stat, aux, losses)), _ = jax.lax.scan(tick, init, jnp.arange(pipeline.loop_length(m, stages, "1f1b")))
-  return _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m, stages)
+  carry, start = (x_zero, x_zero, ring0, acc0), 0
+  for length, flags in zip(pipeline.phases(m, stages, virtual), ((True, False), (True, True), (False, True))):
+    body = functools.partial(tick, forwards=flags[0], backwards=flags[1])
+    carry, _ = jax.lax.scan(body, carry, jnp.arange(start, start + length))
+    start += length
+  grads, quant, stat, aux, losses = carry[-1]
+  return _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m, stages, virtual)
 
 
-def _vjp_with_aux(fn, train, y, f):
-  out, vjp, aux = jax.vjp(lambda t, y_: fn(t, y_, f), train, y, has_aux=True)
-  return (out, aux), vjp
+def _map_stage_rows(fn, tree):
+  """`fn` on a tree's stacked-layer leaves (those split into the stages), the others as they are."""
+  return jax.tree_util.tree_map_with_path(lambda path, a: fn(a) if stage_spec(path) != P() else a, tree)
 
 
-def _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m: int, stages: int):
+def _add_rows(acc, d, v):
+  """acc [V * rows, ...] with d [rows, ...] added to chunk v's rows."""
+  n = d.shape[0]
+  return jax.lax.dynamic_update_slice_in_dim(acc, jax.lax.dynamic_slice_in_dim(acc, v * n, n) + d, v * n, 0)
+
+
+def _add_stage_rows(acc_tree, d_tree, v, on, combine):
+  """A backward pass's chunk-v cotangents combined into the stage's accumulators where `on`: the stacked layers'
+  into chunk v's rows, the rest (the embedding's) whole."""
+  def one(path, acc, d):
+    if stage_spec(path) == P():
+      return jnp.where(on, combine(acc, d), acc)
+    n = d.shape[0]
+    cur = jax.lax.dynamic_slice_in_dim(acc, v * n, n)
+    return jax.lax.dynamic_update_slice_in_dim(acc, jnp.where(on, combine(cur, d), cur), v * n, 0)
+  return jax.tree_util.tree_map_with_path(one, acc_tree, d_tree)
+
+
+def _combine_shared(acc_tree, d_tree, on, combine):
+  """The head's cotangents (histories, statistics) combined into the leaves on every stage where `on`."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, acc, d: acc if stage_spec(path) != P() else jnp.where(on, combine(acc, d.astype(F32)), acc),
+      acc_tree, d_tree)
+
+
+def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg, stages: int):
+  """The LM head and loss of 1/S of the tokens of micro-batch f, whose hidden states `y` the last stage holds,
+  on each stage: ((loss, (ce, z)) of the share, their cotangents for `state`, and the gradient of the whole `y`
+  on every stage). The last stage's `y` is reduce-scattered over the stages along its length and the share's
+  gradient all-gathered back: two transfers of an activation's size instead of S - 1 stages idling in the head."""
+  spec = logical_to_spec(ACTIVATION, active_rules(), active_mesh())
+  token_spec = P(*spec[:2])
+  on_stages = lambda fn, specs, out: shard_map(fn, mesh=active_mesh(), in_specs=specs, out_specs=out)
+
+  def share(a):  # This stage's contiguous 1/S of each device's positions.
+    n = a.shape[1] // stages
+    return jax.lax.dynamic_slice_in_dim(a, pipeline.stage_index() * n, n, axis=1)
+
+  y_share = on_stages(lambda a: pipeline.from_last_stage(a, stages, axis=1), (spec,), spec)(y)
+  t_share, s_share = on_stages(lambda t, s_: (share(t), share(s_)), (token_spec, token_spec),
+                               (token_spec, token_spec))(micro[TARGETS][f], micro[SEGMENT_IDS][f])
+
+  def head(state_, h):
+    model = merged_model(graphdef, *state_)
+    total, ce, z = cross_entropy(model.final_norm(h), t_share, (s_share > 0).astype(F32), model.head_parts(),
+                                 key=keys[f], chunk_size=cfg.train.loss_chunk_size, count=count,
+                                 z_loss_weight=cfg.train.z_loss_weight)
+    return total, (ce, z)
+
+  total, vjp, parts = jax.vjp(head, state, y_share, has_aux=True)
+  d_state, dy_share = vjp(jnp.ones((), F32))
+  dy = on_stages(lambda a: jax.lax.all_gather(a, PIPELINE, axis=1, tiled=True), (spec,), spec)(dy_share)
+  return (total, parts), d_state, dy
+
+
+def _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m: int, stages: int, virtual: int):
   """The 1F1B loop's sums over the stages: each stage's rows of the stacked layers stay its own; the leaves on every
-  stage (embedding, final norm, head) sum their gradients over the stages and take the stage's statistics that
-  ran them. (metrics, gradients, quant state, statistics)."""
+  stage (embedding, final norm, head) sum their gradients over the stages and combine the statistics of the
+  stages that ran them. (metrics, gradients, quant state, statistics)."""
   def over_stages(path, g, like, combine):
     return g.astype(like.dtype) if stage_spec(path) != P() else combine(g).astype(like.dtype)
   grads = jax.tree_util.tree_map_with_path(
@@ -288,9 +374,9 @@ def _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, 
       lambda path, q, old: over_stages(path, unused(q, old), old, lambda v: jax.lax.pmax(v, PIPELINE)), quant,
       quant_state)
   if stat is not None:
-    last = pipeline.stage_index() == stages - 1
-    stat = jax.tree_util.tree_map_with_path(
-        lambda path, s_, old: over_stages(path, s_, old, lambda v: jax.lax.psum(jnp.where(last, v, 0), PIPELINE)),
-        stat, stats)
-  _, metrics = _terms_over_stages(losses, aux, cfg, m)
+    def combined(v):
+      every = jax.lax.all_gather(v, PIPELINE)
+      return functools.reduce(health.combine, [every[i] for i in range(stages)])
+    stat = jax.tree_util.tree_map_with_path(lambda path, s_, old: over_stages(path, s_, old, combined), stat, stats)
+  _, metrics = _terms_over_stages(losses, aux, cfg, m, stages, virtual)
   return metrics, grads, quant, stat

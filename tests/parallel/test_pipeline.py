@@ -44,14 +44,14 @@ def _same_micro_batches(batch_size: int, batch_shards: int) -> np.ndarray:
   return rows.swapaxes(0, 1).reshape(-1)
 
 
-def _compare(preset, recipe, mesh: dict, batch_size: int = 16, schedule: str = "gpipe"):
+def _compare(preset, recipe, mesh: dict, batch_size: int = 16, schedule: str = "gpipe", virtual: int = 1):
   cfg = _cfg(preset, **{"quant.recipe": recipe, "train.batch_size": batch_size})
   batches = [helpers.random_batch(cfg, seed=s % 2) for s in range(5)]  # Batches 0, 1, 0, 1, 0.
   shards = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1)
   one, params_one = _train(cfg.copy_and_resolve_references(), batches, 1,
                            order=_same_micro_batches(batch_size, shards))
   piped, params_piped = _train(_cfg(preset, **{"quant.recipe": recipe, "train.batch_size": batch_size,
-                                               "pipeline.schedule": schedule,
+                                               "pipeline.schedule": schedule, "pipeline.virtual_stages": virtual,
                                                **{f"mesh.{a}": n for a, n in {"data": 1, **mesh}.items()}}),
                                batches, math.prod(mesh.values()))
   rel = jax.tree.map(lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(a)), params_one, params_piped)
@@ -69,14 +69,27 @@ ONE_LONG = [pytest.param("gpipe", marks=pytest.mark.long), "1f1b"]
 def test_four_stages_train_like_one_device(recipe, schedule):
   """pipeline 4 x fsdp 2, 8 micro-batches, float32, 5 steps: one device's losses and parameters."""
   one, piped, rel = _compare("tiny", recipe, {"pipeline": 4, "fsdp": 2}, schedule=schedule)
+  _assert_same_training(recipe, one, piped, rel)
+
+
+def _assert_same_training(recipe, one, piped, rel):
   if recipe == "bf16":
     np.testing.assert_allclose(piped, one, rtol=1e-5)
     assert rel < 1e-5, rel
   else:
-    # FP8's rounding is a step function: the 1e-7 differences of gradients summed in another order (over
-    # iterations of the pipeline's loop, over fsdp) flip a few roundings once the parameters have moved.
+    # FP8's rounding is a step function: the 1e-7 differences of gradients summed in another order (over fsdp,
+    # over tensor's partial products) flip a few roundings once the parameters have moved.
     np.testing.assert_allclose(piped[:3], one[:3], rtol=1e-5)
     np.testing.assert_allclose(piped, one, rtol=1e-4)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_current"])
+def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(recipe):
+  """pipeline 2 x fsdp 2 x tensor 2, interleaved 1F1B with 2 chunks a stage (layers 0 and 2 on stage 0, 1 and 3
+  on stage 1), 8 micro-batches, float32, 5 steps: one device's losses and parameters."""
+  one, piped, rel = _compare("tiny", recipe, {"pipeline": 2, "fsdp": 2, "tensor": 2}, batch_size=32,
+                             schedule="interleaved_1f1b", virtual=2)
+  _assert_same_training(recipe, one, piped, rel)
 
 
 @pytest.mark.parametrize("schedule", ONE_LONG)
@@ -95,13 +108,14 @@ def test_moe_stages_train_like_one_device(schedule):
   assert rel < 1e-5, rel
 
 
-@pytest.mark.long
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_moe_stages_with_expert_parallelism_inside_train_like_one_device(schedule):
-  """tiny_moe, fp8_delayed (amax histories per stage, combined over the micro-batches by max), expert 2 x fsdp 2
-  inside each of 2 stages."""
-  one, piped, _ = _compare("tiny_moe", "fp8_delayed", {"pipeline": 2, "fsdp": 2, "expert": 2}, batch_size=32,
-                           schedule=schedule)
+@pytest.mark.parametrize("schedule,virtual,mesh", [
+    pytest.param("gpipe", 1, {"pipeline": 2, "fsdp": 2, "expert": 2}, marks=pytest.mark.long),
+    pytest.param("1f1b", 1, {"pipeline": 4, "expert": 2}, marks=pytest.mark.long),
+    ("interleaved_1f1b", 2, {"pipeline": 2, "fsdp": 2, "expert": 2})])
+def test_moe_stages_with_expert_parallelism_inside_train_like_one_device(schedule, virtual, mesh):
+  """tiny_moe, fp8_delayed (amax histories per stage, combined over the micro-batches by max), expert 2 inside
+  each stage."""
+  one, piped, _ = _compare("tiny_moe", "fp8_delayed", mesh, batch_size=32, schedule=schedule, virtual=virtual)
   np.testing.assert_allclose(piped[:3], one[:3], rtol=1e-5)
   np.testing.assert_allclose(piped, one, rtol=1e-4)
 
@@ -130,13 +144,48 @@ def test_save_quantized_recomputes_no_quantize_op_in_a_pipelined_step(schedule):
 def test_bubble_fraction():
   assert pipeline.bubble_fraction(8, 4) == pytest.approx(3 / 11)
   assert pipeline.bubble_fraction(16, 1) == 0
-  assert pipeline.bubble_fraction(8, 4, "1f1b") == pytest.approx(6 / 14)  # Lockstep ticks: M + 2S - 2.
+  assert pipeline.bubble_fraction(8, 4, "1f1b") == pytest.approx(3 / 11)
+  assert pipeline.bubble_fraction(128, 8, "interleaved_1f1b", 5) == pytest.approx(7 / 647)  # (S - 1) / (MV + S - 1)
+
+
+@pytest.mark.parametrize("micro,stages,virtual", [(8, 4, 1), (3, 4, 1), (8, 2, 2), (16, 4, 3)])
+def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
+  """The 1F1B ticks (`pipeline.forward_unit` / `backward_unit`): every (micro-batch, chunk) forward and backward
+  exactly once on each stage, its forward a tick after the virtual stage before it, its backward a tick after the
+  virtual stage after it and not before its own forward; no backward pass in the warm-up ticks, no forward pass
+  in the cool-down ones; at most `in_flight` residuals kept."""
+  ticks = pipeline.loop_length(micro, stages, "1f1b", virtual)
+  warm, steady, _ = pipeline.phases(micro, stages, virtual)
+  fwd, bwd = {}, {}
+  for tau in range(ticks):
+    for s in range(stages):
+      for table, fn in ((fwd, pipeline.forward_unit), (bwd, pipeline.backward_unit)):
+        f, v, has = (int(a) for a in fn(tau, s, micro, stages, virtual))
+        if has:
+          assert (f, v * stages + s) not in table
+          table[(f, v * stages + s)] = tau
+          assert tau < warm + steady if fn is pipeline.forward_unit else tau >= warm
+  depth = stages * virtual
+  assert set(fwd) == set(bwd) == {(f, c) for f in range(micro) for c in range(depth)}
+  for (f, c), tau in fwd.items():
+    assert c == 0 or fwd[(f, c - 1)] == tau - 1
+    assert bwd[(f, c)] >= tau
+    assert c == depth - 1 or bwd[(f, c + 1)] == bwd[(f, c)] - 1
+  assert bwd[(0, depth - 1)] == warm  # The first backward pass opens the steady ticks.
+  for s in range(stages):
+    kept = max(sum(fwd[(f, c)] <= tau < bwd[(f, c)] for f in range(micro) for c in range(s, depth, stages))
+               for tau in range(ticks))
+    assert kept <= pipeline.in_flight(micro, stages, virtual)
 
 
 @pytest.mark.parametrize("overrides,key", [
     ({"mesh.pipeline": 8, "mesh.fsdp": 1}, "config.mesh.pipeline: 8 stages do not divide"),
     ({"mesh.pipeline": 4, "mesh.fsdp": 2, "train.grad_accum_steps": 2}, "config.train.grad_accum_steps: 2"),
-    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "pipeline.schedule": "interleaved_1f1b"}, "config.pipeline.schedule"),
+    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "pipeline.virtual_stages": 2}, "config.pipeline.virtual_stages: 2"),
+    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "pipeline.schedule": "interleaved_1f1b", "pipeline.virtual_stages": 2},
+     "config.mesh.pipeline: 4 stages x 2 chunks do not divide"),
+    ({"mesh.pipeline": 2, "mesh.fsdp": 4, "pipeline.schedule": "interleaved_1f1b", "pipeline.virtual_stages": 2,
+      "train.grad_accum_steps": 3, "train.batch_size": 24}, "config.train.grad_accum_steps: 3"),
     ({"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.context": 2}, "config.mesh.pipeline: context parallelism"),
     ({"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "quant.recipe": "fp8_current",
       "quant.exclude": ("layers[0]",)},
