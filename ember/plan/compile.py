@@ -102,22 +102,24 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
 
 
 def pipeline_figures(cfg, mesh, report: dict) -> dict:
-  """A pipelined step's schedule: its stages and micro-batches, the idle share of the step (`bubble_fraction`,
-  ember/parallel/pipeline.py; the compiled program runs those idle iterations on zeros, so the floor and the
-  prediction above include them), and the activation bytes one stage sends the next a step (forward and
-  backward). Every stage runs one program, so each holds the same peak (`peak_bytes`): GPipe's holds every
-  iteration's activations, 1F1B's at most 2S - 1 micro-batches'."""
-  stages, micro = pipeline.stages(mesh), cfg.train.grad_accum_steps
+  """A pipelined step's schedule: its stages, chunks a stage and micro-batches, the idle share of the step
+  (`bubble_fraction`, ember/parallel/pipeline.py: the compiled program runs the schedule's idle passes on zeros in
+  lockstep, so the floor and the prediction above include them, and `bubble_s` is their share of the floor), the
+  activation bytes a stage sends a step (`pipeline.stage_transfers`) and the chunks' residuals a stage keeps at
+  most (`in_flight`). Every stage runs one program, so each holds the same peak (`peak_bytes`)."""
+  stages, micro, virtual = pipeline.stages(mesh), cfg.train.grad_accum_steps, cfg.pipeline.virtual_stages
+  schedule = cfg.pipeline.schedule
   m = cfg.model
   batch_shards = axes.shards(axes.token_axes(cfg.mesh.rules_dict, mesh), dict(mesh.shape))
   activation = cfg.train.micro_batch_size * m.seq_len * m.d_model * jnp.dtype(m.dtype).itemsize / batch_shards
-  fraction = pipeline.bubble_fraction(micro, stages, cfg.pipeline.schedule)
-  loops = pipeline.loop_length(micro, stages, cfg.pipeline.schedule)
+  fraction = pipeline.bubble_fraction(micro, stages, schedule, virtual)
   floor = report.get("time_floor_s")
-  return {"schedule": cfg.pipeline.schedule, "stages": stages, "virtual_stages": cfg.pipeline.virtual_stages,
-          "micro_batches": micro, "bubble_fraction": fraction,
-          "bubble_s": None if floor is None else floor * fraction,
-          "stage_transfer_bytes": 2 * loops * activation}
+  return {"schedule": schedule, "stages": stages, "virtual_stages": virtual, "micro_batches": micro,
+          "ticks": pipeline.loop_length(micro, stages, schedule, virtual), "bubble_fraction": fraction,
+          "bubble_formula": "(S - 1) / (M V + S - 1)", "bubble_s": None if floor is None else floor * fraction,
+          "in_flight": (pipeline.iterations(micro, stages) if schedule == "gpipe" else
+                        pipeline.in_flight(micro, stages, virtual)),
+          "stage_transfer_bytes": pipeline.stage_transfers(micro, stages, schedule, virtual) * activation}
 
 
 def machine(target: Target, mesh) -> cost.Machine | None:

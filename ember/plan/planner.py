@@ -58,7 +58,8 @@ SMALLER_MICRO_BATCHES = 2  # Retries of a chosen layout whose compiled peak is o
 NODE_AXES = ("pipeline", "fsdp", "tensor", "expert")  # Sized inside a node.
 DCN_AXES = ("pipeline", "data", "fsdp", "expert")  # Sized across nodes.
 MESH = ("pipeline", "data", "fsdp", "tensor", "expert")  # The axes a layout sizes.
-SCHEDULES = ("gpipe", "1f1b")  # The pipeline schedules planned over (ember/parallel/pipeline.py).
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # The pipeline schedules planned over (ember/parallel/pipeline.py).
+MAX_VIRTUAL_STAGES = 8  # The most chunks a stage interleaved 1F1B is planned with.
 
 
 class NoLayoutFits(ConfigError):
@@ -73,6 +74,7 @@ class Layout:
   grad_accum_steps: int
   remat: str
   schedule: str = "gpipe"  # pipeline.schedule, where the layout has a pipeline.
+  virtual_stages: int = 1  # pipeline.virtual_stages: chunks a stage (interleaved 1F1B).
 
   def mesh(self) -> dict[str, int]:
     """The whole mesh: each axis's size inside a node times its node count."""
@@ -85,12 +87,15 @@ class Layout:
     out += [f"--config.mesh.dcn_{a}={across.get(a, 1)}" for a in DCN_AXES]
     out += [f"--config.train.grad_accum_steps={self.grad_accum_steps}", "--config.train.device_batch_size=0",
             f"--config.remat.policy={self.remat}"]
-    return out + ([f"--config.pipeline.schedule={self.schedule}"] if self.mesh()["pipeline"] > 1 else [])
+    if self.mesh()["pipeline"] > 1:
+      out.append(f"--config.pipeline.schedule={self.schedule}")
+    return out + ([f"--config.pipeline.virtual_stages={self.virtual_stages}"] if self.virtual_stages > 1 else [])
 
   def describe(self) -> str:
     """Short form for tables: "node fsdp=4 tensor=2 | nodes data=2 | accum 4 | full" (sizes of 1 left out)."""
     sizes = lambda pairs: " ".join(f"{a}={n}" for a, n in pairs if n > 1) or "-"
     schedule = f" | {self.schedule}" if self.mesh()["pipeline"] > 1 else ""
+    schedule += f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""
     return f"node {sizes(self.node)} | nodes {sizes(self.dcn)} | accum {self.grad_accum_steps} | {self.remat}{schedule}"
 
   def apply(self, cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -104,6 +109,7 @@ class Layout:
     out.train.device_batch_size = 0  # The layout's micro-batches are its own, not derived from the mesh.
     out.remat.policy = self.remat
     out.pipeline.schedule = self.schedule
+    out.pipeline.virtual_stages = self.virtual_stages
     return out
 
 
@@ -152,14 +158,22 @@ def layouts(cfg: ml_collections.ConfigDict, target: Target) -> list[Layout]:
         continue
       for accum in _divisors(cfg.train.batch_size // shards):
         for preset in presets(settings):
-          for schedule in SCHEDULES if pipe * dp > 1 else ("gpipe",):
-            candidate = Layout(node, dcn, accum, preset, schedule)
+          for schedule, virtual in _schedules(pipe * dp, m.num_blocks):
+            candidate = Layout(node, dcn, accum, preset, schedule, virtual)
             try:
               config_lib.validate(candidate.apply(cfg), target.count, 1)
             except ConfigError:
               continue
             out.append(candidate)
   return out
+
+
+def _schedules(stages: int, blocks: int) -> list[tuple[str, int]]:
+  """(schedule, chunks a stage) planned for `stages` pipeline stages of `blocks` blocks."""
+  if stages == 1:
+    return [("gpipe", 1)]
+  chunks = [v for v in _divisors(blocks // stages) if 1 < v <= MAX_VIRTUAL_STAGES]
+  return [(s, 1) for s in SCHEDULES if s != "interleaved_1f1b"] + [("interleaved_1f1b", v) for v in chunks]
 
 
 # ----------------------------------------------------------------------------- the quick estimate
@@ -238,14 +252,15 @@ class Estimator:
     batch_axes = axes.batch_axes(cfg.mesh.rules_dict)
     micro = cfg.train.batch_size // axes.shards(batch_axes, mesh) // layout.grad_accum_steps
     state, params, leaves, replicas = self._leaves(layout)
-    # A pipeline (parallel/pipeline.py): each stage runs its share of the layers in every one of the loop's
-    # iterations (the micro-batches and the bubble) and keeps what every iteration saves until the backward pass.
-    stages, accum = mesh["pipeline"], layout.grad_accum_steps
+    # A pipeline (parallel/pipeline.py): each stage runs its share of the layers for every micro-batch and idles
+    # its bubble, and keeps what the schedule's forward passes save until their backward passes.
+    stages, accum, virtual = mesh["pipeline"], layout.grad_accum_steps, layout.virtual_stages
     if stages == 1:
       iterations, kept = accum, 1  # The micro-batch loop: one micro-batch's activations alive at a time.
-    else:  # 1F1B keeps at most 2S - 1 micro-batches; GPipe every iteration's, for the backward pass.
-      iterations = pipeline.loop_length(accum, stages, layout.schedule)
-      kept = min(accum, 2 * stages - 1) if layout.schedule == "1f1b" else iterations
+    else:  # Micro-batches' worth of time and of kept activations: GPipe every iteration's, 1F1B its chunks in flight.
+      iterations = accum / (1 - pipeline.bubble_fraction(accum, stages, layout.schedule, virtual))
+      kept = (pipeline.iterations(accum, stages) if layout.schedule == "gpipe" else
+              pipeline.in_flight(accum, stages, virtual) / virtual)
     # Memory: the state, the float32 gradient (and the accumulator of a multi-micro-batch step), the kept
     # activations of every layer and one layer's whole working set, split over `tensor` where heads and MLP
     # units are.
@@ -294,9 +309,10 @@ class Estimator:
     if tensor > 1:  # Two activation all-reduces per layer and pass.
       moved = 2 * passes * 2 * tokens * m.d_model * 2 * (tensor - 1) / tensor * m.num_layers
       seconds += moved / (self.facts.nvlink_gb_s * 1e9)
-    if stages > 1:  # Each iteration's hidden states to the next stage and their gradient back.
-      seconds += 2 * hidden / self._bandwidth(layout, "pipeline")
     network = seconds * iterations + once
+    if stages > 1:  # Hidden states to the next stage and their gradients back (and the LM head's shares).
+      transfers = pipeline.stage_transfers(accum, stages, layout.schedule, virtual)
+      network += transfers * hidden / self._bandwidth(layout, "pipeline")
     return Estimate(max(compute, network), compute, network, peak)
 
 
@@ -320,8 +336,8 @@ def _row(layout: Layout, est: Estimate, tokens: float) -> dict:
 def _halved(lay: Layout, found: list[Layout]) -> Layout | None:
   """`lay` with the next smaller micro-batch (more accumulation steps), if that is a layout; where there is none,
   `lay` under remat `full` (the least a preset keeps), if that is a layout."""
-  smaller = [f for f in found if (f.node, f.dcn, f.remat, f.schedule) == (lay.node, lay.dcn, lay.remat, lay.schedule)
-             and f.grad_accum_steps > lay.grad_accum_steps]
+  same = lambda f: (f.node, f.dcn, f.remat, f.schedule, f.virtual_stages)
+  smaller = [f for f in found if same(f) == same(lay) and f.grad_accum_steps > lay.grad_accum_steps]
   fewer = dataclasses.replace(lay, remat="full")
   return min(smaller, key=lambda f: f.grad_accum_steps, default=fewer if fewer in found and fewer != lay else None)
 

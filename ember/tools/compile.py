@@ -61,9 +61,10 @@ def _work_lines(r: dict) -> list[str]:
   if r.get("pipeline"):
     p = r["pipeline"]
     bubble = "" if p["bubble_s"] is None else f", {_ms(p['bubble_s'])} of the floor"
-    lines.append(f"  pipeline:    {p['stages']} stages ({p['schedule']}), {p['micro_batches']} micro-batches: bubble "
-                 f"{p['bubble_fraction']:.1%} of the step{bubble}; {p['stage_transfer_bytes'] / 2**20:,.1f} MiB a stage "
-                 "sends the next a step")
+    chunks = f" x {p['virtual_stages']} chunks" if p["virtual_stages"] > 1 else ""
+    lines.append(f"  pipeline:    {p['stages']} stages{chunks} ({p['schedule']}), {p['micro_batches']} micro-batches: "
+                 f"bubble {p['bubble_fraction']:.1%} of the step {p['bubble_formula']}{bubble}; "
+                 f"{p['stage_transfer_bytes'] / 2**20:,.1f} MiB a stage sends a step")
   if r.get("memory_by_op"):
     ops = ", ".join(f"{m['op']} ({m['pass']}) {m['bytes'] / 1e9:,.1f} GB" for m in r["memory_by_op"][:10])
     lines.append(f"  memory by op: {ops}")

@@ -56,6 +56,21 @@ def test_layouts_follow_the_model_and_the_cluster():
   assert (back.train.grad_accum_steps, back.remat.policy) == (lay.grad_accum_steps, lay.remat)
 
 
+def test_interleaved_layouts_take_each_chunk_count_that_divides_a_stage():
+  """tiny (4 layers) on two nodes: two stages of 2 layers, so interleaved 1F1B with 2 chunks a stage; its flags
+  read back as it."""
+  found = planner.layouts(_cfg("tiny", "--config.train.batch_size=16", "--config.model.num_layers=4"),
+                          target_lib.parse("h100x16"))
+  piped = [lay for lay in found if dict(lay.dcn)["pipeline"] == 2]
+  assert {(lay.schedule, lay.virtual_stages) for lay in piped} == {("gpipe", 1), ("1f1b", 1),
+                                                                   ("interleaved_1f1b", 2)}
+  lay = next(lay for lay in piped if lay.virtual_stages == 2)
+  back = config_lib.load(["plan", f"--config={ROOT}/configs/default.py:tiny", "--config.model.num_layers=4",
+                          *lay.flags()])
+  assert (back.pipeline.schedule, back.pipeline.virtual_stages) == ("interleaved_1f1b", 2)
+  assert all(lay.grad_accum_steps % 2 == 0 for lay in piped if lay.virtual_stages == 2)
+
+
 def test_select_spans_the_splits_of_a_node():
   """Three splits of a node, estimated fastest first in split A: one of each before a second of any."""
   lay = lambda split, accum: planner.Layout((("fsdp", split),), (("data", 1), ("fsdp", 1), ("expert", 1)), accum, "full")
