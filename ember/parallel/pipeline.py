@@ -1,25 +1,28 @@
 """Pipeline parallelism: the decoder's layers split into stages over the mesh axis `pipeline`.
 
-Each device along `pipeline` holds one stage: a contiguous run of the stacked layers (the `layers` rule maps them
-to this axis, so a stage's rows are its shard of every stacked parameter; checkpoints keep the model's own
-layout and restore onto any mesh). A step's `train.grad_accum_steps` micro-batches flow through the stages in a
+Each device along `pipeline` holds one stage: its rows of the stacked layers (the `layers` rule maps them to this
+axis, so checkpoints keep the model's own layout and restore onto any mesh): one contiguous run of layers, or V
+chunks of them under interleaved 1F1B (chunk v of stage s: virtual stage vS + s; `to_chunks` moves each stage's
+chunks to it for the step). A step's `train.grad_accum_steps` micro-batches flow through the stages in a
 `shard_map` manual over `pipeline` alone (the other axes stay the compiler's, so FSDP, tensor and expert
-parallelism run inside a stage as they do without a pipeline):
+parallelism run inside a stage as they do without a pipeline); outputs pass to the next stage with a `ppermute`
+(one point-to-point transfer per boundary, the least any schedule moves; XLA issues it as an asynchronous
+collective-permute that overlaps the next tick's work).
 
-  iteration t = 0 .. M + S - 2 (M micro-batches, S stages): stage s runs micro-batch t - s, if there is one,
-  then hands its output to stage s + 1 with a `ppermute` (one point-to-point transfer per stage boundary, the
-  least any schedule moves; XLA schedules it as an asynchronous collective-permute that overlaps the next
-  iteration's work).
-
-This is the GPipe schedule: autodiff of that loop runs every micro-batch's backward after every forward, in
-reverse, with the same transfers backwards. Its idle share (the bubble) is (S - 1) / (M + S - 1) of a step
-(`bubble_fraction`). In the iterations where a stage has no micro-batch it runs on zeros whose segment ids mark
-padding: the layers map them to zeros (no bias terms; norms of zero are zero), no token is routed, and the
-results are masked out of the outputs, losses and statistics.
+Schedules (docs/parallelism.md):
+- GPipe: iteration t = 0 .. M + S - 2 (M micro-batches, S stages), stage s runs micro-batch t - s; autodiff of
+  that loop runs every backward pass after every forward, in reverse.
+- 1F1B and interleaved 1F1B: each tick a stage runs one (micro-batch, chunk)'s forward pass and another's
+  backward pass (`forward_unit`, `backward_unit`), in three phases (`phases`) so that no tick runs a pass no
+  stage has.
+Each idles (S - 1) / (MV + S - 1) of a step (`bubble_fraction`; V = 1 but for interleaved 1F1B). Where a stage
+has no micro-batch it runs on zeros whose segment ids mark padding: the layers map them to zeros (no bias terms;
+norms of zero are zero), no token is routed, and the results are masked out of the outputs, losses and
+statistics.
 
 Values that are "gradients" of a whole-step kind rather than sums (delayed-scaling histories, health
-statistics) reach every iteration through `fan_out`, whose transpose combines the iterations' cotangents as the
-micro-batch loop does (max, `health.combine`) instead of summing them.
+statistics) reach every GPipe iteration through `fan_out`, whose transpose combines the iterations' cotangents
+as the micro-batch loop does (max, `health.combine`) instead of summing them.
 """
 
 from __future__ import annotations
@@ -117,19 +120,51 @@ def forward_index(micro, chunk, num_stages: int, virtual_stages: int):
   return (micro // s) * s * v + chunk * s + micro % s
 
 
-def to_pipeline_order(a: jax.Array, num_stages: int, virtual_stages: int) -> jax.Array:
-  """Stacked layers [L, ...] in model order -> stage-major order: stage s's contiguous rows (its shard over
-  `pipeline`) are its chunks v = 0 .. V - 1, virtual stages vS + s. The identity for V = 1."""
-  if virtual_stages == 1:
-    return a
-  return a.reshape(virtual_stages, num_stages, -1, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
-
-
 def from_pipeline_order(a: jax.Array, num_stages: int, virtual_stages: int) -> jax.Array:
-  """`to_pipeline_order`'s inverse."""
+  """Stacked-layer rows [L, ...] in stage-major order (stage s's rows: its chunks v = 0 .. V - 1, virtual stages
+  vS + s) -> the model's order. The identity for V = 1."""
   if virtual_stages == 1:
     return a
   return a.reshape(num_stages, virtual_stages, -1, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+
+
+def chunk_moves(num_stages: int, virtual_stages: int) -> list[list[tuple[int, int, int, int]]]:
+  """How interleaved chunks reach their stages: rounds of (source stage, its local chunk u, destination stage, its
+  local chunk v) moves, each round a partial permutation (one `ppermute`). In the model's order stage d holds
+  virtual stages dV .. dV + V - 1; virtual stage c belongs on stage c mod S as its chunk c // S."""
+  moves = [(d, u, (d * virtual_stages + u) % num_stages, (d * virtual_stages + u) // num_stages)
+           for d in range(num_stages) for u in range(virtual_stages)]
+  rounds: list[list[tuple[int, int, int, int]]] = []
+  for move in moves:
+    free = next((r for r in rounds if all(move[0] != m[0] and move[2] != m[2] for m in r)), None)
+    if free is None:
+      rounds.append(free := [])
+    free.append(move)
+  return rounds
+
+
+def to_chunks(rows: jax.Array, num_stages: int, virtual_stages: int, inverse: bool = False) -> jax.Array:
+  """Inside the map over `pipeline`: this stage's rows of the model's stacked layers [V k, ...] (its contiguous
+  shard) -> its interleaved chunks [V k, ...] (chunk v: virtual stage vS + s), moved between the stages with
+  `ppermute`s (`chunk_moves`): (V - 1) / V of the rows, where an all-to-all of the whole array by the compiler
+  would gather every stage's rows. `inverse`: chunks -> rows (the gradients, on their way back)."""
+  if virtual_stages == 1:
+    return rows
+  k = rows.shape[0] // virtual_stages
+  me = stage_index()
+  out = jnp.zeros_like(rows)
+  for moves in chunk_moves(num_stages, virtual_stages):
+    if inverse:
+      moves = [(dst, v, src, u) for src, u, dst, v in moves]
+    sent, kept = [0] * num_stages, [0] * num_stages
+    receives = [False] * num_stages
+    for src, u, dst, v in moves:
+      sent[src], kept[dst], receives[dst] = u, v, True
+    piece = jax.lax.dynamic_slice_in_dim(rows, jnp.asarray(sent)[me] * k, k)
+    got = jax.lax.ppermute(piece, PIPELINE, [(src, dst) for src, _, dst, _ in moves])
+    placed = jax.lax.dynamic_update_slice_in_dim(out, got, jnp.asarray(kept)[me] * k, 0)
+    out = jnp.where(jnp.asarray(receives)[me], placed, out)
+  return out
 
 
 def stage_index() -> jax.Array:

@@ -68,17 +68,19 @@ def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh
     if run is _loss:
       return _loss(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg, policy=policy,
                    stages=stages)
-    out = _one_f_one_b(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg,
-                       policy=policy, stages=stages, virtual=virtual)
-    return out[0], out[1:] if with_stats else out[1:3]
+    # Interleaved chunks: each stage's chunks moved to it for the schedule, the results moved back.
+    chunks = lambda inverse: lambda tree: _map_stage_rows(
+        lambda a: pipeline.to_chunks(a, stages, virtual, inverse=inverse), tree)
+    params, quant_state, stats_ = map(chunks(False), (params, quant_state, stats_))
+    metrics, *outs = _one_f_one_b(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg,
+                                  policy=policy, stages=stages, virtual=virtual)
+    outs = tuple(map(chunks(True), outs))
+    return metrics, outs if with_stats else outs[:2]
 
   if run is _one_f_one_b:  # The schedule takes the gradients itself.
-    # Interleaved chunks: each stage's rows in stage-major order for the map, the results back in the model's.
-    order = lambda to: lambda tree: _map_stage_rows(lambda a: to(a, stages, virtual), tree)
     mapped = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), in_specs[:len(trees)]),
                        axis_names=manual, check_vma=False)
-    metrics, outs = mapped(*map(order(pipeline.to_pipeline_order), trees), micro, keys, count)
-    return metrics, tuple(map(order(pipeline.from_pipeline_order), outs))
+    return mapped(*trees, micro, keys, count)
 
   def loss(*trees_):
     mapped = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), axis_names=manual,

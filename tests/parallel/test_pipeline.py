@@ -149,6 +149,24 @@ def test_bubble_fraction():
   assert pipeline.bubble_fraction(128, 8, "interleaved_1f1b", 5) == pytest.approx(7 / 647)  # (S - 1) / (MV + S - 1)
 
 
+@pytest.mark.parametrize("stages,virtual", [(2, 2), (4, 3), (8, 5), (4, 4)])
+def test_chunks_reach_their_stages_and_back(stages, virtual):
+  """`pipeline.to_chunks`: stage s ends with virtual stages s, S + s, 2S + s, ... of the model's layer rows, and
+  the inverse restores the rows."""
+  rows = 2 * stages * virtual
+  layers = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:stages]), ("pipeline",))
+  spec = jax.sharding.PartitionSpec("pipeline")
+  moved = jax.jit(jax.shard_map(lambda a: pipeline.to_chunks(a, stages, virtual), mesh=mesh, in_specs=spec,
+                                out_specs=spec))(layers)
+  chunk_of = np.arange(rows) // 2  # Two rows a chunk; stage-major: stage s's chunks v S + s.
+  order = np.concatenate([np.flatnonzero(chunk_of % stages == s) for s in range(stages)])
+  np.testing.assert_array_equal(np.asarray(moved), layers[order])
+  back = jax.jit(jax.shard_map(lambda a: pipeline.to_chunks(a, stages, virtual, inverse=True), mesh=mesh,
+                               in_specs=spec, out_specs=spec))(moved)
+  np.testing.assert_array_equal(np.asarray(back), layers)
+
+
 @pytest.mark.parametrize("micro,stages,virtual", [(8, 4, 1), (3, 4, 1), (8, 2, 2), (16, 4, 3)])
 def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
   """The 1F1B ticks (`pipeline.forward_unit` / `backward_unit`): every (micro-batch, chunk) forward and backward
