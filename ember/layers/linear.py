@@ -18,6 +18,7 @@ from ember.names import BATCH, LENGTH, PROJECTIONS, RNG_STREAMS
 from ember.parallel import sharding
 from ember.quant import dot, health
 from ember.quant.recipe import Recipe
+from ember.quant.varying import manual_axes
 
 
 class QuantStats(nnx.Variable):
@@ -125,13 +126,44 @@ class Linear(nnx.Module):
     error = None if self.output_error is None else self.output_error[...]
     amax = self.taken_kernel_amax[...] if hasattr(self, "taken_kernel_amax") else None
     row = None
-    if hasattr(self, "stacked_kernel"):
+    order = self._out_order()
+    permuted = order != tuple(range(len(order)))
+    kernel = self.kernel[...]
+    if permuted:
+      n_in = len(self.in_shape)
+      kernel = jnp.transpose(kernel, tuple(range(n_in)) + tuple(n_in + i for i in order))
+    if hasattr(self, "stacked_kernel") and not permuted:
       row = dot.KernelRow(self.stacked_kernel[...].reshape(-1, k, n), self.stacked_index)
-    y = dot.quantized_matmul(x.reshape(-1, k), self.kernel[...].reshape(k, n), recipe=self.recipe, name=self.name,
+    y = dot.quantized_matmul(x.reshape(-1, k), kernel.reshape(k, n), recipe=self.recipe, name=self.name,
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
                              error=error, kernel_amax=amax, wgrad_transposed=self._reduced_along_output(),
-                             row_axes=self._row_axes() if len(lead) == 2 else (), kernel_row=row)
-    return y.reshape(lead + self.out_shape)
+                             row_axes=self._row_axes() if len(lead) == 2 else (), kernel_row=row,
+                             kernel_spec=self._gemm_kernel_spec(order))
+    if not permuted:
+      return y.reshape(lead + self.out_shape)
+    y = y.reshape(lead + tuple(self.out_shape[i] for i in order))
+    return jnp.transpose(y, tuple(range(len(lead))) + tuple(len(lead) + order.index(i) for i in range(len(order))))
+
+  def _gemm_kernel_spec(self, order):
+    """The flattened [K, N] kernel's spec as its GEMMs read it: the kernel's own split of its major input and output
+    axes, less the batch's (FSDP) axes and the axes already manual; None outside the rules."""
+    rules, mesh, n_in = sharding.active_rules(), sharding.active_mesh(), len(self.in_shape)
+    if rules is None:
+      return None
+    spec = sharding.logical_to_spec((self.axes[0], self.axes[n_in + order[0]]), rules, mesh)
+    return sharding.without_axes(spec, set(rules.get(BATCH, ())) | set(manual_axes()))
+
+  def _out_order(self) -> tuple[int, ...]:
+    """The output axes in the order the kernel is flattened to [K, N]: those split over a mesh axis first, so that
+    N's split is one run of columns a device (the [embed, 2, mlp] kernel's mlp split over `tensor` is not, flattened
+    as it is)."""
+    rules, mesh, n_in = sharding.active_rules(), sharding.active_mesh(), len(self.in_shape)
+    same = tuple(range(len(self.out_shape)))
+    if rules is None or mesh is None or len(same) < 2:
+      return same
+    spec = sharding.logical_to_spec(self.axes, rules, mesh)[n_in:]
+    split = [i for i in same if spec[i] is not None]
+    return tuple(split + [i for i in same if i not in split])
 
   def _row_axes(self) -> tuple[str, ...]:
     """The mesh axes the rows of x [batch, length, ...] are split over under the active rules, in their order;

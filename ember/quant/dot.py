@@ -24,14 +24,14 @@ from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.quantizers import tensor_amax
 from ember.quant.recipe import WEIGHT, Recipe, pad_to
 from ember.quant.tensor import QuantizedTensor
-from ember.quant.varying import shard_axes
+from ember.quant.varying import manual_axes, shard_axes
 
 
 def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name: str,
                      history: jax.Array | None = None, key: jax.Array | None = None, dtype=jnp.bfloat16,
                      stats: jax.Array | None = None, error: jax.Array | None = None,
                      kernel_amax: jax.Array | None = None, wgrad_transposed: bool = False,
-                     row_axes: tuple[str, ...] = (), kernel_row: KernelRow | None = None):
+                     row_axes: tuple[str, ...] = (), kernel_row: KernelRow | None = None, kernel_spec=None):
   """x @ w in `recipe`'s format. `name` is the projection (names its residuals); `history` the
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
   `stats`: a [3 (x, kernel, grad), NUM_STATS] input whose "gradient" is the operands' health
@@ -52,7 +52,8 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   # There too a block-scaled wgrad sums its rows' parts on the compiler's axes outside its GEMM (`row_split`).
   manual = shard_axes()
   layout = DenseLayout(transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t,
-                       reduce_axes=tuple(sorted(manual)), row_split=_row_split(x_MxK, row_axes, manual, recipe))
+                       reduce_axes=tuple(sorted(manual)), row_split=_row_split(x_MxK, row_axes, manual, recipe),
+                       kernel_spec=kernel_spec if manual_axes() else None)
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax,
                         kernel_row=kernel_row)
@@ -182,6 +183,7 @@ class DenseLayout:
   transposed: bool = False
   wgrad_transposed: bool = False
   row_split: tuple[str, ...] = ()
+  kernel_spec: object = None  # The [K, N] kernel's spec as the GEMMs read it, over the compiler's axes (in a shard_map).
 
   def prepare(self, a, rows, block):
     return pad_to(a, (block, block))
@@ -201,7 +203,12 @@ class DenseLayout:
     return q.T if self.transposed and axis == 0 and recipe.has_kernel_t else q
 
   def whole(self, a):
-    return a
+    if self.kernel_spec is None or not isinstance(a, QuantizedTensor) or a.block:
+      return a
+    # Inside a shard_map: gather the FP8 data itself (XLA's collective quantizer, which would otherwise move the
+    # gather of the dequantized kernel ahead of its conversion, cannot prove the scale the same on every device).
+    sharding = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), self.kernel_spec)
+    return dataclasses.replace(a, data=jax.lax.with_sharding_constraint(a.data, sharding))
 
   def forward(self, x, w, rows, dtype):
     if isinstance(x, QuantizedTensor):

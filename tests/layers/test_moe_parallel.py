@@ -262,8 +262,8 @@ def test_tight_capacity_drops_the_hand_counted_copies_under_expert_parallelism(d
 def test_dispatchers_equal_allgather_and_one_device(dispatch, recipe, expert_gemm):
   """tiny_moe on expert=4, data=2: alltoall (with a capacity that drops nothing) and ragged (the CPU stand-in
   of ragged_all_to_all), with the expert GEMMs over sorted rows or in the capacity layout (slots that hold
-  every copy), give the loss and gradients of one device and of allgather in that layout, within 1e-5 (the
-  two layouts agree on one device: tests/quant/test_batched.py)."""
+  every copy), give the loss and gradients of one device and of allgather in that layout, within 1e-5 (FP8's
+  gradients within 3e-5; the two layouts agree on one device: tests/quant/test_batched.py)."""
   extra = {"model.capacity_factor": 4.0} if dispatch == "alltoall" else {"model.moe_expert_buffer": 8.0}
   cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": recipe, "train.batch_size": 8,
                               "quant.nvfp4_stochastic_rounding": False, "model.moe_expert_gemm": expert_gemm,
@@ -276,9 +276,12 @@ def test_dispatchers_equal_allgather_and_one_device(dispatch, recipe, expert_gem
   assert _rel(loss_8, loss_1)[0] < 1e-5 and _rel(loss_8, loss_ag)[0] < 1e-5
   for k in ("moe_routed_tokens", "moe_load_balance_loss"):
     assert _rel(metrics_8[k], metrics_1[k])[0] < 1e-5, k
+  # Gradients: 1e-5, or 3e-5 under FP8, whose current scaling can round a float32 difference of a sum taken in
+  # another order (over the experts' shards) to another FP8 value (seen: the embedding's, 1.2e-5, on AMD CPUs).
+  tol = 1e-5 if recipe == "bf16" else 3e-5
   for (path, g1), g8, gag in zip(jax.tree_util.tree_flatten_with_path(grads_1)[0], jax.tree.leaves(grads_8),
                                  jax.tree.leaves(grads_ag)):
-    assert _rel(g8, g1)[0] < 1e-5 and _rel(g8, gag)[0] < 1e-5, jax.tree_util.keystr(path)
+    assert _rel(g8, g1)[0] < tol and _rel(g8, gag)[0] < tol, jax.tree_util.keystr(path)
 
 
 def test_ragged_overflow_is_counted_and_zeroed():
