@@ -4,9 +4,12 @@ step, ember/trainer/pipelined.py)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import remat
 from ember.layers import linear
@@ -14,7 +17,7 @@ from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
                          MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS,
                          MOE_ROUTER_Z_LOSS, MOE_SEQ_BALANCE_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
-from ember.parallel.sharding import shard
+from ember.parallel.sharding import active_rules, logical_to_spec, shard
 from ember.quant.varying import first_along, shard_axes
 from ember.trainer.loss import cross_entropy, token_count
 
@@ -111,3 +114,18 @@ def replica_part(a: jax.Array) -> jax.Array:
   if not replicas:
     return a
   return jnp.where(first_along(replicas), a, jnp.zeros_like(a))
+
+
+def replicas_first(a, mesh: Mesh, batch: tuple[str, ...], lead: tuple[str, ...]):
+  """Micro-batches [accum, rows, ...] whose rows are split over the mesh axes `batch` in that order, reordered
+  so that they are split over `lead` first and then the others: the order in which a shard_map over `lead`
+  splits rows. A permutation of the devices' blocks in which every row stays on its device."""
+  order = lead + tuple(x for x in batch if x not in lead)
+  if order == batch:
+    return a
+  n, b = a.shape[:2]
+  sizes = [mesh.shape[x] for x in batch]
+  blocks = a.reshape(n, *sizes, b // math.prod(sizes), *a.shape[2:])
+  moved = jnp.moveaxis(blocks, [1 + batch.index(x) for x in order], list(range(1, 1 + len(order))))
+  spec = logical_to_spec((None, BATCH, LENGTH) + (None,) * (a.ndim - 3), active_rules(), mesh)
+  return jax.lax.with_sharding_constraint(moved.reshape(a.shape), NamedSharding(mesh, P(None, order, *spec[2:])))

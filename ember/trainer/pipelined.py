@@ -29,12 +29,12 @@ from ember.layers import linear
 from ember.layers.attention import attention_bias
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
                          MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS)
-from ember.parallel import pipeline
-from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
+from ember.parallel import axes, pipeline
+from ember.parallel.sharding import active_mesh, active_rules, entry_axes, logical_to_spec, shard, shard_map
 from ember.quant import health
-from ember.quant.varying import cotangent_once
+from ember.quant.varying import cotangent_once, shard_axes
 from ember.trainer.loss import cross_entropy, token_count
-from ember.trainer.objective import merged_model, micro_batches, step_terms
+from ember.trainer.objective import merged_model, micro_batches, replicas_first, step_terms
 
 F32 = jnp.float32
 ACTIVATION = (BATCH, LENGTH, EMBED)  # A micro-batch's hidden states between stages.
@@ -46,10 +46,16 @@ def stage_spec(path) -> P:
   return P(PIPELINE) if path[0].key == "segments" else P()
 
 
-def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh: Mesh, batch_shards: int):
+def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh: Mesh, batch_shards: int,
+          replicas: tuple[str, ...] = (), param_specs=None):
   """(metrics, (gradients, new quant state[, health statistics])) of one step over `train.grad_accum_steps`
   micro-batches in the pipeline: what the micro-batch loop (trainer/step.py's `_accumulate`) returns, with
-  micro-batch i's stochastic rounding drawn from fold_in(key, i) as there."""
+  micro-batch i's stochastic rounding drawn from fold_in(key, i) as there.
+
+  Over data- or expert-parallel `replicas` (step.replica_axes) the map is manual too: each replica runs the
+  pipeline on its own rows (its keys folded with its index, as step.py's `_over_replicas`) and the gradients
+  are reduced across the replicas once a step, in train.grad_reduce_dtype, not in every tick. `param_specs`:
+  each parameter's spec over the replicas (an expert weight split over `expert` stays split)."""
   accum = cfg.train.grad_accum_steps
   count = token_count(batch[SEGMENT_IDS] > 0)
   micro = jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch)
@@ -57,17 +63,33 @@ def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh
   specs = lambda tree: jax.tree_util.tree_map_with_path(lambda path, _: stage_spec(path), tree)
   with_stats = stats is not None
   trees = (state.params, state.quant_state) + ((stats,) if with_stats else ())
-  in_specs = tuple(specs(t) for t in trees) + (P(), P(), P())
-  manual = {PIPELINE} | {a for a, n in mesh.shape.items() if n == 1}
+  param_in = specs(state.params)
+  if replicas:
+    micro = jax.tree.map(lambda a: replicas_first(a, mesh, axes.batch_axes(active_rules(), mesh), replicas), micro)
+    param_in = jax.tree.map(lambda stage, rep: P(stage[0] if stage else None, *rep[1:]) if stage else rep,
+                            param_in, param_specs, is_leaf=lambda x: isinstance(x, P))
+  in_specs = (param_in,) + tuple(specs(t) for t in trees[1:]) + (P(None, replicas) if replicas else P(), P(), P())
+  manual = {PIPELINE, *replicas} | {a for a, n in mesh.shape.items() if n == 1}
+  once = (PIPELINE, *replicas)  # Where a history's or statistic's "cotangent" is passed back once.
+  reduce_dtype = jnp.dtype(cfg.quant.wgrad_dtype)
+
+  def over_replicas(grads):
+    """The replicas' gradients summed once a step (over the replica axes a parameter is not split over)."""
+    def reduce(g, spec):
+      over = tuple(a for a in replicas if a not in {x for e in spec for x in entry_axes(e)})
+      return jax.lax.psum(g.astype(reduce_dtype), over).astype(g.dtype) if over else g
+    return jax.tree.map(reduce, grads, param_specs) if replicas else grads
 
   run = _loss if cfg.pipeline.schedule == "gpipe" else _one_f_one_b
   stages, virtual = pipeline.stages(mesh), cfg.pipeline.virtual_stages
 
   def body(params, quant_state, *rest):
     stats_, (micro_, keys_, count_) = (rest[0] if with_stats else None), rest[-3:]
+    if replicas:
+      keys_ = jax.vmap(lambda k: jax.random.fold_in(k, jax.lax.axis_index(replicas)))(keys_)
     if run is _loss:
       return _loss(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg, policy=policy,
-                   stages=stages)
+                   stages=stages, once=once)
     # Interleaved chunks: each stage's chunks moved to it for the schedule, the results moved back.
     chunks = lambda inverse: lambda tree: _map_stage_rows(
         lambda a: pipeline.to_chunks(a, stages, virtual, inverse=inverse), tree)
@@ -75,16 +97,17 @@ def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh
     metrics, *outs = _one_f_one_b(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg,
                                   policy=policy, stages=stages, virtual=virtual)
     outs = tuple(map(chunks(True), outs))
+    outs = (over_replicas(outs[0]), *outs[1:])
     return metrics, outs if with_stats else outs[:2]
 
   if run is _one_f_one_b:  # The schedule takes the gradients itself.
-    mapped = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), in_specs[:len(trees)]),
-                       axis_names=manual, check_vma=False)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), in_specs[:len(trees)]),
+                           axis_names=manual, check_vma=False)
     return mapped(*trees, micro, keys, count)
 
-  def loss(*trees_):
-    mapped = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), axis_names=manual,
-                       check_vma=False)
+  def loss(*trees_):  # Its transpose sums each parameter's gradient over the replicas, once.
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), axis_names=manual,
+                           check_vma=False)
     return mapped(*trees_, micro, keys, count)
 
   argnums = tuple(range(len(trees)))
@@ -92,25 +115,29 @@ def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh
   return metrics, outs
 
 
-def _once_per_stage(tree):
-  """A tree whose non-stage leaves' "cotangents" are global values (histories, statistics): passed back once
-  over the stages rather than summed (varying.cotangent_once)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, a: a if stage_spec(path) != P() else cotangent_once(a, (PIPELINE,)), tree)
+def _once_per_stage(tree, once: tuple[str, ...]):
+  """A tree whose leaves' "cotangents" are global values (histories, statistics): passed back once over the
+  replicas and, for the leaves on every stage, the stages (`once`: pipeline first) rather than summed
+  (varying.cotangent_once)."""
+  def one(path, a):
+    over = once if stage_spec(path) == P() else once[1:]
+    return cotangent_once(a, over) if over else a
+  return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, policy: remat.Preset, stages: int):
+def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, policy: remat.Preset, stages: int,
+          once: tuple[str, ...] = (PIPELINE,)):
   """Inside the map over `pipeline`: (total loss, metrics) of the step, the same on every stage."""
   m = keys.shape[0]
   t_T = jnp.arange(pipeline.loop_length(m, stages, "gpipe"))
   stage = pipeline.stage_index()
   valid_T = (t_T >= stage) & (t_T < stage + m)  # Whether stage s has a micro-batch (t - s) at iteration t.
-  quant_state = _once_per_stage(quant_state)
+  quant_state = _once_per_stage(quant_state, once)
   kernel_amaxes = linear.kernel_amaxes(merged_model(graphdef, params, quant_state, stats))  # Once a step.
   quant_T = pipeline.fan_out(quant_state, valid_T, jnp.maximum, pipeline.lowest)
   stats_T = None
   if stats is not None:
-    stats_T = pipeline.fan_out(_once_per_stage(stats), valid_T, health.combine, health.combine_identity)
+    stats_T = pipeline.fan_out(_once_per_stage(stats, once), valid_T, health.combine, health.combine_identity)
   model = merged_model(graphdef, params, quant_state, stats)
   segment = model.segments[0]
   per_stage = len(segment.block_ids) // stages
@@ -173,10 +200,13 @@ def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg, stages: in
 def _terms_over_stages(losses, aux: dict, cfg, micro_batches: int, stages: int, virtual: int = 1):
   """The step's (total loss, metrics) from each stage's sums: its (loss, ce, z) and its layers' aux (MoE sums summed
   over the stages, per-layer arrays gathered in layer order)."""
-  total, ce, z = jax.lax.psum(losses, PIPELINE)
-  by_layer = {k: pipeline.from_pipeline_order(jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True), stages, virtual)
+  everywhere = (PIPELINE, *sorted(shard_axes()))  # The stages and the replicas.
+  total, ce, z = jax.lax.psum(losses, everywhere)
+  replicas = everywhere[1:]
+  by_layer = {k: jax.lax.psum(pipeline.from_pipeline_order(jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True),
+                                                           stages, virtual), replicas)
               for k, v in aux.items() if k.endswith(BY_LAYER)}
-  sums = {k: jax.lax.psum(aux[k], PIPELINE) for k in AUX_KEYS}
+  sums = {k: jax.lax.psum(aux[k], everywhere) for k in AUX_KEYS}
   return step_terms(total, ce, z, {**sums, **by_layer}, cfg, micro_batches)
 
 

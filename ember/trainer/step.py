@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,8 @@ from ember.quant import health
 from ember.quant.varying import first_along, shard_axes
 from ember.trainer.loss import token_count
 from ember.trainer import pipelined
-from ember.trainer.objective import forward_loss, merged_model, micro_batches, replica_part  # noqa: F401
+from ember.trainer.objective import (forward_loss, merged_model, micro_batches, replica_part,  # noqa: F401
+                                     replicas_first)
 from ember.trainer.state import TrainState, logical_axes, stats_inputs, step_key
 
 F32 = jnp.float32
@@ -54,8 +54,10 @@ def _train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy
   accum = cfg.train.grad_accum_steps
   mesh = active_mesh()
   if pipeline.stages(mesh) > 1:  # The micro-batches flow through the stages (trainer/pipelined.py).
+    replicas = replica_axes(cfg, mesh, target_platform())
     metrics, outs = pipelined.grads(state, batch, stats, key, graphdef=graphdef, cfg=cfg, policy=policy, mesh=mesh,
-                                    batch_shards=batch_shards)
+                                    batch_shards=batch_shards, replicas=replicas,
+                                    param_specs=_param_specs(cfg, mesh, replicas))
   elif accum == 1:
     (_, metrics), outs = grad_fn(state.params, state.quant_state, batch, stats, key=key)
   else:
@@ -215,21 +217,6 @@ def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], pa
   manual = set(axes) | {a for a, n in mesh.shape.items() if n == 1}
   return jax.shard_map(per_replica, mesh=mesh, in_specs=(specs(param_specs), (P(None, axes), P()), param_specs),
                        out_specs=specs(param_specs), axis_names=manual, check_vma=False)(init, (rows, xs[1]), params)
-
-
-def replicas_first(a, mesh: Mesh, batch: tuple[str, ...], lead: tuple[str, ...]):
-  """Micro-batches [accum, rows, ...] whose rows are split over the mesh axes `batch` in that order, reordered
-  so that they are split over `lead` first and then the others: the order in which a shard_map over `lead`
-  splits rows. A permutation of the devices' blocks in which every row stays on its device."""
-  order = lead + tuple(x for x in batch if x not in lead)
-  if order == batch:
-    return a
-  n, b = a.shape[:2]
-  sizes = [mesh.shape[x] for x in batch]
-  blocks = a.reshape(n, *sizes, b // math.prod(sizes), *a.shape[2:])
-  moved = jnp.moveaxis(blocks, [1 + batch.index(x) for x in order], list(range(1, 1 + len(order))))
-  spec = logical_to_spec((None, BATCH, LENGTH) + (None,) * (a.ndim - 3), active_rules(), mesh)
-  return jax.lax.with_sharding_constraint(moved.reshape(a.shape), NamedSharding(mesh, P(None, order, *spec[2:])))
 
 
 def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:

@@ -94,6 +94,16 @@ def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(re
 
 
 @pytest.mark.parametrize("schedule", ONE_LONG)
+def test_stages_over_data_parallel_replicas_train_like_one_device(schedule):
+  """pipeline 2 x data 2 x fsdp 2: each data replica runs the pipeline on its own rows, their gradients reduced
+  once a step (the map is manual over `data` too)."""
+  one, piped, rel = _compare("tiny", "bf16", {"pipeline": 2, "data": 2, "fsdp": 2}, batch_size=32,
+                             schedule=schedule)
+  np.testing.assert_allclose(piped, one, rtol=1e-5)
+  assert rel < 1e-5, rel
+
+
+@pytest.mark.parametrize("schedule", ONE_LONG)
 def test_stages_with_fsdp_and_tensor_inside_train_like_one_device(schedule):
   one, piped, rel = _compare("tiny", "bf16", {"pipeline": 2, "fsdp": 2, "tensor": 2}, batch_size=32,
                              schedule=schedule)
