@@ -215,8 +215,10 @@ def get_config() -> ml_collections.ConfigDict:
   )
 
   pp = c.pipeline = ml_collections.ConfigDict()  # Used where mesh.pipeline x mesh.dcn_pipeline > 1.
-  pp.schedule = "gpipe"  # gpipe: every micro-batch's forward, then every backward (ember/parallel/pipeline.py).
-  pp.virtual_stages = 1  # Chunks of layers a device holds (interleaved schedules); 1 = one contiguous stage.
+  # gpipe: every micro-batch's forward, then every backward; 1f1b: a forward and a backward pass a tick, at most
+  # 2S - 1 micro-batches kept; interleaved_1f1b: 1f1b over `virtual_stages` chunks a stage (ember/parallel/pipeline.py).
+  pp.schedule = "gpipe"
+  pp.virtual_stages = 1  # Chunks of layers a stage holds (interleaved_1f1b only); 1 = one contiguous stage.
 
   ck = c.checkpoint = ml_collections.ConfigDict()
   ck.every_steps = 500  # Save every N steps (and at the end); 0 = only at the end; -1 = never.
