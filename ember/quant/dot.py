@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ember.parallel.sharding import active_mesh
 from ember.quant import fused_nvfp4
 from ember.quant.core import SCOPE_WEIGHT, KernelRow, quantized_gemm
 from ember.quant.gemm import block_scaled_dot, output_dtype
@@ -53,7 +54,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   manual = shard_axes()
   layout = DenseLayout(transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t,
                        reduce_axes=tuple(sorted(manual)), row_split=_row_split(x_MxK, row_axes, manual, recipe),
-                       kernel_spec=kernel_spec if manual_axes() else None)
+                       kernel_spec=kernel_spec)
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax,
                         kernel_row=kernel_row)
@@ -183,7 +184,7 @@ class DenseLayout:
   transposed: bool = False
   wgrad_transposed: bool = False
   row_split: tuple[str, ...] = ()
-  kernel_spec: object = None  # The [K, N] kernel's spec as the GEMMs read it, over the compiler's axes (in a shard_map).
+  kernel_spec: object = None  # The [K, N] kernel's spec as the GEMMs read it, over the compiler's axes.
 
   def prepare(self, a, rows, block):
     return pad_to(a, (block, block))
@@ -205,9 +206,13 @@ class DenseLayout:
   def whole(self, a):
     if self.kernel_spec is None or not isinstance(a, QuantizedTensor) or a.block:
       return a
-    # Inside a shard_map: gather the FP8 data itself (XLA's collective quantizer, which would otherwise move the
-    # gather of the dequantized kernel ahead of its conversion, cannot prove the scale the same on every device).
-    sharding = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), self.kernel_spec)
+    # Gather the FP8 data itself. XLA's collective quantizer would otherwise have to move the gather of the
+    # dequantized kernel ahead of its conversion, which it does only where it can prove the scale the same on
+    # every device (not inside a shard_map, nor for every kernel of unrolled tensor-parallel layers).
+    mesh = jax.sharding.get_abstract_mesh() if manual_axes() else active_mesh()
+    if mesh is None:
+      return a
+    sharding = jax.sharding.NamedSharding(mesh, self.kernel_spec)
     return dataclasses.replace(a, data=jax.lax.with_sharding_constraint(a.data, sharding))
 
   def forward(self, x, w, rows, dtype):
