@@ -138,20 +138,21 @@ class Linear(nnx.Module):
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
                              error=error, kernel_amax=amax, wgrad_transposed=self._reduced_along_output(),
                              row_axes=self._row_axes() if len(lead) == 2 else (), kernel_row=row,
-                             kernel_spec=self._gemm_kernel_spec(order))
+                             kernel_sharding=self._gemm_kernel_sharding(order))
     if not permuted:
       return y.reshape(lead + self.out_shape)
     y = y.reshape(lead + tuple(self.out_shape[i] for i in order))
     return jnp.transpose(y, tuple(range(len(lead))) + tuple(len(lead) + order.index(i) for i in range(len(order))))
 
-  def _gemm_kernel_spec(self, order):
-    """The flattened [K, N] kernel's spec as its GEMMs read it: the kernel's own split of its major input and output
+  def _gemm_kernel_sharding(self, order):
+    """Where the flattened [K, N] kernel's GEMMs read it: the kernel's own split of its major input and output
     axes, less the batch's (FSDP) axes and the axes already manual; None outside the rules."""
     rules, mesh, n_in = sharding.active_rules(), sharding.active_mesh(), len(self.in_shape)
-    if rules is None:
+    if rules is None or mesh is None:
       return None
     spec = sharding.logical_to_spec((self.axes[0], self.axes[n_in + order[0]]), rules, mesh)
-    return sharding.without_axes(spec, set(rules.get(BATCH, ())) | set(manual_axes()))
+    spec = sharding.without_axes(spec, set(rules.get(BATCH, ())) | set(manual_axes()))
+    return jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh() if manual_axes() else mesh, spec)
 
   def _out_order(self) -> tuple[int, ...]:
     """The output axes in the order the kernel is flattened to [K, N]: those split over a mesh axis first, so that

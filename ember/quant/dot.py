@@ -18,21 +18,20 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ember.parallel.sharding import active_mesh
 from ember.quant import fused_nvfp4
 from ember.quant.core import SCOPE_WEIGHT, KernelRow, quantized_gemm
 from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.quantizers import tensor_amax
 from ember.quant.recipe import WEIGHT, Recipe, pad_to
 from ember.quant.tensor import QuantizedTensor
-from ember.quant.varying import manual_axes, shard_axes
+from ember.quant.varying import shard_axes
 
 
 def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name: str,
                      history: jax.Array | None = None, key: jax.Array | None = None, dtype=jnp.bfloat16,
                      stats: jax.Array | None = None, error: jax.Array | None = None,
                      kernel_amax: jax.Array | None = None, wgrad_transposed: bool = False,
-                     row_axes: tuple[str, ...] = (), kernel_row: KernelRow | None = None, kernel_spec=None):
+                     row_axes: tuple[str, ...] = (), kernel_row: KernelRow | None = None, kernel_sharding=None):
   """x @ w in `recipe`'s format. `name` is the projection (names its residuals); `history` the
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
   `stats`: a [3 (x, kernel, grad), NUM_STATS] input whose "gradient" is the operands' health
@@ -42,7 +41,9 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   `wgrad_transposed`: w's gradient is reduced across GPUs along its output axis (FSDP over an output axis):
   a block-scaled wgrad then writes it transposed, that axis major (`DenseLayout`). `row_axes`: the mesh axes
   x's rows are split over, in their order (layers/linear.py: the batch's and the sequence's). `kernel_row`: w
-  where it lies in stacked kernels (quant/core.py), or None."""
+  where it lies in stacked kernels (quant/core.py), or None. `kernel_sharding`: where the GEMMs read w (its
+  FSDP axes gathered, `tensor` kept; layers/linear.py): a per-tensor FP8 kernel's data is gathered there itself,
+  or None."""
   dtype = jnp.dtype(dtype)
   if not recipe.quantized:
     return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype), dtype, dtype)
@@ -54,7 +55,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   manual = shard_axes()
   layout = DenseLayout(transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t,
                        reduce_axes=tuple(sorted(manual)), row_split=_row_split(x_MxK, row_axes, manual, recipe),
-                       kernel_spec=kernel_spec)
+                       kernel_sharding=kernel_sharding)
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax,
                         kernel_row=kernel_row)
@@ -184,7 +185,7 @@ class DenseLayout:
   transposed: bool = False
   wgrad_transposed: bool = False
   row_split: tuple[str, ...] = ()
-  kernel_spec: object = None  # The [K, N] kernel's spec as the GEMMs read it, over the compiler's axes.
+  kernel_sharding: object = None  # Where the [K, N] kernel's GEMMs read it, over the compiler's axes (Linear).
 
   def prepare(self, a, rows, block):
     return pad_to(a, (block, block))
@@ -204,16 +205,12 @@ class DenseLayout:
     return q.T if self.transposed and axis == 0 and recipe.has_kernel_t else q
 
   def whole(self, a):
-    if self.kernel_spec is None or not isinstance(a, QuantizedTensor) or a.block:
+    if self.kernel_sharding is None or not isinstance(a, QuantizedTensor) or a.block:
       return a
     # Gather the FP8 data itself. XLA's collective quantizer would otherwise have to move the gather of the
     # dequantized kernel ahead of its conversion, which it does only where it can prove the scale the same on
     # every device (not inside a shard_map, nor for every kernel of unrolled tensor-parallel layers).
-    mesh = jax.sharding.get_abstract_mesh() if manual_axes() else active_mesh()
-    if mesh is None:
-      return a
-    sharding = jax.sharding.NamedSharding(mesh, self.kernel_spec)
-    return dataclasses.replace(a, data=jax.lax.with_sharding_constraint(a.data, sharding))
+    return dataclasses.replace(a, data=jax.lax.with_sharding_constraint(a.data, self.kernel_sharding))
 
   def forward(self, x, w, rows, dtype):
     if isinstance(x, QuantizedTensor):
