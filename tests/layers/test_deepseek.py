@@ -54,8 +54,9 @@ def test_expert4_fsdp2_trains_like_one_device(recipe):
   else:
     # FP8's rounding is a step function: the 1e-7 differences of a sharded gradient sum flip a few roundings in
     # later steps (on one device a 1e-7 relative change of the parameters moves this model's fp8 loss by up to
-    # 1e-4 at init_std 0.05), and the routing amplifies them. Steps 1-3 agree to 1e-5, 4-5 to 1e-4.
-    np.testing.assert_allclose(sharded[:3], one[:3], rtol=1e-5)
+    # 1e-4 at init_std 0.05), and the routing amplifies them. Steps 1-2 agree to 1e-5, 3-5 to 1e-4 (step 3 by
+    # 2.4e-5 on AMD CPUs).
+    np.testing.assert_allclose(sharded[:2], one[:2], rtol=1e-5)
     np.testing.assert_allclose(sharded, one, rtol=1e-4)
   assert one[-1, 0] < one[0, 0] and one[-1, 1] < one[0, 1]  # The steps trained (batch 0's losses fell).
 
