@@ -7,13 +7,9 @@ import tempfile
 
 import pytest
 
-# The tests' programs are small: their compiles, not their runs, take the time. LLVM's cheaper code generation
-# (no fast-math either way, so the same floating-point results) compiles them in about 60% of the time; the
-# processes tests start inherit it.
-FAST_CPU_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_CPU_CODEGEN}"
-).strip()
+from tests.xla_cpu import cpu_xla_flags  # noqa: E402  (imports nothing else)
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + cpu_xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Many tests compile the same small programs (the same config's step on the same mesh): the session's

@@ -26,6 +26,7 @@ from ember.parallel.sharding import use_rules  # noqa: E402
 from ember.trainer.optimizer import make_optimizer  # noqa: E402
 from ember.trainer.state import TrainState, create_train_state  # noqa: E402
 from ember.trainer.step import batch_sharding, jit_train_step  # noqa: E402
+from tests.xla_cpu import cpu_xla_flags
 
 
 def config(preset: str = "tiny", **overrides):
@@ -146,7 +147,7 @@ def train_processes(args: list[str], count: int = 2, devices: int = 2) -> list[s
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "XLA_FLAGS"))}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices),
              EMBER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", EMBER_NUM_PROCESSES=str(count))
   if "EMBER_TEST_COMPILATION_CACHE" in os.environ:  # The session's cache (conftest.py): a restart compiles nothing.
     env.update(JAX_COMPILATION_CACHE_DIR=os.environ["EMBER_TEST_COMPILATION_CACHE"],

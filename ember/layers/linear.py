@@ -146,12 +146,14 @@ class Linear(nnx.Module):
 
   def _gemm_kernel_sharding(self, order):
     """Where the flattened [K, N] kernel's GEMMs read it: the kernel's own split of its major input and output
-    axes, less the batch's (FSDP) axes and the axes already manual; None outside the rules."""
+    axes, less the axes the tokens are split over (the batch's and the sequence's, over which the kernel is split
+    as FSDP splits it: gathered for the GEMM) and the axes already manual; None outside the rules."""
     rules, mesh, n_in = sharding.active_rules(), sharding.active_mesh(), len(self.in_shape)
     if rules is None or mesh is None:
       return None
     spec = sharding.logical_to_spec((self.axes[0], self.axes[n_in + order[0]]), rules, mesh)
-    spec = sharding.without_axes(spec, set(rules.get(BATCH, ())) | set(manual_axes()))
+    tokens = set(rules.get(BATCH, ())) | set(rules.get(LENGTH, ()))
+    spec = sharding.without_axes(spec, tokens | set(manual_axes()))
     return jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh() if manual_axes() else mesh, spec)
 
   def _out_order(self) -> tuple[int, ...]:

@@ -70,9 +70,12 @@ def bubble_fraction(micro_batches: int, num_stages: int, schedule: str = "gpipe"
   return (num_stages - 1) / (micro_batches * v + num_stages - 1)
 
 
-def in_flight(micro_batches: int, num_stages: int, virtual_stages: int = 1) -> int:
-  """Chunks (1/V of a stage each) whose forward pass a 1F1B stage has run and whose backward pass it has not, at
-  most: stage 0's first chunk waits 2VS - 2 ticks for its backward pass, a forward pass entering every tick."""
+def in_flight(micro_batches: int, num_stages: int, schedule: str = "1f1b", virtual_stages: int = 1) -> int:
+  """Chunks (1/V of a stage each) whose forward pass a stage has run and whose backward pass it has not, at most:
+  GPipe keeps every iteration's; under the 1F1B schedules stage 0's first chunk waits 2VS - 2 ticks for its
+  backward pass, a forward pass entering every tick."""
+  if schedule == "gpipe":
+    return iterations(micro_batches, num_stages)
   return min(micro_batches * virtual_stages, 2 * virtual_stages * num_stages - 1)
 
 

@@ -117,8 +117,7 @@ def pipeline_figures(cfg, mesh, report: dict) -> dict:
   return {"schedule": schedule, "stages": stages, "virtual_stages": virtual, "micro_batches": micro,
           "ticks": pipeline.loop_length(micro, stages, schedule, virtual), "bubble_fraction": fraction,
           "bubble_formula": "(S - 1) / (M V + S - 1)", "bubble_s": None if floor is None else floor * fraction,
-          "in_flight": (pipeline.iterations(micro, stages) if schedule == "gpipe" else
-                        pipeline.in_flight(micro, stages, virtual)),
+          "in_flight": pipeline.in_flight(micro, stages, schedule, virtual),
           "stage_transfer_bytes": pipeline.stage_transfers(micro, stages, schedule, virtual) * activation}
 
 

@@ -30,11 +30,11 @@ from ember.layers.attention import attention_bias
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
                          MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS)
 from ember.parallel import axes, pipeline
-from ember.parallel.sharding import active_mesh, active_rules, entry_axes, logical_to_spec, shard, shard_map
+from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant import health
 from ember.quant.varying import cotangent_once, shard_axes
 from ember.trainer.loss import cross_entropy, token_count
-from ember.trainer.objective import merged_model, micro_batches, replicas_first, step_terms
+from ember.trainer.objective import merged_model, micro_batches, replicas_first, step_terms, summed_over_replicas
 
 F32 = jnp.float32
 ACTIVATION = (BATCH, LENGTH, EMBED)  # A micro-batch's hidden states between stages.
@@ -73,13 +73,6 @@ def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh
   once = (PIPELINE, *replicas)  # Where a history's or statistic's "cotangent" is passed back once.
   reduce_dtype = jnp.dtype(cfg.quant.wgrad_dtype)
 
-  def over_replicas(grads):
-    """The replicas' gradients summed once a step (over the replica axes a parameter is not split over)."""
-    def reduce(g, spec):
-      over = tuple(a for a in replicas if a not in {x for e in spec for x in entry_axes(e)})
-      return jax.lax.psum(g.astype(reduce_dtype), over).astype(g.dtype) if over else g
-    return jax.tree.map(reduce, grads, param_specs) if replicas else grads
-
   run = _loss if cfg.pipeline.schedule == "gpipe" else _one_f_one_b
   stages, virtual = pipeline.stages(mesh), cfg.pipeline.virtual_stages
 
@@ -97,7 +90,7 @@ def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh
     metrics, *outs = _one_f_one_b(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg,
                                   policy=policy, stages=stages, virtual=virtual)
     outs = tuple(map(chunks(True), outs))
-    outs = (over_replicas(outs[0]), *outs[1:])
+    outs = (summed_over_replicas(outs[0], replicas, param_specs, reduce_dtype), *outs[1:])
     return metrics, outs if with_stats else outs[:2]
 
   if run is _one_f_one_b:  # The schedule takes the gradients itself.
@@ -228,7 +221,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   ring_order = virtual > 1
   stage = pipeline.stage_index()
   last = stage == stages - 1
-  slots = pipeline.in_flight(m, stages, virtual)
+  slots = pipeline.in_flight(m, stages, "1f1b", virtual)
   train = (params, quant_state, stats)
   whole = merged_model(graphdef, *train)
   kernel_amaxes = linear.kernel_amaxes(whole)

@@ -20,15 +20,14 @@ from ember.layers.moe import ROUTER_BIAS
 from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.parallel import axes as axes_lib
 from ember.parallel import pipeline
-from ember.parallel.sharding import (active_mesh, active_rules, entry_axes, logical_to_spec, only_axes, shard,
-                                     tree_shardings)
+from ember.parallel.sharding import active_mesh, active_rules, only_axes, tree_shardings
 from ember.platform import target_platform
 from ember.quant import health
 from ember.quant.varying import first_along, shard_axes
 from ember.trainer.loss import token_count
 from ember.trainer import pipelined
 from ember.trainer.objective import (forward_loss, merged_model, micro_batches, replica_part,  # noqa: F401
-                                     replicas_first)
+                                     replicas_first, summed_over_replicas)
 from ember.trainer.state import TrainState, logical_axes, stats_inputs, step_key
 
 F32 = jnp.float32
@@ -201,11 +200,7 @@ def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], pa
     keys = jax.vmap(lambda k: jax.random.fold_in(k, jax.lax.axis_index(axes)))(keys)
     metrics, grads, *same = scan(init, (rows, keys), params)
 
-    def reduce(g, spec):
-      over = tuple(a for a in axes if a not in {x for e in spec for x in entry_axes(e)})
-      return jax.lax.psum(g.astype(reduce_dtype), over).astype(g.dtype) if over else g
-
-    grads = jax.tree.map(reduce, grads, param_specs)
+    grads = summed_over_replicas(grads, axes, param_specs, reduce_dtype)
     return (jax.lax.psum(metrics, axes), grads, *same)
 
   batch = axes_lib.batch_axes(active_rules(), mesh)

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from ember.trainer.metrics import TIMING_KEYS
+from tests.xla_cpu import FAST_CPU_CODEGEN, cpu_xla_flags
 
 # One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
 pytestmark = [pytest.mark.long, pytest.mark.xdist_group("test_slurm")]
@@ -72,7 +73,8 @@ class Cluster:
   def __init__(self, root: Path):
     self.root, self.procs = root, []
     self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EMBER_", "XLA_FLAGS"))}
-    self.env.update(SLURM_CONF=str(root / "slurm.conf"), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    self.env.update(SLURM_CONF=str(root / "slurm.conf"), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                    XLA_FLAGS=FAST_CPU_CODEGEN)  # Jobs export it; launch/slurm.sbatch adds the device count.
 
   def start(self) -> None:
     r = self.root
@@ -209,7 +211,7 @@ def test_two_tasks_of_two_cpu_devices_train_as_one_process_with_four(cluster, un
   out = cluster.output("uninterrupted")
   assert "'fsdp': 4" in out and "step     40/40" in out  # One 4-device mesh over the two tasks; one console.
   one = tmp_path / "one_process"
-  env = dict(cluster.env, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = dict(cluster.env, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(4))
   p = subprocess.run([sys.executable, "train.py", *ARGS, f"--config.workdir={one}", f"--config.steps={STEPS}"],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-3000:]

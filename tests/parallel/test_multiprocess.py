@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.xla_cpu import FAST_CPU_CODEGEN, cpu_xla_flags
 
 # One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
 pytestmark = pytest.mark.xdist_group("test_multiprocess")
@@ -30,7 +31,8 @@ TWO_HOSTS = ["--config.mesh.fsdp=2", "--config.mesh.dcn_fsdp=2"]  # The same mes
 def _env(cache: Path, **extra) -> dict:
   env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "XLA_FLAGS"))}
   env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             **extra)
+             XLA_FLAGS=FAST_CPU_CODEGEN)  # launch/local.sh adds the device count.
+  env.update(extra)
   return env
 
 
@@ -47,7 +49,7 @@ def _one_process(cache, workdir, steps, devices: int = 4) -> subprocess.Complete
   p = subprocess.run([sys.executable, "train.py", *ARGS, f"--config.mesh.fsdp={devices}", "--config.log.tensorboard=false",
                       f"--config.workdir={workdir}", f"--config.steps={steps}"], cwd=ROOT, capture_output=True,
                      text=True, timeout=300,
-                     env=_env(cache, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"))
+                     env=_env(cache, XLA_FLAGS=cpu_xla_flags(devices)))
   assert p.returncode == 0, p.stderr[-3000:]
   return p
 

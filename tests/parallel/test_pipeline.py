@@ -203,7 +203,7 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
   for s in range(stages):
     kept = max(sum(fwd[(f, c)] <= tau < bwd[(f, c)] for f in range(micro) for c in range(s, depth, stages))
                for tau in range(ticks))
-    assert kept <= pipeline.in_flight(micro, stages, virtual)
+    assert kept <= pipeline.in_flight(micro, stages, "1f1b", virtual)
 
 
 @pytest.mark.parametrize("overrides,key", [

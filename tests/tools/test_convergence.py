@@ -13,8 +13,8 @@ from ember.errors import ConfigError
 from ember.tools import convergence
 from ember.trainer.metrics import read_records
 from tests.helpers import ROOT
+from tests.xla_cpu import FAST_CPU_CODEGEN
 
-FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def test_gaps_are_paired_by_seed_with_their_standard_error():
@@ -45,7 +45,7 @@ def test_bad_variants_are_one_line():
 @pytest.mark.long
 def test_a_convergence_run_reports_each_variants_gap(tmp_path, monkeypatch, capsys):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv("XLA_FLAGS", FAST)
+  monkeypatch.setenv("XLA_FLAGS", FAST_CPU_CODEGEN)
   out = tmp_path / "conv"
   assert convergence.main(["convergence", f"--config={ROOT}/configs/default.py:tiny", "--steps=6", "--seeds=2",
                            "--variants=fp8_current", "--variant=fp8_lm_head:quant.recipe=fp8_current;quant.exclude=()",

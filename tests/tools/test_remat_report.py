@@ -9,12 +9,12 @@ import pytest
 
 from ember.tools import remat_report
 from tests.helpers import ROOT
+from tests.xla_cpu import FAST_CPU_CODEGEN
 
 FIELDS = {"policy", "residual_bytes_per_layer", "residuals", "recomputed_quantize_ops_per_layer", "flops_per_step",
           "peak_bytes"}
 # One CPU device, cheaper code generation (memory analysis and FLOPs are unchanged).
-ENV = dict(os.environ, JAX_PLATFORMS="cpu",
-           XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_CPU_CODEGEN)
 
 
 def test_report_writes_the_contract_json_and_a_table(tmp_path):

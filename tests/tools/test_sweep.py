@@ -9,16 +9,16 @@ import pytest
 
 from ember.tools import sweep
 from tests.helpers import ROOT
+from tests.xla_cpu import FAST_CPU_CODEGEN
 
 GRID = ["--grid=remat.policy=none,full,save_quantized", "--grid=quant.recipe=bf16,fp8_current"]
 # One CPU device per run, cheaper code generation; synthetic data so no run reads files.
-FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 @pytest.mark.long
 def test_sweep_runs_every_combination_and_records_a_failure(tmp_path, monkeypatch, capsys):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv("XLA_FLAGS", FAST)
+  monkeypatch.setenv("XLA_FLAGS", FAST_CPU_CODEGEN)
   out = tmp_path / "sweep"
   # The injected failure: this combination's workdir is taken by a file, so its train.py dies.
   broken = {"remat.policy": "full", "quant.recipe": "bf16"}

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.xla_cpu import cpu_xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--config.model.seq_len=16",
@@ -42,7 +43,7 @@ def shared(tmp_path_factory) -> Path:
 
 
 def _env(shared: Path, devices: int) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices),
              JAX_COMPILATION_CACHE_DIR=str(shared / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   env.pop("EMBER_COORDINATOR_ADDRESS", None)
   return env
