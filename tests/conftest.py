@@ -1,5 +1,6 @@
 """Test set-up: 8 virtual CPU devices, set before JAX is imported anywhere; one compilation cache per session;
-the long cases (`@pytest.mark.long`) only with `--long`."""
+the long cases (`@pytest.mark.long`) only with `--long`, the extended ones (`@pytest.mark.extended`) only with
+`--extended`."""
 import importlib.util
 import os
 import shutil
@@ -34,14 +35,20 @@ def pytest_unconfigure(config):
 
 def pytest_addoption(parser):
   parser.addoption("--long", action="store_true",
-                   help="also run the long cases (marked `long`: end-to-end runs of several processes, costlier "
-                        "variants); .ci/run does")
+                   help="also run the long cases (marked `long`: end-to-end runs of several processes, SLURM jobs, "
+                        "kills and resumes); .ci/run does")
+  parser.addoption("--extended", action="store_true",
+                   help="also run the long cases and the extended ones (marked `extended`: the costlier variants of "
+                        "a behaviour a shorter test checks, e.g. the same equality under another recipe or mesh)")
 
 
 def pytest_collection_modifyitems(config, items):
-  if config.getoption("--long"):
-    return
-  skip = pytest.mark.skip(reason="long case: run with pytest --long (.ci/run does)")
+  extended = config.getoption("--extended")
+  runs = {"long": extended or config.getoption("--long"), "extended": extended}
+  skips = {"long": pytest.mark.skip(reason="long case: run with pytest --long (.ci/run does)"),
+           "extended": pytest.mark.skip(reason="extended case (a costlier variant): run with pytest --extended")}
   for item in items:
-    if "long" in item.keywords:
-      item.add_marker(skip)
+    for mark in ("extended", "long"):
+      if mark in item.keywords and not runs[mark]:
+        item.add_marker(skips[mark])
+        break

@@ -64,8 +64,8 @@ def segment_problem(recipe: str, batch: int = 2):
   return graphdef, _values(abstract, 2), x, ct, segment_ids, positions, step_key(cfg.seed, jnp.int32(3))
 
 
-# bf16 and fp8_current here; the other recipes' names follow the same rule (long cases).
-@pytest.mark.parametrize("recipe", [r if r in ("bf16", "fp8_current") else pytest.param(r, marks=pytest.mark.long)
+# bf16 and fp8_current here; the other recipes' names follow the same rule (extended cases).
+@pytest.mark.parametrize("recipe", [r if r in ("bf16", "fp8_current") else pytest.param(r, marks=pytest.mark.extended)
                                     for r in RECIPES])
 def test_every_preset_gives_the_gradients_of_none(recipe):
   graphdef, state, x, ct, segment_ids, positions, key = segment_problem(recipe)

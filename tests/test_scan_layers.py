@@ -10,8 +10,10 @@ from tests.helpers import config, one_step, random_batch
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("preset,recipe,devices", [("tiny", "nvfp4", 1), ("tiny", "fp8_current", 8),
-                                                   ("tiny_moe", "fp8_current", 8)])
+@pytest.mark.parametrize("preset,recipe,devices", [pytest.param("tiny", "nvfp4", 1, marks=pytest.mark.extended),
+                                                   ("tiny", "fp8_current", 8),
+                                                   pytest.param("tiny_moe", "fp8_current", 8,
+                                                                marks=pytest.mark.extended)])
 def test_unrolled_layers_equal_the_scan(preset, recipe, devices):
   """4 layers in two segments (layer 0 excluded from quantization), under the preset's remat policy: every
   metric and every leaf of the new state (parameters, moments, amax statistics) within 1e-6. NVFP4 draws the
@@ -28,7 +30,7 @@ def test_unrolled_layers_equal_the_scan(preset, recipe, devices):
                                err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_unrolled_layers_cast_each_kernel_from_its_own_row(monkeypatch):
   """Unrolled NVFP4 layers hand each projection's tile cast the stacked kernels and the layer's row
   (`Linear.stacked_kernel`; on a GPU the cast reads the row in place). With the cast run here (interpret mode:

@@ -48,7 +48,7 @@ def test_a_missing_column_or_dataset_is_one_line(hf_folder, tmp_path):
     sources.hf_documents(str(tmp_path / "nowhere"), "", "train", "text", "", "train", 0.1)
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_a_run_trains_from_a_local_dataset(hf_folder, tmp_path):
   folder, _ = hf_folder
   workdir = tmp_path / "run"

@@ -78,7 +78,7 @@ def test_eval_mixture_may_differ(tmp_path, data_cfg):
   it.close()
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_train_logs_each_source_share(tmp_path):
   a = _corpus(tmp_path / "a", b"a", 30, 0)
   b = _corpus(tmp_path / "b", b"b", 30, 1)

@@ -95,8 +95,8 @@ KINDS = {"dense": {}, "moe": {"model.num_experts": 4, "model.experts_per_token":
          # DeepSeek-V3's: latent attention, a dense first layer, grouped sigmoid routing with biases, a shared
          # expert and a multi-token-prediction module (exported as DeepSeek's checkpoints keep it).
          "deepseek": {f"model.{k}": v for k, v in models.get("deepseek_tiny").MODEL.items()}}
-# Qwen3's QK-norm is checked with its MoE variant; the dense one is a long case.
-KIND_PARAMS = [pytest.param(k, marks=pytest.mark.long) if k == "qwen3" else k for k in KINDS]
+# Qwen3's QK-norm is checked with its MoE variant; the dense one is an extended case.
+KIND_PARAMS = [pytest.param(k, marks=pytest.mark.extended) if k == "qwen3" else k for k in KINDS]
 
 
 def _export(kind, tmp_path_factory):

@@ -277,6 +277,7 @@ def test_a_job_signalled_mid_run_saves_and_requeued_logs_what_an_uninterrupted_j
   assert _computed(records) == _computed(_records(uninterrupted))  # Bitwise: JSON floats round-trip exactly.
 
 
+@pytest.mark.extended  # tests/parallel/test_multiprocess_faults.py checks the same of local processes.
 def test_a_task_that_dies_ends_the_whole_job_within_a_minute(cluster):
   name = "one_task_dies"
   job_id, workdir = cluster.sbatch(name, "--config.steps=100000")

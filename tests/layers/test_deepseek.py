@@ -40,7 +40,7 @@ def _train_metrics(cfg, batches, num_devices):
   return np.asarray([(float(m["loss"]), float(m["mtp_loss"])) for m in metrics])
 
 
-@pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_current", marks=pytest.mark.long)])
+@pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_current", marks=pytest.mark.extended)])
 def test_expert4_fsdp2_trains_like_one_device(recipe):
   """Five steps on 8 devices (expert 4 x fsdp 2: the experts split four ways, every weight sharded over fsdp) give
   one device's losses and MTP losses, float32, the router biases moving each step."""
@@ -187,6 +187,7 @@ def test_sequence_balance_loss_by_hand():
                                              (), ())) == pytest.approx(1.0)
 
 
+@pytest.mark.extended
 def test_mtp_loss_is_logged(tmp_path):
   cfg = _cfg(**{"workdir": str(tmp_path / "run"), "steps": 2, "log.every_steps": 1, "checkpoint.every_steps": -1,
                 "train.eval_every_steps": 0, "data.source": "synthetic"})

@@ -253,12 +253,12 @@ def test_tight_capacity_drops_the_hand_counted_copies_under_expert_parallelism(d
 
 
 @pytest.mark.parametrize("dispatch,recipe,expert_gemm", [
-    pytest.param("alltoall", "bf16", "ragged_dot", marks=pytest.mark.long), pytest.param("alltoall", "fp8_current", "ragged_dot", marks=pytest.mark.long),
-    pytest.param("ragged", "bf16", "ragged_dot", marks=pytest.mark.long), ("ragged", "fp8_current", "ragged_dot"),
-    pytest.param("allgather", "bf16", "capacity", marks=pytest.mark.long),
-    pytest.param("alltoall", "fp8_current", "capacity", marks=pytest.mark.long),
-    pytest.param("ragged", "bf16", "capacity", marks=pytest.mark.long),
-    pytest.param("ragged", "fp8_current", "capacity", marks=pytest.mark.long)])
+    pytest.param("alltoall", "bf16", "ragged_dot", marks=pytest.mark.extended), pytest.param("alltoall", "fp8_current", "ragged_dot", marks=pytest.mark.extended),
+    pytest.param("ragged", "bf16", "ragged_dot", marks=pytest.mark.extended), ("ragged", "fp8_current", "ragged_dot"),
+    pytest.param("allgather", "bf16", "capacity", marks=pytest.mark.extended),
+    pytest.param("alltoall", "fp8_current", "capacity", marks=pytest.mark.extended),
+    pytest.param("ragged", "bf16", "capacity", marks=pytest.mark.extended),
+    pytest.param("ragged", "fp8_current", "capacity", marks=pytest.mark.extended)])
 def test_dispatchers_equal_allgather_and_one_device(dispatch, recipe, expert_gemm):
   """tiny_moe on expert=4, data=2: alltoall (with a capacity that drops nothing) and ragged (the CPU stand-in
   of ragged_all_to_all), with the expert GEMMs over sorted rows or in the capacity layout (slots that hold
@@ -315,7 +315,7 @@ def test_ragged_overflow_is_counted_and_zeroed():
   assert expected > 0 and float(aux8["moe_overflow_tokens"]) == expected
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_tiny_moe_trains_with_each_dispatcher():
   """Three optimizer steps of tiny_moe (fp8_current, save_quantized) on expert=4, data=2: the same losses
   with every dispatcher."""

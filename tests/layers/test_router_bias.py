@@ -73,13 +73,13 @@ def _imbalance(rate: float, steps: int = 80) -> float:
   return float(np.mean(seen[-20:]))
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_the_bias_balances_the_experts_without_an_auxiliary_loss():
   off, on = _imbalance(0.0), _imbalance(0.01)
   assert on < off, (on, off)
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_the_same_biases_and_losses_under_expert_parallelism():
   """Three steps of tiny_moe (float32) with the bias on, one device against expert=4 x data=2 with each
   dispatcher: the same losses, and the same biases after them (the loads are summed over the data shards)."""

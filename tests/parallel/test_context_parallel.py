@@ -21,12 +21,12 @@ def _cfg(preset, recipe, **overrides):
 
 
 @pytest.mark.parametrize("preset,recipe,mesh,batch_size", [
-    pytest.param("tiny", "bf16", "context4", 4, marks=pytest.mark.long),
+    pytest.param("tiny", "bf16", "context4", 4, marks=pytest.mark.extended),
     ("tiny", "bf16", "context2_fsdp4", 4),
     pytest.param("tiny", "fp8_current", "context4", 4, marks=pytest.mark.long),
     ("tiny", "fp8_current", "context2_fsdp4", 4),
-    pytest.param("tiny_moe", "bf16", "context2_expert4", 4, marks=pytest.mark.long),
-    pytest.param("tiny_moe", "fp8_current", "context2_expert4", 4, marks=pytest.mark.long),
+    pytest.param("tiny_moe", "bf16", "context2_expert4", 4, marks=pytest.mark.extended),
+    pytest.param("tiny_moe", "fp8_current", "context2_expert4", 4, marks=pytest.mark.extended),
     pytest.param("tiny_moe", "fp8_current", "context4", 8, marks=pytest.mark.long)])
 def test_step_equals_one_device(preset, recipe, mesh, batch_size):
   """Loss, gradient norm, the gradients (the optimizer's moments) and the updated parameters equal one device's

@@ -60,12 +60,12 @@ def _compare(preset, recipe, mesh: dict, batch_size: int = 16, schedule: str = "
 
 
 SCHEDULES = ["gpipe", "1f1b"]
-# Where a behaviour is checked under both schedules, one of them is a long case (pytest --long).
-ONE_LONG = [pytest.param("gpipe", marks=pytest.mark.long), "1f1b"]
+# Where a behaviour is checked under both schedules, one of them is an extended case (pytest --extended).
+ONE_EXTENDED = [pytest.param("gpipe", marks=pytest.mark.extended), "1f1b"]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_current", marks=pytest.mark.long)])
+@pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_current", marks=pytest.mark.extended)])
 def test_four_stages_train_like_one_device(recipe, schedule):
   """pipeline 4 x fsdp 2, 8 micro-batches, float32, 5 steps: one device's losses and parameters."""
   one, piped, rel = _compare("tiny", recipe, {"pipeline": 4, "fsdp": 2}, schedule=schedule)
@@ -84,7 +84,7 @@ def _assert_same_training(recipe, one, piped, rel):
     np.testing.assert_allclose(piped, one, rtol=1e-4)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_current"])
+@pytest.mark.parametrize("recipe", [pytest.param("bf16", marks=pytest.mark.extended), "fp8_current"])
 def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(recipe):
   """pipeline 2 x fsdp 2 x tensor 2, interleaved 1F1B with 2 chunks a stage (layers 0 and 2 on stage 0, 1 and 3
   on stage 1), 8 micro-batches, float32, 5 steps: one device's losses and parameters."""
@@ -93,7 +93,7 @@ def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(re
   _assert_same_training(recipe, one, piped, rel)
 
 
-@pytest.mark.parametrize("schedule", ONE_LONG)
+@pytest.mark.parametrize("schedule", ONE_EXTENDED)
 def test_stages_over_data_parallel_replicas_train_like_one_device(schedule):
   """pipeline 2 x data 2 x fsdp 2: each data replica runs the pipeline on its own rows, their gradients reduced
   once a step (the map is manual over `data` too)."""
@@ -103,7 +103,8 @@ def test_stages_over_data_parallel_replicas_train_like_one_device(schedule):
   assert rel < 1e-5, rel
 
 
-@pytest.mark.parametrize("schedule", ONE_LONG)
+@pytest.mark.extended  # The interleaved schedule's test runs this mesh.
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_stages_with_fsdp_and_tensor_inside_train_like_one_device(schedule):
   one, piped, rel = _compare("tiny", "bf16", {"pipeline": 2, "fsdp": 2, "tensor": 2}, batch_size=32,
                              schedule=schedule)
@@ -111,7 +112,8 @@ def test_stages_with_fsdp_and_tensor_inside_train_like_one_device(schedule):
   assert rel < 1e-5, rel
 
 
-@pytest.mark.parametrize("schedule", ONE_LONG)
+@pytest.mark.extended  # The expert-parallel MoE stages below check the same, quantized.
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_moe_stages_train_like_one_device(schedule):
   """tiny_moe, bf16, 2 stages: the MoE auxiliary losses' gradients reach the routers in either schedule."""
   one, piped, rel = _compare("tiny_moe", "bf16", {"pipeline": 2}, schedule=schedule)
@@ -120,8 +122,8 @@ def test_moe_stages_train_like_one_device(schedule):
 
 
 @pytest.mark.parametrize("schedule,virtual,mesh", [
-    pytest.param("gpipe", 1, {"pipeline": 2, "fsdp": 2, "expert": 2}, marks=pytest.mark.long),
-    pytest.param("1f1b", 1, {"pipeline": 4, "expert": 2}, marks=pytest.mark.long),
+    pytest.param("gpipe", 1, {"pipeline": 2, "fsdp": 2, "expert": 2}, marks=pytest.mark.extended),
+    pytest.param("1f1b", 1, {"pipeline": 4, "expert": 2}, marks=pytest.mark.extended),
     ("interleaved_1f1b", 2, {"pipeline": 2, "fsdp": 2, "expert": 2})])
 def test_moe_stages_with_expert_parallelism_inside_train_like_one_device(schedule, virtual, mesh):
   """tiny_moe, fp8_delayed (amax histories per stage, combined over the micro-batches by max), expert 2 inside
@@ -143,7 +145,7 @@ def _step_quantize_casts(policy_name: str, schedule: str) -> int:
   return sum(1 for e in iter_eqns(jaxpr) if is_quantize_cast(e) and SCOPE_GRADIENT not in name_stack(e))
 
 
-@pytest.mark.parametrize("schedule", ONE_LONG)
+@pytest.mark.parametrize("schedule", ONE_EXTENDED)
 def test_save_quantized_recomputes_no_quantize_op_in_a_pipelined_step(schedule):
   """Under save_quantized the pipelined step casts exactly what it casts with no remat at all (its forward's
   casts); under full the backward recomputes some."""
@@ -225,7 +227,7 @@ def test_bad_pipeline_layouts_name_the_key(overrides, key):
   assert str(e.value).startswith(key), str(e.value)
 
 
-@pytest.mark.parametrize("schedule", ONE_LONG)
+@pytest.mark.parametrize("schedule", ONE_EXTENDED)
 def test_health_statistics_are_one_devices(schedule):
   """log.quant_stats_every: a pipelined step's health statistics (each stage's layers', combined over the
   micro-batches, bubbles left out) equal one device's over the same micro-batches."""

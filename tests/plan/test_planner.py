@@ -81,6 +81,7 @@ def test_select_spans_the_splits_of_a_node():
 
 
 @needs_plugin
+@pytest.mark.extended
 def test_plan_picks_the_fastest_compiled_layout_within_the_budget(tmp_path, capsys):
   out = tmp_path / "plan.json"
   args = ["plan", f"--config={ROOT}/configs/default.py:tiny", "--config.data.source=synthetic",

@@ -87,7 +87,8 @@ def test_lm_head_gradient_is_reduced_once_a_step(tmp_path):
   assert moved == {("reduce-scatter", "f32"): d_model * vocab * 4, ("all-gather", "bf16"): d_model * vocab * 2}, moved
 
 
-@pytest.mark.parametrize("target,recipe,gemm", [("h100x8", "fp8_current", "fp8"), ("b200x8", "nvfp4", "nvfp4")])
+@pytest.mark.parametrize("target,recipe,gemm", [("h100x8", "fp8_current", "fp8"),
+                                                  pytest.param("b200x8", "nvfp4", "nvfp4", marks=pytest.mark.extended)])
 def test_accumulated_step_takes_each_kernel_amax_once(target, recipe, gemm, tmp_path):
   """4 micro-batches, FSDP over 8: the kernels' amax pass runs once a step, before the micro-batches' loop (not
   per layer and micro-batch), and every projection GEMM stays in the recipe's format (the casts stay in the loop,
@@ -148,7 +149,7 @@ def test_nvfp4_gemms_take_their_scales_and_operands_without_passes_of_their_own(
   assert not copied, copied
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8", pytest.param("nvfp4", marks=pytest.mark.extended)])
 def test_data_parallel_replicas_reduce_gradients_once_a_step(recipe, tmp_path):
   """b200x8, 2 replicas x FSDP 4, 4 micro-batches, bf16 gradient reduction: the replicas' gradient all-reduce runs
   once a step, in bf16, with cuDNN's attention (run per device there) and every projection GEMM in the recipe's
@@ -171,7 +172,8 @@ def test_data_parallel_replicas_reduce_gradients_once_a_step(recipe, tmp_path):
 
 
 @pytest.mark.parametrize("mesh", [{"data": 2, "fsdp": 1, "expert": 4},
-                                  {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2}], ids=["replicas_only", "tensor"])
+                                  pytest.param({"data": 1, "fsdp": 2, "tensor": 2, "expert": 2},
+                                               marks=pytest.mark.extended)], ids=["replicas_only", "tensor"])
 def test_block_scaled_replicas_compile(mesh, tmp_path):
   """tiny_moe mxfp8 on b200x8, 2 micro-batches. data 2 x expert 4: no axis is left to the compiler inside the
   replicas' shard_map, which is then manual over every axis (a group of one device cannot be handed to a kernel's
@@ -189,7 +191,7 @@ def test_block_scaled_replicas_compile(mesh, tmp_path):
     assert reduced and all(c.times == 1 for c in reduced), [(c.shape, c.times) for c in reduced]
 
 
-@pytest.mark.parametrize("target,recipe", [("h100x8", "fp8_current"), ("b200x8", "nvfp4")])
+@pytest.mark.parametrize("target,recipe", [("h100x8", "fp8_current"), pytest.param("b200x8", "nvfp4", marks=pytest.mark.extended)])
 def test_grad_reduce_dtype_is_the_dtype_gradients_are_reduced_in(target, recipe, tmp_path):
   """FSDP over 8 GPUs: every weight gradient is reduce-scattered in float32 by default and, with
   `train.grad_reduce_dtype=bfloat16`, the same gradients in bf16 at half the bytes (cuDNN's block-scaled GEMM
@@ -405,7 +407,8 @@ def test_ragged_dispatch_compiles_for_eight_gpus_and_moves_less():
   assert rg["gemms"]["fp8"] > 0
 
 
-@pytest.mark.parametrize("recipe,policy", [(r, p) for r in ("mxfp8", "nvfp4") for p in ("none", "save_quantized")])
+@pytest.mark.parametrize("recipe,policy", [pytest.param(r, p, marks=pytest.mark.extended) if (r, p) == ("nvfp4", "none") else (r, p)
+                                           for r in ("mxfp8", "nvfp4") for p in ("none", "save_quantized")])
 def test_block_scaled_projections_run_on_blackwells_block_scaled_gemm(recipe, policy):
   """On a B200, forward, dgrad and wgrad of every quantized projection are cuDNN block-scaled GEMMs in the
   recipe's format (a policy that recomputes a forward GEMM adds block-scaled ones); none is bf16."""
@@ -446,7 +449,7 @@ def test_llama3_8b_block_scaled_compiles_for_eight_b200s(recipe, tmp_path):
   assert gemms[recipe] >= 3 * QUANTIZED_PROJECTIONS and gemms["bf16"] == 6 and gemms["emulated"] == 0, gemms
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", [pytest.param("mxfp8", marks=pytest.mark.extended), "nvfp4"])
 def test_moe_expert_gemms_are_block_scaled_on_b200(recipe):
   """moe_64x6 (2 layers), EP 8 on B200s, the capacity layout: the expert GEMMs' work is the recipe's
   block-scaled GEMMs, no bf16 and nothing emulated; the slot rows as for any recipe (the Hadamard
@@ -514,7 +517,7 @@ def test_mxfp8_operands_are_quantized_in_one_pass(tmp_path):
     assert len(kernels) == 3 * QUANTIZED_PROJECTIONS and all(fused.SCOPE in i.op_name for i in kernels), target
 
 
-@pytest.mark.parametrize("recipe,scope", [("mxfp8", fused.SCOPE), ("nvfp4", fused_nvfp4.SCOPE)])
+@pytest.mark.parametrize("recipe,scope", [pytest.param("mxfp8", fused.SCOPE, marks=pytest.mark.extended), ("nvfp4", fused_nvfp4.SCOPE)])
 def test_expert_rows_are_cast_by_the_kernels_on_one_gpu(recipe, scope, tmp_path):
   """tiny_moe on one B200 (its experts run without shard_map): the experts' x, quantized along its last axis
   only, is cast by the recipe's kernel (its `rows` / one-copy cast), not by the quantizer's passes."""

@@ -20,8 +20,8 @@ def _rows(a_ExCxD):
   return np.concatenate([np.asarray(a_ExCxD)[e, :SIZES[e]] for e in range(E)])
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_current", "fp8_delayed", pytest.param("mxfp8", marks=pytest.mark.long),
-                                    pytest.param("nvfp4", marks=pytest.mark.long)])
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_current", "fp8_delayed", pytest.param("mxfp8", marks=pytest.mark.extended),
+                                    pytest.param("nvfp4", marks=pytest.mark.extended)])
 def test_batched_equals_grouped_on_the_same_rows(recipe):
   rng = np.random.default_rng(0)
   live = (np.arange(C)[None, :] < SIZES[:, None])[..., None]

@@ -40,7 +40,7 @@ def test_dense(name):
   assert np.asarray(y == dot.quantized_matmul(x, w, recipe=recipe, name="wi", dtype=jnp.bfloat16)).all()
 
 
-@pytest.mark.parametrize("name", ["fp8_current", pytest.param("nvfp4", marks=pytest.mark.long)])
+@pytest.mark.parametrize("name", ["fp8_current", pytest.param("nvfp4", marks=pytest.mark.extended)])
 def test_grouped_and_capacity(name):
   recipe = Recipe(name, nvfp4_stochastic_rounding=False)
   x, w = _operands((E, K, N))

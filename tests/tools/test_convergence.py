@@ -42,7 +42,7 @@ def test_bad_variants_are_one_line():
     convergence._parse([f"--config={ROOT}/configs/default.py:tiny", "--steps=2", "--out=/tmp/x", "--variants=fp7"])
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_a_convergence_run_reports_each_variants_gap(tmp_path, monkeypatch, capsys):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("XLA_FLAGS", FAST_CPU_CODEGEN)

@@ -29,7 +29,7 @@ def checkpoint(tmp_path_factory):
   return str(run)
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_the_probe_is_deterministic_and_its_exclude_meets_its_target(checkpoint, tmp_path):
   target = 0.03  # Under nvfp4's whole-model error at this checkpoint: the probe must exclude something.
   out = tmp_path / "probe.json"
@@ -101,7 +101,7 @@ def test_output_error_against_its_definition(checkpoint):
   assert 0 < found[(None, "lm_head")].output_error < 0.1
 
 
-@pytest.mark.parametrize("mesh", [{"mesh.expert": 4, "mesh.data": 2}, pytest.param({"mesh.expert": 2, "mesh.fsdp": 4}, marks=pytest.mark.long)])
+@pytest.mark.parametrize("mesh", [{"mesh.expert": 4, "mesh.data": 2}, pytest.param({"mesh.expert": 2, "mesh.fsdp": 4}, marks=pytest.mark.extended)])
 def test_output_errors_are_the_same_under_expert_parallelism(mesh):
   """The expert GEMMs' output errors, summed over token shards inside the MoE layer's shard_map, equal one
   device's (the probe runs on one device; the layer's plumbing serves any mesh). Float32 compute: in bf16 the CPU

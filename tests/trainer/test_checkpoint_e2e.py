@@ -123,7 +123,7 @@ def assert_steps_once(workdir, last: int) -> None:
 # --- Resume after SIGKILL -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_delayed", marks=pytest.mark.long)])
+@pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_delayed", marks=pytest.mark.extended)])
 def test_sigkill_then_resume_logs_the_uninterrupted_losses(shared, tmp_path, recipe):
   ref = losses(reference(shared, recipe))
   run = tmp_path / "run"
@@ -149,7 +149,7 @@ def test_sigkill_then_resume_logs_the_uninterrupted_losses(shared, tmp_path, rec
   assert checkpoint_steps(run)[-1] == 20
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_muon_bfloat16_state_and_router_bias_resume_bitwise(shared, tmp_path):
   """Muon's momentum and AdamW's moments stored in bfloat16, and an MoE's router biases, come back from a
   checkpoint exactly: a run stopped at step 15 and resumed logs the uninterrupted run's losses and loads."""
@@ -297,7 +297,7 @@ def test_resume_with_other_shapes_fails_in_one_line_and_keeps_the_checkpoints(sh
 # --- Resharding -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mesh,devices", [pytest.param(("data=2", "fsdp=2", "tensor=2"), 8, id="data2_fsdp2_tensor2", marks=pytest.mark.long),
+@pytest.mark.parametrize("mesh,devices", [pytest.param(("data=2", "fsdp=2", "tensor=2"), 8, id="data2_fsdp2_tensor2", marks=pytest.mark.extended),
                                         pytest.param(("fsdp=4",), 4, id="4_devices")])
 def test_checkpoint_restores_onto_another_mesh(shared, tmp_path, mesh, devices):
   # fsdp=8: 6 steps, checkpoints at 5 and 6; the loss of step 6 on the original mesh is the reference.
@@ -315,7 +315,7 @@ STAGES = ["--config.mesh.pipeline=4", "--config.train.grad_accum_steps=4"]  # fs
 
 @pytest.mark.parametrize("saved_on,resumed_on", [pytest.param(STAGES, [], id="pipeline4_to_fsdp8"),
                                                  pytest.param([], STAGES, id="fsdp8_to_pipeline4",
-                                                              marks=pytest.mark.long)])
+                                                              marks=pytest.mark.extended)])
 def test_pipelined_checkpoints_resume_without_a_pipeline_and_back(shared, tmp_path, saved_on, resumed_on):
   """A pipeline's stages hold rows of the same stacked layers: a checkpoint saved at step 3 by 4 stages (x fsdp 2, 4
   micro-batches) resumes on fsdp 8 alone, and the reverse, with the uninterrupted runs' losses (float32)."""

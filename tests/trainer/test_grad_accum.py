@@ -20,10 +20,10 @@ REPLICAS_ONLY = {"mesh.data": 2, "mesh.fsdp": 1, "mesh.expert": 4}  # Every axis
 
 
 @pytest.mark.parametrize("preset,recipe,mesh", [
-    pytest.param("tiny", "bf16", MESH, id="tiny-bf16", marks=pytest.mark.long), pytest.param("tiny_moe", "bf16", MESH, id="tiny_moe-bf16", marks=pytest.mark.long),
+    pytest.param("tiny", "bf16", MESH, id="tiny-bf16", marks=pytest.mark.extended), pytest.param("tiny_moe", "bf16", MESH, id="tiny_moe-bf16", marks=pytest.mark.extended),
     pytest.param("tiny", "fp8_delayed", MESH, id="tiny-fp8_delayed"),
-    pytest.param("tiny_moe", "fp8_delayed", MOE_MESH, id="tiny_moe-fp8_delayed-expert2", marks=pytest.mark.long),
-    pytest.param("tiny_moe", "fp8_delayed", REPLICAS_ONLY, id="tiny_moe-fp8_delayed-replicas_only", marks=pytest.mark.long)])
+    pytest.param("tiny_moe", "fp8_delayed", MOE_MESH, id="tiny_moe-fp8_delayed-expert2", marks=pytest.mark.extended),
+    pytest.param("tiny_moe", "fp8_delayed", REPLICAS_ONLY, id="tiny_moe-fp8_delayed-replicas_only", marks=pytest.mark.extended)])
 def test_four_micro_batches_equal_one_batch(preset, recipe, mesh):
   """float32, 32 sequences: 4 micro-batches of 8 give the loss, the metrics, the gradients (the optimizer's first
   and second moments), the updated parameters and the delayed-scaling histories (each rolls in the largest
@@ -53,7 +53,7 @@ def test_four_micro_batches_equal_one_batch(preset, recipe, mesh):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("recipe", ["fp8_current", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["fp8_current", pytest.param("nvfp4", marks=pytest.mark.extended)])
 def test_a_step_over_replicas_equals_the_step_over_one_group(recipe):
   """4 micro-batches on data 2 x fsdp 4 (each replica sums its own, reduced once a step) equal them on fsdp 8
   (one program over the mesh): the same micro-batches, each quantized with the amax of the whole micro-batch
@@ -68,7 +68,7 @@ def test_a_step_over_replicas_equals_the_step_over_one_group(recipe):
     assert rel_error(b, a) < 1e-6, jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", pytest.param("fp8_delayed", marks=pytest.mark.long)])
+@pytest.mark.parametrize("recipe", ["fp8_current", pytest.param("fp8_delayed", marks=pytest.mark.extended)])
 def test_kernel_amaxes_taken_once_a_step_change_no_bit(recipe, monkeypatch):
   """A step of micro-batches takes each kernel's amax once, before its scan (linear.kernel_amaxes): bit for bit
   the step whose every micro-batch takes it. fsdp 8: the amax of the sharded kernels is the global one."""

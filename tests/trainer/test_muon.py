@@ -91,7 +91,7 @@ def test_a_step_updates_kernels_by_muon_and_the_rest_by_adamw():
                              rtol=1e-3, atol=1e-7)
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_muon_trains_alike_on_one_device_and_under_fsdp_and_expert_parallelism():
   """Three steps of tiny_moe (float32) on one device, on fsdp=8 and on expert=4 x data=2: the same losses."""
   base = {"train.optimizer": "muon", "quant.recipe": "bf16", "model.dtype": "float32", "train.batch_size": 8,
@@ -107,7 +107,7 @@ def test_muon_trains_alike_on_one_device_and_under_fsdp_and_expert_parallelism()
   np.testing.assert_allclose(expert, one, rtol=1e-5)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.long)])
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.extended)])
 def test_bfloat16_state_is_stored_in_bfloat16_and_updates_from_it(optimizer):
   """Every floating leaf of the optimizer state is bfloat16; a step from a state equals the float32 optimizer's
   step from that state read up to float32."""

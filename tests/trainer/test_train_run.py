@@ -53,7 +53,7 @@ def _moe_records(tmp_path, every: int) -> list[dict]:
   return [json.loads(line) for line in open(tmp_path / f"every_{every}" / "metrics.jsonl") if '"loss"' in line]
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_moe_token_counts_are_summed_over_every_step_of_a_log_interval(tmp_path):
   """Capacity 0.5 drops copies on every step; logged every 10 steps, step 10's record holds the drops and
   routed copies of steps 1-10, as the same run logged every step shows them."""
@@ -78,7 +78,7 @@ def test_overflow_warnings_name_the_layers_and_steps():
   assert counts.take(13) == ({}, [])
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_qwen3_30b_a3b_shapes_at_reduced_size_train(tmp_path):
   """The qwen3_30b_a3b preset (QK-norm, head_dim apart from d_model / heads, top-8 of many experts, renormalised)
   shrunk to CPU size trains with 2 micro-batches a step, and its loss falls."""

@@ -38,7 +38,7 @@ def _history(path: str) -> dict[int, dict]:
   return out
 
 
-@pytest.mark.long
+@pytest.mark.extended
 def test_an_offline_run_records_the_metrics_and_a_resume_continues_it(tmp_path, monkeypatch):
   monkeypatch.setenv("WANDB_MODE", "offline")
   monkeypatch.setenv("WANDB_SILENT", "true")
