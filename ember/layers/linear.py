@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ember.names import BATCH, LENGTH, PROJECTIONS, RNG_STREAMS
-from ember.parallel import sharding
+from ember.parallel import axes as mesh_axes, sharding
 from ember.quant import dot, health
 from ember.quant.recipe import Recipe
 from ember.quant.varying import manual_axes
@@ -152,8 +152,7 @@ class Linear(nnx.Module):
     if rules is None or mesh is None:
       return None
     spec = sharding.logical_to_spec((self.axes[0], self.axes[n_in + order[0]]), rules, mesh)
-    tokens = set(rules.get(BATCH, ())) | set(rules.get(LENGTH, ()))
-    spec = sharding.without_axes(spec, tokens | set(manual_axes()))
+    spec = sharding.without_axes(spec, set(mesh_axes.token_axes(rules, mesh)) | set(manual_axes()))
     return jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh() if manual_axes() else mesh, spec)
 
   def _out_order(self) -> tuple[int, ...]:

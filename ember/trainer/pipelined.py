@@ -221,7 +221,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   ring_order = virtual > 1
   stage = pipeline.stage_index()
   last = stage == stages - 1
-  slots = pipeline.in_flight(m, stages, "1f1b", virtual)
+  slots = pipeline.in_flight(m, stages, cfg.pipeline.schedule, virtual)
   train = (params, quant_state, stats)
   whole = merged_model(graphdef, *train)
   kernel_amaxes = linear.kernel_amaxes(whole)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.xla_cpu import FAST_CPU_CODEGEN, cpu_xla_flags
 
 # One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.

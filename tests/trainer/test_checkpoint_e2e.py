@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.xla_cpu import cpu_xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
