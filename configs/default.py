@@ -9,11 +9,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import base, models  # noqa: E402
+from configs import models  # noqa: E402
+from ember.config import defaults  # noqa: E402
 
 
 def get_config(preset: str = "small"):
-  c = base.get_config()
+  c = defaults.get_config()
   c.workdir = f"runs/default_{preset}"
   c.steps = 200
   c.quant.recipe = "fp8_current"

@@ -8,8 +8,7 @@ Floors, from the bottom up; each imports only itself and the floors listed befor
   remat                         checkpoint names and remat presets
   quant                         pure-JAX quantization (formats, quantizers, the recipe table, VJPs)
   parallel                      mesh, logical sharding rules, multi-process set-up
-  model_config, settings,       the typed config (the model section; every section); load, validate and
-  config                        derive it
+  config                        the config package: its defaults, load, validate, the typed sections
   layers, data, hf              the NNX model; the Grain input pipeline; the Hugging Face format
   trainer, inference            state, step, loss, loop, checkpoints, metrics; KV-cached generation
   plan                          trace, measure and compile a step; choose a remat policy

@@ -1,6 +1,6 @@
 """A config key, declared on the dataclass field that holds it: what the key may hold (its kind, bound and
-choices) travels with the typed field, so the table that checks a config file (ember/config_schema.py) and
-the typed config it becomes (ember/settings.py, ember/model_config.py, ember/quant/recipe.py) cannot
+choices) travels with the typed field, so the table that checks a config file (ember/config/schema.py) and
+the typed config it becomes (ember/config/settings.py, ember/config/model.py, ember/quant/recipe.py) cannot
 disagree. A leaf module.
 """
 

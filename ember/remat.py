@@ -107,7 +107,7 @@ POLICIES = tuple(PRESETS) + ("custom", "auto")
 
 def validate(remat_cfg) -> None:
   """Raises ConfigError for an unknown name in a custom list, a budget-less `auto`, an unknown candidate. (The
-  policy's own name is one of POLICIES by its key's declared choices: ember/settings.py, Remat.)"""
+  policy's own name is one of POLICIES by its key's declared choices: ember/config/settings.py, Remat.)"""
   for key in ("save_names", "offload_names"):
     names = tuple(getattr(remat_cfg, key))
     unknown = [n for n in names if n not in ALL_NAMES]

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
@@ -103,6 +104,46 @@ def test_train_py_exits_2_with_one_line(flags):
   assert "Traceback" not in proc.stderr
 
 
+# A preset outside the repository: every key is checked against the defaults the package ships.
+OWN_PRESET = """from ember.config import defaults
+
+
+def get_config():
+  c = defaults.get_config()
+  c.steps = 3
+  c.model.{extra}
+  return c
+"""
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "configs_beside"])
+@pytest.mark.parametrize("extra,key", [("d_model = 32", "config.bogus"), ("bogus = 1", "config.model.bogus")],
+                         ids=["override", "in_file"])
+def test_an_unknown_key_exits_2_from_any_directory(tmp_path, beside, extra, key):
+  """The key list ships in the package (ember/config/defaults.py): a preset copied elsewhere, run from another
+  directory by a package installed without the repository's configs/ (copied here), has its keys checked with
+  or without a configs/ folder beside the preset (an override, or a key the file itself adds)."""
+  site = tmp_path / "site"
+  shutil.copytree(ROOT / "ember", site / "ember", ignore=shutil.ignore_patterns("__pycache__"))
+  where = tmp_path / "presets"
+  where.mkdir()
+  if beside:
+    (where / "configs").mkdir()
+    (where / "configs" / "base.py").write_text((ROOT / "configs" / "base.py").read_text())
+  preset = where / "mine.py"
+  preset.write_text(OWN_PRESET.format(extra=extra))
+  run = tmp_path / "elsewhere"
+  run.mkdir()
+  flags = ["--config.bogus=1"] if key == "config.bogus" else []
+  proc = subprocess.run([sys.executable, "-m", "ember.tools.compile", f"--config={preset}", *flags, "--target=cpu"],
+                        cwd=run, capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(site)))
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.strip().splitlines() == [f"error: {key}: unknown config key"
+                                               + ("" if key == "config.bogus" else
+                                                  " (ember/config/defaults.py lists every key)")], proc.stderr
+
+
 def test_missing_config_file():
   with pytest.raises(config_lib.ConfigError, match="no such config file: configs/nope.py"):
     config_lib.load(["train.py", "--config=configs/nope.py"])
@@ -159,12 +200,12 @@ def test_derive_fills_head_dim_and_mesh():
 
 
 def test_a_recipe_built_in_code_has_the_config_defaults():
-  """configs/base.py holds every default; a Recipe built in code (tests, notebooks) must not drift from it. (But
+  """ember/config/defaults.py holds every default; a Recipe built in code (tests, notebooks) must not drift from it. (But
   for `exclude`: a model's config keeps its LM head in bf16, a recipe on its own excludes nothing.)"""
   import dataclasses
-  from configs import base
+  from ember.config import defaults
   from ember.quant.recipe import Recipe
-  built = config_lib.derive(base.get_config(), 1).quant
+  built = config_lib.derive(defaults.get_config(), 1).quant
   assert dataclasses.replace(built, name="bf16", exclude=()) == Recipe()
 
 

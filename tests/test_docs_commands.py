@@ -20,7 +20,7 @@ import tomllib
 import pytest
 
 from ember import config as config_lib
-from ember import config_schema
+from ember.config import schema as config_schema
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

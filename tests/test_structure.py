@@ -7,6 +7,9 @@ import re
 
 import pytest
 
+from ember.quant.formats import hlo_type
+from ember.quant.recipe import GEMM_PRECISIONS, RECIPES
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ember"
 
@@ -17,7 +20,7 @@ FLOORS = [
     ("ember.remat",),
     ("ember.quant",),
     ("ember.parallel",),
-    ("ember.model_config", "ember.config_phases", "ember.settings", "ember.config_schema", "ember.config"),
+    ("ember.config",),
     ("ember.layers", "ember.data", "ember.hf"),
     ("ember.trainer", "ember.inference"),
     ("ember.plan",),
@@ -119,7 +122,7 @@ def test_no_private_names_across_modules():
         pytest.fail(f"{module} uses {aliases[node.value.id]}.{node.attr}")
 
 
-RECIPE_NAMES = ("bf16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4")
+RECIPE_NAMES = RECIPES
 _COMPARISON = re.compile(r"""(==|!=|\bin)\s*\(?\s*["'](%s)["']|["'](%s)["']\s*(==|!=)""" % (
     "|".join(RECIPE_NAMES), "|".join(RECIPE_NAMES)))
 
@@ -135,11 +138,40 @@ def test_recipe_names_are_compared_only_in_the_recipe_table():
   assert not offenders, "\n".join(offenders)
 
 
+# The modules that may spell a recipe or a GEMM precision: the recipe table, the quantizers and the kernels.
+RECIPE_SPELLERS = ("ember.quant.recipe", "ember.quant.quantizers", "ember.quant.fused", "ember.quant.fused_nvfp4",
+                   "ember.quant.kernels")
+
+
+def _recipe_spellings(source: str) -> list[tuple[int, str]]:
+  """(line, literal) of each string literal, docstrings aside, that is a recipe or GEMM precision name, or that
+  names a recipe in its text; a dtype's spelling in prose ("emulated in bf16") is not a recipe."""
+  names = set(RECIPES) | set(GEMM_PRECISIONS)
+  in_prose = names - {hlo_type(d) for d in ("bfloat16", "float32")}
+  tree = ast.parse(source)
+  docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+  return [(n.lineno, n.value) for n in ast.walk(tree)
+          if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+          and (n.value in names or set(re.findall(r"[a-z0-9_]+", n.value)) & in_prose)]
+
+
+def test_only_the_recipe_table_quantizers_and_kernels_spell_a_recipe():
+  """Adding a recipe touches the table, its quantizer and its kernels: every other module asks the table
+  (ember/quant/recipe.py: names, precisions, bytes per element, the HLO element types of its data)."""
+  offenders = [f"{MODULES[m].relative_to(ROOT)}:{line}: {text!r}" for m in MODULES if m not in RECIPE_SPELLERS
+               for line, text in _recipe_spellings(MODULES[m].read_text())]
+  assert not offenders, "\n".join(offenders)
+
+
 def test_the_checker_sees_what_it_must():
   """The walkers above find function-level imports, upward imports and comparisons (a self-check)."""
   assert "ember.trainer.step" in GRAPH["ember.trainer.loop"]
   assert _COMPARISON.search('if recipe.name == "nvfp4":') and _COMPARISON.search("x in ('mxfp8', 'nvfp4')")
   assert not _COMPARISON.search('recipe = "nvfp4"')
+  spelled = 'def f(r):\n  """Runs nvfp4."""\n  return {"bf16": 2, "x": "the mxfp8 GEMM", "y": "emulated in bf16"}\n'
+  assert [text for _, text in _recipe_spellings(spelled)] == ["bf16", "the mxfp8 GEMM"]
   src = "def f():\n  from ember.plan import auto_remat\n"
   tree = ast.parse(src)
   assert any(isinstance(n, ast.ImportFrom) and n.module == "ember.plan" for n in ast.walk(tree))

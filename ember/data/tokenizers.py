@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from ember.errors import DataError
-from ember.settings import hf_tokenizer_json, tokenizer_file
+from ember.config.settings import hf_tokenizer_json, tokenizer_file
 
 
 class ByteTokenizer:

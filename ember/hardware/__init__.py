@@ -27,10 +27,17 @@ class DeviceFacts:
   tflops: dict[str, float]  # Dense peak per GEMM precision (ember/plan/hlo.py's PRECISIONS).
   nvlink_gb_s: float
   nic_gb_s: float
+  mfu_precision: str  # facts.toml's: the precision whose dense peak MFU is quoted against.
 
   def peak_flops(self, precision: str) -> float:
-    """FLOP/s of a GEMM in `precision`; the bf16 peak for one the chip has no tensor cores for."""
-    return self.tflops.get(precision, self.tflops["bf16"]) * 1e12
+    """FLOP/s of a GEMM in `precision`; the `mfu_precision` peak for one the chip has no tensor cores for
+    (XLA emulates it: dequantizes, then multiplies in that precision)."""
+    return self.tflops.get(precision, self.tflops[self.mfu_precision]) * 1e12
+
+  @property
+  def mfu_peak_flops(self) -> float:
+    """The dense peak MFU is measured against, whatever the recipe (FP8 and FP4 GEMMs run faster than it)."""
+    return self.peak_flops(self.mfu_precision)
 
 
 @functools.cache
@@ -40,15 +47,20 @@ def _table(name: str = "facts.toml") -> dict[str, dict]:
     return tomllib.load(f)
 
 
+def _rows() -> dict[str, dict]:
+  """facts.toml's GPU rows (its tables; the scalars above them hold for every row)."""
+  return {k: v for k, v in _table().items() if isinstance(v, dict)}
+
+
 def facts(gpu: str) -> DeviceFacts:
-  row = _table()[gpu]
-  return DeviceFacts(gpu, dict(row["tflops"]), row["nvlink_gb_s"], row["nic_gb_s"])
+  row = _rows()[gpu]
+  return DeviceFacts(gpu, dict(row["tflops"]), row["nvlink_gb_s"], row["nic_gb_s"], _table()["mfu_precision"])
 
 
 def facts_for_kind(device_kind: str) -> DeviceFacts | None:
   """The facts of a running device by JAX's `device_kind` ("NVIDIA H100 80GB HBM3"); None if unknown."""
   kind = device_kind.lower()
-  for gpu, row in _table().items():
+  for gpu, row in _rows().items():
     if any(k in kind for k in row["device_kinds"]):
       return facts(gpu)
   return None

@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 
 from ember.layers.decoder import layer_slots, stacked_layers, tree_leaves, within_layer
-from ember.model_config import ModelConfig
+from ember.config.model import ModelConfig
 
 Get = Callable[[str, tuple], np.ndarray]  # (HF name, expected shape) -> array.
 

@@ -20,7 +20,7 @@ from ember.errors import CheckpointError
 from ember.hf import layout
 from ember.hf.safetensors import Reader
 from ember.layers.decoder import keys_of, tree_leaves
-from ember.model_config import ModelConfig
+from ember.config.model import ModelConfig
 
 WHAT = "config.checkpoint.init_from_hf"
 

@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 
-from ember.settings import hf_tokenizer_json
+from ember.config.settings import hf_tokenizer_json
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -21,7 +21,7 @@ from ember.errors import one_line
 from ember.layers.linear import Linear
 from ember.layers.norm import RMSNorm
 from ember.layers.rope import apply_rope
-from ember.model_config import ModelConfig
+from ember.config.model import ModelConfig
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV
 from ember.parallel import context
 from ember.parallel import sharding

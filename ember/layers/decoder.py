@@ -34,7 +34,7 @@ from ember.layers import mtp as mtp_lib
 from ember.layers.mlp import MLP
 from ember.layers.moe import MoE
 from ember.layers.norm import RMSNorm
-from ember.model_config import ModelConfig
+from ember.config.model import ModelConfig
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, LAYERS, LENGTH, LM_HEAD, MOE_EXPERT_LOADS,
                          MOE_LAYER_COUNTS, VOCAB)
 from ember.parallel import context

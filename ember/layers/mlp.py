@@ -8,7 +8,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
 from ember.layers.linear import Linear
-from ember.model_config import ModelConfig
+from ember.config.model import ModelConfig
 from ember.names import BATCH, EMBED, GATE, LENGTH, MLP as MLP_AXIS
 from ember.parallel.sharding import shard
 

@@ -43,7 +43,7 @@ from ember import remat
 from ember.layers.linear import QuantState, QuantStats, output_error_input, projection_key
 from ember.layers import moe_dispatch
 from ember.layers.mlp import MLP
-from ember.model_config import ModelConfig
+from ember.config.model import ModelConfig
 from ember.names import (BATCH, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MOE_DROPPED_TOKENS,
                          MOE_EXPERT_LOADS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS,
                          MOE_SEQ_BALANCE_LOSS, PROJECTIONS)

@@ -23,7 +23,7 @@ from flax import nnx
 
 from ember.layers.linear import Linear
 from ember.layers.norm import RMSNorm
-from ember.model_config import ModelConfig
+from ember.config.model import ModelConfig
 from ember.names import EMBED
 
 

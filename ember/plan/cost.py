@@ -22,6 +22,7 @@ from ember import hardware
 from ember.hardware import DeviceFacts, Rates
 from ember.names import EXPERT_GEMM_SCOPE, HADAMARD_SCOPE
 from ember.plan import hlo
+from ember.quant.recipe import BF16  # Attention's precision: the compute dtype's.
 
 TOP = 5  # Largest values and collectives reported.
 TOP_MEMORY_OPS = 15  # Rows of `memory_by_op`.
@@ -69,13 +70,13 @@ def roofline(p: hlo.Program, gemms, calls, *, model_flops: float, tokens: float,
     return {"time_floor_s": None, "time_serial_s": None, "mfu_ceiling": None, "tokens_per_s_ceiling": None}
   facts, hbm = machine.facts, machine.hbm_bytes_per_s
   compute = sum(max(g.flops / facts.peak_flops(g.precision), g.bytes / hbm) * g.times for g in gemms)
-  compute += sum(max(c.flops / facts.peak_flops("bf16"), c.bytes / hbm) * c.times for c in calls)
+  compute += sum(max(c.flops / facts.peak_flops(BF16), c.bytes / hbm) * c.times for c in calls)
   memory = sum(k.bytes * k.times for k in hlo.memory_kernels(p)) / hbm
   network = sum(collective_seconds(c, machine) for c in hlo.collective_ops(p))
   floor = max(compute + memory, network)
   return {
       "time_floor_s": floor, "time_serial_s": compute + memory + network,
-      "mfu_ceiling": model_flops / floor / facts.peak_flops("bf16") if floor else None,
+      "mfu_ceiling": model_flops / floor / facts.mfu_peak_flops if floor else None,
       "tokens_per_s_ceiling": tokens / floor if floor else None,
       "time_floor_parts_s": {"compute": compute, "memory": memory, "collectives": network},
   }

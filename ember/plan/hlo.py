@@ -37,20 +37,27 @@ import functools
 import math
 import re
 
+import jax.numpy as jnp
+import numpy as np
+
 from ember.names import EMULATED_GEMM_SCOPE, STACKED_ROW_SCOPE
+from ember.quant import recipe as recipe_lib
+from ember.quant.formats import hlo_type
 from ember.quant.gemm import CUBLAS_FP8_GEMM, CUDNN_BLOCK_SCALED_GEMM
 
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "f4e2m1fn": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-          "f8e8m0fnu": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
-          "u64": 8}
+# Bytes per element of each HLO element type: the integer ones spelled here, the float ones by their dtypes.
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+          **{hlo_type(d): np.dtype(d).itemsize * (0.5 if "float4" in np.dtype(d).name else 1) for d in (
+              jnp.float4_e2m1fn, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e8m0fnu, jnp.bfloat16, jnp.float16,
+              jnp.float32, jnp.float64)}}
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
-PRECISIONS = ("fp8", "mxfp8", "nvfp4", "bf16", "f32")
+PRECISIONS = recipe_lib.GEMM_PRECISIONS
 _CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul", CUBLAS_FP8_GEMM)
 _BLOCK_SCALED = CUDNN_BLOCK_SCALED_GEMM
-_HALF = ("bf16", "f16")  # HLO element types of 16-bit floats.
+_HALF = (hlo_type(jnp.bfloat16), hlo_type(jnp.float16))  # HLO element types of 16-bit floats.
 # A fusion, or one XLA runs asynchronously (a `fusion-start` / `fusion-done` pair: the done moves nothing more),
 # as its GPU pipeline does for the scan's dynamic slices and updates with while-loop double buffering on.
 _FUSIONS = ("fusion", "fusion-start")
@@ -293,12 +300,12 @@ def _fused_gemm_kind(i: Instruction) -> str | None:
 
 def _precision(kind: str, dtypes: tuple[str, ...]) -> str:
   if kind == _BLOCK_SCALED or (kind == "scaled_dot" and dtypes and dtypes[0].startswith(("f8", "f4"))):
-    return "nvfp4" if "f4e2m1fn" in dtypes else "mxfp8"
+    return recipe_lib.block_scaled_precision(dtypes)
   if kind.endswith("$f8") or any(d.startswith("f8") for d in dtypes):
-    return "fp8"
+    return recipe_lib.FP8
   if dtypes and all(d in _HALF for d in dtypes):
-    return "bf16"
-  return "f32"
+    return recipe_lib.BF16
+  return recipe_lib.F32
 
 
 def _gemm_flops(p: Program, dot: Instruction) -> float:

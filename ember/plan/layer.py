@@ -28,7 +28,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from ember import remat
 from ember.layers.decoder import Block, segments_of
-from ember.model_config import ModelConfig
+from ember.config.model import ModelConfig
 from ember.parallel import axes
 from ember.plan.jaxpr import GEMM_PRIMITIVES, is_projection_gemm, is_quantize_cast, iter_eqns, name_stack, nbytes
 from ember.quant.core import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT

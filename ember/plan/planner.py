@@ -45,7 +45,7 @@ from ember.plan import auto_remat, layer
 from ember.plan.isolated import compile_report_isolated
 from ember.plan.target import Target, targeting
 from ember.plan.units import GiB
-from ember.quant.recipe import Recipe
+from ember.quant.recipe import BF16  # Attention and the LM head run in the compute dtype.
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import attention_flops_per_token, forward_flops_per_token, head_flops_per_token
 from ember.trainer.state import state_shardings
@@ -205,11 +205,6 @@ def _blocks(cfg, names) -> dict[str, _Block]:
           for n in names}
 
 
-def _weight_bytes(recipe: Recipe) -> float:
-  """Bytes per element of a projection kernel as FSDP gathers it: in the recipe's format with its scales."""
-  return {"bf16": 2.0, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}.get(recipe.name, 1.0)
-
-
 class Estimator:
   """Quick estimates of layouts of one config on one target (module doc); the train state is worked out once
   per mesh and the decoder block once per preset."""
@@ -271,14 +266,13 @@ class Estimator:
     # Compute: the model's FLOPs and the recomputed share; projections at the recipe's GEMM peak, attention and
     # the LM head at bf16's.
     recipe = m.recipe
-    precision = {"fp8_current": "fp8", "fp8_delayed": "fp8"}.get(recipe.name, recipe.name)
     tokens_per_device = cfg.train.batch_size * m.seq_len / n_devices
     attention, head = attention_flops_per_token(m), head_flops_per_token(m)
     projections = forward_flops_per_token(m) - attention - head
     again = 1 + block.recompute_fraction
-    compute = 3 * tokens_per_device * iterations / layout.grad_accum_steps * (projections * again / self.facts.peak_flops(precision if recipe.quantized
-                                                                                     else "bf16")
-                                       + (attention * again + head) / self.facts.peak_flops("bf16"))
+    compute = 3 * tokens_per_device * iterations / layout.grad_accum_steps * (
+        projections * again / self.facts.peak_flops(recipe.precision)
+        + (attention * again + head) / self.facts.peak_flops(BF16))
     # Collectives per micro-batch, and once a step: a step over data- or expert-parallel replicas reduces its
     # gradients across them once (trainer/step.py `replica_axes`; per micro-batch where the recipe's kernels
     # partition themselves).
@@ -286,7 +280,7 @@ class Estimator:
     grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
     seconds = once = 0.0
     for elements, split_over, projection in leaves:
-      weight_bytes = _weight_bytes(recipe) if projection and recipe.quantized else 2.0
+      weight_bytes = recipe.scheme.weight_bytes if projection else 2.0
       for a in batch_axes:
         n = mesh[a]
         if n == 1:

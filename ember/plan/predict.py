@@ -34,6 +34,7 @@ import numpy as np
 
 from ember.hardware import Rates
 from ember.plan import cost, hlo
+from ember.quant.recipe import BF16  # Attention's precision: the compute dtype's.
 
 GEMM, ATTENTION_FORWARD, ATTENTION_BACKWARD, MEMORY = range(4)
 _KIND_NAMES = {GEMM: "gemm", ATTENTION_FORWARD: "attention", ATTENTION_BACKWARD: "attention", MEMORY: "memory"}
@@ -126,7 +127,7 @@ class Walk:
     call = hlo.attention_of(p, i)
     if call is not None:
       kind = ATTENTION_BACKWARD if call.backward else ATTENTION_FORWARD
-      rows.append((kind, "bf16", call.flops, call.bytes, call.times, (), "attention", label[1]))
+      rows.append((kind, BF16, call.flops, call.bytes, call.times, (), "attention", label[1]))
       return len(rows) - 1
     if hlo.is_memory_kernel(i):
       rows.append((MEMORY, "", 0.0, hlo.kernel_bytes(p, i), p.times(i), (), *label))
@@ -136,7 +137,7 @@ class Walk:
   def kernel_seconds(self, machine: cost.Machine, rates: Rates) -> np.ndarray:
     """Each kernel's seconds per execution."""
     facts = machine.facts
-    efficiency = np.array([_efficiency(k, prec, rates) * facts.peak_flops(prec or "bf16") for k, prec in
+    efficiency = np.array([_efficiency(k, prec, rates) * facts.peak_flops(prec or BF16) for k, prec in
                            zip(self.kind, self.precision)], dtype=np.float64)
     waves = self._wave_efficiency(int(rates["tile_m"]), int(rates["tile_n"]), rates.sms)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -255,5 +256,5 @@ def predicted_step(p: hlo.Program, machine: cost.Machine | None, *, model_flops:
   prediction = predict(walk, machine)
   step = prediction.step_s
   return {"predicted_step_s": step, "tokens_per_s_predicted": tokens / step if step else None,
-          "mfu_predicted": model_flops / step / machine.facts.peak_flops("bf16") if step else None,
+          "mfu_predicted": model_flops / step / machine.facts.mfu_peak_flops if step else None,
           "time_by_op": time_by_op(walk, prediction)}

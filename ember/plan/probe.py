@@ -32,6 +32,7 @@ from ember.data.sharded import data_iterator
 from ember.layers.decoder import rows_by_layer, stacked_like, tree_leaves, within_layer
 from ember.names import INPUTS, LM_HEAD, POSITIONS, SEGMENT_IDS
 from ember.quant import quantize
+from ember.quant.recipe import UNQUANTIZED
 from ember.trainer import muon
 from ember.trainer.loss import num_chunks, strided_chunks
 from ember.trainer.state import abstract_init, logical_axes, stats_inputs, step_key
@@ -75,7 +76,7 @@ class Probe:
     finally:
       it.close()
     log(f"probe: the float32 reference gradients on {batches} held-out batch(es)")
-    self.reference = self.gradients(trained.replace("quant.recipe", "bf16").replace("model.dtype", "float32")
+    self.reference = self.gradients(trained.replace("quant.recipe", UNQUANTIZED).replace("model.dtype", "float32")
                                     .replace("quant.exclude", ()))
 
   def gradients(self, settings) -> dict:

@@ -48,6 +48,17 @@ class Format:
   def __repr__(self):
     return self.name.upper()
 
+  @property
+  def hlo_name(self) -> str:
+    """HLO's spelling of the element type (`f8e4m3fn`, `f4e2m1fn`): see `hlo_type`."""
+    return hlo_type(self.dtype)
+
+
+def hlo_type(dtype) -> str:
+  """HLO's spelling of a float dtype: its NumPy name with `float` shortened to `f` and no underscores
+  (bfloat16 -> bf16, float8_e4m3fn -> f8e4m3fn)."""
+  return jnp.dtype(dtype).name.replace("float", "f").replace("_", "")
+
 
 E4M3 = Format("e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, 3, -6, 8, True)
 E5M2 = Format("e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, 2, -14, 8, True)

@@ -35,7 +35,7 @@ from ember.errors import ConfigError
 from ember.keys import check_fields, key
 from ember.quant import exclude as exclude_lib
 from ember.quant import hadamard
-from ember.quant.formats import E4M3, E5M2
+from ember.quant.formats import E2M1, E4M3, E5M2, Format
 from ember.quant.quantizers import (AMAX_ALGOS, CurrentScaling, DelayedScaling, MXFP8Scaling, NVFP4Scaling,
                                     Quantizer)
 from ember.quant.tensor import QuantizedTensor
@@ -51,13 +51,24 @@ def _fp8_format(role: str):
   return E5M2 if role == GRADIENT else E4M3
 
 
+# The tensor-core precisions a GEMM runs in, as hardware/facts.toml rates them and the HLO reader
+# (ember/plan/hlo.py) tells them apart: a scheme's `precision`, bf16 (unquantized GEMMs, attention) and f32
+# (TF32, XLA's default for float32 GEMMs).
+FP8, MXFP8, NVFP4, BF16, F32 = "fp8", "mxfp8", "nvfp4", "bf16", "f32"
+
+
 @dataclasses.dataclass(frozen=True)
 class Scheme:
   """One row of the recipe table. `make(recipe, role, history)` builds a role's quantizer."""
   name: str
   make: Callable[["Recipe", str, jax.Array | None], Quantizer] | None  # None: not quantized.
+  precision: str  # The tensor-core precision its GEMMs run in (one of GEMM_PRECISIONS).
+  # Bytes per element of a projection kernel as FSDP gathers it: the data and its scales.
+  weight_bytes: float
+  data_format: Format | None = None  # The quantized data's element format (E4M3 x and weights for FP8).
   block_size: int = 1  # Elements per scaling block along a contraction axis; 1 = per-tensor.
   delayed: bool = False  # Scales come from amax histories in the train state.
+  stateless: str | None = None  # A delayed scheme's twin where no state can be kept (`Recipe.stateless`).
   transposed_copies: bool = False  # Block-scaled: x_t for wgrad, kernel_t for dgrad (see module doc).
   hadamard: bool = False  # The wgrad operands may go through the random Hadamard transform.
   tensor_scale: bool = False  # Block-scaled data also carries a float32 per-tensor scale (NVFP4).
@@ -65,31 +76,39 @@ class Scheme:
   one_pass_kernel: bool = False
   # (statistic, limit) pairs replacing quant/health.py's default warning thresholds for this format.
   health_limits: tuple[tuple[str, float], ...] = ()
+  # The projections the format's published training recipe keeps in bf16 (`quant.exclude` syntax), where it
+  # keeps some: the convergence comparison (ember/tools/convergence.py) runs the format with and without them.
+  published_exclude: tuple[str, ...] | None = None
 
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
-    Scheme("bf16", None),
+    Scheme("bf16", None, BF16, 2.0),
     Scheme("fp8_delayed", lambda r, role, h: DelayedScaling(h, _fp8_format(role), r.margin, r.amax_compute_algo),
-           delayed=True),
-    Scheme("fp8_current", lambda r, role, h: CurrentScaling(_fp8_format(role))),
-    Scheme("mxfp8", lambda r, role, h: MXFP8Scaling(), block_size=32, transposed_copies=True, one_pass_kernel=True),
+           FP8, 1.0, E4M3, delayed=True, stateless="fp8_current"),
+    Scheme("fp8_current", lambda r, role, h: CurrentScaling(_fp8_format(role)), FP8, 1.0, E4M3),
+    Scheme("mxfp8", lambda r, role, h: MXFP8Scaling(), MXFP8, 1 + 1 / 32, E4M3, block_size=32,
+           transposed_copies=True, one_pass_kernel=True),
     Scheme("nvfp4", lambda r, role, h: NVFP4Scaling(tile_2d=role == WEIGHT and r.nvfp4_2d_weights,
                                                     stochastic_rounding=role == GRADIENT and r.nvfp4_stochastic_rounding),
-           block_size=16, transposed_copies=True, hadamard=True, tensor_scale=True,
+           NVFP4, 0.5 + 1 / 16, E2M1, block_size=16, transposed_copies=True, hadamard=True, tensor_scale=True,
            # 4-bit blocks underflow a few percent of a Gaussian tensor (elements under 1/12 of their block's
            # amax) and clip a few percent where an E4M3 block scale rounds down, by design.
-           health_limits=(("underflow", 0.25), ("saturated", 0.10))),
+           health_limits=(("underflow", 0.25), ("saturated", 0.10)),
+           # NVIDIA's NVFP4 pretraining recipe: the LM head and the last layers in higher precision.
+           published_exclude=("lm_head", "layers[-1:]")),
 )}
 RECIPES = tuple(SCHEMES)  # Every `quant.recipe` value.
+UNQUANTIZED = next(n for n, s in SCHEMES.items() if s.make is None)  # The recipe that quantizes nothing.
+GEMM_PRECISIONS = tuple(dict.fromkeys(s.precision for s in SCHEMES.values() if s.make is not None)) + (BF16, F32)
 FORWARDS = ("recipe", "bf16")  # `quant.forward`: the forward GEMMs in the recipe, or in bf16.
 WGRAD_DTYPES = ("float32", "bfloat16")
-AMAX_HISTORY_LEN = 1024  # A recipe built in code (configs/base.py's quant.amax_history_len is the same).
+AMAX_HISTORY_LEN = 1024  # A recipe built in code (ember/config/defaults.py's quant.amax_history_len is the same).
 QUANTIZED_RECIPES = tuple(n for n, s in SCHEMES.items() if s.make is not None)
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-  """A config's recipe: a row of `SCHEMES` and its options (see configs/base.py, `quant`)."""
+  """A config's recipe: a row of `SCHEMES` and its options (see ember/config/defaults.py, `quant`)."""
   name: str = key("str", choices=RECIPES, name="recipe", default="bf16")
   amax_history_len: int = key("int", ">=1", default=AMAX_HISTORY_LEN)
   amax_compute_algo: str = key("str", choices=AMAX_ALGOS, default="max")
@@ -139,6 +158,11 @@ class Recipe:
     """The forward GEMM reads the quantized operands (`quant.forward = "recipe"`); with "bf16" it reads x and
     the kernel in the compute dtype, while dgrad and wgrad keep the recipe's operands."""
     return self.forward == "recipe"
+
+  @property
+  def precision(self) -> str:
+    """The tensor-core precision its GEMMs run in (one of GEMM_PRECISIONS)."""
+    return self.scheme.precision
 
   @property
   def delayed(self) -> bool:
@@ -203,14 +227,22 @@ class Recipe:
     """This recipe where no per-step state can be kept (a projection called several times a step, like
     the LM head, once per token chunk of the loss): delayed scaling becomes current scaling, and no health
     statistics or output error (each call's would add up); the rest is unchanged."""
-    return dataclasses.replace(self, name="fp8_current" if self.delayed else self.name, stats=False,
+    return dataclasses.replace(self, name=self.scheme.stateless or self.name, stats=False,
                                output_error=False)
 
   def for_projection(self, projection: str, layer: int | None, num_layers: int) -> "Recipe":
     """The recipe projection `projection` of `layer` (None: the LM head) runs in: bf16 if excluded."""
     if self.quantized and exclude_lib.excluded(self.selectors, projection, layer, num_layers):
-      return dataclasses.replace(self, name="bf16")
+      return dataclasses.replace(self, name=UNQUANTIZED)
     return self
+
+
+def block_scaled_precision(element_types: tuple[str, ...]) -> str:
+  """The precision of a block-scaled GEMM whose operands have these HLO element types ("f4e2m1fn", ...): the
+  block-scaled scheme of the narrowest data format among them (an NVFP4 GEMM also reads E4M3 scales)."""
+  block_scaled = sorted((s for s in SCHEMES.values() if s.block_size > 1), key=lambda s: s.data_format.bits)
+  return next((s.precision for s in block_scaled if s.data_format.hlo_name in element_types),
+              block_scaled[-1].precision)
 
 
 def pad_to(a: jax.Array, multiples: tuple[int, ...]) -> jax.Array:

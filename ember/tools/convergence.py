@@ -31,19 +31,28 @@ import sys
 
 from ember import native_output
 from ember.errors import ArgumentParser, ConfigError, fail_and_exit
+from ember.quant.recipe import SCHEMES, UNQUANTIZED
 from ember.tools import cli, sweep
 
-REFERENCE = "bf16"
-# The variants that answer the question, by name. The NVFP4 paper (NVIDIA, "Pretraining Large Language Models with
-# NVFP4", 2025) keeps the last blocks' linear layers in bf16: here the last layer (a quarter of `small`'s four).
-VARIANTS = {
-    "bf16": {"quant.recipe": "bf16"},
-    "fp8_current": {"quant.recipe": "fp8_current"},
-    "fp8_delayed": {"quant.recipe": "fp8_delayed"},
-    "mxfp8": {"quant.recipe": "mxfp8"},
-    "nvfp4_paper": {"quant.recipe": "nvfp4", "quant.exclude": '("lm_head", "layers[-1:]")'},
-    "nvfp4_all": {"quant.recipe": "nvfp4", "quant.exclude": "()"},
-}
+REFERENCE = UNQUANTIZED
+
+
+def _variants() -> dict[str, dict[str, str]]:
+  """The variants that answer the question, by name: every recipe of the table; a format whose published
+  recipe keeps some projections in bf16 (NVFP4: NVIDIA, "Pretraining Large Language Models with NVFP4", 2025,
+  the LM head and the last blocks; here the last layer, a quarter of `small`'s four) twice, `NAME_paper` with
+  that exclusion and `NAME_all` quantizing every projection."""
+  out = {}
+  for name, scheme in SCHEMES.items():
+    if scheme.published_exclude is None:
+      out[name] = {"quant.recipe": name}
+    else:
+      out[f"{name}_paper"] = {"quant.recipe": name, "quant.exclude": repr(scheme.published_exclude)}
+      out[f"{name}_all"] = {"quant.recipe": name, "quant.exclude": "()"}
+  return out
+
+
+VARIANTS = _variants()
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:

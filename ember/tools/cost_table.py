@@ -15,9 +15,11 @@ import sys
 
 from ember import native_output
 from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
+from ember.quant.recipe import GEMM_PRECISIONS
 from ember.tools import cli
 
-COLUMNS = ("model", "target", "recipe", "remat", "batch", "GEMM TFLOP (fp8 / mxfp8 / nvfp4 / bf16 / f32)",
+PRECISIONS = " / ".join(GEMM_PRECISIONS)
+COLUMNS = ("model", "target", "recipe", "remat", "batch", f"GEMM TFLOP ({PRECISIONS})",
            "executed / model", "recompute TFLOP", "time floor (ms)", "MFU ceiling", "tokens/s/GPU ceiling",
            "predicted (ms)", "tokens/s/GPU predicted", "peak GiB")
 
@@ -25,22 +27,21 @@ COLUMNS = ("model", "target", "recipe", "remat", "batch", "GEMM TFLOP (fp8 / mxf
 def row(r: dict) -> list[str]:
   ex = r["executed_flops"]
   return [r["model"], r["target"], r["recipe"], r["remat_policy"], f"{r['batch_size']} x {r['seq_len']}",
-          " / ".join(f"{ex[p] / 1e12:.0f}" for p in ("fp8", "mxfp8", "nvfp4", "bf16", "f32")),
+          " / ".join(f"{ex[p] / 1e12:.0f}" for p in GEMM_PRECISIONS),
           f"{r['executed_over_model']:.2f}", f"{r['recompute_flops'] / 1e12:.0f}", f"{r['time_floor_s'] * 1e3:.0f}",
           f"{r['mfu_ceiling']:.1%}", f"{r['tokens_per_s_ceiling']:,.0f}",
           *((f"{r['predicted_step_s'] * 1e3:.0f}", f"{r['tokens_per_s_predicted']:,.0f}") if r.get("predicted_step_s")
             else ("n/a", "n/a")), f"{r['peak_bytes'] / 2**30:.1f}"]
 
 
-MOE_COLUMNS = ("model", "target", "recipe", "exchange", "expert GEMMs", "rows / device", "expert TFLOP (fp8 / mxfp8 / nvfp4 / "
-               "bf16 / f32)", "largest per-expert copy of the rows", "executed / model", "time floor (ms)", "peak GiB")
+MOE_COLUMNS = ("model", "target", "recipe", "exchange", "expert GEMMs", "rows / device", f"expert TFLOP ({PRECISIONS})", "largest per-expert copy of the rows", "executed / model", "time floor (ms)", "peak GiB")
 
 
 def moe_row(r: dict) -> list[str]:
   moe = r["moe"]
   copy = moe.get("largest_expert_copy")
   return [r["model"], r["target"], r["recipe"], moe["dispatch"], moe["expert_gemm"], f"{moe['gemm_rows_per_rank']:,}",
-          " / ".join(f"{moe['expert_gemm_flops'][p] / 1e12:.1f}" for p in ("fp8", "mxfp8", "nvfp4", "bf16", "f32")),
+          " / ".join(f"{moe['expert_gemm_flops'][p] / 1e12:.1f}" for p in GEMM_PRECISIONS),
           f"{copy['shape']} ({copy['bytes'] / 2**30:.2f} GiB)" if copy else "none", f"{r['executed_over_model']:.2f}",
           f"{r['time_floor_s'] * 1e3:.0f}", f"{r['peak_bytes'] / 2**30:.1f}"]
 

@@ -48,11 +48,12 @@ def main(argv: list[str]) -> int:
 def probe(checkpoint: str, recipe: str, *, batches: int, target_error: float) -> dict:
   from ember.inference.checkpoint import load_model
   from ember.plan import probe as probe_lib
+  from ember.quant.recipe import UNQUANTIZED
   from ember.trainer.metrics import progress
   from ember.trainer.state import split_model
   from flax import nnx
 
-  trained, _, model = load_model(checkpoint, what="--checkpoint", recipe="bf16", one_device=True)
+  trained, _, model = load_model(checkpoint, what="--checkpoint", recipe=UNQUANTIZED, one_device=True)
   _, params, quant_state, _ = split_model(model)
   p = probe_lib.Probe(trained, nnx.to_pure_dict(params), nnx.to_pure_dict(quant_state), batches, log=progress)
   found, whole, exclude, error = probe_lib.recommend(p, recipe, target_error)

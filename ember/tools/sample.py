@@ -85,8 +85,9 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
   from ember.inference.generate import cache_bytes_per_token, generate
   from ember.parallel import axes
   from ember.parallel.sharding import use_rules
+  from ember.quant.recipe import UNQUANTIZED
 
-  cfg, mesh, model = load_model(checkpoint, what="--checkpoint", recipe=None if quantized else "bf16", dtype=dtype,
+  cfg, mesh, model = load_model(checkpoint, what="--checkpoint", recipe=None if quantized else UNQUANTIZED, dtype=dtype,
                                 one_device=one_device)
   tokenizer = build_tokenizer(cfg.data)
   encoded = [tokenizer.encode(p) for p in prompts]

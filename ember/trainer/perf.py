@@ -14,7 +14,7 @@ import dataclasses
 import jax
 
 from ember import hardware
-from ember.model_config import ModelConfig
+from ember.config.model import ModelConfig
 
 
 
@@ -67,7 +67,7 @@ def peak_tflops(device_kind: str) -> float | None:
   """The device's dense bf16 peak (ember/hardware/facts.toml), which MFU is measured against whatever the
   recipe; None for a device not in the table."""
   facts = hardware.facts_for_kind(device_kind)
-  return facts.tflops["bf16"] if facts else None
+  return facts.mfu_peak_flops / 1e12 if facts else None
 
 
 @dataclasses.dataclass(frozen=True)

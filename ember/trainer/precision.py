@@ -1,6 +1,6 @@
 """Precision schedules (`quant.schedule`): which quantization config runs each step, and the state between.
 
-The phases are a function of the config and the step (`ember/config_phases.py` parses them; `Settings.phases`): phase i runs steps
+The phases are a function of the config and the step (`ember/config/phases.py` parses them; `Settings.phases`): phase i runs steps
 [start_i, start_{i+1}). The step is the loop's (batches consumed, a checkpoint's step; `state.step` counts the
 updates applied, fewer by any skipped for a non-finite gradient), so the schedule position is part of every
 checkpoint: a resumed run is in the phase its step says, whichever side of a switch it was saved on. The state *after* step s was made by the phase of step s - 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ember.layers.decoder import stacked_layers, tree_leaves
-from ember.model_config import ModelConfig
+from ember.config.model import ModelConfig
 from ember.quant import health
 from ember.quant.recipe import ACTIVATION, GRADIENT, SCHEMES, WEIGHT
 

@@ -2,13 +2,13 @@
 import numpy as np
 import pytest
 
-from configs import base
-from ember.settings import Data, section
+from ember.config import defaults
+from ember.config.settings import Data, section
 
 
 def make_data_cfg(**overrides) -> Data:
-  """The typed `data` section of configs/base.py (the real defaults), then `overrides`."""
-  cfg = base.get_config().data
+  """The typed `data` section of ember/config/defaults.py (the real defaults), then `overrides`."""
+  cfg = defaults.get_config().data
   cfg.update(overrides)
   return section(Data, cfg)
 

@@ -67,7 +67,7 @@ def test_plan_reads_the_expert_axes_from_the_rules_and_sizes_every_buffer():
   import dataclasses
   import jax
   from ember.parallel.mesh import make_mesh
-  from ember.settings import Mesh
+  from ember.config.settings import Mesh
   from tests.helpers import settings
   s = settings("tiny_moe", **{"model.num_experts": 8, "model.seq_len": 128})
   model = s.model

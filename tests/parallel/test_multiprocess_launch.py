@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from configs import base
+from ember.config import defaults
 from ember.parallel import distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,7 +128,7 @@ def test_jobset_pods_get_what_ember_reads_to_form_one_job(monkeypatch):
   for index in range(job["parallelism"]):
     for e in container["env"]:  # The one fieldRef is the pod's completion index.
       monkeypatch.setenv(e["name"], e["value"] if "value" in e else str(index))
-    found.append(distributed.settings(base.get_config().distributed))
+    found.append(distributed.settings(defaults.get_config().distributed))
   address = next(e["value"] for e in container["env"] if e["name"] == "EMBER_COORDINATOR_ADDRESS")
   assert found == [dict(coordinator_address=address, num_processes=job["parallelism"], process_id=i)
                    for i in range(job["parallelism"])]

@@ -3,26 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from ember.settings import Mesh
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # For configs/.
-from configs import base  # noqa: E402
 from ember import config as config_lib
-from ember.parallel import mesh as mesh_lib
-from ember.config import ConfigError
+from ember.config import ConfigError, defaults
+from ember.config.settings import Mesh
 from ember.parallel import distributed
+from ember.parallel import mesh as mesh_lib
 from ember.parallel.mesh import device_grid, make_mesh
 
 
 def _cfg(**mesh):
-  c = base.get_config()
+  c = defaults.get_config()
   c.mesh.update(mesh)
   return c
 

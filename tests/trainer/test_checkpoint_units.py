@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,14 +11,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # For configs/.
-from configs import base  # noqa: E402
-from ember.data import make_iterator  # noqa: E402
-from ember.data import ShardedIterator  # noqa: E402
-from ember.errors import CheckpointError  # noqa: E402
-from ember.trainer.checkpointing import (  # noqa: E402
+from ember.config import defaults
+from ember.data import ShardedIterator, make_iterator
+from ember.errors import CheckpointError
+from ember.trainer.checkpointing import (
     Checkpointer, check_shapes, restore_data_position, restore_from)
-from ember.trainer.state import TrainState  # noqa: E402
+from ember.trainer.state import TrainState
 
 
 def _state(mesh, value: float, step: int = 0):
@@ -92,7 +88,7 @@ def test_check_shapes_reports_parameters_first():
 
 
 def _data_cfg():
-  c = base.get_config()
+  c = defaults.get_config()
   c.data.source = "synthetic"
   return c.data
 

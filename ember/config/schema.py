@@ -1,21 +1,20 @@
 """The table of every key a config holds and what it may hold, read off the typed sections' field declarations
-(ember/keys.py: kind, bound, choices; ember/settings.py), and the check that a config has exactly
-configs/base.py's keys, each holding what it may. Rules within a section are its class's; rules across
-sections are config.validate's.
+(ember/keys.py: kind, bound, choices; ember/config/settings.py), and the check that a config has exactly the
+keys of the defaults (ember/config/defaults.py), each holding what it may. Rules within a section are its
+class's; rules across sections are ember/config/checks.py's.
 """
 
 from __future__ import annotations
 
 import difflib
-
-import importlib.util
-import os
+import functools
 
 import ml_collections
 
+from ember.config import defaults
+from ember.config.settings import SECTIONS, Settings
 from ember.errors import bad_key
 from ember.keys import KeySpec, check_value, declared
-from ember.settings import SECTIONS, Settings
 
 
 def _table() -> dict[str, KeySpec]:
@@ -29,7 +28,7 @@ KEYS = _table()  # {"train.batch_size": KeySpec("int", ">=1"), ...}: every key b
 
 
 def check(cfg) -> None:
-  """Exactly configs/base.py's keys, each holding what it may: ConfigError naming the first that does not."""
+  """Exactly the defaults' keys, each holding what it may: ConfigError naming the first that does not."""
   _check_known_keys(cfg)
   for key, spec in KEYS.items():
     check_value(key, _get(cfg, key), spec)
@@ -41,17 +40,6 @@ def _get(cfg, dotted):
   for part in dotted.split("."):
     node = node[part]
   return node
-
-
-def _base_config() -> ml_collections.ConfigDict | None:
-  """configs/base.py of this checkout (every key, with its default); None where it is not shipped."""
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.py")
-  if not os.path.isfile(path):
-    return None
-  spec = importlib.util.spec_from_file_location("_ember_base_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
 
 
 def did_you_mean(dotted: str) -> str:
@@ -72,11 +60,14 @@ def nearest_key(dotted: str) -> str | None:
   return close[0] if close else None
 
 
+@functools.cache
+def _defaults() -> ml_collections.ConfigDict:
+  return defaults.get_config()
+
+
 def is_key(dotted: str) -> bool:
-  """Whether `dotted` (e.g. "train.batch_size") is a key of configs/base.py (True where it is not shipped)."""
-  node = _base_config()
-  if node is None:
-    return True
+  """Whether `dotted` (e.g. "train.batch_size") is a key of the defaults (ember/config/defaults.py)."""
+  node = _defaults()
   for part in dotted.split("."):
     if not isinstance(node, ml_collections.ConfigDict) or part not in node:
       return False
@@ -85,19 +76,17 @@ def is_key(dotted: str) -> bool:
 
 
 def _check_known_keys(cfg) -> None:
-  """Exactly the keys of configs/base.py: an extra key is a typo, a missing one a config file that did
-  not start from `base.get_config()`."""
-  known = _base_config()
+  """Exactly the keys of the defaults: an extra key is a typo, a missing one a config file that did not start
+  from `ember.config.defaults.get_config()`."""
 
   def walk(node, ref, prefix):
     for k in node.keys():
       if k not in ref:
-        bad_key(prefix + k, "unknown config key (configs/base.py lists every key)" + did_you_mean(prefix + k))
+        bad_key(prefix + k, "unknown config key (ember/config/defaults.py lists every key)" + did_you_mean(prefix + k))
       if isinstance(node[k], ml_collections.ConfigDict) and isinstance(ref[k], ml_collections.ConfigDict):
         walk(node[k], ref[k], f"{prefix}{k}.")
     missing = next((k for k in ref.keys() if k not in node), None)
     if missing is not None:
-      bad_key(prefix + missing, "missing config key (start the config from configs/base.py's get_config())")
+      bad_key(prefix + missing, "missing config key (start the config from ember.config.defaults.get_config())")
 
-  if known is not None:
-    walk(cfg, known, "")
+  walk(cfg, _defaults(), "")

@@ -1,12 +1,8 @@
-"""Load, override, validate and derive the one config tree.
-
-`load(argv)` reads `--config=FILE[:ARG]` with ml_collections' `config_flags` (the file alone first, so
-that its own errors name it) and applies `--config.a.b=v` overrides. `validate(cfg, num_devices)`
-checks the whole tree once at start-up (each key's own type, bound or choices: ember/config_schema.py;
-each section's own rules: ember/settings.py; here, the rules across sections) and returns the typed
-settings that `derive(...)` builds (ember/settings.py: the values computed from others, such as head_dim,
-the mesh's -1 axis and the decay length, filled in that one place). Any problem raises `ConfigError`
-whose message is one line naming the key; `train.py` prints it and exits with status 2.
+"""Validate and derive the one config tree: `validate(cfg, num_devices)` checks the whole tree once at start-up
+(each key's own type, bound or choices: ember/config/schema.py; each section's own rules: ember/config/settings.py;
+here, the rules across sections) and returns the typed settings that `derive(...)` builds (the values computed
+from others, such as head_dim, the mesh's -1 axis and the decay length, filled in that one place). Any problem
+raises `ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -14,131 +10,18 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-import re
-import sys
 
 import ml_collections
-from absl import flags
-from absl import logging as absl_logging
-from ml_collections import config_flags
 
-from ember import config_schema as schema
+from ember import storage
+from ember.config import phases as phases_lib
+from ember.config import schema
+from ember.config.settings import Settings, section
 from ember.errors import ConfigError, bad_key, one_line
-from ember import config_phases, storage
 from ember.names import EMBED, EXPERT, PIPELINE
 from ember.parallel import axes, distributed
 from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import Recipe
-from ember.settings import Settings, section
-
-def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_collections.ConfigDict:
-  """Parses `argv` (argv[0] is the program) into a config; raises ConfigError."""
-  files = [a for a in argv[1:] if a == "--config" or a.startswith("--config=")]
-  if not files:
-    raise ConfigError("--config: missing; pass --config=configs/default.py")
-  if len(files) > 1:
-    raise ConfigError(f"--config: given {len(files)} times ({', '.join(files)}); pass one config file and change "
-                      "keys with --config.KEY=VALUE")
-  _load_file(argv[0], files[-1])  # The file alone first: its own errors are the file's, not an override's.
-  fv = flag_values or flags.FlagValues()
-  holder = config_flags.DEFINE_config_file("config", None, "Config file[:arg].", flag_values=fv, lock_config=True,
-                                          sys_argv=list(argv))
-  extra = [a for a in argv[1:] if not a.startswith("--config")]
-  try:
-    fv([argv[0]] + [a for a in argv[1:] if a.startswith("--config")], known_only=False)
-    cfg = holder.value
-    cfg.keys()  # A file that failed to load raises here.
-  except Exception as e:  # absl/ml_collections raise many types; one line each.
-    raise ConfigError(_explain(argv, e)) from None
-  if extra:
-    raise ConfigError(f"{extra[0]}: unknown command-line argument (expected --config=FILE and --config.KEY=VALUE)")
-  return cfg
-
-
-def _load_file(prog: str, arg: str) -> None:
-  """Loads `--config=FILE[:ARG]` with no overrides; ConfigError naming the file and what is wrong with it."""
-  spec = arg.split("=", 1)[1] if "=" in arg else ""
-  path = spec.split(":", 1)[0]
-  if not path:
-    raise ConfigError("--config: empty; pass --config=FILE[:ARG], e.g. --config=configs/default.py")
-  if not os.path.isfile(path):
-    raise ConfigError(f"--config: no such config file: {path}")
-  if not os.access(path, os.R_OK):
-    raise ConfigError(f"--config: cannot read {path}: no read permission")
-  sys.modules.pop("config_config", None)  # ml_collections would load the file into an earlier load's module.
-  fv = flags.FlagValues()
-  holder = config_flags.DEFINE_config_file("config", None, "", flag_values=fv, sys_argv=[prog, arg])
-  verbosity = absl_logging.get_verbosity()
-  absl_logging.set_verbosity(absl_logging.ERROR)  # ml_collections' warning for a None config: said below.
-  try:
-    fv([prog, arg], known_only=False)
-    cfg = holder.value
-  except Exception as e:  # Anything the file (or its get_config) raises.
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    if isinstance(e, AttributeError) and "get_config" in str(e):
-      reason = "defines no get_config()"
-    elif isinstance(e, SyntaxError) or not lines:
-      reason = one_line(e)
-    elif "Error whilst parsing config file" in lines[0]:
-      reason = lines[-1]  # The traceback's last line: the exception get_config raised.
-    else:
-      reason = f"{type(e).__name__}: {lines[0]}"
-    raise ConfigError(f"--config: {spec}: {reason}") from None
-  finally:
-    absl_logging.set_verbosity(verbosity)
-  if not isinstance(cfg, ml_collections.ConfigDict):
-    raise ConfigError(f"--config: {spec}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
-
-
-def _explain(argv: list[str], e: Exception) -> str:
-  """Turns a failed override into one line naming the offending flag or key."""
-  while isinstance(e, (AttributeError, KeyError)) and e.args and isinstance(e.args[0], KeyError):
-    e = e.args[0]  # ml_collections wraps the KeyError that names the key.
-  text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)  # str(KeyError) is a repr.
-  msg = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-  if msg.startswith("Unknown command line flag 'config."):
-    return _unknown(msg.split(chr(39))[1])
-  if isinstance(e, (AttributeError, KeyError)):
-    key = msg.strip("'\"")
-    named = [a.split("=", 1)[0][2:] for a in argv if a.startswith("--config.")]
-    named = [n for n in named if key in n.split(".")]
-    unknown = [n for n in named if not schema.is_key(n.removeprefix("config."))]  # Not another flag's good key.
-    if unknown or named:
-      return _unknown((unknown or named)[0])
-    return _unknown(f"config.{key}")
-  bad = re.fullmatch(r"flag --(config\.[\w.]+)=(.*?): (.*)", msg)  # absl could not parse the value.
-  if bad:
-    key, value, reason = bad.groups()
-    reason = "must be true or false" if "Non-boolean" in reason else reason.split(" If you intended")[0]
-    return f"{key}: cannot parse {value!r}: {reason}"
-  missing = re.fullmatch(r"Missing value for flag --(config\.[\w.]+)", msg)
-  if missing:
-    return f"{missing.group(1)}: no value; pass --{missing.group(1)}=VALUE"
-  return msg.removeprefix("flag --")
-
-
-
-def _unknown(flag: str) -> str:
-  """The one line for an unknown `config.KEY`, with the nearest known key."""
-  return f"{flag}: unknown config key" + schema.did_you_mean(flag.removeprefix("config."))
-
-
-USAGE = """usage: python train.py --config=configs/default.py[:PRESET] [--config.KEY=VALUE ...]
-
-Trains the model the config describes.
-  PRESET  a model shape in configs/models/: {presets}
-  KEY     any key of configs/base.py, e.g. --config.steps=1000 --config.quant.recipe=fp8_current
-A bad flag, key or value exits 2 with one line naming it. README.md goes from install to a multi-host GPU launch."""
-
-
-def usage() -> str:
-  """`python train.py --help`: the command line and the model presets."""
-  try:
-    from configs.models import PRESETS
-    presets = ", ".join(PRESETS)
-  except ImportError:  # Run outside the repository: no presets beside it.
-    presets = "run from the repository to list them"
-  return USAGE.format(presets=presets)
 
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_count: int = 1) -> Settings:
@@ -146,7 +29,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_co
   settings it built for the checks (what `derive` gives).
 
   Each key against its declaration (config_schema), the precision schedule's phases, each section's own
-  rules (building the typed sections: ember/settings.py), then the rules across sections here.
+  rules (building the typed sections: ember/config/settings.py), then the rules across sections here.
   `num_devices=None`: the devices are not known here (a sweep checks its runs before starting any); the
   mesh's sizes are then left to the run."""
   schema.check(cfg)
@@ -166,7 +49,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_co
 def _validate_phases(cfg) -> None:
   """Each `quant.schedule` entry's recipe is one (its keys' kinds and choices, its `exclude` grammar: the Recipe's
   own checks), named by the entry and its step."""
-  for index, (start, phase) in enumerate(config_phases.precision_phases(cfg)[1:]):
+  for index, (start, phase) in enumerate(phases_lib.precision_phases(cfg)[1:]):
     try:
       section(Recipe, phase.quant)
     except ConfigError as e:

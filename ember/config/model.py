@@ -1,6 +1,6 @@
 """The model's shape as a typed, frozen value: what the layers, the FLOP count and the exporters read.
 
-The typed `model` section of the config (ember/settings.py builds it once, with the quantization recipe);
+The typed `model` section of the config (ember/config/settings.py builds it once, with the quantization recipe);
 every value derived from the model section (head_dim, which layers are MoE,
 the layers per scan block, each projection's recipe under `quant.exclude`) is computed here and
 nowhere else. Hashable, so layers and custom VJPs may close over it.

@@ -1,7 +1,7 @@
 """The config, typed: one frozen dataclass per section, built once by `config.derive` (`Settings.from_config`).
 
 Each field that holds a config key declares it (`keys.key`: kind, bound, choices), so the check of a config
-file (ember/config_schema.py) reads its table off these classes; each section's `__post_init__` holds the
+file (ember/config/schema.py) reads its table off these classes; each section's `__post_init__` holds the
 section's own rules, and rules across sections stay in ember/config.py. The `model` section is
 `ModelConfig` and the `quant` section the `Recipe`; their fields declare their keys the same way.
 Everything below the entry points (train.py and the tools) reads these objects, never the ConfigDict.
@@ -15,11 +15,11 @@ import os
 
 import numpy as np
 
-from ember import config_phases
+from ember.config import phases as config_phases
 from ember import remat
 from ember.errors import DataError, bad_key, one_line
 from ember.keys import declared, key
-from ember.model_config import ModelConfig
+from ember.config.model import ModelConfig
 from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, PIPELINE_SCHEDULES,
                          SOURCE_NEEDS, STATE_DTYPES)
 from ember.parallel import axes as axes_lib
