@@ -30,11 +30,11 @@ def main(argv: list[str]) -> int:
           flush=True)
   from ember.errors import Diverged, EmberError, fail_and_exit
   try:
-    from ember.config import load
+    from ember.config import load, validate
     from ember.plan.auto_remat import resolve
     from ember.trainer.loop import prepare, train
-    cfg, mesh = prepare(load(argv))
-    train(resolve(cfg, mesh), mesh)
+    settings, mesh = prepare(validate(load(argv), None))  # The config checked before the job is joined.
+    train(resolve(settings, mesh), mesh)
   except (EmberError, Diverged) as e:
     fail_and_exit(e)
   return 0

@@ -44,6 +44,17 @@ def config(preset: str = "tiny", **overrides):
   return cfg
 
 
+def loaded(argv: list[str]):
+  """The validated settings of a command line (`config.load`, then `config.validate` without devices): what a
+  tool hands on to the trainer, the compile or the planner."""
+  return config_lib.validate(config_lib.load(argv), None)
+
+
+def checked(cfg):
+  """A config tree validated without devices: the settings `train()` takes."""
+  return config_lib.validate(cfg, None)
+
+
 def settings(preset: str = "tiny", num_devices: int = 1, **overrides):
   """`config(preset, **overrides)` validated and derived for `num_devices` devices: the typed settings."""
   cfg = config(preset, **overrides)

@@ -219,3 +219,15 @@ def test_help_prints_the_usage_and_the_presets():
   assert proc.returncode == 0 and proc.stdout.startswith("usage: python train.py --config="), proc.stderr
   from configs.models import PRESETS
   assert all(p in proc.stdout for p in PRESETS) and "llama3_8b" in PRESETS
+
+
+def test_the_model_section_is_the_model_shape_alone():
+  """The recipe is held once (`Settings.quant`, the precision phase's) and handed to the layers beside the model's
+  shape, which is the same in every phase."""
+  import dataclasses
+  from ember.config.model import ModelConfig
+  from ember.quant.recipe import Recipe
+  assert not [f.name for f in dataclasses.fields(ModelConfig) if "recipe" in f.name.lower() or f.type in (Recipe, "Recipe")]
+  s = config_lib.validate(config_lib.load(["train.py", f"--config={ROOT}/configs/default.py:tiny",
+                                           "--config.quant.schedule=((3, {'recipe': 'bf16'}),)", "--config.steps=5"]), None)
+  assert s.at_phase(1).model == s.model and s.at_phase(1).quant.name == "bf16" != s.quant.name

@@ -50,7 +50,7 @@ def _values(abstract_state, seed: int):
 
 def segment_problem(recipe: str, batch: int = 2):
   cfg = config_lib.derive(config("tiny", **{"quant.recipe": recipe, "model.dtype": "float32"}), 1)
-  make = lambda: Segment(cfg.model, [0, 1], nnx.Rngs(params=jax.random.key(0)))
+  make = lambda: Segment(cfg.model, cfg.quant, [0, 1], nnx.Rngs(params=jax.random.key(0)))
   with nnx.use_eager_sharding(False):
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
   rng = np.random.default_rng(1)

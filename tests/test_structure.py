@@ -165,6 +165,26 @@ def test_only_the_recipe_table_quantizers_and_kernels_spell_a_recipe():
   assert not offenders, "\n".join(offenders)
 
 
+def test_only_the_config_package_reads_config_trees():
+  """ml_collections is imported by ember/config/ alone, and no function outside it takes a ConfigDict: every
+  parameter that carries the config (`cfg`, `settings`) is annotated with the typed `Settings`."""
+  importers, untyped = [], []
+  for module, path in MODULES.items():
+    if module.startswith("ember.config"):
+      continue
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      importers += [f"{module}: imports {n}" for n in names if n.split(".")[0] == "ml_collections"]
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+          annotation = ast.unparse(a.annotation) if a.annotation else None
+          if "ConfigDict" in (annotation or "") or (a.arg in ("cfg", "settings") and annotation != "Settings"):
+            untyped.append(f"{module}.{node.name}({a.arg}: {annotation})")
+  assert not importers and not untyped, "\n".join(importers + untyped)
+
+
 def test_the_checker_sees_what_it_must():
   """The walkers above find function-level imports, upward imports and comparisons (a self-check)."""
   assert "ember.trainer.step" in GRAPH["ember.trainer.loop"]

@@ -7,14 +7,20 @@
   phases.py     `quant.schedule`: which quant.* settings apply from which step;
   model.py      the model's shape (`ModelConfig`), what the layers read;
   settings.py   the typed, frozen sections (`Settings`) and the values derived from others;
-  checks.py     `validate` (the rules across sections) and `derive` (the tree to `Settings`).
+  checks.py     `validate` (the rules across sections; the tree to `Settings`), `on_devices` (the settings
+                once the devices are known) and `derive` (the tree to `Settings`, unchecked).
+
+Past `validate` only the typed, frozen `Settings` travels: the trainer, the planner, inference and the tools
+take it and change it with `dataclasses.replace` (or `Settings.replace("section.key", value)`).
 
 The key declarations themselves (`key`, `KeySpec`: ember/keys.py) sit below this package: the recipe table
 (ember/quant/recipe.py) declares its keys with them too.
 """
 
-from ember.config.checks import derive, directory_problem, validate
+from ember.config.checks import derive, directory_problem, from_saved, on_devices, validate
 from ember.config.loading import load, usage
+from ember.config.settings import Settings
 from ember.errors import ConfigError
 
-__all__ = ["ConfigError", "derive", "directory_problem", "load", "usage", "validate"]
+__all__ = ["ConfigError", "Settings", "derive", "directory_problem", "from_saved", "load", "on_devices", "usage",
+           "validate"]

@@ -26,24 +26,34 @@ from ember.quant.recipe import Recipe
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_count: int = 1) -> Settings:
   """Checks every key before anything is built; raises ConfigError naming the first bad key. Returns the typed
-  settings it built for the checks (what `derive` gives).
+  settings it built for the checks (what `derive` gives): past here only they travel.
 
-  Each key against its declaration (config_schema), the precision schedule's phases, each section's own
-  rules (building the typed sections: ember/config/settings.py), then the rules across sections here.
-  `num_devices=None`: the devices are not known here (a sweep checks its runs before starting any); the
-  mesh's sizes are then left to the run."""
+  Each key against its declaration (schema), the precision schedule's phases, each section's own rules
+  (building the typed sections: ember/config/settings.py), then the rules across sections here.
+  `num_devices=None`: the devices are not known yet (train.py checks the config before JAX starts; a sweep
+  checks its runs before starting any); `on_devices` then resolves and checks the mesh's sizes."""
   schema.check(cfg)
   _validate_phases(cfg)
-  settings = derive(cfg, num_devices)  # The sections' own rules run as they are built.
+  settings = derive(cfg, None)  # The sections' own rules run as they are built.
   _validate_exclude(settings.quant, settings.model.num_layers, "quant.exclude")
   for index, (start, recipe) in enumerate(settings.phases[1:]):
     _validate_exclude(recipe, settings.model.num_layers, f"quant.schedule[{index}]: from step {start}: quant.exclude")
   _validate_data(settings, process_count)
   _validate_log(settings)
-  if num_devices is not None:
-    _validate_mesh(settings)
   _validate_paths(settings)
-  return settings
+  return settings if num_devices is None else on_devices(settings, num_devices, process_count)
+
+
+def on_devices(settings: Settings, num_devices: int, process_count: int = 1) -> Settings:
+  """Validated `settings` on `num_devices` devices of `process_count` processes: the values that need the
+  devices derived (`Settings.for_devices`: the mesh's sizes, the micro-batches) and the rules that read them
+  checked. What the trainer, the compile and the planner do once they know the devices."""
+  if not isinstance(settings, Settings):  # A config tree not yet validated: a caller's mistake, said plainly.
+    raise TypeError(f"on_devices takes the Settings config.validate returns, not a {type(settings).__name__}")
+  out = settings.for_devices(num_devices)
+  _validate_mesh(out)
+  distributed.data_shards(out.data.num_shards, out.train.batch_size, 0, process_count)  # Raises naming the key.
+  return out
 
 
 def _validate_phases(cfg) -> None:
@@ -181,10 +191,24 @@ def _validate_mesh(s: Settings) -> None:
 
 
 def derive(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Settings:
-  """The typed config of a validated `cfg` on `num_devices` devices: built once, derived values filled in
-  (head_dim, the mesh's sizes within a host, the decay length, each precision phase's recipe).
-  `num_devices=None` leaves the mesh's sizes as written (for what does not depend on the devices)."""
+  """The typed config of a validated `cfg` on `num_devices` devices, unchecked across sections: built once,
+  derived values filled in (head_dim, the mesh's sizes within a host, the decay length, each precision phase's
+  recipe). `num_devices=None` leaves the mesh's sizes as written (for what does not depend on the devices)."""
   return Settings.from_config(cfg, num_devices)
+
+
+def from_saved(saved: dict, overrides: dict | None = None) -> Settings:
+  """The typed settings of a config a run saved (`Settings.to_dict`, in a checkpoint's metadata), with dotted
+  `overrides` ({"model.dtype": "float32"}) applied before the derived values are worked out again (a recipe's
+  health statistics follow `log.quant_stats_every`). The devices are left to the caller (`on_devices`)."""
+  cfg = ml_collections.ConfigDict(saved)
+  for dotted, value in (overrides or {}).items():
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return derive(cfg, None)
 
 
 def _validate_pipeline(s: Settings) -> None:
@@ -200,7 +224,7 @@ def _validate_pipeline(s: Settings) -> None:
   if virtual > 1 and s.pipeline.schedule != "interleaved_1f1b":
     bad_key("pipeline.virtual_stages", f"{virtual} chunks a stage need pipeline.schedule=interleaved_1f1b, not "
             f"{s.pipeline.schedule!r}")
-  segments = m.segments()
+  segments = m.segments(s.quant)
   if len(segments) > 1:
     bad_key(key, f"the decoder's layers form {len(segments)} scan segments (model.first_k_dense or layer-specific "
             "quant.exclude entries); a pipeline splits one")

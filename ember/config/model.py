@@ -1,9 +1,10 @@
 """The model's shape as a typed, frozen value: what the layers, the FLOP count and the exporters read.
 
-The typed `model` section of the config (ember/config/settings.py builds it once, with the quantization recipe);
-every value derived from the model section (head_dim, which layers are MoE,
-the layers per scan block, each projection's recipe under `quant.exclude`) is computed here and
-nowhere else. Hashable, so layers and custom VJPs may close over it.
+The typed `model` section of the config (ember/config/settings.py builds it once): the model's shape only, the
+same in every precision phase (the recipe is the phase's, handed to the layers beside it). Every value derived
+from the model section (head_dim, which layers are MoE, the layers per scan block, the scan segments a recipe's
+`quant.exclude` cuts it into) is computed here and nowhere else. Hashable, so layers and custom VJPs may close
+over it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The config's `model` section, typed (each field declares its key: ember/keys.py), and the recipe."""
+  """The config's `model` section, typed (each field declares its key: ember/keys.py)."""
   name: str = key("str")
   num_layers: int = key("int", ">=1")
   d_model: int = key("int", ">=1")
@@ -77,8 +78,6 @@ class ModelConfig:
   # Multi-token prediction (layers/mtp.py): modules predicting 2, 3, ... tokens ahead, their loss weighted.
   mtp_depth: int = key("int", ">=0")
   mtp_loss_weight: float = key("float", ">=0")
-  recipe: Recipe = dataclasses.field(default_factory=Recipe)  # The `quant` section (with its log and train
-  # options), which every projection reads through `recipe_for`.
 
   def __post_init__(self):
     """The section's own rules (the typed values are already of their kind and within their bounds)."""
@@ -212,17 +211,14 @@ class ModelConfig:
   def num_blocks(self) -> int:
     return self.num_layers // self.block_size
 
-  def recipe_for(self, projection: str, layer: int | None = None) -> Recipe:
-    """The recipe of projection kind `projection` in `layer` (None: the LM head), `quant.exclude` applied."""
-    return self.recipe.for_projection(projection, layer, self.num_layers)
-
-  def segments(self) -> list[list[int]]:
-    """The decoder's scan segments (ember/layers/decoder.py): runs of consecutive blocks of the same layers (dense
-    or MoE: `first_k_dense`) whose projections resolve to the same recipes under `quant.exclude`."""
+  def segments(self, recipe: Recipe) -> list[list[int]]:
+    """The decoder's scan segments (ember/layers/decoder.py) under `recipe`: runs of consecutive blocks of the
+    same layers (dense or MoE: `first_k_dense`) whose projections resolve to the same recipes under
+    `quant.exclude`."""
     def signature(b):
       layers = range(b * self.block_size, (b + 1) * self.block_size)
       return (tuple(self.is_moe_layer(i) for i in layers),
-              tuple(self.recipe_for(p, i).name for i in layers for p in LAYER_PROJECTIONS))
+              tuple(recipe.for_projection(p, i, self.num_layers).name for i in layers for p in LAYER_PROJECTIONS))
 
     groups: list[list[int]] = []
     for b in range(self.num_blocks):

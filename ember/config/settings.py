@@ -310,8 +310,9 @@ SECTIONS = {"model": ModelConfig, "train": Train, "quant": Recipe, "remat": Rema
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """The whole config, typed. `quant` is the recipe of the run's first precision phase (the same object as
-  `model.recipe`); `phases` holds each phase's first step and recipe (`quant.schedule`)."""
+  """The whole config, typed. `quant` is the recipe these settings run (the first precision phase's, or the one
+  `at_phase` picked), the one place the layers get it from (`model` is the shape alone); `phases` is the
+  schedule: each phase's first step and recipe (`quant.schedule`)."""
   workdir: str = key("str")
   seed: int = key("int", ">=0")
   steps: int = key("int", ">=1")
@@ -344,32 +345,37 @@ class Settings:
     data = section(Data, cfg.data)
     vocab = tokenizer_vocab(data.tokenizer)  # Loading it checks data.tokenizer.
     model = section(ModelConfig, m, head_dim=m.head_dim or m.d_model // m.num_heads,
-                    vocab_size=m.vocab_size or vocab, recipe=quant)
-    mesh_sizes = {}
-    if num_devices is not None:
-      mesh_sizes, _ = mesh_lib.ici_dcn(cfg.mesh, num_devices)  # Within a host; the mesh multiplies by dcn.
+                    vocab_size=m.vocab_size or vocab)
     train = section(Train, cfg.train, decay_steps=cfg.train.decay_steps or max(cfg.steps - cfg.train.warmup_steps, 1))
-    mesh = section(Mesh, cfg.mesh, **mesh_sizes)
-    if num_devices is not None and train.device_batch_size:
-      train = dataclasses.replace(train, grad_accum_steps=_accumulation(train, mesh))
     phases = tuple((start, quant if start == 0 else recipe(phase.quant))
                    for start, phase in config_phases.precision_phases(cfg))
-    return cls(workdir=cfg.workdir, seed=cfg.seed, steps=cfg.steps, model=model, train=train, quant=quant,
-               remat=section(Remat, cfg.remat), data=data,
-               mesh=mesh, pipeline=section(Pipeline, cfg.pipeline), checkpoint=section(Checkpoint, cfg.checkpoint),
-               log=section(Log, cfg.log), distributed=section(Distributed, cfg.distributed), phases=phases,
-               schedule=_plain(cfg.quant.schedule))
+    settings = cls(workdir=cfg.workdir, seed=cfg.seed, steps=cfg.steps, model=model, train=train, quant=quant,
+                   remat=section(Remat, cfg.remat), data=data, mesh=section(Mesh, cfg.mesh),
+                   pipeline=section(Pipeline, cfg.pipeline), checkpoint=section(Checkpoint, cfg.checkpoint),
+                   log=section(Log, cfg.log), distributed=section(Distributed, cfg.distributed), phases=phases,
+                   schedule=_plain(cfg.quant.schedule))
+    return settings if num_devices is None else settings.for_devices(num_devices)
+
+  def for_devices(self, num_devices: int) -> "Settings":
+    """These settings on `num_devices` devices: the mesh's -1 axis resolved and `mesh.data|fsdp|...` the sizes
+    within a host (the mesh multiplies them by the dcn host counts); with `train.device_batch_size`, the
+    micro-batches that give each device that many sequences. Settings already on `num_devices` stay as they are."""
+    sizes, _ = mesh_lib.ici_dcn(self.mesh, num_devices)
+    mesh = dataclasses.replace(self.mesh, **sizes)
+    train = self.train
+    if train.device_batch_size:
+      train = dataclasses.replace(train, grad_accum_steps=_accumulation(train, mesh))
+    return dataclasses.replace(self, mesh=mesh, train=train)
 
   # --- Views --------------------------------------------------------------------------------------------
 
   def at_phase(self, index: int) -> "Settings":
-    """The settings that run precision phase `index`: its recipe in `quant` and in the model."""
-    recipe = self.phases[index][1]
-    return dataclasses.replace(self, quant=recipe, model=dataclasses.replace(self.model, recipe=recipe))
+    """The settings that run precision phase `index`: its recipe in `quant`."""
+    return dataclasses.replace(self, quant=self.phases[index][1])
 
   def replace(self, dotted: str, value) -> "Settings":
     """A copy with one key changed (`"remat.policy"`, `"train.batch_size"`); the section's rules run again.
-    Keys of `quant` also reach `model.recipe`."""
+    Keys of `quant` change the first phase's recipe too."""
     section, _, name = dotted.rpartition(".")
     if not section:
       return dataclasses.replace(self, **{name: value})
@@ -377,8 +383,7 @@ class Settings:
     field = next(f.name for n, f, _ in declared(cls_) if n == name)
     new = dataclasses.replace(getattr(self, section), **{field: value})
     if section == "quant":
-      return dataclasses.replace(self, quant=new, model=dataclasses.replace(self.model, recipe=new),
-                                 phases=((0, new),) + self.phases[1:])
+      return dataclasses.replace(self, quant=new, phases=((0, new),) + self.phases[1:])
     return dataclasses.replace(self, **{section: new})
 
   def to_dict(self) -> dict:

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from ember.config import Settings
 from ember.data.pipeline import make_iterator, mixture_components
 from ember.errors import warn
 from ember.names import BATCH_KEYS, SOURCE
@@ -87,7 +88,7 @@ class ShardedIterator:
       getattr(it, "close", lambda: None)()
 
 
-def data_iterator(cfg, split: str) -> ShardedIterator:
+def data_iterator(cfg: Settings, split: str) -> ShardedIterator:
   """This process's rows of each global batch of `split` (ember/parallel/distributed.py's `data_shards`)."""
   shards = distributed.data_shards(cfg.data.num_shards, cfg.train.batch_size)
   threads = max(1, int(cfg.data.num_threads) // len(shards.mine))  # The process's read threads, over its shards.
@@ -105,7 +106,7 @@ def data_fingerprint(data_cfg, split: str) -> str:
   return json.dumps({k: getattr(data_cfg, k) for k in keys}, sort_keys=True, default=str)
 
 
-def source_shares(cfg) -> SourceShares:
+def source_shares(cfg: Settings) -> SourceShares:
   """The share counter of the training mixture (counts nothing without one)."""
   return SourceShares([name for name, _, _ in mixture_components(cfg.data, "train")])
 

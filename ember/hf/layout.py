@@ -40,8 +40,9 @@ from typing import Callable
 
 import numpy as np
 
-from ember.layers.decoder import layer_slots, stacked_layers, tree_leaves, within_layer
 from ember.config.model import ModelConfig
+from ember.layers.decoder import layer_slots, stacked_layers, tree_leaves, within_layer
+from ember.quant.recipe import Recipe
 
 Get = Callable[[str, tuple], np.ndarray]  # (HF name, expected shape) -> array.
 
@@ -270,11 +271,11 @@ def _unsupported_by_deepseek(m: ModelConfig) -> str | None:
 # --- ember -> Hugging Face -------------------------------------------------------------------------
 
 
-def to_hf(m: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+def to_hf(m: ModelConfig, recipe: Recipe, params: dict) -> dict[str, np.ndarray]:
   """HF tensors (name -> host array, in the parameters' dtype) from ember's parameter tree, in HF's order."""
   out = {}
   out.update(TOP_RULES[("embed", "embedding")].to_hf(m, np.asarray(params["embed"]["embedding"])))
-  for slot in layer_slots(m):
+  for slot in layer_slots(m, recipe):
     layer = params["segments"][slot.segment]["blocks"]["layers"][slot.j]
     for path, stacked in tree_leaves(layer):
       for name, w in layer_rules(m)[path].to_hf(m, np.asarray(stacked[slot.index])).items():
@@ -303,12 +304,12 @@ def mtp_rule(m: ModelConfig, path: tuple) -> Rule:
 # --- Hugging Face -> ember -------------------------------------------------------------------------
 
 
-def leaf_source(m: ModelConfig, path: tuple) -> tuple[Rule, list[int] | None]:
+def leaf_source(m: ModelConfig, recipe: Recipe, path: tuple) -> tuple[Rule, list[int] | None]:
   """For a leaf of ember's parameter tree: its rule and, for stacked layer leaves, the layer of each
   index of the leading axis (None for leaves outside the layers)."""
   if path[0] == "mtp":
     return mtp_rule(m, path), None
-  layers = stacked_layers(m, path)
+  layers = stacked_layers(m, recipe, path)
   return (TOP_RULES[tuple(path)] if layers is None else layer_rules(m)[within_layer(path)]), layers
 
 

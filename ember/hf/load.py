@@ -16,20 +16,21 @@ import os
 import jax
 import numpy as np
 
+from ember.config.model import ModelConfig
 from ember.errors import CheckpointError
 from ember.hf import layout
 from ember.hf.safetensors import Reader
 from ember.layers.decoder import keys_of, tree_leaves
-from ember.config.model import ModelConfig
+from ember.quant.recipe import Recipe
 
 WHAT = "config.checkpoint.init_from_hf"
 
 
-def expected_tensors(m: ModelConfig, abstract_params: dict) -> dict[str, tuple[int, ...]]:
+def expected_tensors(m: ModelConfig, recipe: Recipe, abstract_params: dict) -> dict[str, tuple[int, ...]]:
   """HF name -> shape for ember's parameter shapes (traced with `jax.eval_shape`: no arrays are made)."""
   out = {}
   for path, leaf in tree_leaves(abstract_params):
-    rule, layers = layout.leaf_source(m, path)
+    rule, layers = layout.leaf_source(m, recipe, path)
     one = jax.ShapeDtypeStruct(leaf.shape if layers is None else leaf.shape[1:], leaf.dtype)
     hf = jax.eval_shape(lambda w, rule=rule: rule.to_hf(m, w), one)
     for layer in [None] if layers is None else layers:
@@ -38,7 +39,7 @@ def expected_tensors(m: ModelConfig, abstract_params: dict) -> dict[str, tuple[i
   return out
 
 
-def check(directory: str, m: ModelConfig, abstract_params: dict) -> Reader:
+def check(directory: str, m: ModelConfig, recipe: Recipe, abstract_params: dict) -> Reader:
   """The directory's reader once config.json and every tensor agree with the model; else CheckpointError."""
   problem = layout.unsupported(m)
   if problem:
@@ -52,7 +53,7 @@ def check(directory: str, m: ModelConfig, abstract_params: dict) -> Reader:
   if problem:
     raise CheckpointError(f"{WHAT}: {directory}/config.json: {problem}")
   reader = Reader(directory)
-  want = expected_tensors(m, abstract_params)
+  want = expected_tensors(m, recipe, abstract_params)
   for name, shape in want.items():
     if name not in reader and m.mtp_depth and name.startswith(layout.mtp_prefix(m, 0)):
       raise CheckpointError(f"{WHAT}: {directory} holds no multi-token-prediction module ({name} is missing); set "
@@ -92,7 +93,7 @@ def keeps_router_biases(m: ModelConfig) -> bool:
   return m.is_moe and bool(m.router_bias_update_rate) and layout.family(m) == "deepseek_v3"
 
 
-def router_biases(directory: str, m: ModelConfig, quant_state: dict) -> dict:
+def router_biases(directory: str, m: ModelConfig, recipe: Recipe, quant_state: dict) -> dict:
   """`quant_state` (a new run's, placed) with every MoE layer's router bias read from the directory's
   `mlp.gate.e_score_correction_bias` (DeepSeek-V3): the bias is routing state, kept beside the amax histories."""
   from ember.layers.moe import ROUTER_BIAS
@@ -100,23 +101,25 @@ def router_biases(directory: str, m: ModelConfig, quant_state: dict) -> dict:
 
   def take(path, leaf):
     keys = keys_of(path)
-    return _load_leaf(reader, m, keys, leaf, leaf.sharding) if keys[-1] == ROUTER_BIAS else leaf
+    return _load_leaf(reader, m, recipe, keys, leaf, leaf.sharding) if keys[-1] == ROUTER_BIAS else leaf
 
   return jax.tree_util.tree_map_with_path(take, quant_state)
 
 
-def load_params(directory: str, m: ModelConfig, abstract_params: dict, shardings: dict) -> dict:
+def load_params(directory: str, m: ModelConfig, recipe: Recipe, abstract_params: dict,
+                shardings: dict) -> dict:
   """ember's parameter tree (arrays placed by `shardings`) from the HF directory."""
   directory = os.path.abspath(os.path.expanduser(directory))
-  reader = check(directory, m, abstract_params)
-  return jax.tree_util.tree_map_with_path(lambda p, leaf, sh: _load_leaf(reader, m, keys_of(p), leaf, sh),
+  reader = check(directory, m, recipe, abstract_params)
+  return jax.tree_util.tree_map_with_path(lambda p, leaf, sh: _load_leaf(reader, m, recipe, keys_of(p), leaf, sh),
                                           abstract_params, shardings)
 
 
-def _load_leaf(reader: Reader, m: ModelConfig, path: tuple, leaf, sharding) -> jax.Array:
+def _load_leaf(reader: Reader, m: ModelConfig, recipe: Recipe, path: tuple, leaf,
+               sharding) -> jax.Array:
   """One parameter, from this process's shards only: each layer's tensor is built once and its slices go
   straight into the host buffer of every local device that holds part of it."""
-  rule, layers = layout.leaf_source(m, path)
+  rule, layers = layout.leaf_source(m, recipe, path)
   dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
   indices = sharding.addressable_devices_indices_map(shape)  # device -> tuple of slices
   buffers = {d: np.empty([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype)

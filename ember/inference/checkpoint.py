@@ -10,7 +10,7 @@ import os
 import jax
 from flax import nnx
 
-from ember.config import derive
+from ember.config import from_saved
 from ember.errors import ConfigError
 from ember.layers.decoder import Transformer, keys_of
 from ember.layers.moe import ROUTER_BIAS
@@ -28,12 +28,9 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
   serving stacks run); `dtype` the compute dtype; `host` puts it on the host's CPU device (export needs
   host memory, not an accelerator's). Call the model inside `sharding.use_rules(mesh, rules)`.
   """
-  raw, step_dir = checkpointing.saved_config(path, what)
-  with raw.unlocked():
-    raw.log.quant_stats_every = 0  # No health statistics while sampling.
-    if dtype:
-      raw.model.dtype = dtype
-  cfg = derive(raw, None)
+  saved, step_dir = checkpointing.saved_config(path, what)
+  # No health statistics while sampling.
+  cfg = from_saved(saved, {"log.quant_stats_every": 0, **({"model.dtype": dtype} if dtype else {})})
   cfg = cfg.at_phase(precision.Phases(cfg).state_phase(int(os.path.basename(step_dir))))  # The phase that saved it.
   trained_recipe = cfg.quant.name
   if recipe:

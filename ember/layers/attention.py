@@ -28,6 +28,7 @@ from ember.parallel import sharding
 from ember.parallel.sharding import shard
 from ember.platform import target_platform
 from ember.quant.varying import manual_axes
+from ember.quant.recipe import Recipe
 
 
 def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
@@ -111,16 +112,17 @@ def cudnn_refusal(batch: int, length: int, num_heads: int, num_kv_heads: int, he
 
 
 class Attention(nnx.Module):
-  def __init__(self, model: ModelConfig, *, layer: int, rngs: nnx.Rngs):
+  def __init__(self, model: ModelConfig, *, recipe: Recipe, layer: int, rngs: nnx.Rngs):
     self.num_heads, self.num_kv_heads, self.head_dim = model.num_heads, model.num_kv_heads, model.head_dim
     self.groups = model.q_per_kv
     self.rope_theta, self.implementation = model.rope_theta, model.attention
     common = dict(dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
+    recipe_of = lambda name: recipe.for_projection(name, layer, model.num_layers)  # `quant.exclude` applied.
     self.qkv = Linear((model.d_model,), (model.num_kv_heads, self.groups + 2, model.head_dim),
-                      (EMBED, KV_HEADS, QKV, HEAD_DIM), name="qkv", recipe=model.recipe_for("qkv", layer),
-                      init_std=model.init_std, **common)
+                      (EMBED, KV_HEADS, QKV, HEAD_DIM), name="qkv", recipe=recipe_of("qkv"), init_std=model.init_std,
+                      **common)
     self.out = Linear((model.num_heads, model.head_dim), (model.d_model,), (HEADS, HEAD_DIM, EMBED), name="out",
-                      recipe=model.recipe_for("out", layer), init_std=model.out_init_std, **common)
+                      recipe=recipe_of("out"), init_std=model.out_init_std, **common)
     if model.qk_norm:  # One scale over head_dim shared by all heads, for queries and for keys (Qwen3).
       norm = dict(eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
       self.q_norm, self.k_norm = RMSNorm(model.head_dim, **norm), RMSNorm(model.head_dim, **norm)

@@ -40,6 +40,7 @@ from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, LAYERS, LENGTH, LM_HE
 from ember.parallel import context
 from ember.parallel.sharding import shard
 from ember.quant import dot
+from ember.quant.recipe import Recipe
 
 
 def zero_aux() -> dict[str, jax.Array]:
@@ -47,16 +48,16 @@ def zero_aux() -> dict[str, jax.Array]:
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, model: ModelConfig, index: int, rngs: nnx.Rngs):
+  def __init__(self, model: ModelConfig, recipe: Recipe, index: int, rngs: nnx.Rngs):
     norm = dict(eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.attn_norm = RMSNorm(model.d_model, **norm)
-    self.attn = (LatentAttention if model.is_mla else Attention)(model, layer=index, rngs=rngs)
+    self.attn = (LatentAttention if model.is_mla else Attention)(model, recipe=recipe, layer=index, rngs=rngs)
     self.mlp_norm = RMSNorm(model.d_model, **norm)
     self.is_moe = model.is_moe_layer(index)
     if self.is_moe:
-      self.moe = MoE(model, layer=index, rngs=rngs)
+      self.moe = MoE(model, recipe=recipe, layer=index, rngs=rngs)
     else:
-      self.mlp = MLP(model, model.dense_width, layer=index, rngs=rngs)
+      self.mlp = MLP(model, model.dense_width, recipe=recipe, layer=index, rngs=rngs)
 
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None):
     """`bias`: the attention's segment bias, made once for every layer (Transformer.__call__), or None."""
@@ -83,8 +84,8 @@ class DecoderLayer(nnx.Module):
 class Block(nnx.Module):
   """`model.block_size` consecutive layers starting at `first`: the body of one scan step."""
 
-  def __init__(self, model: ModelConfig, first: int, rngs: nnx.Rngs):
-    self.layers = nnx.List([DecoderLayer(model, first + j, rngs) for j in range(model.block_size)])
+  def __init__(self, model: ModelConfig, recipe: Recipe, first: int, rngs: nnx.Rngs):
+    self.layers = nnx.List([DecoderLayer(model, recipe, first + j, rngs) for j in range(model.block_size)])
     self.num_experts = model.num_experts
 
   def __call__(self, x, segment_ids, positions, key=None, bias=None):
@@ -125,7 +126,7 @@ class Segment(nnx.Module):
   """Blocks `block_ids` stacked along a leading `layers` axis, run by one scan (`model.scan_layers`) or one after
   another."""
 
-  def __init__(self, model: ModelConfig, block_ids: Sequence[int], rngs: nnx.Rngs):
+  def __init__(self, model: ModelConfig, recipe: Recipe, block_ids: Sequence[int], rngs: nnx.Rngs):
     self.block_ids = tuple(block_ids)
     self.scan = model.scan_layers
     first = self.block_ids[0] * model.block_size
@@ -133,7 +134,7 @@ class Segment(nnx.Module):
     @nnx.split_rngs(splits=len(self.block_ids))
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
     def make(rngs):
-      return Block(model, first, rngs)
+      return Block(model, recipe, first, rngs)
 
     self.blocks = make(rngs)
 
@@ -177,9 +178,9 @@ class Segment(nnx.Module):
     return jax.lax.scan(body, x, (state, *cache))
 
 
-def segments_of(model: ModelConfig) -> list[list[int]]:
-  """The blocks of each scan segment (ModelConfig.segments)."""
-  return model.segments()
+def segments_of(model: ModelConfig, recipe: Recipe) -> list[list[int]]:
+  """The blocks of each scan segment under `recipe` (ModelConfig.segments)."""
+  return model.segments(recipe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,10 +192,10 @@ class LayerSlot:
   j: int
 
 
-def layer_slots(model: ModelConfig) -> list[LayerSlot]:
-  """Where each layer's parameters (and statistics) live in the stacked tree, in layer order."""
+def layer_slots(model: ModelConfig, recipe: Recipe) -> list[LayerSlot]:
+  """Where each layer's parameters (and statistics) live in the tree stacked under `recipe`, in layer order."""
   slots = []
-  for s, block_ids in enumerate(segments_of(model)):
+  for s, block_ids in enumerate(segments_of(model, recipe)):
     for index, block in enumerate(block_ids):
       for j in range(model.block_size):
         slots.append(LayerSlot(block * model.block_size + j, s, index, j))
@@ -215,12 +216,12 @@ def keys_of(key_path) -> tuple:
   return tuple(k.key for k in key_path)
 
 
-def stacked_layers(model: ModelConfig, path: tuple) -> list[int] | None:
+def stacked_layers(model: ModelConfig, recipe: Recipe, path: tuple) -> list[int] | None:
   """For a leaf of the stacked state at `path` (segments/s/blocks/layers/j/<path within the layer>): the
   layer at each index of its leading axis. None for leaves outside the layers (embedding, final norm, head)."""
   if path[0] != "segments":
     return None
-  slots = [s for s in layer_slots(model) if s.segment == path[1] and s.j == path[4]]
+  slots = [s for s in layer_slots(model, recipe) if s.segment == path[1] and s.j == path[4]]
   return [s.layer for s in sorted(slots, key=lambda s: s.index)]
 
 
@@ -229,13 +230,13 @@ def within_layer(path: tuple) -> tuple:
   return tuple(path[5:])
 
 
-def rows_by_layer(tree: dict, model: ModelConfig) -> dict:
+def rows_by_layer(tree: dict, model: ModelConfig, recipe: Recipe) -> dict:
   """{(layer, path below the layer): that layer's array} of a stacked state tree (params, quant state; (None,
   path) for leaves outside the layers). Keyed by layer, because `quant.exclude` regroups layers into other
   scan segments from one config to the next."""
   rows = {}
   for path, leaf in tree_leaves(tree):
-    layers = stacked_layers(model, path)
+    layers = stacked_layers(model, recipe, path)
     if layers is None:
       rows[(None, path)] = leaf
     else:
@@ -243,13 +244,13 @@ def rows_by_layer(tree: dict, model: ModelConfig) -> dict:
   return rows
 
 
-def stacked_like(row_of, model: ModelConfig, like: dict) -> dict:
-  """A stacked state tree of `model` in the structure of `like` (e.g. abstract), each layer's row (or a leaf
+def stacked_like(row_of, model: ModelConfig, recipe: Recipe, like: dict) -> dict:
+  """A state tree of `model` stacked under `recipe`, in the structure of `like` (e.g. abstract), each layer's row (or a leaf
   outside the layers) from `row_of(key, shape and dtype)`, with `rows_by_layer`'s keys: the inverse of
   `rows_by_layer` when the state was stacked under another `quant.exclude`."""
   def take(key_path, leaf):
     path = keys_of(key_path)
-    layers = stacked_layers(model, path)
+    layers = stacked_layers(model, recipe, path)
     if layers is None:
       return row_of((None, path), jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
     row = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
@@ -262,25 +263,26 @@ class Transformer(nnx.Module):
   """Decoder-only LM. `__call__` returns the final normed hidden states; `head` maps them to logits
   (the loss applies it chunk by chunk so full [batch, length, vocab] logits never exist)."""
 
-  def __init__(self, model: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, model: ModelConfig, recipe: Recipe, rngs: nnx.Rngs):
+    """`recipe`: the precision phase's (Settings.quant); each projection runs it with `quant.exclude` applied."""
     self.embed = Embed(model.vocab_size, model.d_model, init_std=model.init_std, dtype=model.dtype,
                        param_dtype=model.param_dtype, rngs=rngs)
-    self.segments = nnx.List([Segment(model, ids, rngs) for ids in segments_of(model)])
+    self.segments = nnx.List([Segment(model, recipe, ids, rngs) for ids in segments_of(model, recipe)])
     self.num_blocks, self.num_experts = model.num_blocks, model.num_experts
     if model.mtp_depth:
-      self.mtp = nnx.List([mtp_lib.PredictionModule(model, k, rngs, make_layer=DecoderLayer)
+      self.mtp = nnx.List([mtp_lib.PredictionModule(model, recipe, k, rngs, make_layer=DecoderLayer)
                            for k in range(1, model.mtp_depth + 1)])
     self.final_norm = RMSNorm(model.d_model, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.tie_embeddings = model.tie_embeddings
-    self.tied_wgrad_dtype = model.recipe.wgrad_out(model.param_dtype)  # The tied head's weight-gradient GEMM.
+    self.tied_wgrad_dtype = recipe.wgrad_out(model.param_dtype)  # The tied head's weight-gradient GEMM.
     self.cache_shapes = model.cache_shapes  # Per token: (k, v), or MLA's (latent, RoPE key).
     self.kv_dtype, self.max_len = model.dtype, model.seq_len
     if not model.tie_embeddings:
       # The loss calls the head once per token chunk, and delayed scaling's history update assumes
       # one call per step, so the head's recipe keeps no amax history (`Recipe.stateless`).
       self.lm_head = Linear((model.d_model,), (model.vocab_size,), (EMBED, VOCAB), name=LM_HEAD,
-                            recipe=model.recipe_for(LM_HEAD).stateless(), init_std=model.init_std,
-                            dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
+                            recipe=recipe.for_projection(LM_HEAD, None, model.num_layers).stateless(),
+                            init_std=model.init_std, dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
 
   def __call__(self, tokens_BxL, segment_ids_BxL, positions_BxL, key=None,
                policy: remat.Preset = remat.PRESETS["none"]):

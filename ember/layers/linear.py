@@ -100,7 +100,7 @@ class Linear(nnx.Module):
 
   `name` is the projection's kind (one of names.PROJECTIONS: it names the quantized residuals and
   picks the stochastic-rounding stream); `recipe` is this instance's recipe, `quant.exclude`
-  already applied (ModelConfig.recipe_for).
+  already applied (Recipe.for_projection).
   """
 
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], axes: Sequence[str | None], *,

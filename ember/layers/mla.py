@@ -31,6 +31,7 @@ from ember.layers.linear import Linear
 from ember.layers.norm import RMSNorm
 from ember.layers.rope import apply_rope
 from ember.config.model import ModelConfig
+from ember.quant.recipe import Recipe
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH
 from ember.parallel import context
 from ember.parallel.sharding import shard
@@ -40,7 +41,7 @@ LATENT_NORM_EPS = 1e-6  # DeepSeek's latent norms keep their own epsilon, whatev
 
 
 class LatentAttention(nnx.Module):
-  def __init__(self, model: ModelConfig, *, layer: int, rngs: nnx.Rngs):
+  def __init__(self, model: ModelConfig, *, recipe: Recipe, layer: int, rngs: nnx.Rngs):
     n, d = model.num_heads, model.d_model
     self.num_heads, self.nope, self.rope = n, model.qk_nope_head_dim, model.qk_rope_head_dim
     self.v_dim, self.kv_rank = model.v_head_dim, model.kv_lora_rank
@@ -48,7 +49,8 @@ class LatentAttention(nnx.Module):
     qk = self.nope + self.rope
     common = dict(dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs, init_std=model.init_std)
     linear = lambda name, ins, outs, axes, **kw: Linear(ins, outs, axes, name=name,
-                                                        recipe=model.recipe_for(name, layer), **{**common, **kw})
+                                                        recipe=recipe.for_projection(name, layer, model.num_layers),
+                                                        **{**common, **kw})
     norm = lambda dim: RMSNorm(dim, eps=LATENT_NORM_EPS, dtype=model.dtype, param_dtype=model.param_dtype)
     if model.q_lora_rank:
       self.q_a = linear("q_a", (d,), (model.q_lora_rank,), (EMBED, None))

@@ -9,17 +9,20 @@ from jax.ad_checkpoint import checkpoint_name
 from ember import remat
 from ember.layers.linear import Linear
 from ember.config.model import ModelConfig
+from ember.quant.recipe import Recipe
 from ember.names import BATCH, EMBED, GATE, LENGTH, MLP as MLP_AXIS
 from ember.parallel.sharding import shard
 
 
 class MLP(nnx.Module):
-  def __init__(self, model: ModelConfig, d_ff: int, *, layer: int, rngs: nnx.Rngs, names=("wi", "wo")):
+  def __init__(self, model: ModelConfig, d_ff: int, *, recipe: Recipe, layer: int, rngs: nnx.Rngs,
+               names=("wi", "wo")):
     wi, wo = names
+    recipe_of = lambda name: recipe.for_projection(name, layer, model.num_layers)
     common = dict(dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
-    self.wi = Linear((model.d_model,), (2, d_ff), (EMBED, GATE, MLP_AXIS), name=wi, recipe=model.recipe_for(wi, layer),
+    self.wi = Linear((model.d_model,), (2, d_ff), (EMBED, GATE, MLP_AXIS), name=wi, recipe=recipe_of(wi),
                      init_std=model.init_std, **common)
-    self.wo = Linear((d_ff,), (model.d_model,), (MLP_AXIS, EMBED), name=wo, recipe=model.recipe_for(wo, layer),
+    self.wo = Linear((d_ff,), (model.d_model,), (MLP_AXIS, EMBED), name=wo, recipe=recipe_of(wo),
                      init_std=model.out_init_std, **common)
 
   def __call__(self, x_BxLxD, key=None):

@@ -119,17 +119,18 @@ class RouterBias(QuantState):
 
 
 class MoE(nnx.Module):
-  def __init__(self, model: ModelConfig, *, layer: int, rngs: nnx.Rngs):
+  def __init__(self, model: ModelConfig, *, recipe: Recipe, layer: int, rngs: nnx.Rngs):
     e, d, f = model.num_experts, model.d_model, model.d_ff
     # Replicated over experts: every token shard needs the whole router.
     self.router = nnx.Param(jax.random.normal(rngs.params(), (d, e), model.param_dtype) * model.init_std,
                             out_sharding=(EMBED, None))
     common = dict(param_dtype=model.param_dtype, rngs=rngs)
-    self.wi = ExpertKernel((e, d, 2, f), (EXPERT, EMBED, GATE, MLP_AXIS), name="moe_wi",
-                           recipe=model.recipe_for("moe_wi", layer), init_std=model.init_std, **common)
-    self.wo = ExpertKernel((e, f, d), (EXPERT, MLP_AXIS, EMBED), name="moe_wo", recipe=model.recipe_for("moe_wo", layer),
+    recipe_of = lambda name: recipe.for_projection(name, layer, model.num_layers)  # `quant.exclude` applied.
+    self.wi = ExpertKernel((e, d, 2, f), (EXPERT, EMBED, GATE, MLP_AXIS), name="moe_wi", recipe=recipe_of("moe_wi"),
+                           init_std=model.init_std, **common)
+    self.wo = ExpertKernel((e, f, d), (EXPERT, MLP_AXIS, EMBED), name="moe_wo", recipe=recipe_of("moe_wo"),
                            init_std=model.out_init_std, **common)
-    self.shared = MLP(model, model.shared_d_ff, layer=layer, rngs=rngs,
+    self.shared = MLP(model, model.shared_d_ff, recipe=recipe, layer=layer, rngs=rngs,
                       names=("shared_wi", "shared_wo")) if model.shared_d_ff else None
     self.options = Options(e, model.experts_per_token, model.router_softmax_first, model.dtype, self.wi.recipe,
                            self.wo.recipe, model.router_score, model.n_group, model.topk_group,

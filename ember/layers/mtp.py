@@ -24,21 +24,23 @@ from flax import nnx
 from ember.layers.linear import Linear
 from ember.layers.norm import RMSNorm
 from ember.config.model import ModelConfig
+from ember.quant.recipe import Recipe
 from ember.names import EMBED
 
 
 class PredictionModule(nnx.Module):
   """Depth `depth` (1-based): its layer is the model's layer `num_layers + depth - 1` for recipes and MoE-ness."""
 
-  def __init__(self, model: ModelConfig, depth: int, rngs: nnx.Rngs, *, make_layer: Callable):
-    """`make_layer(model, index, rngs)`: the decoder's layer (ember/layers/decoder.py, which holds these modules)."""
+  def __init__(self, model: ModelConfig, recipe: Recipe, depth: int, rngs: nnx.Rngs, *, make_layer: Callable):
+    """`make_layer(model, recipe, index, rngs)`: the decoder's layer (ember/layers/decoder.py, which holds these
+    modules)."""
     layer = model.num_layers + depth - 1
     norm = lambda: RMSNorm(model.d_model, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.embed_norm, self.hidden_norm, self.out_norm = norm(), norm(), norm()
     self.proj = Linear((2 * model.d_model,), (model.d_model,), (None, EMBED), name="mtp_proj",
-                       recipe=model.recipe_for("mtp_proj", layer), init_std=model.init_std, dtype=model.dtype,
-                       param_dtype=model.param_dtype, rngs=rngs)
-    self.layer = make_layer(model, layer, rngs)
+                       recipe=recipe.for_projection("mtp_proj", layer, model.num_layers), init_std=model.init_std,
+                       dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
+    self.layer = make_layer(model, recipe, layer, rngs)
 
   def __call__(self, hidden_BxLxD, embedded_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None):
     """(this depth's hidden state for the next depth, it normed for the LM head, the layer's aux)."""

@@ -21,6 +21,7 @@ import math
 import jax
 
 from ember import remat
+from ember.config import Settings
 from ember.errors import ConfigError
 from ember.plan import step as step_plan
 from ember.plan.units import GiB, format_flops
@@ -42,7 +43,7 @@ class Candidate:
     return bool(remat.PRESETS[self.name].offload)
 
 
-def candidates(cfg, mesh=None) -> tuple[str, ...]:
+def candidates(cfg: Settings, mesh=None) -> tuple[str, ...]:
   """The presets `auto` compiles: `remat.auto_candidates`, else every preset that can differ for this
   model on the mesh's platform (offloading needs a GPU or TPU)."""
   if cfg.remat.auto_candidates:
@@ -55,7 +56,7 @@ def candidates(cfg, mesh=None) -> tuple[str, ...]:
   return tuple(names)
 
 
-def measure(cfg, mesh, tx, schedule, names, *, compiler_options: dict | None = None) -> list[Candidate]:
+def measure(cfg: Settings, mesh, tx, schedule, names, *, compiler_options: dict | None = None) -> list[Candidate]:
   """Compiles the train step under each preset (cached per config, mesh and preset)."""
   # The budget and policy do not change what a preset compiles to.
   base = (dataclasses.replace(cfg, remat=None), tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat),
@@ -87,7 +88,7 @@ def pick(found: list[Candidate], budget_gb: float) -> Candidate:
   return min(fits, key=lambda c: (c.flops, c.offloads, c.peak_bytes, order[c.name]))
 
 
-def state_bytes_per_device(cfg, mesh, tx) -> int:
+def state_bytes_per_device(cfg: Settings, mesh, tx) -> int:
   """One device's share of the train state (parameters, optimizer and quantization state): every preset's
   compiled peak holds it."""
   _, shardings, abstract = state_shardings(cfg, mesh, tx)
@@ -95,7 +96,7 @@ def state_bytes_per_device(cfg, mesh, tx) -> int:
   return int(sum(jax.tree.leaves(sizes)))
 
 
-def choose(cfg, mesh, tx, schedule, *, compiler_options: dict | None = None) -> str:
+def choose(cfg: Settings, mesh, tx, schedule, *, compiler_options: dict | None = None) -> str:
   """The preset name `auto` resolves to for this config, mesh and optimizer (logged)."""
   budget = cfg.remat.memory_budget_gb
   state = state_bytes_per_device(cfg, mesh, tx)
@@ -109,7 +110,7 @@ def choose(cfg, mesh, tx, schedule, *, compiler_options: dict | None = None) -> 
   return best.name
 
 
-def resolve(cfg, mesh, *, compiler_options: dict | None = None):
+def resolve(cfg: Settings, mesh, *, compiler_options: dict | None = None):
   """The config with `remat.policy=auto` replaced by the preset it chooses; any other config as it is.
 
   Called once before the loop starts (train.py, the tools), so the trainer only ever sees presets."""

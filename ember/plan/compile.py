@@ -11,13 +11,15 @@ target's memory unless `remat.memory_budget_gb` says otherwise).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
 import jax.numpy as jnp
-import ml_collections
+from jax.sharding import Mesh
 
 from ember import config as config_lib
+from ember.config import Settings
 from ember import hardware
 from ember.parallel import axes, pipeline
 from ember.parallel.mesh import make_mesh
@@ -34,15 +36,14 @@ ESTIMATE_NOTE = ("XLA's memory estimate for the compiled program: no autotuning 
                  "cuDNN workspaces unknown; the XLA options used are in xla_flags")
 
 
-def prepare(cfg: ml_collections.ConfigDict, target: Target):
-  """(settings, mesh) for the target's devices, from a raw config; `auto` with no budget gets the target's
+def prepare(cfg: Settings, target: Target) -> tuple[Settings, Mesh]:
+  """(settings, mesh) of validated settings on the target's devices; `auto` with no budget gets the target's
   memory."""
   devices = target.devices()
-  cfg = ml_collections.ConfigDict(cfg.to_dict())
   memory = target.device_memory_bytes
   if cfg.remat.policy == "auto" and not cfg.remat.memory_budget_gb and memory:
-    cfg.remat.memory_budget_gb = memory / GiB
-  cfg = config_lib.validate(cfg, len(devices), 1)
+    cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, memory_budget_gb=memory / GiB))
+  cfg = config_lib.on_devices(cfg, len(devices), 1)
   return cfg, make_mesh(cfg.mesh, devices)
 
 
@@ -50,9 +51,9 @@ def compiler_options(target: Target) -> dict | None:
   return dict(COMPILER_OPTIONS) if target.is_gpu else None
 
 
-def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: str = "") -> dict:
-  """The contract report (ember.tools.compile's JSON) for a raw config on `target`; `hlo_out`: a file for
-  the optimised HLO text."""
+def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
+  """The contract report (ember.tools.compile's JSON) for validated settings on `target`; `hlo_out`: a file
+  for the optimised HLO text."""
   with targeting(target):
     cfg, mesh = prepare(cfg, target)
     options = compiler_options(target)
@@ -101,7 +102,7 @@ def compile_report(cfg: ml_collections.ConfigDict, target: Target, *, hlo_out: s
   return report
 
 
-def pipeline_figures(cfg, mesh, report: dict) -> dict:
+def pipeline_figures(cfg: Settings, mesh, report: dict) -> dict:
   """A pipelined step's schedule: its stages, chunks a stage and micro-batches, the idle share of the step
   (`bubble_fraction`, ember/parallel/pipeline.py: the compiled program runs the schedule's idle passes on zeros in
   lockstep, so the floor and the prediction above include them, and `bubble_s` is their share of the floor), the
@@ -131,7 +132,7 @@ def machine(target: Target, mesh) -> cost.Machine | None:
   return cost.Machine(target.facts, target.hbm_bytes_per_s, nodes, hardware.rates(target.gpu))
 
 
-def moe_figures(cfg, mesh, target: Target, program: hlo.Program) -> dict:
+def moe_figures(cfg: Settings, mesh, target: Target, program: hlo.Program) -> dict:
   """The token exchange of an MoE step: the dispatcher that runs, and the expert GEMMs' rows per device and
   FLOPs read from the compiled program, with the largest per-expert copy of the routed rows."""
   with targeting(target):  # The platform the step was traced for.
@@ -143,7 +144,7 @@ def moe_figures(cfg, mesh, target: Target, program: hlo.Program) -> dict:
           "planned_slots": p.slots, **gemms, "largest_expert_copy": copy}
 
 
-def _why_not_cudnn(cfg, mesh) -> str:
+def _why_not_cudnn(cfg: Settings, mesh) -> str:
   """Why the step's attention is XLA's on a GPU target: the config asks for it, or cuDNN's reason."""
   if cfg.model.attention == "xla":
     return "model.attention=xla"

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 
+from ember.config import Settings
 from ember.errors import EmberError, one_line
 
 _OWN_ERROR = 3  # The child's exit status for an EmberError it raised (its message is in OUT).
@@ -29,7 +30,7 @@ class CompileFailed(EmberError):
   """A compile that failed or killed its process, with the reason in one line."""
 
 
-def compile_report_isolated(cfg, target, *, timeout_s: float | None = None) -> dict:
+def compile_report_isolated(cfg: Settings, target, *, timeout_s: float | None = None) -> dict:
   """plan/compile.py's `compile_report(cfg, target)`, computed in a child process; CompileFailed if it fails."""
   with tempfile.TemporaryDirectory(prefix="ember-compile-") as d:
     given, report = os.path.join(d, "in.pkl"), os.path.join(d, "out.json")

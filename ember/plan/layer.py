@@ -27,11 +27,13 @@ from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
 
 from ember import remat
-from ember.layers.decoder import Block, segments_of
+from ember.config import Settings
 from ember.config.model import ModelConfig
+from ember.layers.decoder import Block, segments_of
 from ember.parallel import axes
 from ember.plan.jaxpr import GEMM_PRIMITIVES, is_projection_gemm, is_quantize_cast, iter_eqns, name_stack, nbytes
 from ember.quant.core import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
+from ember.quant.recipe import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,36 +52,36 @@ class LayerProblem:
     return self.x_BxLxD, self.state, self.segment_ids_BxL, self.positions_BxL, self.key
 
 
-def _axis_size(cfg, mesh, axis: str) -> int:
+def _axis_size(cfg: Settings, mesh, axis: str) -> int:
   """A mesh axis's size: the mesh's, or that of a derived config (per-host size times the `dcn_*` host count)."""
   if mesh is not None:
     return int(mesh.shape[axis])
   return max(getattr(cfg.mesh, axis), 1) * getattr(cfg.mesh, f"dcn_{axis}", 1)
 
 
-def per_device_batch(cfg, mesh=None) -> int:
+def per_device_batch(cfg: Settings, mesh=None) -> int:
   """Sequences per device of one micro-batch (train.grad_accum_steps; at least 1), along the batch's mesh
   axes (`_axis_size`)."""
   shards = axes.shards(axes.batch_axes(cfg.mesh.rules_dict), lambda a: _axis_size(cfg, mesh, a))
   return max(cfg.train.batch_size // shards // cfg.train.grad_accum_steps, 1)
 
 
-def sequence_shards(cfg, mesh=None) -> int:
+def sequence_shards(cfg: Settings, mesh=None) -> int:
   """The devices each sequence is split over (context parallelism: the mesh axes `length` maps to)."""
   return axes.shards(axes.sequence_axes(cfg.mesh.rules_dict), lambda a: _axis_size(cfg, mesh, a))
 
 
-def representative_block(model: ModelConfig) -> int:
+def representative_block(model: ModelConfig, recipe: Recipe) -> int:
   """The first block of the largest segment (blocks `quant.exclude` keeps in bf16 are the odd ones)."""
-  return max(segments_of(model), key=len)[0]
+  return max(segments_of(model, recipe), key=len)[0]
 
 
-def layer_problem(cfg, *, batch: int | None = None) -> LayerProblem:
+def layer_problem(cfg: Settings, *, batch: int | None = None) -> LayerProblem:
   """One `Block` of a derived config and its arguments, as shapes only (nothing is allocated)."""
   model = cfg.model
-  first = representative_block(model) * model.block_size
+  first = representative_block(model, cfg.quant) * model.block_size
   with nnx.use_eager_sharding(False):
-    block = nnx.eval_shape(lambda: Block(model, first, nnx.Rngs(params=jax.random.key(0))))
+    block = nnx.eval_shape(lambda: Block(model, cfg.quant, first, nnx.Rngs(params=jax.random.key(0))))
   graphdef, state = nnx.split(block)
   b, l, d = batch or per_device_batch(cfg), model.seq_len // sequence_shards(cfg), model.d_model
   sds = jax.ShapeDtypeStruct
@@ -238,7 +240,7 @@ def _where(eqn) -> str:
   return f"{os.path.basename(frame.file_name)}:{frame.start_line}" if frame else "?"
 
 
-def layer_report(cfg, presets: dict[str, remat.Preset], *, batch: int | None = None) -> dict[str, dict]:
+def layer_report(cfg: Settings, presets: dict[str, remat.Preset], *, batch: int | None = None) -> dict[str, dict]:
   """Per preset: residuals of one block, their bytes, and what its backward pass recomputes
   (quantize ops; projection GEMMs and attention matmuls beyond those of policy `none`)."""
   problem = layer_problem(cfg, batch=batch)

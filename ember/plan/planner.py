@@ -33,9 +33,9 @@ import dataclasses
 import math
 
 import jax
-import ml_collections
 
 from ember import config as config_lib
+from ember.config import Settings
 from ember import remat
 from ember.errors import ConfigError, EmberError, one_line
 from ember.parallel import axes, pipeline
@@ -98,19 +98,16 @@ class Layout:
     schedule += f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""
     return f"node {sizes(self.node)} | nodes {sizes(self.dcn)} | accum {self.grad_accum_steps} | {self.remat}{schedule}"
 
-  def apply(self, cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    out = ml_collections.ConfigDict(cfg.to_dict())
+  def apply(self, cfg: Settings) -> Settings:
+    """Validated settings laid out this way, their devices not yet resolved (`config.on_devices` does that)."""
     inside, across = dict(self.node), dict(self.dcn)
-    for a in MESH:
-      out.mesh[a] = inside.get(a, 1)
-    for a in DCN_AXES:
-      out.mesh[f"dcn_{a}"] = across.get(a, 1)
-    out.train.grad_accum_steps = self.grad_accum_steps
-    out.train.device_batch_size = 0  # The layout's micro-batches are its own, not derived from the mesh.
-    out.remat.policy = self.remat
-    out.pipeline.schedule = self.schedule
-    out.pipeline.virtual_stages = self.virtual_stages
-    return out
+    mesh = dataclasses.replace(cfg.mesh, **{a: inside.get(a, 1) for a in MESH},
+                               **{f"dcn_{a}": across.get(a, 1) for a in DCN_AXES})
+    # The layout's micro-batches are its own, not derived from the mesh.
+    train = dataclasses.replace(cfg.train, grad_accum_steps=self.grad_accum_steps, device_batch_size=0)
+    return dataclasses.replace(cfg, mesh=mesh, train=train, remat=dataclasses.replace(cfg.remat, policy=self.remat),
+                               pipeline=dataclasses.replace(cfg.pipeline, schedule=self.schedule,
+                                                            virtual_stages=self.virtual_stages))
 
 
 def _divisors(n: int) -> list[int]:
@@ -124,7 +121,7 @@ def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
   return [(d, *rest) for d in _divisors(n) for rest in _factorizations(n // d, k - 1)]
 
 
-def presets(cfg) -> tuple[str, ...]:
+def presets(cfg: Settings) -> tuple[str, ...]:
   """The remat presets planned over: `remat.auto_candidates` if set, else every preset `auto` would try that
   moves nothing to host memory."""
   if cfg.remat.auto_candidates:
@@ -132,9 +129,8 @@ def presets(cfg) -> tuple[str, ...]:
   return tuple(n for n in auto_remat.candidates(cfg) if not remat.PRESETS[n].offload)
 
 
-def layouts(cfg: ml_collections.ConfigDict, target: Target) -> list[Layout]:
-  """Every layout of the (raw) config's model on the target (see the module doc); each passes config.validate."""
-  settings = config_lib.derive(cfg, None)
+def layouts(settings: Settings, target: Target) -> list[Layout]:
+  """Every layout of the settings' model on the target (see the module doc); each passes config.on_devices."""
   if settings.mesh.context != 1:
     raise ConfigError("config.mesh.context: the planner lays out whole sequences; compile a context-parallel "
                       "layout with ember.tools.compile (docs/long_context.md)")
@@ -154,14 +150,14 @@ def layouts(cfg: ml_collections.ConfigDict, target: Target) -> list[Layout]:
         continue
       dcn = (("pipeline", dp), ("data", dd), ("fsdp", df), ("expert", de))
       shards = axes.shards(batch_axes, Layout(node, dcn, 1, "").mesh())
-      if cfg.train.batch_size % shards:
+      if settings.train.batch_size % shards:
         continue
-      for accum in _divisors(cfg.train.batch_size // shards):
+      for accum in _divisors(settings.train.batch_size // shards):
         for preset in presets(settings):
           for schedule, virtual in _schedules(pipe * dp, m.num_blocks):
             candidate = Layout(node, dcn, accum, preset, schedule, virtual)
             try:
-              config_lib.validate(candidate.apply(cfg), target.count, 1)
+              config_lib.on_devices(candidate.apply(settings), target.count, 1)
             except ConfigError:
               continue
             out.append(candidate)
@@ -194,7 +190,7 @@ class _Block:
   recompute_fraction: float  # Of the step's GEMM FLOPs, run again in the backward pass.
 
 
-def _blocks(cfg, names) -> dict[str, _Block]:
+def _blocks(cfg: Settings, names) -> dict[str, _Block]:
   report = layer.layer_report(cfg, {n: remat.PRESETS[n] for n in (*names, "none")}, batch=1)
   problem = layer.layer_problem(cfg, batch=1)
   forward_gemms = layer.trace_layer(problem, remat.PRESETS["none"]).backward.projection_gemms / 2
@@ -209,9 +205,9 @@ class Estimator:
   """Quick estimates of layouts of one config on one target (module doc); the train state is worked out once
   per mesh and the decoder block once per preset."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, target: Target):
-    self.cfg, self.target = cfg, target  # Raw: each layout is applied to it, then derived.
-    self.settings = config_lib.derive(cfg, None)
+  def __init__(self, settings: Settings, target: Target):
+    self.target = target
+    self.settings = settings  # Each layout is applied to them, then resolved on the target's devices.
     self.model = self.settings.model
     self.facts = target.facts
     self.blocks = _blocks(self.settings, presets(self.settings))
@@ -222,7 +218,7 @@ class Estimator:
     projection kernel)] per parameter, the replica axes of a step of micro-batches) on the layout's mesh."""
     key = (layout.node, layout.dcn)
     if key not in self._state:
-      cfg = config_lib.derive(layout.apply(self.cfg), self.target.count)
+      cfg = layout.apply(self.settings).for_devices(self.target.count)
       mesh = make_mesh(cfg.mesh, self.target.devices())
       tx, _ = make_optimizer(cfg)
       _, shardings, abstract = state_shardings(cfg, mesh, tx)
@@ -350,7 +346,7 @@ def select(promising: list[Layout], estimates: dict[Layout, Estimate], top: int)
   return chosen
 
 
-def plan(cfg: ml_collections.ConfigDict, target: Target, *, budget_gb: float | None = None, top: int = TOP,
+def plan(cfg: Settings, target: Target, *, budget_gb: float | None = None, top: int = TOP,
          log=print) -> dict:
   """Estimates every layout, compiles the `top` most promising within the budget, ranks them (module doc).
   Raises NoLayoutFits if no compiled layout fits."""
@@ -403,7 +399,7 @@ def plan(cfg: ml_collections.ConfigDict, target: Target, *, budget_gb: float | N
     smallest = min((r["peak_bytes"] for r in ranked), default=None)
     raise NoLayoutFits(f"--budget_gb: no layout compiled within {budget / GiB:.1f} GiB per device" +
                       (f"; the smallest compiled peak is {smallest / GiB:.1f} GiB" if smallest else ""))
-  return {"model": cfg.model.name, "target": target.name, "recipe": cfg.quant.recipe,
+  return {"model": cfg.model.name, "target": target.name, "recipe": cfg.quant.name,
           "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "budget_bytes": int(budget),
           "layouts": len(found), "within_estimate": len(promising), "best": fitting[0],
           "candidates": ranked + [r for r in compiled.values() if "fits" not in r]}

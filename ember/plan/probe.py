@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ember.config import Settings
 from ember.data.sharded import data_iterator
 from ember.layers.decoder import rows_by_layer, stacked_like, tree_leaves, within_layer
 from ember.names import INPUTS, LM_HEAD, POSITIONS, SEGMENT_IDS
@@ -64,12 +65,12 @@ class Probe:
   """Gradients of one checkpoint's parameters (`params`, `quant_state`: trees of the `trained` settings) under
   settings that differ in recipe and exclude list, on the same batches."""
 
-  def __init__(self, trained, params: dict, quant_state: dict, batches: int, log=lambda msg: None):
+  def __init__(self, trained: Settings, params: dict, quant_state: dict, batches: int, log=lambda msg: None):
     self.trained = trained
     self.log = log  # Progress, a line at a time: each pass compiles and runs the model's gradients.
     self.axes = kernel_axes(trained)
-    self.rows = rows_by_layer(params, trained.model)
-    self.quant_rows = rows_by_layer(quant_state, trained.model)
+    self.rows = rows_by_layer(params, trained.model, trained.quant)
+    self.quant_rows = rows_by_layer(quant_state, trained.model, trained.quant)
     it = data_iterator(trained, "eval")
     try:
       self.batches = [{k: jnp.asarray(v) for k, v in next(it).items()} for _ in range(batches)]
@@ -79,20 +80,22 @@ class Probe:
     self.reference = self.gradients(trained.replace("quant.recipe", UNQUANTIZED).replace("model.dtype", "float32")
                                     .replace("quant.exclude", ()))
 
-  def gradients(self, settings) -> dict:
+  def gradients(self, settings: Settings) -> dict:
     """{(layer, path below it): gradient row} of `settings`, averaged over the batches."""
     return self.measure(settings)[0]
 
-  def measure(self, settings) -> tuple[dict, dict]:
+  def measure(self, settings: Settings) -> tuple[dict, dict]:
     """({(layer, path): gradient row} averaged over the batches, {(layer, path to a projection): its output
     error}) of `settings` (output errors only for projections the recipe quantizes)."""
     settings = with_output_errors(settings)
     abstract_params, abstract_quant = abstract_init(settings)
-    params = stacked_like(lambda key, _: self.rows[key], settings.model, abstract_params)
-    quant_state = stacked_like(lambda key, _: self.quant_rows[key], settings.model, abstract_quant)
+    params = stacked_like(lambda key, _: self.rows[key], settings.model, settings.quant, abstract_params)
+    quant_state = stacked_like(lambda key, _: self.quant_rows[key], settings.model, settings.quant,
+                               abstract_quant)
     errors_in = stats_inputs(settings)
     grad, head = _gradient_fn(settings), _head_error_fn(settings)
-    head_quantized = settings.model.recipe_for(LM_HEAD).quantized and not settings.model.tie_embeddings
+    head_quantized = (settings.quant.for_projection(LM_HEAD, None, settings.model.num_layers).quantized
+                      and not settings.model.tie_embeddings)
     total = None
     for i, batch in enumerate(self.batches):
       key = step_key(settings.seed, jnp.asarray(i, jnp.int32))
@@ -101,8 +104,8 @@ class Probe:
         g = (*g, head(params, quant_state, errors_in, batch, key))
       total = g if total is None else jax.tree.map(jnp.add, total, g)
     total = jax.tree.map(lambda a: np.asarray(a, np.float64), total)
-    grads = {k: v / len(self.batches) for k, v in rows_by_layer(total[0], settings.model).items()}
-    by_layer = rows_by_layer(total[1], settings.model)
+    grads = {k: v / len(self.batches) for k, v in rows_by_layer(total[0], settings.model, settings.quant).items()}
+    by_layer = rows_by_layer(total[1], settings.model, settings.quant)
     errors = {(layer, path[:-1]): _ratio(sums) for (layer, path), sums in by_layer.items()}
     if head_quantized:
       errors[(None, ("lm_head",))] = _ratio(total[2])
@@ -112,12 +115,12 @@ class Probe:
     diff = sum(float(np.sum((grads[k] - ref) ** 2)) for k, ref in self.reference.items())
     return math.sqrt(diff / sum(float(np.sum(ref ** 2)) for ref in self.reference.values()))
 
-  def projections(self, settings, grads: dict, errors: dict) -> list[Projection]:
+  def projections(self, settings: Settings, grads: dict, errors: dict) -> list[Projection]:
     """Every projection the settings quantize, with its errors (`errors` from `measure`)."""
     recipe, out = settings.quant, []
     for (layer, path), ref in self.reference.items():
       kind = KINDS.get(path)
-      if kind is None or not settings.model.recipe_for(kind, layer).quantized:
+      if kind is None or not settings.quant.for_projection(kind, layer, settings.model.num_layers).quantized:
         continue
       g = np.linalg.norm(grads[(layer, path)] - ref) / max(np.linalg.norm(ref), 1e-30)
       out.append(Projection(layer, kind, float(g), errors[(layer, path[:-1])],
@@ -130,15 +133,15 @@ def _ratio(sums) -> float:
   return float(math.sqrt(sums[0] / max(sums[1], 1e-30)))
 
 
-def with_output_errors(settings):
+def with_output_errors(settings: Settings):
   """`settings` whose quantized projections report their forward output error (quant/core.py), and nothing
   else through their statistics inputs."""
   recipe = dataclasses.replace(settings.quant, output_error=True, stats=False)
-  return dataclasses.replace(settings, quant=recipe, model=dataclasses.replace(settings.model, recipe=recipe))
+  return dataclasses.replace(settings, quant=recipe)
 
 
 @functools.lru_cache(maxsize=64)
-def _gradient_fn(settings):
+def _gradient_fn(settings: Settings):
   """The jitted (parameter gradient, output-error sums) of settings' loss (one compile per settings, whichever
   probe asks)."""
   graphdef = logical_axes(settings)[0]
@@ -147,7 +150,7 @@ def _gradient_fn(settings):
 
 
 @functools.lru_cache(maxsize=64)
-def _head_error_fn(settings):
+def _head_error_fn(settings: Settings):
   """The jitted (sum of (y - y_ref)^2, sum of y_ref^2) of the LM head's logits, token chunk by token chunk as the
   loss computes them (ember/trainer/loss.py), on the model's own final hidden states."""
   graphdef = logical_axes(settings)[0]
@@ -178,7 +181,7 @@ def weight_error(kernel, axes: tuple, recipe: str) -> float:
   return float(np.linalg.norm(q - m) / max(np.linalg.norm(m), 1e-30))
 
 
-def kernel_axes(settings) -> dict:
+def kernel_axes(settings: Settings) -> dict:
   """{path below the layer (or from the root, outside the layers): logical axes of one layer's leaf}."""
   _, specs, _ = logical_axes(settings)
   out = {}

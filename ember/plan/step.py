@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from ember import remat
+from ember.config import Settings
 from ember.names import BATCH_KEYS
 from ember.parallel.sharding import use_rules
 from ember.plan.jaxpr import jaxpr_flops
@@ -22,14 +23,14 @@ from ember.trainer.state import state_shardings
 from ember.trainer.step import batch_sharding, jit_train_step
 
 
-def abstract_batch(cfg, mesh) -> tuple[dict, NamedSharding]:
+def abstract_batch(cfg: Settings, mesh) -> tuple[dict, NamedSharding]:
   """A global batch as shapes on its sharding (nothing allocated)."""
   sharding = batch_sharding(cfg, mesh)
   shape = (cfg.train.batch_size, cfg.model.seq_len)
   return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}, sharding
 
 
-def trace_train_step(cfg, mesh, tx, schedule, preset: remat.Preset):
+def trace_train_step(cfg: Settings, mesh, tx, schedule, preset: remat.Preset):
   """The real train step (`trainer.step.train_step`, policy overridden), jitted as the loop jits it
   and traced on abstract sharded inputs: `.jaxpr`, `.lower()`, `.lower(lowering_platforms=...)`."""
   with use_rules(mesh, cfg.mesh.rules):
@@ -48,7 +49,7 @@ class StepFigures:
   host_bytes: int | None = None  # Per device: host memory the compiled program uses (offloaded residuals).
 
 
-def step_figures(cfg, mesh, tx, schedule, preset: remat.Preset, *, compile: bool = True,
+def step_figures(cfg: Settings, mesh, tx, schedule, preset: remat.Preset, *, compile: bool = True,
                  compiler_options: dict | None = None) -> StepFigures:
   """FLOPs of the traced step and, compiled (with `compiler_options`, a target's), its peak bytes."""
   traced = trace_train_step(cfg, mesh, tx, schedule, preset)

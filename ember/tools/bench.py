@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from ember import native_output
-from ember import config as config_lib
+from ember.config import Settings
 from ember import hardware
 from ember.data.sharded import data_iterator, global_batch
 from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
@@ -62,7 +62,8 @@ def gemm_counts(program: str | hlo.Program) -> dict[str, object]:
           "attention": hlo.attention(p)["kernel"]}
 
 
-def measured_floor(program: str | hlo.Program, cfg, device_kind: str, num_devices: int, step_time_s: float) -> dict:
+def measured_floor(program: str | hlo.Program, cfg: Settings, device_kind: str, num_devices: int,
+                   step_time_s: float) -> dict:
   """The time floor and the predicted step of a timed program on the GPU it ran on (`device_kind`), and the
   measured step over each; nulls for a device ember has no facts for, or a job of several processes (whose
   devices' nodes it cannot tell)."""
@@ -81,8 +82,11 @@ def measured_floor(program: str | hlo.Program, cfg, device_kind: str, num_device
       "step_over_predicted": step_time_s / predicted["predicted_step_s"] if predicted["predicted_step_s"] else None}
 
 
-def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
-  cfg.data.source, cfg.data.mixture = "synthetic", ()
+# Timed on synthetic data: the step, not the input pipeline.
+SYNTHETIC = ("--config.data.source=synthetic", "--config.data.mixture=()")
+
+
+def run(cfg: Settings, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
   cfg, mesh = prepare(cfg)
   cfg = resolve(cfg, mesh)
   tx, schedule = make_optimizer(cfg)
@@ -112,7 +116,7 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
   memory, source = peak_bytes(compiled)
   program = hlo.Program(text)  # Parsed once for the GEMM counts and the floor.
   # The quant/... health figures the measured step returned (0 without log.quant_stats_every).
-  health = (len(quant_stats.summarize(jax.device_get(metrics["quant_stats"]), cfg.model))
+  health = (len(quant_stats.summarize(jax.device_get(metrics["quant_stats"]), cfg.model, cfg.quant))
             if "quant_stats" in metrics else 0)
   return {
       "model": cfg.model.name, "recipe": cfg.quant.name, "remat": cfg.remat.policy,
@@ -127,11 +131,10 @@ def run(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
   }
 
 
-def with_quant_stats(cfg, *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
+def with_quant_stats(config_argv: list[str], *, steps: int, warmup: int, hlo_out: str | None = None) -> dict:
   """`run` without and with quantization health statistics; the first's figures plus the second's step times,
   their median and its health figures."""
-  off, on = cfg.copy_and_resolve_references(), cfg.copy_and_resolve_references()
-  off.log.quant_stats_every, on.log.quant_stats_every = 0, 1
+  off, on = (cli.settings(config_argv, *SYNTHETIC, f"--config.log.quant_stats_every={n}") for n in (0, 1))
   result = run(off, steps=steps, warmup=warmup, hlo_out=hlo_out)
   stats = run(on, steps=steps, warmup=warmup)
   result["quant_stats_step_times_s"] = stats["step_times_s"]
@@ -157,9 +160,11 @@ def main(argv: list[str]) -> int:
     if args.warmup < 0:
       raise ConfigError(f"--warmup: must be at least 0, got {args.warmup}")
     cli.check_out_files({"--out": args.out, "--hlo_out": args.hlo_out})  # Before the work, not after it.
-    cfg = config_lib.load(config_argv)
-    measure = with_quant_stats if args.quant_stats else run
-    result = measure(cfg, steps=args.steps, warmup=args.warmup, hlo_out=args.hlo_out or None)
+    timing = dict(steps=args.steps, warmup=args.warmup, hlo_out=args.hlo_out or None)
+    if args.quant_stats:
+      result = with_quant_stats(config_argv, **timing)
+    else:
+      result = run(cli.settings(config_argv, *SYNTHETIC), **timing)
     print(json.dumps(result, indent=2))
     if args.out:
       cli.write_json("--out", args.out, result)

@@ -18,6 +18,13 @@ def split_config(argv: list[str]) -> tuple[list[str], list[str]]:
   return own, [argv[0]] + [a for a in argv[1:] if a.startswith("--config")]
 
 
+def settings(config_argv: list[str], *overrides: str):
+  """The validated settings (ember.config.Settings) of the `--config*` flags `split_config` kept, with
+  `overrides` (more `--config.KEY=VALUE` flags, after the user's); the devices are resolved by the tool."""
+  from ember import config as config_lib
+  return config_lib.validate(config_lib.load([*config_argv, *overrides]), None)
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
   """`parser.parse_known_args(argv)`; an argument it does not know is a ConfigError naming it."""
   args, unknown = parser.parse_known_args(argv)

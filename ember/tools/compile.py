@@ -112,7 +112,6 @@ def _moe_lines(moe: dict | None) -> list[str]:
 
 def main(argv: list[str]) -> int:
   target_env.prepare_environment(argv)
-  from ember import config as config_lib
   from ember.errors import ArgumentParser, EmberError, fail_and_exit
   from ember.plan import target as target_lib
   from ember.plan.compile import compile_report
@@ -128,7 +127,7 @@ def main(argv: list[str]) -> int:
     args = cli.parse(parser, own)
     target = target_lib.parse(args.target)
     cli.check_out_files({"--out": args.out, "--hlo_out": args.hlo_out, "--plot": args.plot})
-    cfg = config_lib.load(config_argv)
+    cfg = cli.settings(config_argv)
     report = compile_report(cfg, target, hlo_out=args.hlo_out)
     if args.out:
       cli.write_json("--out", args.out, report)

@@ -44,7 +44,6 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str]) -> int:
   target_env.prepare_environment(argv)
-  from ember import config as config_lib
   from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
   from ember.plan import planner
   from ember.plan import target as target_lib
@@ -66,7 +65,7 @@ def main(argv: list[str]) -> int:
       raise ConfigError(f"--top: must be at least 1, got {args.top}")
     target = target_lib.parse(args.target)
     cli.check_out_files({"--out": args.out, "--plot": args.plot})
-    cfg = config_lib.load(config_argv)
+    cfg = cli.settings(config_argv)
     try:
       result = planner.plan(cfg, target, budget_gb=args.budget_gb or None, top=args.top,
                             log=lambda s: print(s, file=sys.stderr, flush=True))

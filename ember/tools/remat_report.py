@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 
 from ember import native_output
+from ember.config import Settings
 from ember.tools import target_env
 
 target_env.prepare_environment(sys.argv)  # Before JAX is imported (python -m ember.tools.remat_report --target=...).
@@ -29,7 +30,6 @@ if __name__ == "__main__":
 
 import jax  # noqa: E402
 
-from ember import config as config_lib  # noqa: E402
 from ember import remat  # noqa: E402
 from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit  # noqa: E402
 from ember.parallel.mesh import make_mesh  # noqa: E402
@@ -48,7 +48,7 @@ COLUMNS = (("policy", "policy"), ("residual_bytes_per_layer", "residuals/layer")
            ("host_bytes", "host/device"))
 
 
-def policy_names(requested: str, cfg) -> list[str]:
+def policy_names(requested: str, cfg: Settings) -> list[str]:
   if not requested:
     custom = ["custom"] if cfg.remat.save_names or cfg.remat.offload_names else []
     return list(remat.PRESETS) + custom
@@ -60,7 +60,7 @@ def policy_names(requested: str, cfg) -> list[str]:
   return names
 
 
-def build_report(cfg, names, *, compile: bool = True, batch: int | None = None, mesh=None,
+def build_report(cfg: Settings, names, *, compile: bool = True, batch: int | None = None, mesh=None,
                  compiler_options: dict | None = None, target: str = "") -> dict:
   """The report for a validated, derived config (see the module doc); `mesh` and `compiler_options` a
   target's (default: the local devices)."""
@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
   try:
     own, config_argv = cli.split_config(argv)
     args = _parse(own)
-    cfg = config_lib.load(config_argv)
+    cfg = cli.settings(config_argv)
     target = target_lib.parse(args.target)
     with target_lib.targeting(target):
       cfg, mesh = compile_plan.prepare(cfg, target)

@@ -378,9 +378,9 @@ def _restore_checked(manager, directory, step: int, args, what: str) -> dict:
   return restored
 
 
-def saved_config(path: str, what: str):
-  """(config, step directory) of the checkpoint at `path`: the resolved config the run saved with it."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
+def saved_config(path: str, what: str) -> tuple[dict, str]:
+  """(config, step directory) of the checkpoint at `path`: the resolved config the run saved with it, as the
+  nested dict of keys it was saved as (ember.config.from_saved types it)."""
   manager, directory, step = _open_step(path, what, partial_state=True)
   try:
     custom = manager.metadata(step).custom_metadata or {}
@@ -388,7 +388,7 @@ def saved_config(path: str, what: str):
     manager.close()
   if "config" not in custom:
     raise CheckpointError(f"{what}: {os.path.join(directory, str(step))} holds no config in its metadata")
-  return ml_collections.ConfigDict(custom["config"]), os.path.join(directory, str(step))
+  return custom["config"], os.path.join(directory, str(step))
 
 
 def restore_fields(path: str, targets: dict, what: str) -> dict:

@@ -26,9 +26,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 import ember
 from ember import config as config_lib
+from ember.config import Settings
 from ember import platform, storage
 from ember.data import build_tokenizer, records
 from ember.data.sharded import data_iterator, global_batch, source_shares
@@ -53,11 +55,12 @@ from ember.trainer.wandb_run import WandbRun
 from ember.trainer.watchdog import Deadlines, Watchdog, xla_flags
 
 
-def prepare(cfg):
-  """Joins the multi-process job, validates and derives the config, builds the mesh: (cfg, mesh)."""
-  _set_collective_timeouts(cfg.train)
-  distributed.initialize(cfg.distributed)
-  cfg = config_lib.validate(cfg, jax.device_count(), jax.process_count())
+def prepare(settings: Settings) -> tuple[Settings, Mesh]:
+  """Joins the multi-process job, resolves the validated settings on its devices (`config.on_devices`), builds
+  the mesh: (settings, mesh)."""
+  _set_collective_timeouts(settings.train)
+  distributed.initialize(settings.distributed)
+  cfg = config_lib.on_devices(settings, jax.device_count(), jax.process_count())
   if cfg.data.source != "synthetic":
     vocab = build_tokenizer(cfg.data).vocab_size
     if vocab > cfg.model.vocab_size:
@@ -92,11 +95,12 @@ def _make_workdir(workdir: str) -> None:
     raise ConfigError(f"config.workdir: cannot create {storage.absolute(workdir)}: {e.strerror or e}") from None
 
 
-def train(cfg, mesh=None) -> dict:
-  """Runs (or resumes) the job the config describes; returns a summary of the final figures.
+def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
+  """Runs (or resumes) the job the validated settings describe; returns a summary of the final figures.
 
-  `cfg` is raw (prepared here) unless `mesh` is given, in which case it is the prepared config. The loop is
-  the step and, after it, one named hook each: the phase switch, preemption, log, eval and checkpoint."""
+  Without `mesh` the job is joined and the settings resolved on its devices here (`prepare`); with it, they are
+  `prepare`'s. The loop is the step and, after it, one named hook each: the phase switch, preemption, log, eval
+  and checkpoint."""
   t_start = time.time()
   if mesh is None:
     cfg, mesh = prepare(cfg)
@@ -156,7 +160,7 @@ def train(cfg, mesh=None) -> dict:
   return run.last
 
 
-def _wandb_run(cfg) -> WandbRun | None:
+def _wandb_run(cfg: Settings) -> WandbRun | None:
   """The W&B run of `log.wandb_project` (process 0), or None."""
   lg = cfg.log
   if not lg.wandb_project or jax.process_index() != 0:
@@ -165,7 +169,7 @@ def _wandb_run(cfg) -> WandbRun | None:
                   config=cfg.to_dict())
 
 
-def _plan(cfg, mesh, params) -> str:
+def _plan(cfg: Settings, mesh, params) -> str:
   """What the run trains and how, in one block: the model and its parameter count (active, for MoE), a step's
   tokens, the devices and mesh axes in use, the precision and remat choices."""
   m, t = cfg.model, cfg.train
@@ -232,7 +236,7 @@ class _Run:
   evaluated: bool = False
 
   @classmethod
-  def open(cls, cfg, mesh, resources: contextlib.ExitStack) -> "_Run":
+  def open(cls, cfg: Settings, mesh, resources: contextlib.ExitStack) -> "_Run":
     """The set-up: data, writers, preemption handler and checkpointer (closed by `resources`), then the state
     restored or initialised and its first batch."""
     watch = Watchdog(process_index=jax.process_index())  # Closed last: it watches the others' closing too.
@@ -283,7 +287,7 @@ class _Run:
     return global_batch(rows, self.batch_sharding)
 
 
-def _reads_records(cfg) -> bool:
+def _reads_records(cfg: Settings) -> bool:
   kinds = {cfg.data.source} if not cfg.data.mixture else {source for _, source, *_ in cfg.data.mixture}
   return bool(kinds & set(RECORD_SOURCES))
 
@@ -399,7 +403,7 @@ class _Interval:
   """Step time since the last logged step (the metrics fetch there is where the device is waited for), and
   the throughput, MFU and ETA that follow from it."""
 
-  def __init__(self, cfg, *, start: int):
+  def __init__(self, cfg: Settings, *, start: int):
     self.cfg, self.t_last, self.step_last = cfg, time.time(), start
 
   def exclude(self, seconds: float) -> None:
@@ -418,7 +422,7 @@ class _Profiler:
   """A profiler trace of steps [train.profile_start_step, + train.profile_steps) into workdir/profile (written
   locally and copied there for a gs:// workdir)."""
 
-  def __init__(self, cfg):
+  def __init__(self, cfg: Settings):
     self.start, self.stop = cfg.train.profile_start_step, cfg.train.profile_start_step + cfg.train.profile_steps
     self.last, self.dir = cfg.steps, storage.Mirror(storage.join(cfg.workdir, "profile"))
     self.active = False
@@ -438,7 +442,7 @@ class _Profiler:
       self.active = False
 
 
-def _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it):
+def _restore_or_init(cfg: Settings, ckpt, local, mesh, tx, targets, metrics, train_it):
   """(state, the step it is after): resumes from the newest checkpoint of either tier (the local one when it is
   newer than the workdir's newest persistent step), else starts from checkpoint.init_from_hf,
   checkpoint.restore_from or init. `targets(step)`: (shardings, abstract) of the state after `step` steps (its
@@ -464,12 +468,12 @@ def _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it):
     return restore_from(cfg.checkpoint.restore_from, abstract, shardings, train_it,
                         params_only=cfg.checkpoint.params_only, init=init)
   if cfg.checkpoint.init_from_hf:
-    params = hf_load.load_params(cfg.checkpoint.init_from_hf, cfg.model, abstract.params,
+    params = hf_load.load_params(cfg.checkpoint.init_from_hf, cfg.model, cfg.quant, abstract.params,
                                  shardings.params)
     state = state_around(cfg, tx, params, shardings)
     if hf_load.keeps_router_biases(cfg.model):  # DeepSeek-V3's routers' biases (routing state, not parameters).
       state = dataclasses.replace(state, quant_state=hf_load.router_biases(cfg.checkpoint.init_from_hf, cfg.model,
-                                                                           state.quant_state))
+                                                                           cfg.quant, state.quant_state))
     console(f"started from the Hugging Face model in {cfg.checkpoint.init_from_hf}")
   else:
     state = init()
@@ -487,7 +491,7 @@ def _check_phase(ckpt: Checkpointer, phases: precision.Phases, step: int) -> Non
             f"quant.schedule puts step {step} in {phases.describe(phases.state_phase(step))}")
 
 
-def evaluate(cfg, state, eval_fn, batch_sharding) -> float:
+def evaluate(cfg: Settings, state, eval_fn, batch_sharding) -> float:
   """Mean loss over the first `train.eval_batches` batches of the held-out split (the same every time)."""
   it = data_iterator(cfg, "eval")
   try:

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import remat
+from ember.config import Settings
 from ember.layers import linear
 from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
@@ -34,7 +35,7 @@ def merged_model(graphdef, params, quant_state, stats=None):
   return nnx.merge(graphdef, params, quant_state, *([stats] if stats else []))
 
 
-def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
+def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg: Settings, key,
                  policy: remat.Preset = remat.PRESETS["none"], count=None, micro_batches: int = 1,
                  kernel_amaxes: dict | None = None):
   """(total loss, metrics) for one batch: next-token CE + z-loss (+ the MoE auxiliary losses of MoE models).
@@ -67,7 +68,7 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg, key,
   return step_terms(total, ce, z, aux, cfg, micro_batches, mtp_loss)
 
 
-def step_terms(total, ce, z, aux: dict, cfg, micro_batches: int = 1, mtp_loss=None):
+def step_terms(total, ce, z, aux: dict, cfg: Settings, micro_batches: int = 1, mtp_loss=None):
   """(total loss, metrics) from the next-token loss (`cross_entropy`'s total, ce, z), the decoder's aux (its MoE
   sums and per-layer arrays) and the multi-token-prediction loss (or None): the terms a step adds to the loss and
   logs, for one micro-batch of `micro_batches` (`forward_loss`) or a pipelined step's whole batch."""

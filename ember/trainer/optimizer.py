@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ember.config import Settings
 from ember.trainer import muon
 from ember.trainer.state import logical_axes
 
@@ -33,7 +34,7 @@ def adamw(train_cfg, schedule: optax.Schedule) -> optax.GradientTransformation:
   return optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=mask)
 
 
-def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(cfg: Settings) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """(the run's optimizer, its learning-rate schedule) for settings `cfg`."""
   t = cfg.train
   schedule = learning_rate_schedule(t)

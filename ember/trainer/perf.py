@@ -15,6 +15,7 @@ import jax
 
 from ember import hardware
 from ember.config.model import ModelConfig
+from ember.config import Settings
 
 
 
@@ -53,11 +54,11 @@ def attention_params(m: ModelConfig) -> int:
   return query + latent + n * m.v_head_dim * m.d_model
 
 
-def train_flops_per_step(cfg) -> float:
+def train_flops_per_step(cfg: Settings) -> float:
   return 3 * forward_flops_per_token(cfg.model) * cfg.train.batch_size * cfg.model.seq_len
 
 
-def work_per_device(cfg, num_devices: int) -> dict[str, float]:
+def work_per_device(cfg: Settings, num_devices: int) -> dict[str, float]:
   """A step's model FLOPs and tokens per device: what the roofline and the prediction turn into MFU and tokens/s."""
   return {"model_flops": train_flops_per_step(cfg) / num_devices,
           "tokens": cfg.train.batch_size * cfg.model.seq_len / num_devices}
@@ -79,7 +80,7 @@ class Throughput:
   mfu: float | None  # None where the device's peak is unknown.
 
   @classmethod
-  def of(cls, cfg, step_time_s: float, num_devices: int, device_kind: str) -> "Throughput":
+  def of(cls, cfg: Settings, step_time_s: float, num_devices: int, device_kind: str) -> "Throughput":
     tflops = train_flops_per_step(cfg) / step_time_s / num_devices / 1e12
     peak = peak_tflops(device_kind)
     return cls(step_time_s, cfg.train.batch_size * cfg.model.seq_len / step_time_s, tflops,

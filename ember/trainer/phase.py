@@ -10,6 +10,7 @@ import time
 
 import jax
 
+from ember.config import Settings
 from ember.data import build_tokenizer
 from ember.platform import target_compute_capability, target_platform
 from ember.quant import gemm
@@ -21,7 +22,7 @@ from ember.trainer.perf import compiled_peak_bytes
 from ember.trainer.state import state_shardings
 
 
-def compile_step(step_fn, state, batch, cfg, mesh):
+def compile_step(step_fn, state, batch, cfg: Settings, mesh):
   """The train step compiled ahead of time for these arguments (logged with its memory estimate)."""
   console("compiling the train step")
   t0 = time.time()
@@ -46,7 +47,7 @@ def compile_step(step_fn, state, batch, cfg, mesh):
   return compiled
 
 
-def missing_tensor_core_gemm(cfg, hlo_text, compute_capability=None) -> str | None:
+def missing_tensor_core_gemm(cfg: Settings, hlo_text, compute_capability=None) -> str | None:
   """The library call the recipe's GEMMs should compile to on this GPU (quant/gemm.py's `tensor_core_gemm`)
   when the compiled step (`hlo_text()`, its optimised HLO) has none; None otherwise. It caught XLA's Triton
   GEMMs taking every FP8 GEMM of an H100's step."""
@@ -85,12 +86,12 @@ class QuantHealth:
   (ember/trainer/quant_stats.py) for that step's record, and their warnings, on the console and in the
   record (`quant_warnings`)."""
 
-  def __init__(self, cfg):
-    self.model = cfg.model
-    self.watch = quant_stats.Watch(self.model.recipe.name)
+  def __init__(self, cfg: Settings):
+    self.model, self.recipe = cfg.model, cfg.quant
+    self.watch = quant_stats.Watch(self.recipe.name)
 
   def record(self, done: int, stats_tree) -> dict:
-    record = quant_stats.summarize(jax.device_get(stats_tree), self.model)
+    record = quant_stats.summarize(jax.device_get(stats_tree), self.model, self.recipe)
     warnings = self.watch.check(record, done)
     for w in warnings:
       console(f"warning: quantization: {w}")

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ember import remat
+from ember.config import Settings
 from ember.layers import linear
 from ember.layers.attention import attention_bias
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
@@ -46,7 +47,7 @@ def stage_spec(path) -> P:
   return P(PIPELINE) if path[0].key == "segments" else P()
 
 
-def grads(state, batch, stats, key, *, graphdef, cfg, policy: remat.Preset, mesh: Mesh, batch_shards: int,
+def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Preset, mesh: Mesh, batch_shards: int,
           replicas: tuple[str, ...] = (), param_specs=None):
   """(metrics, (gradients, new quant state[, health statistics])) of one step over `train.grad_accum_steps`
   micro-batches in the pipeline: what the micro-batch loop (trainer/step.py's `_accumulate`) returns, with
@@ -118,7 +119,7 @@ def _once_per_stage(tree, once: tuple[str, ...]):
   return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, policy: remat.Preset, stages: int,
+def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Settings, policy: remat.Preset, stages: int,
           once: tuple[str, ...] = (PIPELINE,)):
   """Inside the map over `pipeline`: (total loss, metrics) of the step, the same on every stage."""
   m = keys.shape[0]
@@ -170,7 +171,7 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, poli
   return _head_losses(model, shares, micro, keys, count, aux, cfg, stages)
 
 
-def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg, stages: int):
+def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg: Settings, stages: int):
   """The losses of this stage's share of the micro-batches (`from_last_stage`), summed over the stages with the
   layers' aux, as the step's terms."""
   share = hidden_NxBxLxD.shape[0]
@@ -190,7 +191,7 @@ def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg, stages: in
   return _terms_over_stages(losses, aux, cfg, keys.shape[0], stages)
 
 
-def _terms_over_stages(losses, aux: dict, cfg, micro_batches: int, stages: int, virtual: int = 1):
+def _terms_over_stages(losses, aux: dict, cfg: Settings, micro_batches: int, stages: int, virtual: int = 1):
   """The step's (total loss, metrics) from each stage's sums: its (loss, ce, z) and its layers' aux (MoE sums summed
   over the stages, per-layer arrays gathered in layer order)."""
   everywhere = (PIPELINE, *sorted(shard_axes()))  # The stages and the replicas.
@@ -203,7 +204,7 @@ def _terms_over_stages(losses, aux: dict, cfg, micro_batches: int, stages: int, 
   return step_terms(total, ce, z, {**sums, **by_layer}, cfg, micro_batches)
 
 
-def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cfg, policy: remat.Preset,
+def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Settings, policy: remat.Preset,
                  stages: int, virtual: int):
   """Inside the map over `pipeline`, the 1F1B schedules (V = `virtual` chunks a stage: interleaved 1F1B where V > 1):
   (metrics, parameter gradients, new quant state, health statistics), the gradients taken here, one micro-batch's
@@ -356,7 +357,7 @@ def _combine_shared(acc_tree, d_tree, on, combine):
       acc_tree, d_tree)
 
 
-def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg, stages: int):
+def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, stages: int):
   """The LM head and loss of 1/S of the tokens of micro-batch f, whose hidden states `y` the last stage holds,
   on each stage: ((loss, (ce, z)) of the share, their cotangents for `state`, and the gradient of the whole `y`
   on every stage). The last stage's `y` is reduce-scattered over the stages along its length and the share's
@@ -386,7 +387,8 @@ def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg, stages: int):
   return (total, parts), d_state, dy
 
 
-def _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m: int, stages: int, virtual: int):
+def _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg: Settings, m: int, stages: int,
+              virtual: int):
   """The 1F1B loop's sums over the stages: each stage's rows of the stacked layers stay its own; the leaves on every
   stage (embedding, final norm, head) sum their gradients over the stages and combine the statistics of the
   stages that ran them. (metrics, gradients, quant state, statistics)."""

@@ -20,12 +20,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ember.config import Settings
 from ember.layers.decoder import rows_by_layer, stacked_like
 from ember.trainer.state import TrainState
 
 
 class Phases:
-  def __init__(self, cfg):
+  def __init__(self, cfg: Settings):
     self.settings, self.phases = cfg, cfg.phases
 
   def __len__(self) -> int:
@@ -56,12 +57,12 @@ def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: 
   """`state` (made under `old_cfg`) in the structure of `new_cfg`'s phase (`abstract`, placed by
   `shardings`): each layer's amax history kept where the new phase keeps the same one, zeros where it
   starts one."""
-  old = rows_by_layer(state.quant_state, old_cfg.model)
+  old = rows_by_layer(state.quant_state, old_cfg.model, old_cfg.quant)
 
   def row_of(key, like):
     kept = old.get(key)
     same = kept is not None and kept.shape == like.shape and kept.dtype == like.dtype
     return kept if same else jnp.zeros(like.shape, like.dtype)
 
-  quant_state = stacked_like(row_of, new_cfg.model, abstract.quant_state)
+  quant_state = stacked_like(row_of, new_cfg.model, new_cfg.quant, abstract.quant_state)
   return dataclasses.replace(state, quant_state=jax.device_put(quant_state, shardings.quant_state))

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember.layers.decoder import stacked_layers, tree_leaves
 from ember.config.model import ModelConfig
+from ember.layers.decoder import stacked_layers, tree_leaves
 from ember.quant import health
-from ember.quant.recipe import ACTIVATION, GRADIENT, SCHEMES, WEIGHT
+from ember.quant.recipe import ACTIVATION, GRADIENT, SCHEMES, WEIGHT, Recipe
 
 ROLES = (ACTIVATION, WEIGHT, GRADIENT)  # The rows of a QuantStats input, in order.
 _I = {name: i for i, name in enumerate(health.STATS)}
@@ -51,24 +51,24 @@ def _by_role(rows: np.ndarray) -> np.ndarray:
   return np.stack([rows[0], merged, rows[-1]])
 
 
-def per_layer(stats_tree: dict, model: ModelConfig) -> dict[tuple[str, str], dict[int, np.ndarray]]:
+def per_layer(stats_tree: dict, model: ModelConfig, recipe: Recipe) -> dict[tuple[str, str], dict[int, np.ndarray]]:
   """(projection, role) -> {layer: STATS vector}."""
   out: dict[tuple[str, str], dict[int, np.ndarray]] = {}
   for path, leaf in tree_leaves(stats_tree):
     leaf = np.asarray(leaf, np.float32)
     projection = _projection(path)
-    for index, layer in enumerate(stacked_layers(model, path) or []):  # Only layers collect them.
+    for index, layer in enumerate(stacked_layers(model, recipe, path) or []):  # Only layers collect them.
       rows = _by_role(leaf[index])
       for r, role in enumerate(ROLES):
         out.setdefault((projection, role), {})[layer] = rows[r]
   return out
 
 
-def summarize(stats_tree: dict, model: ModelConfig) -> dict[str, float]:
+def summarize(stats_tree: dict, model: ModelConfig, recipe: Recipe) -> dict[str, float]:
   """The flat `quant/...` records of one step's statistics (see the module doc)."""
   record: dict[str, float] = {}
-  names = ["amax", "scale", "saturated", "underflow"] + (["staleness"] if model.recipe.delayed else [])
-  for (projection, role), layers in sorted(per_layer(stats_tree, model).items()):
+  names = ["amax", "scale", "saturated", "underflow"] + (["staleness"] if recipe.delayed else [])
+  for (projection, role), layers in sorted(per_layer(stats_tree, model, recipe).items()):
     order = sorted(layers)
     rows = np.stack([layers[layer] for layer in order])
     nonzero = np.maximum(rows[:, _I["nonzero"]], 1.0)

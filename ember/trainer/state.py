@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ember.config import Settings
 from ember.layers.decoder import Transformer
 from ember.layers.linear import QuantState, QuantStats
 from ember.parallel import sharding
@@ -29,9 +30,9 @@ class TrainState:
   quant_state: Any  # Nested dict of delayed-scaling amax histories ({} for other recipes).
 
 
-def build_model(cfg, key: jax.Array) -> Transformer:
+def build_model(cfg: Settings, key: jax.Array) -> Transformer:
   with nnx.use_eager_sharding(False):
-    return Transformer(cfg.model, nnx.Rngs(params=key))
+    return Transformer(cfg.model, cfg.quant, nnx.Rngs(params=key))
 
 
 def split_model(model: Transformer):
@@ -40,7 +41,7 @@ def split_model(model: Transformer):
   return nnx.split(model, nnx.Param, QuantState, QuantStats)
 
 
-def stats_inputs(cfg) -> dict:
+def stats_inputs(cfg: Settings) -> dict:
   """The zeros the projections' QuantStats take in a step (their "gradients" are the step's health
   statistics, ember/trainer/quant_stats.py); {} when statistics are off."""
   abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0)))
@@ -48,7 +49,7 @@ def stats_inputs(cfg) -> dict:
   return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
 
 
-def logical_axes(cfg):
+def logical_axes(cfg: Settings):
   """(graphdef, logical-axis PartitionSpecs of params, of quant state), without allocating anything."""
   abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0)))
   graphdef, params, quant_state, _ = split_model(abstract)
@@ -71,7 +72,7 @@ def _match_opt_shardings(abstract_opt, param_shardings, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(pick, abstract_opt)
 
 
-def state_shardings(cfg, mesh: Mesh, tx):
+def state_shardings(cfg: Settings, mesh: Mesh, tx):
   """(graphdef, TrainState of NamedShardings, abstract TrainState)."""
   graphdef, param_specs, quant_specs = logical_axes(cfg)
   to_shardings = lambda specs: sharding.tree_shardings(specs, mesh, cfg.mesh.rules)
@@ -86,14 +87,14 @@ def state_shardings(cfg, mesh: Mesh, tx):
   return graphdef, shardings, abstract
 
 
-def abstract_init(cfg):
+def abstract_init(cfg: Settings):
   def init():
     _, params, quant_state, _ = split_model(build_model(cfg, jax.random.key(0)))
     return nnx.to_pure_dict(params), nnx.to_pure_dict(quant_state)
   return jax.eval_shape(init)
 
 
-def create_train_state(cfg, mesh: Mesh, tx):
+def create_train_state(cfg: Settings, mesh: Mesh, tx):
   """Initialises parameters directly into their shardings (no full copy on one device)."""
   graphdef, shardings, _ = state_shardings(cfg, mesh, tx)
 
@@ -107,7 +108,7 @@ def create_train_state(cfg, mesh: Mesh, tx):
   return graphdef, state, shardings
 
 
-def state_around(cfg, tx, params, shardings: TrainState) -> TrainState:
+def state_around(cfg: Settings, tx, params, shardings: TrainState) -> TrainState:
   """A new run's TrainState (step 0, fresh optimizer and quantization state) around given parameters."""
   def init(params):
     _, _, quant_state, _ = split_model(build_model(cfg, init_key(cfg.seed)))

@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import remat
+from ember.config import Settings
 from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
                          MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS, MOE_LOAD_MAX_OVER_MEAN, MOE_OVERFLOW_TOKENS,
                          MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, MOE_SEQ_BALANCE_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
@@ -33,7 +34,7 @@ from ember.trainer.state import TrainState, logical_axes, stats_inputs, step_key
 F32 = jnp.float32
 
 
-def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy: remat.Preset,
+def train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedule, policy: remat.Preset,
                batch_shards: int = 1, moe_plan: moe_dispatch.Plan | None = None):
   """One optimizer step. Delayed-scaling histories come back as the quant state's "gradient", and with
   log.quant_stats_every > 0 the projections' health statistics as the stats inputs' (metrics["quant_stats"]).
@@ -44,7 +45,8 @@ def train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy:
                        batch_shards=batch_shards)
 
 
-def _train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy: remat.Preset, batch_shards: int):
+def _train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedule, policy: remat.Preset,
+                batch_shards: int):
   key = step_key(cfg.seed, state.step)
   with_stats = bool(cfg.log.quant_stats_every)
   loss_fn = functools.partial(forward_loss, graphdef=graphdef, cfg=cfg, policy=policy)
@@ -68,7 +70,7 @@ def _train_step(state: TrainState, batch, *, graphdef, cfg, tx, schedule, policy
     loads_LxE = metrics.pop(MOE_EXPERT_LOADS + BY_LAYER)  # The step's, over its micro-batches and data shards.
     metrics[MOE_LOAD_MAX_OVER_MEAN] = load_max_over_mean(loads_LxE, cfg.model)
     if cfg.model.router_bias_update_rate:
-      new_quant_state = update_router_biases(state.quant_state, new_quant_state, loads_LxE, cfg.model)
+      new_quant_state = update_router_biases(state.quant_state, new_quant_state, loads_LxE, cfg.model, cfg.quant)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.tree.norm(grads)
@@ -95,7 +97,7 @@ def load_max_over_mean(loads_LxE, model) -> jax.Array:
   return jnp.mean(jnp.max(loads, axis=-1) / jnp.maximum(jnp.mean(loads, axis=-1), 1e-9))
 
 
-def update_router_biases(old_quant_state, new_quant_state, loads_LxE, model):
+def update_router_biases(old_quant_state, new_quant_state, loads_LxE, model, recipe):
   """`new_quant_state` with each MoE layer's router bias moved by the DeepSeek-V3 rule from its value before the
   step: bias += rate * sign(mean load - load), per layer, from the step's per-expert loads [layers, experts]."""
   rate = model.router_bias_update_rate
@@ -107,13 +109,13 @@ def update_router_biases(old_quant_state, new_quant_state, loads_LxE, model):
     if keys[0] == "mtp":  # A multi-token-prediction module's layer: its row follows the decoder's.
       loads = loads_LxE[model.num_layers + keys[1]]  # [experts].
     else:
-      loads = loads_LxE[jnp.asarray(stacked_layers(model, keys))]  # [the leaf's layers, experts].
+      loads = loads_LxE[jnp.asarray(stacked_layers(model, recipe, keys))]  # [the leaf's layers, experts].
     return old + rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)
 
   return jax.tree_util.tree_map_with_path(update, old_quant_state, new_quant_state)
 
 
-def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int, graphdef, cfg):
+def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int, graphdef, cfg: Settings):
   """(metrics, (grads, quant state[, health])) of a step run as `accum` micro-batches in a scan, one
   micro-batch's activations alive at a time. Each micro-batch's losses are its share of the step's
   (`forward_loss`), so losses, counts and gradients add up; gradients are summed in float32. Delayed-scaling
@@ -164,7 +166,7 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   return metrics, outs
 
 
-def replica_axes(cfg, mesh: Mesh, platform: str) -> tuple[str, ...]:
+def replica_axes(cfg: Settings, mesh: Mesh, platform: str) -> tuple[str, ...]:
   """The mesh axes whose devices run a step's micro-batches as replicas, each on its own rows, and reduce their
   gradients across one another once a step (`_over_replicas`) rather than per micro-batch: parallel/axes.py's
   `replica_axes` for this config's parameters. The step and the planner's estimate both ask.
@@ -178,7 +180,7 @@ def replica_axes(cfg, mesh: Mesh, platform: str) -> tuple[str, ...]:
                                features_split_apart=not cfg.quant.custom_partitioned(platform))
 
 
-def _param_specs(cfg, mesh: Mesh, axes: tuple[str, ...]):
+def _param_specs(cfg: Settings, mesh: Mesh, axes: tuple[str, ...]):
   """Each parameter's PartitionSpec over the replica `axes` alone: where an expert weight is split over them."""
   return jax.tree.map(lambda s: only_axes(s.spec, axes), tree_shardings(logical_axes(cfg)[1], mesh, cfg.mesh.rules))
 
@@ -214,12 +216,12 @@ def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], pa
                        out_specs=specs(param_specs), axis_names=manual, check_vma=False)(init, (rows, xs[1]), params)
 
 
-def batch_sharding(cfg, mesh: Mesh) -> NamedSharding:
+def batch_sharding(cfg: Settings, mesh: Mesh) -> NamedSharding:
   """Where a global batch [batch, length] lives: the `batch` logical axis over its mesh axes."""
   return NamedSharding(mesh, axes_lib.token_spec(cfg.mesh.rules_dict, mesh))
 
 
-def moe_plan(cfg, mesh: Mesh, batch_size: int) -> moe_dispatch.Plan | None:
+def moe_plan(cfg: Settings, mesh: Mesh, batch_size: int) -> moe_dispatch.Plan | None:
   """What the config's MoE layers run on `mesh` for batches of `batch_size` sequences (None for a dense
   model): decided here, once per jitted step, and read by the layers, the run's log line and the compile
   report alike."""
@@ -229,7 +231,7 @@ def moe_plan(cfg, mesh: Mesh, batch_size: int) -> moe_dispatch.Plan | None:
                            platform=target_platform())
 
 
-def jit_train_step(cfg, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy: remat.Preset | None = None,
+def jit_train_step(cfg: Settings, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy: remat.Preset | None = None,
                    donate: bool = True):
   """`train_step` jitted the one way the loop, the tools and the tests run it: state in and out on
   its shardings, the batch on `batch_sharding`, the old state donated. The remat preset is chosen here:
@@ -244,7 +246,7 @@ def jit_train_step(cfg, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy
                  donate_argnums=0 if donate else ())
 
 
-def eval_step(state: TrainState, batch, *, graphdef, cfg, moe_plan: moe_dispatch.Plan | None = None):
+def eval_step(state: TrainState, batch, *, graphdef, cfg: Settings, moe_plan: moe_dispatch.Plan | None = None):
   """Mean next-token loss on a batch, with no quantization noise (no stochastic-rounding key); `moe_plan`: that
   of the whole batch (`moe_plan(cfg, mesh, train.batch_size)`)."""
   stats = stats_inputs(cfg) if cfg.log.quant_stats_every else None

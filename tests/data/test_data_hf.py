@@ -10,7 +10,7 @@ import pytest
 from ember.data import DataError, sources
 from ember.trainer.loop import train
 from ember.trainer.metrics import read_records
-from tests.helpers import config
+from tests.helpers import checked, config
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_a_missing_column_or_dataset_is_one_line(hf_folder, tmp_path):
 def test_a_run_trains_from_a_local_dataset(hf_folder, tmp_path):
   folder, _ = hf_folder
   workdir = tmp_path / "run"
-  train(config("tiny", steps=3, workdir=str(workdir), **{"data.source": "hf", "data.hf_dataset": str(folder),
-                                                         "log.every_steps": 1}))
+  train(checked(config("tiny", steps=3, workdir=str(workdir), **{"data.source": "hf", "data.hf_dataset": str(folder),
+                                                         "log.every_steps": 1})))
   losses = [r["loss"] for r in read_records(str(workdir / "metrics.jsonl")) if "loss" in r]
   assert len(losses) == 3 and all(math.isfinite(x) for x in losses)

@@ -10,7 +10,7 @@ import pytest
 from ember.data import make_iterator
 from ember.names import SEGMENT_IDS, SOURCE
 from ember.trainer.loop import train
-from tests.helpers import config
+from tests.helpers import checked, config
 
 
 def _corpus(root, letter: bytes, n: int, seed: int):
@@ -85,7 +85,7 @@ def test_train_logs_each_source_share(tmp_path):
   cfg = config("tiny", **{"workdir": str(tmp_path / "run"), "steps": 4, "log.every_steps": 2,
                           "train.eval_every_steps": 0, "checkpoint.every_steps": -1, "quant.recipe": "bf16",
                           "data.mixture": (("alpha", "text", a, "", 3.0), ("beta", "text", b, "", 1.0))})
-  train(cfg)
+  train(checked(cfg))
   records = [json.loads(line) for line in open(os.path.join(tmp_path, "run", "metrics.jsonl"))]
   assert [r["step"] for r in records if "data_share/alpha" in r] == [2, 4]
   shares = [r["data_share/alpha"] for r in records]

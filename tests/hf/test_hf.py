@@ -148,7 +148,7 @@ def test_export_then_import_is_bit_identical(exported):
   mesh = make_mesh(mesh_cfg, helpers.devices(4))
   tx, _ = make_optimizer(cfg)
   _, shardings, abstract = state_shardings(cfg, mesh, tx)
-  params = load.load_params(out, cfg.model, abstract.params, shardings.params)
+  params = load.load_params(out, cfg.model, cfg.quant, abstract.params, shardings.params)
   got, want = jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(state.params)
   assert [p for p, _ in got] == [p for p, _ in want]
   for (path, a), (_, b) in zip(got, want):
@@ -158,7 +158,7 @@ def test_export_then_import_is_bit_identical(exported):
   if load.keeps_router_biases(cfg.model):  # DeepSeek's routers' biases come back into the router state.
     placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract.quant_state,
                           shardings.quant_state)
-    got = load.router_biases(out, cfg.model, placed)
+    got = load.router_biases(out, cfg.model, cfg.quant, placed)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, state.quant_state)
 
 
@@ -205,13 +205,13 @@ def test_import_mismatch_names_the_tensor(exported, tmp_path):
   other = cfg.replace("model.d_ff", 96)
   abstract, _ = abstract_init(other)
   with pytest.raises(CheckpointError, match=r"tensor model\.layers\.\d+\..*(mlp|experts).* has shape .* but"):
-    load.check(out, other.model, abstract)
+    load.check(out, other.model, other.quant, abstract)
   if cfg.model.mtp_depth:  # A shallower model would expect its prediction module where a layer lies.
     return
   other = cfg.replace("model.num_layers", 1)
   abstract, _ = abstract_init(other)
   with pytest.raises(CheckpointError, match=r"model\.layers\.1\..* has no place in this config"):
-    load.check(out, other.model, abstract)
+    load.check(out, other.model, other.quant, abstract)
 
 
 def _hf_loss(out_dir, batch):
@@ -249,11 +249,11 @@ def test_a_run_starts_from_the_hf_directory(exported_dense, tmp_path, capsys):
     it.close()
   want = _hf_loss(out, batch)
 
-  train(cfg)
+  train(helpers.checked(cfg))
   assert "started from the Hugging Face model" in capsys.readouterr().err
   first = [r for r in read_records(str(tmp_path / "hf" / "metrics.jsonl")) if r["step"] == 1]
   assert len(first) == 1 and first[0]["loss"] == pytest.approx(want, rel=1e-5)
-  train(helpers.config(**{**overrides, "workdir": str(tmp_path / "init")}))
+  train(helpers.checked(helpers.config(**{**overrides, "workdir": str(tmp_path / "init")})))
   first_init = [r for r in read_records(str(tmp_path / "init" / "metrics.jsonl")) if r["step"] == 1]
   assert abs(first_init[0]["loss"] - want) > 0.1 * want, (first_init[0]["loss"], want)
 
@@ -315,7 +315,7 @@ def test_a_run_on_a_hugging_face_tokenizer_exports_it(tmp_path, capsys):
   cfg = helpers.config(**{"workdir": str(tmp_path / "run"), "steps": 2, "data.source": "text",
                           "data.path": str(tmp_path / "corpus" / "*.txt"), "data.tokenizer": str(tmp_path / "tokenizer.json"),
                           "checkpoint.every_steps": 2, "log.every_steps": 1})
-  train(cfg)  # model.vocab_size 0: the tokenizer's 300, padded to 384.
+  train(helpers.checked(cfg))  # model.vocab_size 0: the tokenizer's 300, padded to 384.
   assert (f"tokenizer {tmp_path / 'tokenizer.json'}: vocabulary {bpe.get_vocab_size()} (model.vocab_size 384)"
           in capsys.readouterr().err)
   ours = build_tokenizer(cfg.data)
@@ -362,10 +362,10 @@ def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path)
     theirs = theirs_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
   with start.rules():
-    params = load.load_params(str(tmp_path / "hf"), m, start.state.params, start.shardings.params)
+    params = load.load_params(str(tmp_path / "hf"), m, start.cfg.quant, start.state.params, start.shardings.params)
     quant_state = start.state.quant_state
     if load.keeps_router_biases(m):
-      quant_state = load.router_biases(str(tmp_path / "hf"), m, quant_state)
+      quant_state = load.router_biases(str(tmp_path / "hf"), m, start.cfg.quant, quant_state)
     model = nnx.merge(start.graphdef, params, quant_state)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     h, _ = model(jnp.asarray(tokens), jnp.ones_like(tokens), positions)

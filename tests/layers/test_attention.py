@@ -15,7 +15,7 @@ def test_changing_one_segment_leaves_the_other_unchanged():
   cfg = config("tiny", **{"model.dtype": "float32", "model.seq_len": 32, "quant.recipe": "bf16"})
   cfg = derive(cfg, 1)
   with nnx.use_eager_sharding(False):
-    model = Transformer(cfg.model, nnx.Rngs(params=0))
+    model = Transformer(cfg.model, cfg.quant, nnx.Rngs(params=0))
   seg = jnp.array([[1] * 12 + [2] * 16 + [0] * 4])
   pos = jnp.array([list(range(12)) + list(range(16)) + [0] * 4])
   tokens = jax.random.randint(jax.random.key(1), (1, 32), 0, 256)
@@ -37,7 +37,7 @@ def test_segment_positions_restart():
   cfg = config("tiny", **{"model.dtype": "float32", "model.seq_len": 16, "quant.recipe": "bf16"})
   cfg = derive(cfg, 1)
   with nnx.use_eager_sharding(False):
-    model = Transformer(cfg.model, nnx.Rngs(params=0))
+    model = Transformer(cfg.model, cfg.quant, nnx.Rngs(params=0))
   doc = jax.random.randint(jax.random.key(2), (8,), 0, 256)
   other = jax.random.randint(jax.random.key(3), (8,), 0, 256)
   packed = jnp.concatenate([other, doc])[None]

@@ -191,7 +191,7 @@ def test_sequence_balance_loss_by_hand():
 def test_mtp_loss_is_logged(tmp_path):
   cfg = _cfg(**{"workdir": str(tmp_path / "run"), "steps": 2, "log.every_steps": 1, "checkpoint.every_steps": -1,
                 "train.eval_every_steps": 0, "data.source": "synthetic"})
-  train(cfg)
+  train(helpers.checked(cfg))
   records = [r for r in read_records(str(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
   assert len(records) == 2 and all(r["mtp_loss"] > 0 for r in records)
 

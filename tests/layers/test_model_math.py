@@ -20,7 +20,7 @@ from tests.helpers import config
 def _model(preset="tiny", **overrides):
   cfg = derive(config(preset, **{"model.dtype": "float32", "quant.recipe": "bf16", **overrides}), 1)
   with nnx.use_eager_sharding(False):
-    return Transformer(cfg.model, nnx.Rngs(params=0)), cfg
+    return Transformer(cfg.model, cfg.quant, nnx.Rngs(params=0)), cfg
 
 
 def test_rope_matches_complex_rotation():
@@ -171,7 +171,7 @@ def test_qk_norm_attention_matches_numpy():
   cfg = derive(config("tiny", **{"model.dtype": "float32", "quant.recipe": "bf16", "model.qk_norm": True}), 1)
   m = cfg.model
   with nnx.use_eager_sharding(False):
-    attn = Attention(m, layer=0, rngs=nnx.Rngs(params=0))
+    attn = Attention(m, recipe=cfg.quant, layer=0, rngs=nnx.Rngs(params=0))
   rng = np.random.default_rng(3)
   attn.q_norm.scale[...] = jnp.asarray(rng.uniform(0.5, 2.0, m.head_dim), jnp.float32)
   attn.k_norm.scale[...] = jnp.asarray(rng.uniform(0.5, 2.0, m.head_dim), jnp.float32)

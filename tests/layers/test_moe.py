@@ -29,7 +29,7 @@ def _cfg(**overrides):
 
 def _layer(cfg, seed=0):
   with nnx.use_eager_sharding(False):
-    return MoE(cfg.model, layer=0, rngs=nnx.Rngs(params=seed))
+    return MoE(cfg.model, recipe=cfg.quant, layer=0, rngs=nnx.Rngs(params=seed))
 
 
 @pytest.mark.parametrize("k", [1, 2])

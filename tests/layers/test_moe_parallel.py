@@ -85,7 +85,7 @@ def _layer(recipe: str, num_devices: int, mesh_axes: dict, num_experts: int = 4,
                               **mesh_axes})
   cfg = _derive(cfg, num_devices)
   with nnx.use_eager_sharding(False):
-    layer = MoE(cfg.model, layer=0, rngs=nnx.Rngs(params=0))
+    layer = MoE(cfg.model, recipe=cfg.quant, layer=0, rngs=nnx.Rngs(params=0))
   graphdef, state = nnx.split(layer)
   # Delayed scaling: histories with plausible amaxes, so that their scales matter.
   state = jax.tree_util.tree_map_with_path(
@@ -199,7 +199,7 @@ def _tight_capacity_layer(dispatch, expert_gemm, router=None):
                               "model.moe_dispatch": dispatch, "model.moe_expert_gemm": expert_gemm, **EP})
   cfg8, cfg1 = _derive(cfg, 8), _derive(cfg, 1)
   with nnx.use_eager_sharding(False):
-    layer = MoE(cfg1.model, layer=0, rngs=nnx.Rngs(params=0))
+    layer = MoE(cfg1.model, recipe=cfg1.quant, layer=0, rngs=nnx.Rngs(params=0))
   x = jax.random.normal(jax.random.key(1), (8, 16, cfg1.model.d_model), jnp.float32)
   if router is not None:
     layer.router[...] = router(*layer.router[...].shape)
@@ -291,7 +291,7 @@ def test_ragged_overflow_is_counted_and_zeroed():
                               "model.moe_ragged_buffer": 0.5, **EP})
   cfg8, cfg1 = _derive(cfg, 8), _derive(cfg, 1)
   with nnx.use_eager_sharding(False):
-    layer = MoE(cfg1.model, layer=0, rngs=nnx.Rngs(params=0))
+    layer = MoE(cfg1.model, recipe=cfg1.quant, layer=0, rngs=nnx.Rngs(params=0))
   graphdef, state = nnx.split(layer)
   x = jax.random.normal(jax.random.key(1), (8, 16, cfg1.model.d_model), jnp.float32)
   seg = jnp.ones((8, 16), jnp.int32)

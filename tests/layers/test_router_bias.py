@@ -47,7 +47,7 @@ def test_the_update_rule_by_hand():
   quant = s.state.quant_state
   loads = jnp.asarray([[0, 0, 0, 0], [10, 2, 2, 2], [0, 0, 0, 0], [1, 3, 4, 4]], jnp.float32)  # Means 4 and 3.
   zeros = jax.tree.map(jnp.zeros_like, quant)
-  new = step_lib.update_router_biases(quant, zeros, loads, s.cfg.model)
+  new = step_lib.update_router_biases(quant, zeros, loads, s.cfg.model, s.cfg.quant)
   bias = new["segments"][0]["blocks"]["layers"][1]["moe"]["router_bias"]  # [blocks, experts]: layers 1 and 3.
   np.testing.assert_array_equal(np.asarray(bias), [[-0.25, 0.25, 0.25, 0.25], [0.25, 0.0, -0.25, -0.25]])
   others = [(p, a) for p, a in jax.tree_util.tree_leaves_with_path(new) if "router_bias" not in jax.tree_util.keystr(p)]

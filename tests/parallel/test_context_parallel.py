@@ -8,7 +8,7 @@ from ember import config as config_lib
 from ember.errors import ConfigError
 from ember.tools.sample import sample
 from ember.trainer.loop import train
-from tests.helpers import config, one_step, random_batch, rel_error
+from tests.helpers import checked, config, one_step, random_batch, rel_error
 
 MESHES = {"context4": {"mesh.context": 4, "mesh.fsdp": 2},
           "context2_fsdp4": {"mesh.context": 2, "mesh.fsdp": 4},
@@ -65,7 +65,7 @@ def test_sampling_from_a_context_parallel_checkpoint(tmp_path):
   """A run trained with context=4 samples on its own 8 devices (the context devices shard the parameters as
   fsdp then) the text it samples on one device."""
   workdir = tmp_path / "run"
-  train(config("tiny", steps=2, workdir=str(workdir), **{"mesh.context": 4, "checkpoint.every_steps": 2}))
+  train(checked(config("tiny", steps=2, workdir=str(workdir), **{"mesh.context": 4, "checkpoint.every_steps": 2})))
   prompts = ["def ", "import os\n"]
   sharded = sample(str(workdir), prompts, max_new_tokens=8)
   alone = sample(str(workdir), prompts, max_new_tokens=8, one_device=True)

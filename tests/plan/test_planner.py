@@ -11,14 +11,14 @@ from ember.plan import isolated, planner
 from ember.plan import target as target_lib
 from ember.plan.compile import compile_report
 from ember.tools import plan as tool
-from tests.helpers import ROOT
+from tests.helpers import ROOT, loaded
 
 needs_plugin = pytest.mark.skipif(not target_lib.plugin_available(),
                                   reason="JAX's CUDA plugin is not installed (launch/install_compile_plugin.sh)")
 
 
 def _cfg(name, *flags):
-  return config_lib.load(["plan", f"--config={ROOT}/configs/default.py:{name}", "--config.data.source=synthetic", *flags])
+  return loaded(["plan", f"--config={ROOT}/configs/default.py:{name}", "--config.data.source=synthetic", *flags])
 
 
 def test_layouts_follow_the_model_and_the_cluster():
@@ -46,7 +46,7 @@ def test_layouts_follow_the_model_and_the_cluster():
   assert {lay.schedule for lay in piped} == {"gpipe", "1f1b"}
   assert all(lay.grad_accum_steps % 2 == 0 for lay in piped if lay.schedule == "gpipe")
   assert {lay.schedule for lay in found if lay not in piped} == {"gpipe"}
-  presets = planner.presets(config_lib.derive(cfg, None))
+  presets = planner.presets(cfg)
   assert {r for *_, r in seen} == set(presets) and "save_quantized_offloaded" not in presets
   # The flags say the whole layout, and read back as it.
   lay = found[-1]
@@ -121,8 +121,8 @@ def test_a_compile_that_aborts_its_process_fails_alone():
   else:
     pytest.skip("this XLA compiles the layout: nothing aborts")
   # A child's own error comes back as its one line.
-  with pytest.raises(isolated.CompileFailed, match="config.model.num_kv_heads"):
-    isolated.compile_report_isolated(_cfg("tiny", "--config.model.num_kv_heads=3"), target_lib.parse("h100x8"))
+  with pytest.raises(isolated.CompileFailed, match="config.mesh: mesh .* has 3 devices but 8 are available"):
+    isolated.compile_report_isolated(_cfg("tiny", "--config.mesh.fsdp=3"), target_lib.parse("h100x8"))
 
 
 @needs_plugin

@@ -11,7 +11,6 @@ import jax
 import matplotlib.image
 import pytest
 
-from ember import config as config_lib
 from ember import remat
 from ember.plan import hlo
 from ember.plan import target as target_lib
@@ -21,7 +20,7 @@ from ember.quant import fused, fused_nvfp4
 from ember.quant.gemm import CUDNN_BLOCK_SCALED_GEMM
 from ember.trainer.perf import train_flops_per_step
 from ember.tools import compile as tool
-from tests.helpers import ROOT
+from tests.helpers import ROOT, loaded
 
 pytestmark = pytest.mark.skipif(not target_lib.plugin_available(),
                                 reason="JAX's CUDA plugin is not installed (launch/install_compile_plugin.sh)")
@@ -40,7 +39,7 @@ def census(**counts) -> dict:
 
 
 def report(target, *flags):
-  return compile_report(config_lib.load(["compile", *TINY, *flags]), target_lib.parse(target))
+  return compile_report(loaded(["compile", *TINY, *flags]), target_lib.parse(target))
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
@@ -73,7 +72,7 @@ def test_lm_head_gradient_is_reduced_once_a_step(tmp_path):
   (the loss runs the head in one pass: no backward recomputes its logits)."""
   path = tmp_path / "step.hlo"
   d_model, vocab = 64, 320  # A vocab no layer's shape shares: the head's collectives are found by shape.
-  compile_report(config_lib.load(["compile", *TINY, "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=8",
+  compile_report(loaded(["compile", *TINY, "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=8",
                                    "--config.train.batch_size=16", f"--config.model.vocab_size={vocab}",
                                    "--config.train.loss_chunk_size=8"]),
                  target_lib.parse("h100x8"), hlo_out=str(path))
@@ -96,7 +95,7 @@ def test_accumulated_step_takes_each_kernel_amax_once(target, recipe, gemm, tmp_
   that divide among 8 GPUs)."""
   path = tmp_path / "step.hlo"
   width = ["--config.model.d_model=256", "--config.model.d_ff=512"] if recipe == "nvfp4" else []
-  r = compile_report(config_lib.load(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.mesh.fsdp=8",
+  r = compile_report(loaded(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.mesh.fsdp=8",
                                       "--config.train.batch_size=32", "--config.train.grad_accum_steps=4", *width]),
                      target_lib.parse(target), hlo_out=str(path))
   p = hlo.Program(path.read_text())
@@ -112,7 +111,7 @@ def test_block_scaled_wgrad_is_written_as_its_reduce_scatter_reads_it(tmp_path):
   output) is written by the block-scaled GEMM with that axis major, so no float32 gradient is transposed after it
   (nvfp4's tensor-scale pass over the output writes the wanted layout either way)."""
   path = tmp_path / "step.hlo"
-  compile_report(config_lib.load(["compile", *TINY, "--config.quant.recipe=mxfp8", "--config.mesh.fsdp=8",
+  compile_report(loaded(["compile", *TINY, "--config.quant.recipe=mxfp8", "--config.mesh.fsdp=8",
                                    "--config.train.batch_size=16"]), target_lib.parse("b200x8"), hlo_out=str(path))
   p = hlo.Program(path.read_text())
   transposed = [p.by_name[k.name].shape for k in hlo.memory_kernels(p) if "transpose" in k.name
@@ -129,7 +128,7 @@ def test_nvfp4_gemms_take_their_scales_and_operands_without_passes_of_their_own(
   - each layer's kernel is cast where it lies in the stacked kernels (layers unrolled, as llama3_8b's): no float32
     copy of a layer's kernel."""
   path = tmp_path / "step.hlo"
-  compile_report(config_lib.load(["compile", *TINY, "--config.quant.recipe=nvfp4", "--config.mesh.fsdp=8",
+  compile_report(loaded(["compile", *TINY, "--config.quant.recipe=nvfp4", "--config.mesh.fsdp=8",
                                    "--config.train.batch_size=16", "--config.model.d_model=256",
                                    "--config.model.d_ff=512", "--config.model.scan_layers=false"]),
                  target_lib.parse("b200x8"), hlo_out=str(path))
@@ -156,7 +155,7 @@ def test_data_parallel_replicas_reduce_gradients_once_a_step(recipe, tmp_path):
   format; the block-scaled recipes' kernels partition themselves inside the replicas' shard_map
   (quant/partitioning.py)."""
   path = tmp_path / "step.hlo"
-  r = compile_report(config_lib.load(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.mesh.data=2",
+  r = compile_report(loaded(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.mesh.data=2",
                                       "--config.mesh.fsdp=4", "--config.train.batch_size=32",
                                       "--config.train.grad_accum_steps=4", "--config.train.grad_reduce_dtype=bfloat16"]),
                      target_lib.parse("b200x8"), hlo_out=str(path))
@@ -181,7 +180,7 @@ def test_block_scaled_replicas_compile(mesh, tmp_path):
   features are split, whose sums the kernels' rules cannot take inside the shard_map, so the step runs as one
   program over the mesh (`replica_axes`; inside, XLA failed a check partitioning it)."""
   path = tmp_path / "step.hlo"
-  compile_report(config_lib.load(["compile", f"--config={ROOT}/configs/default.py:tiny_moe",
+  compile_report(loaded(["compile", f"--config={ROOT}/configs/default.py:tiny_moe",
                                   "--config.data.source=synthetic", "--config.quant.recipe=mxfp8",
                                   *(f"--config.mesh.{k}={v}" for k, v in mesh.items()),
                                   "--config.train.batch_size=16", "--config.train.grad_accum_steps=2"]),
@@ -199,7 +198,7 @@ def test_grad_reduce_dtype_is_the_dtype_gradients_are_reduced_in(target, recipe,
   moved = {}
   for dtype in ("float32", "bfloat16"):
     path = tmp_path / f"{dtype}.hlo"
-    compile_report(config_lib.load(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.mesh.fsdp=8",
+    compile_report(loaded(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.mesh.fsdp=8",
                                      "--config.train.batch_size=16", f"--config.train.grad_reduce_dtype={dtype}"]),
                    target_lib.parse(target), hlo_out=str(path))
     moved[dtype] = collections.Counter()
@@ -234,7 +233,7 @@ def test_bfloat16_optimizer_state_lowers_llama3_8b_peak():
   a parameter a moment over 8 GPUs, about 3.7 GiB of the compiled peak."""
   flags = ["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
            "--config.quant.recipe=fp8_current", "--config.train.batch_size=8", *SCANNED]
-  peak = {d: compile_report(config_lib.load([*flags, f"--config.train.optimizer_state_dtype={d}"]),
+  peak = {d: compile_report(loaded([*flags, f"--config.train.optimizer_state_dtype={d}"]),
                             target_lib.parse("h100x8"))["peak_bytes"] for d in ("float32", "bfloat16")}
   assert peak["float32"] - peak["bfloat16"] >= 3.5 * 2**30, peak
 
@@ -243,7 +242,7 @@ def test_fsdp_expert_kernels_are_gathered_in_fp8(tmp_path):
   """tiny_moe with its experts sharded over FSDP 8 (no expert parallelism): the expert kernels cross the network
   as FP8 (quantized on their shard), never as float32; only the float32 router is gathered in float32."""
   path = tmp_path / "step.hlo"
-  compile_report(config_lib.load(["compile", f"--config={ROOT}/configs/default.py:tiny_moe", "--config.data.source=synthetic",
+  compile_report(loaded(["compile", f"--config={ROOT}/configs/default.py:tiny_moe", "--config.data.source=synthetic",
                                    "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=8", "--config.train.batch_size=8"]),
                  target_lib.parse("h100x8"), hlo_out=str(path))
   gathered = collections.Counter()
@@ -308,8 +307,8 @@ def test_compile_tool_exit_codes(tmp_path, capsys):
   parts = r["time_floor_parts_s"]
   assert r["time_floor_s"] == max(parts["compute"] + parts["memory"], parts["collectives"])
   assert r["time_serial_s"] == pytest.approx(sum(parts.values()))
-  cfg = config_lib.load(["compile", *llama[:3], "--config.train.batch_size=8"])
-  assert r["model_flops"] == pytest.approx(train_flops_per_step(config_lib.derive(cfg, None)) / 8)
+  cfg = loaded(["compile", *llama[:3], "--config.train.batch_size=8"])
+  assert r["model_flops"] == pytest.approx(train_flops_per_step(cfg) / 8)
   assert r["mfu_ceiling"] == pytest.approx(r["model_flops"] / r["time_floor_s"] / 989e12)
   assert r["device_memory_bytes"] == target_lib.parse("h100x8").device_memory_bytes
   assert r["peak_bytes"] >= r["temp_bytes"]
@@ -380,7 +379,7 @@ def test_unknown_target_is_one_line_exit_2(capsys):
 
 def test_auto_chooses_under_the_target_memory():
   """`auto` with no budget takes the target's 79.1 GiB: llama3_8b's `none` (79.4 GiB) is out, `full` in."""
-  cfg = config_lib.load(["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
+  cfg = loaded(["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
                          "--config.quant.recipe=fp8_current", "--config.train.batch_size=8",
                          "--config.remat.policy=auto", "--config.remat.auto_candidates=('none', 'full')", *SCANNED])
   r = compile_report(cfg, target_lib.parse("h100x8"))
@@ -393,7 +392,7 @@ def test_ragged_dispatch_compiles_for_eight_gpus_and_moves_less():
   flags = [f"--config={ROOT}/configs/default.py:moe_64x6", "--config.data.source=synthetic",
            "--config.model.num_layers=2", "--config.train.batch_size=8", "--config.mesh.fsdp=1",
            "--config.mesh.expert=8", "--config.remat.policy=save_quantized"]
-  reports = {d: compile_report(config_lib.load(["compile", *flags, f"--config.model.moe_dispatch={d}"]),
+  reports = {d: compile_report(loaded(["compile", *flags, f"--config.model.moe_dispatch={d}"]),
                                target_lib.parse("h100x8")) for d in ("allgather", "ragged")}
   ag, rg = reports["allgather"], reports["ragged"]
   assert rg["moe"]["dispatch"] == "ragged" and rg["collectives"].get("ragged-all-to-all", 0) > 0
@@ -457,7 +456,7 @@ def test_moe_expert_gemms_are_block_scaled_on_b200(recipe):
   flags = [f"--config={ROOT}/configs/default.py:moe_64x6", "--config.data.source=synthetic",
            "--config.model.num_layers=2", "--config.train.batch_size=8", "--config.mesh.fsdp=1",
            "--config.mesh.expert=8", "--config.remat.policy=save_quantized", f"--config.quant.recipe={recipe}"]
-  r = compile_report(config_lib.load(["compile", *flags]), target_lib.parse("b200x8"))
+  r = compile_report(loaded(["compile", *flags]), target_lib.parse("b200x8"))
   flops = r["moe"]["expert_gemm_flops"]
   assert r["moe"]["expert_gemm"] == "capacity" and r["gemms"]["emulated"] == 0, r["gemms"]
   assert flops[recipe] > 0 and flops["bf16"] == 0 and flops[recipe] >= 0.99 * sum(flops.values()), flops
@@ -479,7 +478,7 @@ def test_moe_expert_gemms_do_the_routed_work_in_fp8():
   flags = [f"--config={ROOT}/configs/default.py:moe_64x6", "--config.data.source=synthetic",
            "--config.train.batch_size=8", "--config.model.seq_len=2048", "--config.mesh.fsdp=1",
            "--config.mesh.expert=8", "--config.quant.recipe=fp8_current"]
-  cfg = config_lib.load(["compile", *flags])
+  cfg = loaded(["compile", *flags])
   r = compile_report(cfg, target_lib.parse("h100x8"))
   moe = r["moe"]
   assert (moe["dispatch"], moe["expert_gemm"]) == ("ragged", "capacity")
@@ -497,7 +496,7 @@ def test_quantized_gemms_write_the_dtype_their_consumer_reads(target, recipe, ge
   """Forward and dgrad GEMMs feed bf16 math and write bf16, quantized or not; wgrad GEMMs write the float32 weight
   gradient. None writes a float32 result for another kernel to read back and cast."""
   path = tmp_path / "step.hlo"
-  compile_report(config_lib.load(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.remat.policy=none"]),
+  compile_report(loaded(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.remat.policy=none"]),
                  target_lib.parse(target), hlo_out=str(path))
   written = collections.Counter(hlo.dtype_of(i.shape) for i in hlo.Program(path.read_text()).instructions
                                 if i.opcode == "custom-call" and i.attribute("custom_call_target") == gemm)
@@ -510,7 +509,7 @@ def test_mxfp8_operands_are_quantized_in_one_pass(tmp_path):
   once and writes both copies (ember/quant/fused.py), on a GPU with block-scaled GEMMs and on one without."""
   for target in ("b200x1", "h100x1"):
     path = tmp_path / f"{target}.hlo"
-    compile_report(config_lib.load(["compile", *TINY, "--config.quant.recipe=mxfp8", "--config.remat.policy=none"]),
+    compile_report(loaded(["compile", *TINY, "--config.quant.recipe=mxfp8", "--config.remat.policy=none"]),
                    target_lib.parse(target), hlo_out=str(path))
     kernels = [i for i in hlo.Program(path.read_text()).instructions
                if i.opcode == "custom-call" and "triton" in (i.attribute("custom_call_target") or "")]
@@ -522,7 +521,7 @@ def test_expert_rows_are_cast_by_the_kernels_on_one_gpu(recipe, scope, tmp_path)
   """tiny_moe on one B200 (its experts run without shard_map): the experts' x, quantized along its last axis
   only, is cast by the recipe's kernel (its `rows` / one-copy cast), not by the quantizer's passes."""
   path = tmp_path / "step.hlo"
-  compile_report(config_lib.load(["compile", f"--config={ROOT}/configs/default.py:tiny_moe",
+  compile_report(loaded(["compile", f"--config={ROOT}/configs/default.py:tiny_moe",
                                    "--config.data.source=synthetic", f"--config.quant.recipe={recipe}"]),
                  target_lib.parse("b200x1"), hlo_out=str(path))
   kernels = [i.op_name for i in hlo.Program(path.read_text()).instructions
@@ -573,7 +572,7 @@ def test_mxfp8_one_pass_runs_where_each_device_quantizes_whole_blocks(tmp_path):
   gradient of the gate-and-up projection's output (16 x 64 tokens by 2 x 128: 32 by 8 blocks) splits evenly."""
   for d_model, kernels_wanted in ((256, 3 * QUANTIZED_PROJECTIONS), (64, 1)):
     path = tmp_path / f"{d_model}.hlo"
-    compile_report(config_lib.load(["compile", *TINY, "--config.quant.recipe=mxfp8", "--config.mesh.fsdp=8",
+    compile_report(loaded(["compile", *TINY, "--config.quant.recipe=mxfp8", "--config.mesh.fsdp=8",
                                      "--config.train.batch_size=16", f"--config.model.d_model={d_model}",
                                      f"--config.model.d_ff={2 * d_model}"]),
                    target_lib.parse("h100x8"), hlo_out=str(path))

@@ -142,7 +142,7 @@ EXPECTED_NAMES = {"bf16": 0, "fp8_current": 4 * 2 * 4, "fp8_delayed": 4 * 2 * 4,
 def test_decoder_layer_names_every_quantized_residual(recipe):
   cfg = derive(config("tiny", **{"quant.recipe": recipe}), 1)
   with nnx.use_eager_sharding(False):
-    layer = DecoderLayer(cfg.model, 0, nnx.Rngs(params=0))
+    layer = DecoderLayer(cfg.model, cfg.quant, 0, nnx.Rngs(params=0))
   b, length, d = 2, cfg.model.seq_len, cfg.model.d_model
   x = jnp.zeros((b, length, d), jnp.bfloat16)
   seg = jnp.ones((b, length), jnp.int32)

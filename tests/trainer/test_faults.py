@@ -19,7 +19,7 @@ from ember.trainer import stragglers as stragglers_lib
 from ember.trainer import watchdog as watchdog_lib
 from ember.trainer.loop import train
 from ember.trainer.step import batch_sharding, jit_train_step
-from tests.helpers import config, random_batch, start
+from tests.helpers import checked, config, random_batch, start
 
 
 def test_a_non_finite_step_leaves_the_state_as_if_its_batch_never_came():
@@ -70,7 +70,7 @@ def _run(tmp_path, corpus, **overrides):
 
 
 def test_skipped_steps_are_counted_and_the_run_goes_on_or_ends_past_the_limit(tmp_path, poisoned_corpus, capsys):
-  train(_run(tmp_path / "on", poisoned_corpus, **{"train.max_skipped_steps": 2}))
+  train(checked(_run(tmp_path / "on", poisoned_corpus, **{"train.max_skipped_steps": 2})))
   records = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
   records = [r for r in records if "loss" in r]
   assert [r["step"] for r in records] == list(range(1, 12))  # The run went on to its last step.
@@ -83,7 +83,7 @@ def test_skipped_steps_are_counted_and_the_run_goes_on_or_ends_past_the_limit(tm
   assert f"warning: step {bad[0]}: loss nan" in err and "not finite, the step is skipped" in err
   # The same data with a limit of one: the first skipped step ends the run with a line naming the key.
   with pytest.raises(Diverged, match=rf"train.max_skipped_steps: 1 steps in a row \({bad[0]}-{bad[0]}\)"):
-    train(_run(tmp_path / "limit", poisoned_corpus, **{"train.max_skipped_steps": 1}))
+    train(checked(_run(tmp_path / "limit", poisoned_corpus, **{"train.max_skipped_steps": 1})))
   with pytest.raises(SystemExit) as exit_info:
     fail_and_exit(Diverged("x"))
   assert exit_info.value.code == DIVERGED_EXIT_STATUS == 3

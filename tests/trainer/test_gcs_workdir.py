@@ -18,7 +18,7 @@ from ember import storage  # noqa: E402
 from ember.errors import ConfigError  # noqa: E402
 from ember.trainer.loop import train  # noqa: E402
 from ember.trainer.metrics import read_records  # noqa: E402
-from tests.helpers import config  # noqa: E402
+from tests.helpers import checked, config  # noqa: E402
 
 BUCKET = "ember-test"
 
@@ -71,10 +71,10 @@ def _logged(records: list[dict]) -> dict[int, dict]:
 @pytest.mark.usefixtures("bucket")
 def test_a_run_in_a_bucket_checkpoints_and_resumes_bit_for_bit(tmp_path):
   common = {"log.every_steps": 1, "checkpoint.every_steps": 2, "train.eval_every_steps": 2, "log.tensorboard": True}
-  train(config("tiny", steps=4, workdir=str(tmp_path / "local"), **common))
+  train(checked(config("tiny", steps=4, workdir=str(tmp_path / "local"), **common)))
   url = f"gs://{BUCKET}/run"
-  train(config("tiny", steps=2, workdir=url, **common))
-  train(config("tiny", steps=4, workdir=url, **common))  # Resumes from the bucket's step 2.
+  train(checked(config("tiny", steps=2, workdir=url, **common)))
+  train(checked(config("tiny", steps=4, workdir=url, **common)))  # Resumes from the bucket's step 2.
 
   local = _logged(read_records(str(tmp_path / "local" / "metrics.jsonl")))
   remote = _logged(read_records(f"{url}/metrics.jsonl"))

@@ -12,7 +12,7 @@ from ember.layers import linear
 from ember.trainer.loop import train
 from ember.plan import hlo
 from ember.trainer.step import batch_sharding, jit_train_step, micro_batches
-from tests.helpers import config, one_step, random_batch, rel_error, start
+from tests.helpers import checked, config, one_step, random_batch, rel_error, start
 
 MESH = {"mesh.data": 2, "mesh.fsdp": 4}
 MOE_MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2}
@@ -100,9 +100,9 @@ def test_resume_mid_way_and_tokens_per_s_count_the_step(tmp_path):
   log the same losses bit for bit; tokens/s is the whole batch's tokens over the step time."""
   common = {"quant.recipe": "fp8_delayed", "train.batch_size": 16, "train.grad_accum_steps": 2,
             "checkpoint.every_steps": 2, "log.every_steps": 1}
-  train(config("tiny", **common, steps=4, workdir=str(tmp_path / "straight")))
-  train(config("tiny", **common, steps=2, workdir=str(tmp_path / "resumed")))
-  train(config("tiny", **common, steps=4, workdir=str(tmp_path / "resumed")))
+  train(checked(config("tiny", **common, steps=4, workdir=str(tmp_path / "straight"))))
+  train(checked(config("tiny", **common, steps=2, workdir=str(tmp_path / "resumed"))))
+  train(checked(config("tiny", **common, steps=4, workdir=str(tmp_path / "resumed"))))
   straight, resumed = _records(tmp_path / "straight"), _records(tmp_path / "resumed")
   assert [r["loss"] for r in resumed if r["step"] > 2] == [r["loss"] for r in straight if r["step"] > 2]
   for r in straight:

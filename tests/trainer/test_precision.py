@@ -30,7 +30,7 @@ def test_phases_from_steps_and_fractions():
   assert p.state_phase(90) == 0 and p.state_phase(91) == 1  # The state after 90 steps was made by phase 0.
   assert p.cfg(1).quant.name == "nvfp4" and p.cfg(1).quant.forward == "bf16"
   assert p.cfg(2).quant.name == "bf16" and p.cfg(2).quant.forward == "bf16"  # Overrides accumulate.
-  assert p.cfg(2).model.recipe == p.cfg(2).quant  # The model's projections read the phase's recipe.
+  assert p.cfg(2).model == p.cfg(0).model  # One model shape in every phase: the phase hands the layers its recipe.
 
 
 @pytest.mark.parametrize("schedule,message", [
@@ -102,7 +102,7 @@ def test_histories_follow_their_layer_when_exclude_regroups_the_segments():
     # Mark each layer's qkv history with its layer number + 1 (layer 1, in bf16, has none).
     quant = jax.tree.map(lambda a: a, state.quant_state)
     assert set(quant["segments"]) == {0, 2}
-    for slot in layer_slots(phases.cfg(0).model):
+    for slot in layer_slots(phases.cfg(0).model, phases.cfg(0).quant):
       if slot.layer == 1:
         continue
       node = quant["segments"][slot.segment]["blocks"]["layers"][slot.j]["attn"]["qkv"]

@@ -64,7 +64,7 @@ def _forced_step(recipe: str = "fp8_delayed"):
 
 def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys):
   cfg, metrics = _forced_step()
-  record = quant_stats.summarize(jax.device_get(metrics["quant_stats"]), cfg.model)
+  record = quant_stats.summarize(jax.device_get(metrics["quant_stats"]), cfg.model, cfg.quant)
   assert record["quant/wi/gradient/underflow_max"] > 0.9 and record["quant/wi/gradient/underflow_layer"] == 0
   assert record["quant/wi/gradient/underflow"] == pytest.approx(record["quant/wi/gradient/underflow_max"] / 2, rel=0.2)
   assert record["quant/qkv/activation/saturated_max"] > 0.9 and record["quant/qkv/activation/saturated_layer"] == 1
@@ -88,7 +88,7 @@ def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys):
 def test_a_run_writes_statistics_to_metrics_and_tensorboard(tmp_path):
   cfg = helpers.config(**{"workdir": str(tmp_path), "steps": 4, "log.every_steps": 4, "log.tensorboard": True,
                           "log.quant_stats_every": 2, "quant.recipe": "fp8_current", "checkpoint.every_steps": -1})
-  train(cfg)
+  train(helpers.checked(cfg))
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   stats = [r for r in records if "quant_warnings" in r]
   assert [r["step"] for r in stats] == [2, 4] and all("loss" in r for r in stats)  # In the training records.

@@ -10,7 +10,7 @@ import pytest
 
 from ember.trainer.loop import train
 from ember.trainer.moe_counts import MoeCounts
-from tests.helpers import config
+from tests.helpers import checked, config
 
 CONTRACT_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
 
@@ -19,7 +19,7 @@ def test_short_run_writes_metrics_and_tensorboard(tmp_path, capsys):
   cfg = config("tiny", **{"workdir": str(tmp_path), "steps": 30, "log.every_steps": 10, "log.tensorboard": True,
                           "train.eval_every_steps": 30, "train.eval_batches": 2, "train.warmup_steps": 5,
                           "checkpoint.every_steps": 0, "quant.recipe": "fp8_current", "train.learning_rate": 3e-3})
-  summary = train(cfg)
+  summary = train(checked(cfg))
   records = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
   train_records = [r for r in records if "loss" in r]
   eval_records = [r for r in records if "eval_loss" in r]
@@ -40,7 +40,7 @@ def test_short_run_writes_metrics_and_tensorboard(tmp_path, capsys):
   assert f"loss {train_records[-1]['loss']:.4f}, eval_loss {eval_records[0]['eval_loss']:.4f}" in finished[0]
   assert f"metrics {tmp_path}/metrics.jsonl" in finished[0]
   # Run again, it says it has nothing to do, and does nothing.
-  train(cfg)
+  train(checked(cfg))
   err = capsys.readouterr().err
   assert f"finished already: the newest checkpoint in {tmp_path}/checkpoints is at step 30" in err, err
   assert "finished: " not in err and len(open(os.path.join(tmp_path, "metrics.jsonl")).readlines()) == len(records)
@@ -49,7 +49,7 @@ def test_short_run_writes_metrics_and_tensorboard(tmp_path, capsys):
 def _moe_records(tmp_path, every: int) -> list[dict]:
   cfg = config("tiny_moe", **{"workdir": str(tmp_path / f"every_{every}"), "steps": 10, "log.every_steps": every,
                               "checkpoint.every_steps": 0, "model.capacity_factor": 0.5})
-  train(cfg)
+  train(checked(cfg))
   return [json.loads(line) for line in open(tmp_path / f"every_{every}" / "metrics.jsonl") if '"loss"' in line]
 
 
@@ -89,6 +89,6 @@ def test_qwen3_30b_a3b_shapes_at_reduced_size_train(tmp_path):
   cfg = config("qwen3_30b_a3b", **{"workdir": str(tmp_path), "steps": 12, "log.every_steps": 6,
                                    "checkpoint.every_steps": 0, "quant.recipe": "fp8_current", **small})
   assert cfg.model.qk_norm and cfg.model.experts_per_token == 8 and cfg.model.router_softmax_first
-  train(cfg)
+  train(checked(cfg))
   losses = [json.loads(line)["loss"] for line in open(tmp_path / "metrics.jsonl") if '"loss"' in line]
   assert len(losses) == 2 and losses[1] < losses[0], losses

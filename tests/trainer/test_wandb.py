@@ -10,7 +10,7 @@ from wandb.proto import wandb_internal_pb2
 
 from ember.trainer.loop import train
 from ember.trainer.metrics import read_records
-from tests.helpers import config
+from tests.helpers import checked, config
 
 
 def _history(path: str) -> dict[int, dict]:
@@ -45,8 +45,8 @@ def test_an_offline_run_records_the_metrics_and_a_resume_continues_it(tmp_path, 
   workdir = tmp_path / "run"
   common = {"workdir": str(workdir), "log.every_steps": 1, "log.wandb_project": "ember-test",
             "checkpoint.every_steps": 2}
-  train(config("tiny", steps=2, **common))
-  train(config("tiny", steps=4, **common))  # Resumes at step 2.
+  train(checked(config("tiny", steps=2, **common)))
+  train(checked(config("tiny", steps=4, **common)))  # Resumes at step 2.
   runs = sorted(glob.glob(str(workdir / "wandb" / "offline-run-*" / "run-*.wandb")))
   assert len(runs) == 2
   run_id = (workdir / "wandb_run_id").read_text()
