@@ -106,8 +106,9 @@ POLICIES = tuple(PRESETS) + ("custom", "auto")
 
 
 def validate(remat_cfg) -> None:
-  """Raises ConfigError for an unknown name in a custom list, a budget-less `auto`, an unknown candidate. (The
-  policy's own name is one of POLICIES by its key's declared choices: ember/config/settings.py, Remat.)"""
+  """Raises ConfigError for an unknown name in a custom list or an unknown candidate. (The policy's own name is
+  one of POLICIES by its key's declared choices: ember/config/settings.py, Remat. `auto`'s budget is checked
+  where it is used, ember/plan/auto_remat.py: the compile tools fill it in from the target's memory.)"""
   for key in ("save_names", "offload_names"):
     names = tuple(getattr(remat_cfg, key))
     unknown = [n for n in names if n not in ALL_NAMES]
@@ -117,8 +118,6 @@ def validate(remat_cfg) -> None:
   if both:
     raise ConfigError(f"config.remat.offload_names: {both[0]!r} is also in remat.save_names; a tensor is either kept "
                       "on device or offloaded")
-  if remat_cfg.policy == "auto" and remat_cfg.memory_budget_gb <= 0:
-    raise ConfigError("config.remat.memory_budget_gb: policy auto needs a budget > 0 (GiB per device)")
   unknown = [p for p in remat_cfg.auto_candidates if p not in PRESETS]
   if unknown:
     raise ConfigError(f"config.remat.auto_candidates: unknown preset {unknown[0]!r}; choose from {', '.join(PRESETS)}")

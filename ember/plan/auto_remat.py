@@ -99,6 +99,8 @@ def state_bytes_per_device(cfg: Settings, mesh, tx) -> int:
 def choose(cfg: Settings, mesh, tx, schedule, *, compiler_options: dict | None = None) -> str:
   """The preset name `auto` resolves to for this config, mesh and optimizer (logged)."""
   budget = cfg.remat.memory_budget_gb
+  if budget <= 0:  # The compile tools give `auto` the target's memory; a run must say its own.
+    raise ConfigError("config.remat.memory_budget_gb: policy auto needs a budget > 0 (GiB per device)")
   state = state_bytes_per_device(cfg, mesh, tx)
   if state > budget * GiB:  # No preset can fit: say so before compiling any.
     raise ConfigError(f"config.remat.memory_budget_gb: {budget:g} GiB per device is less than the train state alone "

@@ -261,7 +261,7 @@ class Estimator:
     peak = state + params * (2 if layout.grad_accum_steps > 1 else 1) + activations
     # Compute: the model's FLOPs and the recomputed share; projections at the recipe's GEMM peak, attention and
     # the LM head at bf16's.
-    recipe = m.recipe
+    recipe = cfg.quant
     tokens_per_device = cfg.train.batch_size * m.seq_len / n_devices
     attention, head = attention_flops_per_token(m), head_flops_per_token(m)
     projections = forward_flops_per_token(m) - attention - head

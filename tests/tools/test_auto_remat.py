@@ -67,3 +67,11 @@ def test_a_budget_below_the_train_state_fails_before_compiling(capsys):
                             f"({state / auto_remat.GiB:.4g} GiB per device: parameters, optimizer state); no remat "
                             "preset fits")
   assert not capsys.readouterr().err
+
+
+def test_a_run_without_a_budget_fails_before_compiling():
+  """`auto` needs a budget: the compile tools fill in the target's memory (tests/plan/test_target_compile.py), a run
+  must say its own, and is told so in one line before any compile."""
+  s = start(config("tiny", **{"remat.policy": "auto"}), 1)
+  with pytest.raises(config_lib.ConfigError, match=r"^config\.remat\.memory_budget_gb: policy auto needs a budget > 0"):
+    auto_remat.resolve(s.cfg, s.mesh)
