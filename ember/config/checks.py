@@ -202,12 +202,7 @@ def from_saved(saved: dict, overrides: dict | None = None) -> Settings:
   `overrides` ({"model.dtype": "float32"}) applied before the derived values are worked out again (a recipe's
   health statistics follow `log.quant_stats_every`). The devices are left to the caller (`on_devices`)."""
   cfg = ml_collections.ConfigDict(saved)
-  for dotted, value in (overrides or {}).items():
-    *parents, leaf = dotted.split(".")
-    node = cfg
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
+  cfg.update_from_flattened_dict(overrides or {})
   return derive(cfg, None)
 
 
