@@ -20,7 +20,6 @@ Block-scaled recipes take quant/gemm.py's path for the platform (cuDNN's block-s
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,7 @@ from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.grouped import ExpertLayout, Shards
 from ember.quant.recipe import Recipe, pad_to
 from ember.quant.tensor import QuantizedTensor
-from ember.quant.varying import sum_to, vma_of
+from ember.quant.unquantized import unquantized_matmul
 
 F32 = jnp.float32
 FORWARD = (((2,), (1,)), ((0,), (0,)))
@@ -50,8 +49,8 @@ def batched_matmul(x_ExCxK: jax.Array, w_ExKxN: jax.Array, *, recipe: Recipe, na
   with jax.named_scope(EXPERT_GEMM_SCOPE):
     if not recipe.quantized:
       assert kernel_shards is None, "an unquantized kernel is gathered whole before the GEMM"
-      return _unquantized(x_ExCxK.astype(dtype), w_ExKxN.astype(dtype),
-                          (vma_of(x_ExCxK), vma_of(w_ExKxN), recipe.wgrad_out(w_ExKxN.dtype)))
+      return unquantized_matmul(_contract, x_ExCxK, w_ExKxN.astype(dtype), dtype=dtype,
+                                wgrad_dtype=recipe.wgrad_out(w_ExKxN.dtype))
     layout = CapacityLayout(reduce_axes=tuple(reduce_axes), shards=kernel_shards)
     return quantized_gemm(x_ExCxK, w_ExKxN, None, history, key, stats, layout=layout, recipe=recipe, name=name,
                           dtype=dtype, error=error)
@@ -62,25 +61,10 @@ def _dot(a, b, dims, out=F32):
   return jax.lax.dot_general(a, b, dims, preferred_element_type=output_dtype(out)).astype(out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _unquantized(x_ExCxK, w_ExKxN, vmas):
-  """In the compute dtype with f32 accumulation; the backward GEMMs on compute-dtype operands too (as
-  quant/dot.py's `_unquantized`). `vmas`: the operands' varying manual axes and the dtype wgrad writes."""
-  return _dot(x_ExCxK, w_ExKxN, FORWARD, x_ExCxK.dtype)
-
-
-def _unquantized_fwd(x_ExCxK, w_ExKxN, vmas):
-  return _unquantized(x_ExCxK, w_ExKxN, vmas), (x_ExCxK, w_ExKxN)
-
-
-def _unquantized_bwd(vmas, res, g_ExCxN):
-  x, w = res
-  g = g_ExCxN.astype(x.dtype)
-  dx = sum_to(_dot(g, w, DGRAD, output_dtype(x.dtype)), vmas[0]).astype(x.dtype)
-  return dx, sum_to(_dot(x, g, WGRAD, vmas[2]), vmas[1]).astype(w.dtype)
-
-
-_unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
+def _contract(a, b, groups, step, preferred):
+  """The capacity layout's three batched GEMMs (quant/unquantized.py)."""
+  return jax.lax.dot_general(a, b, {"forward": FORWARD, "dgrad": DGRAD, "wgrad": WGRAD}[step],
+                             preferred_element_type=preferred)
 
 
 def product(a, b, dims, dtype, out):

@@ -34,7 +34,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from ember.quant import fused, fused_nvfp4
+from ember.quant import one_pass
 from ember.quant.naming import name_quantized
 from ember.quant.quantizers import update_history
 from ember.quant.recipe import ACTIVATION, GRADIENT, KERNEL, KERNEL_T, X, X_T, Recipe
@@ -123,60 +123,27 @@ def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name
   h_x, h_k, _ = history
   act, b, q = recipe.quantizer(ACTIVATION, h_x), recipe.block_size, {}
   with jax.named_scope(SCOPE_ACTIVATION):
-    copies = _one_pass_copies(layout, recipe, act, x, stats)
+    copies = one_pass.operand_copies(layout, recipe, act, x, stats)
     if copies is not None:
       q[X], q[X_T] = copies
     else:
-      q[X] = _one_pass_rows(recipe, act, x, layout.x_axis, stats, layout.reduce_axes)
+      q[X] = one_pass.operand_rows(recipe, act, x, layout.x_axis, stats, layout.reduce_axes)
       if q[X] is None:
         q[X] = act.quantize(x, axis=layout.x_axis, reduce_axes=layout.reduce_axes, stats=stats)
       if recipe.has_x_t:
         x_rows = recipe.wgrad_transform(layout.wgrad_rows(x, rows, b), layout.row_axis)
         q[X_T] = layout.wgrad_copy(act.quantize(x_rows, axis=layout.row_axis, reduce_axes=layout.reduce_axes))
   with jax.named_scope(SCOPE_WEIGHT):
-    if fused.one_pass(layout, recipe, stats, w):
-      q[KERNEL_T], q[KERNEL] = fused.both(w)
-    elif fused_nvfp4.one_pass(layout, recipe, stats, w) and fused_nvfp4.casts_kernel_tiles(recipe):
-      in_place = kernel_row is not None and kernel_row.stacked.shape[1:] == w.shape  # Not where w was padded.
-      q[KERNEL] = fused_nvfp4.quantize(w, tile_2d=True, axis=0, amax=kernel_amax,  # Tiles serve dgrad too.
-                                       row_of=(kernel_row.stacked, kernel_row.index) if in_place else None)
+    in_place = kernel_row is not None and kernel_row.stacked.shape[1:] == w.shape  # Not where w was padded.
+    copies = one_pass.kernel_copies(layout, recipe, w, stats, kernel_amax,
+                                    (kernel_row.stacked, kernel_row.index) if in_place else None)
+    if copies is not None:
+      q.update(copies)
     else:
       q[KERNEL] = layout.quantize_kernel(recipe, w, h_k, 0, stats, kernel_amax)
       if recipe.has_kernel_t:
         q[KERNEL_T] = layout.quantize_kernel(recipe, w, h_k, 1, False, kernel_amax)
   return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
-
-
-def _one_pass_copies(layout: Layout, recipe: Recipe, quantizer, a, stats: bool, keys=None):
-  """(a quantized along its last axis, a's wgrad copy) from a one-pass kernel (quant/fused.py for MXFP8,
-  quant/fused_nvfp4.py for NVFP4; `keys` seed the two copies' stochastic rounding where `quantizer` rounds so),
-  or None where neither runs: the same copies as `quantizer`'s, read from the tensor once."""
-  if fused.one_pass(layout, recipe, stats, a):
-    return fused.both(a, reduce_axes=layout.reduce_axes)
-  if fused_nvfp4.one_pass(layout, recipe, stats, a):
-    keys = keys if quantizer.stochastic_rounding else None
-    if keys is not None and not all(fused_nvfp4.draws_as_jax(k) for k in keys):
-      return None
-    return fused_nvfp4.both(a, keys=keys, rht_seed=recipe.wgrad_rht_seed, reduce_axes=layout.reduce_axes)
-  return None
-
-
-def _one_pass_rows(recipe: Recipe, quantizer, a, axis: int, stats: bool, reduce_axes):
-  """`quantizer.quantize(a, axis)` from a one-pass kernel where one applies, or None: a's copy along its last
-  axis alone (an expert layout's x, which only the forward GEMM reads so), a viewed as 2-d [rows, K] (block and
-  tensor scales are the same either way), rounding to nearest. Not inside `shard_map`, where a Pallas call's
-  outputs would need their varying axes spelled out: expert layers under a mesh take the quantizer."""
-  if axis != a.ndim - 1 or a.ndim < 2 or vma_of(a):  # Not inside shard_map (the expert layers' exchange).
-    return None
-  rows = a.reshape(-1, a.shape[-1])
-  if fused.casts(recipe, stats, rows):
-    q = fused.rows(rows)
-  elif fused_nvfp4.casts(recipe, stats, rows) and not quantizer.stochastic_rounding:
-    q = fused_nvfp4.quantize(rows, reduce_axes=reduce_axes)
-  else:
-    return None
-  return dataclasses.replace(q, data=q.data.reshape(a.shape), scale_inv=q.scale_inv.reshape(*a.shape[:-1], -1),
-                             axis=axis)
 
 
 def _forward(x, w, rows, history, layout: Layout, recipe: Recipe, name, dtype, kernel_shape, stats=False,
@@ -230,7 +197,8 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
   if key is not None:
     key_dgrad, key_wgrad = jax.random.split(key)
   with jax.named_scope(SCOPE_GRADIENT):
-    copies = _one_pass_copies(layout, recipe, grad_q, g, with_stats, None if key is None else (key_dgrad, key_wgrad))
+    copies = one_pass.operand_copies(layout, recipe, grad_q, g, with_stats,
+                                     None if key is None else (key_dgrad, key_wgrad))
     if copies is not None:
       g_rows, g_m = copies
     else:

@@ -13,17 +13,17 @@ Delayed scaling: a projection's histories are one [3 (x, kernel, grad), H] array
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from ember.quant import fused_nvfp4
+from ember.quant import one_pass
 from ember.quant.core import SCOPE_WEIGHT, KernelRow, quantized_gemm
 from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.quantizers import tensor_amax
 from ember.quant.recipe import WEIGHT, Recipe, pad_to
 from ember.quant.tensor import QuantizedTensor
+from ember.quant.unquantized import unquantized_matmul
 from ember.quant.varying import shard_axes
 
 
@@ -46,7 +46,9 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   or None."""
   dtype = jnp.dtype(dtype)
   if not recipe.quantized:
-    return _unquantized(x_MxK.astype(dtype), w_KxN.astype(dtype), recipe.wgrad_out(w_KxN.dtype), dtype, dtype)
+    # The kernel cast here: its gradient is rounded to the compute dtype, as autodiff of a bf16 dot rounds it.
+    return unquantized_matmul(_contract, x_MxK, w_KxN.astype(dtype), dtype=dtype,
+                              wgrad_dtype=recipe.wgrad_out(w_KxN.dtype))
   # The [3, H] and [3, S] arrays as (x, kernel, grad) rows; autodiff stacks their cotangents back.
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
   # Inside a step's data-parallel shard_map (trainer/step.py) x and its gradient hold one replica's rows: their
@@ -77,16 +79,16 @@ def kernel_amax(w: jax.Array) -> jax.Array:
 
 def takes_kernel_amax(recipe: Recipe, stats: bool) -> bool:
   """Whether quantizing a kernel reads it once just for max|w| (per-tensor recipes; NVFP4's tiles cast by
-  quant/fused_nvfp4.py; with health statistics the pass reads w whole anyway): a caller that quantizes the same
+  quant/one_pass.py; with health statistics the pass reads w whole anyway): a caller that quantizes the same
   kernel many times then takes max|w| once (`kernel_amax`) and hands it in as `quantized_matmul`'s
   `kernel_amax`."""
-  return (recipe.kernel_amax_pass or fused_nvfp4.casts_kernel_tiles(recipe)) and not stats
+  return (recipe.kernel_amax_pass or one_pass.casts_kernel_tiles(recipe)) and not stats
 
 
 def reads_kernel_in_place(recipe: Recipe, stats: bool) -> bool:
   """Whether quantizing a kernel of `recipe` can read it where it lies in stacked kernels (`kernel_row`): NVFP4's
-  tile cast (quant/fused_nvfp4.py), without health statistics."""
-  return fused_nvfp4.casts_kernel_tiles(recipe) and not stats
+  tile cast (quant/one_pass.py), without health statistics."""
+  return one_pass.casts_kernel_tiles(recipe) and not stats
 
 
 def product(a, b, contracting: tuple[int, int], dtype, out, split: tuple[str, ...] = (), weight_gradient=False):
@@ -102,60 +104,25 @@ def product(a, b, contracting: tuple[int, int], dtype, out, split: tuple[str, ..
   return y.astype(out)
 
 
-def contract_last(a_MxN, b_KxN, out=jnp.float32):
-  """a @ b.T with f32 accumulation, written as one dot_general (no transpose before the dot, so that under
-  FSDP the kernel is all-gathered as it is, not as a transposed copy), for a consumer of dtype `out`."""
-  y = jax.lax.dot_general(a_MxN, b_KxN, (((1,), (1,)), ((), ())), preferred_element_type=output_dtype(out))
-  return y.astype(out)
-
-
-def contract_first(a_MxK, b_MxN, out=jnp.float32):
-  """a.T @ b with f32 accumulation, as one dot_general (see `contract_last`), for a consumer of dtype `out`."""
-  y = jax.lax.dot_general(a_MxK, b_MxN, (((0,), (0,)), ((), ())), preferred_element_type=output_dtype(out))
-  return y.astype(out)
-
-
 def head_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, dtype, wgrad_dtype, out_dtype=jnp.float32) -> jax.Array:
   """x @ w for an unquantized LM head (tied or not), from `dtype` operands, written in `out_dtype`: its backward
-  runs on `dtype` operands like every other projection's, the logits' cotangent rounded to `dtype` (see
-  `_unquantized`). Autodiff of the plain dot runs dgrad and wgrad as float32 x float32 GEMMs instead: the 1b
-  preset's tied head did so on an H100, 4 of the step's GEMMs (17 of its 130 TFLOP) at TF32's rate on twice the
-  bytes. `w` comes in its own dtype and its gradient leaves in it unrounded, as `wgrad_dtype` (Recipe.wgrad_out)
-  wrote it: the loss sums the head's gradient over its token chunks (ember/trainer/loss.py), in float32 and
-  in the GEMM itself (a cuBLAS GEMM accumulating into its output), which a rounding between would prevent."""
-  return _unquantized(x_MxK.astype(dtype), w_KxN, jnp.dtype(wgrad_dtype), jnp.dtype(out_dtype), w_KxN.dtype)
+  runs on `dtype` operands like every other projection's, the logits' cotangent rounded to `dtype`
+  (quant/unquantized.py). Autodiff of the plain dot runs dgrad and wgrad as float32 x float32 GEMMs instead: the
+  1b preset's tied head did so on an H100, 4 of the step's GEMMs (17 of its 130 TFLOP) at TF32's rate on twice
+  the bytes. `w` comes in its own dtype and its gradient leaves in it unrounded, as `wgrad_dtype`
+  (Recipe.wgrad_out) wrote it: the loss sums the head's gradient over its token chunks (ember/trainer/loss.py),
+  in float32 and in the GEMM itself (a cuBLAS GEMM accumulating into its output), which a rounding between
+  would prevent."""
+  return unquantized_matmul(_contract, x_MxK, w_KxN, dtype=dtype, wgrad_dtype=wgrad_dtype, out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _unquantized(x_MxK, w_KxN, wgrad_dtype, out_dtype, w_dtype):
-  """x @ w in the operands' (compute) dtype with f32 accumulation, written in `out_dtype`: by the GEMM itself
-  on GPUs (quant/gemm.py's `output_dtype`, the rule of every GEMM whose consumer reads bf16), in float32 and
-  then rounded on the CPU (the reference).
-
-  The custom VJP keeps the backward GEMMs on compute-dtype operands: autodiff of the plain dot would
-  pair the f32 cotangent of `preferred_element_type=f32` with the operand and XLA would run dgrad and
-  wgrad as f32 x f32 GEMMs. The cotangent of a bf16 output is bf16-exact, so casting it back changes no
-  value; a float32 output's (`head_matmul`) is rounded to the compute dtype there. Both GEMMs accumulate in
-  f32 and are rounded to the compute dtype, as autodiff of the plain dot rounds them. wgrad writes
-  `wgrad_dtype` (Recipe.wgrad_out): the weight's own (float32: under FSDP XLA reduce-scatters the f32 sum,
-  before any rounding) or bfloat16 (the reduction in bf16). `w_dtype`: the dtype `w_KxN` comes in and its
-  gradient leaves in; w is cast to x's dtype inside (a projection hands it cast already: its cast copy is then
-  the residual XLA gathered for the forward GEMM; `head_matmul` hands the parameter's, so its gradient is not
-  rounded to the compute dtype)."""
-  return jnp.dot(x_MxK, w_KxN.astype(x_MxK.dtype), preferred_element_type=output_dtype(out_dtype)).astype(out_dtype)
+_DIMS = {"forward": ((1,), (0,)), "dgrad": ((1,), (1,)), "wgrad": ((0,), (0,))}
 
 
-def _unquantized_fwd(x_MxK, w_KxN, wgrad_dtype, out_dtype, w_dtype):
-  return _unquantized(x_MxK, w_KxN, wgrad_dtype, out_dtype, w_dtype), (x_MxK, w_KxN.astype(x_MxK.dtype))
-
-
-def _unquantized_bwd(wgrad_dtype, out_dtype, w_dtype, res, g_MxN):
-  x_MxK, w_KxN = res
-  g_MxN = g_MxN.astype(x_MxK.dtype)
-  return contract_last(g_MxN, w_KxN, x_MxK.dtype), contract_first(x_MxK, g_MxN, wgrad_dtype).astype(w_dtype)
-
-
-_unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
+def _contract(a, b, groups, step, preferred):
+  """The dense layout's three GEMMs (quant/unquantized.py), each one dot_general (no transpose before it, so
+  that under FSDP the kernel is all-gathered as it is, not as a transposed copy)."""
+  return jax.lax.dot_general(a, b, (_DIMS[step], ((), ())), preferred_element_type=preferred)
 
 
 @dataclasses.dataclass(frozen=True)

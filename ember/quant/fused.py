@@ -39,6 +39,7 @@ from ember.platform import target_platform
 from ember.quant import kernels, partitioning
 from ember.quant.formats import E4M3
 from ember.quant.quantizers import tensor_amax
+from ember.quant.recipe import KERNEL, KERNEL_T
 from ember.quant.tensor import QuantizedTensor
 
 BLOCK = 32  # MXFP8's block.
@@ -85,6 +86,33 @@ def rows(a: jax.Array, *, interpret: bool | None = None) -> QuantizedTensor:
   return QuantizedTensor(data=data, scale_inv=jax.lax.bitcast_convert_type(scale, jnp.float8_e8m0fnu),
                          global_scale_inv=jnp.float32(1.0), amax=tensor_amax(a), recipe="mxfp8", axis=1,
                          block=(BLOCK,), dtype=jnp.dtype(a.dtype).name)
+
+
+# --- As the GEMM core asks (quant/one_pass.py) ------------------------------------------------------------
+
+def operand_copies(layout, recipe, quantizer, a, stats: bool, keys=None):
+  """(a along its last axis, its wgrad copy) from `both`, or None where it does not run (`one_pass`); MXFP8
+  rounds to nearest, so `quantizer` and `keys` are not read."""
+  return both(a, reduce_axes=layout.reduce_axes) if one_pass(layout, recipe, stats, a) else None
+
+
+def operand_rows(recipe, quantizer, rows_2d, stats: bool, reduce_axes):
+  """`rows` for a 2-d operand where it runs, or None."""
+  return rows(rows_2d) if casts(recipe, stats, rows_2d) else None
+
+
+def kernel_copies(layout, recipe, w, stats: bool, amax=None, row_of=None):
+  """{kernel_t, kernel} from `both`, or None: the kernel's amax pass is the kernel's own, so `amax` and
+  `row_of` are not read."""
+  if not one_pass(layout, recipe, stats, w):
+    return None
+  kernel_t, kernel = both(w)
+  return {KERNEL_T: kernel_t, KERNEL: kernel}
+
+
+def casts_kernel_tiles(recipe) -> bool:
+  """MXFP8 kernels are cast along each axis, not in tiles."""
+  return False
 
 
 # --- The kernel --------------------------------------------------------------------------------------------

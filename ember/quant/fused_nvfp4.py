@@ -56,7 +56,7 @@ from ember.quant import kernels, partitioning
 from ember.quant.formats import E2M1, E4M3
 from ember.quant.hadamard import rht_matrix
 from ember.quant.quantizers import scale_from_amax, tensor_amax
-from ember.quant.recipe import WEIGHT
+from ember.quant.recipe import KERNEL, WEIGHT
 from ember.quant.tensor import QuantizedTensor
 
 BLOCK = 16  # NVFP4's block (and tile side).
@@ -148,6 +148,34 @@ def draws_as_jax(key) -> bool:
   typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
   impl = jax.random.key_impl(key) if typed else jax.config.jax_default_prng_impl
   return bool(jax.config.jax_threefry_partitionable) and str(impl) == "threefry2x32"
+
+
+# --- As the GEMM core asks (quant/one_pass.py) ------------------------------------------------------------
+
+def operand_copies(layout, recipe, quantizer, a, stats: bool, keys=None):
+  """(a along its last axis, its wgrad copy) from `both`, or None where it does not run (`one_pass`, and keys
+  whose draws the kernel reproduces where `quantizer` rounds stochastically)."""
+  if not one_pass(layout, recipe, stats, a):
+    return None
+  keys = keys if quantizer.stochastic_rounding else None
+  if keys is not None and not all(draws_as_jax(k) for k in keys):
+    return None
+  return both(a, keys=keys, rht_seed=recipe.wgrad_rht_seed, reduce_axes=layout.reduce_axes)
+
+
+def operand_rows(recipe, quantizer, rows_2d, stats: bool, reduce_axes):
+  """`quantize` along the last axis for a 2-d operand where it runs (rounding to nearest only), or None."""
+  if not casts(recipe, stats, rows_2d) or quantizer.stochastic_rounding:
+    return None
+  return quantize(rows_2d, reduce_axes=reduce_axes)
+
+
+def kernel_copies(layout, recipe, w, stats: bool, amax=None, row_of=None):
+  """{kernel: w cast in 16 x 16 tiles} (the tiles serve dgrad too), or None where it does not run. `amax`:
+  max|w| taken by the caller, or None; `row_of`: (stacked, i) where w lies in stacked kernels, or None."""
+  if not (one_pass(layout, recipe, stats, w) and casts_kernel_tiles(recipe)):
+    return None
+  return {KERNEL: quantize(w, tile_2d=True, axis=0, amax=amax, row_of=row_of)}
 
 
 def _tensor(packed, scale, global_scale, amax, like, axis, block) -> QuantizedTensor:

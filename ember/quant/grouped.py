@@ -31,7 +31,6 @@ per-expert rows can be sharded over the expert axis and the others replicated.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -42,7 +41,7 @@ from ember.quant.core import quantized_gemm
 from ember.quant.gemm import output_dtype
 from ember.quant.recipe import WEIGHT, Recipe, pad_to
 from ember.quant.tensor import QuantizedTensor
-from ember.quant.varying import sum_to, vma_of
+from ember.quant.unquantized import unquantized_matmul
 
 
 def grouped_matmul(x_MxK: jax.Array, w_ExKxN: jax.Array, group_sizes_E: jax.Array, *, recipe: Recipe, name: str,
@@ -70,8 +69,8 @@ def _grouped_matmul(x_MxK, w_ExKxN, group_sizes_E, *, recipe, name, history, key
   group_sizes_E = group_sizes_E.astype(jnp.int32)
   if not recipe.quantized:
     assert kernel_shards is None, "an unquantized kernel is gathered whole before the GEMM"
-    return _unquantized(x_MxK.astype(dtype), w_ExKxN.astype(dtype), group_sizes_E,
-                        (vma_of(x_MxK), vma_of(w_ExKxN), recipe.wgrad_out(w_ExKxN.dtype)))
+    return unquantized_matmul(_contract, x_MxK, w_ExKxN.astype(dtype), group_sizes_E, dtype=dtype,
+                              wgrad_dtype=recipe.wgrad_out(w_ExKxN.dtype))
   layout = RaggedLayout(reduce_axes=tuple(reduce_axes), shards=kernel_shards)
   return quantized_gemm(x_MxK, w_ExKxN, group_sizes_E, history, key, stats, layout=layout, recipe=recipe, name=name,
                         dtype=dtype, error=error)
@@ -82,32 +81,13 @@ _WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]
                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _unquantized(x_MxK, w_ExKxN, group_sizes_E, vmas):
-  """The grouped GEMM in the compute dtype, f32 accumulation, rounded to it. As `dot._unquantized`, the
-  custom VJP keeps dgrad and wgrad on compute-dtype operands (autodiff would pair the f32 cotangent with
-  them and run f32 GEMMs); the cotangent of a compute-dtype output is exact in it. `vmas`: the operands'
-  varying manual axes and the dtype wgrad writes (Recipe.wgrad_out)."""
-  out = output_dtype(x_MxK.dtype)  # The GEMM writes the compute dtype on GPUs (quant/gemm.py).
-  return jax.lax.ragged_dot(x_MxK, w_ExKxN, group_sizes_E, preferred_element_type=out).astype(x_MxK.dtype)
-
-
-def _unquantized_fwd(x_MxK, w_ExKxN, group_sizes_E, vmas):
-  return _unquantized(x_MxK, w_ExKxN, group_sizes_E, vmas), (x_MxK, w_ExKxN, group_sizes_E)
-
-
-def _unquantized_bwd(vmas, res, g_MxN):
-  x_MxK, w_ExKxN, group_sizes_E = res
-  g_MxN = g_MxN.astype(x_MxK.dtype)
-  dx = jax.lax.ragged_dot(g_MxN, jnp.swapaxes(w_ExKxN, 1, 2), group_sizes_E,
-                          preferred_element_type=output_dtype(x_MxK.dtype))
-  x_vma, w_vma, wgrad_dtype = vmas
-  dw = jax.lax.ragged_dot_general(x_MxK, g_MxN, group_sizes_E, _WGRAD_DIMS,
-                                  preferred_element_type=output_dtype(wgrad_dtype)).astype(wgrad_dtype)
-  return sum_to(dx, x_vma).astype(x_MxK.dtype), sum_to(dw, w_vma).astype(w_ExKxN.dtype), None
-
-
-_unquantized.defvjp(_unquantized_fwd, _unquantized_bwd)
+def _contract(a, b, group_sizes_E, step, preferred):
+  """The grouped layout's three GEMMs (quant/unquantized.py): ragged rows forward and dgrad (the kernels
+  transposed), each group's rows contracted in wgrad."""
+  if step == "wgrad":
+    return jax.lax.ragged_dot_general(a, b, group_sizes_E, _WGRAD_DIMS, preferred_element_type=preferred)
+  return jax.lax.ragged_dot(a, b if step == "forward" else jnp.swapaxes(b, 1, 2), group_sizes_E,
+                            preferred_element_type=preferred)
 
 
 def quantize_per_expert(recipe: Recipe, w_ExKxN, h_ExH, axis, stats: bool = False, shards: "Shards" = None):
