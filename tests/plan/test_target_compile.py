@@ -32,6 +32,10 @@ QUANTIZED_PROJECTIONS, HEAD_GEMMS = 4, 3
 # llama3_8b unrolls its 32 layers (its preset's model.scan_layers); tests about something else compile the
 # scanned program, which compiles in a fraction of the time.
 SCANNED = ("--config.model.scan_layers=true",)
+# The llama3_8b tests whose property holds for either program: scanned by default, and the preset's own unrolled
+# program too with --extended.
+BOTH_PROGRAMS = pytest.mark.parametrize("program", [pytest.param(SCANNED, id="scanned"),
+                                                    pytest.param((), id="unrolled", marks=pytest.mark.extended)])
 
 
 def census(**counts) -> dict:
@@ -178,16 +182,25 @@ def test_block_scaled_replicas_compile(mesh, tmp_path):
   replicas' shard_map, which is then manual over every axis (a group of one device cannot be handed to a kernel's
   partition rule), and the gradients cross the replicas once a step. fsdp 2 x tensor 2 x expert 2: a projection's
   features are split, whose sums the kernels' rules cannot take inside the shard_map, so the step runs as one
-  program over the mesh (`replica_axes`; inside, XLA failed a check partitioning it)."""
+  program over the mesh (`replica_axes`; inside, XLA failed a check partitioning it): every projection but the
+  bf16 head still runs on the block-scaled GEMM, and the row-parallel GEMMs' partial sums are all-reduced across
+  the tensor pairs."""
   path = tmp_path / "step.hlo"
-  compile_report(loaded(["compile", f"--config={ROOT}/configs/default.py:tiny_moe",
-                                  "--config.data.source=synthetic", "--config.quant.recipe=mxfp8",
-                                  *(f"--config.mesh.{k}={v}" for k, v in mesh.items()),
-                                  "--config.train.batch_size=16", "--config.train.grad_accum_steps=2"]),
-                 target_lib.parse("b200x8"), hlo_out=str(path))
+  r = compile_report(loaded(["compile", f"--config={ROOT}/configs/default.py:tiny_moe",
+                             "--config.data.source=synthetic", "--config.quant.recipe=mxfp8",
+                             *(f"--config.mesh.{k}={v}" for k, v in mesh.items()),
+                             "--config.train.batch_size=16", "--config.train.grad_accum_steps=2"]),
+                     target_lib.parse("b200x8"), hlo_out=str(path))
+  collectives = hlo.collective_ops(path.read_text())
   if "tensor" not in mesh:
-    reduced = [c for c in hlo.collective_ops(path.read_text()) if c.kind == "all-reduce" and c.bytes > 1024]
+    reduced = [c for c in collectives if c.kind == "all-reduce" and c.bytes > 1024]
     assert reduced and all(c.times == 1 for c in reduced), [(c.shape, c.times) for c in reduced]
+  else:
+    assert r["gemms"]["emulated"] == 0 and r["gemms"]["bf16"] == HEAD_GEMMS, r["gemms"]
+    assert r["gemms"]["mxfp8"] >= 3 * QUANTIZED_PROJECTIONS, r["gemms"]
+    along_tensor = lambda c: c.groups and all(len(g) == 2 and g[1] - g[0] == 2 for g in c.groups)  # Expert-minor ids.
+    assert any(c.kind == "all-reduce" and along_tensor(c) and hlo.dtype_of(c.shape) == "bf16" and c.bytes > 1024
+               for c in collectives), [(c.kind, c.shape, c.groups[:2]) for c in collectives]
 
 
 @pytest.mark.parametrize("target,recipe", [("h100x8", "fp8_current"), pytest.param("b200x8", "nvfp4", marks=pytest.mark.extended)])
@@ -228,11 +241,12 @@ def test_muon_orthogonalises_whole_matrices_and_keeps_the_gradient_reduce_scatte
   assert bf16["executed_flops"]["bf16"] - adamw["executed_flops"]["bf16"] == pytest.approx(fp32["executed_flops"]["f32"])
 
 
-def test_bfloat16_optimizer_state_lowers_llama3_8b_peak():
+@BOTH_PROGRAMS
+def test_bfloat16_optimizer_state_lowers_llama3_8b_peak(program):
   """llama3_8b, fp8_current, h100x8: AdamW's two moments of 8B parameters in bf16 instead of float32 save 2 bytes
   a parameter a moment over 8 GPUs, about 3.7 GiB of the compiled peak."""
   flags = ["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
-           "--config.quant.recipe=fp8_current", "--config.train.batch_size=8", *SCANNED]
+           "--config.quant.recipe=fp8_current", "--config.train.batch_size=8", *program]
   peak = {d: compile_report(loaded([*flags, f"--config.train.optimizer_state_dtype={d}"]),
                             target_lib.parse("h100x8"))["peak_bytes"] for d in ("float32", "bfloat16")}
   assert peak["float32"] - peak["bfloat16"] >= 3.5 * 2**30, peak
@@ -284,9 +298,10 @@ def test_offloaded_residuals_live_on_the_host():
   assert moved["peak_bytes"] < kept["peak_bytes"], (moved["peak_bytes"], kept["peak_bytes"])
 
 
-def test_compile_tool_exit_codes(tmp_path, capsys):
+@BOTH_PROGRAMS
+def test_compile_tool_exit_codes(program, tmp_path, capsys):
   llama = [f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
-           "--config.quant.recipe=fp8_current", "--target=h100x8", *SCANNED]
+           "--config.quant.recipe=fp8_current", "--target=h100x8", *program]
   out = tmp_path / "fits.json"
   assert tool.main(["compile", *llama, "--config.train.batch_size=8", "--config.remat.policy=save_quantized",
                     f"--out={out}", f"--plot={out.with_suffix('.png')}"]) == 0
@@ -331,7 +346,8 @@ def test_compile_tool_exit_codes(tmp_path, capsys):
   assert err[-1].startswith("error: needs ") and "GiB per device on h100x8" in err[-1]
 
 
-def test_long_context_fits_only_with_context_parallelism(tmp_path, capsys):
+@BOTH_PROGRAMS
+def test_long_context_fits_only_with_context_parallelism(program, tmp_path, capsys):
   """llama3_8b at 131,072 tokens a sequence, fp8_current, h100x8, remat full. With the sequence split over the 8
   GPUs (mesh.context=8, one sequence) the step fits; attention is cuDNN's, two calls per shard (the balanced
   layout's early and late chunks) forward, again in the recompute, and backward; keys and values are
@@ -340,7 +356,7 @@ def test_long_context_fits_only_with_context_parallelism(tmp_path, capsys):
   GPU, batch 8) the tool says the step does not fit and exits 1."""
   llama = [f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
            "--config.quant.recipe=fp8_current", "--config.model.seq_len=131072", "--config.remat.policy=full",
-           "--target=h100x8", *SCANNED]
+           "--target=h100x8", *program]
   out = tmp_path / "context.json"
   assert tool.main(["compile", *llama, "--config.mesh.context=8", "--config.train.batch_size=1",
                     f"--out={out}"]) == 0
