@@ -183,7 +183,7 @@ def test_block_scaled_replicas_compile(mesh, tmp_path):
   partition rule), and the gradients cross the replicas once a step. fsdp 2 x tensor 2 x expert 2: a projection's
   features are split, whose sums the kernels' rules cannot take inside the shard_map, so the step runs as one
   program over the mesh (`replica_axes`; inside, XLA failed a check partitioning it): every projection but the
-  bf16 head still runs on the block-scaled GEMM, and the row-parallel GEMMs' partial sums are all-reduced across
+  bf16 head still runs on the block-scaled GEMM, and the row-parallel GEMMs' partial outputs are summed across
   the tensor pairs."""
   path = tmp_path / "step.hlo"
   r = compile_report(loaded(["compile", f"--config={ROOT}/configs/default.py:tiny_moe",
@@ -198,9 +198,13 @@ def test_block_scaled_replicas_compile(mesh, tmp_path):
   else:
     assert r["gemms"]["emulated"] == 0 and r["gemms"]["bf16"] == HEAD_GEMMS, r["gemms"]
     assert r["gemms"]["mxfp8"] >= 3 * QUANTIZED_PROJECTIONS, r["gemms"]
-    along_tensor = lambda c: c.groups and all(len(g) == 2 and g[1] - g[0] == 2 for g in c.groups)  # Expert-minor ids.
-    assert any(c.kind == "all-reduce" and along_tensor(c) and hlo.dtype_of(c.shape) == "bf16" and c.bytes > 1024
-               for c in collectives), [(c.kind, c.shape, c.groups[:2]) for c in collectives]
+    # Devices 2 apart differ along `tensor` alone (expert-minor ids). Summed there: the bf16 head's dgrad and
+    # the block-scaled row-parallel GEMMs' partial outputs; their quantized operands (bytes) are never gathered
+    # there, as they would be where the kernels' partition rule gathered a split contraction instead of summing it.
+    along_tensor = lambda c: c.groups and all(len(g) == 2 and g[1] - g[0] == 2 for g in c.groups)
+    summed = [c for c in collectives if c.kind == "all-reduce" and along_tensor(c) and "bf16[" in c.shape]
+    gathered = [c for c in collectives if c.kind == "all-gather" and along_tensor(c) and "u8[" in c.shape]
+    assert len(summed) > 1 and not gathered, [(c.kind, c.shape) for c in summed + gathered]
 
 
 @pytest.mark.parametrize("target,recipe", [("h100x8", "fp8_current"), pytest.param("b200x8", "nvfp4", marks=pytest.mark.extended)])
@@ -315,7 +319,9 @@ def test_compile_tool_exit_codes(program, tmp_path, capsys):
   # What the step costs: GEMMs and attention near the model's FLOPs, FP8 most of the GEMM work, a floor.
   assert 0.9 <= r["executed_over_model"] <= 1.4, r["executed_over_model"]
   assert r["executed_flops"]["fp8"] > 0.8 * sum(r["executed_flops"].values()), r["executed_flops"]
-  assert 0 < r["mfu_ceiling"] <= 1 and 0 < r["time_floor_s"] <= r["time_serial_s"]
+  # MFU is quoted against the bf16 peak; FP8 GEMMs run at twice it, so a ceiling may pass 1 (the unrolled
+  # program's does: 1.02), never the FP8 peak's 2.
+  assert 0 < r["mfu_ceiling"] <= 1979 / 989 and 0 < r["time_floor_s"] <= r["time_serial_s"]
   assert r["tokens_per_s_ceiling"] == pytest.approx(8 * 8192 / 8 / r["time_floor_s"])
   # The figures agree with each other and with their sources: the roofline's parts, the model's FLOPs, the
   # H100's dense bf16 peak, the spec's memory, the buffer sizes.
@@ -341,12 +347,18 @@ def test_compile_tool_exit_codes(program, tmp_path, capsys):
   assert {t["kind"] for t in times} >= {"gemm", "attention", "memory", "collective"}
   printed = capsys.readouterr().out
   assert "predicted:" in printed and f"{times[0]['op']} ({times[0]['pass']}" in printed
-  assert tool.main(["compile", *llama, "--config.train.batch_size=16", "--config.remat.policy=none"]) == 1
+  # Four sequences a GPU with no remat: over the budget in either program (unrolled, XLA fits two: 76.7 GiB).
+  assert tool.main(["compile", *llama, "--config.train.batch_size=32", "--config.remat.policy=none"]) == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith("error: needs ") and "GiB per device on h100x8" in err[-1]
 
 
-@BOTH_PROGRAMS
+@pytest.mark.parametrize("program", [
+    pytest.param(SCANNED, id="scanned"),
+    pytest.param((), id="unrolled", marks=[pytest.mark.extended, pytest.mark.xfail(
+        strict=True, reason="unrolled, the step needs 92.1 GiB a GPU at 131,072 tokens even over 8 context devices "
+                            "(among its values: 15 float32 [4096, 128256] LM-head gradient chunks): docs/long_context.md "
+                            "scans the layers at this length")])])
 def test_long_context_fits_only_with_context_parallelism(program, tmp_path, capsys):
   """llama3_8b at 131,072 tokens a sequence, fp8_current, h100x8, remat full. With the sequence split over the 8
   GPUs (mesh.context=8, one sequence) the step fits; attention is cuDNN's, two calls per shard (the balanced
