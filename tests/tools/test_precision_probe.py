@@ -79,6 +79,13 @@ def test_the_probe_is_deterministic_and_its_exclude_meets_its_target(checkpoint,
                   / sum(np.sum(r ** 2) for r in reference.values()))
   assert error == pytest.approx(first["exclude_grad_error"], rel=1e-4) and error < target
 
+  # And the probe itself, measuring again from scratch with the recommended list: the same error bit for bit.
+  trained, _, model = load_model(checkpoint, what="test", recipe="bf16", one_device=True)
+  _, params, quant_state, _ = split_model(model)
+  probe = probe_lib.Probe(trained, nnx.to_pure_dict(params), nnx.to_pure_dict(quant_state), 1)
+  settings = trained.replace("quant.recipe", "nvfp4").replace("quant.exclude", tuple(first["exclude"]))
+  assert probe.whole_error(probe.gradients(settings)) == first["exclude_grad_error"]
+
 
 def test_errors_against_their_definitions(checkpoint):
   """fp8_current's weight error of a kernel is |Q(W) - W| / |W| with W's per-tensor E4M3 scale, computed here in
