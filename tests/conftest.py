@@ -1,6 +1,6 @@
 """Test set-up: 8 virtual CPU devices, set before JAX is imported anywhere; one compilation cache per session;
-the long cases (`@pytest.mark.long`) only with `--long`, the extended ones (`@pytest.mark.extended`) only with
-`--extended`."""
+the long cases (`@pytest.mark.long`, and every case but the first of a test marked `@pytest.mark.variants`) only
+with `--long`, the extended ones (`@pytest.mark.extended`) only with `--extended`."""
 import importlib.util
 import os
 import shutil
@@ -42,13 +42,25 @@ def pytest_addoption(parser):
                         "a behaviour a shorter test checks, e.g. the same equality under another recipe or mesh)")
 
 
+def _tier(item, first_cases: dict) -> str:
+  """extended | long | default. A test marked `variants` is one behaviour checked over several cases: its first
+  case (in collection order, of those not marked otherwise) runs by default, the others with --long."""
+  for mark in ("extended", "long"):
+    if item.get_closest_marker(mark):
+      return mark
+  if item.get_closest_marker("variants"):
+    first = first_cases.setdefault((item.path, item.originalname), item.nodeid)
+    return "default" if first == item.nodeid else "long"
+  return "default"
+
+
 def pytest_collection_modifyitems(config, items):
   extended = config.getoption("--extended")
-  runs = {"long": extended or config.getoption("--long"), "extended": extended}
+  runs = {"default": True, "long": extended or config.getoption("--long"), "extended": extended}
   skips = {"long": pytest.mark.skip(reason="long case: run with pytest --long (.ci/run does)"),
            "extended": pytest.mark.skip(reason="extended case (a costlier variant): run with pytest --extended")}
+  first_cases = {}
   for item in items:
-    for mark in ("extended", "long"):
-      if mark in item.keywords and not runs[mark]:
-        item.add_marker(skips[mark])
-        break
+    tier = _tier(item, first_cases)
+    if not runs[tier]:
+      item.add_marker(skips[tier])

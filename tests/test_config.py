@@ -94,6 +94,7 @@ EXIT_2 = [["--config.no_such_key=1"], ["--config.model.num_kv_heads=3"], ["--con
 
 
 @pytest.mark.parametrize("flags", EXIT_2, ids=[f[-1].split("=")[0] for f in EXIT_2])
+@pytest.mark.variants
 def test_train_py_exits_2_with_one_line(flags):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "train.py", "--config=configs/default.py:tiny", *flags], cwd=ROOT,
@@ -119,6 +120,7 @@ def get_config():
 @pytest.mark.parametrize("beside", [False, True], ids=["alone", "configs_beside"])
 @pytest.mark.parametrize("extra,key", [("d_model = 32", "config.bogus"), ("bogus = 1", "config.model.bogus")],
                          ids=["override", "in_file"])
+@pytest.mark.variants
 def test_an_unknown_key_exits_2_from_any_directory(tmp_path, beside, extra, key):
   """The key list ships in the package (ember/config/defaults.py): a preset copied elsewhere, run from another
   directory by a package installed without the repository's configs/ (copied here), has its keys checked with

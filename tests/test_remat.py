@@ -67,6 +67,7 @@ def segment_problem(recipe: str, batch: int = 2):
 # bf16 and fp8_current here; the other recipes' names follow the same rule (extended cases).
 @pytest.mark.parametrize("recipe", [r if r in ("bf16", "fp8_current") else pytest.param(r, marks=pytest.mark.extended)
                                     for r in RECIPES])
+@pytest.mark.variants
 def test_every_preset_gives_the_gradients_of_none(recipe):
   graphdef, state, x, ct, segment_ids, positions, key = segment_problem(recipe)
   presets = dict(remat.PRESETS, custom=CUSTOM)
@@ -96,6 +97,7 @@ def _tiny_step(recipe="fp8_current"):
   return s.cfg, s.mesh, s.tx, s.schedule
 
 
+@pytest.mark.long
 def test_offloaded_presets_place_their_names_in_host_memory():
   """The train step lowered for a GPU moves exactly the offloaded residuals to pinned host memory.
 

@@ -36,6 +36,7 @@ from ember.data.mixing import TokenMix
 from ember.errors import warn
 
 MIN_PACKING_BINS = 32  # Rows packed at once; more bins, less padding.
+SYNTHETIC_WINDOW = 64  # The most batches of synthetic chunks shuffled together (`make_dataset`).
 
 
 def _tokenize(tokenizer):
@@ -72,6 +73,11 @@ def make_dataset(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, s
 
   # The window is the whole batch's: each of `process_count` shards (pipelines) shuffles its share.
   window = -(-data_cfg.chunk_shuffle_window // process_count)
+  if not mixture and data_cfg.source == "synthetic":
+    # Synthetic documents are short (at most 512 tokens) and drawn on their own: a window of SYNTHETIC_WINDOW
+    # batches' rows already puts a different document in nearly every row, and a larger one only costs its fill
+    # (seconds at every start of a small run).
+    window = min(window, SYNTHETIC_WINDOW * batch)
   rows = packing.pack(chunk_ds, seq_len=seq_len, num_bins=max(batch, MIN_PACKING_BINS), shuffle_window=window,
                       seed=(shard_seed + 1) % 2**32, with_source=bool(mixture))
   return rows.batch(batch, drop_remainder=True)

@@ -60,8 +60,7 @@ class MetricsWriter:
   def _tensorboard(self, purge_step: int | None = None):
     """The TensorBoard writer, opened lazily; `purge_step` hides events at or after it (resume)."""
     if self._tb is None and self.enabled and self._tb_dir is not None:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(self._tb_dir.local, purge_step=purge_step)
+      self._tb = _summary_writer()(self._tb_dir.local, purge_step=purge_step)
     return self._tb
 
   def truncate_after(self, step: int) -> None:
@@ -136,3 +135,18 @@ def progress_line(r: dict, steps: int) -> str:
   return (f"step {r['step']:>6}/{steps}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad_norm {r['grad_norm']:.3f}  "
           f"{r['tokens_per_s']:,.0f} tok/s  {r['tflops_per_device']:.2f} TFLOP/s/dev  MFU {mfu}  "
           f"step {r['step_time_s'] * 1e3:.0f} ms  ETA {format_eta(r['eta_s'])}")
+
+
+def _summary_writer():
+  """tensorboardX's SummaryWriter. tensorboardX imports torch wherever it is installed, only to accept torch
+  tensors: 2-3 s of every start. ember logs floats, so unless torch is loaded already it is kept out of that
+  import (a `None` entry in sys.modules makes `import torch` fail there, and is removed at once)."""
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter

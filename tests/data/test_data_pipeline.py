@@ -68,6 +68,7 @@ def test_processes_read_disjoint_documents(data_cfg, mono_corpus):
         assert len(np.unique(inp[seg == s])) == 1
 
 
+@pytest.mark.long
 def test_train_and_eval_are_disjoint(data_cfg, mono_corpus):
   cfg = data_cfg(path=str(mono_corpus / "*.txt"), eval_fraction=0.2)
   kw = dict(seq_len=32, global_batch_size=8, seed=0)
@@ -78,6 +79,7 @@ def test_train_and_eval_are_disjoint(data_cfg, mono_corpus):
   assert 1 <= len(ev) < 20 and len(train) > 25 and not train & ev
 
 
+@pytest.mark.long
 def test_fresh_eval_iterators_repeat_the_same_batches(data_cfg, text_corpus):
   cfg = data_cfg(path=str(text_corpus[0] / "*.txt"), eval_fraction=0.1)
   kw = dict(seq_len=16, global_batch_size=2, seed=0, split="eval")

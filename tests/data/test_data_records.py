@@ -95,6 +95,7 @@ def test_parquet_errors_name_the_file_and_the_key(tmp_path, data_cfg):
                            seed=0, vocab_size=256)
 
 
+@pytest.mark.long
 def test_jsonl_feeds_the_pipeline(tmp_path, data_cfg):
   _write_jsonl(tmp_path / "a.jsonl", GOOD)
   cfg = data_cfg(source="jsonl", path=str(tmp_path / "a.jsonl"), num_threads=1)

@@ -21,6 +21,7 @@ def _model(**overrides):
     pytest.param({}, id="dense"), pytest.param({"model.num_experts": 4, "model.experts_per_token": 2}, id="moe"),
     pytest.param({"model.num_experts": 4, "model.moe_every": 2, "model.num_layers": 4}, id="interleaved",
                  marks=pytest.mark.extended)])
+@pytest.mark.long
 def test_cached_decoding_gives_the_forward_pass_logits(overrides):
   """A prefill of 5 tokens then one token at a time equals the training forward pass on the whole rows."""
   model = _model(**overrides)
@@ -72,6 +73,7 @@ def test_sampling_follows_temperature_and_top_p():
 
 
 @pytest.mark.parametrize("dispatch", [pytest.param("allgather", marks=pytest.mark.extended), "ragged"])
+@pytest.mark.long
 def test_generation_under_expert_parallelism_equals_one_device(dispatch):
   """An MoE model sharded fsdp=2 x expert=4 generates the tokens it generates on one device."""
 

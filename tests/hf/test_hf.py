@@ -122,6 +122,7 @@ def exported_dense(tmp_path_factory):
   return _export("dense", tmp_path_factory)
 
 
+@pytest.mark.long
 def test_transformers_logits_equal_embers(exported):
   kind, _, _, run, out = exported
   files = os.listdir(out)
@@ -139,6 +140,7 @@ def test_transformers_logits_equal_embers(exported):
   np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * np.abs(theirs).max())
 
 
+@pytest.mark.variants
 def test_export_then_import_is_bit_identical(exported):
   """The exported directory loads back, sharded over 4 devices, into the very same parameters."""
 
@@ -162,6 +164,11 @@ def test_export_then_import_is_bit_identical(exported):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, state.quant_state)
 
 
+# Sampling's own paths are the full-attention cache and DeepSeek's latent one: the other layouts' sampling is an
+# extended case (their logits are checked above).
+@pytest.mark.long
+@pytest.mark.parametrize("exported", [k if k in ("dense", "deepseek") else pytest.param(k, marks=pytest.mark.extended)
+                                      for k in KINDS], indirect=True)
 def test_greedy_sampling_equals_transformers_generate(exported):
   kind, _, _, run, out = exported
   result = _tool("sample", f"--checkpoint={run}", "--prompt=def ", "--max_new_tokens=24", text=False)
@@ -180,6 +187,7 @@ def test_greedy_sampling_equals_transformers_generate(exported):
   assert tokens.tolist() == theirs[4:]
 
 
+@pytest.mark.long
 def test_latent_cache_samples_the_text_of_no_cache(tmp_path_factory):
   """DeepSeek's latent attention samples from its cache (the latent and RoPE key) the tokens that the whole forward
   pass gives for each new token, and the tool states the cache's size: (kv_lora_rank 32 + qk_rope_head_dim 8) x
@@ -200,6 +208,7 @@ def _prompts(tmp_path_factory):
   return path
 
 
+@pytest.mark.variants
 def test_import_mismatch_names_the_tensor(exported, tmp_path):
   _, cfg, _, _, out = exported
   other = cfg.replace("model.d_ff", 96)
@@ -258,6 +267,7 @@ def test_a_run_starts_from_the_hf_directory(exported_dense, tmp_path, capsys):
   assert abs(first_init[0]["loss"] - want) > 0.1 * want, (first_init[0]["loss"], want)
 
 
+@pytest.mark.long
 def test_bad_hf_input_is_one_line(tmp_path):
   result = subprocess.run([sys.executable, "train.py", "--config=configs/default.py:tiny",
                            f"--config.workdir={tmp_path / 'w'}", f"--config.checkpoint.init_from_hf={tmp_path / 'nope'}"],
@@ -338,6 +348,7 @@ def test_export_over_an_earlier_export_leaves_none_of_its_files(exported_dense):
 
 
 @pytest.mark.parametrize("kind", KIND_PARAMS)
+@pytest.mark.variants
 def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path):
   """A randomly initialised Llama / Mixtral / Qwen3 / Qwen3-MoE saved by transformers itself (not by ember's export) starts
   an ember model with transformers' logits."""

@@ -41,6 +41,7 @@ def _train_metrics(cfg, batches, num_devices):
 
 
 @pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_current", marks=pytest.mark.extended)])
+@pytest.mark.long
 def test_expert4_fsdp2_trains_like_one_device(recipe):
   """Five steps on 8 devices (expert 4 x fsdp 2: the experts split four ways, every weight sharded over fsdp) give
   one device's losses and MTP losses, float32, the router biases moving each step."""
@@ -101,6 +102,7 @@ def test_group_limited_routing_matches_an_exhaustive_search():
   np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)  # What the balance loss reads: normalised scores.
 
 
+@pytest.mark.long
 def test_the_preset_routes_within_its_groups_on_eight_devices(monkeypatch):
   """deepseek_tiny's forward pass on the expert 4 x fsdp 2 mesh, its routing indices read where each device takes
   them (inside the MoE layers' shard_map): every token's two experts lie in at most topk_group = 2 of the 4
@@ -134,6 +136,7 @@ def test_the_preset_routes_within_its_groups_on_eight_devices(monkeypatch):
   assert len(np.unique(groups)) == m.n_group  # Tokens go to every group, each within its chosen two.
 
 
+@pytest.mark.long
 def test_mtp_leaves_the_main_loss_alone_and_predicts_two_ahead():
   """With mtp_depth=1 the main loss equals the model without MTP on the same parameters; the MTP loss is the
   prediction module's NLL of token i + 2 over positions whose token i + 2 is in their document, over the main

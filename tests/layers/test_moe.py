@@ -33,6 +33,7 @@ def _layer(cfg, seed=0):
 
 
 @pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.variants
 def test_load_balance_and_z_loss_match_the_formulas_on_a_hand_built_example(k):
   cfg = _cfg(**{"model.d_model": 8, "model.experts_per_token": k})
   layer = _layer(cfg)
@@ -100,6 +101,7 @@ def _dense_reference(layer: MoE, cfg, x, segment_ids):
 
 
 @pytest.mark.parametrize("softmax_first", [False, True])
+@pytest.mark.variants
 def test_layer_and_its_gradients_equal_a_dense_reference(softmax_first):
   cfg = _cfg(**{"model.router_softmax_first": softmax_first, "model.shared_expert_d_ff": 32})
   layer = _layer(cfg)
@@ -155,6 +157,7 @@ def test_capacity_factor_drops_and_counts():
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed", "mxfp8", "nvfp4"])
+@pytest.mark.variants
 def test_save_quantized_recomputes_no_quantize_op_in_an_moe_block(recipe):
   """One MoE block (with a shared expert) under `save_quantized`: its residuals are the block input
   and low-precision tensors with their scales only, and its backward pass casts nothing to a low-
@@ -202,6 +205,7 @@ def test_saved_rows_come_with_their_routing():
 
 @pytest.mark.parametrize("dispatch,expert_gemm", [("allgather", "ragged_dot"), ("alltoall", "ragged_dot"),
                                                  ("ragged", "ragged_dot"), ("ragged", "capacity")])
+@pytest.mark.variants
 def test_save_quantized_recomputes_no_quantize_op_under_expert_parallelism(dispatch, expert_gemm):
   cfg = config_lib.derive(config("tiny_moe", **{"quant.recipe": "nvfp4", "mesh.data": 2, "mesh.fsdp": 1,
                                                 "mesh.expert": 4, "model.moe_dispatch": dispatch,

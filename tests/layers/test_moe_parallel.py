@@ -58,6 +58,7 @@ def _loss_and_grads(cfg, num_devices):
     return fn(params, quant, batch)
 
 
+@pytest.mark.long
 def test_expert_parallel_model_equals_one_device_float32():
   """tiny_moe, bf16 recipe in float32 (plus a shared expert): loss, every metric and every gradient."""
   cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": "bf16", "model.shared_expert_d_ff": 32,
@@ -142,10 +143,12 @@ def _assert_layer_matches_one_device(recipe, one, sharded):
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed", "mxfp8", "nvfp4"])
+@pytest.mark.variants
 def test_expert_parallel_layer_equals_one_device_quantized(recipe):
   _assert_layer_matches_one_device(recipe, _layer(recipe, 1, {}), _layer(recipe, 8, EP))
 
 
+@pytest.mark.long
 def test_nvfp4_expert_gradients_are_exact_when_a_device_holds_whole_groups():
   """expert=8, data=1: each device sees every row of its experts, in token order, so even the
   wgrad blocks along the rows are the one-device blocks."""
@@ -162,6 +165,7 @@ def test_nvfp4_expert_gradients_are_exact_when_a_device_holds_whole_groups():
                                                          ("fp8_delayed", "allgather", "ragged_dot"),
                                                          ("mxfp8", "ragged", "ragged_dot"),
                                                          ("nvfp4", "allgather", "capacity")])
+@pytest.mark.variants
 def test_fsdp_sharded_experts_are_quantized_on_their_shard(recipe, dispatch, expert_gemm):
   """Expert kernels sharded over fsdp as well (embed -> fsdp), both GEMM layouts: each device quantizes its
   shard with the whole kernel's scales and the GEMMs gather the quantized copies, so the layer equals one
@@ -179,6 +183,7 @@ def test_fsdp_sharded_experts_are_quantized_on_their_shard(recipe, dispatch, exp
 
 
 @pytest.mark.parametrize("dispatch", ["allgather", "ragged"])
+@pytest.mark.variants
 def test_expert_parallel_with_fsdp_sharded_experts(dispatch):
   """Unquantized expert kernels sharded over fsdp too (embed -> fsdp): gathered at the shard_map boundary."""
   (grads_1, dx_1), (y_1, _) = _layer("bf16", 1, {})
@@ -222,6 +227,7 @@ def _tight_capacity_layer(dispatch, expert_gemm, router=None):
 @pytest.mark.parametrize("dispatch,expert_gemm", [("allgather", "ragged_dot"), ("alltoall", "ragged_dot"),
                                                  ("ragged", "ragged_dot"), ("allgather", "capacity"),
                                                  ("ragged", "capacity")])
+@pytest.mark.variants
 def test_capacity_under_expert_parallelism_is_per_token_shard(dispatch, expert_gemm):
   """With a capacity, each token shard keeps at most `capacity` copies per expert, counted over its own
   tokens: under expert=4, data=2 (a shard = one sequence) every sequence's output and drop count equal
@@ -259,6 +265,7 @@ def test_tight_capacity_drops_the_hand_counted_copies_under_expert_parallelism(d
     pytest.param("alltoall", "fp8_current", "capacity", marks=pytest.mark.extended),
     pytest.param("ragged", "bf16", "capacity", marks=pytest.mark.extended),
     pytest.param("ragged", "fp8_current", "capacity", marks=pytest.mark.extended)])
+@pytest.mark.long
 def test_dispatchers_equal_allgather_and_one_device(dispatch, recipe, expert_gemm):
   """tiny_moe on expert=4, data=2: alltoall (with a capacity that drops nothing) and ragged (the CPU stand-in
   of ragged_all_to_all), with the expert GEMMs over sorted rows or in the capacity layout (slots that hold

@@ -23,11 +23,12 @@ def _cfg(preset, recipe, **overrides):
 @pytest.mark.parametrize("preset,recipe,mesh,batch_size", [
     pytest.param("tiny", "bf16", "context4", 4, marks=pytest.mark.extended),
     ("tiny", "bf16", "context2_fsdp4", 4),
-    pytest.param("tiny", "fp8_current", "context4", 4, marks=pytest.mark.long),
+    pytest.param("tiny", "fp8_current", "context4", 4, marks=pytest.mark.extended),
     ("tiny", "fp8_current", "context2_fsdp4", 4),
     pytest.param("tiny_moe", "bf16", "context2_expert4", 4, marks=pytest.mark.extended),
     pytest.param("tiny_moe", "fp8_current", "context2_expert4", 4, marks=pytest.mark.extended),
     pytest.param("tiny_moe", "fp8_current", "context4", 8, marks=pytest.mark.long)])
+@pytest.mark.variants
 def test_step_equals_one_device(preset, recipe, mesh, batch_size):
   """Loss, gradient norm, the gradients (the optimizer's moments) and the updated parameters equal one device's
   within 1e-5. The rows pack three documents and padding; with the 64 tokens split 4 or 2 ways the first two

@@ -66,6 +66,7 @@ ONE_EXTENDED = [pytest.param("gpipe", marks=pytest.mark.extended), "1f1b"]
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_current", marks=pytest.mark.extended)])
+@pytest.mark.long
 def test_four_stages_train_like_one_device(recipe, schedule):
   """pipeline 4 x fsdp 2, 8 micro-batches, float32, 5 steps: one device's losses and parameters."""
   one, piped, rel = _compare("tiny", recipe, {"pipeline": 4, "fsdp": 2}, schedule=schedule)
@@ -85,6 +86,7 @@ def _assert_same_training(recipe, one, piped, rel):
 
 
 @pytest.mark.parametrize("recipe", [pytest.param("bf16", marks=pytest.mark.extended), "fp8_current"])
+@pytest.mark.long
 def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(recipe):
   """pipeline 2 x fsdp 2 x tensor 2, interleaved 1F1B with 2 chunks a stage (layers 0 and 2 on stage 0, 1 and 3
   on stage 1), 8 micro-batches, float32, 5 steps: one device's losses and parameters."""
@@ -94,6 +96,7 @@ def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(re
 
 
 @pytest.mark.parametrize("schedule", ONE_EXTENDED)
+@pytest.mark.long
 def test_stages_over_data_parallel_replicas_train_like_one_device(schedule):
   """pipeline 2 x data 2 x fsdp 2: each data replica runs the pipeline on its own rows, their gradients reduced
   once a step (the map is manual over `data` too)."""
@@ -125,6 +128,7 @@ def test_moe_stages_train_like_one_device(schedule):
     pytest.param("gpipe", 1, {"pipeline": 2, "fsdp": 2, "expert": 2}, marks=pytest.mark.extended),
     pytest.param("1f1b", 1, {"pipeline": 4, "expert": 2}, marks=pytest.mark.extended),
     ("interleaved_1f1b", 2, {"pipeline": 2, "fsdp": 2, "expert": 2})])
+@pytest.mark.long
 def test_moe_stages_with_expert_parallelism_inside_train_like_one_device(schedule, virtual, mesh):
   """tiny_moe, fp8_delayed (amax histories per stage, combined over the micro-batches by max), expert 2 inside
   each stage."""
@@ -146,6 +150,7 @@ def _step_quantize_casts(policy_name: str, schedule: str) -> int:
 
 
 @pytest.mark.parametrize("schedule", ONE_EXTENDED)
+@pytest.mark.long
 def test_save_quantized_recomputes_no_quantize_op_in_a_pipelined_step(schedule):
   """Under save_quantized the pipelined step casts exactly what it casts with no remat at all (its forward's
   casts); under full the backward recomputes some."""
@@ -228,6 +233,7 @@ def test_bad_pipeline_layouts_name_the_key(overrides, key):
 
 
 @pytest.mark.parametrize("schedule", ONE_EXTENDED)
+@pytest.mark.long
 def test_health_statistics_are_one_devices(schedule):
   """log.quant_stats_every: a pipelined step's health statistics (each stage's layers', combined over the
   micro-batches, bubbles left out) equal one device's over the same micro-batches."""

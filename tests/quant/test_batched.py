@@ -22,6 +22,7 @@ def _rows(a_ExCxD):
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_current", "fp8_delayed", pytest.param("mxfp8", marks=pytest.mark.extended),
                                     pytest.param("nvfp4", marks=pytest.mark.extended)])
+@pytest.mark.variants
 def test_batched_equals_grouped_on_the_same_rows(recipe):
   rng = np.random.default_rng(0)
   live = (np.arange(C)[None, :] < SIZES[:, None])[..., None]
@@ -44,6 +45,7 @@ def test_batched_equals_grouped_on_the_same_rows(recipe):
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8"])
+@pytest.mark.variants
 def test_batched_equals_the_numpy_reference(recipe):
   """Forward, dgrad and wgrad against products of operands quantized by tests/quant/reference.py (written apart
   from ember): x and the gradient per tensor (fp8_current: E4M3 / E5M2 with the tensor's amax) or in blocks of 32

@@ -40,6 +40,7 @@ def _rel_error(a, b):
 # global scale keeps the cosine at 1). Measured: FP8 ~0.06, MXFP8 ~0.04, NVFP4 ~0.17 on these shapes.
 @pytest.mark.parametrize("recipe,threshold,max_error", [("fp8_current", 0.99, 0.1), ("fp8_delayed", 0.99, 0.1),
                                                         pytest.param("mxfp8", 0.99, 0.1, marks=pytest.mark.extended), ("nvfp4", 0.95, 0.25)])
+@pytest.mark.variants
 def test_gradients_close_to_bf16(recipe, threshold, max_error):
   kx, kw, kg = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (128, 96))
@@ -58,6 +59,7 @@ def test_gradients_close_to_bf16(recipe, threshold, max_error):
 
 @pytest.mark.parametrize("recipe", ["bf16", *(pytest.param(r, marks=pytest.mark.extended) if r == "mxfp8" else r
                                              for r in QUANTIZED_RECIPES)])
+@pytest.mark.variants
 def test_wgrad_dtype_rounds_only_the_weight_gradient(recipe):
   """`wgrad_dtype=bfloat16` (train.grad_reduce_dtype): the weight gradient is the float32 one rounded to bf16 once
   (what then crosses the network); the output and dgrad do not change."""
@@ -93,6 +95,7 @@ def test_block_recipes_pad_ragged_shapes():
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", pytest.param("nvfp4", marks=pytest.mark.extended)])
+@pytest.mark.long
 def test_transposed_wgrad_is_the_same_gradient(recipe):
   """A block-scaled weight gradient written transposed (`wgrad_transposed`: g.T @ x, then transposed, for kernels
   reduce-scattered along their output axis) is the same gradient: the same products, summed in another order

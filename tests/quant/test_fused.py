@@ -39,12 +39,14 @@ def _same(got, want):
 
 @pytest.mark.parametrize("shape", [(96, 160), (128, 64), (64, 4096)])  # Tiles of 32 and 64, one tall tile row.
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.variants
 def test_both_copies_equal_the_per_copy_quantizer(shape, dtype):
   x = _tensor(0, shape, dtype)
   _same(jax.jit(lambda a: fused.both(a, interpret=True))(x), per_copy(x))
 
 
 @pytest.mark.parametrize("shape", [(96, 160), (64, 4096)])
+@pytest.mark.variants
 def test_rows_alone_equal_the_quantizer(shape):
   """`rows`, the kernel writing the copy along the last axis alone: the quantizer's bytes."""
   x = _tensor(6, shape)
@@ -62,6 +64,7 @@ def test_non_finite_values_follow_the_format_rules():
     np.testing.assert_array_equal(_bits(g.scale_inv), _bits(w.scale_inv))
 
 
+@pytest.mark.long
 def test_sharded_equals_one_device():
   """Inside jit on a 2 x 4 mesh (rows over 2 and columns over 4; rows over all 8, as a batch of tokens is): the
   copies equal one device's, and each comes out sharded like its operand (transposed for the second)."""

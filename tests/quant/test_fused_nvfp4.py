@@ -40,6 +40,7 @@ def _same(got, want):
 @pytest.mark.parametrize("tile_2d", [False, True])
 @pytest.mark.parametrize("shape", [(96, 160), (128, 64), (64, 4096), (48, 80)])  # Tiles of 32, 64 and 16.
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.variants
 def test_cast_equals_the_quantizer(tile_2d, shape, dtype):
   x = _tensor(0, shape, dtype)
   got = jax.jit(lambda a: fused_nvfp4.quantize(a, tile_2d=tile_2d, interpret=True))(x)
@@ -106,6 +107,7 @@ def quantizer_copies(a, rht_seed, stochastic):
 
 @pytest.mark.parametrize("rht_seed,stochastic", [(0, False), (0, True), (None, False), (None, True)])
 @pytest.mark.parametrize("shape", [(96, 160), (64, 4096), (48, 80)])
+@pytest.mark.variants
 def test_both_copies_equal_the_quantizer(rht_seed, stochastic, shape):
   """Round to nearest (activations) or stochastically (gradients: the same uniform draws, element by element),
   with or without the Hadamard transform of the wgrad copy."""
@@ -170,6 +172,7 @@ def test_both_sharded_equals_one_device():
 
 
 @pytest.mark.parametrize("rht,stochastic", [(True, True), (False, False)])
+@pytest.mark.variants
 def test_a_dense_projection_with_the_kernels_equals_one_without(monkeypatch, rht, stochastic):
   """Traced for a Hopper-like GPU (block-scaled GEMMs emulated in bf16, which the CPU runs), a dense NVFP4
   projection whose operand copies come from the kernels (interpret mode) gives the same output and gradients,
@@ -209,6 +212,7 @@ def test_a_dense_projection_with_the_kernels_equals_one_without(monkeypatch, rht
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.variants
 def test_expert_rows_cast_by_the_kernels_equal_the_quantizer(monkeypatch, recipe):
   """The capacity layout's x [E, C, K], quantized along K only, goes through the one-copy kernels viewed as 2-d
   (`fused.rows` for MXFP8, `fused_nvfp4.quantize` for NVFP4; interpret mode, traced for a Hopper-like GPU): the

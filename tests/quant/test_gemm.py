@@ -47,6 +47,7 @@ def _operands(recipe: Recipe):
 
 
 @pytest.mark.parametrize("recipe", QUANTIZED_RECIPES)
+@pytest.mark.variants
 def test_each_gemm_equals_the_float64_product_of_its_dequantized_operands(recipe):
   recipe = Recipe(recipe)
   for name, (a, b, (ca, cb)) in _operands(recipe).items():
@@ -56,6 +57,7 @@ def test_each_gemm_equals_the_float64_product_of_its_dequantized_operands(recipe
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.long
 def test_batched_block_scaled_gemms_with_per_expert_kernels(recipe):
   """The capacity layout: x [E, C, K] . w [E, K, N] with each expert's kernel quantized on its own (NVFP4: its
   own tensor scale, 16x16 tiles), forward and dgrad."""

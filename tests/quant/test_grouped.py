@@ -126,6 +126,7 @@ def test_bf16_equals_a_loop_of_dense_matmuls():
 
 
 @pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.variants
 def test_quantized_equals_a_per_expert_loop(name):
   recipe = RECIPES[name]
   x, w, g, history = _operands()
@@ -148,6 +149,7 @@ def test_quantized_equals_a_per_expert_loop(name):
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4"])
+@pytest.mark.variants
 def test_one_busy_expert_equals_the_dense_quantized_matmul(name):
   """All rows on one expert, the others empty: exactly the dense layer's quantized matmul."""
   recipe = RECIPES[name]

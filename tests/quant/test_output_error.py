@@ -27,6 +27,7 @@ def _operands(shape_w):
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4"])
+@pytest.mark.variants
 def test_dense(name):
   recipe = Recipe(name)
   x, w = _operands((K, N))

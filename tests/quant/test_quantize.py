@@ -402,6 +402,7 @@ def test_orbax_roundtrip(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "nvfp4"])
+@pytest.mark.variants
 def test_reduce_axes_in_shard_map_matches_global(recipe):
   mesh = jax.make_mesh((8,), ("d",))
   x = jax.random.normal(jax.random.key(6), (64, 32)).at[5, 7].set(40.0)

@@ -39,6 +39,7 @@ def reports():
 
 
 @pytest.mark.parametrize("recipe", QUANTIZED)
+@pytest.mark.variants
 def test_save_quantized_keeps_the_layer_input_and_low_precision_tensors_only(reports, recipe):
   cfg = derived(**{"quant.recipe": recipe})
   tokens_x_dmodel = 2 * cfg.model.seq_len * cfg.model.d_model
@@ -79,6 +80,7 @@ def test_uint4_residuals_count_half_a_byte(reports):
 
 
 @pytest.mark.parametrize("recipe", QUANTIZED)
+@pytest.mark.variants
 def test_residual_bytes_order(reports, recipe):
   b = {name: r["residual_bytes_per_layer"] for name, r in reports[recipe].items()}
   assert b["full"] < b["save_quantized"] < b["minimal_quantized"] <= b["none"], b
@@ -111,6 +113,7 @@ def test_fp8_save_quantized_keeps_at_most_055_of_minimal_on_125m(recipe):
 
 
 @pytest.mark.parametrize("recipe", ("bf16",) + QUANTIZED)
+@pytest.mark.variants
 def test_projection_gemm_recompute(reports, recipe):
   r = {name: rep["recomputed_gemms_per_layer"] for name, rep in reports[recipe].items()}
   assert r["none"] == 0

@@ -87,6 +87,7 @@ def test_the_probe_is_deterministic_and_its_exclude_meets_its_target(checkpoint,
   assert probe.whole_error(probe.gradients(settings)) == first["exclude_grad_error"]
 
 
+@pytest.mark.long
 def test_errors_against_their_definitions(checkpoint):
   """fp8_current's weight error of a kernel is |Q(W) - W| / |W| with W's per-tensor E4M3 scale, computed here in
   NumPy from the rounding rule; nvfp4's is several times larger."""
@@ -103,6 +104,7 @@ def test_errors_against_their_definitions(checkpoint):
   assert probe_lib.weight_error(w, ("mlp", "embed"), "nvfp4") > 3 * got  # 4 bits against 8: ~4x.
 
 
+@pytest.mark.long
 def test_output_error_against_its_definition(checkpoint):
   """Layer 0's qkv reads the normed embeddings, whatever the recipe: its output error is |y - x W| / |x W| with
   y the fp8_current GEMM (per-tensor E4M3 scales, NumPy here) of that input. With the LM head quantized, the
@@ -137,6 +139,7 @@ def test_output_error_against_its_definition(checkpoint):
 
 
 @pytest.mark.parametrize("mesh", [{"mesh.expert": 4, "mesh.data": 2}, pytest.param({"mesh.expert": 2, "mesh.fsdp": 4}, marks=pytest.mark.extended)])
+@pytest.mark.long
 def test_output_errors_are_the_same_under_expert_parallelism(mesh):
   """The expert GEMMs' output errors, summed over token shards inside the MoE layer's shard_map, equal one
   device's (the probe runs on one device; the layer's plumbing serves any mesh). Float32 compute: in bf16 the CPU

@@ -17,6 +17,7 @@ FIELDS = {"policy", "residual_bytes_per_layer", "residuals", "recomputed_quantiz
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_CPU_CODEGEN)
 
 
+@pytest.mark.long
 def test_report_writes_the_contract_json_and_a_table(tmp_path):
   out = tmp_path / "remat.json"
   proc = subprocess.run([sys.executable, "-m", "ember.tools.remat_report", "--config=configs/default.py:tiny",

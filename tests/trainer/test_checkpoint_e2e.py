@@ -125,6 +125,7 @@ def assert_steps_once(workdir, last: int) -> None:
 
 
 @pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_delayed", marks=pytest.mark.extended)])
+@pytest.mark.long
 def test_sigkill_then_resume_logs_the_uninterrupted_losses(shared, tmp_path, recipe):
   ref = losses(reference(shared, recipe))
   run = tmp_path / "run"
@@ -170,6 +171,7 @@ def test_muon_bfloat16_state_and_router_bias_resume_bitwise(shared, tmp_path):
 # --- Preemption -----------------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_sigterm_saves_synchronously_exits_zero_and_resumes(shared, tmp_path):
   ref = losses(reference(shared, "bf16"))
   run = tmp_path / "run"
@@ -204,6 +206,7 @@ DAMAGED_FILES = {
 
 
 @pytest.mark.parametrize("kind", list(DAMAGED_FILES))
+@pytest.mark.variants
 def test_a_damaged_newest_checkpoint_is_one_warning_and_the_previous_one(shared, tmp_path, kind):
   """100 random bytes in the middle of one file of step 20 (as a bad disk or a truncated copy would leave it):
   the resumed run says so in one warning line, moves the step aside, resumes from step 15 and logs what the
@@ -300,6 +303,7 @@ def test_resume_with_other_shapes_fails_in_one_line_and_keeps_the_checkpoints(sh
 
 @pytest.mark.parametrize("mesh,devices", [pytest.param(("data=2", "fsdp=2", "tensor=2"), 8, id="data2_fsdp2_tensor2", marks=pytest.mark.extended),
                                         pytest.param(("fsdp=4",), 4, id="4_devices")])
+@pytest.mark.long
 def test_checkpoint_restores_onto_another_mesh(shared, tmp_path, mesh, devices):
   # fsdp=8: 6 steps, checkpoints at 5 and 6; the loss of step 6 on the original mesh is the reference.
   base = shared_run(shared, "fsdp8_f32", lambda w: train(shared, w, 6, *F32))
@@ -317,6 +321,7 @@ STAGES = ["--config.mesh.pipeline=4", "--config.train.grad_accum_steps=4"]  # fs
 @pytest.mark.parametrize("saved_on,resumed_on", [pytest.param(STAGES, [], id="pipeline4_to_fsdp8"),
                                                  pytest.param([], STAGES, id="fsdp8_to_pipeline4",
                                                               marks=pytest.mark.extended)])
+@pytest.mark.long
 def test_pipelined_checkpoints_resume_without_a_pipeline_and_back(shared, tmp_path, saved_on, resumed_on):
   """A pipeline's stages hold rows of the same stacked layers: a checkpoint saved at step 3 by 4 stages (x fsdp 2, 4
   micro-batches) resumes on fsdp 8 alone, and the reverse, with the uninterrupted runs' losses (float32)."""

@@ -69,6 +69,7 @@ def _run(tmp_path, corpus, **overrides):
   return cfg
 
 
+@pytest.mark.long
 def test_skipped_steps_are_counted_and_the_run_goes_on_or_ends_past_the_limit(tmp_path, poisoned_corpus, capsys):
   train(checked(_run(tmp_path / "on", poisoned_corpus, **{"train.max_skipped_steps": 2})))
   records = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]

@@ -69,6 +69,7 @@ def _logged(records: list[dict]) -> dict[int, dict]:
 
 
 @pytest.mark.usefixtures("bucket")
+@pytest.mark.long
 def test_a_run_in_a_bucket_checkpoints_and_resumes_bit_for_bit(tmp_path):
   common = {"log.every_steps": 1, "checkpoint.every_steps": 2, "train.eval_every_steps": 2, "log.tensorboard": True}
   train(checked(config("tiny", steps=4, workdir=str(tmp_path / "local"), **common)))

@@ -24,6 +24,7 @@ REPLICAS_ONLY = {"mesh.data": 2, "mesh.fsdp": 1, "mesh.expert": 4}  # Every axis
     pytest.param("tiny", "fp8_delayed", MESH, id="tiny-fp8_delayed"),
     pytest.param("tiny_moe", "fp8_delayed", MOE_MESH, id="tiny_moe-fp8_delayed-expert2", marks=pytest.mark.extended),
     pytest.param("tiny_moe", "fp8_delayed", REPLICAS_ONLY, id="tiny_moe-fp8_delayed-replicas_only", marks=pytest.mark.extended)])
+@pytest.mark.long
 def test_four_micro_batches_equal_one_batch(preset, recipe, mesh):
   """float32, 32 sequences: 4 micro-batches of 8 give the loss, the metrics, the gradients (the optimizer's first
   and second moments), the updated parameters and the delayed-scaling histories (each rolls in the largest
@@ -69,6 +70,7 @@ def test_a_step_over_replicas_equals_the_step_over_one_group(recipe):
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", pytest.param("fp8_delayed", marks=pytest.mark.extended)])
+@pytest.mark.long
 def test_kernel_amaxes_taken_once_a_step_change_no_bit(recipe, monkeypatch):
   """A step of micro-batches takes each kernel's amax once, before its scan (linear.kernel_amaxes): bit for bit
   the step whose every micro-batch takes it. fsdp 8: the amax of the sharded kernels is the global one."""

@@ -42,6 +42,7 @@ def _loss(targets, weights, chunk_size, z_weight=0.1):
 
 
 @pytest.mark.parametrize("chunk_size", [0, 10, 8, 6])  # 1, 4, 5 and 8 chunks of 40 positions.
+@pytest.mark.variants
 def test_chunked_matches_full_logits_value_and_gradient(chunk_size):
   hidden, w, targets, weights = _case()
   ref, ref_grads = jax.value_and_grad(_reference, argnums=(0, 1))(hidden, w, targets, weights, 0.1)

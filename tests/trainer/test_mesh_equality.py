@@ -32,6 +32,7 @@ def single_device_losses(batches):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.variants
 def test_losses_match_single_device(mesh, batches, single_device_losses):
   losses = train_losses(_cfg(**MESHES[mesh]), batches, num_devices=8)
   np.testing.assert_allclose(losses, single_device_losses, rtol=1e-5)

@@ -70,6 +70,7 @@ def test_muon_takes_the_projection_kernels_and_adamw_the_rest():
   assert kinds[layers + "attn/qkv/kernel"] == muon.MatrixLayout(batch=(0,), rows=(1,), cols=(2, 3, 4))
 
 
+@pytest.mark.long
 def test_a_step_updates_kernels_by_muon_and_the_rest_by_adamw():
   """One step from zero momentum with gradient G: a kernel moves by -lr_muon * NS((1 - beta)^2 G + beta (1 -
   beta) G) (Nesterov), the embedding by AdamW's first step, -lr * sign(G) (weight decay 0, eps aside)."""
@@ -108,6 +109,7 @@ def test_muon_trains_alike_on_one_device_and_under_fsdp_and_expert_parallelism()
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.extended)])
+@pytest.mark.long
 def test_bfloat16_state_is_stored_in_bfloat16_and_updates_from_it(optimizer):
   """Every floating leaf of the optimizer state is bfloat16; a step from a state equals the float32 optimizer's
   step from that state read up to float32."""

@@ -74,6 +74,7 @@ def test_histories_carry_over_where_the_next_phase_keeps_them():
   assert moved[3].params is state.params
 
 
+@pytest.mark.long
 def test_bf16_forward_keeps_the_recipes_backward():
   """forward="bf16": the output is the unquantized product; the gradients are the recipe's (bitwise)."""
   x = jax.random.normal(jax.random.key(0), (32, 64), jnp.float32)

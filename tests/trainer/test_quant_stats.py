@@ -62,6 +62,7 @@ def _forced_step(recipe: str = "fp8_delayed"):
   return cfg, metrics
 
 
+@pytest.mark.long
 def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys):
   cfg, metrics = _forced_step()
   record = quant_stats.summarize(jax.device_get(metrics["quant_stats"]), cfg.model, cfg.quant)
@@ -85,6 +86,7 @@ def test_forced_underflow_and_saturation_are_found_named_and_warned(capsys):
   assert len(first["quant_warnings"]) >= 2 and second["quant_warnings"] == []  # The record carries them.
 
 
+@pytest.mark.long
 def test_a_run_writes_statistics_to_metrics_and_tensorboard(tmp_path):
   cfg = helpers.config(**{"workdir": str(tmp_path), "steps": 4, "log.every_steps": 4, "log.tensorboard": True,
                           "log.quant_stats_every": 2, "quant.recipe": "fp8_current", "checkpoint.every_steps": -1})
@@ -99,6 +101,7 @@ def test_a_run_writes_statistics_to_metrics_and_tensorboard(tmp_path):
 
 
 @pytest.mark.parametrize("recipe,experts", [("fp8_delayed", 0), ("nvfp4", 4)])
+@pytest.mark.variants
 def test_stats_off_traces_no_statistic(recipe, experts, monkeypatch):
   """With log.quant_stats_every = 0 the train step measures nothing: tracing it (dense and grouped matmuls)
   never reaches health.measure, the one place a statistic is computed, and the state holds no statistics
