@@ -1,9 +1,12 @@
 """metrics.jsonl and TensorBoard: complete records only, NaN as null, resume truncation and purge."""
 
 import glob
+import importlib.util
 import json
 import os
 import struct
+import subprocess
+import sys
 import time
 
 from tensorboardX.proto import event_pb2
@@ -70,3 +73,17 @@ def test_tensorboard_is_purged_on_resume(tmp_path):
   assert [s for s, tag in events if tag == "loss"] == [1, 2, 3, 4, 5, 4]
   purge = [s for s, tag in events if tag.startswith("session_log")]
   assert purge == [4]  # START at step 4: readers drop the earlier file's events at steps >= 4.
+
+
+def test_tensorboard_writes_without_loading_torch(tmp_path):
+  """tensorboardX imports torch wherever it is installed (seconds at every start): a run's writer writes its events
+  without it, and torch, where installed, still imports afterwards. In a process of its own: this one has loaded
+  tensorboardX (and torch with it) already."""
+  then = "import torch" if importlib.util.find_spec("torch") else "pass"
+  code = (f"import sys; from ember.trainer.metrics import MetricsWriter; w = MetricsWriter({str(tmp_path)!r}, "
+          "enabled=True); w.write({'step': 1, 'loss': 2.0}); w.close(); assert 'torch' not in sys.modules, "
+          f"'torch was loaded'; {then}")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ,
+                          "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert [s for s, tag in _events(tmp_path / "tensorboard") if tag == "loss"] == [1]
