@@ -166,7 +166,7 @@ def get_config() -> ml_collections.ConfigDict:
   # corpus has ~1,800 files, and at 2% a few large ones would dominate the eval bytes.
   d.chunk_shuffle_window = 16384  # Chunks shuffled together before packing (~200 stdlib files): batches
   # mix many documents, so consecutive steps do not train on the same few files. 0 = off. Synthetic data: at most 64
-  # batches' rows (ember/data/pipeline.py).
+  # batches' worth of chunks (ember/data/pipeline.py).
   d.tfds_name = ""  # tfds: dataset name, e.g. "lm1b".
   d.tfds_data_dir = ""  # tfds: data_dir ("" = TFDS default).
   d.tfds_text_key = "text"  # tfds: the feature holding the text.

@@ -141,12 +141,12 @@ def _summary_writer():
   """tensorboardX's SummaryWriter. tensorboardX imports torch wherever it is installed, only to accept torch
   tensors: 2-3 s of every start. ember logs floats, so unless torch is loaded already it is kept out of that
   import (a `None` entry in sys.modules makes `import torch` fail there, and is removed at once)."""
-  if "torch" in sys.modules:
-    from tensorboardX import SummaryWriter
-    return SummaryWriter
-  sys.modules["torch"] = None
+  hide_torch = "torch" not in sys.modules
+  if hide_torch:
+    sys.modules["torch"] = None
   try:
     from tensorboardX import SummaryWriter
   finally:
-    del sys.modules["torch"]
+    if hide_torch:
+      del sys.modules["torch"]
   return SummaryWriter
