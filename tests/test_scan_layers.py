@@ -33,7 +33,7 @@ def test_unrolled_layers_equal_the_scan(preset, recipe, devices):
 @pytest.mark.extended
 def test_unrolled_layers_cast_each_kernel_from_its_own_row(monkeypatch):
   """Unrolled NVFP4 layers hand each projection's tile cast the stacked kernels and the layer's row
-  (`Linear.stacked_kernel`; on a GPU the cast reads the row in place). With the cast run here (interpret mode:
+  (`linear.Taken`; on a GPU the cast reads the row in place). With the cast run here (interpret mode:
   the tile path made to apply to the float32 kernels on the CPU), the step equals, bit for bit, one whose casts
   read each layer's kernel copied out, and every layer's row is read."""
   from ember.layers import linear

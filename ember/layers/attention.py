@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
 from ember.errors import one_line
-from ember.layers.linear import Linear
+from ember.layers.linear import Linear, handed
 from ember.layers.norm import RMSNorm
 from ember.layers.rope import apply_rope
 from ember.config.model import ModelConfig
@@ -123,28 +123,29 @@ class Attention(nnx.Module):
                       **common)
     self.out = Linear((model.num_heads, model.head_dim), (model.d_model,), (HEADS, HEAD_DIM, EMBED), name="out",
                       recipe=recipe_of("out"), init_std=model.out_init_std, **common)
-    if model.qk_norm:  # One scale over head_dim shared by all heads, for queries and for keys (Qwen3).
-      norm = dict(eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
-      self.q_norm, self.k_norm = RMSNorm(model.head_dim, **norm), RMSNorm(model.head_dim, **norm)
+    # One scale over head_dim shared by all heads, for queries and for keys (Qwen3); None without.
+    norm = lambda: RMSNorm(model.head_dim, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
+    self.q_norm, self.k_norm = (norm(), norm()) if model.qk_norm else (None, None)
 
-  def _qkv(self, x_BxLxD, positions_BxL, key):
+  def _qkv(self, x_BxLxD, positions_BxL, key, taken=None):
     """Q, K, V of the fused projection, named for remat (before RoPE), then rotated."""
     b, l, _ = x_BxLxD.shape
-    qkv = self.qkv(x_BxLxD, key)  # [B, L, K, G+2, H]
+    qkv = self.qkv(x_BxLxD, key, handed(taken, "qkv"))  # [B, L, K, G+2, H]
     q_BxLxNxH = qkv[:, :, :, : self.groups].reshape(b, l, self.num_heads, self.head_dim)
     k_BxLxKxH, v_BxLxKxH = qkv[:, :, :, self.groups], qkv[:, :, :, self.groups + 1]
     q_BxLxNxH = checkpoint_name(shard(q_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY)
     k_BxLxKxH = checkpoint_name(shard(k_BxLxKxH, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), remat.KEY)
     v_BxLxKxH = checkpoint_name(shard(v_BxLxKxH, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), remat.VALUE)
-    if hasattr(self, "q_norm"):
+    if self.q_norm is not None:
       q_BxLxNxH, k_BxLxKxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxKxH)
     q_BxLxNxH = apply_rope(q_BxLxNxH, positions_BxL, self.rope_theta)
     k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope_theta)
     return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
 
-  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None):
-    """`bias`: `attention_bias(segment_ids_BxL)` if the caller made it already (the decoder does, once a step)."""
-    q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._qkv(x_BxLxD, positions_BxL, key)
+  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None, taken=None):
+    """`bias`: `attention_bias(segment_ids_BxL)` if the caller made it already (the decoder does, once a step);
+    `taken`: what the step hands the projections (layers/linear.py's `Taken`, by path), or None."""
+    q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._qkv(x_BxLxD, positions_BxL, key, taken)
     if bias is None:
       if context.context_axes():
         raise ValueError("under context parallelism attention runs in the decoder's balanced layout, with the "
@@ -152,7 +153,7 @@ class Attention(nnx.Module):
       bias = attention_bias(segment_ids_BxL, q_BxLxNxH.dtype)
     ctx_BxLxNxH = attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, self.implementation)
     ctx_BxLxNxH = checkpoint_name(shard(ctx_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTENTION_CONTEXT)
-    y_BxLxD = self.out(ctx_BxLxNxH, key)
+    y_BxLxD = self.out(ctx_BxLxNxH, key, handed(taken, "out"))
     return checkpoint_name(shard(y_BxLxD, (BATCH, LENGTH, EMBED)), remat.OUT_PROJ)
 
   def decode(self, x_BxTxD, positions_BxT, cache):

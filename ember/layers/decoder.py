@@ -28,7 +28,7 @@ from ember import remat
 from ember.layers.attention import Attention, attention_bias
 from ember.layers.embed import Embed
 from ember.layers import linear
-from ember.layers.linear import Linear, projection_key
+from ember.layers.linear import Linear, handed, projection_key
 from ember.layers.mla import LatentAttention
 from ember.layers import mtp as mtp_lib
 from ember.layers.mlp import MLP
@@ -59,14 +59,17 @@ class DecoderLayer(nnx.Module):
     else:
       self.mlp = MLP(model, model.dense_width, recipe=recipe, layer=index, rngs=rngs)
 
-  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None):
-    """`bias`: the attention's segment bias, made once for every layer (Transformer.__call__), or None."""
+  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None, moe_plan=None, taken=None):
+    """`bias`: the attention's segment bias, made once for every layer (Transformer.__call__), or None;
+    `moe_plan`: what an MoE layer runs (MoE.__call__); `taken`: what the step hands the layer's projections
+    (layers/linear.py's `Taken`, by path below the layer), or None."""
     x_BxLxD = checkpoint_name(x_BxLxD, remat.LAYER_INPUT)
-    h_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), segment_ids_BxL, positions_BxL, key, bias)
+    h_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), segment_ids_BxL, positions_BxL, key, bias,
+                                  handed(taken, "attn"))
     if self.is_moe:
-      y_BxLxD, aux = self.moe(self.mlp_norm(h_BxLxD), segment_ids_BxL, key)
+      y_BxLxD, aux = self.moe(self.mlp_norm(h_BxLxD), segment_ids_BxL, key, moe_plan, handed(taken, "moe"))
     else:
-      y_BxLxD, aux = self.mlp(self.mlp_norm(h_BxLxD), key), zero_aux()
+      y_BxLxD, aux = self.mlp(self.mlp_norm(h_BxLxD), key, handed(taken, "mlp")), zero_aux()
     return shard(h_BxLxD + y_BxLxD, (BATCH, LENGTH, EMBED)), aux
 
   def decode(self, x_BxTxD, positions_BxT, cache, valid_BxT):
@@ -88,13 +91,13 @@ class Block(nnx.Module):
     self.layers = nnx.List([DecoderLayer(model, recipe, first + j, rngs) for j in range(model.block_size)])
     self.num_experts = model.num_experts
 
-  def __call__(self, x, segment_ids, positions, key=None, bias=None):
+  def __call__(self, x, segment_ids, positions, key=None, bias=None, moe_plan=None, taken=None):
     """(x, aux summed over the block's layers, per layer [block_size, ...]: MOE_LAYER_COUNTS and, in MoE
     models, MOE_EXPERT_LOADS (zeros for dense layers))."""
     aux, per_layer = zero_aux(), []
     for j, layer in enumerate(self.layers):
       layer_key = None if key is None else jax.random.fold_in(key, j)
-      x, a = layer(x, segment_ids, positions, layer_key, bias)
+      x, a = layer(x, segment_ids, positions, layer_key, bias, moe_plan, handed(taken, "layers", j))
       aux = jax.tree.map(jnp.add, aux, {k: a[k] for k in AUX_KEYS})
       per_layer.append(a)
     by_layer = {k: jnp.stack([a[k] for a in per_layer]) for k in MOE_LAYER_COUNTS}
@@ -138,31 +141,32 @@ class Segment(nnx.Module):
 
     self.blocks = make(rngs)
 
-  def __call__(self, x, segment_ids, positions, key, policy: remat.Preset, bias=None, block_ids=None):
+  def __call__(self, x, segment_ids, positions, key, policy: remat.Preset, bias=None, block_ids=None, moe_plan=None,
+               taken=None):
     """(x, aux summed over the segment's layers, the block's per-layer values for each of its layers). `bias`:
     the attention's segment bias (Transformer.__call__): an input of every checkpointed block, never recomputed.
     `block_ids`: the blocks whose rows the stacked state holds (int32 [rows]; a pipeline stage's share of them,
-    ember/parallel/pipeline.py); all of the segment's by default."""
+    ember/parallel/pipeline.py); all of the segment's by default. `moe_plan`: what its MoE layers run; `taken`:
+    what the step hands the projections (layers/linear.py's `Taken`, by path below the segment, per stacked row)."""
     graphdef, state = nnx.split(self.blocks)
     ids = jnp.asarray(self.block_ids, jnp.int32) if block_ids is None else block_ids
+    taken = handed(taken, "blocks") or {}
 
-    def body(carry, xs, stacked=None, *, index=None):
+    def body(carry, xs):
       x, aux = carry
-      block_state, block_id = xs
+      block_state, block_id, block_taken = xs
       block_key = None if key is None else jax.random.fold_in(key, block_id)
-      block = nnx.merge(graphdef, block_state)
-      if stacked:
-        linear.use_stacked_kernels(block, stacked, index)
-      y, a, per_layer = block(x, segment_ids, positions, block_key, bias)
+      y, a, per_layer = nnx.merge(graphdef, block_state)(x, segment_ids, positions, block_key, bias, moe_plan,
+                                                         block_taken)
       return (y, jax.tree.map(jnp.add, aux, a)), per_layer
 
     if self.scan:
-      (x, aux), per_layer = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids))
+      (x, aux), per_layer = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids, taken))
     else:  # One block after another, on its row of the stacked state (kernel casts read theirs in place).
       stacked, carry, outs = linear.stacked_kernels(self.blocks), (x, zero_aux()), []
       for index, block_state in enumerate(unstacked(state, ids.shape[0])):
-        step = remat.checkpoint(functools.partial(body, index=index), policy, scanned=False)
-        carry, out = step(carry, (block_state, ids[index]), stacked)
+        step = remat.checkpoint(body, policy, scanned=False)
+        carry, out = step(carry, (block_state, ids[index], linear.row_taken(taken, stacked, index)))
         outs.append(out)
       (x, aux), per_layer = carry, {k: jnp.stack([out[k] for out in outs]) for k in outs[0]}
     return x, aux, {k: v.reshape(-1, *v.shape[2:]) for k, v in per_layer.items()}
@@ -269,9 +273,8 @@ class Transformer(nnx.Module):
                        param_dtype=model.param_dtype, rngs=rngs)
     self.segments = nnx.List([Segment(model, recipe, ids, rngs) for ids in segments_of(model, recipe)])
     self.num_blocks, self.num_experts = model.num_blocks, model.num_experts
-    if model.mtp_depth:
-      self.mtp = nnx.List([mtp_lib.PredictionModule(model, recipe, k, rngs, make_layer=DecoderLayer)
-                           for k in range(1, model.mtp_depth + 1)])
+    self.mtp = nnx.List([mtp_lib.PredictionModule(model, recipe, k, rngs, make_layer=DecoderLayer)
+                         for k in range(1, model.mtp_depth + 1)])
     self.final_norm = RMSNorm(model.d_model, eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
     self.tie_embeddings = model.tie_embeddings
     self.tied_wgrad_dtype = recipe.wgrad_out(model.param_dtype)  # The tied head's weight-gradient GEMM.
@@ -285,21 +288,23 @@ class Transformer(nnx.Module):
                             init_std=model.init_std, dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
 
   def __call__(self, tokens_BxL, segment_ids_BxL, positions_BxL, key=None,
-               policy: remat.Preset = remat.PRESETS["none"]):
+               policy: remat.Preset = remat.PRESETS["none"], moe_plan=None):
     """(final normed hidden states [B, L, D], aux). `policy`: the remat preset each scanned block runs under, the
     one place it is applied (the train step passes the config's, ember/trainer/step.py); a forward pass alone
-    needs none."""
-    h_BxLxD, aux, _ = self.with_predictions(tokens_BxL, segment_ids_BxL, positions_BxL, None, key, policy)
+    needs none. `moe_plan`: what the MoE layers run, as the step decided it (trainer/step.py's `moe_plan`); None:
+    each plans for its own batch."""
+    h_BxLxD, aux, _ = self.with_predictions(tokens_BxL, segment_ids_BxL, positions_BxL, None, key, policy, moe_plan)
     return h_BxLxD, aux
 
   def with_predictions(self, tokens_BxL, segment_ids_BxL, positions_BxL, targets_BxL=None, key=None,
-                       policy: remat.Preset = remat.PRESETS["none"]):
+                       policy: remat.Preset = remat.PRESETS["none"], moe_plan=None, taken=None):
     """`__call__`, and with `targets_BxL` the multi-token-prediction modules' normed hidden states too (one [B, L,
     D] per depth, ember/layers/mtp.py; none without modules): (h, aux, [h_1, ...]). Their layers' statistics
-    follow the decoder's in aux's per-layer arrays (rows num_layers, ...)."""
+    follow the decoder's in aux's per-layer arrays (rows num_layers, ...). `taken`: what the step hands the
+    projections (layers/linear.py's `Taken`, by path: `linear.kernel_amaxes` of this model), or None."""
     balanced = bool(context.context_axes())  # Context parallelism: its balanced layout (parallel/context.py).
     rows = (BATCH, LENGTH)
-    depths = len(self.mtp) if targets_BxL is not None and hasattr(self, "mtp") else 0
+    depths = len(self.mtp) if targets_BxL is not None else 0
     # Each depth's tokens, taken from the targets in the batch's own layout (a shift along the length).
     ahead = [mtp_lib.depth_inputs(targets_BxL, segment_ids_BxL, k)[0] for k in range(1, depths + 1)]
     if balanced:
@@ -308,14 +313,15 @@ class Transformer(nnx.Module):
     x = self.embed(tokens_BxL)
     aux, per_layer = zero_aux(), []
     bias = attention_bias(segment_ids_BxL, x.dtype)  # Once for every layer of every segment.
-    for segment in self.segments:
-      x, a, counts = segment(x, segment_ids_BxL, positions_BxL, key, policy, bias)
+    for i, segment in enumerate(self.segments):
+      x, a, counts = segment(x, segment_ids_BxL, positions_BxL, key, policy, bias, moe_plan=moe_plan,
+                             taken=handed(taken, "segments", i))
       aux = jax.tree.map(jnp.add, aux, a)
       per_layer.append(counts)
     predictions, hidden = [], x
     for k, tokens_k in enumerate(ahead):
       hidden, h_k, a = self._predict(k, hidden, self.embed(tokens_k), segment_ids_BxL, positions_BxL, key, policy,
-                                     bias)
+                                     bias, moe_plan, handed(taken, "mtp", k))
       aux = jax.tree.map(jnp.add, aux, {name: a[name] for name in AUX_KEYS})
       per_layer.append({name: a[name][None] for name in per_layer[0]})
       predictions.append(context.unbalance(h_k, (BATCH, LENGTH, EMBED)) if balanced else h_k)
@@ -324,19 +330,21 @@ class Transformer(nnx.Module):
     h_BxLxD = self.final_norm(x)
     return (context.unbalance(h_BxLxD, (BATCH, LENGTH, EMBED)) if balanced else h_BxLxD), aux, predictions
 
-  def _predict(self, k: int, hidden, embedded, segment_ids, positions, key, policy: remat.Preset, bias):
+  def _predict(self, k: int, hidden, embedded, segment_ids, positions, key, policy: remat.Preset, bias, moe_plan,
+               taken):
     """Prediction module k (0-based) under the remat policy, its layer checkpointed like a block: (its hidden
     state, it normed, its layer's aux with MOE_LAYER_COUNTS and MOE_EXPERT_LOADS)."""
     graphdef, state = nnx.split(self.mtp[k])
     module_key = None if key is None else jax.random.fold_in(key, self.num_blocks + k)
 
-    def run(state, hidden, embedded):
-      x, h, aux = nnx.merge(graphdef, state)(hidden, embedded, segment_ids, positions, module_key, bias)
+    def run(state, hidden, embedded, taken):
+      x, h, aux = nnx.merge(graphdef, state)(hidden, embedded, segment_ids, positions, module_key, bias, moe_plan,
+                                             taken)
       if MOE_EXPERT_LOADS not in aux and self.num_experts:
         aux = dict(aux, **{MOE_EXPERT_LOADS: jnp.zeros((self.num_experts,), jnp.float32)})
       return x, h, aux
 
-    return remat.checkpoint(run, policy, scanned=False)(state, hidden, embedded)
+    return remat.checkpoint(run, policy, scanned=False)(state, hidden, embedded, taken)
 
   def init_cache(self, batch: int, length: int) -> list:
     """An empty KV cache of `length` positions for `batch` rows: per segment (k, v) [blocks, block_size, B,

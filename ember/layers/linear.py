@@ -7,6 +7,7 @@ the names of the quantized residuals.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -47,47 +48,52 @@ class QuantState(nnx.Variable):
   """
 
 
-class KernelAmax(nnx.Variable):
-  """A projection's max|kernel| (per layer where kernels are stacked), taken once for the micro-batches of a step
-  (`kernel_amaxes`) and set on the model each micro-batch runs (`use_kernel_amaxes`): the kernel's quantizer
-  then skips its own pass over the float32 weights (quant/dot.py's `takes_kernel_amax`). Never train state."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Taken:
+  """What a projection is handed for one step besides its input and key (`Linear.__call__`'s `taken`): its
+  kernel's max|kernel|, taken once for the micro-batches of a step (`kernel_amaxes`), so that the kernel's quantizer
+  skips its own pass over the float32 weights (quant/dot.py's `takes_kernel_amax`); and in unrolled layers the
+  stacked kernels [L, ...] its kernel is row `index` of (`stacked_kernels`), so that its kernel cast reads the
+  layer's kernel where it lies (quant/core.py's `KernelRow`). Each module hands its children their own
+  (`handed`), keyed by their path below it; the scan over stacked layers hands each layer its row."""
+  amax: jax.Array | None = None
+  stacked: jax.Array | None = None
+  index: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def kernel_amaxes(model: nnx.Module) -> dict:
-  """{path: max|kernel|} of every projection of `model` whose recipe takes a kernel's amax in a pass of its own."""
+  """{path: Taken(max|kernel|)} of every projection of `model` whose recipe takes a kernel's amax in a pass of its
+  own (one amax per layer where kernels are stacked)."""
   out = {}
   for path, m in nnx.iter_graph(model):
     if isinstance(m, Linear) and (amax := m.kernel_amax()) is not None:
-      out[path] = amax
+      out[tuple(path)] = Taken(amax)
   return out
-
-
-def use_kernel_amaxes(model: nnx.Module, amaxes: dict) -> None:
-  """Gives each projection of `model` its amax from `kernel_amaxes` of a model of the same graph."""
-  for path, m in nnx.iter_graph(model):
-    if path in amaxes:
-      m.taken_kernel_amax = KernelAmax(amaxes[path])
-
-
-class StackedKernel(nnx.Variable):
-  """A projection's stacked kernels [L, ...] (one per layer of unrolled layers), set on each layer's projection
-  with its row index (`use_stacked_kernels`): its kernel cast then reads the layer's kernel where it lies
-  (quant/core.py's `KernelRow`). Never train state."""
 
 
 def stacked_kernels(blocks: nnx.Module) -> dict:
   """{path: stacked kernel} of the projections of stacked `blocks` whose kernel cast can read a layer's kernel
   where it lies (quant/dot.py's `reads_kernel_in_place`)."""
-  return {path: m.kernel[...] for path, m in nnx.iter_graph(blocks)
-          if isinstance(m, Linear) and dot.reads_kernel_in_place(m.recipe, hasattr(m, "quant_stats"))}
+  return {tuple(path): m.kernel[...] for path, m in nnx.iter_graph(blocks)
+          if isinstance(m, Linear) and dot.reads_kernel_in_place(m.recipe, m.quant_stats is not None)}
 
 
-def use_stacked_kernels(block: nnx.Module, stacked: dict, index: int) -> None:
-  """Gives each projection of `block` (row `index` of the stacked blocks `stacked_kernels` read) its stacked
-  kernels and its row of them."""
-  for path, m in nnx.iter_graph(block):
-    if path in stacked:
-      m.stacked_kernel, m.stacked_index = StackedKernel(stacked[path]), index
+def row_taken(taken: dict | None, stacked: dict, index: int) -> dict:
+  """What each projection of stacked layer `index` is handed: its row of `taken`'s amaxes, and the stacked kernels
+  (`stacked_kernels`) with the row's index."""
+  taken = taken or {}
+  return {path: Taken(None if path not in taken else taken[path].amax[index], stacked.get(path),
+                      index if path in stacked else None) for path in set(taken) | set(stacked)}
+
+
+def handed(taken: dict | None, *names) -> dict | None:
+  """The part of `taken` ({path: Taken}) for the child at `names` below the module that holds it, keyed by the
+  path below that child; None where nothing is handed."""
+  if not taken:
+    return None
+  n = len(names)
+  return {path[n:]: t for path, t in taken.items() if path[:n] == names} or None
 
 
 def projection_key(key: jax.Array | None, name: str) -> jax.Array | None:
@@ -114,17 +120,18 @@ class Linear(nnx.Module):
     self.name, self.dtype, self.recipe, self.axes = name, dtype, recipe, tuple(axes)
     if recipe.delayed:
       self.amax_history = QuantState(jnp.zeros((3, recipe.amax_history_len), jnp.float32), out_sharding=(None, None))
-    if recipe.quantized and recipe.stats:
-      self.quant_stats = QuantStats(jnp.zeros((3, health.NUM_STATS), jnp.float32), out_sharding=(None, None))
+    self.quant_stats = QuantStats(jnp.zeros((3, health.NUM_STATS), jnp.float32), out_sharding=(None, None)) \
+        if recipe.quantized and recipe.stats else None
     self.output_error = output_error_input(recipe)
 
-  def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, key: jax.Array | None = None, taken: dict | None = None) -> jax.Array:
+    """`taken`: what the step hands this projection ({(): Taken}, `handed` by its module), or None."""
     k, n = math.prod(self.in_shape), math.prod(self.out_shape)
+    mine = (taken or {}).get((), Taken())
     lead = x.shape[: x.ndim - len(self.in_shape)]
     history = self.amax_history[...] if self.recipe.delayed else None
-    stats = self.quant_stats[...] if hasattr(self, "quant_stats") else None
+    stats = None if self.quant_stats is None else self.quant_stats[...]
     error = None if self.output_error is None else self.output_error[...]
-    amax = self.taken_kernel_amax[...] if hasattr(self, "taken_kernel_amax") else None
     row = None
     order = self._out_order()
     permuted = order != tuple(range(len(order)))
@@ -132,11 +139,11 @@ class Linear(nnx.Module):
     if permuted:
       n_in = len(self.in_shape)
       kernel = jnp.transpose(kernel, tuple(range(n_in)) + tuple(n_in + i for i in order))
-    if hasattr(self, "stacked_kernel") and not permuted:
-      row = dot.KernelRow(self.stacked_kernel[...].reshape(-1, k, n), self.stacked_index)
+    if mine.stacked is not None and not permuted:
+      row = dot.KernelRow(mine.stacked.reshape(-1, k, n), mine.index)
     y = dot.quantized_matmul(x.reshape(-1, k), kernel.reshape(k, n), recipe=self.recipe, name=self.name,
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
-                             error=error, kernel_amax=amax, wgrad_transposed=self._reduced_along_output(),
+                             error=error, kernel_amax=mine.amax, wgrad_transposed=self._reduced_along_output(),
                              row_axes=self._row_axes() if len(lead) == 2 else (), kernel_row=row,
                              kernel_sharding=self._gemm_kernel_sharding(order))
     if not permuted:
@@ -191,7 +198,7 @@ class Linear(nnx.Module):
   def kernel_amax(self) -> jax.Array | None:
     """max|kernel| as `__call__`'s quantizer takes it (one per layer of a stacked kernel), or None where that is
     no pass of its own (quant/dot.py's `takes_kernel_amax`)."""
-    if not dot.takes_kernel_amax(self.recipe, hasattr(self, "quant_stats")):
+    if not dot.takes_kernel_amax(self.recipe, self.quant_stats is not None):
       return None
     kernel = self.kernel[...]
     amax = dot.kernel_amax

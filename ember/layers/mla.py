@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
 from ember.layers.attention import attend, attention_bias, write_cache
-from ember.layers.linear import Linear
+from ember.layers.linear import Linear, handed
 from ember.layers.norm import RMSNorm
 from ember.layers.rope import apply_rope
 from ember.config.model import ModelConfig
@@ -52,9 +52,9 @@ class LatentAttention(nnx.Module):
                                                         recipe=recipe.for_projection(name, layer, model.num_layers),
                                                         **{**common, **kw})
     norm = lambda dim: RMSNorm(dim, eps=LATENT_NORM_EPS, dtype=model.dtype, param_dtype=model.param_dtype)
-    if model.q_lora_rank:
-      self.q_a = linear("q_a", (d,), (model.q_lora_rank,), (EMBED, None))
-      self.q_a_norm = norm(model.q_lora_rank)
+    # The queries' own latent; None: queries straight from x.
+    self.q_a, self.q_a_norm = (linear("q_a", (d,), (model.q_lora_rank,), (EMBED, None)), norm(model.q_lora_rank)) \
+        if model.q_lora_rank else (None, None)
     q_in = model.q_lora_rank or d
     self.q_b = linear("q_b", (q_in,), (n, qk), (EMBED, HEADS, HEAD_DIM))
     self.kv_a = linear("kv_a", (d,), (self.kv_rank + self.rope,), (EMBED, None))
@@ -62,26 +62,30 @@ class LatentAttention(nnx.Module):
     self.kv_b = linear("kv_b", (self.kv_rank,), (n, self.nope + self.v_dim), (EMBED, HEADS, HEAD_DIM))
     self.out = linear("out", (n, self.v_dim), (d,), (HEADS, HEAD_DIM, EMBED), init_std=model.out_init_std)
 
-  def _queries(self, x_BxLxD, positions_BxL, key):
+  def _queries(self, x_BxLxD, positions_BxL, key, taken=None):
     """Queries [B, L, N, nope + rope], the RoPE part rotated."""
-    if hasattr(self, "q_a"):
-      latent = checkpoint_name(shard(self.q_a(x_BxLxD, key), (BATCH, LENGTH, None)), remat.MLA_Q_LATENT)
+    if self.q_a is not None:
+      latent = self.q_a(x_BxLxD, key, handed(taken, "q_a"))
+      latent = checkpoint_name(shard(latent, (BATCH, LENGTH, None)), remat.MLA_Q_LATENT)
       x_BxLxD = self.q_a_norm(latent)
-    q = checkpoint_name(shard(self.q_b(x_BxLxD, key), (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY)
+    q = self.q_b(x_BxLxD, key, handed(taken, "q_b"))
+    q = checkpoint_name(shard(q, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY)
     return jnp.concatenate([q[..., :self.nope], apply_rope(q[..., self.nope:], positions_BxL, self.rope_theta)], -1)
 
-  def _latent(self, x_BxLxD, positions_BxL, key):
+  def _latent(self, x_BxLxD, positions_BxL, key, taken=None):
     """(the normed latent [B, L, kv_lora_rank], the rotated RoPE key [B, L, rope]): what sampling caches."""
-    kv = checkpoint_name(shard(self.kv_a(x_BxLxD, key), (BATCH, LENGTH, None)), remat.MLA_KV_LATENT)
+    kv = self.kv_a(x_BxLxD, key, handed(taken, "kv_a"))
+    kv = checkpoint_name(shard(kv, (BATCH, LENGTH, None)), remat.MLA_KV_LATENT)
     latent, k_rope = kv[..., :self.kv_rank], kv[..., self.kv_rank:]
     k_rope = apply_rope(k_rope[:, :, None, :], positions_BxL, self.rope_theta)[:, :, 0]
     return self.kv_a_norm(latent), k_rope
 
-  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None):
-    """`bias`: `attention_bias(segment_ids_BxL)` if the caller made it already (the decoder does, once a step)."""
-    q_BxLxNxQ = self._queries(x_BxLxD, positions_BxL, key)
-    latent_BxLxC, k_rope_BxLxR = self._latent(x_BxLxD, positions_BxL, key)
-    kv = self.kv_b(latent_BxLxC, key)  # [B, L, N, nope + v]
+  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None, taken=None):
+    """`bias`: `attention_bias(segment_ids_BxL)` if the caller made it already (the decoder does, once a step);
+    `taken`: what the step hands the projections (layers/linear.py's `Taken`, by path), or None."""
+    q_BxLxNxQ = self._queries(x_BxLxD, positions_BxL, key, taken)
+    latent_BxLxC, k_rope_BxLxR = self._latent(x_BxLxD, positions_BxL, key, taken)
+    kv = self.kv_b(latent_BxLxC, key, handed(taken, "kv_b"))  # [B, L, N, nope + v]
     k_nope = checkpoint_name(shard(kv[..., :self.nope], (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), remat.KEY)
     v_BxLxNxV = checkpoint_name(shard(kv[..., self.nope:], (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), remat.VALUE)
     k_rope = jnp.broadcast_to(k_rope_BxLxR[:, :, None, :], (*k_nope.shape[:3], self.rope))
@@ -96,7 +100,7 @@ class LatentAttention(nnx.Module):
       bias = attention_bias(segment_ids_BxL, q_BxLxNxQ.dtype)
     ctx = attend(q_BxLxNxQ, k_BxLxNxQ, v_padded, bias, self.implementation)[..., :self.v_dim]
     ctx_BxLxNxV = checkpoint_name(shard(ctx, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTENTION_CONTEXT)
-    y_BxLxD = self.out(ctx_BxLxNxV, key)
+    y_BxLxD = self.out(ctx_BxLxNxV, key, handed(taken, "out"))
     return checkpoint_name(shard(y_BxLxD, (BATCH, LENGTH, EMBED)), remat.OUT_PROJ)
 
   def decode(self, x_BxTxD, positions_BxT, cache):

@@ -7,7 +7,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
-from ember.layers.linear import Linear
+from ember.layers.linear import Linear, handed
 from ember.config.model import ModelConfig
 from ember.quant.recipe import Recipe
 from ember.names import BATCH, EMBED, GATE, LENGTH, MLP as MLP_AXIS
@@ -25,10 +25,12 @@ class MLP(nnx.Module):
     self.wo = Linear((d_ff,), (model.d_model,), (MLP_AXIS, EMBED), name=wo, recipe=recipe_of(wo),
                      init_std=model.out_init_std, **common)
 
-  def __call__(self, x_BxLxD, key=None):
+  def __call__(self, x_BxLxD, key=None, taken=None):
+    """`taken`: what the step hands the projections (layers/linear.py's `Taken`, by path), or None."""
     # The projection's output is saved whole (remat.MLP_WI): saved apart, each half would be a copy of it.
-    h_BxLx2xF = checkpoint_name(shard(self.wi(x_BxLxD, key), (BATCH, LENGTH, GATE, MLP_AXIS)), remat.MLP_WI)
+    h_BxLx2xF = self.wi(x_BxLxD, key, handed(taken, "wi"))
+    h_BxLx2xF = checkpoint_name(shard(h_BxLx2xF, (BATCH, LENGTH, GATE, MLP_AXIS)), remat.MLP_WI)
     gate_BxLxF = shard(h_BxLx2xF[:, :, 0], (BATCH, LENGTH, MLP_AXIS))
     up_BxLxF = shard(h_BxLx2xF[:, :, 1], (BATCH, LENGTH, MLP_AXIS))
-    y_BxLxD = self.wo(jax.nn.silu(gate_BxLxF) * up_BxLxF, key)
+    y_BxLxD = self.wo(jax.nn.silu(gate_BxLxF) * up_BxLxF, key, handed(taken, "wo"))
     return checkpoint_name(shard(y_BxLxD, (BATCH, LENGTH, EMBED)), remat.MLP_WO)

@@ -40,7 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from ember import remat
-from ember.layers.linear import QuantState, QuantStats, output_error_input, projection_key
+from ember.layers.linear import QuantState, QuantStats, handed, output_error_input, projection_key
 from ember.layers import moe_dispatch
 from ember.layers.mlp import MLP
 from ember.config.model import ModelConfig
@@ -85,8 +85,9 @@ class ExpertKernel(nnx.Module):
     if self.recipe.delayed:
       self.amax_history = QuantState(jnp.zeros((shape[0] + 2, self.recipe.amax_history_len), F32),
                                      out_sharding=(None, None))
-    if self.recipe.quantized and self.recipe.stats:  # The histories' layout, one row of STATS each.
-      self.quant_stats = QuantStats(jnp.zeros((shape[0] + 2, health.NUM_STATS), F32), out_sharding=(None, None))
+    # The histories' layout, one row of STATS each.
+    self.quant_stats = QuantStats(jnp.zeros((shape[0] + 2, health.NUM_STATS), F32), out_sharding=(None, None)) \
+        if self.recipe.quantized and self.recipe.stats else None
     self.output_error = output_error_input(self.recipe)
 
   def history(self):
@@ -98,7 +99,7 @@ class ExpertKernel(nnx.Module):
 
   def stats(self):
     """(x [S], kernels [E, S], grad [S]) health-statistics inputs for `grouped_matmul`, or None."""
-    if not hasattr(self, "quant_stats"):
+    if self.quant_stats is None:
       return None
     s = self.quant_stats[...]
     return s[0], s[1:-1], s[-1]
@@ -140,20 +141,22 @@ class MoE(nnx.Module):
     self.router_bias = RouterBias(jnp.zeros((e,), F32), out_sharding=(None,)) if model.router_bias_update_rate \
         else None
 
-  def __call__(self, x_BxLxD, segment_ids_BxL, key=None):
+  def __call__(self, x_BxLxD, segment_ids_BxL, key=None, plan: moe_dispatch.Plan | None = None, taken=None):
     """(y [B, L, D], aux): aux holds names.AUX_KEYS as float32 scalars and MOE_EXPERT_LOADS, the copies routed
-    to each expert [experts]."""
+    to each expert [experts]. `plan`: what the layer runs, as its step decided it (trainer/step.py's `moe_plan`);
+    without one (sampling, a layer called alone) the plan of this batch on the active mesh. `taken`: what the step
+    hands the shared experts' projections (layers/linear.py's `Taken`, by path), or None."""
     keys = None if key is None else (projection_key(key, "moe_wi"), projection_key(key, "moe_wo"))
     histories = (self.wi.history(), self.wo.history())
     stats = (self.wi.stats(), self.wo.stats())
     errors = (self.wi.error(), self.wo.error())
-    plan = moe_dispatch.plan_in_use(self.model, sharding.active_mesh(), sharding.active_rules(),
-                                    batch=x_BxLxD.shape[:2])
+    if plan is None:
+      plan = moe_dispatch.plan(self.model, sharding.active_mesh(), sharding.active_rules(), batch=x_BxLxD.shape[:2])
     bias = None if self.router_bias is None else self.router_bias[...]
     y_BxLxD, aux = moe_ffn(x_BxLxD, segment_ids_BxL, self.router[...], self.wi.kernel[...], self.wo.kernel[...],
                            histories, keys, self.options, plan, stats, bias, errors)
     if self.shared is not None:
-      y_BxLxD = y_BxLxD + self.shared(x_BxLxD, key)
+      y_BxLxD = y_BxLxD + self.shared(x_BxLxD, key, handed(taken, "shared"))
     return sharding.shard(y_BxLxD, (BATCH, LENGTH, EMBED)), aux
 
 

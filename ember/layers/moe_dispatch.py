@@ -41,8 +41,6 @@ so its gradient (a scatter-add) never adds two values into one row: deterministi
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -88,7 +86,8 @@ def expert_axes(mesh, rules: dict) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What an MoE layer runs for one token shard on a mesh, decided once (`plan`): the one answer the layer, the
-  run's log line and the compile report read. The train step decides it at its jit boundary (`planned`)."""
+  run's log line and the compile report read. A step decides it where it is jitted (trainer/step.py's
+  `moe_plan`) and hands it down the model's call to each MoE layer."""
   exchange: str  # local | allgather | alltoall | ragged
   expert_gemm: str  # ragged_dot | capacity
   expert_axes: tuple[str, ...]  # The mesh axes the experts are split over.
@@ -131,29 +130,6 @@ def plan(model, mesh, rules: dict, *, batch: tuple[int, int], platform: str | No
   slots = slot_rows(tokens=t, k=k, num_experts=e, n=n, capacity=capacity, buffer=model.moe_expert_buffer,
                     rows=rows) if gemm == CAPACITY else 0
   return Plan(exchange, gemm, axes, n, num_local, t, capacity, buffer, rows, slots)
-
-
-_PLANNED: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("ember_moe_plan", default=None)
-
-
-@contextlib.contextmanager
-def planned(p: Plan | None):
-  """The MoE layers traced inside run plan `p` (the train and eval steps set it where they are jitted)."""
-  token = _PLANNED.set(p)
-  try:
-    yield
-  finally:
-    _PLANNED.reset(token)
-
-
-def plan_in_use(model, mesh, rules: dict, *, batch: tuple[int, int]) -> Plan:
-  """The plan an MoE layer runs: the one its step decided (`planned`), or outside a step (generation) the plan
-  of its own batch. A decided plan for other shapes is an error, not a silent second layout."""
-  here = plan(model, mesh, rules, batch=batch)
-  decided = _PLANNED.get()
-  if decided is not None and decided != here:
-    raise ValueError(f"the step planned MoE layers for {decided}, but a layer runs {here}")
-  return decided or here
 
 
 def slot_rows(*, tokens: int, k: int, num_experts: int, n: int, capacity: int | None, buffer: float,

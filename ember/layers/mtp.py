@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ember.layers.linear import Linear
+from ember.layers.linear import Linear, handed
 from ember.layers.norm import RMSNorm
 from ember.config.model import ModelConfig
 from ember.quant.recipe import Recipe
@@ -42,10 +42,13 @@ class PredictionModule(nnx.Module):
                        dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
     self.layer = make_layer(model, recipe, layer, rngs)
 
-  def __call__(self, hidden_BxLxD, embedded_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None):
-    """(this depth's hidden state for the next depth, it normed for the LM head, the layer's aux)."""
+  def __call__(self, hidden_BxLxD, embedded_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None,
+               moe_plan=None, taken=None):
+    """(this depth's hidden state for the next depth, it normed for the LM head, the layer's aux). `moe_plan`, `taken`:
+    what the step hands its MoE layer and its projections (the decoder layer's)."""
     joined = jnp.concatenate([self.embed_norm(embedded_BxLxD), self.hidden_norm(hidden_BxLxD)], axis=-1)
-    x_BxLxD, aux = self.layer(self.proj(joined, key), segment_ids_BxL, positions_BxL, key, bias)
+    x_BxLxD, aux = self.layer(self.proj(joined, key, handed(taken, "proj")), segment_ids_BxL, positions_BxL, key,
+                              bias, moe_plan, handed(taken, "layer"))
     return x_BxLxD, self.out_norm(x_BxLxD), aux
 
 

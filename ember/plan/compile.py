@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from ember import config as config_lib
 from ember.config import Settings
 from ember import hardware
+from ember.layers import moe_dispatch
 from ember.parallel import axes, pipeline
 from ember.parallel.mesh import make_mesh
 from ember.plan import auto_remat, cost, hlo, predict
@@ -59,7 +60,8 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
     options = compiler_options(target)
     cfg = auto_remat.resolve(cfg, mesh, compiler_options=options)
     tx, schedule = make_optimizer(cfg)
-    traced = step_plan.trace_train_step(cfg, mesh, tx, schedule, cfg.remat.preset)
+    plan = step_lib.moe_plan(cfg, mesh, cfg.train.micro_batch_size)  # Traced with and reported.
+    traced = step_plan.trace_train_step(cfg, mesh, tx, schedule, cfg.remat.preset, plan)
     t0 = time.perf_counter()
     compiled = traced.lower().compile(compiler_options=options)
     compile_s = time.perf_counter() - t0
@@ -95,7 +97,7 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
   report.update(cost.step_cost(program, machine=m, **per_device))
   report.update(predict.predicted_step(program, m, **per_device))
   if cfg.model.num_experts:
-    report["moe"] = moe_figures(cfg, mesh, target, program)
+    report["moe"] = moe_figures(plan, program)
   if pipeline.stages(mesh) > 1:
     report["pipeline"] = pipeline_figures(cfg, mesh, report)
     report["pipeline_bubble_fraction"] = report["pipeline"]["bubble_fraction"]
@@ -132,11 +134,9 @@ def machine(target: Target, mesh) -> cost.Machine | None:
   return cost.Machine(target.facts, target.hbm_bytes_per_s, nodes, hardware.rates(target.gpu))
 
 
-def moe_figures(cfg: Settings, mesh, target: Target, program: hlo.Program) -> dict:
-  """The token exchange of an MoE step: the dispatcher that runs, and the expert GEMMs' rows per device and
-  FLOPs read from the compiled program, with the largest per-expert copy of the routed rows."""
-  with targeting(target):  # The platform the step was traced for.
-    p = step_lib.moe_plan(cfg, mesh, cfg.train.micro_batch_size)  # The plan the step was traced with.
+def moe_figures(p: moe_dispatch.Plan, program: hlo.Program) -> dict:
+  """The token exchange of an MoE step traced with plan `p`: the dispatcher that runs, and the expert GEMMs' rows
+  per device and FLOPs read from the compiled program, with the largest per-expert copy of the routed rows."""
   gemms = cost.expert_gemms(program)
   copy = cost.largest_expert_copy(program, local_experts=p.num_local, rows=gemms["gemm_rows_per_rank"])
   return {"dispatch": p.exchange, "expert_gemm": p.expert_gemm, "expert_parallel": p.expert_parallel,

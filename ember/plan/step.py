@@ -30,14 +30,15 @@ def abstract_batch(cfg: Settings, mesh) -> tuple[dict, NamedSharding]:
   return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}, sharding
 
 
-def trace_train_step(cfg: Settings, mesh, tx, schedule, preset: remat.Preset):
+def trace_train_step(cfg: Settings, mesh, tx, schedule, preset: remat.Preset, plan=None):
   """The real train step (`trainer.step.train_step`, policy overridden), jitted as the loop jits it
-  and traced on abstract sharded inputs: `.jaxpr`, `.lower()`, `.lower(lowering_platforms=...)`."""
+  and traced on abstract sharded inputs: `.jaxpr`, `.lower()`, `.lower(lowering_platforms=...)`. `plan`: the MoE
+  plan it runs, where the caller reports it (default: `trainer.step.moe_plan`'s)."""
   with use_rules(mesh, cfg.mesh.rules):
     graphdef, shardings, abstract = state_shardings(cfg, mesh, tx)
     batch, _ = abstract_batch(cfg, mesh)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, policy=preset)
+    step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, policy=preset, plan=plan)
     return step.trace(abstract, batch)
 
 

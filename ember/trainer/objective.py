@@ -13,7 +13,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import remat
 from ember.config import Settings
-from ember.layers import linear
 from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
                          MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS,
@@ -37,19 +36,18 @@ def merged_model(graphdef, params, quant_state, stats=None):
 
 def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg: Settings, key,
                  policy: remat.Preset = remat.PRESETS["none"], count=None, micro_batches: int = 1,
-                 kernel_amaxes: dict | None = None):
+                 kernel_amaxes: dict | None = None, moe_plan=None):
   """(total loss, metrics) for one batch: next-token CE + z-loss (+ the MoE auxiliary losses of MoE models).
   `stats`: the health-statistics inputs (state.stats_inputs) when log.quant_stats_every > 0; `policy`: the
   remat preset the layers run under. `count`, `micro_batches`: the batch is one of `micro_batches` of a step
   whose weighted tokens number `count`; its CE and z-loss are divided by the step's tokens and its MoE
   auxiliary losses by `micro_batches`, so the step's losses, metrics and gradients are sums over its
   micro-batches (`train_step`). `kernel_amaxes`: the projections' max|kernel| taken ahead (`linear.kernel_amaxes`
-  of this model), or None."""
+  of this model), or None; `moe_plan`: what the MoE layers run (trainer/step.py's `moe_plan`)."""
   model = merged_model(graphdef, params, quant_state, stats)
-  if kernel_amaxes:
-    linear.use_kernel_amaxes(model, kernel_amaxes)
   inputs, segment_ids, positions, targets = _batch_views(batch)
-  hidden, aux, predictions = model.with_predictions(inputs, segment_ids, positions, targets, key=key, policy=policy)
+  hidden, aux, predictions = model.with_predictions(inputs, segment_ids, positions, targets, key=key, policy=policy,
+                                                    moe_plan=moe_plan, taken=kernel_amaxes)
   weights = (segment_ids > 0).astype(jnp.float32)
   head = model.head_parts()
   total, ce, z = cross_entropy(hidden, targets, weights, head, key=key, chunk_size=cfg.train.loss_chunk_size,

@@ -22,18 +22,18 @@ from ember.trainer.perf import compiled_peak_bytes
 from ember.trainer.state import state_shardings
 
 
-def compile_step(step_fn, state, batch, cfg: Settings, mesh):
-  """The train step compiled ahead of time for these arguments (logged with its memory estimate)."""
+def compile_step(step_fn, state, batch, cfg: Settings, mesh, plan: moe_dispatch.Plan | None = None):
+  """The train step compiled ahead of time for these arguments (logged with its memory estimate and `plan`, the
+  MoE plan it was jitted with)."""
   console("compiling the train step")
   t0 = time.time()
   compiled = step_fn.lower(state, batch).compile()
   peak = compiled_peak_bytes(compiled)
   memory = "no memory analysis" if peak is None else f"compiled peak {peak / 2**30:.2f} GiB/device"
   moe = ""
-  p = step_lib.moe_plan(cfg, mesh, cfg.train.micro_batch_size)
-  if p is not None:
-    slots = f" ({p.slots} rows a slot)" if p.expert_gemm == moe_dispatch.CAPACITY else ""
-    moe = f", MoE dispatch {p.exchange}, expert GEMMs {p.expert_gemm}{slots}, {p.rows} rows a device"
+  if plan is not None:
+    slots = f" ({plan.slots} rows a slot)" if plan.expert_gemm == moe_dispatch.CAPACITY else ""
+    moe = f", MoE dispatch {plan.exchange}, expert GEMMs {plan.expert_gemm}{slots}, {plan.rows} rows a device"
   if cfg.data.source != "synthetic":  # The first batch is read by now: the data and its tokenizer work.
     console(f"tokenizer {cfg.data.tokenizer}: vocabulary {build_tokenizer(cfg.data).vocab_size} "
             f"(model.vocab_size {cfg.model.vocab_size})")
@@ -72,8 +72,9 @@ class Phase:
     if index != self.index:
       state = precision.carry(state, self.cfg, cfg, abstract, shardings)
       console(f"precision schedule: {self.phases.describe(index)} from step {step + 1}")
-    phase.compiled = compile_step(step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings),
-                              state, batch, cfg, self.mesh)
+    plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.micro_batch_size)  # Decided once: jitted with and logged.
+    step_fn = step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings, plan=plan)
+    phase.compiled = compile_step(step_fn, state, batch, cfg, self.mesh, plan)
     eval_plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.batch_size)
     phase.eval_fn = jax.jit(functools.partial(step_lib.eval_step, graphdef=graphdef, cfg=cfg, moe_plan=eval_plan),
                             in_shardings=(shardings, self.batch_sharding))

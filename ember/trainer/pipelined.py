@@ -48,7 +48,7 @@ def stage_spec(path) -> P:
 
 
 def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Preset, mesh: Mesh, batch_shards: int,
-          replicas: tuple[str, ...] = (), param_specs=None):
+          replicas: tuple[str, ...] = (), param_specs=None, moe_plan=None):
   """(metrics, (gradients, new quant state[, health statistics])) of one step over `train.grad_accum_steps`
   micro-batches in the pipeline: what the micro-batch loop (trainer/step.py's `_accumulate`) returns, with
   micro-batch i's stochastic rounding drawn from fold_in(key, i) as there.
@@ -56,7 +56,8 @@ def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Pr
   Over data- or expert-parallel `replicas` (step.replica_axes) the map is manual too: each replica runs the
   pipeline on its own rows (its keys folded with its index, as step.py's `_over_replicas`) and the gradients
   are reduced across the replicas once a step, in train.grad_reduce_dtype, not in every tick. `param_specs`:
-  each parameter's spec over the replicas (an expert weight split over `expert` stays split)."""
+  each parameter's spec over the replicas (an expert weight split over `expert` stays split); `moe_plan`: what the
+  MoE layers run (trainer/step.py's `moe_plan`)."""
   accum = cfg.train.grad_accum_steps
   count = token_count(batch[SEGMENT_IDS] > 0)
   micro = jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch)
@@ -83,13 +84,13 @@ def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Pr
       keys_ = jax.vmap(lambda k: jax.random.fold_in(k, jax.lax.axis_index(replicas)))(keys_)
     if run is _loss:
       return _loss(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg, policy=policy,
-                   stages=stages, once=once)
+                   stages=stages, once=once, moe_plan=moe_plan)
     # Interleaved chunks: each stage's chunks moved to it for the schedule, the results moved back.
     chunks = lambda inverse: lambda tree: _map_stage_rows(
         lambda a: pipeline.to_chunks(a, stages, virtual, inverse=inverse), tree)
     params, quant_state, stats_ = map(chunks(False), (params, quant_state, stats_))
     metrics, *outs = _one_f_one_b(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg,
-                                  policy=policy, stages=stages, virtual=virtual)
+                                  policy=policy, stages=stages, virtual=virtual, moe_plan=moe_plan)
     outs = tuple(map(chunks(True), outs))
     outs = (summed_over_replicas(outs[0], replicas, param_specs, reduce_dtype), *outs[1:])
     return metrics, outs if with_stats else outs[:2]
@@ -120,7 +121,7 @@ def _once_per_stage(tree, once: tuple[str, ...]):
 
 
 def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Settings, policy: remat.Preset, stages: int,
-          once: tuple[str, ...] = (PIPELINE,)):
+          once: tuple[str, ...] = (PIPELINE,), moe_plan=None):
   """Inside the map over `pipeline`: (total loss, metrics) of the step, the same on every stage."""
   m = keys.shape[0]
   t_T = jnp.arange(pipeline.loop_length(m, stages, "gpipe"))
@@ -142,13 +143,12 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
     received, aux = carry
     t, quant, stat, valid = xs
     layers = merged_model(graphdef, params, quant, stat)
-    if kernel_amaxes:
-      linear.use_kernel_amaxes(layers, kernel_amaxes)
     i = jnp.clip(t - stage, 0, m - 1)
     x = jnp.where(stage == 0, layers.embed(inputs[i]), received)
     segs = jnp.where(valid, segment_ids[i], 0)  # Nothing to run: padding, which the layers map to zeros.
     y, a, per_layer = layers.segments[0](x, segs, positions[i], keys[i], policy, attention_bias(segs, x.dtype),
-                                         block_ids=block_ids)
+                                         block_ids=block_ids, moe_plan=moe_plan,
+                                         taken=linear.handed(kernel_amaxes, "segments", 0))
     keep = lambda v: jnp.where(valid, v, jnp.zeros_like(v))
     y = shard(keep(y), ACTIVATION)
     aux = jax.tree.map(lambda acc, v: acc + keep(v).astype(F32), aux,
@@ -157,7 +157,8 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
 
   x0 = jax.eval_shape(model.embed, inputs[0])
   _, a0, l0 = jax.eval_shape(lambda x: segment(x, segment_ids[0], positions[0], None, policy,
-                                               attention_bias(segment_ids[0], x.dtype), block_ids=block_ids),
+                                               attention_bias(segment_ids[0], x.dtype), block_ids=block_ids,
+                                               moe_plan=moe_plan),
                              x0)
   zeros = lambda s: jnp.zeros(s.shape, F32)
   aux0 = {**jax.tree.map(zeros, a0), **{k + BY_LAYER: zeros(v) for k, v in l0.items()}}
@@ -205,7 +206,7 @@ def _terms_over_stages(losses, aux: dict, cfg: Settings, micro_batches: int, sta
 
 
 def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Settings, policy: remat.Preset,
-                 stages: int, virtual: int):
+                 stages: int, virtual: int, moe_plan=None):
   """Inside the map over `pipeline`, the 1F1B schedules (V = `virtual` chunks a stage: interleaved 1F1B where V > 1):
   (metrics, parameter gradients, new quant state, health statistics), the gradients taken here, one micro-batch's
   chunk at a time, instead of by autodiff of a loop.
@@ -235,16 +236,15 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     """Chunk v's (train state, kernel amaxes): the stage's rows v * rows .. (v + 1) * rows of the stacked layers."""
     cut = lambda a: jax.lax.dynamic_slice_in_dim(a, v * rows, rows)
     state = tuple(_map_stage_rows(cut, t) for t in train)
-    return state, {p: cut(a) if p[0] == "segments" else a for p, a in kernel_amaxes.items()}
+    return state, {p: jax.tree.map(cut, t) if p[0] == "segments" else t for p, t in kernel_amaxes.items()}
 
   def forward(state, amaxes, x_received, f, v):
     model = merged_model(graphdef, *state)
-    if amaxes:
-      linear.use_kernel_amaxes(model, amaxes)
     x = jnp.where((stage == 0) & (v == 0), model.embed(inputs[f]), x_received)
     block_ids = jax.lax.dynamic_slice_in_dim(all_block_ids, (v * stages + stage) * rows, rows)
     y, a, per_layer = model.segments[0](x, segment_ids[f], positions[f], keys[f], policy,
-                                        attention_bias(segment_ids[f], x.dtype), block_ids=block_ids)
+                                        attention_bias(segment_ids[f], x.dtype), block_ids=block_ids,
+                                        moe_plan=moe_plan, taken=linear.handed(amaxes, "segments", 0))
     return shard(y, ACTIVATION), {**a, **{k + BY_LAYER: v_ for k, v_ in per_layer.items()}}
 
   def run_forward(x, f, v):

@@ -7,7 +7,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import remat
@@ -40,16 +39,9 @@ def train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedul
   log.quant_stats_every > 0 the projections' health statistics as the stats inputs' (metrics["quant_stats"]).
   With train.grad_accum_steps > 1 the batch runs as that many micro-batches (`_accumulate`); `batch_shards`:
   the devices the batch's rows are sharded over; `moe_plan`: what the MoE layers run (`moe_plan`)."""
-  with moe_dispatch.planned(moe_plan):
-    return _train_step(state, batch, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy,
-                       batch_shards=batch_shards)
-
-
-def _train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedule, policy: remat.Preset,
-                batch_shards: int):
   key = step_key(cfg.seed, state.step)
   with_stats = bool(cfg.log.quant_stats_every)
-  loss_fn = functools.partial(forward_loss, graphdef=graphdef, cfg=cfg, policy=policy)
+  loss_fn = functools.partial(forward_loss, graphdef=graphdef, cfg=cfg, policy=policy, moe_plan=moe_plan)
   grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 3) if with_stats else (0, 1), has_aux=True)
   stats = stats_inputs(cfg) if with_stats else None
   accum = cfg.train.grad_accum_steps
@@ -58,7 +50,7 @@ def _train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedu
     replicas = replica_axes(cfg, mesh, target_platform())
     metrics, outs = pipelined.grads(state, batch, stats, key, graphdef=graphdef, cfg=cfg, policy=policy, mesh=mesh,
                                     batch_shards=batch_shards, replicas=replicas,
-                                    param_specs=_param_specs(cfg, mesh, replicas))
+                                    param_specs=_param_specs(cfg, mesh, replicas), moe_plan=moe_plan)
   elif accum == 1:
     (_, metrics), outs = grad_fn(state.params, state.quant_state, batch, stats, key=key)
   else:
@@ -232,16 +224,17 @@ def moe_plan(cfg: Settings, mesh: Mesh, batch_size: int) -> moe_dispatch.Plan | 
 
 
 def jit_train_step(cfg: Settings, mesh: Mesh, graphdef, tx, schedule, shardings, *, policy: remat.Preset | None = None,
-                   donate: bool = True):
+                   donate: bool = True, plan: moe_dispatch.Plan | None = None):
   """`train_step` jitted the one way the loop, the tools and the tests run it: state in and out on
   its shardings, the batch on `batch_sharding`, the old state donated. The remat preset is chosen here:
   `policy`, or the config's (`remat.policy`, resolved; the plan tools pass each preset they compare); and
-  the MoE plan of one micro-batch (`moe_plan`)."""
+  the MoE plan of one micro-batch: `plan`, where the caller decided it to log or report it too, or `moe_plan`."""
   policy = cfg.remat.preset if policy is None else policy
+  plan = moe_plan(cfg, mesh, cfg.train.micro_batch_size) if plan is None else plan
   rows = batch_sharding(cfg, mesh)
   shards = cfg.train.batch_size // rows.shard_shape((cfg.train.batch_size, cfg.model.seq_len))[0]
   step = functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy,
-                           batch_shards=shards, moe_plan=moe_plan(cfg, mesh, cfg.train.micro_batch_size))
+                           batch_shards=shards, moe_plan=plan)
   return jax.jit(step, in_shardings=(shardings, rows), out_shardings=(shardings, None),
                  donate_argnums=0 if donate else ())
 
@@ -250,7 +243,7 @@ def eval_step(state: TrainState, batch, *, graphdef, cfg: Settings, moe_plan: mo
   """Mean next-token loss on a batch, with no quantization noise (no stochastic-rounding key); `moe_plan`: that
   of the whole batch (`moe_plan(cfg, mesh, train.batch_size)`)."""
   stats = stats_inputs(cfg) if cfg.log.quant_stats_every else None
-  with moe_dispatch.planned(moe_plan):
-    _, metrics = forward_loss(state.params, state.quant_state, batch, stats, graphdef=graphdef, cfg=cfg, key=None)
+  _, metrics = forward_loss(state.params, state.quant_state, batch, stats, graphdef=graphdef, cfg=cfg, key=None,
+                            moe_plan=moe_plan)
   return metrics["loss"]
 

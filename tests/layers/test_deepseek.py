@@ -15,7 +15,7 @@ from flax import nnx
 
 from ember import config as config_lib
 from ember import remat
-from ember.layers import moe as moe_lib, moe_dispatch
+from ember.layers import moe as moe_lib
 from ember.layers.moe import Options, route
 from ember.plan import layer as analysis
 from ember.trainer.checkpointing import Checkpointer
@@ -125,8 +125,7 @@ def test_the_preset_routes_within_its_groups_on_eight_devices(monkeypatch):
     plan = moe_plan(cfg, s.mesh, 8)
 
     def loss(params, quant, batch):
-      with moe_dispatch.planned(plan):
-        return forward_loss(params, quant, batch, graphdef=s.graphdef, cfg=cfg, key=None)[0]
+      return forward_loss(params, quant, batch, graphdef=s.graphdef, cfg=cfg, key=None, moe_plan=plan)[0]
 
     jax.block_until_ready(jax.jit(loss)(s.state.params, s.state.quant_state, batch))
   moe_layers = m.num_routed_layers

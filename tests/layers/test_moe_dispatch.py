@@ -91,15 +91,36 @@ def test_plan_reads_the_expert_axes_from_the_rules_and_sizes_every_buffer():
   assert plan(capped, default, "cpu") == P("allgather", "capacity", ("expert",), 2, 4, 256, 64, 0, 512, 128)
 
 
-def test_a_layer_runs_the_plan_its_step_decided_or_says_why_not():
-  """Inside `planned(p)` a layer of the planned shapes runs p; one of other shapes is an error, not a second
-  layout the log line would not name."""
-  import pytest
-  from tests.helpers import settings
-  model = settings("tiny_moe").model
-  decided = moe_dispatch.plan(model, None, {}, batch=(4, 32))
-  with moe_dispatch.planned(decided):
-    assert moe_dispatch.plan_in_use(model, None, {}, batch=(4, 32)) is decided
-    with pytest.raises(ValueError, match="the step planned MoE layers for"):
-      moe_dispatch.plan_in_use(model, None, {}, batch=(2, 32))
-  assert moe_dispatch.plan_in_use(model, None, {}, batch=(2, 32)).tokens == 64  # Outside a step: its own.
+def test_the_step_plans_once_and_its_layers_read_the_plan(monkeypatch):
+  """The train step's MoE plan is decided where it is jitted and handed down: tracing the step (a decoder layer,
+  scanned, and the multi-token-prediction module's unscanned one) plans nothing more. A layer called without a plan
+  (sampling) plans for its own batch."""
+  import jax
+  import jax.numpy as jnp
+  from ember.layers.moe import MoE
+  from ember.plan.step import abstract_batch
+  from ember.trainer.step import jit_train_step, moe_plan
+  from ember.trainer.state import state_shardings
+  from ember.trainer.optimizer import make_optimizer
+  from ember.parallel.sharding import use_rules
+  from flax import nnx
+  from tests.helpers import devices, settings
+  from ember.parallel.mesh import make_mesh
+
+  cfg = settings("tiny_moe", 2, **{"model.mtp_depth": 1, "mesh.expert": 2, "mesh.data": 1})
+  mesh = make_mesh(cfg.mesh, devices(2))
+  tx, schedule = make_optimizer(cfg)
+  with use_rules(mesh, cfg.mesh.rules):
+    graphdef, shardings, abstract = state_shardings(cfg, mesh, tx)
+    decided = moe_plan(cfg, mesh, cfg.train.micro_batch_size)
+    step = jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings, plan=decided)
+    calls = []
+    planner = moe_dispatch.plan
+    monkeypatch.setattr(moe_dispatch, "plan", lambda *a, **k: calls.append(k) or planner(*a, **k))
+    step.trace(abstract, abstract_batch(cfg, mesh)[0])
+    assert calls == []  # Every MoE layer ran `decided`.
+    with nnx.use_eager_sharding(False):
+      layer = MoE(cfg.model, recipe=cfg.quant, layer=1, rngs=nnx.Rngs(params=0))
+    x = jnp.zeros((2, cfg.model.seq_len, cfg.model.d_model), cfg.model.dtype)
+    jax.eval_shape(lambda x: layer(x, jnp.ones(x.shape[:2], jnp.int32)), x)
+  assert [c["batch"] for c in calls] == [(2, cfg.model.seq_len)]  # Unplanned: its own batch's plan.

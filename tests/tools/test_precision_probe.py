@@ -146,7 +146,6 @@ def test_output_errors_are_the_same_under_expert_parallelism(mesh):
   rounds the dequantized operands differently on one device and on a mesh (about 1% of the error itself)."""
   import jax
   import jax.numpy as jnp
-  from ember.layers import moe_dispatch
   from ember.trainer.state import logical_axes, stats_inputs
   from ember.trainer.step import forward_loss, moe_plan
   from tests import helpers
@@ -157,8 +156,10 @@ def test_output_errors_are_the_same_under_expert_parallelism(mesh):
     settings = probe_lib.with_output_errors(s.cfg)
     graphdef = logical_axes(settings)[0]
     batch = {k: jnp.asarray(v) for k, v in helpers.random_batch(s.cfg).items()}
-    loss = lambda p, q, e: forward_loss(p, q, batch, e, graphdef=graphdef, cfg=settings, key=jax.random.key(0))[0]
-    with s.rules(), moe_dispatch.planned(moe_plan(settings, s.mesh, settings.train.batch_size)):
+    with s.rules():
+      plan = moe_plan(settings, s.mesh, settings.train.batch_size)
+      loss = lambda p, q, e: forward_loss(p, q, batch, e, graphdef=graphdef, cfg=settings, key=jax.random.key(0),
+                                          moe_plan=plan)[0]
       sums = jax.jit(jax.grad(loss, argnums=2))(s.state.params, s.state.quant_state, stats_inputs(settings))
     return {jax.tree_util.keystr(p): np.sqrt(a[..., 0] / a[..., 1]) for p, a in
             jax.tree_util.tree_flatten_with_path(jax.tree.map(np.asarray, sums))[0]}

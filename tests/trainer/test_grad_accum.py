@@ -12,7 +12,7 @@ from ember.layers import linear
 from ember.trainer.loop import train
 from ember.plan import hlo
 from ember.trainer.step import batch_sharding, jit_train_step, micro_batches
-from tests.helpers import checked, config, one_step, random_batch, rel_error, start
+from tests.helpers import checked, config, one_step, random_batch, rel_error, settings, start
 
 MESH = {"mesh.data": 2, "mesh.fsdp": 4}
 MOE_MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2}
@@ -83,6 +83,31 @@ def test_kernel_amaxes_taken_once_a_step_change_no_bit(recipe, monkeypatch):
   every = one_step(cfg(), batch, 8)
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(once)[0], jax.tree.leaves(every), strict=True):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.variants
+@pytest.mark.parametrize("scan", [False, True])
+def test_every_projection_of_a_step_of_micro_batches_is_handed_its_kernel_amax(scan, monkeypatch):
+  """Each projection a step of micro-batches runs (latent attention's, the dense and shared experts' MLPs, the
+  multi-token-prediction module's), unrolled or scanned, quantizes with the kernel amax the step took ahead
+  (linear.Taken, handed down the model's call) rather than taking it again."""
+  from ember.parallel.mesh import make_mesh
+  from ember.plan.step import trace_train_step
+  from ember.trainer.optimizer import make_optimizer
+  handed = {}
+  matmul = linear.dot.quantized_matmul
+
+  def recording(*args, **kwargs):
+    handed.setdefault(kwargs["name"], set()).add(kwargs["kernel_amax"] is not None)
+    return matmul(*args, **kwargs)
+
+  monkeypatch.setattr(linear.dot, "quantized_matmul", recording)
+  s = settings("deepseek_tiny", 1, **{"quant.recipe": "fp8_current", "train.grad_accum_steps": 2,
+                                      "model.scan_layers": scan, "train.batch_size": 4})
+  tx, schedule = make_optimizer(s)
+  trace_train_step(s, make_mesh(s.mesh, jax.devices()[:1]), tx, schedule, s.remat.preset)
+  assert {"q_b", "kv_a", "kv_b", "out", "wi", "wo", "shared_wi", "shared_wo", "mtp_proj"} <= handed.keys()
+  assert handed == {name: {True} for name in handed}, handed
 
 
 def test_micro_batches_keep_every_row_on_its_device():
