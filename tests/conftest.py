@@ -13,19 +13,16 @@ from tests.xla_cpu import cpu_xla_flags  # noqa: E402  (imports nothing else)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + cpu_xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# Many tests compile the same small programs (the same config's step on the same mesh): the session's
-# xdist workers share JAX's persistent compilation cache, in a directory the controller makes (workers inherit
-# its environment) and nothing outlives. Not for the programs compiled for described GPUs (tests/plan with
-# the CUDA plugin), whose executables are for devices this machine does not have. In-process only: the
-# environment variable below is ember's own, so a subprocess that checks its output sees no cache warnings.
-_CACHE = "EMBER_TEST_COMPILATION_CACHE"
+# Many tests compile the same small programs (the same config's step on the same mesh, in this process or in a
+# `python train.py` it starts): the session's xdist workers and every process they start share JAX's persistent
+# compilation cache, in a directory the controller makes (workers and subprocesses inherit its environment, and
+# JAX reads JAX_COMPILATION_CACHE_DIR itself) and nothing outlives. Not for the programs compiled for described
+# GPUs (tests/plan with the CUDA plugin), whose executables are for devices this machine does not have.
+_CACHE = "JAX_COMPILATION_CACHE_DIR"
 _MADE_HERE = _CACHE not in os.environ and importlib.util.find_spec("jax_cuda12_plugin") is None
-if _MADE_HERE or _CACHE in os.environ:
-  os.environ.setdefault(_CACHE, tempfile.mkdtemp(prefix="ember-test-jax-cache-"))
-  import jax  # noqa: E402  (after the environment above)
-
-  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+if _MADE_HERE:
+  os.environ[_CACHE] = tempfile.mkdtemp(prefix="ember-test-jax-cache-")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
 def pytest_unconfigure(config):

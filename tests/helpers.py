@@ -159,9 +159,8 @@ def train_processes(args: list[str], count: int = 2, devices: int = 2) -> list[s
     port = s.getsockname()[1]
   env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "XLA_FLAGS"))}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices),
-             EMBER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", EMBER_NUM_PROCESSES=str(count))
-  if "EMBER_TEST_COMPILATION_CACHE" in os.environ:  # The session's cache (conftest.py): a restart compiles nothing.
-    env.update(JAX_COMPILATION_CACHE_DIR=os.environ["EMBER_TEST_COMPILATION_CACHE"],
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+             EMBER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", EMBER_NUM_PROCESSES=str(count),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # With the session's cache (conftest.py): a restart
+  # compiles nothing.
   return [subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env={**env, "EMBER_PROCESS_ID": str(i)},
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(count)]
