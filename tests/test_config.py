@@ -36,6 +36,7 @@ CASES = [
     (["--config=configs/default.py:tiny_moe", "--config.model.moe_every=3"],
      "config.model.moe_every: model.num_layers=2 is not a multiple of moe_every=3"),
     ([f"--config.workdir={ROOT}/README.md/run"], "config.workdir: cannot create"),
+    ([f"--config.train.compilation_cache_dir={ROOT}/README.md/cache"], "config.train.compilation_cache_dir: cannot create"),
     (["--config.data.num_shards=3"], "config.data.num_shards: 3 data shards do not divide train.batch_size=8"),
     (["--config.quant.exclude=(bad"], "config.quant.exclude: entry '(bad' is not a projection"),
     (["--config.quant.exclude=('layers.1*',)"], "config.quant.exclude: entry 'layers.1*' is not a projection"),

@@ -107,6 +107,9 @@ def _validate_paths(s: Settings) -> None:
     if not os.path.isfile(os.path.join(os.path.expanduser(hf), "config.json")):
       bad_key("checkpoint.init_from_hf", f"no Hugging Face model directory (config.json) at {hf}")
   _validate_workdir(s.workdir)
+  cache = s.train.compilation_cache_dir
+  if cache and (problem := directory_problem(cache)):
+    bad_key("train.compilation_cache_dir", problem)
 
 
 def _validate_workdir(workdir: str) -> None:

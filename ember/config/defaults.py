@@ -132,6 +132,9 @@ def get_config() -> ml_collections.ConfigDict:
   # the log; a stopped process or a stalled collective): 0 = 10x the median step once 5 are timed, at least 120 s;
   # -1 = never.
   t.compile_timeout_s = 3600.0  # The same for a stage that compiles or saves a checkpoint (and steps before timing).
+  t.compilation_cache_dir = ""  # JAX's persistent compilation cache: a restarted or requeued job, and a sweep's
+  # runs of one program, load the compiled steps from here instead of compiling them again. A directory (or gs://
+  # path) every process of the job can read; "" = off, unless JAX_COMPILATION_CACHE_DIR is set.
 
   q = c.quant = ml_collections.ConfigDict()
   q.recipe = UNQUANTIZED  # bf16 (no quantization) | fp8_delayed | fp8_current | mxfp8 | nvfp4.

@@ -60,6 +60,7 @@ class Train:
   max_skipped_steps: int = key("int", ">=0")
   step_timeout_s: float = key("float", ">=-1")  # 0 = auto, -1 = off (ember/trainer/watchdog.py).
   compile_timeout_s: float = key("float", ">0")
+  compilation_cache_dir: str = key("str")  # "" = off (ember/trainer/loop.py's `prepare` turns it on).
 
   def __post_init__(self):
     if -1 < self.step_timeout_s < 0:

@@ -59,6 +59,8 @@ def prepare(settings: Settings) -> tuple[Settings, Mesh]:
   """Joins the multi-process job, resolves the validated settings on its devices (`config.on_devices`), builds
   the mesh: (settings, mesh)."""
   _set_collective_timeouts(settings.train)
+  if settings.train.compilation_cache_dir:  # Before anything compiles (the auto remat policy's candidates too).
+    jax.config.update("jax_compilation_cache_dir", storage.absolute(settings.train.compilation_cache_dir))
   distributed.initialize(settings.distributed)
   cfg = config_lib.on_devices(settings, jax.device_count(), jax.process_count())
   if cfg.data.source != "synthetic":
