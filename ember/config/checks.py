@@ -106,18 +106,17 @@ def _validate_paths(s: Settings) -> None:
   if hf:
     if not os.path.isfile(os.path.join(os.path.expanduser(hf), "config.json")):
       bad_key("checkpoint.init_from_hf", f"no Hugging Face model directory (config.json) at {hf}")
-  _validate_workdir(s.workdir)
-  cache = s.train.compilation_cache_dir
-  if cache and (problem := directory_problem(cache)):
-    bad_key("train.compilation_cache_dir", problem)
+  _validate_directory("workdir", s.workdir)
+  if s.train.compilation_cache_dir:
+    _validate_directory("train.compilation_cache_dir", s.train.compilation_cache_dir)
 
 
-def _validate_workdir(workdir: str) -> None:
-  """The run writes metrics and checkpoints under `workdir`: it must be (or be creatable as) a writable
-  directory. Checked without creating anything."""
-  problem = directory_problem(workdir)
+def _validate_directory(name: str, directory: str) -> None:
+  """The run writes under `directory` (config key `name`: metrics and checkpoints, compiled programs): it must be
+  (or be creatable as) a writable directory. Checked without creating anything."""
+  problem = directory_problem(directory)
   if problem:
-    bad_key("workdir", problem)
+    bad_key(name, problem)
 
 
 def directory_problem(directory: str) -> str | None:

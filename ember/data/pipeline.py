@@ -75,8 +75,8 @@ def make_dataset(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, s
   window = -(-data_cfg.chunk_shuffle_window // process_count)
   if not mixture and data_cfg.source == "synthetic":
     # Synthetic documents are short (at most 512 tokens) and drawn on their own: a window of SYNTHETIC_WINDOW
-    # batches' worth of chunks already puts a different document in nearly every row, and a larger one only costs its fill
-    # (seconds at every start of a small run).
+    # batches' worth of chunks already puts a different document in nearly every row, and a larger one only costs
+    # its fill (seconds at every start of a small run).
     window = min(window, SYNTHETIC_WINDOW * batch)
   rows = packing.pack(chunk_ds, seq_len=seq_len, num_bins=max(batch, MIN_PACKING_BINS), shuffle_window=window,
                       seed=(shard_seed + 1) % 2**32, with_source=bool(mixture))

@@ -137,6 +137,7 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
   segment = model.segments[0]
   per_stage = len(segment.block_ids) // stages
   block_ids = jax.lax.dynamic_slice_in_dim(jnp.asarray(segment.block_ids, jnp.int32), stage * per_stage, per_stage)
+  taken = linear.handed(kernel_amaxes, "segments", 0)
   inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
 
   def iteration(carry, xs):
@@ -147,8 +148,7 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
     x = jnp.where(stage == 0, layers.embed(inputs[i]), received)
     segs = jnp.where(valid, segment_ids[i], 0)  # Nothing to run: padding, which the layers map to zeros.
     y, a, per_layer = layers.segments[0](x, segs, positions[i], keys[i], policy, attention_bias(segs, x.dtype),
-                                         block_ids=block_ids, moe_plan=moe_plan,
-                                         taken=linear.handed(kernel_amaxes, "segments", 0))
+                                         block_ids=block_ids, moe_plan=moe_plan, taken=taken)
     keep = lambda v: jnp.where(valid, v, jnp.zeros_like(v))
     y = shard(keep(y), ACTIVATION)
     aux = jax.tree.map(lambda acc, v: acc + keep(v).astype(F32), aux,
