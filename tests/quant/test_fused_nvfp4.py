@@ -4,6 +4,8 @@ last axis and in 16 x 16 tiles, on random, heavy-tailed and special tensors; ins
 one device; and a dense projection built on it, or an expert layout whose x takes the one-copy kernels (MXFP8's
 too), gives the same output and gradients as one without them."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ember.quant import fused_nvfp4
 from ember.quant.hadamard import random_hadamard_transform
 from ember.quant.quantizers import NVFP4Scaling
+from tests.xla_cpu import EXACT_FP4_CASTS
+
+# Exact E2M1 casts (tests/xla_cpu.py): the kernel jitted as a program is, the quantizer as it runs op by op.
+jit = functools.partial(jax.jit, compiler_options=EXACT_FP4_CASTS)
+op_by_op = functools.partial(jax.jit, compiler_options={**EXACT_FP4_CASTS, "xla_allow_excess_precision": False})
+
+
+def quantized(x, axis, **scaling):
+  """The quantizer's cast of `x` along `axis`, the reference."""
+  return op_by_op(lambda a: NVFP4Scaling(**scaling).quantize(a, axis=axis))(x)
 
 
 def _tensor(seed, shape, dtype=jnp.bfloat16):
@@ -43,14 +55,14 @@ def _same(got, want):
 @pytest.mark.variants
 def test_cast_equals_the_quantizer(tile_2d, shape, dtype):
   x = _tensor(0, shape, dtype)
-  got = jax.jit(lambda a: fused_nvfp4.quantize(a, tile_2d=tile_2d, interpret=True))(x)
-  _same(got, NVFP4Scaling(tile_2d=tile_2d).quantize(x, axis=1))
+  got = jit(lambda a: fused_nvfp4.quantize(a, tile_2d=tile_2d, interpret=True))(x)
+  _same(got, quantized(x, 1, tile_2d=tile_2d))
 
 
 def test_tiles_record_the_axis_they_are_read_along():
   w = _tensor(1, (64, 96), jnp.float32)
-  got = jax.jit(lambda a: fused_nvfp4.quantize(a, tile_2d=True, axis=0, interpret=True))(w)
-  _same(got, NVFP4Scaling(tile_2d=True).quantize(w, axis=0))
+  got = jit(lambda a: fused_nvfp4.quantize(a, tile_2d=True, axis=0, interpret=True))(w)
+  _same(got, quantized(w, 0, tile_2d=True))
   with pytest.raises(ValueError, match="along the last axis only"):
     fused_nvfp4.quantize(w, axis=0, interpret=True)
 
@@ -60,8 +72,8 @@ def test_non_finite_values_follow_the_quantizer():
   NaN's element is 0; the same bytes as the quantizer."""
   x = _tensor(2, (64, 64), jnp.float32).at[5, 9].set(jnp.nan).at[40, 50].set(jnp.inf).at[41, 51].set(-jnp.inf)
   for tile_2d in (False, True):
-    got = jax.jit(lambda a: fused_nvfp4.quantize(a, tile_2d=tile_2d, interpret=True))(x)
-    _same(got, NVFP4Scaling(tile_2d=tile_2d).quantize(x, axis=1))
+    got = jit(lambda a: fused_nvfp4.quantize(a, tile_2d=tile_2d, interpret=True))(x)
+    _same(got, quantized(x, 1, tile_2d=tile_2d))
 
 
 def test_sharded_equals_one_device():
@@ -71,9 +83,9 @@ def test_sharded_equals_one_device():
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
   full = lambda s: tuple(s) + (None,) * (2 - len(s))
   for tile_2d in (False, True):
-    want = NVFP4Scaling(tile_2d=tile_2d).quantize(x, axis=1)
+    want = quantized(x, 1, tile_2d=tile_2d)
     for spec in (P("a", "b"), P(("a", "b"))):
-      got = jax.jit(lambda a: fused_nvfp4.quantize(a, tile_2d=tile_2d, interpret=True))(
+      got = jit(lambda a: fused_nvfp4.quantize(a, tile_2d=tile_2d, interpret=True))(
           jax.device_put(x, NamedSharding(mesh, spec)))
       _same(got, want)
       assert full(got.data.sharding.spec) == full(spec) == full(got.scale_inv.sharding.spec)
@@ -85,10 +97,10 @@ def test_a_stacked_kernels_row_is_cast_where_it_lies():
   stacked = jnp.stack([_tensor(s, (128, 256), jnp.float32) * (s + 1) for s in range(3)])
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
   for layer in range(3):
-    want = NVFP4Scaling(tile_2d=True).quantize(stacked[layer], axis=0)
+    want = quantized(stacked[layer], 0, tile_2d=True)
     cast = lambda w, i=layer: fused_nvfp4.quantize(w[i], tile_2d=True, axis=0, row_of=(w, i), interpret=True)
-    _same(jax.jit(cast)(stacked), want)
-    _same(jax.jit(cast)(jax.device_put(stacked, NamedSharding(mesh, P(None, "a", "b")))), want)
+    _same(jit(cast)(stacked), want)
+    _same(jit(cast)(jax.device_put(stacked, NamedSharding(mesh, P(None, "a", "b")))), want)
   with pytest.raises(ValueError, match="is no"):
     fused_nvfp4.quantize(stacked[0, :64], tile_2d=True, row_of=(stacked, 0), interpret=True)
 
@@ -101,8 +113,11 @@ def quantizer_copies(a, rht_seed, stochastic):
   transposed."""
   q = NVFP4Scaling(stochastic_rounding=stochastic)
   keys = KEYS if stochastic else (None, None)
-  transformed = a if rht_seed is None else random_hadamard_transform(a, axis=0, seed=rht_seed)
-  return q.quantize(a, axis=1, rng=keys[0]), q.quantize(transformed, axis=0, rng=keys[1]).T
+
+  def copies(a):
+    transformed = a if rht_seed is None else random_hadamard_transform(a, axis=0, seed=rht_seed)
+    return q.quantize(a, axis=1, rng=keys[0]), q.quantize(transformed, axis=0, rng=keys[1]).T
+  return op_by_op(copies)(a)
 
 
 @pytest.mark.parametrize("rht_seed,stochastic", [(0, False), (0, True), (None, False), (None, True)])
@@ -112,7 +127,7 @@ def test_both_copies_equal_the_quantizer(rht_seed, stochastic, shape):
   """Round to nearest (activations) or stochastically (gradients: the same uniform draws, element by element),
   with or without the Hadamard transform of the wgrad copy."""
   x = _tensor(8, shape)
-  got = jax.jit(lambda a: fused_nvfp4.both(a, keys=KEYS if stochastic else None, rht_seed=rht_seed,
+  got = jit(lambda a: fused_nvfp4.both(a, keys=KEYS if stochastic else None, rht_seed=rht_seed,
                                            interpret=True))(x)
   for g, w in zip(got, quantizer_copies(x, rht_seed, stochastic)):
     _same(g, w)
@@ -129,7 +144,7 @@ def test_the_transform_is_rounded_to_the_source_dtype(shape):
   x = jax.random.randint(jax.random.key(5), shape, -64, 64) / 16
   magnitudes = jnp.array([255 / 64] * 15 + [1 / 128])  # Each exact in bf16; their sum is not.
   x = x.at[:16, 0].set(jnp.asarray(random_signs(0)) * magnitudes).astype(jnp.bfloat16)
-  got = jax.jit(lambda a: fused_nvfp4.both(a, rht_seed=0, interpret=True))(x)
+  got = jit(lambda a: fused_nvfp4.both(a, rht_seed=0, interpret=True))(x)
   for g, w in zip(got, quantizer_copies(x, 0, False)):
     _same(g, w)
 
@@ -164,7 +179,7 @@ def test_both_sharded_equals_one_device():
   full = lambda s: tuple(s) + (None,) * (2 - len(s))
   want = quantizer_copies(x, 0, True)
   for spec in (P("a", "b"), P(("a", "b"))):
-    got = jax.jit(lambda a: fused_nvfp4.both(a, keys=KEYS, rht_seed=0, interpret=True))(
+    got = jit(lambda a: fused_nvfp4.both(a, keys=KEYS, rht_seed=0, interpret=True))(
         jax.device_put(x, NamedSharding(mesh, spec)))
     for g, w in zip(got, want):
       _same(g, w)
