@@ -7,9 +7,11 @@ from ember.config.settings import Data, section
 
 
 def make_data_cfg(**overrides) -> Data:
-  """The typed `data` section of ember/config/defaults.py (the real defaults), then `overrides`."""
+  """The typed `data` section of ember/config/defaults.py (the real defaults but a shuffle window sized for these
+  corpora of a few dozen files: the default's 16,384 chunks repeat one of them hundreds of times and take seconds
+  to fill), then `overrides`."""
   cfg = defaults.get_config().data
-  cfg.update(overrides)
+  cfg.update({"chunk_shuffle_window": 256, **overrides})
   return section(Data, cfg)
 
 

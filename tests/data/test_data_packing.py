@@ -44,7 +44,7 @@ def test_packed_pieces_are_document_substrings(data_cfg, text_corpus):
   cfg = data_cfg(path=str(root / "*.txt"), eval_fraction=0.1)
   it = make_iterator(cfg, seq_len=16, global_batch_size=4, seed=3, split="train")
   saw_padding = saw_multi = False
-  for _ in range(30):
+  for _ in range(60):
     batch = next(it)
     saw_padding |= bool((batch["segment_ids"] == 0).any())
     saw_multi |= bool((batch["segment_ids"] > 1).any())
