@@ -8,10 +8,10 @@ MLIR fusion emitters in about 40% of what is left (a tiny train step: 5.9 s, 3.3
 FAST_CPU_CODEGEN = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                     "--xla_cpu_use_fusion_emitters=false")
 
-# The elemental emitters round a float32 -> E2M1 cast twice, through a narrower float (0.7499999 becomes 1.0, not 0.5), which
-# XLA's CPU defaults and its GPU compiler do not: the tests of a cast's exact bytes compile with the fusion emitters
-# (`jax.jit(f, compiler_options=EXACT_FP4_CASTS)`). A reference that runs op by op keeps each op's rounding when it
-# is jitted whole: add `"xla_allow_excess_precision": False`.
+# The elemental emitters round a float32 -> E2M1 cast twice, through a narrower float (0.7499999 becomes 1.0, not
+# 0.5), which XLA's CPU defaults and its GPU compiler do not: the tests of a cast's exact bytes compile with the
+# fusion emitters (`jax.jit(f, compiler_options=EXACT_FP4_CASTS)`). A reference that runs op by op keeps each op's
+# rounding when it is jitted whole: add `"xla_allow_excess_precision": False`.
 EXACT_FP4_CASTS = {"xla_cpu_use_fusion_emitters": True}
 
 # The programs compiled for described GPUs (tests/plan) are read, never run: ptxas, a third of their compile, skips

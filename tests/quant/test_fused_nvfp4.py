@@ -128,7 +128,7 @@ def test_both_copies_equal_the_quantizer(rht_seed, stochastic, shape):
   with or without the Hadamard transform of the wgrad copy."""
   x = _tensor(8, shape)
   got = jit(lambda a: fused_nvfp4.both(a, keys=KEYS if stochastic else None, rht_seed=rht_seed,
-                                           interpret=True))(x)
+                                       interpret=True))(x)
   for g, w in zip(got, quantizer_copies(x, rht_seed, stochastic)):
     _same(g, w)
 
