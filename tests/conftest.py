@@ -17,17 +17,34 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `python train.py` it starts): the session's xdist workers and every process they start share JAX's persistent
 # compilation cache, in a directory the controller makes (workers and subprocesses inherit its environment, and
 # JAX reads JAX_COMPILATION_CACHE_DIR itself) and nothing outlives. Not for the programs compiled for described
-# GPUs (tests/plan with the CUDA plugin), whose executables are for devices this machine does not have.
+# GPUs (tests/plan with the CUDA plugin), whose executables are for devices this machine does not have: those
+# share XLA's GPU kernels instead (below).
 _CACHE = "JAX_COMPILATION_CACHE_DIR"
-_MADE_HERE = _CACHE not in os.environ and importlib.util.find_spec("jax_cuda12_plugin") is None
+_TARGET_SUITE = importlib.util.find_spec("jax_cuda12_plugin") is not None
+_MADE_HERE = _CACHE not in os.environ and not _TARGET_SUITE
 if _MADE_HERE:
   os.environ[_CACHE] = tempfile.mkdtemp(prefix="ember-test-jax-cache-")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
+# The programs compiled for described GPUs share most of their kernels (the same small layers under another recipe,
+# policy or mesh), and ptxas, which turns each kernel into GPU code, takes a third of their compile. Each xdist
+# worker keeps the kernels it compiled in a file of its own, which later compiles link instead of compiling them
+# again (about half of a tiny step's compile). One file a worker: XLA rewrites the file whole, so no two processes
+# may write one at once (a worker's processes compile one at a time).
+_KERNELS = "EMBER_TEST_GPU_KERNELS"
+_KERNELS_MADE_HERE = _KERNELS not in os.environ and _TARGET_SUITE
+if _KERNELS_MADE_HERE:
+  os.environ[_KERNELS] = tempfile.mkdtemp(prefix="ember-test-gpu-kernels-")
+if _TARGET_SUITE:
+  worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+  os.environ["XLA_FLAGS"] += f" --xla_gpu_kernel_cache_file={os.environ[_KERNELS]}/{worker}.bin"
+
 
 def pytest_unconfigure(config):
-  if _MADE_HERE:  # The process that made the cache (the xdist controller, or the only process).
-    shutil.rmtree(os.environ[_CACHE], ignore_errors=True)
+  # The process that made a directory (the xdist controller, or the only process) removes it.
+  for made, variable in ((_MADE_HERE, _CACHE), (_KERNELS_MADE_HERE, _KERNELS)):
+    if made:
+      shutil.rmtree(os.environ[variable], ignore_errors=True)
 
 
 def pytest_addoption(parser):

@@ -13,7 +13,9 @@ from tests.xla_cpu import cpu_xla_flags
 
 def _run(workdir, cache) -> str:
   env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "JAX_COMPILATION_CACHE"))}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(1))
+  # Every program is stored, however fast it compiled: which ones pass JAX's compile-time threshold (1 s by default,
+  # 0.5 s in the suite) depends on the machine's load, and a program compiled anew would go unnoticed among them.
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(1), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   p = subprocess.run([sys.executable, "train.py", "--config=configs/default.py:tiny", "--config.data.source=synthetic",
                       "--config.steps=2", "--config.log.tensorboard=false", f"--config.workdir={workdir}",
                       f"--config.train.compilation_cache_dir={cache}"], cwd=ROOT, env=env, capture_output=True,
