@@ -36,8 +36,8 @@ _KERNELS_MADE_HERE = _KERNELS not in os.environ and _TARGET_SUITE
 if _KERNELS_MADE_HERE:
   os.environ[_KERNELS] = tempfile.mkdtemp(prefix="ember-test-gpu-kernels-")
 if _TARGET_SUITE:
-  worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-  os.environ["XLA_FLAGS"] += f" --xla_gpu_kernel_cache_file={os.environ[_KERNELS]}/{worker}.bin"
+  _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+  os.environ["XLA_FLAGS"] += f" --xla_gpu_kernel_cache_file={os.environ[_KERNELS]}/{_worker}.bin"
 
 
 def pytest_unconfigure(config):
