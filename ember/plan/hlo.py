@@ -223,12 +223,13 @@ def nbytes(shape: str) -> float:
 def loop_multipliers(instrs: list[Instruction]) -> dict[str, int]:
   """{computation: how many times it runs per execution of the program} for loop bodies (others: 1)."""
   calls = collections.defaultdict(set)
+  by_name = {i.name: i for i in instrs}
+  roots = {i.computation: i for i in instrs if i.line.lstrip().startswith("ROOT ")}
   loops = []  # (caller, body, trip count)
   for i in instrs:
     calls[i.computation].update(callees(i.line))
     if i.opcode == "while":
-      trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', i.line)
-      loops.append((i.computation, i.attribute("body"), int(trip.group(1)) if trip else 1))
+      loops.append((i.computation, i.attribute("body"), trip_count(i, by_name, roots)))
   factor: dict[str, int] = {}
 
   def mark(comp, n, seen):
@@ -242,6 +243,65 @@ def loop_multipliers(instrs: list[Instruction]) -> dict[str, int]:
   for _, body, n in loops:
     mark(body, n, set())
   return factor
+
+
+def trip_count(loop: Instruction, by_name: dict[str, Instruction], roots: dict[str, Instruction]) -> int:
+  """How many times a while loop runs its body: XLA's `known_trip_count` where the loop records it, else read off
+  the loop (the loops XLA's collective pipeliner peels lose the record): the induction variable's initial constant,
+  the constant its condition compares it with and the constant its body adds. 1 where any of them is not a constant.
+  `roots`: each computation's ROOT instruction."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.line)
+  if known:
+    return int(known.group(1))
+  index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', loop.line)
+  init_tuple = by_name.get(loop.operands[0]) if loop.operands else None
+  if not index or init_tuple is None or init_tuple.opcode != "tuple":
+    return 1
+  k = int(index.group(1))
+  init = _folded(init_tuple.operands[k], by_name) if k < len(init_tuple.operands) else None
+  compare, caller = _through_fusion(roots.get(loop.attribute("condition")), by_name, roots)
+  update = roots.get(loop.attribute("body"))
+  step = None
+  if update is not None and update.opcode == "tuple" and k < len(update.operands):
+    add, add_caller = _through_fusion(by_name.get(update.operands[k]), by_name, roots)
+    if add is not None and add.opcode == "add":
+      step = next((v for v in (_folded(o, by_name, add_caller) for o in add.operands) if v is not None), None)
+  if compare is None or compare.opcode != "compare" or init is None or not step:
+    return 1
+  lhs, rhs = (_folded(o, by_name, caller) for o in compare.operands[:2])
+  direction = compare.attribute("direction")
+  if rhs is None:  # The bound on the left: `bound > i` is `i < bound`.
+    flipped = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE", "NE": "NE"}
+    rhs, direction = lhs, flipped.get(direction)
+  if rhs is None:
+    return 1
+  span = {"LT": rhs - init, "NE": rhs - init, "LE": rhs - init + (1 if step > 0 else -1),
+          "GT": rhs - init, "GE": rhs - init + (1 if step > 0 else -1)}.get(direction)
+  return 1 if span is None else max(-(-span // step), 0)
+
+
+def _through_fusion(i: Instruction | None, by_name, roots) -> tuple[Instruction | None, Instruction | None]:
+  """(the instruction that computes `i`'s value, the fusion it sits in or None): a fusion's ROOT in its place."""
+  if i is not None and i.opcode == "fusion":
+    return roots.get(i.attribute("calls")), i
+  return i, None
+
+
+def _folded(name: str, by_name: dict[str, Instruction], fusion: Instruction | None = None) -> int | None:
+  """The integer value of a scalar that is a constant (through copies, bitcasts and converts, and from a fused
+  computation's parameter to the fusion's operand), or None."""
+  i = by_name.get(name)
+  while i is not None and i.opcode in ("copy", "bitcast", "convert") and i.operands:
+    i = by_name.get(i.operands[0])
+  if i is None:
+    return None
+  if i.opcode == "constant":
+    value = re.search(r"constant\((-?\d+)\)", i.line)
+    return int(value.group(1)) if value else None
+  if i.opcode == "parameter" and fusion is not None:
+    n = int(re.search(r"parameter\((\d+)\)", i.line).group(1))
+    return _folded(fusion.operands[n], by_name) if n < len(fusion.operands) else None
+  return None
 
 
 # --- GEMMs ------------------------------------------------------------------------------------------

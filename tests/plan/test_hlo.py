@@ -81,6 +81,51 @@ ENTRY %main (x: f32[8]) -> f32[8] {
   assert hlo.collectives(text)["reduce-scatter"] == 3 * 5 * 8 * 4
 
 
+def test_a_loop_without_a_recorded_trip_count_is_read_off_its_condition_and_body():
+  """XLA's collective pipeliner peels loops and drops their `known_trip_count`: the count is then read from the
+  induction variable's start (through copies), the fused compare's bound and the fused add's step."""
+  text = """HloModule m
+
+%fused_compare (a: s32[]) -> pred[] {
+  %a = s32[] parameter(0)
+  %bound = s32[] constant(38)
+  ROOT %lt = pred[] compare(%a, %bound), direction=LT
+}
+
+%fused_add (b: s32[]) -> s32[] {
+  %b = s32[] parameter(0)
+  %step = s32[] constant(3)
+  ROOT %next = s32[] add(%b, %step)
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  ROOT %go = pred[] fusion(%ci), kind=kLoop, calls=%fused_compare
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %g = f32[8]{0} get-tuple-element(%p), index=1
+  %rs = f32[1]{0} reduce-scatter(%g), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %i1 = s32[] fusion(%i), kind=kLoop, calls=%fused_add
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i1, %g)
+}
+
+ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {
+  %x = f32[8]{0} parameter(0)
+  %two = s32[] constant(2)
+  %start = s32[] copy(%two)
+  %init = (s32[], f32[8]{0}) tuple(%start, %x)
+  ROOT %loop = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+}
+"""
+  assert hlo.collectives(text)["reduce-scatter"] == 12 * 8 * 4  # i = 2, 5, ..., 35: 12 trips.
+  unknown = text.replace("%bound = s32[] constant(38)", "%bound = s32[] parameter(1)")
+  assert hlo.collectives(unknown)["reduce-scatter"] == 8 * 4  # Not a constant: counted once, as before.
+
+
 def test_real_cpu_reduce_scatter_counts_its_input():
   mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
   f = jax.shard_map(lambda a: jax.lax.psum_scatter(a, "x", tiled=True), mesh=mesh, in_specs=P(), out_specs=P("x"),
