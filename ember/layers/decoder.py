@@ -379,12 +379,13 @@ class Transformer(nnx.Module):
     """The LM head as the loss applies it, once per token chunk (ember/trainer/loss.py)."""
     if self.tie_embeddings:
       return Head(functools.partial(_tied_logits, wgrad_dtype=self.tied_wgrad_dtype), self.embed.embedding[...].T,
-                  read_dtype=self.embed.dtype, reduce_dtype=self.tied_wgrad_dtype)
+                  read_dtype=self.embed.dtype, reduce_dtype=self.tied_wgrad_dtype, param=("embed", "embedding"),
+                  transposed=True)
     head = self.lm_head
     kernel = head.kernel[...]
     return Head(functools.partial(_linear_logits, recipe=head.recipe, dtype=head.dtype), kernel,
                 read_dtype=kernel.dtype if head.recipe.quantized else head.dtype,
-                reduce_dtype=head.recipe.wgrad_out(kernel.dtype))
+                reduce_dtype=head.recipe.wgrad_out(kernel.dtype), param=("lm_head", "kernel"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,11 +395,15 @@ class Head:
   `logits(h [B, C, D], w [D, V], key)`: float32 logits, a pure function (the loss calls it once per token chunk
   and takes its VJP); `weight`: the parameter [D, V]; `read_dtype`: the dtype its GEMMs read the weight in (the
   compute dtype of an unquantized head; the parameter's own where a recipe quantizes it from there), which the
-  loss gathers it in; `reduce_dtype`: what its weight gradient is reduced across devices in (Recipe.wgrad_out)."""
+  loss gathers it in; `reduce_dtype`: what its weight gradient is reduced across devices in (Recipe.wgrad_out);
+  `param`: the parameter's path in the model's state; `transposed`: `weight` is that parameter transposed (a tied
+  head reads the embedding table [V, D])."""
   logits: Callable
   weight: jax.Array
   read_dtype: jnp.dtype
   reduce_dtype: jnp.dtype
+  param: tuple[str, ...] = ()
+  transposed: bool = False
 
 
 def _tied_logits(h_BxCxD, w_DxV, key=None, *, wgrad_dtype):

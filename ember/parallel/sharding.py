@@ -93,13 +93,22 @@ def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   mesh, rules = active
   if len(names) != x.ndim:
     raise ValueError(f"shard: {len(names)} logical names {tuple(names)} for an array of rank {x.ndim}")
+  return place(x, logical_to_spec(names, rules, mesh))
+
+
+def place(x: jax.Array, spec: P) -> jax.Array:
+  """Constrains `x` to the mesh axes `spec` names (no-op outside use_rules); inside a shard_map, over the axes
+  not manual there."""
+  mesh = active_mesh()
+  if mesh is None:
+    return x
   manual = manual_axes()
   if manual >= set(mesh.axis_names):  # Inside a shard_map over every axis: nothing is left to place.
     return x
   if manual:  # Inside shard_map: the other axes are still the compiler's to place.
-    spec = without_axes(logical_to_spec(names, rules, mesh), manual)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
-  return jax.lax.with_sharding_constraint(x, named_sharding(names, mesh, rules))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(),
+                                                             without_axes(spec, manual)))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def without_axes(spec: P, axes) -> P:

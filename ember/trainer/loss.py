@@ -16,12 +16,20 @@ each device sums its own tokens' shares locally ([D, V] in float32, the head's w
 in the dtype its GEMMs read), and the sums leave the map stacked, one per device, to be summed once, after the
 loop, where the compiler reduce-scatters them to the weight's sharding (in `Head.reduce_dtype`: bf16 with
 train.grad_reduce_dtype=bfloat16, as every projection's weight gradient).
+
+A step of micro-batches calls the loss once per micro-batch, and each call gathers the weight and reduces its
+[D, V] float32 gradient again. Where the tokens are split across nodes that reduction crosses the network once a
+micro-batch, so the step reads the head once instead (`read_once`): the weight gathered once in the dtype its
+GEMMs read, and a zero input [devices, D, V] float32 whose "gradient" is each device's share of the weight
+gradient, kept on the device. The step sums the shares over its micro-batches and reduces them across the
+devices once (`with_head_gradient`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -31,7 +39,8 @@ from jax.sharding import PartitionSpec as P
 from ember.layers.decoder import Head
 from ember.names import BATCH, EMBED, LENGTH, LM_HEAD, VOCAB
 from ember.parallel import axes as axes_lib
-from ember.parallel.sharding import active_mesh, active_rules, entry_axes, shard, shard_map, without_axes
+from ember.parallel.sharding import (active_mesh, active_rules, entry_axes, logical_to_spec, place, shard, shard_map,
+                                     without_axes)
 from ember.quant.varying import manual_axes
 
 F32 = jnp.float32
@@ -60,19 +69,55 @@ def token_count(weights_BxL):
 
 
 def cross_entropy(hidden_BxLxD, targets_BxL, weights_BxL, head: Head, *, key=None, chunk_size: int = 0,
-                  count=None, z_loss_weight: float = 0.0):
+                  count=None, z_loss_weight: float = 0.0, once: HeadOnce | None = None):
   """(loss, ce, z): ce the weighted mean next-token NLL, z the weighted mean log(Z)^2 over tokens with weight > 0,
   loss = ce + z_loss_weight * z. Only `loss` carries a gradient (ce and z are its parts, to log).
 
   `chunk_size` bounds the live logits (`num_chunks`, of each device's share of the length). `count`: the
   denominator, when these tokens are one micro-batch of a larger step (its weighted tokens); default these
-  tokens' own."""
+  tokens' own. `once`: the head as the step read it for all its micro-batches (`read_once`): the weight
+  gradient goes to `once.partial`, each device's share its own, and none to `head.weight`."""
   weights_BxL = weights_BxL.astype(F32)
   count = token_count(weights_BxL) if count is None else jnp.asarray(count, F32)
   plan = _Plan(head.logits, float(z_loss_weight), chunk_size, jnp.dtype(head.read_dtype),
-               jnp.dtype(head.reduce_dtype), head.weight.dtype)
-  loss, ce, z = _fused(plan, hidden_BxLxD, head.weight, targets_BxL, weights_BxL, count, key)
+               jnp.dtype(head.reduce_dtype), head.weight.dtype, once is not None)
+  weight, partial = (head.weight, None) if once is None else (once.weight, once.partial)
+  loss, ce, z = _fused(plan, hidden_BxLxD, weight, partial, targets_BxL, weights_BxL, count, key)
   return loss, jax.lax.stop_gradient(ce), jax.lax.stop_gradient(z)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HeadOnce:
+  """The LM head read once for a step's micro-batches (module doc): `weight` [D, V] in the dtype its GEMMs read,
+  gathered over the mesh axes that split the tokens; `partial` [devices along those axes, D, V] float32 zeros, whose
+  gradient is each device's share of the head's weight gradient."""
+  weight: jax.Array
+  partial: jax.Array
+
+
+def read_once(head: Head) -> HeadOnce | None:
+  """`head` read for a step's micro-batches; None where no mesh axis splits the tokens (nothing to gather or
+  reduce)."""
+  axes = _token_axes()
+  if not axes:
+    return None
+  mesh = active_mesh()
+  spec = without_axes(logical_to_spec(_WEIGHT_AXES, active_rules(), mesh), axes)
+  weight = place(head.weight.astype(head.read_dtype), spec)
+  devices = math.prod(mesh.shape[a] for a in axes)
+  return HeadOnce(weight, place(jnp.zeros((devices, *weight.shape), F32), P(axes, *spec)))
+
+
+def with_head_gradient(grads, head: Head, partial_grad):
+  """`grads` (a tree of the model's state) with the head's weight gradient added to its parameter's: the devices'
+  shares (`HeadOnce.partial`'s gradient, summed over the step's micro-batches) summed across the devices, once, in
+  the head's reduction dtype."""
+  dw = jnp.sum(partial_grad.astype(head.reduce_dtype), axis=0, dtype=head.reduce_dtype)
+  dw = shard(dw, _WEIGHT_AXES)
+  dw = dw.T if head.transposed else dw
+  return jax.tree_util.tree_map_with_path(
+      lambda path, g: g + dw.astype(g.dtype) if tuple(k.key for k in path) == head.param else g, grads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +129,16 @@ class _Plan:
   read_dtype: jnp.dtype
   reduce_dtype: jnp.dtype
   w_dtype: jnp.dtype
+  once: bool = False  # The head read once for the step (`HeadOnce`): its weight gradient goes to the shares.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(plan: _Plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key):
-  """(loss, ce, z), as `cross_entropy` returns them."""
+def _fused(plan: _Plan, h_BxLxD, w_DxV, partial, targets_BxL, weights_BxL, count, key):
+  """(loss, ce, z), as `cross_entropy` returns them; `partial`: `HeadOnce.partial`, or None."""
   return _run(plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key, grads=False)[0]
 
 
-def _fused_fwd(plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key):
+def _fused_fwd(plan, h_BxLxD, w_DxV, partial, targets_BxL, weights_BxL, count, key):
   out, dh_BxLxD, dw_SxDxV = _run(plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key, grads=True)
   return out, (dh_BxLxD, dw_SxDxV)
 
@@ -101,13 +147,22 @@ def _fused_bwd(plan, residuals, g):
   dh_BxLxD, dw_SxDxV = residuals
   g_loss = g[0]  # ce and z leave `cross_entropy` through stop_gradient: their cotangents are zeros.
   dh = shard((dh_BxLxD * g_loss).astype(dh_BxLxD.dtype), (BATCH, LENGTH, EMBED))  # dh is in h's dtype.
+  if plan.once:  # Each device's share stays its own (`HeadOnce`); the weight read for the step gets none.
+    return dh, None, dw_SxDxV * g_loss, None, None, None, None
   # One sum over the devices' shares (a reduce-scatter to the weight's sharding), in the reduction's dtype.
   dw = jnp.sum((dw_SxDxV * g_loss).astype(plan.reduce_dtype), axis=0, dtype=plan.reduce_dtype)
-  dw = shard(dw.astype(plan.w_dtype), (EMBED, VOCAB))
-  return dh, dw, None, None, None, None
+  dw = shard(dw.astype(plan.w_dtype), _WEIGHT_AXES)
+  return dh, dw, None, None, None, None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+_WEIGHT_AXES = (EMBED, VOCAB)  # The head's weight [D, V], as the loss reads it.
+
+
+def _token_axes() -> tuple[str, ...]:
+  return tuple(a for entry in _token_spec() for a in entry_axes(entry))
 
 
 def _token_spec() -> P:
@@ -123,7 +178,7 @@ def _run(plan: _Plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key, grad
   """((loss, ce, z), dh [B, L, D] in h's dtype or None, dw [devices, D, V] float32 or None) over the token chunks,
   in a shard_map over the axes that split the tokens (none: on the arrays as they are)."""
   rows = _token_spec()
-  axes = tuple(a for entry in rows for a in entry_axes(entry))
+  axes = _token_axes()
   w_read = w_DxV.astype(plan.read_dtype)  # Gathered as the GEMMs read it.
   # Inside the step's replicas' map (parallel/sharding.py's `shard_map`) values carry no varying-axes types.
   vary = bool(axes) and not manual_axes()

@@ -19,7 +19,7 @@ from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TO
                          MOE_ROUTER_Z_LOSS, MOE_SEQ_BALANCE_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
 from ember.parallel.sharding import active_rules, entry_axes, logical_to_spec, shard
 from ember.quant.varying import first_along, shard_axes
-from ember.trainer.loss import cross_entropy, token_count
+from ember.trainer.loss import HeadOnce, cross_entropy, token_count
 
 MTP_KEY = 1 << 20  # Multi-token prediction depth k's head draws its rounding noise from fold_in(key, MTP_KEY + k).
 
@@ -36,14 +36,15 @@ def merged_model(graphdef, params, quant_state, stats=None):
 
 def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg: Settings, key,
                  policy: remat.Preset = remat.PRESETS["none"], count=None, micro_batches: int = 1,
-                 kernel_amaxes: dict | None = None, moe_plan=None):
+                 kernel_amaxes: dict | None = None, moe_plan=None, head_once: HeadOnce | None = None):
   """(total loss, metrics) for one batch: next-token CE + z-loss (+ the MoE auxiliary losses of MoE models).
   `stats`: the health-statistics inputs (state.stats_inputs) when log.quant_stats_every > 0; `policy`: the
   remat preset the layers run under. `count`, `micro_batches`: the batch is one of `micro_batches` of a step
   whose weighted tokens number `count`; its CE and z-loss are divided by the step's tokens and its MoE
   auxiliary losses by `micro_batches`, so the step's losses, metrics and gradients are sums over its
   micro-batches (`train_step`). `kernel_amaxes`: the projections' max|kernel| taken ahead (`linear.kernel_amaxes`
-  of this model), or None; `moe_plan`: what the MoE layers run (trainer/step.py's `moe_plan`)."""
+  of this model), or None; `moe_plan`: what the MoE layers run (trainer/step.py's `moe_plan`); `head_once`: the LM
+  head as the step read it for all its micro-batches (loss.py's `read_once`), or None."""
   model = merged_model(graphdef, params, quant_state, stats)
   inputs, segment_ids, positions, targets = _batch_views(batch)
   hidden, aux, predictions = model.with_predictions(inputs, segment_ids, positions, targets, key=key, policy=policy,
@@ -51,7 +52,7 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg: Setti
   weights = (segment_ids > 0).astype(jnp.float32)
   head = model.head_parts()
   total, ce, z = cross_entropy(hidden, targets, weights, head, key=key, chunk_size=cfg.train.loss_chunk_size,
-                               count=count, z_loss_weight=cfg.train.z_loss_weight)
+                               count=count, z_loss_weight=cfg.train.z_loss_weight, once=head_once)
   mtp_loss = None
   if predictions:  # Multi-token prediction (layers/mtp.py): each depth's NLL over the main loss's token count.
     count = token_count(weights) if count is None else count
@@ -60,7 +61,7 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg: Setti
       _, targets_k, weights_k = mtp_inputs(targets, segment_ids, k)
       loss_k, _, _ = cross_entropy(h_k, targets_k, weights_k, head, key=None if key is None else
                                    jax.random.fold_in(key, MTP_KEY + k), chunk_size=cfg.train.loss_chunk_size,
-                                   count=count)
+                                   count=count, once=head_once)
       depth_losses.append(loss_k)
     mtp_loss = sum(depth_losses) / len(depth_losses)
   return step_terms(total, ce, z, aux, cfg, micro_batches, mtp_loss)

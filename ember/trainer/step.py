@@ -24,7 +24,7 @@ from ember.parallel.sharding import active_mesh, active_rules, only_axes, tree_s
 from ember.platform import target_platform
 from ember.quant import health
 from ember.quant.varying import first_along, shard_axes
-from ember.trainer.loss import token_count
+from ember.trainer.loss import HeadOnce, read_once, token_count, with_head_gradient
 from ember.trainer import pipelined
 from ember.trainer.objective import (forward_loss, merged_model, micro_batches, replica_part,  # noqa: F401
                                      replicas_first, summed_over_replicas)
@@ -54,7 +54,7 @@ def train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedul
   elif accum == 1:
     (_, metrics), outs = grad_fn(state.params, state.quant_state, batch, stats, key=key)
   else:
-    metrics, outs = _accumulate(grad_fn, state, batch, stats, key, accum, batch_shards, graphdef, cfg)
+    metrics, outs = _accumulate(loss_fn, state, batch, stats, key, accum, batch_shards, graphdef, cfg)
   grads, new_quant_state = outs[0], outs[1]
   if with_stats:
     metrics = dict(metrics, quant_stats=outs[2])
@@ -107,7 +107,7 @@ def update_router_biases(old_quant_state, new_quant_state, loads_LxE, model, rec
   return jax.tree_util.tree_map_with_path(update, old_quant_state, new_quant_state)
 
 
-def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int, graphdef, cfg: Settings):
+def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int, graphdef, cfg: Settings):
   """(metrics, (grads, quant state[, health])) of a step run as `accum` micro-batches in a scan, one
   micro-batch's activations alive at a time. Each micro-batch's losses are its share of the step's
   (`forward_loss`), so losses, counts and gradients add up; gradients are summed in float32. Delayed-scaling
@@ -116,16 +116,22 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   draws from `fold_in(key, i)` (folded again with a replica's index: `_over_replicas`). The kernels' amaxes
   (per-tensor recipes) are taken once, before the scan: every micro-batch would take the same ones, and XLA
   does not hoist that pass over the float32 weights out of the loop (114 GB a step for llama3_8b fp8_current at
-  16 micro-batches on 8 GPUs). Over data- and expert-parallel replicas each runs the scan on its own rows and
-  their sums are reduced once a step (`_over_replicas`, over `replica_axes`)."""
+  16 micro-batches on 8 GPUs). Where the tokens are split across nodes, so is the LM head (`_reads_head_once`).
+  Over data- and expert-parallel replicas each runs the scan on its own rows and their sums are reduced once a
+  step (`_over_replicas`, over `replica_axes`). `loss_fn`: `forward_loss` with the step's settings bound."""
   count = token_count(batch[SEGMENT_IDS] > 0)
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(accum))
   xs = (jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch), keys)
   amaxes = linear.kernel_amaxes(merged_model(graphdef, state.params, state.quant_state, stats))
 
-  def run(params, micro, micro_key):
-    return grad_fn(params, state.quant_state, micro, stats, key=micro_key, count=count, micro_batches=accum,
-                   kernel_amaxes=amaxes)
+  def run(params, micro, micro_key, once: HeadOnce | None = None):
+    """((loss, metrics), (gradients, quant state[, health statistics][, the head's shares])) of a micro-batch."""
+    def loss(params_, quant_state, stats_, partial):
+      return loss_fn(params_, quant_state, micro, stats_, key=micro_key, count=count, micro_batches=accum,
+                     kernel_amaxes=amaxes, head_once=None if once is None else HeadOnce(once.weight, partial))
+    argnums = (0, 1) + ((2,) if stats is not None else ()) + ((3,) if once is not None else ())
+    return jax.value_and_grad(loss, argnums, has_aux=True)(params, state.quant_state, stats,
+                                                           None if once is None else once.partial)
 
   (_, metrics_shape), outs_shape = jax.eval_shape(run, state.params, *jax.tree.map(lambda a: a[0], xs))
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
@@ -133,20 +139,28 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   if stats is not None:
     init += (jax.tree.map(lambda a: health.combine_identity(a.shape), outs_shape[2]),)
 
-  def scan(init, xs, params):
-    def body(carry, x):
-      (_, metrics), outs = run(params, *x)
-      add = lambda acc, a: acc + a.astype(F32)
-      new = (jax.tree.map(add, carry[0], metrics), jax.tree.map(add, carry[1], outs[0]),
-             jax.tree.map(jnp.maximum, carry[2], outs[1]))
-      if stats is not None:
-        new += (jax.tree.map(health.combine, carry[3], outs[2]),)
-      return new, None
-
-    return jax.lax.scan(body, init, xs)[0]
-
   mesh = active_mesh()
   replicas = () if mesh is None else replica_axes(cfg, mesh, target_platform())
+
+  def scan(init, xs, params):
+    head = merged_model(graphdef, params, state.quant_state, stats).head_parts()
+    once = read_once(head) if _reads_head_once(cfg, replicas) else None
+
+    def body(carry, x):
+      sums, shares = carry
+      (_, metrics), outs = run(params, *x, once=once)
+      add = lambda acc, a: acc + a.astype(F32)
+      new = (jax.tree.map(add, sums[0], metrics), jax.tree.map(add, sums[1], outs[0]),
+             jax.tree.map(jnp.maximum, sums[2], outs[1]))
+      if stats is not None:
+        new += (jax.tree.map(health.combine, sums[3], outs[2]),)
+      return (new, None if once is None else shares + outs[-1]), None
+
+    sums, shares = jax.lax.scan(body, (init, None if once is None else jnp.zeros_like(once.partial)), xs)[0]
+    if once is None:
+      return sums
+    return (sums[0], with_head_gradient(sums[1], head, shares), *sums[2:])
+
   if replicas:
     total = _over_replicas(scan, init, xs, state.params, mesh, replicas, _param_specs(cfg, mesh, replicas),
                            jnp.dtype(cfg.quant.wgrad_dtype))
@@ -156,6 +170,16 @@ def _accumulate(grad_fn, state: TrainState, batch, stats, key, accum: int, batch
   metrics = like(total[0], metrics_shape)
   outs = (like(total[1], outs_shape[0]), like(total[2], outs_shape[1])) + tuple(total[3:])
   return metrics, outs
+
+
+def _reads_head_once(cfg: Settings, replicas: tuple[str, ...]) -> bool:
+  """Whether a step of micro-batches reads the LM head once (loss.py's `read_once`): where the tokens are split
+  across nodes over an axis that is not one of the step's `replicas` (whose sums are reduced once a step anyway).
+  Each micro-batch would reduce the head's [D, V] float32 gradient over the network (Qwen3-235B on 256 GPUs: 8 x
+  2.3 GiB a step); inside a node that reduction hides behind the layers' work, and holding the gathered weight
+  and the float32 shares for the step (1.5x the head's float32 size) buys nothing."""
+  return any(getattr(cfg.mesh, f"dcn_{axis}", 1) > 1 for axis in axes_lib.token_axes(cfg.mesh.rules_dict)
+             if axis not in replicas)
 
 
 def replica_axes(cfg: Settings, mesh: Mesh, platform: str) -> tuple[str, ...]:

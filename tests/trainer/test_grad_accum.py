@@ -2,15 +2,18 @@
 exactly, and its throughput counts the whole step."""
 
 import json
+import math
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from ember import config as config_lib
 from ember.layers import linear
 from ember.trainer.loop import train
 from ember.plan import hlo
+from ember.trainer import step as step_lib
 from ember.trainer.step import batch_sharding, jit_train_step, micro_batches
 from tests.helpers import checked, config, one_step, random_batch, rel_error, settings, start
 
@@ -136,12 +139,46 @@ def test_resume_mid_way_and_tokens_per_s_count_the_step(tmp_path):
     assert abs(r["tokens_per_s"] * r["step_time_s"] / (16 * config("tiny").model.seq_len) - 1) < 1e-6
 
 
-def _replica_all_reduces(accum: int) -> list[hlo.Collective]:
-  """The all-reduces across replicas (devices apart along the data or expert axes, with or without others: the
-  loss sums the LM head's gradient over every axis the tokens are split over in one; MOE_MESH, tiny_moe, 32
-  sequences, fp8_current) of a compiled step, with their loops' trip counts, but for those of 64 bytes or less
-  (the quantizers' amaxes, the MoE layers' statistics; the smallest gradient, a norm's, has 256)."""
-  cfg = config("tiny_moe", **{"train.batch_size": 32, "train.grad_accum_steps": accum, **MOE_MESH})
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.extended)])
+@pytest.mark.long
+def test_a_head_read_once_a_step_trains_as_one_batch(tied, monkeypatch):
+  """The LM head read once for a step's micro-batches (loss.py's `read_once`, which a step takes where its tokens
+  are split across nodes: forced here on one host): 4 micro-batches on fsdp 8 give one batch's loss, metrics,
+  gradients (the optimizer's moments) and updated parameters, float32, with the head its own weight or the
+  embedding's (`tied`); each device keeps its share of the head's weight gradient, and the one collective that
+  carries a float32 [D, V] (a vocabulary of 384, a size no other weight has) runs once a step, outside the
+  micro-batch loop."""
+  monkeypatch.setattr(step_lib, "_reads_head_once", lambda cfg, replicas: True)
+  overrides = {"model.dtype": "float32", "quant.recipe": "bf16", "train.batch_size": 32, "model.vocab_size": 384,
+               "model.tie_embeddings": tied, "mesh.data": 1, "mesh.fsdp": 8, "train.z_loss_weight": 1e-3}
+  batch = random_batch(config("tiny", **overrides))
+  one, state_one = one_step(config("tiny", **overrides), batch, 8)
+  four, state_four = one_step(config("tiny", **overrides, **{"train.grad_accum_steps": 4}), batch, 8)
+  for k in one:
+    assert rel_error(four[k], one[k]) < 1e-6, (k, four[k], one[k])
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state_one)[0], jax.tree.leaves(state_four), strict=True):
+    assert rel_error(b, a) < 1e-6, jax.tree_util.keystr(path)
+  collectives, _, cfg = _compiled_collectives("tiny", 4, overrides)
+  head = f"f32[{cfg.model.d_model},{cfg.model.vocab_size}]"
+  carrying = [c for c in collectives if c.kind in ("all-reduce", "reduce-scatter") and head in c.shape]
+  assert [c.times for c in carrying] == [1], [(c.shape, c.times) for c in carrying]
+
+
+@pytest.mark.parametrize("mesh,replicas,once", [
+    ({"mesh.fsdp": 8, "mesh.dcn_fsdp": 32}, (), True),  # FSDP across the nodes: each micro-batch would cross.
+    ({"mesh.fsdp": 8}, (), False),  # One node: the reduction hides behind the layers.
+    ({"mesh.data": 1, "mesh.fsdp": 8, "mesh.dcn_data": 4}, ("data",), False),  # Replicas reduce once a step anyway.
+    ({"mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": 8, "mesh.dcn_expert": 2}, (), True)])
+def test_a_step_reads_the_head_once_where_its_tokens_cross_nodes(mesh, replicas, once):
+  hosts = math.prod(v for k, v in mesh.items() if k.startswith("mesh.dcn_"))
+  cfg = config_lib.validate(config("tiny", **{"train.batch_size": 512, **mesh}), 8 * hosts, hosts)
+  assert step_lib._reads_head_once(cfg, replicas) is once
+
+
+def _compiled_collectives(preset: str, accum: int, overrides: dict):
+  """(the collectives of a compiled step of `preset`, 32 sequences in `accum` micro-batches with `overrides` (its
+  mesh, ...), with their loops' trip counts; a function naming the mesh axes a device group spans; the settings)."""
+  cfg = config(preset, **{"train.batch_size": 32, **overrides, "train.grad_accum_steps": accum})
   s = start(cfg, 8)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding(s.cfg, s.mesh))
            for k, v in random_batch(cfg).items()}
@@ -151,7 +188,16 @@ def _replica_all_reduces(accum: int) -> list[hlo.Collective]:
   coords = {int(d): i for i, d in np.ndenumerate(s.mesh.device_ids)}
   apart = lambda group: {s.mesh.axis_names[a] for a in range(s.mesh.devices.ndim)
                          if len({coords[d][a] for d in group}) > 1}
-  return [c for c in hlo.collective_ops(text)
+  return hlo.collective_ops(text), apart, s.cfg
+
+
+def _replica_all_reduces(accum: int) -> list[hlo.Collective]:
+  """The all-reduces across replicas (devices apart along the data or expert axes, with or without others: the
+  loss sums the LM head's gradient over every axis the tokens are split over in one; MOE_MESH, tiny_moe, 32
+  sequences, fp8_current) of a compiled step, with their loops' trip counts, but for those of 64 bytes or less
+  (the quantizers' amaxes, the MoE layers' statistics; the smallest gradient, a norm's, has 256)."""
+  collectives, apart, _ = _compiled_collectives("tiny_moe", accum, MOE_MESH)
+  return [c for c in collectives
           if c.kind == "all-reduce" and c.groups and c.bytes > 64 and apart(c.groups[0]) & {"data", "expert"}]
 
 
