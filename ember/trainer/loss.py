@@ -116,8 +116,18 @@ def with_head_gradient(grads, head: Head, partial_grad):
   dw = jnp.sum(partial_grad.astype(head.reduce_dtype), axis=0, dtype=head.reduce_dtype)
   dw = shard(dw, _WEIGHT_AXES)
   dw = dw.T if head.transposed else dw
-  return jax.tree_util.tree_map_with_path(
-      lambda path, g: g + dw.astype(g.dtype) if tuple(k.key for k in path) == head.param else g, grads)
+  found = []
+
+  def add(path, g):
+    if tuple(k.key for k in path) != head.param:
+      return g
+    found.append(path)
+    return g + dw.astype(g.dtype)
+
+  grads = jax.tree_util.tree_map_with_path(add, grads)
+  if len(found) != 1:  # A head that names no parameter of the tree would lose its gradient silently.
+    raise ValueError(f"with_head_gradient: {len(found)} leaves at the head's parameter {head.param!r}")
+  return grads
 
 
 @dataclasses.dataclass(frozen=True)
