@@ -277,7 +277,8 @@ def trip_count(loop: Instruction, by_name: dict[str, Instruction], roots: dict[s
     return 1
   span = {"LT": rhs - init, "NE": rhs - init, "LE": rhs - init + (1 if step > 0 else -1),
           "GT": rhs - init, "GE": rhs - init + (1 if step > 0 else -1)}.get(direction)
-  return 1 if span is None else max(-(-span // step), 0)
+  trips = None if span is None else -(-span // step)
+  return trips if trips and trips > 0 else 1  # A step away from the bound: not a loop read right.
 
 
 def _through_fusion(i: Instruction | None, by_name, roots) -> tuple[Instruction | None, Instruction | None]:

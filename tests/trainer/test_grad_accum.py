@@ -3,14 +3,17 @@ exactly, and its throughput counts the whole step."""
 
 import json
 import math
+import types
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh
 
 from ember import config as config_lib
 from ember.layers import linear
+from ember.names import MESH_AXES
 from ember.trainer.loop import train
 from ember.plan import hlo
 from ember.trainer import step as step_lib
@@ -148,7 +151,7 @@ def test_a_head_read_once_a_step_trains_as_one_batch(tied, monkeypatch):
   embedding's (`tied`); each device keeps its share of the head's weight gradient, and the one collective that
   carries a float32 [D, V] (a vocabulary of 384, a size no other weight has) runs once a step, outside the
   micro-batch loop."""
-  monkeypatch.setattr(step_lib, "_reads_head_once", lambda cfg, replicas: True)
+  monkeypatch.setattr(step_lib, "_reads_head_once", lambda cfg, mesh, replicas: True)
   overrides = {"model.dtype": "float32", "quant.recipe": "bf16", "train.batch_size": 32, "model.vocab_size": 384,
                "model.tie_embeddings": tied, "mesh.data": 1, "mesh.fsdp": 8, "train.z_loss_weight": 1e-3}
   batch = random_batch(config("tiny", **overrides))
@@ -170,9 +173,19 @@ def test_a_head_read_once_a_step_trains_as_one_batch(tied, monkeypatch):
     ({"mesh.data": 1, "mesh.fsdp": 8, "mesh.dcn_data": 4}, ("data",), False),  # Replicas reduce once a step anyway.
     ({"mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": 8, "mesh.dcn_expert": 2}, (), True)])
 def test_a_step_reads_the_head_once_where_its_tokens_cross_nodes(mesh, replicas, once):
+  """From the config's host counts (`mesh.dcn_*`), on this one process's devices."""
   hosts = math.prod(v for k, v in mesh.items() if k.startswith("mesh.dcn_"))
   cfg = config_lib.validate(config("tiny", **{"train.batch_size": 512, **mesh}), 8 * hosts, hosts)
-  assert step_lib._reads_head_once(cfg, replicas) is once
+  one_process = Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
+  assert step_lib._reads_head_once(cfg, one_process, replicas) is once
+
+
+def test_a_device_grid_crosses_hosts_where_a_line_of_it_holds_two_processes():
+  """A mesh axis spans hosts where the devices along it belong to different processes (a job over two nodes
+  with every `mesh.dcn_*` left at 1 lays its devices out process by process)."""
+  device = lambda p: types.SimpleNamespace(process_index=p)
+  grid = np.array([[device(0), device(0)], [device(1), device(1)]], dtype=object)  # Rows are the processes.
+  assert step_lib.spans_processes(grid, 0) and not step_lib.spans_processes(grid, 1)
 
 
 def _compiled_collectives(preset: str, accum: int, overrides: dict):
