@@ -92,3 +92,11 @@ def device_grid(mesh_cfg, devices: list) -> np.ndarray:
     else:  # Process-major (on GPU that is also id order): each process owns a contiguous block.
       grid = np.asarray(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(tuple(ici))
   return grid
+
+
+def axes_across_hosts(devices: np.ndarray, axis_names) -> set[str]:
+  """The mesh axes along which a line of the device grid holds devices of more than one process: those whose
+  collectives cross hosts (the dcn axes; with none set, whichever axes the process-major layout spreads over the
+  processes)."""
+  process = np.vectorize(lambda d: d.process_index, otypes=[int])(devices)
+  return {a for i, a in enumerate(axis_names) if (process != np.take(process, [0], axis=i)).any()}

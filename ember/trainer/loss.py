@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ember.layers.decoder import Head
+from ember.layers.decoder import Head, keys_of
 from ember.names import BATCH, EMBED, LENGTH, LM_HEAD, VOCAB
 from ember.parallel import axes as axes_lib
 from ember.parallel.sharding import (active_mesh, active_rules, entry_axes, logical_to_spec, place, shard, shard_map,
@@ -119,7 +119,7 @@ def with_head_gradient(grads, head: Head, partial_grad):
   found = []
 
   def add(path, g):
-    if tuple(k.key for k in path) != head.param:
+    if keys_of(path) != head.param:
       return g
     found.append(path)
     return g + dw.astype(g.dtype)

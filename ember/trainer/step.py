@@ -6,7 +6,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -20,6 +19,7 @@ from ember.layers.decoder import keys_of, stacked_layers
 from ember.layers.moe import ROUTER_BIAS
 from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.parallel import axes as axes_lib
+from ember.parallel import mesh as mesh_lib
 from ember.parallel import pipeline
 from ember.parallel.sharding import active_mesh, active_rules, only_axes, tree_shardings
 from ember.platform import target_platform
@@ -173,22 +173,17 @@ def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch
   return metrics, outs
 
 
-def _reads_head_once(cfg: Settings, mesh: Mesh, replicas: tuple[str, ...]) -> bool:
+def _reads_head_once(cfg: Settings, mesh: Mesh | None, replicas: tuple[str, ...]) -> bool:
   """Whether a step of micro-batches reads the LM head once (loss.py's `read_once`): where the tokens are split
-  across nodes over an axis that is not one of the step's `replicas` (whose sums are reduced once a step anyway):
-  an axis the config spreads over hosts (`mesh.dcn_*`), or one whose devices belong to more than one process.
-  Each micro-batch would reduce the head's [D, V] float32 gradient over the network (Qwen3-235B on 256 GPUs: 8 x
-  2.3 GiB a step); inside a node that reduction hides behind the layers' work, and holding the gathered weight
-  and the float32 shares for the step (1.5x the head's float32 size) buys nothing."""
-  axes = [a for a in axes_lib.token_axes(cfg.mesh.rules_dict) if a not in replicas]
-  return any(getattr(cfg.mesh, f"dcn_{a}", 1) > 1 or spans_processes(mesh.devices, mesh.axis_names.index(a))
-             for a in axes)
-
-
-def spans_processes(devices: np.ndarray, axis: int) -> bool:
-  """Whether some line of a device grid along `axis` holds devices of more than one process (crosses hosts)."""
-  process = np.vectorize(lambda d: d.process_index, otypes=[int])(devices)
-  return bool((process != np.take(process, [0], axis=axis)).any())
+  across hosts (mesh.py's `axes_across_hosts`) over an axis that is not one of the step's `replicas` (whose sums
+  are reduced once a step anyway). Each micro-batch would reduce the head's [D, V] float32 gradient over the
+  network (Qwen3-235B on 256 GPUs: 8 x 2.3 GiB a step); inside a node that reduction hides behind the layers'
+  work, and holding the gathered weight and the float32 shares for the step (1.5x the head's float32 size) buys
+  nothing."""
+  if mesh is None:
+    return False
+  across = mesh_lib.axes_across_hosts(mesh.devices, mesh.axis_names)
+  return any(a in across for a in axes_lib.token_axes(cfg.mesh.rules_dict) if a not in replicas)
 
 
 def replica_axes(cfg: Settings, mesh: Mesh, platform: str) -> tuple[str, ...]:

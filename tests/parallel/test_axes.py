@@ -1,6 +1,8 @@
 """Which mesh axes do what (ember/parallel/axes.py): read from `mesh.rules`, so a config that changes the rules
 changes what validation, the step and the planner count."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from jax.sharding import Mesh
 from ember import config as config_lib
 from ember.errors import ConfigError
 from ember.parallel import axes
+from ember.parallel import mesh as mesh_lib
 from ember.plan.layer import per_device_batch, sequence_shards
 from ember.trainer.step import replica_axes
 from tests.helpers import config
@@ -64,3 +67,12 @@ def test_replicas_are_the_batch_axes_no_parameter_is_split_over():
 
 def _dict(settings, **changed):
   return {**settings.mesh.rules_dict, **changed}
+
+
+def test_the_axes_across_hosts_are_those_whose_lines_hold_two_processes():
+  """A job over two hosts with no `mesh.dcn_*` set lays its devices out process by process: the first axis
+  of more than one device crosses the hosts."""
+  device = lambda p: types.SimpleNamespace(process_index=p)
+  grid = np.array([[device(0), device(0)], [device(1), device(1)]], dtype=object)  # Rows are the processes.
+  assert mesh_lib.axes_across_hosts(grid, ("data", "fsdp")) == {"data"}
+  assert mesh_lib.axes_across_hosts(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp")) == set()

@@ -2,7 +2,6 @@
 exactly, and its throughput counts the whole step."""
 
 import json
-import math
 import types
 
 import jax
@@ -11,7 +10,6 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from ember import config as config_lib
 from ember.layers import linear
 from ember.names import MESH_AXES
 from ember.trainer.loop import train
@@ -167,25 +165,26 @@ def test_a_head_read_once_a_step_trains_as_one_batch(tied, monkeypatch):
   assert [c.times for c in carrying] == [1], [(c.shape, c.times) for c in carrying]
 
 
-@pytest.mark.parametrize("mesh,replicas,once", [
-    ({"mesh.fsdp": 8, "mesh.dcn_fsdp": 32}, (), True),  # FSDP across the nodes: each micro-batch would cross.
-    ({"mesh.fsdp": 8}, (), False),  # One node: the reduction hides behind the layers.
-    ({"mesh.data": 1, "mesh.fsdp": 8, "mesh.dcn_data": 4}, ("data",), False),  # Replicas reduce once a step anyway.
-    ({"mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": 8, "mesh.dcn_expert": 2}, (), True)])
-def test_a_step_reads_the_head_once_where_its_tokens_cross_nodes(mesh, replicas, once):
-  """From the config's host counts (`mesh.dcn_*`), on this one process's devices."""
-  hosts = math.prod(v for k, v in mesh.items() if k.startswith("mesh.dcn_"))
-  cfg = config_lib.validate(config("tiny", **{"train.batch_size": 512, **mesh}), 8 * hosts, hosts)
+def _processes_along(axis: str, processes: int = 2):
+  """A stand-in mesh over MESH_AXES whose devices belong to `processes` processes along `axis` (one device on
+  every other axis)."""
+  shape = [processes if a == axis else 1 for a in MESH_AXES]
+  grid = np.empty(shape, dtype=object)
+  for index in np.ndindex(*shape):
+    grid[index] = types.SimpleNamespace(process_index=index[MESH_AXES.index(axis)])
+  return types.SimpleNamespace(devices=grid, axis_names=MESH_AXES)
+
+
+@pytest.mark.parametrize("across,replicas,once", [
+    ("fsdp", (), True),  # FSDP across the hosts: each micro-batch would reduce the head over the network.
+    ("tensor", (), False),  # The tokens stay on each host.
+    ("data", ("data",), False),  # Replicas reduce once a step anyway.
+    ("expert", (), True)])
+def test_a_step_reads_the_head_once_where_its_tokens_cross_hosts(across, replicas, once):
+  assert step_lib._reads_head_once(settings("tiny"), _processes_along(across), replicas) is once
   one_process = Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
-  assert step_lib._reads_head_once(cfg, one_process, replicas) is once
-
-
-def test_a_device_grid_crosses_hosts_where_a_line_of_it_holds_two_processes():
-  """A mesh axis spans hosts where the devices along it belong to different processes (a job over two nodes
-  with every `mesh.dcn_*` left at 1 lays its devices out process by process)."""
-  device = lambda p: types.SimpleNamespace(process_index=p)
-  grid = np.array([[device(0), device(0)], [device(1), device(1)]], dtype=object)  # Rows are the processes.
-  assert step_lib.spans_processes(grid, 0) and not step_lib.spans_processes(grid, 1)
+  assert not step_lib._reads_head_once(settings("tiny"), one_process, replicas)
+  assert not step_lib._reads_head_once(settings("tiny"), None, replicas)
 
 
 def _compiled_collectives(preset: str, accum: int, overrides: dict):
