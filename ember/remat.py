@@ -68,9 +68,11 @@ ROUTED = (MOE_WI_0, MOE_WI_1, MOE_WO) + tuple(quantized_name(p, o) for p in ("mo
                                               for o in QUANTIZED_OPERANDS)
 ALL_NAMES = ACTIVATION_NAMES + QUANTIZED_NAMES
 
-# The projection outputs `minimal` keeps (every projection matmul's output).
-PROJECTION_OUTPUTS = (QUERY, KEY, VALUE, OUT_PROJ, MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO,
-                      ROUTER_LOGITS, MLA_Q_LATENT, MLA_KV_LATENT)
+# The matmul outputs `minimal` keeps: every projection's, and attention's (its context and, where a fused kernel
+# runs it, the softmax statistics that kernel's backward reads: layers/attention.py), so that its backward pass
+# recomputes elementwise work only.
+MATMUL_OUTPUTS = (QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO,
+                  ROUTER_LOGITS, MLA_Q_LATENT, MLA_KV_LATENT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +91,13 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "none": Preset(remat=False),
     "full": Preset(),
-    "minimal": Preset(save=PROJECTION_OUTPUTS),
+    "minimal": Preset(save=MATMUL_OUTPUTS),
     "save_quantized": Preset(save=QUANTIZED_NAMES),
-    "minimal_quantized": Preset(save=PROJECTION_OUTPUTS + QUANTIZED_NAMES),
+    "minimal_quantized": Preset(save=MATMUL_OUTPUTS + QUANTIZED_NAMES),
     "save_qkv_proj": Preset(save=(QUERY, KEY, VALUE, MLA_Q_LATENT, MLA_KV_LATENT)),
     "save_dot_except_mlp": Preset(save=(QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, ROUTER_LOGITS, MLA_Q_LATENT,
                                         MLA_KV_LATENT)),
-    "minimal_offloaded": Preset(offload=PROJECTION_OUTPUTS),
+    "minimal_offloaded": Preset(offload=MATMUL_OUTPUTS),
     "save_quantized_offloaded": Preset(offload=QUANTIZED_NAMES),
     # The activation copies to host, the weight copies kept on device. Under FSDP a weight copy is the
     # device's 1/fsdp shard in 8 bits, and one brought back from host is gathered after XLA has dequantized

@@ -83,8 +83,12 @@ def local_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias_Bx1xTxS, implementatio
   """Attention on one device. `auto` takes cuDNN's flash attention when the target is a GPU and falls back to XLA
   for the shapes, dtypes or masks cuDNN does not take (it raises at trace time; the compile report says why:
   `cudnn_refusal`)."""
-  attention = lambda impl: jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias=bias_Bx1xTxS,
-                                                        is_causal=causal, implementation=impl)
+  def attention(impl):
+    f = lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b, is_causal=causal, implementation=impl)
+    if impl == "xla":
+      return checkpoint_name(f(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias_Bx1xTxS), remat.ATTENTION_CONTEXT)
+    return _keeping_residuals(f)(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias_Bx1xTxS)
+
   if implementation == "auto":
     if target_platform() == "gpu":
       try:
@@ -93,6 +97,36 @@ def local_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias_Bx1xTxS, implementatio
         pass
     return attention("xla")
   return attention(implementation)
+
+
+def _keeping_residuals(attention):
+  """`attention(q, k, v, bias)`, its output named `remat.ATTENTION_CONTEXT`, with a VJP whose residuals other than
+  its inputs are named so too: the output and the softmax statistics a fused kernel's backward reads. A remat
+  policy that keeps the context then keeps what the backward needs, and the backward pass never runs the forward
+  attention again (a name on the output alone keeps the output: the statistics, which only the forward kernel
+  writes, send the recompute back to it). The output is one residual, named once: every name is a buffer of its
+  own in a scan's saved stacks. Not for XLA's attention, whose residuals are the [L, L] probabilities."""
+  structure = []
+
+  @jax.custom_vjp
+  def kept(q, k, v, bias):
+    return checkpoint_name(attention(q, k, v, bias), remat.ATTENTION_CONTEXT)
+
+  def forward(q, k, v, bias):
+    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, bias), q, k, v)
+    leaves, treedef = jax.tree.flatten(vjp)
+    structure[:] = [treedef]
+    named_out = checkpoint_name(out, remat.ATTENTION_CONTEXT)
+    inputs = (q, k, v, bias)
+    named = [named_out if r is out else r if any(r is a for a in inputs)
+             else checkpoint_name(r, remat.ATTENTION_CONTEXT) for r in leaves]
+    return named_out, named
+
+  def backward(residuals, g):
+    return (*jax.tree.unflatten(structure[0], residuals)(g), None)
+
+  kept.defvjp(forward, backward)
+  return kept
 
 
 def cudnn_refusal(batch: int, length: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype,
@@ -151,8 +185,8 @@ class Attention(nnx.Module):
         raise ValueError("under context parallelism attention runs in the decoder's balanced layout, with the "
                          "decoder's bias")
       bias = attention_bias(segment_ids_BxL, q_BxLxNxH.dtype)
-    ctx_BxLxNxH = attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, self.implementation)
-    ctx_BxLxNxH = checkpoint_name(shard(ctx_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTENTION_CONTEXT)
+    ctx_BxLxNxH = attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, self.implementation)  # Named: local_attention.
+    ctx_BxLxNxH = shard(ctx_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM))
     y_BxLxD = self.out(ctx_BxLxNxH, key, handed(taken, "out"))
     return checkpoint_name(shard(y_BxLxD, (BATCH, LENGTH, EMBED)), remat.OUT_PROJ)
 

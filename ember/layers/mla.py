@@ -98,8 +98,8 @@ class LatentAttention(nnx.Module):
         raise ValueError("under context parallelism attention runs in the decoder's balanced layout, with the "
                          "decoder's bias")
       bias = attention_bias(segment_ids_BxL, q_BxLxNxQ.dtype)
-    ctx = attend(q_BxLxNxQ, k_BxLxNxQ, v_padded, bias, self.implementation)[..., :self.v_dim]
-    ctx_BxLxNxV = checkpoint_name(shard(ctx, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.ATTENTION_CONTEXT)
+    ctx = attend(q_BxLxNxQ, k_BxLxNxQ, v_padded, bias, self.implementation)  # Named: attention.local_attention.
+    ctx_BxLxNxV = shard(ctx[..., :self.v_dim], (BATCH, LENGTH, HEADS, HEAD_DIM))
     y_BxLxD = self.out(ctx_BxLxNxV, key, handed(taken, "out"))
     return checkpoint_name(shard(y_BxLxD, (BATCH, LENGTH, EMBED)), remat.OUT_PROJ)
 

@@ -48,3 +48,29 @@ def test_segment_positions_restart():
   h_packed, _ = model(packed, seg, pos)
   h_alone, _ = model(alone, seg_alone, pos)
   np.testing.assert_allclose(h_packed[0, 8:], h_alone[0, :8], rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_attentions_residuals_are_named_so_a_policy_can_keep_them():
+  """`_keeping_residuals` (how a fused kernel's attention runs; here around XLA's, whose VJP is as good a stand-in):
+  the same values and gradients, and under a policy that keeps `attention_context` the backward pass runs no
+  forward attention again (its softmax's exp appears once in the step, against twice when nothing is kept)."""
+  from ember import remat
+  from ember.layers import attention as attention_lib
+
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (2, 8, 4, 16))
+  k, v = (jax.random.normal(key, (2, 8, 2, 16)) for key in keys[1:3])
+  bias = attention_lib.attention_bias(jnp.array([[1] * 5 + [2] * 3, [1] * 8]), jnp.float32)
+  plain = lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b, is_causal=True, implementation="xla")
+  kept = attention_lib._keeping_residuals(plain)
+  cotangent = jax.random.normal(keys[3], q.shape)
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, bias) * cotangent)
+  np.testing.assert_allclose(kept(q, k, v, bias), plain(q, k, v, bias), rtol=1e-6)
+  for a, b in zip(jax.grad(loss(kept), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+  def exps(policy):
+    step = jax.checkpoint(loss(kept), policy=remat.jax_policy(remat.PRESETS[policy]))
+    return str(jax.make_jaxpr(jax.grad(step, argnums=(0, 1, 2)))(q, k, v)).count(" exp ")
+
+  assert exps("minimal") == 1 and exps("full") == 2

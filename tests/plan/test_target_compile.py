@@ -286,6 +286,15 @@ def test_cudnn_attention_forward_and_backward(head_dim):
   assert r["attention_kernels"]["forward"] >= 1 and r["attention_kernels"]["backward"] >= 1
 
 
+@pytest.mark.parametrize("policy,forward_calls", [("full", 2), ("minimal", 1), ("save_dot_except_mlp", 1)])
+def test_a_policy_that_keeps_the_attention_context_runs_the_forward_attention_once(policy, forward_calls):
+  """cuDNN's attention names its output and softmax statistics `attention_context` (layers/attention.py): a policy
+  that keeps the context runs the forward kernel once a layer; `full` runs it again in the backward's recompute."""
+  r = report("h100x1", f"--config.remat.policy={policy}")
+  assert r["attention"] == "cudnn", r.get("attention_note")
+  assert r["attention_kernels"] == {"forward": forward_calls, "backward": 1}, r["attention_kernels"]
+
+
 def test_xla_attention_says_why():
   r = report("h100x1", "--config.model.attention=xla")
   assert r["attention"] == "xla" and r["attention_note"] == "model.attention=xla"
