@@ -9,6 +9,9 @@ from __future__ import annotations
 # --- Logical axes: layers name these; the config's `mesh.rules` maps them to mesh axes. -----------
 BATCH = "batch"
 LENGTH = "length"
+# The residual stream's length between a layer's attention and MLP blocks (its norms, adds and saved inputs): split
+# over `tensor` as well as `context` (sequence parallelism), where LENGTH, the blocks' own, is whole on a tensor group.
+RESIDUAL_LENGTH = "residual_length"
 EMBED = "embed"
 HEADS = "heads"
 KV_HEADS = "kv_heads"
@@ -20,7 +23,10 @@ LAYERS = "layers"
 NORM = "norm"
 QKV = "qkv"  # The (q groups, k, v) axis of the fused QKV kernel.
 GATE = "gate"  # The (gate, up) axis of the fused SwiGLU kernel.
-LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, NORM, QKV, GATE)
+LOGICAL_AXES = (BATCH, LENGTH, RESIDUAL_LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, NORM, QKV,
+                GATE)
+RESIDUAL = (BATCH, RESIDUAL_LENGTH, EMBED)  # The residual stream's axes (ember/layers/decoder.py).
+BLOCK = (BATCH, LENGTH, EMBED)  # An attention or MLP block's input and output: its tokens whole on a tensor group.
 
 # Mesh axes, in the mesh's order (the last vary fastest: tensor and expert on the closest devices).
 MESH_AXES = ("pipeline", "data", "fsdp", "context", "tensor", "expert")

@@ -207,6 +207,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.rules = (
       ("batch", ("data", "fsdp", "expert")),
       ("length", "context"),
+      ("residual_length", ("context", "tensor")),  # Sequence parallelism: docs/parallelism.md.
       ("embed", ("fsdp", "context")),
       ("heads", "tensor"),
       ("kv_heads", "tensor"),

@@ -35,8 +35,8 @@ from ember.layers.mlp import MLP
 from ember.layers.moe import MoE
 from ember.layers.norm import RMSNorm
 from ember.config.model import ModelConfig
-from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, LAYERS, LENGTH, LM_HEAD, MOE_EXPERT_LOADS,
-                         MOE_LAYER_COUNTS, VOCAB)
+from ember.names import (AUX_KEYS, BATCH, BLOCK, BY_LAYER, EMBED, LAYERS, LENGTH, LM_HEAD, MOE_EXPERT_LOADS,
+                         MOE_LAYER_COUNTS, RESIDUAL, VOCAB)
 from ember.parallel import context
 from ember.parallel.sharding import shard
 from ember.quant import dot
@@ -63,14 +63,16 @@ class DecoderLayer(nnx.Module):
     """`bias`: the attention's segment bias, made once for every layer (Transformer.__call__), or None;
     `moe_plan`: what an MoE layer runs (MoE.__call__); `taken`: what the step hands the layer's projections
     (layers/linear.py's `Taken`, by path below the layer), or None."""
-    x_BxLxD = checkpoint_name(x_BxLxD, remat.LAYER_INPUT)
-    h_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), segment_ids_BxL, positions_BxL, key, bias,
-                                  handed(taken, "attn"))
+    x_BxLxD = checkpoint_name(shard(x_BxLxD, RESIDUAL), remat.LAYER_INPUT)
+    gathered = lambda normed: shard(normed, BLOCK)  # A block's input: its tokens whole on a tensor group.
+    h_BxLxD = shard(x_BxLxD + self.attn(gathered(self.attn_norm(x_BxLxD)), segment_ids_BxL, positions_BxL, key,
+                                        bias, handed(taken, "attn")), RESIDUAL)
     if self.is_moe:
-      y_BxLxD, aux = self.moe(self.mlp_norm(h_BxLxD), segment_ids_BxL, key, moe_plan, handed(taken, "moe"))
+      y_BxLxD, aux = self.moe(gathered(self.mlp_norm(h_BxLxD)), segment_ids_BxL, key, moe_plan,
+                              handed(taken, "moe"))
     else:
-      y_BxLxD, aux = self.mlp(self.mlp_norm(h_BxLxD), key, handed(taken, "mlp")), zero_aux()
-    return shard(h_BxLxD + y_BxLxD, (BATCH, LENGTH, EMBED)), aux
+      y_BxLxD, aux = self.mlp(gathered(self.mlp_norm(h_BxLxD)), key, handed(taken, "mlp")), zero_aux()
+    return shard(h_BxLxD + y_BxLxD, RESIDUAL), aux
 
   def decode(self, x_BxTxD, positions_BxT, cache, valid_BxT):
     """The layer on T new tokens per row with a KV cache (Attention.decode); returns (y, cache). Tokens

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ember.names import BATCH, EMBED, LENGTH, VOCAB
+from ember.names import BATCH, EMBED, LENGTH, RESIDUAL, VOCAB
 from ember.parallel import context
-from ember.parallel.sharding import active_mesh, shard
+from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant.varying import manual_axes
 
 
@@ -20,12 +20,12 @@ class Embed(nnx.Module):
     table_VxD = self.embedding[...].astype(self.dtype)
     if context.context_axes() or _partitioner_aborts():
       # Looked up in a table sharded along `embed`, the rows come out split along `embed`, and XLA cannot move
-      # them onto batch x length when both are split (it would replicate them): gather the table first. Inside a
-      # map manual over some axes (a pipeline's stages, a step's replicas) XLA's partitioner aborts on that
-      # lookup when two other axes are split (`_partitioner_aborts`): gathered, it does not.
-      table_VxD = shard(table_VxD, (VOCAB, None))
+      # them onto batch x length when both are split (it would replicate them); inside a map manual over some axes
+      # (a pipeline's stages, a step's replicas) XLA's partitioner aborts on that lookup when two other axes are
+      # split (`_partitioner_aborts`). Each device looks its own tokens up instead (`_lookup_on_each_device`).
+      return shard(_lookup_on_each_device(table_VxD, tokens_BxL), RESIDUAL)
     x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
-    return shard(x_BxLxD, (BATCH, LENGTH, EMBED))
+    return shard(x_BxLxD, RESIDUAL)
 
 
 def _partitioner_aborts() -> bool:
@@ -35,3 +35,26 @@ def _partitioner_aborts() -> bool:
   if mesh is None or not manual:
     return False
   return sum(1 for a, n in mesh.shape.items() if n > 1 and a not in manual) >= 2
+
+
+def _lookup_on_each_device(table_VxD, tokens_BxL):
+  """The lookup on each device's own tokens, in its rows of the table gathered along `embed` (vocabulary-parallel
+  where `vocab` is split: each device takes the tokens in its rows, zeros for the others, summed over the vocab
+  axes). Why: left to XLA, the backward pass's scatter-add gathered every device's token gradients whole
+  ([tokens of all batch devices, d_model], 16 GiB a micro-batch on llama3_405b over 1,024 GPUs) onto each table
+  shard; here each device adds its own tokens' gradients into its rows, and the map's transpose sums those partial
+  tables over the batch devices."""
+  mesh, rules = active_mesh(), active_rules()
+  spec = lambda names: logical_to_spec(names, rules, mesh)
+  vocab_axes = tuple(a for a in jax.tree.leaves(tuple(spec((VOCAB,)))) if a not in manual_axes())
+
+  def lookup(table, tokens):
+    rows = table.shape[0]
+    first = rows * (jax.lax.axis_index(vocab_axes) if vocab_axes else 0)
+    local = tokens - first
+    inside = (local >= 0) & (local < rows)
+    x = jnp.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
+    return jax.lax.psum(x, vocab_axes) if vocab_axes else x
+
+  return shard_map(lookup, mesh=mesh, in_specs=(spec((VOCAB, None)), spec((BATCH, LENGTH))),
+                   out_specs=spec((BATCH, LENGTH, None)))(table_VxD, tokens_BxL)

@@ -1,0 +1,67 @@
+"""Sequence parallelism (the residual stream's length split over `tensor`) and the embedding looked up per device:
+what each splits, and that the lookup gives XLA's values and gradients. That a tensor-parallel step trains as one
+device does is tests/parallel's equality tests' (tensor meshes)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from configs import default
+from ember.layers import embed as embed_lib
+from ember.parallel import sharding
+from tests.helpers import batch_sharding, config, jit_train_step, random_batch, start
+
+
+def _saved_layer_inputs(rules) -> set[tuple[int, ...]]:
+  """The shapes of the scanned step's stacked saved activations [layers, rows, length, d_model] (remat `full` keeps
+  each layer's input alone), for tiny on fsdp 4 x tensor 2 under `rules`."""
+  cfg = config("tiny", **{"mesh.fsdp": 4, "mesh.tensor": 2, "remat.policy": "full", "mesh.rules": rules})
+  s = start(cfg, 8)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding(s.cfg, s.mesh))
+           for k, v in random_batch(cfg).items()}
+  with s.rules():
+    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
+    text = step.lower(s.state, batch).compile().as_text()
+  m = s.cfg.model
+  shapes = {tuple(int(n) for n in dims.split(",")) for dims in re.findall(r"\w+\[([\d,]+)\]", text)}
+  return {d for d in shapes if len(d) == 4 and d[0] == m.num_layers and d[-1] == m.d_model}
+
+
+def test_the_residual_stream_keeps_a_tensor_groups_share_of_the_tokens():
+  """tiny (2 layers, 64 positions, 8 sequences) on fsdp 4 x tensor 2: each device's saved layer inputs are its 2
+  sequences' halves, [2, 2, 32, 64]; with `residual_length` split over `context` alone, whole, [2, 2, 64, 64]."""
+  rules = tuple(default.get_config("tiny").mesh.rules)
+  assert ("residual_length", ("context", "tensor")) in rules
+  off = tuple(("residual_length", "context") if name == "residual_length" else (name, axes) for name, axes in rules)
+  split, whole = _saved_layer_inputs(rules), _saved_layer_inputs(off)
+  assert (2, 2, 32, 64) in split and (2, 2, 64, 64) not in split, split
+  assert (2, 2, 64, 64) in whole and (2, 2, 32, 64) not in whole, whole
+
+
+def test_the_per_device_lookup_gives_xlas_values_and_gradients():
+  """Inside a map manual over `data` with fsdp 2 x tensor 2 split (where XLA's partitioner aborts on the lookup),
+  each device looks its own tokens up in its vocabulary rows: the same embeddings, and the same table gradient (each
+  device's rows summed over the batch devices once, not once per device)."""
+  rules = tuple(default.get_config("tiny").mesh.rules)
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                       devices=jax.devices()[:8])
+  keys = jax.random.split(jax.random.key(0), 3)
+  table = jax.random.normal(keys[0], (16, 8))
+  tokens = jax.random.randint(keys[1], (8, 4), 0, 16)
+  cotangent = jax.random.normal(keys[2], (8, 4, 8))
+
+  def ours(t):
+    def replica(t, tok, c):
+      assert embed_lib._partitioner_aborts()
+      return jax.lax.psum(jnp.sum(embed_lib._lookup_on_each_device(t, tok) * c), "data")
+    with sharding.use_rules(mesh, rules):
+      return jax.shard_map(replica, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(),
+                           axis_names={"data"}, check_vma=False)(t, tokens, cotangent)
+
+  xla = lambda t: jnp.sum(jnp.take(t, tokens, axis=0) * cotangent)
+  with jax.set_mesh(mesh):
+    np.testing.assert_allclose(jax.jit(ours)(table), xla(table), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(ours))(table), jax.grad(xla)(table), rtol=1e-6, atol=1e-6)
