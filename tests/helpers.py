@@ -145,6 +145,17 @@ def one_step(cfg, batch, num_devices: int):
   return jax.device_get((metrics, new_state))
 
 
+def compiled_text(cfg, num_devices: int) -> tuple[str, Start]:
+  """(the optimised HLO of `cfg`'s train step compiled as the trainer jits it for its first `num_devices` devices,
+  on a batch laid out as the trainer lays it out; the `Start` it was compiled from)."""
+  s = start(cfg, num_devices)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding(s.cfg, s.mesh))
+           for k, v in random_batch(cfg).items()}
+  with s.rules():
+    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
+    return step.lower(s.state, batch).compile().as_text(), s
+
+
 def rel_error(a, b) -> float:
   """max |a - b| over max |b| (float64)."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

@@ -12,19 +12,14 @@ from jax.sharding import PartitionSpec as P
 from configs import default
 from ember.layers import embed as embed_lib
 from ember.parallel import sharding
-from tests.helpers import batch_sharding, config, jit_train_step, random_batch, start
+from tests.helpers import compiled_text, config
 
 
 def _saved_layer_inputs(rules) -> set[tuple[int, ...]]:
   """The shapes of the scanned step's stacked saved activations [layers, rows, length, d_model] (remat `full` keeps
   each layer's input alone), for tiny on fsdp 4 x tensor 2 under `rules`."""
-  cfg = config("tiny", **{"mesh.fsdp": 4, "mesh.tensor": 2, "remat.policy": "full", "mesh.rules": rules})
-  s = start(cfg, 8)
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding(s.cfg, s.mesh))
-           for k, v in random_batch(cfg).items()}
-  with s.rules():
-    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
-    text = step.lower(s.state, batch).compile().as_text()
+  text, s = compiled_text(config("tiny", **{"mesh.fsdp": 4, "mesh.tensor": 2, "remat.policy": "full",
+                                             "mesh.rules": rules}), 8)
   m = s.cfg.model
   shapes = {tuple(int(n) for n in dims.split(",")) for dims in re.findall(r"\w+\[([\d,]+)\]", text)}
   return {d for d in shapes if len(d) == 4 and d[0] == m.num_layers and d[-1] == m.d_model}

@@ -15,8 +15,8 @@ from ember.names import MESH_AXES
 from ember.trainer.loop import train
 from ember.plan import hlo
 from ember.trainer import step as step_lib
-from ember.trainer.step import batch_sharding, jit_train_step, micro_batches
-from tests.helpers import checked, config, one_step, random_batch, rel_error, settings, start
+from ember.trainer.step import micro_batches
+from tests.helpers import checked, compiled_text, config, one_step, random_batch, rel_error, settings, start
 
 MESH = {"mesh.data": 2, "mesh.fsdp": 4}
 MOE_MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2}
@@ -190,13 +190,7 @@ def test_a_step_reads_the_head_once_where_its_tokens_cross_hosts(across, replica
 def _compiled_collectives(preset: str, accum: int, overrides: dict):
   """(the collectives of a compiled step of `preset`, 32 sequences in `accum` micro-batches with `overrides` (its
   mesh, ...), with their loops' trip counts; a function naming the mesh axes a device group spans; the settings)."""
-  cfg = config(preset, **{"train.batch_size": 32, **overrides, "train.grad_accum_steps": accum})
-  s = start(cfg, 8)
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding(s.cfg, s.mesh))
-           for k, v in random_batch(cfg).items()}
-  with s.rules():
-    step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
-    text = step.lower(s.state, batch).compile().as_text()
+  text, s = compiled_text(config(preset, **{"train.batch_size": 32, **overrides, "train.grad_accum_steps": accum}), 8)
   coords = {int(d): i for i, d in np.ndenumerate(s.mesh.device_ids)}
   apart = lambda group: {s.mesh.axis_names[a] for a in range(s.mesh.devices.ndim)
                          if len({coords[d][a] for d in group}) > 1}
