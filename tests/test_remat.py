@@ -109,7 +109,8 @@ def test_offloaded_presets_place_their_names_in_host_memory():
   """
   cfg, mesh, tx, schedule = _tiny_step()
   problem = layer_plan.layer_problem(cfg)
-  expected = {"minimal_offloaded": {remat.QUERY, remat.KEY, remat.VALUE, remat.OUT_PROJ, remat.MLP_WI},
+  expected = {"minimal_offloaded": {remat.QUERY, remat.KEY, remat.VALUE, remat.ATTENTION_CONTEXT, remat.OUT_PROJ,
+                                    remat.MLP_WI},
               "save_quantized_offloaded": {remat.quantized_name(p, o) for p in ("qkv", "out", "wi", "wo")
                                            for o in ("x", "kernel")},
               # The activation copies only; the weight copies stay on device.
