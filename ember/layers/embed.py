@@ -23,8 +23,9 @@ class Embed(nnx.Module):
       # them onto batch x length when both are split (it would replicate them); inside a map manual over some axes
       # (a pipeline's stages, a step's replicas) XLA's partitioner aborts on that lookup when two other axes are
       # split (`_partitioner_aborts`). Each device looks its own tokens up instead (`_lookup_on_each_device`).
-      return shard(_lookup_on_each_device(table_VxD, tokens_BxL), RESIDUAL)
-    x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
+      x_BxLxD = _lookup_on_each_device(table_VxD, tokens_BxL)
+    else:
+      x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
     return shard(x_BxLxD, RESIDUAL)
 
 
