@@ -51,8 +51,8 @@ def step_cost(text: str | hlo.Program, *, model_flops: float, tokens: float, mac
   gemms, calls = hlo.gemms(p), hlo.attention_calls(p)
   executed = {prec: sum(g.flops_per_step for g in gemms if g.precision == prec and not g.recomputed)
               for prec in hlo.PRECISIONS}
-  attention = sum(c.flops_per_step for c in calls if not c.recomputed)
-  recompute = sum(w.flops_per_step for w in (*gemms, *calls) if w.recomputed)
+  attention = sum(c.flops_per_step - c.recomputed_flops_per_step for c in calls)
+  recompute = sum(g.flops_per_step for g in gemms if g.recomputed) + sum(c.recomputed_flops_per_step for c in calls)
   first_pass = sum(executed.values()) + attention
   out = {
       "executed_flops": executed, "recompute_flops": recompute, "attention_flops": attention,

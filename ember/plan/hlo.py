@@ -16,7 +16,8 @@ Rules, in one place:
     PV) and 2 x B x H x Lq x Lk x (3 D + 2 Dv) backward (QK^T again, dV, dP, dQ, dK: 2.5x the forward, the
     FlashAttention convention, the kernel's own recompute of the scores included); a causal mask halves both.
   * work "recomputed" is work under JAX's `rematted_computation` name scope: the forward of a
-    `jax.checkpoint`ed function run again in the backward pass.
+    `jax.checkpoint`ed function run again in the backward pass; and a backward attention kernel's QK^T
+    (2 x B x H x Lq x Lk x D, halved if causal), the scores it computes again rather than reading them.
   * attention is `cudnn` when the program calls cuDNN's fused attention, else `xla`.
   * a collective's bytes are what one device holds of it (all-gather: the gathered result; reduce-scatter:
     its input; ragged-all-to-all: the smaller of its operand and its output buffer, a bound on what the
@@ -409,10 +410,16 @@ class AttentionCall:
   bytes: float
   recomputed: bool
   op_name: str
+  rescored_flops: float = 0.0  # Per execution, of `flops`: a backward kernel's QK^T, the scores computed again.
 
   @property
   def flops_per_step(self) -> float:
     return self.flops * self.times
+
+  @property
+  def recomputed_flops_per_step(self) -> float:
+    """What the call computes again per step: all of it under remat, else the scores it recomputes."""
+    return self.flops_per_step if self.recomputed else self.rescored_flops * self.times
 
 
 def attention_calls(hlo: str | Program) -> list[AttentionCall]:
@@ -430,12 +437,14 @@ def attention_of(p: Program, i: Instruction) -> AttentionCall | None:
   # The score matrix [B, H, Lq, Lk] is in the backend config; head dims are the last of Q's and V's.
   m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]', i.line)
   q, v = (dims_of(p.type_of(o)) for o in (i.operands + ["", "", ""])[:3:2])
-  flops = 0.0
+  flops = rescored = 0.0
   if m and q and v:
     b, h, lq, lk = (int(d) for d in re.findall(r"\d+", m.group(1)))
     d, dv = q[-1], v[-1]
-    flops = 2.0 * b * h * lq * lk * ((3 * d + 2 * dv) if backward else (d + dv)) * (0.5 if causal else 1.0)
-  return AttentionCall(backward, causal, flops, p.times(i), kernel_bytes(p, i), i.recomputed, i.op_name)
+    per_dim = 2.0 * b * h * lq * lk * (0.5 if causal else 1.0)
+    flops = per_dim * ((3 * d + 2 * dv) if backward else (d + dv))
+    rescored = per_dim * d if backward else 0.0
+  return AttentionCall(backward, causal, flops, p.times(i), kernel_bytes(p, i), i.recomputed, i.op_name, rescored)
 
 
 def attention(hlo: str | Program) -> dict[str, object]:

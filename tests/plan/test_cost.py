@@ -173,7 +173,7 @@ def test_replica_groups_and_the_links_they_use():
 
 
 @needs_plugin
-def test_causal_cudnn_attention_flops_forward_and_backward():
+def test_causal_cudnn_attention_flops_forward_and_backward_the_rescoring_recomputed():
   b, l, h, d = 2, 512, 4, 64
 
   def loss(q, k, v):
@@ -182,7 +182,9 @@ def test_causal_cudnn_attention_flops_forward_and_backward():
   r = report(compiled_text(jax.grad(loss, argnums=(0, 1, 2)), shape, shape, shape, target="h100x1"))
   forward = 2 * b * h * l * l * (d + d) / 2
   backward = 2 * b * h * l * l * (3 * d + 2 * d) / 2
-  assert r["attention_flops"] == forward + backward
+  rescored = 2 * b * h * l * l * d / 2  # The backward kernel's QK^T, the forward's scores computed again.
+  assert r["attention_flops"] == forward + backward - rescored
+  assert r["recompute_flops"] == rescored
 
 
 @needs_plugin
