@@ -25,11 +25,17 @@ from ember.names import PROJECTIONS
 
 # Activations (names follow MaxText's where one exists).
 LAYER_INPUT = "decoder_layer_input"
+QKV_PROJ = "qkv_proj"  # The fused query/key/value projection's output, whole (layers/attention.py).
 QUERY = "query_proj"
 KEY = "key_proj"
 VALUE = "value_proj"
+ATTENTION_INPUT = "attention_input"  # Q, K, V as attention reads them: after RoPE (and Qwen3's QK norm).
 ATTENTION_CONTEXT = "attention_context"
 OUT_PROJ = "out_proj"
+# The residual stream after attention, x + out_proj's output: the sum the out projection's GEMM writes when it
+# adds the residual in its epilogue. Kept, it is what the MLP's norm reads in the backward pass, so the projection's
+# output alone need not be (nor added again).
+ATTENTION_RESIDUAL = "attention_residual"
 MLP_WI = "mlpwi"  # The fused gate/up projection's output [.., 2, F], whole (MaxText names its halves mlpwi_0 and
 # mlpwi_1; saved apart, each half would be a copy of the GEMM's output, saved whole it is that output).
 MLP_WO = "mlpwo"
@@ -43,8 +49,14 @@ MOE_ROUTING = "moe_routing"  # The top-k expert choices (uint8); see ROUTED belo
 MLA_Q_LATENT = "mla_q_latent"
 MLA_KV_LATENT = "mla_kv_latent"
 
-ACTIVATION_NAMES = (LAYER_INPUT, QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, MLP_WI, MLP_WO,
-                    MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MOE_ROUTING, MLA_Q_LATENT, MLA_KV_LATENT)
+# A current-scaling tensor's amax (ember/quant/quantizers.py, CurrentScaling): a scalar every policy keeps. Its scale
+# needs it before the cast, so recomputed it would be a pass of its own over the tensor. (Delayed scaling's amax is
+# left to the policy: its forward pass does not need it, and XLA fuses its recompute into the backward's kernels.)
+TENSOR_AMAX = "tensor_amax"
+
+ACTIVATION_NAMES = (LAYER_INPUT, QKV_PROJ, QUERY, KEY, VALUE, ATTENTION_INPUT, ATTENTION_CONTEXT, OUT_PROJ,
+                    ATTENTION_RESIDUAL, MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MOE_ROUTING,
+                    MLA_Q_LATENT, MLA_KV_LATENT)
 
 # Quantized residuals of every projection (ember.names.PROJECTIONS): the operand copies a quantized
 # matmul may hold (ember/quant/recipe.py says which copies a recipe makes).
@@ -70,9 +82,11 @@ ALL_NAMES = ACTIVATION_NAMES + QUANTIZED_NAMES
 
 # The matmul outputs `minimal` keeps: every projection's, and attention's (its context and, where a fused kernel
 # runs it, the softmax statistics that kernel's backward reads: layers/attention.py), so that its backward pass
-# recomputes elementwise work only.
-MATMUL_OUTPUTS = (QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO,
-                  ROUTER_LOGITS, MLA_Q_LATENT, MLA_KV_LATENT)
+# recomputes elementwise work only. Where the backward reads a matmul's output in another form, that form is listed
+# too (q, k, v after RoPE; the residual sum the out projection's GEMM writes): a policy keeps what the backward reads
+# of the names it lists, so that form is kept instead and nothing is rotated or added again.
+MATMUL_OUTPUTS = (QKV_PROJ, QUERY, KEY, VALUE, ATTENTION_INPUT, ATTENTION_CONTEXT, OUT_PROJ, ATTENTION_RESIDUAL,
+                  MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MLA_Q_LATENT, MLA_KV_LATENT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +108,9 @@ PRESETS: dict[str, Preset] = {
     "minimal": Preset(save=MATMUL_OUTPUTS),
     "save_quantized": Preset(save=QUANTIZED_NAMES),
     "minimal_quantized": Preset(save=MATMUL_OUTPUTS + QUANTIZED_NAMES),
-    "save_qkv_proj": Preset(save=(QUERY, KEY, VALUE, MLA_Q_LATENT, MLA_KV_LATENT)),
-    "save_dot_except_mlp": Preset(save=(QUERY, KEY, VALUE, ATTENTION_CONTEXT, OUT_PROJ, ROUTER_LOGITS, MLA_Q_LATENT,
-                                        MLA_KV_LATENT)),
+    "save_qkv_proj": Preset(save=(QKV_PROJ, QUERY, KEY, VALUE, ATTENTION_INPUT, MLA_Q_LATENT, MLA_KV_LATENT)),
+    "save_dot_except_mlp": Preset(save=(QKV_PROJ, QUERY, KEY, VALUE, ATTENTION_INPUT, ATTENTION_CONTEXT, OUT_PROJ,
+                                        ATTENTION_RESIDUAL, ROUTER_LOGITS, MLA_Q_LATENT, MLA_KV_LATENT)),
     "minimal_offloaded": Preset(offload=MATMUL_OUTPUTS),
     "save_quantized_offloaded": Preset(offload=QUANTIZED_NAMES),
     # The activation copies to host, the weight copies kept on device. Under FSDP a weight copy is the
@@ -144,7 +158,7 @@ def jax_policy(p: Preset) -> Callable | None:
   """
   if not p.remat:
     return None
-  save, offload = frozenset(p.save), frozenset(p.offload)
+  save, offload = frozenset(p.save) | {TENSOR_AMAX}, frozenset(p.offload)
   if (save | offload) & frozenset(ROUTED):
     save |= {MOE_ROUTING}
 

@@ -28,7 +28,7 @@ from tests.helpers import ROOT, config, start
 RECIPES = ("bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4")
 # Cheaper CPU code generation; the HLO passes (and so the numerics being compared) are unchanged.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-CUSTOM = remat.Preset(save=(remat.QUERY, remat.quantized_name("wi", "x")),
+CUSTOM = remat.Preset(save=(remat.QKV_PROJ, remat.quantized_name("wi", "x")),
                       offload=(remat.MLP_WI, remat.quantized_name("qkv", "kernel")))
 
 
@@ -109,7 +109,9 @@ def test_offloaded_presets_place_their_names_in_host_memory():
   """
   cfg, mesh, tx, schedule = _tiny_step()
   problem = layer_plan.layer_problem(cfg)
-  expected = {"minimal_offloaded": {remat.QUERY, remat.KEY, remat.VALUE, remat.ATTENTION_CONTEXT, remat.OUT_PROJ,
+  # Of the fused q/k/v projection's names, what attention reads (after RoPE); of the out projection's, the residual
+  # sum its GEMM writes: what the backward pass reads, so nothing is rotated or added again.
+  expected = {"minimal_offloaded": {remat.ATTENTION_INPUT, remat.ATTENTION_CONTEXT, remat.ATTENTION_RESIDUAL,
                                     remat.MLP_WI},
               "save_quantized_offloaded": {remat.quantized_name(p, o) for p in ("qkv", "out", "wi", "wo")
                                            for o in ("x", "kernel")},

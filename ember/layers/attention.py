@@ -162,19 +162,20 @@ class Attention(nnx.Module):
     self.q_norm, self.k_norm = (norm(), norm()) if model.qk_norm else (None, None)
 
   def _qkv(self, x_BxLxD, positions_BxL, key, taken=None):
-    """Q, K, V of the fused projection, named for remat (before RoPE), then rotated."""
+    """Q, K, V of the fused projection, then rotated. Its output is named whole for remat (`qkv_proj`, before
+    RoPE: saved apart, Q, K and V would each be a copy of a slice of it), and Q, K, V as attention reads them
+    (`attention_input`, after RoPE: kept, the backward pass rotates nothing again)."""
     b, l, _ = x_BxLxD.shape
-    qkv = self.qkv(x_BxLxD, key, handed(taken, "qkv"))  # [B, L, K, G+2, H]
-    q_BxLxNxH = qkv[:, :, :, : self.groups].reshape(b, l, self.num_heads, self.head_dim)
-    k_BxLxKxH, v_BxLxKxH = qkv[:, :, :, self.groups], qkv[:, :, :, self.groups + 1]
-    q_BxLxNxH = checkpoint_name(shard(q_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY)
-    k_BxLxKxH = checkpoint_name(shard(k_BxLxKxH, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), remat.KEY)
-    v_BxLxKxH = checkpoint_name(shard(v_BxLxKxH, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), remat.VALUE)
+    qkv = checkpoint_name(self.qkv(x_BxLxD, key, handed(taken, "qkv")), remat.QKV_PROJ)  # [B, L, K, G+2, H]
+    q_BxLxNxH = shard(qkv[:, :, :, : self.groups].reshape(b, l, self.num_heads, self.head_dim),
+                      (BATCH, LENGTH, HEADS, HEAD_DIM))
+    k_BxLxKxH = shard(qkv[:, :, :, self.groups], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+    v_BxLxKxH = shard(qkv[:, :, :, self.groups + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     if self.q_norm is not None:
       q_BxLxNxH, k_BxLxKxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxKxH)
     q_BxLxNxH = apply_rope(q_BxLxNxH, positions_BxL, self.rope_theta)
     k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope_theta)
-    return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
+    return tuple(checkpoint_name(a, remat.ATTENTION_INPUT) for a in (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH))
 
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None, taken=None):
     """`bias`: `attention_bias(segment_ids_BxL)` if the caller made it already (the decoder does, once a step);

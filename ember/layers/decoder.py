@@ -67,6 +67,7 @@ class DecoderLayer(nnx.Module):
     gathered = lambda normed: shard(normed, BLOCK)  # A block's input: its tokens whole on a tensor group.
     h_BxLxD = shard(x_BxLxD + self.attn(gathered(self.attn_norm(x_BxLxD)), segment_ids_BxL, positions_BxL, key,
                                         bias, handed(taken, "attn")), RESIDUAL)
+    h_BxLxD = checkpoint_name(h_BxLxD, remat.ATTENTION_RESIDUAL)
     if self.is_moe:
       y_BxLxD, aux = self.moe(gathered(self.mlp_norm(h_BxLxD)), segment_ids_BxL, key, moe_plan,
                               handed(taken, "moe"))
@@ -127,6 +128,27 @@ def unstacked(state, n: int) -> list:
   return [jax.tree.unflatten(treedef, [r[i] for r in rows]) for i in range(n)]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _row_where_it_lies(stacked, row, index: int):
+  """`row` (stacked[index]) read from `stacked`, its gradient `row`'s. An unrolled block's checkpoint keeps its
+  inputs behind an optimization barrier (remat.checkpoint), and an input that is a slice is a copy: each layer's
+  float32 parameters, copied row by row every step. Read inside the block, the slice fuses into its readers,
+  and the barrier holds `stacked`, a buffer that exists anyway."""
+  del row
+  return stacked[index]
+
+
+def _row_fwd(stacked, row, index):
+  return _row_where_it_lies(stacked, row, index), None
+
+
+def _row_bwd(index, _, g):
+  return None, g
+
+
+_row_where_it_lies.defvjp(_row_fwd, _row_bwd)
+
+
 class Segment(nnx.Module):
   """Blocks `block_ids` stacked along a leading `layers` axis, run by one scan (`model.scan_layers`) or one after
   another."""
@@ -154,9 +176,11 @@ class Segment(nnx.Module):
     ids = jnp.asarray(self.block_ids, jnp.int32) if block_ids is None else block_ids
     taken = handed(taken, "blocks") or {}
 
-    def body(carry, xs):
+    def body(carry, xs, index=None):
       x, aux = carry
       block_state, block_id, block_taken = xs
+      if index is not None:  # Unrolled: (stacked state, this block's rows); see _row_where_it_lies.
+        block_state = jax.tree.map(lambda s, r: _row_where_it_lies(s, r, index), *block_state)
       block_key = None if key is None else jax.random.fold_in(key, block_id)
       y, a, per_layer = nnx.merge(graphdef, block_state)(x, segment_ids, positions, block_key, bias, moe_plan,
                                                          block_taken)
@@ -166,9 +190,10 @@ class Segment(nnx.Module):
       (x, aux), per_layer = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids, taken))
     else:  # One block after another, on its row of the stacked state (kernel casts read theirs in place).
       stacked, carry, outs = linear.stacked_kernels(self.blocks), (x, zero_aux()), []
-      for index, block_state in enumerate(unstacked(state, ids.shape[0])):
-        step = remat.checkpoint(body, policy, scanned=False)
-        carry, out = step(carry, (block_state, ids[index], linear.row_taken(taken, stacked, index)))
+      in_place = jax.lax.stop_gradient(state)
+      for index, rows in enumerate(unstacked(state, ids.shape[0])):
+        step = remat.checkpoint(functools.partial(body, index=index), policy, scanned=False)
+        carry, out = step(carry, ((in_place, rows), ids[index], linear.row_taken(taken, stacked, index)))
         outs.append(out)
       (x, aux), per_layer = carry, {k: jnp.stack([out[k] for out in outs]) for k in outs[0]}
     return x, aux, {k: v.reshape(-1, *v.shape[2:]) for k, v in per_layer.items()}

@@ -31,11 +31,13 @@ from typing import Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from ember.quant import formats, health
 from ember.quant.formats import E2M1, E4M3, Format
 from ember.quant.tensor import (QuantizedTensor, block_axes, block_broadcast,
                                 block_reduce_max, normalize_axis, static_field)
+from ember.remat import TENSOR_AMAX
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -100,7 +102,9 @@ class CurrentScaling:
 
   def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False, amax=None):
     del rng  # Round to nearest.
-    amax = tensor_amax(x, reduce_axes) if amax is None else amax
+    # Named `remat.TENSOR_AMAX`, which every policy keeps: the scale needs it before the cast, so a recompute
+    # would pass over x twice (its amax, then the cast) where the saved scalar leaves it one.
+    amax = checkpoint_name(tensor_amax(x, reduce_axes) if amax is None else amax, TENSOR_AMAX)
     scale = scale_from_amax(self.fmt.max, amax)
     return _per_tensor(x, axis, self.fmt, scale, amax, "fp8_current", stats=stats, reduce_axes=reduce_axes)
 

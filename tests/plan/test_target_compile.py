@@ -406,6 +406,32 @@ def test_unrolled_layers_copy_no_saved_activation():
   assert r["false"]["time_floor_parts_s"]["memory"] < r["true"]["time_floor_parts_s"]["memory"]
 
 
+def test_unrolled_layers_read_their_parameters_where_they_lie():
+  """tiny, 4 layers, unrolled, `minimal`, h100x8. Each layer's checkpoint holds its inputs behind an optimization
+  barrier, and a parameter row handed in as an input was a copy of that row (an `unstack` kernel per layer and
+  parameter, in float32): the layers read theirs from the stacked parameters instead (layers/decoder.py)."""
+  r = report("h100x8", "--config.model.num_layers=4", "--config.model.scan_layers=false",
+             "--config.remat.policy=minimal", "--config.train.batch_size=8")
+  assert not [x for x in r["memory_by_op"] if x["op"] == "unstack"], r["memory_by_op"]
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+def test_a_per_tensor_fp8_gradient_is_cast_once_and_transposed_in_fp8(recipe, tmp_path):
+  """A per-tensor FP8 gradient is quantized once, row-major for dgrad; wgrad's copy, contracting the rows, is that
+  E5M2 data transposed (quant/core.py). Left to itself XLA casts the bf16 gradient twice in one kernel, one copy in
+  each layout, and takes the amax in a second pass over the bf16 gradient."""
+  path = tmp_path / "step.hlo"
+  compile_report(loaded(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.remat.policy=minimal"]),
+                 target_lib.parse("h100x1"), hlo_out=str(path))
+  p = hlo.Program(path.read_text())
+  twice = [p.by_name[k.name].shape for k in hlo.memory_kernels(p) if p.by_name[k.name].shape.count("f8e5m2[") > 1]
+  assert not twice, twice
+  transposed = [k for k in hlo.memory_kernels(p)
+                if re.fullmatch(r"f8e5m2\[[\d,]+\]\{[\d,]+\}", p.by_name[k.name].shape)
+                and all(p.type_of(o).startswith("f8e5m2") for o in p.by_name[k.name].operands)]
+  assert len(transposed) == QUANTIZED_PROJECTIONS, [p.by_name[k.name].shape for k in transposed]
+
+
 def test_unknown_target_is_one_line_exit_2(capsys):
   with pytest.raises(SystemExit) as e:
     tool.main(["compile", *TINY, "--target=a100x3"])
