@@ -70,7 +70,7 @@ def nbytes(aval) -> float:
 _FREE = frozenset(("reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice",
                    "dynamic_update_slice", "concatenate", "pad", "iota", "device_put", "name", "sharding_constraint",
                    "bitcast_convert_type", "copy", "copy_p", "random_wrap", "random_unwrap", "stop_gradient",
-                   "select_n", "mesh_cast", "reduce_precision"))
+                   "select_n", "mesh_cast", "reduce_precision", "pvary"))
 _REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax",
                          "argmin", "cumsum", "cumlogsumexp", "cummax"))
 
@@ -93,11 +93,13 @@ def jaxpr_flops(jaxpr) -> float:
       total += eqn.params["length"] * jaxpr_flops(eqn.params["jaxpr"].jaxpr)
     elif name == "cond":
       total += max(jaxpr_flops(b.jaxpr) for b in eqn.params["branches"])
-    elif name == "shard_map":  # The body has one device's shapes: times the shards of its first operand
-      # (the MoE layer's tokens); devices that repeat a shard's work (replicas along other axes) add no FLOPs.
-      mesh, spec = eqn.params["mesh"], eqn.params["in_specs"][0]
-      axes = [a for entry in spec for a in entry_axes(entry)]
-      total += math.prod(mesh.shape[a] for a in axes) * sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
+    elif name == "shard_map":  # The body has one device's shapes: times the shards of the operand split the most
+      # ways (the MoE layer's tokens: not its first operand, since remat puts the residuals it saved first); devices
+      # that repeat a shard's work (replicas along other axes) add no FLOPs.
+      mesh = eqn.params["mesh"]
+      shards = max((math.prod(mesh.shape[a] for entry in spec for a in entry_axes(entry))
+                    for spec in eqn.params["in_specs"]), default=1)
+      total += shards * sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
     elif subs:
       total += sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in subs)
     elif name == "dot_general" or name in BLOCK_SCALED_GEMMS:

@@ -4,8 +4,10 @@ All on abstract inputs (tracing only, nothing compiled): the residuals the block
 saves under each policy and what its backward pass recomputes.
 """
 
+import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from ember import config as config_lib
 from ember import remat
@@ -141,3 +143,16 @@ def test_residual_bytes_use_the_saved_dtype():
   assert jaxpr_plan.nbytes(jnp.zeros((4, 6), jnp.uint4)) == 12
   assert jaxpr_plan.nbytes(jnp.zeros((4, 6), jnp.bfloat16)) == 48
   assert jaxpr_plan.nbytes(jnp.zeros((3,), bool)) == 3
+
+
+def test_a_shard_maps_flops_count_its_most_split_operands_shards():
+  """A shard_map's body has one device's shapes: its FLOPs count once per shard of its most split operand, wherever
+  that operand sits (remat puts the residuals it saves, a replicated amax among them, first)."""
+  mesh = jax.sharding.Mesh(jax.devices()[:4], ("x",))
+
+  def f(amax, a, b):
+    return jax.shard_map(lambda s, a, b: a @ b, mesh=mesh, in_specs=(P(), P("x"), P()), out_specs=P("x"))(amax, a, b)
+
+  traced = jax.make_jaxpr(f)(jnp.float32(1.0), jnp.zeros((8, 16)), jnp.zeros((16, 32)))
+  per_shard = 2 * 2 * 16 * 32  # a's rows on one device [2, 16] @ b [16, 32].
+  assert jaxpr_plan.jaxpr_flops(traced.jaxpr) == 4 * per_shard
