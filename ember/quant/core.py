@@ -204,9 +204,10 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
     else:
       g_rows = grad_q.quantize(g, axis=layout.x_axis, rng=key_dgrad, reduce_axes=layout.reduce_axes,
                                stats=with_stats)
-  if not recipe.has_x_t:  # Per-tensor: wgrad reads this copy too, transposed. The barrier makes the transpose one
-    # of E5M2 data: without it XLA casts the gradient twice in one kernel (a copy in each layout), which then cannot
-    # take the amax, read again in a pass of its own (fp8_delayed llama3_8b, unrolled `minimal`: 4.4 ms a step).
+  if recipe.delayed:  # Per-tensor: wgrad reads this copy too, transposed. The barrier makes the transpose one of
+    # E5M2 data: without it XLA casts the gradient twice in one kernel (a copy in each layout), which then cannot take
+    # the amax, read again in a pass of its own (llama3_8b, unrolled `minimal`: 4.4 ms a step). Not under current
+    # scaling, whose cast waits for the amax's pass either way: there the transpose would be a pass more.
     g_rows = dataclasses.replace(g_rows, data=jax.lax.optimization_barrier(g_rows.data))
   dx = layout.dgrad(g_rows, layout.whole(q.get(KERNEL_T, q[KERNEL])), rows, dtype, x_dtype)
   if not recipe.has_x_t:  # Per-tensor: the forward copy of x and the dgrad copy of g serve wgrad too.

@@ -415,13 +415,12 @@ def test_unrolled_layers_read_their_parameters_where_they_lie():
   assert not [x for x in r["memory_by_op"] if x["op"] == "unstack"], r["memory_by_op"]
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
-def test_a_per_tensor_fp8_gradient_is_cast_once_and_transposed_in_fp8(recipe, tmp_path):
-  """A per-tensor FP8 gradient is quantized once, row-major for dgrad; wgrad's copy, contracting the rows, is that
-  E5M2 data transposed (quant/core.py). Left to itself XLA casts the bf16 gradient twice in one kernel, one copy in
-  each layout, and takes the amax in a second pass over the bf16 gradient."""
+def test_a_delayed_scaling_gradient_is_cast_once_and_transposed_in_fp8(tmp_path):
+  """fp8_delayed: a gradient is quantized once, row-major for dgrad, the amax taken in the same kernel; wgrad's copy,
+  contracting the rows, is that E5M2 data transposed (quant/core.py). Left to itself XLA casts the bf16 gradient
+  twice in one kernel, one copy in each layout, and takes the amax in a second pass over the bf16 gradient."""
   path = tmp_path / "step.hlo"
-  compile_report(loaded(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.remat.policy=minimal"]),
+  compile_report(loaded(["compile", *TINY, "--config.quant.recipe=fp8_delayed", "--config.remat.policy=minimal"]),
                  target_lib.parse("h100x1"), hlo_out=str(path))
   p = hlo.Program(path.read_text())
   twice = [p.by_name[k.name].shape for k in hlo.memory_kernels(p) if p.by_name[k.name].shape.count("f8e5m2[") > 1]

@@ -196,18 +196,19 @@ def _names(jaxpr):
   return out
 
 
-@pytest.mark.parametrize("name,operands", [("fp8_current", ("x", "kernel")),
-                                           ("mxfp8", ("x", "kernel", "x_t", "kernel_t")),
-                                           ("nvfp4", ("x", "kernel", "x_t"))])
-def test_every_quantized_operand_is_named_in_primal_and_forward_rule(name, operands):
+# Current scaling also names its amaxes (remat.TENSOR_AMAX, kept by every policy).
+@pytest.mark.parametrize("name,operands,amax", [("fp8_current", ("x", "kernel"), {remat.TENSOR_AMAX}),
+                                                ("mxfp8", ("x", "kernel", "x_t", "kernel_t"), set()),
+                                                ("nvfp4", ("x", "kernel", "x_t"), set())])
+def test_every_quantized_operand_is_named_in_primal_and_forward_rule(name, operands, amax):
   recipe = RECIPES[name]
   x, w, _, _ = _operands()
   gs = jnp.asarray(GROUPS, jnp.int32)
   fn = lambda x, w: grouped.grouped_matmul(x, w, gs, recipe=recipe, name="moe_wo", dtype=F32)
-  expected = {remat.quantized_name("moe_wo", o) for o in operands}
+  expected = {remat.quantized_name("moe_wo", o) for o in operands} | amax
   assert _names(jax.make_jaxpr(fn)(x, w).jaxpr) == expected  # Primal (what a remat recompute runs).
   assert _names(jax.make_jaxpr(lambda x, w: jax.vjp(fn, x, w)[0])(x, w).jaxpr) == expected  # Forward rule.
-  assert expected <= set(remat.QUANTIZED_NAMES)
+  assert expected - amax <= set(remat.QUANTIZED_NAMES)
 
 
 def test_block_layout_starts_every_group_on_a_block():
