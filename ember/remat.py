@@ -150,7 +150,8 @@ def preset(remat_cfg, name: str | None = None) -> Preset:
 
 
 def jax_policy(p: Preset) -> Callable | None:
-  """A `jax.checkpoint` policy that saves `p.save`, offloads `p.offload` and recomputes the rest.
+  """A `jax.checkpoint` policy that saves `p.save`, offloads `p.offload` and recomputes the rest. Whatever the
+  preset, it also saves TENSOR_AMAX (scalars), and MOE_ROUTING where it keeps any ROUTED name.
 
   Offloading lowers to `annotate_device_placement` custom calls on GPU and TPU. The CPU backend
   keeps offloaded residuals in ordinary memory (its lowering of `device_put` drops memory kinds and
