@@ -64,15 +64,17 @@ class DecoderLayer(nnx.Module):
     `moe_plan`: what an MoE layer runs (MoE.__call__); `taken`: what the step hands the layer's projections
     (layers/linear.py's `Taken`, by path below the layer), or None."""
     x_BxLxD = checkpoint_name(shard(x_BxLxD, RESIDUAL), remat.LAYER_INPUT)
-    gathered = lambda normed: shard(normed, BLOCK)  # A block's input: its tokens whole on a tensor group.
-    h_BxLxD = shard(x_BxLxD + self.attn(gathered(self.attn_norm(x_BxLxD)), segment_ids_BxL, positions_BxL, key,
+    # The attention and MLP projections take their input on the residual stream's split (a sequence-parallel
+    # share of the tokens) and gather it where their GEMMs read it, after quantizing (layers/linear.py's
+    # `_keeps_rows`); an MoE block's routing takes its tokens whole on a tensor group.
+    h_BxLxD = shard(x_BxLxD + self.attn(self.attn_norm(x_BxLxD), segment_ids_BxL, positions_BxL, key,
                                         bias, handed(taken, "attn")), RESIDUAL)
     h_BxLxD = checkpoint_name(h_BxLxD, remat.ATTENTION_RESIDUAL)
     if self.is_moe:
-      y_BxLxD, aux = self.moe(gathered(self.mlp_norm(h_BxLxD)), segment_ids_BxL, key, moe_plan,
+      y_BxLxD, aux = self.moe(shard(self.mlp_norm(h_BxLxD), BLOCK), segment_ids_BxL, key, moe_plan,
                               handed(taken, "moe"))
     else:
-      y_BxLxD, aux = self.mlp(gathered(self.mlp_norm(h_BxLxD)), key, handed(taken, "mlp")), zero_aux()
+      y_BxLxD, aux = self.mlp(self.mlp_norm(h_BxLxD), key, handed(taken, "mlp")), zero_aux()
     return shard(h_BxLxD + y_BxLxD, RESIDUAL), aux
 
   def decode(self, x_BxTxD, positions_BxT, cache, valid_BxT):

@@ -14,8 +14,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from ember.names import BATCH, LENGTH, PROJECTIONS, RNG_STREAMS
+from ember.names import BATCH, LENGTH, PROJECTIONS, RESIDUAL_LENGTH, RNG_STREAMS
 from ember.parallel import axes as mesh_axes, sharding
 from ember.quant import dot, health
 from ember.quant.recipe import Recipe
@@ -141,14 +142,16 @@ class Linear(nnx.Module):
       kernel = jnp.transpose(kernel, tuple(range(n_in)) + tuple(n_in + i for i in order))
     if mine.stacked is not None and not permuted:
       row = dot.KernelRow(mine.stacked.reshape(-1, k, n), mine.index)
-    y = dot.quantized_matmul(x.reshape(-1, k), kernel.reshape(k, n), recipe=self.recipe, name=self.name,
+    parallel = self._sequence_parallel_axes(lead)
+    rows = lead if parallel else (-1,)
+    y = dot.quantized_matmul(x.reshape(rows + (k,)), kernel.reshape(k, n), recipe=self.recipe, name=self.name,
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
                              error=error, kernel_amax=mine.amax, wgrad_transposed=self._reduced_along_output(),
                              row_axes=self._row_axes() if len(lead) == 2 else (), kernel_row=row,
                              kernel_sharding=self._gemm_kernel_sharding(order))
     if not permuted:
-      return y.reshape(lead + self.out_shape)
-    y = y.reshape(lead + tuple(self.out_shape[i] for i in order))
+      return self._placed(y.reshape(lead + self.out_shape), parallel)
+    y = self._placed(y.reshape(lead + tuple(self.out_shape[i] for i in order)), parallel, order)
     return jnp.transpose(y, tuple(range(len(lead))) + tuple(len(lead) + order.index(i) for i in range(len(order))))
 
   def _gemm_kernel_sharding(self, order):
@@ -173,6 +176,33 @@ class Linear(nnx.Module):
     spec = sharding.logical_to_spec(self.axes, rules, mesh)[n_in:]
     split = [i for i in same if spec[i] is not None]
     return tuple(split + [i for i in same if i not in split])
+
+  def _sequence_parallel_axes(self, lead) -> set[str]:
+    """The mesh axes the residual stream's length is split over and the GEMM's tokens are whole on (sequence
+    parallelism: `tensor`), where x [batch, length, ...] then goes to its GEMMs with its rows unflattened (quant/
+    dot.py's `keeps_rows`): a per-tensor recipe quantizes x on its share of the tokens, and those axes gather the
+    FP8 copy; a row-parallel output is reduce-scattered onto the split length. Empty elsewhere."""
+    rules, mesh = sharding.active_rules(), sharding.active_mesh()
+    if rules is None or mesh is None or len(lead) != 2 or not dot.keeps_rows(self.recipe):
+      return set()
+    split = lambda name: {a for e in sharding.logical_to_spec((name,), rules, mesh) for a in sharding.entry_axes(e)
+                          if mesh.shape[a] > 1}
+    return split(RESIDUAL_LENGTH) - split(LENGTH) - set(manual_axes())
+
+  def _placed(self, y, parallel: set[str], order=None):
+    """A column-parallel output (its kernel's output split over the sequence-parallel axes) with its tokens whole
+    and its output split as the kernel's: so XLA gathers x for the GEMM, not the kernel (whose output would then
+    lie on the tokens' split, and be moved onto the heads' by an all-to-all)."""
+    if not parallel:
+      return y
+    n_in = len(self.in_shape)
+    out_axes = tuple(self.axes[n_in + i] for i in (order or range(len(self.out_shape))))
+    spec = sharding.logical_to_spec(out_axes, sharding.active_rules(), sharding.active_mesh())
+    out = sharding.only_axes(spec, parallel)
+    if all(e is None for e in out):
+      return y
+    batch, length = sharding.logical_to_spec((BATCH, LENGTH), sharding.active_rules(), sharding.active_mesh())
+    return sharding.place(y, P(batch, length, *out))
 
   def _row_axes(self) -> tuple[str, ...]:
     """The mesh axes the rows of x [batch, length, ...] are split over under the active rules, in their order;

@@ -45,6 +45,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   FSDP axes gathered, `tensor` kept; layers/linear.py): a per-tensor FP8 kernel's data is gathered there itself,
   or None."""
   dtype = jnp.dtype(dtype)
+  assert x_MxK.ndim == 2 or keeps_rows(recipe), (x_MxK.shape, recipe.name)
   if not recipe.quantized:
     # The kernel cast here: its gradient is rounded to the compute dtype, as autodiff of a bf16 dot rounds it.
     return unquantized_matmul(_contract, x_MxK, w_KxN.astype(dtype), dtype=dtype,
@@ -55,12 +56,23 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   # amaxes are reduced over the replicas, the one amax of the whole batch, as outside it.
   # There too a block-scaled wgrad sums its rows' parts on the compiler's axes outside its GEMM (`row_split`).
   manual = shard_axes()
-  layout = DenseLayout(transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t,
+  layout = DenseLayout(x_axis=x_MxK.ndim - 1, transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t,
                        reduce_axes=tuple(sorted(manual)), row_split=_row_split(x_MxK, row_axes, manual, recipe),
                        kernel_sharding=kernel_sharding)
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax,
                         kernel_row=kernel_row)
+
+
+def keeps_rows(recipe: Recipe) -> bool:
+  """Whether `quantized_matmul` takes x's rows in several axes ([B, L, K], not flattened): where a recipe scales
+  per tensor, every GEMM reads x as it lies. Flattening [B, L] split over two mesh axes (the length over `tensor`:
+  sequence parallelism) is no split XLA can keep: it gathers x whole before the reshape, in x's dtype, so the
+  quantize runs on the gathered tensor and the `tensor` axis moves bf16 (or float32) where it could move FP8;
+  a row-parallel GEMM's output is all-reduced instead of reduce-scattered. Not for bf16: there the gathered
+  length lies major, and the transposes XLA adds around each GEMM cost what the reduce-scatters save (llama3_8b,
+  fsdp 4 x tensor 2: +17 ms of memory kernels for -15 ms of collectives)."""
+  return recipe.quantized and recipe.block_size == 1 and not recipe.has_x_t
 
 
 def _row_split(x_MxK, row_axes: tuple[str, ...], manual, recipe: Recipe) -> tuple[str, ...]:
@@ -116,13 +128,20 @@ def head_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, dtype, wgrad_dtype, out_d
   return unquantized_matmul(_contract, x_MxK, w_KxN, dtype=dtype, wgrad_dtype=wgrad_dtype, out_dtype=out_dtype)
 
 
-_DIMS = {"forward": ((1,), (0,)), "dgrad": ((1,), (1,)), "wgrad": ((0,), (0,))}
+def _dims(step, a, b):
+  """The contracted axes of a dense GEMM's operands: x's or g's last with w's (forward, dgrad), every row axis
+  of x with g's (wgrad)."""
+  if step == "forward":
+    return (a.ndim - 1,), (0,)
+  if step == "dgrad":
+    return (a.ndim - 1,), (1,)
+  return tuple(range(a.ndim - 1)), tuple(range(b.ndim - 1))
 
 
 def _contract(a, b, groups, step, preferred):
   """The dense layout's three GEMMs (quant/unquantized.py), each one dot_general (no transpose before it, so
   that under FSDP the kernel is all-gathered as it is, not as a transposed copy)."""
-  return jax.lax.dot_general(a, b, (_DIMS[step], ((), ())), preferred_element_type=preferred)
+  return jax.lax.dot_general(a, b, (_dims(step, a, b), ((), ())), preferred_element_type=preferred)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,16 +200,20 @@ class DenseLayout:
 
   def forward(self, x, w, rows, dtype):
     if isinstance(x, QuantizedTensor):
-      return product(x, w, (1, w.axis), dtype, dtype)
+      return product(x, w, (self.x_axis, w.axis), dtype, dtype)
     return jnp.dot(x.astype(dtype), w, preferred_element_type=jnp.float32)
 
   def dgrad(self, g, w, rows, dtype, out):
-    return product(g, w, (1, 1), dtype, out)
+    return product(g, w, (self.x_axis, 1), dtype, out)
 
   def wgrad(self, x, g, rows, block, dtype, out):
-    """Per-tensor copies contract their rows; block-scaled ones the axis they were quantized along."""
+    """Per-tensor copies contract their rows (flattened where they come in several axes: `keeps_rows`; the reshape
+    is where XLA gathers a sequence-split copy, in its low-precision format); block-scaled ones the axis they were
+    quantized along."""
     if block and self.wgrad_transposed:
       return product(g, x, (g.axis, x.axis), dtype, out, self.row_split, weight_gradient=True).T
+    if not block:
+      x, g = _flat_rows(x), _flat_rows(g)
     return product(x, g, (x.axis, g.axis) if block else (0, 0), dtype, out, self.row_split, weight_gradient=True)
 
   def kernel_gradient(self, dw):
@@ -198,3 +221,10 @@ class DenseLayout:
 
   def whole_kernel_shape(self, w):
     return w.shape
+
+
+def _flat_rows(q: QuantizedTensor) -> QuantizedTensor:
+  """A per-tensor copy [..., K] as [rows, K] (its one scale holds for any shape)."""
+  if q.data.ndim == 2:
+    return q
+  return dataclasses.replace(q, data=q.data.reshape(-1, q.data.shape[-1]), axis=1)

@@ -5,6 +5,7 @@ runs this file there). Without it every test here skips with that one reason."""
 
 import collections
 import json
+import math
 import re
 
 import jax
@@ -205,6 +206,33 @@ def test_block_scaled_replicas_compile(mesh, tmp_path):
     summed = [c for c in collectives if c.kind == "all-reduce" and along_tensor(c) and "bf16[" in c.shape]
     gathered = [c for c in collectives if c.kind == "all-gather" and along_tensor(c) and "u8[" in c.shape]
     assert len(summed) > 1 and not gathered, [(c.kind, c.shape) for c in summed + gathered]
+
+
+def test_tensor_parallel_layers_move_fp8_activations_and_reduce_scatter_their_outputs(tmp_path):
+  """tiny fp8_current on h100x8, fsdp 4 x tensor 2 (sequence parallel: the residual stream's length split over
+  `tensor`). Along `tensor` the layers gather only FP8 (each column-parallel projection's input quantized on its
+  share of the tokens, each gradient quantized before the row-parallel GEMMs read it), and the row-parallel
+  projections' partial outputs (and the column-parallel dgrads) are reduce-scattered onto the split length, not
+  all-reduced whole. Outside the layers, the bf16 LM head gathers its input in bf16, and the embedding its
+  gradient."""
+  path = tmp_path / "step.hlo"
+  compile_report(loaded(["compile", *TINY, "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=4",
+                         "--config.mesh.tensor=2", "--config.remat.policy=full"]), target_lib.parse("h100x8"),
+                 hlo_out=str(path))
+  # Devices 1 apart differ along `tensor` alone (tensor is the minor axis of a data 1 x fsdp 4 x tensor 2 mesh).
+  along_tensor = lambda c: c.groups and all(len(g) == 2 and g[1] - g[0] == 1 for g in c.groups)
+  # The layers' activations: a tensor group's tokens (2 sequences of 64) by d_model (64), as [2, 64, 64] or
+  # flattened [128, 64].
+  tokens = lambda c: (dims := hlo.dims_of(c.shape)) and dims[-1] == 64 and math.prod(dims[:-1]) == 128
+  outside = ("lm_head", "_take")  # The bf16 head's input, and the embedding's gradient on its way to the table.
+  layers = [c for c in hlo.collective_ops(path.read_text()) if along_tensor(c) and tokens(c)
+            and not any(o in c.op_name for o in outside)]
+  gathered = [c for c in layers if c.kind == "all-gather"]
+  assert gathered and all(re.fullmatch(r"\(?(f8e4m3fn|f8e5m2)\[.*", c.shape) for c in gathered), \
+      [c.shape for c in gathered]
+  assert not [c for c in layers if c.kind == "all-reduce"], [c.shape for c in layers if c.kind == "all-reduce"]
+  scattered = [c for c in layers if c.kind == "reduce-scatter"]
+  assert len(scattered) >= 4 and all("bf16[" in c.shape for c in scattered), [c.shape for c in scattered]
 
 
 @pytest.mark.parametrize("target,recipe", [("h100x8", "fp8_current"), pytest.param("b200x8", "nvfp4", marks=pytest.mark.extended)])

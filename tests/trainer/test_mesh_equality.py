@@ -37,3 +37,16 @@ def test_losses_match_single_device(mesh, batches, single_device_losses):
   losses = train_losses(_cfg(**MESHES[mesh]), batches, num_devices=8)
   np.testing.assert_allclose(losses, single_device_losses, rtol=1e-5)
   assert losses[-1] < losses[0]  # The steps really trained.
+
+
+@pytest.mark.long
+def test_fp8_sequence_parallel_losses_match_single_device(batches):
+  """fp8_current on data 2 x fsdp 2 x tensor 2: each projection quantizes its input on its device's share of the
+  tokens (the residual stream's length split over `tensor`) with the amax of the whole tensor, and `tensor`
+  gathers the FP8 copy (layers/linear.py's `_sequence_parallel_axes`): one device's quantized values, so its
+  losses."""
+  fp8 = {"quant.recipe": "fp8_current"}
+  one = train_losses(_cfg(**{"mesh.fsdp": 1}, **fp8), batches, num_devices=1)
+  losses = train_losses(_cfg(**MESHES["data2_fsdp2_tensor2"], **fp8), batches, num_devices=8)
+  np.testing.assert_allclose(losses, one, rtol=1e-5)
+  assert losses[-1] < losses[0]
