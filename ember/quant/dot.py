@@ -32,7 +32,8 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
                      stats: jax.Array | None = None, error: jax.Array | None = None,
                      kernel_amax: jax.Array | None = None, wgrad_transposed: bool = False,
                      row_axes: tuple[str, ...] = (), kernel_row: KernelRow | None = None, kernel_sharding=None):
-  """x @ w in `recipe`'s format. `name` is the projection (names its residuals); `history` the
+  """x @ w in `recipe`'s format; x's rows may come in several axes ([B, L, K]) where `keeps_rows(recipe)`, and y's
+  then do too. `name` is the projection (names its residuals); `history` the
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
   `stats`: a [3 (x, kernel, grad), NUM_STATS] input whose "gradient" is the operands' health
   (ember/quant/health.py), or None: no statistics, and no trace of them in the program. `error`: a [2]
@@ -56,9 +57,9 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   # amaxes are reduced over the replicas, the one amax of the whole batch, as outside it.
   # There too a block-scaled wgrad sums its rows' parts on the compiler's axes outside its GEMM (`row_split`).
   manual = shard_axes()
-  layout = DenseLayout(x_axis=x_MxK.ndim - 1, transposed=recipe.has_x_t, wgrad_transposed=wgrad_transposed and recipe.has_x_t,
-                       reduce_axes=tuple(sorted(manual)), row_split=_row_split(x_MxK, row_axes, manual, recipe),
-                       kernel_sharding=kernel_sharding)
+  layout = DenseLayout(x_axis=x_MxK.ndim - 1, transposed=recipe.has_x_t,
+                       wgrad_transposed=wgrad_transposed and recipe.has_x_t, reduce_axes=tuple(sorted(manual)),
+                       row_split=_row_split(x_MxK, row_axes, manual, recipe), kernel_sharding=kernel_sharding)
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax,
                         kernel_row=kernel_row)
@@ -128,20 +129,13 @@ def head_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, dtype, wgrad_dtype, out_d
   return unquantized_matmul(_contract, x_MxK, w_KxN, dtype=dtype, wgrad_dtype=wgrad_dtype, out_dtype=out_dtype)
 
 
-def _dims(step, a, b):
-  """The contracted axes of a dense GEMM's operands: x's or g's last with w's (forward, dgrad), every row axis
-  of x with g's (wgrad)."""
-  if step == "forward":
-    return (a.ndim - 1,), (0,)
-  if step == "dgrad":
-    return (a.ndim - 1,), (1,)
-  return tuple(range(a.ndim - 1)), tuple(range(b.ndim - 1))
+_DIMS = {"forward": ((1,), (0,)), "dgrad": ((1,), (1,)), "wgrad": ((0,), (0,))}
 
 
 def _contract(a, b, groups, step, preferred):
   """The dense layout's three GEMMs (quant/unquantized.py), each one dot_general (no transpose before it, so
   that under FSDP the kernel is all-gathered as it is, not as a transposed copy)."""
-  return jax.lax.dot_general(a, b, (_dims(step, a, b), ((), ())), preferred_element_type=preferred)
+  return jax.lax.dot_general(a, b, (_DIMS[step], ((), ())), preferred_element_type=preferred)
 
 
 @dataclasses.dataclass(frozen=True)
