@@ -336,11 +336,12 @@ def select(promising: list[Layout], estimates: dict[Layout, Estimate], top: int)
   tensor x expert; pipelined across nodes or not), the splits in the order of their fastest. The estimate counts bytes and FLOPs but cannot see what the
   partitioner makes of a layout (a tensor-parallel split may gather more than it should), so the compiled few
   span the splits instead of being the one split the estimate likes best. Within a split, layouts whose estimates
-  tie (a step bound by its GEMMs, whatever its micro-batches) go by the bytes they move, then by their peak: fewer
-  micro-batches gather the weights fewer times, and a GPU runs a larger micro-batch's kernels nearer their rates
-  (llama3_8b on h100x8, FSDP 4 x tensor 2: 8,512 tokens/s/GPU predicted in 2 micro-batches, 11,208 in one)."""
+  tie (a step bound by its GEMMs, whatever its micro-batches) go by their micro-batches, fewest first, then by
+  their peak: fewer micro-batches gather the weights fewer times, and a GPU runs a larger micro-batch's kernels
+  nearer their rates (llama3_8b on h100x8, FSDP 4 x tensor 2: 8,512 tokens/s/GPU predicted in 2 micro-batches,
+  11,208 in one). The estimate's bytes are no tie-break: across nodes it ranks layouts its compiles do not."""
   by_split: dict[tuple, list[Layout]] = {}
-  tie_break = lambda lay: (estimates[lay].seconds, estimates[lay].network_s, estimates[lay].peak_bytes)
+  tie_break = lambda lay: (estimates[lay].seconds, lay.grad_accum_steps, estimates[lay].peak_bytes)
   for lay in sorted(promising, key=tie_break):
     by_split.setdefault((lay.node, lay.mesh()["pipeline"] > 1), []).append(lay)
   chosen, rank = [], 0

@@ -80,14 +80,14 @@ def test_select_spans_the_splits_of_a_node():
   assert planner._halved(lay(8, 1), list(estimates)) == lay(8, 2) and planner._halved(lay(4, 1), list(estimates)) is None
 
 
-def test_select_takes_the_layout_that_moves_fewer_bytes_where_estimates_tie():
-  """Two micro-batch counts of one split, both bound by their GEMMs (the same estimated step): the one whose
-  collectives move fewer bytes (one micro-batch: the weights gathered once) is compiled first, though it peaks
-  higher; the peak decides only between equal traffic."""
-  lay = lambda accum: planner.Layout((("fsdp", 8),), (("data", 1), ("fsdp", 1), ("expert", 1)), accum, "full")
-  estimates = {lay(1): planner.Estimate(1.0, 1.0, 0.2, 9.0), lay(2): planner.Estimate(1.0, 1.0, 0.4, 5.0),
-               lay(4): planner.Estimate(1.0, 1.0, 0.4, 3.0)}
-  assert planner.select(list(estimates), estimates, 3) == [lay(1), lay(4), lay(2)]
+def test_select_takes_the_fewest_micro_batches_where_estimates_tie():
+  """Layouts of one split bound by their GEMMs (the same estimated step): one micro-batch is compiled first though
+  it peaks highest, then two; of two layouts with as many micro-batches, the lower peak first."""
+  lay = lambda accum, data=1: planner.Layout((("fsdp", 8),), (("data", data), ("fsdp", 1), ("expert", 1)), accum,
+                                             "full")
+  estimates = {lay(1): planner.Estimate(1.0, 1.0, 0.2, 9.0), lay(4): planner.Estimate(1.0, 1.0, 0.4, 3.0),
+               lay(2, data=2): planner.Estimate(1.0, 1.0, 0.1, 6.0), lay(2): planner.Estimate(1.0, 1.0, 0.4, 5.0)}
+  assert planner.select(list(estimates), estimates, 4) == [lay(1), lay(2), lay(2, data=2), lay(4)]
 
 
 @needs_plugin
