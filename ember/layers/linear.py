@@ -148,7 +148,8 @@ class Linear(nnx.Module):
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
                              error=error, kernel_amax=mine.amax, wgrad_transposed=self._reduced_along_output(),
                              row_axes=self._row_axes() if len(lead) == 2 else (), kernel_row=row,
-                             kernel_sharding=self._gemm_kernel_sharding(order))
+                             kernel_sharding=self._gemm_kernel_sharding(order),
+                             row_sharding=self._gemm_row_sharding(parallel))
     if not permuted:
       return self._placed(y.reshape(lead + self.out_shape), parallel)
     y = self._placed(y.reshape(lead + tuple(self.out_shape[i] for i in order)), parallel, order)
@@ -188,6 +189,16 @@ class Linear(nnx.Module):
     split = lambda name: {a for e in sharding.logical_to_spec((name,), rules, mesh) for a in sharding.entry_axes(e)
                           if mesh.shape[a] > 1}
     return split(RESIDUAL_LENGTH) - split(LENGTH) - set(manual_axes())
+
+  def _gemm_row_sharding(self, parallel: set[str]):
+    """Where the GEMMs read the rows of x and of its gradient, kept as [batch, length, features]: their tokens whole
+    over the sequence-parallel axes, the features left to the compiler; None where the rows are flattened."""
+    if not parallel:
+      return None
+    rules, mesh, manual = sharding.active_rules(), sharding.active_mesh(), manual_axes()
+    batch, length = sharding.without_axes(sharding.logical_to_spec((BATCH, LENGTH), rules, mesh), set(manual))
+    return jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh() if manual else mesh,
+                                      P(batch, length, P.UNCONSTRAINED))
 
   def _placed(self, y, parallel: set[str], order=None):
     """A column-parallel output (its kernel's output split over the sequence-parallel axes) with its tokens whole

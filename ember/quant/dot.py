@@ -31,7 +31,8 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
                      history: jax.Array | None = None, key: jax.Array | None = None, dtype=jnp.bfloat16,
                      stats: jax.Array | None = None, error: jax.Array | None = None,
                      kernel_amax: jax.Array | None = None, wgrad_transposed: bool = False,
-                     row_axes: tuple[str, ...] = (), kernel_row: KernelRow | None = None, kernel_sharding=None):
+                     row_axes: tuple[str, ...] = (), kernel_row: KernelRow | None = None, kernel_sharding=None,
+                     row_sharding=None):
   """x @ w in `recipe`'s format; x's rows may come in several axes ([B, L, K]) where `keeps_rows(recipe)`, and y's
   then do too. `name` is the projection (names its residuals); `history` the
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
@@ -44,7 +45,9 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   x's rows are split over, in their order (layers/linear.py: the batch's and the sequence's). `kernel_row`: w
   where it lies in stacked kernels (quant/core.py), or None. `kernel_sharding`: where the GEMMs read w (its
   FSDP axes gathered, `tensor` kept; layers/linear.py): a per-tensor FP8 kernel's data is gathered there itself,
-  or None."""
+  or None. `row_sharding`: where the GEMMs read the rows of x and of its gradient, kept in several axes (their
+  tokens whole over the sequence-parallel axes; layers/linear.py): their FP8 data is gathered there itself, or
+  None."""
   dtype = jnp.dtype(dtype)
   assert x_MxK.ndim == 2 or keeps_rows(recipe), (x_MxK.shape, recipe.name)
   if not recipe.quantized:
@@ -59,7 +62,8 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   manual = shard_axes()
   layout = DenseLayout(x_axis=x_MxK.ndim - 1, transposed=recipe.has_x_t,
                        wgrad_transposed=wgrad_transposed and recipe.has_x_t, reduce_axes=tuple(sorted(manual)),
-                       row_split=_row_split(x_MxK, row_axes, manual, recipe), kernel_sharding=kernel_sharding)
+                       row_split=_row_split(x_MxK, row_axes, manual, recipe), kernel_sharding=kernel_sharding,
+                       row_sharding=row_sharding)
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax,
                         kernel_row=kernel_row)
@@ -166,6 +170,7 @@ class DenseLayout:
   wgrad_transposed: bool = False
   row_split: tuple[str, ...] = ()
   kernel_sharding: object = None  # Where the [K, N] kernel's GEMMs read it, over the compiler's axes (Linear).
+  row_sharding: object = None  # Where the GEMMs read rows kept in several axes (`keeps_rows`), or None (Linear).
 
   def prepare(self, a, rows, block):
     return pad_to(a, (block, block))
@@ -192,13 +197,21 @@ class DenseLayout:
     # every device (not inside a shard_map, nor for every kernel of unrolled tensor-parallel layers).
     return dataclasses.replace(a, data=jax.lax.with_sharding_constraint(a.data, self.kernel_sharding))
 
+  def gathered_rows(self, a):
+    """A per-tensor copy of x or g with its rows where the GEMMs read them: its FP8 data gathered itself, as
+    `whole` gathers a kernel's (left to XLA inside a shard_map, the gather is of the dequantized copy, and the
+    GEMM runs in bf16)."""
+    if self.row_sharding is None or not isinstance(a, QuantizedTensor):
+      return a
+    return dataclasses.replace(a, data=jax.lax.with_sharding_constraint(a.data, self.row_sharding))
+
   def forward(self, x, w, rows, dtype):
     if isinstance(x, QuantizedTensor):
-      return product(x, w, (self.x_axis, w.axis), dtype, dtype)
+      return product(self.gathered_rows(x), w, (self.x_axis, w.axis), dtype, dtype)
     return jnp.dot(x.astype(dtype), w, preferred_element_type=jnp.float32)
 
   def dgrad(self, g, w, rows, dtype, out):
-    return product(g, w, (self.x_axis, 1), dtype, out)
+    return product(self.gathered_rows(g), w, (self.x_axis, 1), dtype, out)
 
   def wgrad(self, x, g, rows, block, dtype, out):
     """Per-tensor copies contract their rows (flattened where they come in several axes: `keeps_rows`; the reshape
@@ -207,7 +220,7 @@ class DenseLayout:
     if block and self.wgrad_transposed:
       return product(g, x, (g.axis, x.axis), dtype, out, self.row_split, weight_gradient=True).T
     if not block:
-      x, g = _flat_rows(x), _flat_rows(g)
+      x, g = _flat_rows(self.gathered_rows(x)), _flat_rows(self.gathered_rows(g))
     return product(x, g, (x.axis, g.axis) if block else (0, 0), dtype, out, self.row_split, weight_gradient=True)
 
   def kernel_gradient(self, dw):

@@ -235,6 +235,16 @@ def test_tensor_parallel_layers_move_fp8_activations_and_reduce_scatter_their_ou
   assert len(scattered) >= 4 and all("bf16[" in c.shape for c in scattered), [c.shape for c in scattered]
 
 
+def test_tensor_parallel_gemms_stay_fp8_inside_the_replicas_map():
+  """tiny fp8_current, data 2 x fsdp 2 x tensor 2 in 2 micro-batches: the step runs inside a map manual over the
+  data replicas, where XLA cannot prove a quantized input's scale the same on every device and would gather the
+  dequantized copy, and run the GEMM in bf16; gathering the FP8 data itself (quant/dot.py's `gathered_rows`)
+  keeps every projection's three GEMMs FP8."""
+  r = report("h100x8", "--config.quant.recipe=fp8_current", "--config.mesh.data=2", "--config.mesh.fsdp=2",
+             "--config.mesh.tensor=2", "--config.train.grad_accum_steps=2", "--config.remat.policy=full")
+  assert r["gemms"]["fp8"] >= 3 * QUANTIZED_PROJECTIONS and r["gemms"]["bf16"] == HEAD_GEMMS, r["gemms"]
+
+
 @pytest.mark.parametrize("target,recipe", [("h100x8", "fp8_current"), pytest.param("b200x8", "nvfp4", marks=pytest.mark.extended)])
 def test_grad_reduce_dtype_is_the_dtype_gradients_are_reduced_in(target, recipe, tmp_path):
   """FSDP over 8 GPUs: every weight gradient is reduce-scattered in float32 by default and, with
