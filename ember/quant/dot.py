@@ -214,9 +214,8 @@ class DenseLayout:
     return product(self.gathered_rows(g), w, (self.x_axis, 1), dtype, out)
 
   def wgrad(self, x, g, rows, block, dtype, out):
-    """Per-tensor copies contract their rows (flattened where they come in several axes: `keeps_rows`; the reshape
-    is where XLA gathers a sequence-split copy, in its low-precision format); block-scaled ones the axis they were
-    quantized along."""
+    """Per-tensor copies contract their rows (gathered, then flattened, where they come in several axes:
+    `keeps_rows`); block-scaled ones the axis they were quantized along."""
     if block and self.wgrad_transposed:
       return product(g, x, (g.axis, x.axis), dtype, out, self.row_split, weight_gradient=True).T
     if not block:
