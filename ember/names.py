@@ -26,7 +26,7 @@ GATE = "gate"  # The (gate, up) axis of the fused SwiGLU kernel.
 LOGICAL_AXES = (BATCH, LENGTH, RESIDUAL_LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, NORM, QKV,
                 GATE)
 RESIDUAL = (BATCH, RESIDUAL_LENGTH, EMBED)  # The residual stream's axes (ember/layers/decoder.py).
-BLOCK = (BATCH, LENGTH, EMBED)  # An MoE block's input: its tokens whole on a tensor group.
+BLOCK = (BATCH, LENGTH, EMBED)  # A block's tokens whole on a tensor group (an MoE block's input; Linear.block_output).
 
 # Mesh axes, in the mesh's order (the last vary fastest: tensor and expert on the closest devices).
 MESH_AXES = ("pipeline", "data", "fsdp", "context", "tensor", "expert")

@@ -22,7 +22,7 @@ from ember.layers.linear import Linear, handed
 from ember.layers.norm import RMSNorm
 from ember.layers.rope import apply_rope
 from ember.config.model import ModelConfig
-from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV, RESIDUAL
+from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV
 from ember.parallel import context
 from ember.parallel import sharding
 from ember.parallel.sharding import shard
@@ -189,7 +189,7 @@ class Attention(nnx.Module):
     ctx_BxLxNxH = attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, bias, self.implementation)  # Named: local_attention.
     ctx_BxLxNxH = shard(ctx_BxLxNxH, (BATCH, LENGTH, HEADS, HEAD_DIM))
     y_BxLxD = self.out(ctx_BxLxNxH, key, handed(taken, "out"))
-    return checkpoint_name(shard(y_BxLxD, RESIDUAL), remat.OUT_PROJ)
+    return checkpoint_name(shard(y_BxLxD, self.out.block_output()), remat.OUT_PROJ)
 
   def decode(self, x_BxTxD, positions_BxT, cache):
     """Attention of T new tokens per row (consecutive positions from `positions_BxT[:, 0]`) over a KV cache

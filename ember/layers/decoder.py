@@ -65,8 +65,8 @@ class DecoderLayer(nnx.Module):
     (layers/linear.py's `Taken`, by path below the layer), or None."""
     x_BxLxD = checkpoint_name(shard(x_BxLxD, RESIDUAL), remat.LAYER_INPUT)
     # The attention and MLP projections take their input on the residual stream's split (a sequence-parallel
-    # share of the tokens) and gather it where their GEMMs read it, after quantizing (layers/linear.py's
-    # `_sequence_parallel_axes`); an MoE block's routing takes its tokens whole on a tensor group.
+    # share of the tokens) and gather it where their GEMMs read it, after quantizing under the per-tensor recipes
+    # (layers/linear.py's `_sequence_parallel_axes`); an MoE block's routing takes its tokens whole on a tensor group.
     h_BxLxD = shard(x_BxLxD + self.attn(self.attn_norm(x_BxLxD), segment_ids_BxL, positions_BxL, key,
                                         bias, handed(taken, "attn")), RESIDUAL)
     h_BxLxD = checkpoint_name(h_BxLxD, remat.ATTENTION_RESIDUAL)

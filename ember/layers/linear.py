@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ember.names import BATCH, LENGTH, PROJECTIONS, RESIDUAL_LENGTH, RNG_STREAMS
+from ember.names import BATCH, BLOCK, LENGTH, PROJECTIONS, RESIDUAL, RESIDUAL_LENGTH, RNG_STREAMS
 from ember.parallel import axes as mesh_axes, sharding
 from ember.quant import dot, health
 from ember.quant.recipe import Recipe
@@ -143,6 +143,12 @@ class Linear(nnx.Module):
     if mine.stacked is not None and not permuted:
       row = dot.KernelRow(mine.stacked.reshape(-1, k, n), mine.index)
     parallel = self._sequence_parallel_axes(lead)
+    if parallel and not dot.keeps_rows(self.recipe):
+      # Flattened rows: the tokens gathered first, in x's dtype, where the block's input lies (a device's share of
+      # several sequences is no block of the flattened rows).
+      rules, mesh = sharding.active_rules(), sharding.active_mesh()
+      x = sharding.place(x, sharding.logical_to_spec((BATCH, LENGTH) + self.axes[: len(self.in_shape)], rules, mesh))
+      parallel = set()
     rows = lead if parallel else (-1,)
     y = dot.quantized_matmul(x.reshape(rows + (k,)), kernel.reshape(k, n), recipe=self.recipe, name=self.name,
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
@@ -178,13 +184,19 @@ class Linear(nnx.Module):
     split = [i for i in same if spec[i] is not None]
     return tuple(split + [i for i in same if i not in split])
 
+  def block_output(self) -> tuple[str, ...]:
+    """The logical axes of a block's output that this (row-parallel) projection writes: the residual stream's where
+    it keeps its rows (`_sequence_parallel_axes`: its partial sums reduce-scattered onto the split length), else
+    the block's, tokens whole (XLA reduces a flattened output whole, and a split there would be a pass more)."""
+    return RESIDUAL if dot.keeps_rows(self.recipe) else BLOCK
+
   def _sequence_parallel_axes(self, lead) -> set[str]:
     """The mesh axes the residual stream's length is split over and the GEMM's tokens are whole on (sequence
-    parallelism: `tensor`), where x [batch, length, ...] then goes to its GEMMs with its rows unflattened (quant/
-    dot.py's `keeps_rows`): a per-tensor recipe quantizes x on its share of the tokens, and those axes gather the
+    parallelism: `tensor`). Under a per-tensor recipe x [batch, length, ...] then goes to its GEMMs with its rows
+    unflattened (quant/dot.py's `keeps_rows`): it is quantized on its share of the tokens, and those axes gather the
     FP8 copy; a row-parallel output is reduce-scattered onto the split length. Empty elsewhere."""
     rules, mesh = sharding.active_rules(), sharding.active_mesh()
-    if rules is None or mesh is None or len(lead) != 2 or not dot.keeps_rows(self.recipe):
+    if rules is None or mesh is None or len(lead) != 2:
       return set()
     split = lambda name: {a for e in sharding.logical_to_spec((name,), rules, mesh) for a in sharding.entry_axes(e)
                           if mesh.shape[a] > 1}

@@ -32,7 +32,7 @@ from ember.layers.norm import RMSNorm
 from ember.layers.rope import apply_rope
 from ember.config.model import ModelConfig
 from ember.quant.recipe import Recipe
-from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, RESIDUAL
+from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH
 from ember.parallel import context
 from ember.parallel.sharding import shard
 
@@ -101,7 +101,7 @@ class LatentAttention(nnx.Module):
     ctx = attend(q_BxLxNxQ, k_BxLxNxQ, v_padded, bias, self.implementation)  # Named: attention.local_attention.
     ctx_BxLxNxV = shard(ctx[..., :self.v_dim], (BATCH, LENGTH, HEADS, HEAD_DIM))
     y_BxLxD = self.out(ctx_BxLxNxV, key, handed(taken, "out"))
-    return checkpoint_name(shard(y_BxLxD, RESIDUAL), remat.OUT_PROJ)
+    return checkpoint_name(shard(y_BxLxD, self.out.block_output()), remat.OUT_PROJ)
 
   def decode(self, x_BxTxD, positions_BxT, cache):
     """Attention of T new tokens per row (consecutive positions from `positions_BxT[:, 0]`) over the latent cache

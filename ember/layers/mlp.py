@@ -10,7 +10,7 @@ from ember import remat
 from ember.layers.linear import Linear, handed
 from ember.config.model import ModelConfig
 from ember.quant.recipe import Recipe
-from ember.names import BATCH, EMBED, GATE, LENGTH, MLP as MLP_AXIS, RESIDUAL
+from ember.names import BATCH, EMBED, GATE, LENGTH, MLP as MLP_AXIS
 from ember.parallel.sharding import shard
 
 
@@ -33,4 +33,4 @@ class MLP(nnx.Module):
     gate_BxLxF = shard(h_BxLx2xF[:, :, 0], (BATCH, LENGTH, MLP_AXIS))
     up_BxLxF = shard(h_BxLx2xF[:, :, 1], (BATCH, LENGTH, MLP_AXIS))
     y_BxLxD = self.wo(jax.nn.silu(gate_BxLxF) * up_BxLxF, key, handed(taken, "wo"))
-    return checkpoint_name(shard(y_BxLxD, RESIDUAL), remat.MLP_WO)
+    return checkpoint_name(shard(y_BxLxD, self.wo.block_output()), remat.MLP_WO)
