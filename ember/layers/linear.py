@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ember.names import BATCH, BLOCK, LENGTH, PROJECTIONS, RESIDUAL, RESIDUAL_LENGTH, RNG_STREAMS
+from ember.names import BATCH, BLOCK, LENGTH, PROJECTIONS, RESIDUAL, RNG_STREAMS
 from ember.parallel import axes as mesh_axes, sharding
 from ember.quant import dot, health
 from ember.quant.recipe import Recipe
@@ -78,6 +78,12 @@ def stacked_kernels(blocks: nnx.Module) -> dict:
   where it lies (quant/dot.py's `reads_kernel_in_place`)."""
   return {tuple(path): m.kernel[...] for path, m in nnx.iter_graph(blocks)
           if isinstance(m, Linear) and dot.reads_kernel_in_place(m.recipe, m.quant_stats is not None)}
+
+
+def _for_the_compiler(spec, mesh) -> jax.sharding.NamedSharding:
+  """`spec` (with no manual axis in it) over the axes the compiler places: inside a shard_map, on its abstract
+  mesh."""
+  return jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh() if manual_axes() else mesh, spec)
 
 
 def row_taken(taken: dict | None, stacked: dict, index: int) -> dict:
@@ -169,8 +175,8 @@ class Linear(nnx.Module):
     if rules is None or mesh is None:
       return None
     spec = sharding.logical_to_spec((self.axes[0], self.axes[n_in + order[0]]), rules, mesh)
-    spec = sharding.without_axes(spec, set(mesh_axes.token_axes(rules, mesh)) | set(manual_axes()))
-    return jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh() if manual_axes() else mesh, spec)
+    return _for_the_compiler(sharding.without_axes(spec, set(mesh_axes.token_axes(rules, mesh)) | set(manual_axes())),
+                             mesh)
 
   def _out_order(self) -> tuple[int, ...]:
     """The output axes in the order the kernel is flattened to [K, N]: those split over a mesh axis first, so that
@@ -198,19 +204,16 @@ class Linear(nnx.Module):
     rules, mesh = sharding.active_rules(), sharding.active_mesh()
     if rules is None or mesh is None or len(lead) != 2:
       return set()
-    split = lambda name: {a for e in sharding.logical_to_spec((name,), rules, mesh) for a in sharding.entry_axes(e)
-                          if mesh.shape[a] > 1}
-    return split(RESIDUAL_LENGTH) - split(LENGTH) - set(manual_axes())
+    return mesh_axes.sequence_parallel_axes(rules, mesh) - set(manual_axes())
 
   def _gemm_row_sharding(self, parallel: set[str]):
     """Where the GEMMs read the rows of x and of its gradient, kept as [batch, length, features]: their tokens whole
     over the sequence-parallel axes, the features left to the compiler; None where the rows are flattened."""
     if not parallel:
       return None
-    rules, mesh, manual = sharding.active_rules(), sharding.active_mesh(), manual_axes()
-    batch, length = sharding.without_axes(sharding.logical_to_spec((BATCH, LENGTH), rules, mesh), set(manual))
-    return jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh() if manual else mesh,
-                                      P(batch, length, P.UNCONSTRAINED))
+    mesh = sharding.active_mesh()
+    batch, length = sharding.without_axes(mesh_axes.token_spec(sharding.active_rules(), mesh), set(manual_axes()))
+    return _for_the_compiler(P(batch, length, P.UNCONSTRAINED), mesh)
 
   def _placed(self, y, parallel: set[str], order=None):
     """A column-parallel output (its kernel's output split over the sequence-parallel axes) with its tokens whole
@@ -218,14 +221,12 @@ class Linear(nnx.Module):
     lie on the tokens' split, and be moved onto the heads' by an all-to-all)."""
     if not parallel:
       return y
-    n_in = len(self.in_shape)
+    rules, mesh, n_in = sharding.active_rules(), sharding.active_mesh(), len(self.in_shape)
     out_axes = tuple(self.axes[n_in + i] for i in (order or range(len(self.out_shape))))
-    spec = sharding.logical_to_spec(out_axes, sharding.active_rules(), sharding.active_mesh())
-    out = sharding.only_axes(spec, parallel)
+    out = sharding.only_axes(sharding.logical_to_spec(out_axes, rules, mesh), parallel)
     if all(e is None for e in out):
       return y
-    batch, length = sharding.logical_to_spec((BATCH, LENGTH), sharding.active_rules(), sharding.active_mesh())
-    return sharding.place(y, P(batch, length, *out))
+    return sharding.place(y, P(*mesh_axes.token_spec(rules, mesh), *out))
 
   def _row_axes(self) -> tuple[str, ...]:
     """The mesh axes the rows of x [batch, length, ...] are split over under the active rules, in their order;

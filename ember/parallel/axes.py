@@ -5,6 +5,8 @@ naming axes themselves, so a rule changed in a config (or a new mesh axis) reach
 
   batch_axes      the mesh axes the batch is split over: the `batch` rule (data, fsdp, expert by default)
   sequence_axes   the mesh axes each sequence is split over: the `length` rule (context parallelism)
+  sequence_parallel_axes  the mesh axes the residual stream's length is split over beyond that (sequence
+                  parallelism: `residual_length` less `length`, `tensor` by default)
   layer_axes      the mesh axes the stacked layers are split over: the `layers` rule (none by default)
   token_axes      the axes a step's tokens [batch, length] are split over, as an array of them is sharded
   replica_axes    the batch axes whose devices hold replicas of every parameter they run (data and expert
@@ -19,7 +21,7 @@ from typing import Callable, Iterable
 
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ember.names import BATCH, EXPERT, LAYERS, LENGTH
+from ember.names import BATCH, EXPERT, LAYERS, LENGTH, RESIDUAL_LENGTH
 from ember.parallel.sharding import entry_axes, logical_to_spec, rules_dict
 
 # The batch axes that may hold replicas (`replica_axes`): data parallelism (mesh.data x mesh.dcn_data) and expert
@@ -38,6 +40,13 @@ def batch_axes(rules, mesh: Mesh | None = None) -> tuple[str, ...]:
 
 def sequence_axes(rules) -> tuple[str, ...]:
   return _rules(rules).get(LENGTH, ())
+
+
+def sequence_parallel_axes(rules, mesh: Mesh | None = None) -> set[str]:
+  """The axes of the `residual_length` rule that the `length` rule leaves out: the residual stream's tokens are
+  split over them between blocks and whole on them inside one; on `mesh`, those of more than one device."""
+  split = lambda name: set(entry_axes(logical_to_spec((name,), _rules(rules), mesh)[0]))
+  return split(RESIDUAL_LENGTH) - split(LENGTH)
 
 
 def layer_axes(rules) -> tuple[str, ...]:
