@@ -277,7 +277,8 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
     y_TxKxD, overflow = _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan)
     weights_TxK = jax.lax.all_gather(weights_TxK, expert_axes, axis=0, tiled=True) if expert_axes else weights_TxK
   else:
-    y_TxKxD, overflow = _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan)
+    wire = moe_dispatch.Wire.of(opts.wi_recipe, opts.wo_recipe, token_axes)  # The expert GEMMs' amax axes.
+    y_TxKxD, overflow = _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan, wire)
   aux[MOE_OVERFLOW_TOKENS] = jax.lax.psum(jnp.asarray(overflow, F32), token_axes) if token_axes else \
       jnp.asarray(overflow, F32)
   out_TxD = jnp.einsum("tk,tkd->td", weights_TxK, y_TxKxD.astype(F32)).astype(opts.dtype)
@@ -302,8 +303,8 @@ def _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan: moe_dispatch.Pla
   return take_rows(y_RxD, sort.row_of_copy.reshape(-1), sort.copy_of_row[:, None]).reshape(-1, k, d), overflow
 
 
-def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan: moe_dispatch.Plan):
-  """The copies of this token shard sent to their experts' devices and back (alltoall or ragged):
+def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan: moe_dispatch.Plan, wire: moe_dispatch.Wire):
+  """The copies of this token shard sent to their experts' devices and back (alltoall or ragged) over `wire`:
   ([T, k, D] outputs, copies that overflowed the ragged receive buffer)."""
   t, k = experts_TxK.shape
   d = x_TxD.shape[1]
@@ -313,10 +314,10 @@ def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan: moe_dispatch.Pla
   if plan.exchange == moe_dispatch.ALLTOALL:
     expert_C = jnp.take(experts_TxK.reshape(-1), sort.copy_of_row, mode="fill", fill_value=num_experts)
     ys_CxD, overflow = moe_dispatch.alltoall(xs_CxD, expert_C, sort.group_sizes, num_local=plan.num_local,
-                                             slots=plan.buffer, axes=plan.expert_axes, ffn=ffn)
+                                             slots=plan.buffer, axes=plan.expert_axes, ffn=ffn, wire=wire)
   else:
     ys_CxD, overflow = moe_dispatch.ragged(xs_CxD, sort.group_sizes, num_local=plan.num_local,
-                                           buffer_rows=plan.buffer, axes=plan.expert_axes, ffn=ffn)
+                                           buffer_rows=plan.buffer, axes=plan.expert_axes, ffn=ffn, wire=wire)
   y_TxKxD = take_rows(ys_CxD, sort.row_of_copy.reshape(-1), sort.copy_of_row[:, None]).reshape(t, k, d)
   return y_TxKxD, overflow
 

@@ -33,6 +33,11 @@ The expert GEMMs themselves (`model.moe_expert_gemm`), on the rows a device hold
 `choose` is that rule; `plan` adds the sizes (token shard, rows, slots), for the layer, the training log line
 and the compile report alike.
 
+Under a recipe that allows it (`Recipe.exchange_quantizer`: FP8 with current scaling) the copies cross the
+exchange in E4M3 and their outputs' gradients in E5M2 (`Wire`, `across`): half the bytes of bf16 on the slowest
+link of an expert-parallel step, as DeepSeek-V3 dispatches. The outputs on the way back and the copies'
+gradients stay in the compute dtype: they are summed over a token's experts.
+
 Everything around the collectives is shared: the sort of a device's copies by global expert (so by
 destination, then local expert: `moe.dispatch_plan`), the counts and offsets, the receiver's sort by
 local expert and its inverse, and the combine. Every gather here reads each source row at most once,
@@ -52,7 +57,9 @@ from ember.names import BATCH, EXPERT, LENGTH, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.parallel.sharding import entry_axes, logical_to_spec
 from ember.platform import target_platform
 from ember.quant.grouped import starts
-from ember.quant.varying import manual_axes
+from ember.quant.quantizers import Quantizer
+from ember.quant.recipe import ACTIVATION, GRADIENT, Recipe
+from ember.quant.varying import manual_axes, varying_as
 
 AUTO, ALLGATHER, ALLTOALL, RAGGED = MOE_DISPATCHERS
 _, RAGGED_DOT, CAPACITY = MOE_EXPERT_GEMMS
@@ -146,6 +153,75 @@ def _gather(a_NxD, index_R):
   return jnp.take(a_NxD, index_R, axis=0, mode="fill", fill_value=0)
 
 
+# ----------------------------------------------------------------------------- the wire
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+  """The formats token copies cross an exchange in: `rows` the copies on their way to the experts, `grads` the
+  gradients of the experts' outputs on that same way in the backward pass; None: in the compute dtype. Each is
+  quantized with the amax over `reduce_axes` (every token shard's copies), the expert GEMM's own amax, so the
+  GEMM quantizes what arrives to the very values sent (`Recipe.exchange_quantizer`)."""
+  rows: Quantizer | None = None
+  grads: Quantizer | None = None
+  reduce_axes: tuple[str, ...] = ()
+
+  @classmethod
+  def of(cls, wi: Recipe, wo: Recipe, reduce_axes: tuple[str, ...]) -> "Wire":
+    """The wire of experts whose first GEMM runs `wi` (it reads the copies) and last `wo` (its dgrad reads the
+    outputs' gradients)."""
+    return cls(wi.exchange_quantizer(ACTIVATION), wo.exchange_quantizer(GRADIENT), tuple(reduce_axes))
+
+  def bytes_per_element(self, dtype) -> tuple[float, float]:
+    """(a copy's element on the way to its expert, its output's gradient on that same way) for copies of `dtype`."""
+    size = lambda q: jnp.dtype(dtype).itemsize if q is None else q.fmt.bits / 8
+    return size(self.rows), size(self.grads)
+
+  def dispatch(self, move, rows, *ints):
+    """move(rows, *ints), a linear exchange of rows towards their experts, over this wire."""
+    return across(move, self.rows, None, self.reduce_axes, rows, ints)
+
+  def combine(self, move, rows, *ints):
+    """move(rows, *ints), a linear exchange of the experts' outputs back to their tokens, over this wire."""
+    return across(move, None, self.grads, self.reduce_axes, rows, ints)
+
+
+def _send(move, quantizer, reduce_axes, rows, ints):
+  """move(rows, *ints), the rows sent quantized (and taken back to their dtype on arrival) if `quantizer`."""
+  if quantizer is None:
+    return move(rows, *ints)
+  q = quantizer.quantize(rows, axis=-1, reduce_axes=reduce_axes)
+  return (move(q.data, *ints).astype(jnp.float32) * q.scale_inv).astype(rows.dtype)
+
+
+def across(move, forward: Quantizer | None, backward: Quantizer | None, reduce_axes, rows, ints):
+  """move(rows, *ints) for `move` linear in the rows (an exchange; `ints` its offsets and sizes), the rows sent
+  in `forward`'s format and the cotangent sent back (by move's transpose) in `backward`'s; None: as they are.
+  Quantization is the identity for the gradient, as in every quantized GEMM."""
+  return _across(move, forward, backward, tuple(reduce_axes), (rows.shape, jnp.dtype(rows.dtype)), rows, tuple(ints))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _across(move, forward, backward, reduce_axes, like, rows, ints):
+  return _send(move, forward, reduce_axes, rows, ints)
+
+
+def _across_fwd(move, forward, backward, reduce_axes, like, rows, ints):
+  return _send(move, forward, reduce_axes, rows, ints), ints
+
+
+def _across_bwd(move, forward, backward, reduce_axes, like, ints, ct):
+  shape, dtype = like
+
+  def transpose(a, *ints):  # The cotangent (or its quantized data) back the way the rows came.
+    primal = varying_as(jnp.zeros(shape, a.dtype), a)
+    return jax.linear_transpose(lambda r: move(r, *ints), primal)(a)[0]
+
+  return _send(transpose, backward, reduce_axes, ct, ints).astype(dtype), None
+
+
+_across.defvjp(_across_fwd, _across_bwd)
+
+
 # ----------------------------------------------------------------------------- the receiver's side
 
 def _sorted_ffn(rows_RxD, expert_R, num_local: int, ffn):
@@ -160,10 +236,10 @@ def _sorted_ffn(rows_RxD, expert_R, num_local: int, ffn):
 
 # ----------------------------------------------------------------------------- alltoall
 
-def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn):
+def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn, wire: Wire = Wire()):
   """Exchange by fixed buffers. `xs_CxD`: this device's copies sorted by global expert (`sizes_E` rows
   each; rows past their sum are not sent); returns each copy's expert output in the same order, and the
-  copies received here that the expert GEMMs' slots did not hold."""
+  copies received here that the expert GEMMs' slots did not hold. The rows cross `wire`."""
   n = sizes_E.shape[0] // num_local
   send_P = sizes_E.reshape(n, num_local).sum(axis=1)
   start_P = starts(send_P)
@@ -174,10 +250,10 @@ def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn
   expert_PxS = jnp.where(live_PxS, _gather(expert_C[:, None], row_PxS.reshape(-1))[:, 0].reshape(n, slots)
                          % num_local, num_local)
   exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
-  recv_PxSxD, recv_expert_PxS = exchange(send_PxSxD), exchange(expert_PxS)
+  recv_PxSxD, recv_expert_PxS = wire.dispatch(exchange, send_PxSxD), exchange(expert_PxS)
   d = recv_PxSxD.shape[-1]
   ys, overflow = _sorted_ffn(recv_PxSxD.reshape(-1, d), recv_expert_PxS.reshape(-1), num_local, ffn)
-  back_PxSxD = exchange(ys.reshape(n, slots, d))
+  back_PxSxD = wire.combine(exchange, ys.reshape(n, slots, d))
   # Copy c (sorted) went to destination p = the group holding it, slot c - start_P[p].
   dest_C = jnp.searchsorted(jnp.cumsum(send_P), jnp.arange(xs_CxD.shape[0]), side="right")
   slot_C = jnp.arange(xs_CxD.shape[0]) - _gather(start_P[:, None], dest_C)[:, 0]
@@ -204,10 +280,10 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
                                                unique_indices=True)
 
 
-def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn):
+def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn, wire: Wire = Wire()):
   """Exchange of the copies alone. Returns (each copy's expert output in `xs_CxD`'s order, copies that
   did not fit the receiver's `buffer_rows` here (not sent, zero output) plus those received here that
-  the expert GEMMs' slots did not hold)."""
+  the expert GEMMs' slots did not hold). The rows cross `wire`."""
   n = sizes_E.shape[0] // num_local
   sizes_PxE = sizes_E.reshape(n, num_local)
   send_P = sizes_PxE.sum(axis=1)
@@ -221,11 +297,13 @@ def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn):
   recv_offset_P = start_NxP[:, me]
   in_offset_P = starts(send_P)
   d = xs_CxD.shape[-1]
-  # The receive buffer varies over the mesh axes as the copies do (zeros_like keeps their shard_map type): a
+  # Each receive buffer varies over the mesh axes as the rows sent do (zeros_like keeps their shard_map type): a
   # buffer typed invariant would make the result invariant too, and autodiff would sum its gradient over
   # the devices.
-  recv_RxD = ragged_all_to_all(xs_CxD, jnp.zeros_like(xs_CxD, shape=(buffer_rows, d)), in_offset_P, send_fit_P,
-                               out_offset_P, recv_P, axes=axes)
+  def move(rows: int):
+    return lambda a, *ints: ragged_all_to_all(a, jnp.zeros_like(a, shape=(rows, d)), *ints, axes=axes)
+
+  recv_RxD = wire.dispatch(move(buffer_rows), xs_CxD, in_offset_P, send_fit_P, out_offset_P, recv_P)
   # The local expert of each received row: blocks by source, each sorted by local expert.
   recv_sizes_PxE = jax.lax.all_to_all(sizes_PxE, axes, 0, 0, tiled=True)  # [source, local expert].
   r = jnp.arange(buffer_rows)
@@ -236,8 +314,8 @@ def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn):
   expert_R = jax.vmap(lambda s, i: jnp.searchsorted(ends_PxE[s], i, side="right"))(source_R, within_R)
   expert_R = jnp.where(live_R, expert_R, num_local)
   ys_RxD, slot_overflow = _sorted_ffn(recv_RxD, expert_R, num_local, ffn)
-  back = ragged_all_to_all(ys_RxD, jnp.zeros_like(xs_CxD), recv_offset_P, recv_P, _source_offsets(sent_NxP, me),
-                           send_fit_P, axes=axes)
+  back = wire.combine(move(xs_CxD.shape[0]), ys_RxD, recv_offset_P, recv_P, _source_offsets(sent_NxP, me),
+                      send_fit_P)
   return back, jnp.sum(send_P - send_fit_P) + slot_overflow
 
 

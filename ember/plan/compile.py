@@ -141,7 +141,19 @@ def moe_figures(p: moe_dispatch.Plan, program: hlo.Program) -> dict:
   copy = cost.largest_expert_copy(program, local_experts=p.num_local, rows=gemms["gemm_rows_per_rank"])
   return {"dispatch": p.exchange, "expert_gemm": p.expert_gemm, "expert_parallel": p.expert_parallel,
           "local_experts": p.num_local, "tokens_per_shard": p.tokens, "planned_rows": p.rows,
-          "planned_slots": p.slots, **gemms, "largest_expert_copy": copy}
+          "planned_slots": p.slots, **gemms, "largest_expert_copy": copy,
+          "exchange_bytes_by_type": exchange_bytes_by_type(program)}
+
+
+def exchange_bytes_by_type(program: hlo.Program) -> dict[str, float]:
+  """Bytes per device per step the step's all-to-alls of rows move, by element type (the MoE exchange: the copies
+  in the recipe's format where it allows, layers/moe_dispatch.py's `Wire`)."""
+  out: dict[str, float] = {}
+  for c in hlo.collective_ops(program):
+    element = c.shape.lstrip("(").split("[", 1)[0]
+    if c.kind in ("all-to-all", "ragged-all-to-all") and element.startswith(("bf", "f")):  # Rows, not counts.
+      out[element] = out.get(element, 0.0) + c.bytes_per_step
+  return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _why_not_cudnn(cfg: Settings, mesh) -> str:

@@ -38,6 +38,7 @@ from ember import config as config_lib
 from ember.config import Settings
 from ember import remat
 from ember.errors import ConfigError, EmberError, one_line
+from ember.layers import moe_dispatch
 from ember.parallel import axes, pipeline
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import entry_axes
@@ -291,9 +292,12 @@ class Estimator:
         seconds += moved / self._bandwidth(layout, a)
     tokens = micro * m.seq_len
     experts = mesh["expert"]
-    if m.num_experts and experts > 1:  # Each routed row out and back, in each pass.
+    if m.num_experts and experts > 1:  # Each routed row out and back, in each pass; the backward's the other way.
       moe_layers = m.num_layers // max(m.moe_every, 1)
-      moved = 2 * passes * tokens * m.experts_per_token * m.d_model * 2 * (experts - 1) / experts * moe_layers
+      rows, grads = moe_dispatch.Wire.of(recipe, recipe, ()).bytes_per_element(m.dtype)
+      back = m.dtype.itemsize  # The outputs, and the gradients of the copies, in the compute dtype.
+      per_element = (passes - 1) * (rows + back) + (grads + back)
+      moved = tokens * m.experts_per_token * m.d_model * per_element * (experts - 1) / experts * moe_layers
       seconds += moved / self._bandwidth(layout, "expert")
     if tensor > 1:  # Two activation all-reduces per layer and pass.
       moved = 2 * passes * 2 * tokens * m.d_model * 2 * (tensor - 1) / tensor * m.num_layers

@@ -74,6 +74,9 @@ class Scheme:
   tensor_scale: bool = False  # Block-scaled data also carries a float32 per-tensor scale (NVFP4).
   # On a GPU a dense operand's two copies come from one kernel that reads it once (quant/fused.py).
   one_pass_kernel: bool = False
+  # MoE token copies cross the expert exchange quantized (`Recipe.exchange_quantizer`): true where the expert GEMMs'
+  # quantizers, applied again on arrival, give back the very values sent (per-tensor current scaling).
+  exchange_quantized: bool = False
   # (statistic, limit) pairs replacing quant/health.py's default warning thresholds for this format.
   health_limits: tuple[tuple[str, float], ...] = ()
   # The projections the format's published training recipe keeps in bf16 (`quant.exclude` syntax), where it
@@ -85,7 +88,8 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("bf16", None, BF16, 2.0),
     Scheme("fp8_delayed", lambda r, role, h: DelayedScaling(h, _fp8_format(role), r.margin, r.amax_compute_algo),
            FP8, 1.0, E4M3, delayed=True, stateless="fp8_current"),
-    Scheme("fp8_current", lambda r, role, h: CurrentScaling(_fp8_format(role)), FP8, 1.0, E4M3),
+    Scheme("fp8_current", lambda r, role, h: CurrentScaling(_fp8_format(role)), FP8, 1.0, E4M3,
+           exchange_quantized=True),
     Scheme("mxfp8", lambda r, role, h: MXFP8Scaling(), MXFP8, 1 + 1 / 32, E4M3, block_size=32,
            transposed_copies=True, one_pass_kernel=True),
     Scheme("nvfp4", lambda r, role, h: NVFP4Scaling(tile_2d=role == WEIGHT and r.nvfp4_2d_weights,
@@ -208,6 +212,17 @@ class Recipe:
     if self.delayed and history is None:
       _needs_history()
     return self.scheme.make(self, role, history)
+
+  def exchange_quantizer(self, role: str) -> Quantizer | None:
+    """The quantizer MoE token copies cross the expert exchange in (layers/moe_dispatch.py), or None: in the
+    compute dtype. ACTIVATION: the copies on their way to the experts (E4M3 under FP8), where the forward GEMM
+    reads them quantized; GRADIENT: the gradients of the experts' outputs, the same way in the backward pass (E5M2).
+    Sent with the amax of every token shard's copies, the expert GEMM's own, they quantize again on arrival to
+    the same values: half the bytes of bf16, and the GEMMs' operands unchanged. Delayed scaling would quantize
+    them twice at two scales; block scales along the rows would not serve wgrad's copy along the columns."""
+    if not (self.quantized and self.scheme.exchange_quantized) or (role == ACTIVATION and not self.forward_quantized):
+      return None
+    return self.quantizer(role)
 
   @property
   def wgrad_rht_seed(self) -> int | None:

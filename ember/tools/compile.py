@@ -107,7 +107,9 @@ def _moe_lines(moe: dict | None) -> list[str]:
   return [f"  MoE:         dispatch {moe['dispatch']} over {moe['expert_parallel']} devices, expert GEMMs "
           f"{moe['expert_gemm']}, {moe['gemm_rows_per_rank']:,} rows per forward expert GEMM per device, expert GEMMs "
           f"{_flops(sum(moe['expert_gemm_flops'].values()))} a step; largest per-expert copy of the rows: "
-          + (f"{copy['shape']} ({copy['bytes'] / 2**30:.2f} GiB)" if copy else "none")]
+          + (f"{copy['shape']} ({copy['bytes'] / 2**30:.2f} GiB)" if copy else "none")
+          + "; rows exchanged: " + (", ".join(f"{t} {b / 2**30:,.1f} GiB" for t, b in
+                                              moe.get("exchange_bytes_by_type", {}).items()) or "none")]
 
 
 def main(argv: list[str]) -> int:

@@ -1,5 +1,6 @@
 """Expert parallelism (8 CPU devices): the same loss and gradients as one device."""
 
+import collections
 import functools
 
 import jax
@@ -15,6 +16,7 @@ from ember.layers import moe_dispatch
 from ember.layers.moe import MoE, route
 from ember.parallel.mesh import make_mesh
 from ember.plan import hlo as hlo_lib
+from ember.plan.jaxpr import iter_eqns
 from ember.parallel.sharding import logical_to_spec, rules_dict, tree_shardings, use_rules
 from ember.trainer.state import build_model, logical_axes, split_model
 from ember.trainer.step import forward_loss
@@ -289,6 +291,31 @@ def test_dispatchers_equal_allgather_and_one_device(dispatch, recipe, expert_gem
   for (path, g1), g8, gag in zip(jax.tree_util.tree_flatten_with_path(grads_1)[0], jax.tree.leaves(grads_8),
                                  jax.tree.leaves(grads_ag)):
     assert _rel(g8, g1)[0] < tol and _rel(g8, gag)[0] < tol, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("dispatch", ["ragged", "alltoall"])
+def test_fp8_current_exchanges_copies_in_e4m3_and_their_gradients_in_e5m2(dispatch):
+  """The rows that cross the exchange in a training step's program (forward and backward) by element type:
+  under fp8_current the copies go out in E4M3 and their outputs' gradients come in E5M2 (the outputs and the
+  copies' gradients in the compute dtype); fp8_delayed, whose expert GEMMs quantize at a scale of their own,
+  sends them all in it. That the losses and gradients stay one device's: the dispatchers' test above."""
+  def exchanged(recipe):  # No remat: each exchange once. The layers are scanned: one body.
+    cfg = _derive(config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": recipe, "train.batch_size": 8,
+                                        "model.moe_dispatch": dispatch, "model.moe_expert_buffer": 8.0,
+                                        "remat.policy": "none", **EP}), 8)
+    graphdef, params, quant, _ = split_model(build_model(cfg, jax.random.key(0)))
+    params, quant = nnx.to_pure_dict(params), nnx.to_pure_dict(quant)
+    fn = jax.grad(functools.partial(forward_loss, graphdef=graphdef, cfg=cfg, key=jax.random.key(5),
+                                    policy=remat.preset(cfg.remat)), has_aux=True)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:8])
+    with use_rules(mesh, cfg.mesh.rules):
+      jaxpr = jax.make_jaxpr(fn)(params, quant, random_batch(cfg)).jaxpr
+    rows = [e.invars[0].aval for e in iter_eqns(jaxpr) if e.primitive.name in ("all_to_all", "ragged_all_to_all")
+            and jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating)]
+    return collections.Counter(str(a.dtype) for a in rows)
+
+  assert exchanged("fp8_current") == {"float8_e4m3fn": 1, "float8_e5m2": 1, "float32": 2}
+  assert exchanged("fp8_delayed") == {"float32": 4}
 
 
 def test_ragged_overflow_is_counted_and_zeroed():

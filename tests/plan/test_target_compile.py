@@ -577,7 +577,8 @@ def test_every_recipe_compiles_for_eight_b200s(recipe):
 def test_moe_expert_gemms_do_the_routed_work_in_fp8():
   """moe_64x6, EP 8, batch 8 x 2048, fp8_current, the GPU defaults (ragged exchange, capacity layout): the
   step executes at most 1.3x the model's FLOPs, the expert GEMMs run in FP8, no value holds a copy of the
-  token rows per local expert, and the peak stays under the 56.5 GiB of the ragged_dot layout."""
+  token rows per local expert, the peak stays under the 56.5 GiB of the ragged_dot layout, and the copies
+  cross the exchange in E4M3 and their outputs' gradients in E5M2."""
   flags = [f"--config={ROOT}/configs/default.py:moe_64x6", "--config.data.source=synthetic",
            "--config.train.batch_size=8", "--config.model.seq_len=2048", "--config.mesh.fsdp=1",
            "--config.mesh.expert=8", "--config.quant.recipe=fp8_current"]
@@ -590,6 +591,11 @@ def test_moe_expert_gemms_do_the_routed_work_in_fp8():
   assert r["peak_bytes"] <= 56.5 * 2**30, r["peak_bytes"] / 2**30
   copy = moe["largest_expert_copy"]
   assert copy is None or copy["bytes"] <= 2**30, copy
+  sent = moe["exchange_bytes_by_type"]
+  assert set(sent) == {"bf16", "f8e4m3fn", "f8e5m2"}, sent
+  # Each FP8 way once; each bf16 way (the outputs back, the copies' gradients back) at twice its bytes, the
+  # outputs again where the backward pass recomputes them (the router weights' gradient reads them).
+  assert sent["f8e4m3fn"] == sent["f8e5m2"] > 0 and sent["bf16"] >= 4 * sent["f8e4m3fn"], sent
 
 
 @pytest.mark.parametrize("target,recipe,gemm", [("h100x1", "fp8_current", "__cublas$lt$matmul$f8"),
