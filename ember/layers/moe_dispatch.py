@@ -160,7 +160,8 @@ class Wire:
   """The formats token copies cross an exchange in: `rows` the copies on their way to the experts, `grads` the
   gradients of the experts' outputs on that same way in the backward pass; None: in the compute dtype. Each is
   quantized with the amax over `reduce_axes` (every token shard's copies), the expert GEMM's own amax, so the
-  GEMM quantizes what arrives to the very values sent (`Recipe.exchange_quantizer`)."""
+  GEMM quantizes what arrives to the very values sent (`Recipe.exchange_quantizer`), at the same scale: the largest
+  element arrives as itself in bf16 (in float32, within its rounding)."""
   rows: Quantizer | None = None
   grads: Quantizer | None = None
   reduce_axes: tuple[str, ...] = ()

@@ -1,11 +1,16 @@
 """moe_dispatch.choose: the token exchange and the expert GEMM layout an MoE layer runs, for every setting,
-platform and expert-parallel size: hand-worked rows of the module doc's table, and what holds for every setting."""
+platform and expert-parallel size: hand-worked rows of the module doc's table, and what holds for every setting; and the
+FP8 wire the exchanges send the copies over."""
 
 import itertools
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ember.layers import moe_dispatch
+from ember.quant.recipe import Recipe
 from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 
 # (moe_dispatch, moe_expert_gemm, expert-parallel devices, local experts, platform) -> (exchange, expert GEMMs),
@@ -124,3 +129,35 @@ def test_the_step_plans_once_and_its_layers_read_the_plan(monkeypatch):
     x = jnp.zeros((2, cfg.model.seq_len, cfg.model.d_model), cfg.model.dtype)
     jax.eval_shape(lambda x: layer(x, jnp.ones(x.shape[:2], jnp.int32)), x)
   assert [c["batch"] for c in calls] == [(2, cfg.model.seq_len)]  # Unplanned: its own batch's plan.
+
+
+@pytest.mark.parametrize("role", ["activation", "gradient"])
+def test_rows_sent_quantized_quantize_again_to_the_same_operand(role):
+  """What the FP8 wire rests on (moe_dispatch.Wire): bf16 rows quantized with their amax, taken back to bf16 on
+  arrival and quantized again there give the same data and the same scale, so the expert GEMM reads what it would
+  have read without the wire. The largest element comes back as itself, so the amax taken on arrival is the one sent.
+  Checked with and without values at the format's saturation and below its smallest normal."""
+  quantizer = Recipe(name="fp8_current").exchange_quantizer(role)
+  assert quantizer is not None
+  x = jax.random.normal(jax.random.key(0), (512, 96), jnp.float32) * jnp.exp(
+      jax.random.uniform(jax.random.key(1), (512, 96), minval=-12.0, maxval=4.0))
+  for rows in (x.astype(jnp.bfloat16), x.at[3, 5].set(-3e4).astype(jnp.bfloat16)):
+    sent = quantizer.quantize(rows)
+    arrived = (sent.data.astype(jnp.float32) * sent.scale_inv).astype(jnp.bfloat16)
+    again = quantizer.quantize(arrived)
+    np.testing.assert_array_equal(np.asarray(again.data.astype(jnp.float32)), np.asarray(sent.data.astype(jnp.float32)))
+    assert float(again.scale_inv) == float(sent.scale_inv)
+    assert float(again.amax) == float(sent.amax) == float(jnp.max(jnp.abs(rows.astype(jnp.float32))))
+
+
+def test_the_wire_is_the_recipes():
+  """The recipe table decides the wire: FP8 with current scaling sends the copies in E4M3 and their outputs'
+  gradients in E5M2; delayed scaling, the block-scaled recipes, bf16 and a bf16 forward send them as they are."""
+  fmt = lambda w: tuple(None if q is None else q.fmt.name for q in (w.rows, w.grads))
+  wire = lambda **kw: moe_dispatch.Wire.of(Recipe(**kw), Recipe(**kw), ())
+  assert fmt(wire(name="fp8_current")) == ("e4m3", "e5m2")
+  assert wire(name="fp8_current").bytes_per_element("bfloat16") == (1.0, 1.0)
+  for name in ("fp8_delayed", "mxfp8", "nvfp4", "bf16"):
+    assert fmt(wire(name=name)) == (None, None), name
+  assert fmt(wire(name="fp8_current", forward="bf16")) == (None, "e5m2")
+  assert wire(name="bf16").bytes_per_element("bfloat16") == (2, 2)
