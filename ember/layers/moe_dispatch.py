@@ -53,7 +53,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ember.names import BATCH, EXPERT, LENGTH, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember.names import BATCH, LENGTH, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember.parallel import axes as mesh_axes
 from ember.parallel.sharding import entry_axes, logical_to_spec
 from ember.platform import target_platform
 from ember.quant.grouped import starts
@@ -84,12 +85,6 @@ def choose(dispatch: str, expert_gemm: str, *, expert_parallel: int, num_local: 
   return exchange, expert_gemm
 
 
-def expert_axes(mesh, rules: dict) -> tuple[str, ...]:
-  """The mesh axes the experts are split over: those `mesh.rules` maps the logical `expert` axis to (the
-  mesh's axes of size 1 left out)."""
-  return entry_axes(logical_to_spec((EXPERT,), rules, mesh)[0])
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What an MoE layer runs for one token shard on a mesh, decided once (`plan`): the one answer the layer, the
@@ -113,7 +108,7 @@ def plan(model, mesh, rules: dict, *, batch: tuple[int, int], platform: str | No
   on one device) there is one token shard and no expert axis."""
   e, k = model.num_experts, model.experts_per_token
   sharded = mesh is not None and mesh.size > 1
-  axes = expert_axes(mesh, rules) if sharded else ()
+  axes = mesh_axes.expert_axes(rules, mesh) if sharded else ()
   n = math.prod(mesh.shape[a] for a in axes)
   token_shards = 1
   if sharded:

@@ -8,6 +8,8 @@ naming axes themselves, so a rule changed in a config (or a new mesh axis) reach
   sequence_parallel_axes  the mesh axes the residual stream's length is split over beyond that (sequence
                   parallelism: `residual_length` less `length`, `tensor` by default)
   layer_axes      the mesh axes the stacked layers are split over: the `layers` rule (none by default)
+  expert_axes     the mesh axes the experts are split over: the `expert` rule (each device runs its own experts,
+                  whose weights are never gathered over them)
   token_axes      the axes a step's tokens [batch, length] are split over, as an array of them is sharded
   replica_axes    the batch axes whose devices hold replicas of every parameter they run (data and expert
                   parallelism): their micro-batches run apart and reduce their gradients once a step
@@ -51,6 +53,11 @@ def sequence_parallel_axes(rules, mesh: Mesh | None = None) -> set[str]:
 
 def layer_axes(rules) -> tuple[str, ...]:
   return _rules(rules).get(LAYERS, ())
+
+
+def expert_axes(rules, mesh: Mesh | None = None) -> tuple[str, ...]:
+  """The `expert` rule's axes; on `mesh`, those of more than one device."""
+  return entry_axes(logical_to_spec((EXPERT,), _rules(rules), mesh)[0])
 
 
 def token_spec(rules, mesh: Mesh | None = None) -> P:

@@ -250,6 +250,9 @@ def layer_report(cfg: Settings, presets: dict[str, remat.Preset], *, batch: int 
     t = trace_layer(problem, p)
     out[name] = {
         "residual_bytes_per_layer": t.residual_bytes / problem.layers_per_block,
+        # Of those, the quantized kernel copies: the parameters' size, whatever the batch.
+        "kernel_residual_bytes_per_layer": sum(r.bytes for r in t.residuals if r.name in remat.QUANTIZED_KERNEL_NAMES)
+                                           / problem.layers_per_block,
         "residuals": [r.to_json() for r in t.residuals],
         "recomputed_quantize_ops_per_layer": t.backward.quantize_ops / problem.layers_per_block,
         "recomputed_gemms_per_layer": (t.backward.projection_gemms - base.projection_gemms) / problem.layers_per_block,

@@ -10,11 +10,12 @@ and holds less.
 
 Compiling a layout takes seconds to a minute, so each is first *estimated* (`estimate`) from what can be
 counted without compiling: the train state each device holds (its shardings, exact), the activations the
-preset keeps (one decoder block traced; plan/layer.py) times the layers and the micro-batch, the step's
-FLOPs with what the preset recomputes, and the bytes each mesh axis moves per micro-batch (FSDP gathers of
-the weights in the recipe's format, gradient reductions in `train.grad_reduce_dtype`, the MoE token
-exchange, tensor-parallel activation reductions), at NVLink or NIC bandwidth by whether the axis crosses
-nodes. Of the layouts whose estimated peak is within the budget (with `ESTIMATE_SLACK`: the estimate is rough),
+preset keeps (one decoder block traced; plan/layer.py) times the layers and the micro-batch, and the quantized
+kernel copies it keeps for a device's share of the layers' kernels, the step's FLOPs with what the preset
+recomputes, and the bytes each mesh axis moves per micro-batch (FSDP gathers of the weights in the recipe's format,
+gradient reductions in `train.grad_reduce_dtype`, the MoE token exchange in its wire's formats, tensor-parallel
+activation reductions; nothing for experts over the axes that split them), at NVLink or NIC bandwidth by whether
+the axis crosses nodes. Of the layouts whose estimated peak is within the budget (with `ESTIMATE_SLACK`: the estimate is rough),
 `top` are compiled for the target with the compile report's machinery (plan/compile.py), each in a child process
 (plan/isolated.py: a compile that aborts its process is a failed candidate with its reason, and the search goes
 on): the fastest by estimate
@@ -185,9 +186,12 @@ class Estimate:
 
 @dataclasses.dataclass(frozen=True)
 class _Block:
-  """What one decoder block costs under a preset, per sequence of the micro-batch (traced once per preset)."""
-  residual_bytes: float  # Kept from the forward pass to the backward, per layer.
-  working_bytes: float  # Everything the block saves with no remat: live while its backward runs.
+  """What one decoder block costs under a preset (traced once per preset, on one device): activations per sequence
+  of the micro-batch, quantized kernel copies per layer whole (a device keeps its shard of them)."""
+  residual_bytes: float  # Activations kept from the forward pass to the backward, per layer.
+  working_bytes: float  # Every activation the block saves with no remat: live while its backward runs.
+  residual_kernel_bytes: float  # Quantized kernel copies kept from the forward pass to the backward, per layer.
+  working_kernel_bytes: float  # Every quantized kernel copy the block saves with no remat.
   recompute_fraction: float  # Of the step's GEMM FLOPs, run again in the backward pass.
 
 
@@ -196,8 +200,9 @@ def _blocks(cfg: Settings, names) -> dict[str, _Block]:
   problem = layer.layer_problem(cfg, batch=1)
   forward_gemms = layer.trace_layer(problem, remat.PRESETS["none"]).backward.projection_gemms / 2
   forward_gemms /= problem.layers_per_block
-  working = report["none"]["residual_bytes_per_layer"]
-  return {n: _Block(report[n]["residual_bytes_per_layer"], working,
+  kernels = lambda n: report[n]["kernel_residual_bytes_per_layer"]
+  activations = lambda n: report[n]["residual_bytes_per_layer"] - kernels(n)
+  return {n: _Block(activations(n), activations("none"), kernels(n), kernels("none"),
                     report[n]["recomputed_gemms_per_layer"] / (3 * forward_gemms) if forward_gemms else 0.0)
           for n in names}
 
@@ -214,9 +219,10 @@ class Estimator:
     self.blocks = _blocks(self.settings, presets(self.settings))
     self._state: dict[tuple, tuple[float, float, list, tuple[str, ...]]] = {}
 
-  def _leaves(self, layout: Layout) -> tuple[float, float, list, tuple[str, ...]]:
+  def _leaves(self, layout: Layout) -> tuple[float, float, list, tuple[str, ...], float]:
     """(train state bytes per device, parameter bytes per device, [(elements per device, sharded axes, is a
-    projection kernel)] per parameter, the replica axes of a step of micro-batches) on the layout's mesh."""
+    projection kernel)] per parameter, the replica axes of a step of micro-batches, the share of the projection
+    kernels' elements a device holds) on the layout's mesh."""
     key = (layout.node, layout.dcn)
     if key not in self._state:
       cfg = layout.apply(self.settings).for_devices(self.target.count)
@@ -225,12 +231,15 @@ class Estimator:
       _, shardings, abstract = state_shardings(cfg, mesh, tx)
       size = lambda a, s: math.prod(s.shard_shape(a.shape))
       state = sum(size(a, s) * a.dtype.itemsize for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
-      leaves = []
+      leaves, whole_kernels = [], 0
       for a, s in zip(jax.tree.leaves(abstract.params), jax.tree.leaves(shardings.params)):
         split_over = {x for entry in s.spec for x in entry_axes(entry)}
-        leaves.append((size(a, s), split_over, a.ndim >= 2 and self.model.vocab_size not in a.shape))
+        projection = a.ndim >= 2 and self.model.vocab_size not in a.shape
+        leaves.append((size(a, s), split_over, projection))
+        whole_kernels += a.size if projection else 0
       params = sum(n * 4 for n, _, _ in leaves)
-      self._state[key] = (state, params, leaves, replica_axes(cfg, mesh, "gpu"))
+      held = sum(n for n, _, projection in leaves if projection) / max(whole_kernels, 1)
+      self._state[key] = (state, params, leaves, replica_axes(cfg, mesh, "gpu"), held)
     return self._state[key]
 
   def _bandwidth(self, layout: Layout, axis: str) -> float:
@@ -243,7 +252,7 @@ class Estimator:
     n_devices = self.target.count
     batch_axes = axes.batch_axes(cfg.mesh.rules_dict)
     micro = cfg.train.batch_size // axes.shards(batch_axes, mesh) // layout.grad_accum_steps
-    state, params, leaves, replicas = self._leaves(layout)
+    state, params, leaves, replicas, held = self._leaves(layout)
     # A pipeline (parallel/pipeline.py): each stage runs its share of the layers for every micro-batch and idles
     # its bubble, and keeps what the schedule's forward passes save until their backward passes.
     stages, accum, virtual = mesh["pipeline"], layout.grad_accum_steps, layout.virtual_stages
@@ -258,6 +267,8 @@ class Estimator:
     tensor = mesh["tensor"]
     hidden = micro * m.seq_len * m.d_model * m.dtype.itemsize  # One micro-batch's hidden states on a device.
     activations = micro * (kept * m.num_layers / stages * block.residual_bytes + 2 * block.working_bytes) / tensor
+    # Kernel copies: a device's share of the layers' parameters, whatever the micro-batch.
+    activations += (kept * m.num_layers / stages * block.residual_kernel_bytes + block.working_kernel_bytes) * held
     activations += kept * hidden if stages > 1 and layout.schedule == "gpipe" else 0  # Outputs kept for the loss.
     peak = state + params * (2 if layout.grad_accum_steps > 1 else 1) + activations
     # Compute: the model's FLOPs and the recomputed share; projections at the recipe's GEMM peak, attention and
@@ -276,11 +287,12 @@ class Estimator:
     passes = 3 if block.recompute_fraction > 0 else 2  # Weight gathers: forward, backward, recompute.
     grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
     seconds = once = 0.0
+    experts_over = set(axes.expert_axes(cfg.mesh.rules_dict))
     for elements, split_over, projection in leaves:
       weight_bytes = recipe.scheme.weight_bytes if projection else 2.0
       for a in batch_axes:
         n = mesh[a]
-        if n == 1:
+        if n == 1 or a in split_over & experts_over:  # Each device runs its own experts: nothing moves.
           continue
         if a in split_over:  # Sharded over it: gathered for each pass, its gradient reduce-scattered.
           moved = elements * (n - 1) * (passes * weight_bytes + grad_bytes)
