@@ -8,24 +8,23 @@ micro-batch size, every preset without host offloading (offloading is for when n
 the config to plan with it). `data` inside a node is never proposed: FSDP over NVLink moves the same bytes
 and holds less.
 
-Compiling a layout takes seconds to a minute, so each is first *estimated* (`estimate`) from what can be
-counted without compiling: the train state each device holds (its shardings, exact), the activations the
-preset keeps (one decoder block traced; plan/layer.py) times the layers and the micro-batch, and the quantized
-kernel copies it keeps for a device's share of the layers' kernels, the step's FLOPs with what the preset
-recomputes, and the bytes each mesh axis moves per micro-batch (FSDP gathers of the weights in the recipe's format,
-gradient reductions in `train.grad_reduce_dtype`, the MoE token exchange in its wire's formats, tensor-parallel
-activation reductions; nothing for experts over the axes that split them), at NVLink or NIC bandwidth by whether
-the axis crosses nodes. Of the layouts whose estimated peak is within the budget (with `ESTIMATE_SLACK`: the estimate is rough),
-`top` are compiled for the target with the compile report's machinery (plan/compile.py), each in a child process
-(plan/isolated.py: a compile that aborts its process is a failed candidate with its reason, and the search goes
-on): the fastest by estimate
-of each split of a node in turn (`select`). One whose compiled peak is over the budget is compiled again with a
-smaller micro-batch (where there is none, under remat `full`), up to `SMALLER_MICRO_BATCHES` times. The winner so far is compiled once more with no remat
-(`none`), the preset whose estimate is least trustworthy (`_without_remat`). The compiled layouts are ranked by their
-predicted step (`tokens_per_s_predicted`, ember/plan/predict.py: the scheduled program at the GPU's achievable
-rates, exposed collectives included) among those whose compiled peak is within the budget: the winner is never a
-layout that does not fit, and never predicted slower than another layout compiled. Each row keeps its roofline
-ceiling beside the prediction.
+Compiling a layout takes seconds to a minute, so each is first *estimated* (`estimate`) from what can be counted
+without compiling: the train state each device holds (its shardings, exact), the activations the preset keeps (one
+decoder block traced; plan/layer.py) times the layers and the micro-batch, and the quantized kernel copies it keeps
+for a device's share of the layers' kernels, the step's FLOPs with what the preset recomputes, and the bytes each
+mesh axis moves per micro-batch (FSDP gathers of the weights in the recipe's format, gradient reductions in
+`train.grad_reduce_dtype`, the MoE token exchange in its wire's formats, tensor-parallel activation reductions;
+nothing for experts over the axes that split them), at NVLink or NIC bandwidth by whether the axis crosses nodes. Of
+the layouts whose estimated peak is within the budget (with `ESTIMATE_SLACK`: the estimate is rough), `top` are
+compiled for the target with the compile report's machinery (plan/compile.py), each in a child process
+(plan/isolated.py: a compile that aborts its process is a failed candidate with its reason, and the search goes on):
+the fastest by estimate of each split of a node in turn (`select`). One whose compiled peak is over the budget is
+compiled again with a smaller micro-batch (where there is none, under remat `full`), up to `SMALLER_MICRO_BATCHES`
+times. The winner so far is compiled once more with no remat (`none`), the preset whose estimate is least
+trustworthy (`_without_remat`). The compiled layouts are ranked by their predicted step (`tokens_per_s_predicted`,
+ember/plan/predict.py: the scheduled program at the GPU's achievable rates, exposed collectives included) among
+those whose compiled peak is within the budget: the winner is never a layout that does not fit, and never predicted
+slower than another layout compiled. Each row keeps its roofline ceiling beside the prediction.
 """
 
 from __future__ import annotations
@@ -217,7 +216,7 @@ class Estimator:
     self.model = self.settings.model
     self.facts = target.facts
     self.blocks = _blocks(self.settings, presets(self.settings))
-    self._state: dict[tuple, tuple[float, float, list, tuple[str, ...]]] = {}
+    self._state: dict[tuple, tuple[float, float, list, tuple[str, ...], float]] = {}
 
   def _leaves(self, layout: Layout) -> tuple[float, float, list, tuple[str, ...], float]:
     """(train state bytes per device, parameter bytes per device, [(elements per device, sharded axes, is a
