@@ -44,7 +44,7 @@ from ember.layers.linear import QuantState, QuantStats, handed, output_error_inp
 from ember.layers import moe_dispatch
 from ember.layers.mlp import MLP
 from ember.config.model import ModelConfig
-from ember.names import (BATCH, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MOE_DROPPED_TOKENS,
+from ember.names import (BATCH, BLOCK, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MOE_DROPPED_TOKENS,
                          MOE_EXPERT_LOADS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS,
                          MOE_SEQ_BALANCE_LOSS, PROJECTIONS)
 from ember.parallel import axes as axes_lib, sharding
@@ -157,7 +157,7 @@ class MoE(nnx.Module):
                            histories, keys, self.options, plan, stats, bias, errors)
     if self.shared is not None:
       y_BxLxD = y_BxLxD + self.shared(x_BxLxD, key, handed(taken, "shared"))
-    return sharding.shard(y_BxLxD, (BATCH, LENGTH, EMBED)), aux
+    return sharding.shard(y_BxLxD, BLOCK), aux
 
 
 # ----------------------------------------------------------------------------- sharding

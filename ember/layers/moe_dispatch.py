@@ -53,9 +53,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ember.names import BATCH, LENGTH, MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.parallel import axes as mesh_axes
-from ember.parallel.sharding import entry_axes, logical_to_spec
 from ember.platform import target_platform
 from ember.quant.grouped import starts
 from ember.quant.quantizers import Quantizer
@@ -112,9 +111,8 @@ def plan(model, mesh, rules: dict, *, batch: tuple[int, int], platform: str | No
   n = math.prod(mesh.shape[a] for a in axes)
   token_shards = 1
   if sharded:
-    spec = logical_to_spec((BATCH, LENGTH), rules, mesh)
     local = manual_axes()  # Inside shard_map `batch` is already one shard's along these.
-    token_shards = math.prod(mesh.shape[a] for entry in spec for a in entry_axes(entry) if a not in local)
+    token_shards = math.prod(mesh.shape[a] for a in mesh_axes.token_axes(rules, mesh) if a not in local)
   t = batch[0] * batch[1] // token_shards
   num_local = e // n
   exchange, gemm = choose(model.moe_dispatch, model.moe_expert_gemm, expert_parallel=n, num_local=num_local,

@@ -150,7 +150,7 @@ def exchange_bytes_by_type(program: hlo.Program) -> dict[str, float]:
   in the recipe's format where it allows, layers/moe_dispatch.py's `Wire`)."""
   out: dict[str, float] = {}
   for c in hlo.collective_ops(program):
-    element = c.shape.lstrip("(").split("[", 1)[0]
+    element = hlo.dtype_of(c.shape)
     if c.kind in ("all-to-all", "ragged-all-to-all") and element.startswith(("bf", "f")):  # Rows, not counts.
       out[element] = out.get(element, 0.0) + c.bytes_per_step
   return dict(sorted(out.items(), key=lambda kv: -kv[1]))

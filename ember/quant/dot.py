@@ -190,20 +190,16 @@ class DenseLayout:
     return q.T if self.transposed and axis == 0 and recipe.has_kernel_t else q
 
   def whole(self, a):
-    if self.kernel_sharding is None or not isinstance(a, QuantizedTensor) or a.block:
-      return a
     # Gather the FP8 data itself. XLA's collective quantizer would otherwise have to move the gather of the
     # dequantized kernel ahead of its conversion, which it does only where it can prove the scale the same on
     # every device (not inside a shard_map, nor for every kernel of unrolled tensor-parallel layers).
-    return dataclasses.replace(a, data=jax.lax.with_sharding_constraint(a.data, self.kernel_sharding))
+    return _data_at(a, self.kernel_sharding)
 
   def gathered_rows(self, a):
     """A per-tensor copy of x or g with its rows where the GEMMs read them: its FP8 data gathered itself, as
     `whole` gathers a kernel's (left to XLA inside a shard_map, the gather is of the dequantized copy, and the
     GEMM runs in bf16)."""
-    if self.row_sharding is None or not isinstance(a, QuantizedTensor):
-      return a
-    return dataclasses.replace(a, data=jax.lax.with_sharding_constraint(a.data, self.row_sharding))
+    return _data_at(a, self.row_sharding)
 
   def forward(self, x, w, rows, dtype):
     if isinstance(x, QuantizedTensor):
@@ -227,6 +223,14 @@ class DenseLayout:
 
   def whole_kernel_shape(self, w):
     return w.shape
+
+
+def _data_at(a, sharding):
+  """A per-tensor quantized copy with its data constrained to `sharding` (its scale is one scalar); anything else,
+  or no sharding, as it is."""
+  if sharding is None or not isinstance(a, QuantizedTensor) or a.block:
+    return a
+  return dataclasses.replace(a, data=jax.lax.with_sharding_constraint(a.data, sharding))
 
 
 def _flat_rows(q: QuantizedTensor) -> QuantizedTensor:
