@@ -109,6 +109,10 @@ def get_config() -> ml_collections.ConfigDict:
   t.muon_ns_dtype = "float32"  # muon: the dtype the Newton-Schulz iterations run in ("float32" or "bfloat16").
   t.optimizer_state_dtype = "float32"  # The dtype the moments / momentum are stored in between steps ("bfloat16"
   # halves their bytes; the update itself is computed in float32).
+  t.shard_optimizer_state = True  # Split the optimizer state over the data- and expert-parallel replicas (ZeRO-1, as
+  # Megatron's distributed optimizer): each gradient is reduce-scattered over them once a step, each replica updates
+  # its piece and the new parameters are gathered back (trainer/state.py, `replica_splits`). False: every replica
+  # holds and updates the whole state. Meshes without replicas (FSDP already splits the state) are unchanged.
   t.grad_accum_steps = 1  # Micro-batches per optimizer step: batch_size / grad_accum_steps sequences each, run
   # one after another with their gradients summed; batch_size stays the step's global batch.
   t.device_batch_size = 0  # > 0: sequences per device in each micro-batch, and grad_accum_steps follows from the mesh:

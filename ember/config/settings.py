@@ -48,6 +48,7 @@ class Train:
   muon_ns_steps: int = key("int", ">=1")
   muon_ns_dtype: str = key("str", choices=STATE_DTYPES)
   optimizer_state_dtype: str = key("str", choices=STATE_DTYPES)
+  shard_optimizer_state: bool = key("bool")
   grad_accum_steps: int = key("int", ">=1")
   device_batch_size: int = key("int", ">=0")  # > 0: grad_accum_steps follows from it and the mesh (`_accumulation`).
   grad_reduce_dtype: str = key("str", choices=WGRAD_DTYPES)

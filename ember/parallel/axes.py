@@ -13,6 +13,7 @@ naming axes themselves, so a rule changed in a config (or a new mesh axis) reach
   token_axes      the axes a step's tokens [batch, length] are split over, as an array of them is sharded
   replica_axes    the batch axes whose devices hold replicas of every parameter they run (data and expert
                   parallelism): their micro-batches run apart and reduce their gradients once a step
+  replica_split   the dimension along which a parameter's optimizer state is split over the replicas (ZeRO-1)
   shards          how many pieces a set of axes cuts into, from each axis's size
 """
 
@@ -96,3 +97,30 @@ def replica_axes(rules, mesh: Mesh, parameters: Iterable[tuple[str | None, ...]]
         axes = axes[next((i for i, a in enumerate(axes) if a not in REPLICA_AXES), len(axes)):]
       split |= set(axes)
   return tuple(a for a in batch if a in REPLICA_AXES and mesh.shape.get(a, 1) > 1 and a not in split)
+
+
+def replica_split(shape: tuple[int, ...], spec: P, over: Iterable[str], mesh: Mesh) -> int | None:
+  """ZeRO-1 (train.shard_optimizer_state): the dimension along which a parameter's optimizer state, and its
+  gradient reduced once a step, is split over the replica axes `over` that hold the parameter whole: its first
+  dimension no mesh axis of more than one device splits (`spec`) whose length their devices divide. A split
+  dimension is passed over, so each replica's piece lies inside the device's own block of the parameter and the
+  update needs no reshuffle. None where no dimension qualifies: that leaf's state stays whole on each replica."""
+  n = shards(over, mesh.shape)
+  if n == 1:
+    return None
+  entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+  for dim, (length, entry) in enumerate(zip(shape, entries)):
+    if shards(entry_axes(entry), mesh.shape) == 1 and length % n == 0:
+      return dim
+  return None
+
+
+def with_split(spec: P, ndim: int, dim: int | None, over: Iterable[str]) -> P:
+  """`spec` of an array of `ndim` dimensions with the axes `over` added to dimension `dim` (unchanged where
+  `dim` is None): a parameter's spec made its optimizer state's (`replica_split`)."""
+  if dim is None:
+    return spec
+  entries = list(spec) + [None] * (ndim - len(spec))
+  axes = entry_axes(entries[dim]) + tuple(over)
+  entries[dim] = axes[0] if len(axes) == 1 else axes
+  return P(*entries)

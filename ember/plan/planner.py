@@ -49,8 +49,7 @@ from ember.plan.units import GiB
 from ember.quant.recipe import BF16  # Attention and the LM head run in the compute dtype.
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import attention_flops_per_token, forward_flops_per_token, head_flops_per_token
-from ember.trainer.state import state_shardings
-from ember.trainer.step import replica_axes
+from ember.trainer.state import replica_axes, replica_splits, state_shardings
 
 BUDGET_FRACTION = 0.9  # Default budget: the GPU's memory less 10% (allocator slack, cuDNN workspaces).
 ESTIMATE_SLACK = 1.15  # A layout is compiled if its estimated peak is within the budget times this.
@@ -220,25 +219,27 @@ class Estimator:
 
   def _leaves(self, layout: Layout) -> tuple[float, float, list, tuple[str, ...], float]:
     """(train state bytes per device, parameter bytes per device, [(elements per device, sharded axes, is a
-    projection kernel)] per parameter, the replica axes of a step of micro-batches, the share of the projection
-    kernels' elements a device holds) on the layout's mesh."""
+    projection kernel, its optimizer state split over the replicas)] per parameter, the replica axes of a step of
+    micro-batches, the share of the projection kernels' elements a device holds) on the layout's mesh."""
     key = (layout.node, layout.dcn)
     if key not in self._state:
       cfg = layout.apply(self.settings).for_devices(self.target.count)
       mesh = make_mesh(cfg.mesh, self.target.devices())
       tx, _ = make_optimizer(cfg)
-      _, shardings, abstract = state_shardings(cfg, mesh, tx)
+      _, shardings, abstract = state_shardings(cfg, mesh, tx, platform="gpu")
+      replicas = replica_axes(cfg, mesh, "gpu")
+      splits = jax.tree.leaves(replica_splits(cfg, mesh, replicas), is_leaf=lambda x: x is None)
       size = lambda a, s: math.prod(s.shard_shape(a.shape))
       state = sum(size(a, s) * a.dtype.itemsize for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
       leaves, whole_kernels = [], 0
-      for a, s in zip(jax.tree.leaves(abstract.params), jax.tree.leaves(shardings.params)):
+      for a, s, split in zip(jax.tree.leaves(abstract.params), jax.tree.leaves(shardings.params), splits, strict=True):
         split_over = {x for entry in s.spec for x in entry_axes(entry)}
         projection = a.ndim >= 2 and self.model.vocab_size not in a.shape
-        leaves.append((size(a, s), split_over, projection))
+        leaves.append((size(a, s), split_over, projection, split is not None))
         whole_kernels += a.size if projection else 0
-      params = sum(n * 4 for n, _, _ in leaves)
-      held = sum(n for n, _, projection in leaves if projection) / max(whole_kernels, 1)
-      self._state[key] = (state, params, leaves, replica_axes(cfg, mesh, "gpu"), held)
+      params = sum(leaf[0] * 4 for leaf in leaves)
+      held = sum(n for n, _, projection, _ in leaves if projection) / max(whole_kernels, 1)
+      self._state[key] = (state, params, leaves, replicas, held)
     return self._state[key]
 
   def _bandwidth(self, layout: Layout, axis: str) -> float:
@@ -287,7 +288,7 @@ class Estimator:
     grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
     seconds = once = 0.0
     experts_over = set(axes.expert_axes(cfg.mesh.rules_dict))
-    for elements, split_over, projection in leaves:
+    for elements, split_over, projection, zero in leaves:
       weight_bytes = recipe.scheme.weight_bytes if projection else 2.0
       for a in batch_axes:
         n = mesh[a]
@@ -295,8 +296,9 @@ class Estimator:
           continue
         if a in split_over:  # Sharded over it: gathered for each pass, its gradient reduce-scattered.
           moved = elements * (n - 1) * (passes * weight_bytes + grad_bytes)
-        else:  # Replicated over it: its gradient all-reduced.
-          moved = 2 * elements * (n - 1) / n * grad_bytes
+        else:  # Replicated over it: its gradient all-reduced (ZeRO-1 over replicas: reduce-scattered, and the
+          # float32 parameters updated in pieces gathered back).
+          moved = elements * (n - 1) / n * (grad_bytes + 4.0 if zero and a in replicas else 2 * grad_bytes)
           if a in replicas:
             once += moved / self._bandwidth(layout, a)
             continue

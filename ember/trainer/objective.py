@@ -17,7 +17,7 @@ from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
                          MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS,
                          MOE_ROUTER_Z_LOSS, MOE_SEQ_BALANCE_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
-from ember.parallel.sharding import active_rules, entry_axes, logical_to_spec, shard
+from ember.parallel.sharding import active_mesh, active_rules, entry_axes, logical_to_spec, shard, shard_map
 from ember.quant.varying import first_along, shard_axes
 from ember.trainer.loss import HeadOnce, cross_entropy, token_count
 
@@ -131,12 +131,25 @@ def replicas_first(a, mesh: Mesh, batch: tuple[str, ...], lead: tuple[str, ...])
   return jax.lax.with_sharding_constraint(moved.reshape(a.shape), NamedSharding(mesh, P(None, order, *spec[2:])))
 
 
-def summed_over_replicas(grads, replicas: tuple[str, ...], param_specs, reduce_dtype):
+def summed_over_replicas(grads, replicas: tuple[str, ...], param_specs, reduce_dtype, splits=None):
   """Inside a shard_map manual over the replica axes: each gradient summed over the `replicas` its parameter is
   not split over (`param_specs`: an expert weight split over `expert` keeps its split), in `reduce_dtype`
-  (train.grad_reduce_dtype). Once a step, by the micro-batch loop (trainer/step.py) and the pipeline
-  (trainer/pipelined.py)."""
-  def reduce(g, spec):
+  (train.grad_reduce_dtype); reduce-scattered where its `splits` leaf is not None (ZeRO-1: the optimizer state is
+  split there, trainer/state.py's `replica_splits`), so each replica keeps its piece. Once a step, by the
+  micro-batch loop (trainer/step.py) and the pipeline (trainer/pipelined.py)."""
+  def reduce(g, spec, split=None):
     over = tuple(a for a in replicas if a not in {x for e in spec for x in entry_axes(e)})
-    return jax.lax.psum(g.astype(reduce_dtype), over).astype(g.dtype) if over else g
-  return jax.tree.map(reduce, grads, param_specs) if replicas else grads
+    if not over:
+      return g
+    if split is None:
+      return jax.lax.psum(g.astype(reduce_dtype), over).astype(g.dtype)
+    # Manual over every axis: the compiler would gather a gradient split over an axis it places (fsdp) whole
+    # before scattering it over the replicas.
+    scatter = lambda x: jax.lax.psum_scatter(x, over, scatter_dimension=split.dim, tiled=True)
+    mapped = shard_map(scatter, mesh=active_mesh(), in_specs=(split.spec,), out_specs=split.spec)
+    return mapped(g.astype(reduce_dtype)).astype(g.dtype)
+  if not replicas:
+    return grads
+  if splits is None:
+    return jax.tree.map(reduce, grads, param_specs)
+  return jax.tree.map(reduce, grads, param_specs, splits)

@@ -36,6 +36,7 @@ from ember.quant import health
 from ember.quant.varying import cotangent_once, shard_axes
 from ember.trainer.loss import cross_entropy, token_count
 from ember.trainer.objective import merged_model, micro_batches, replicas_first, step_terms, summed_over_replicas
+from ember.trainer.state import split_over_replicas
 
 F32 = jnp.float32
 ACTIVATION = (BATCH, LENGTH, EMBED)  # A micro-batch's hidden states between stages.
@@ -48,16 +49,17 @@ def stage_spec(path) -> P:
 
 
 def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Preset, mesh: Mesh, batch_shards: int,
-          replicas: tuple[str, ...] = (), param_specs=None, moe_plan=None):
+          replicas: tuple[str, ...] = (), param_specs=None, splits=None, moe_plan=None):
   """(metrics, (gradients, new quant state[, health statistics])) of one step over `train.grad_accum_steps`
   micro-batches in the pipeline: what the micro-batch loop (trainer/step.py's `_accumulate`) returns, with
   micro-batch i's stochastic rounding drawn from fold_in(key, i) as there.
 
-  Over data- or expert-parallel `replicas` (step.replica_axes) the map is manual too: each replica runs the
+  Over data- or expert-parallel `replicas` (state.replica_axes) the map is manual too: each replica runs the
   pipeline on its own rows (its keys folded with its index, as step.py's `_over_replicas`) and the gradients
   are reduced across the replicas once a step, in train.grad_reduce_dtype, not in every tick. `param_specs`:
-  each parameter's spec over the replicas (an expert weight split over `expert` stays split); `moe_plan`: what the
-  MoE layers run (trainer/step.py's `moe_plan`)."""
+  each parameter's spec over the replicas (an expert weight split over `expert` stays split); `splits`: where
+  1F1B's schedules scatter a gradient over the replicas (trainer/state.py's `replica_splits`; GPipe's transpose
+  sums it whole); `moe_plan`: what the MoE layers run (trainer/step.py's `moe_plan`)."""
   accum = cfg.train.grad_accum_steps
   count = token_count(batch[SEGMENT_IDS] > 0)
   micro = jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch)
@@ -92,11 +94,13 @@ def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Pr
     metrics, *outs = _one_f_one_b(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg,
                                   policy=policy, stages=stages, virtual=virtual, moe_plan=moe_plan)
     outs = tuple(map(chunks(True), outs))
-    outs = (summed_over_replicas(outs[0], replicas, param_specs, reduce_dtype), *outs[1:])
+    outs = (summed_over_replicas(outs[0], replicas, param_specs, reduce_dtype, splits), *outs[1:])
     return metrics, outs if with_stats else outs[:2]
 
   if run is _one_f_one_b:  # The schedule takes the gradients itself.
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), in_specs[:len(trees)]),
+    grad_out = param_in if splits is None else jax.tree.map(
+        lambda p, spec, dim: split_over_replicas(spec, p.ndim, dim, replicas), state.params, param_in, splits)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), (grad_out, *in_specs[1:len(trees)])),
                            axis_names=manual, check_vma=False)
     return mapped(*trees, micro, keys, count)
 

@@ -56,7 +56,8 @@ class Phases:
 def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: TrainState) -> TrainState:
   """`state` (made under `old_cfg`) in the structure of `new_cfg`'s phase (`abstract`, placed by
   `shardings`): each layer's amax history kept where the new phase keeps the same one, zeros where it
-  starts one."""
+  starts one; the optimizer state moved where the new phase splits it over the replicas (a recipe whose kernels
+  partition themselves can have none: trainer/state.py's `replica_axes`)."""
   old = rows_by_layer(state.quant_state, old_cfg.model, old_cfg.quant)
 
   def row_of(key, like):
@@ -65,4 +66,8 @@ def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: 
     return kept if same else jnp.zeros(like.shape, like.dtype)
 
   quant_state = stacked_like(row_of, new_cfg.model, new_cfg.quant, abstract.quant_state)
-  return dataclasses.replace(state, quant_state=jax.device_put(quant_state, shardings.quant_state))
+  opt_state = state.opt_state
+  if jax.tree.structure(opt_state) == jax.tree.structure(shardings.opt_state):  # Not where the segments regroup.
+    opt_state = jax.device_put(opt_state, shardings.opt_state)
+  return dataclasses.replace(state, quant_state=jax.device_put(quant_state, shardings.quant_state),
+                             opt_state=opt_state)

@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ember.config import Settings
 from ember.layers.decoder import Transformer
 from ember.layers.linear import QuantState, QuantStats
-from ember.parallel import sharding
+from ember.parallel import axes, sharding
+from ember.platform import target_platform
 
 
 @jax.tree_util.register_dataclass
@@ -72,14 +73,78 @@ def _match_opt_shardings(abstract_opt, param_shardings, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(pick, abstract_opt)
 
 
-def state_shardings(cfg: Settings, mesh: Mesh, tx):
-  """(graphdef, TrainState of NamedShardings, abstract TrainState)."""
+def replica_axes(cfg: Settings, mesh: Mesh, platform: str) -> tuple[str, ...]:
+  """The mesh axes whose devices run a step's micro-batches as replicas, each on its own rows, and reduce their
+  gradients across one another once a step (trainer/step.py's `_over_replicas`) rather than per micro-batch:
+  parallel/axes.py's `replica_axes` for this config's parameters. The step, the optimizer state's split and the
+  planner's estimate all ask.
+
+  None for a recipe whose kernels partition themselves (`Recipe.custom_partitioned`: MXFP8 and NVFP4 on a GPU)
+  where the compiler would still split a projection's features (an axis of more than one device that the batch
+  is not split over: tensor, context). Inside the replicas' shard_map their partition rules cannot sum a split
+  contraction (quant/partitioning.py): a row-parallel GEMM would gather its operands instead."""
+  parameters = jax.tree.leaves(logical_axes(cfg)[1], is_leaf=lambda x: isinstance(x, P))
+  return axes.replica_axes(cfg.mesh.rules_dict, mesh, parameters,
+                           features_split_apart=not cfg.quant.custom_partitioned(platform))
+
+
+def replica_specs(cfg: Settings, mesh: Mesh, replicas: tuple[str, ...]):
+  """Each parameter's PartitionSpec over the `replicas` alone: where an expert weight is split over them."""
+  shardings = sharding.tree_shardings(logical_axes(cfg)[1], mesh, cfg.mesh.rules)
+  return jax.tree.map(lambda s: sharding.only_axes(s.spec, replicas), shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSplit:
+  """Where a parameter's optimizer state, and its gradient reduced once a step, is split over the replicas that
+  hold the parameter whole (ZeRO-1): along `dim`, the parameter itself laid out as `spec` over the whole mesh."""
+  dim: int
+  spec: P
+
+
+def replica_splits(cfg: Settings, mesh: Mesh, replicas: tuple[str, ...]):
+  """Each parameter's `ReplicaSplit` (train.shard_optimizer_state; the dimension: parallel/axes.py's
+  `replica_split`), or None. All None with the key off or no replicas: each replica then holds the whole state."""
+  shardings = sharding.tree_shardings(logical_axes(cfg)[1], mesh, cfg.mesh.rules)
+  abstract = abstract_init(cfg)[0]
+  if not (cfg.train.shard_optimizer_state and replicas):
+    return jax.tree.map(lambda _: None, abstract)
+
+  def split(a, s):
+    held = {x for entry in s.spec for x in sharding.entry_axes(entry)}
+    dim = axes.replica_split(a.shape, s.spec, [r for r in replicas if r not in held], mesh)
+    return None if dim is None else ReplicaSplit(dim, s.spec)
+  return jax.tree.map(split, abstract, shardings)
+
+
+def split_over_replicas(spec: P, ndim: int, split: ReplicaSplit | None, replicas: tuple[str, ...]) -> P:
+  """`spec` with the `replicas` that do not split it yet added to the dimension of its `split` (unchanged for
+  None)."""
+  if split is None:
+    return spec
+  held = {x for entry in spec for x in sharding.entry_axes(entry)}
+  return axes.with_split(spec, ndim, split.dim, [r for r in replicas if r not in held])
+
+
+def update_shardings(cfg: Settings, mesh: Mesh, platform: str | None = None):
+  """Where each parameter's update is computed: its NamedSharding, split over the step's replicas too where
+  `replica_splits` says (its optimizer state lies so, and its gradient is reduced onto it); `platform`: the one the
+  step compiles for (default: ember.platform's target)."""
+  replicas = replica_axes(cfg, mesh, platform or target_platform())
+  param_sh = sharding.tree_shardings(logical_axes(cfg)[1], mesh, cfg.mesh.rules)
+  split = lambda a, s, part: NamedSharding(mesh, split_over_replicas(s.spec, a.ndim, part, replicas))
+  return jax.tree.map(split, abstract_init(cfg)[0], param_sh, replica_splits(cfg, mesh, replicas))
+
+
+def state_shardings(cfg: Settings, mesh: Mesh, tx, platform: str | None = None):
+  """(graphdef, TrainState of NamedShardings, abstract TrainState). The optimizer state lies as its parameter's
+  update (`update_shardings`)."""
   graphdef, param_specs, quant_specs = logical_axes(cfg)
   to_shardings = lambda specs: sharding.tree_shardings(specs, mesh, cfg.mesh.rules)
   param_sh, quant_sh = to_shardings(param_specs), to_shardings(quant_specs)
   abstract_params, abstract_quant = abstract_init(cfg)
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
-  opt_sh = _match_opt_shardings(abstract_opt, param_sh, mesh)
+  opt_sh = _match_opt_shardings(abstract_opt, update_shardings(cfg, mesh, platform), mesh)
   replicated = NamedSharding(mesh, P())
   shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, quant_state=quant_sh)
   abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt,

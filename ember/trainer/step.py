@@ -21,7 +21,7 @@ from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.parallel import axes as axes_lib
 from ember.parallel import mesh as mesh_lib
 from ember.parallel import pipeline
-from ember.parallel.sharding import active_mesh, active_rules, only_axes, tree_shardings
+from ember.parallel.sharding import active_mesh, active_rules
 from ember.platform import target_platform
 from ember.quant import health
 from ember.quant.varying import first_along, shard_axes
@@ -29,7 +29,8 @@ from ember.trainer.loss import HeadOnce, read_once, token_count, with_head_gradi
 from ember.trainer import pipelined
 from ember.trainer.objective import (forward_loss, merged_model, micro_batches, replica_part,  # noqa: F401
                                      replicas_first, summed_over_replicas)
-from ember.trainer.state import TrainState, logical_axes, stats_inputs, step_key
+from ember.trainer.state import (TrainState, replica_axes, replica_specs, replica_splits, split_over_replicas,
+                                 stats_inputs, step_key)
 
 F32 = jnp.float32
 
@@ -51,7 +52,8 @@ def train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedul
     replicas = replica_axes(cfg, mesh, target_platform())
     metrics, outs = pipelined.grads(state, batch, stats, key, graphdef=graphdef, cfg=cfg, policy=policy, mesh=mesh,
                                     batch_shards=batch_shards, replicas=replicas,
-                                    param_specs=_param_specs(cfg, mesh, replicas), moe_plan=moe_plan)
+                                    param_specs=replica_specs(cfg, mesh, replicas),
+                                    splits=replica_splits(cfg, mesh, replicas), moe_plan=moe_plan)
   elif accum == 1:
     (_, metrics), outs = grad_fn(state.params, state.quant_state, batch, stats, key=key)
   else:
@@ -163,8 +165,8 @@ def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch
     return (sums[0], with_head_gradient(sums[1], head, shares), *sums[2:])
 
   if replicas:
-    total = _over_replicas(scan, init, xs, state.params, mesh, replicas, _param_specs(cfg, mesh, replicas),
-                           jnp.dtype(cfg.quant.wgrad_dtype))
+    total = _over_replicas(scan, init, xs, state.params, mesh, replicas, replica_specs(cfg, mesh, replicas),
+                           replica_splits(cfg, mesh, replicas), jnp.dtype(cfg.quant.wgrad_dtype))
   else:  # One program over the whole mesh: the compiler reduces every micro-batch's gradient across replicas.
     total = scan(init, xs, state.params)
   like = lambda tree, shapes: jax.tree.map(lambda a, s: a.astype(s.dtype), tree, shapes)
@@ -186,31 +188,13 @@ def _reads_head_once(cfg: Settings, mesh: Mesh | None, replicas: tuple[str, ...]
   return any(a in across for a in axes_lib.token_axes(cfg.mesh.rules_dict) if a not in replicas)
 
 
-def replica_axes(cfg: Settings, mesh: Mesh, platform: str) -> tuple[str, ...]:
-  """The mesh axes whose devices run a step's micro-batches as replicas, each on its own rows, and reduce their
-  gradients across one another once a step (`_over_replicas`) rather than per micro-batch: parallel/axes.py's
-  `replica_axes` for this config's parameters. The step and the planner's estimate both ask.
-
-  None for a recipe whose kernels partition themselves (`Recipe.custom_partitioned`: MXFP8 and NVFP4 on a GPU)
-  where the compiler would still split a projection's features (an axis of more than one device that the batch
-  is not split over: tensor, context). Inside the replicas' shard_map their partition rules cannot sum a split
-  contraction (quant/partitioning.py): a row-parallel GEMM would gather its operands instead."""
-  parameters = jax.tree.leaves(logical_axes(cfg)[1], is_leaf=lambda x: isinstance(x, P))
-  return axes_lib.replica_axes(cfg.mesh.rules_dict, mesh, parameters,
-                               features_split_apart=not cfg.quant.custom_partitioned(platform))
-
-
-def _param_specs(cfg: Settings, mesh: Mesh, axes: tuple[str, ...]):
-  """Each parameter's PartitionSpec over the replica `axes` alone: where an expert weight is split over them."""
-  return jax.tree.map(lambda s: only_axes(s.spec, axes), tree_shardings(logical_axes(cfg)[1], mesh, cfg.mesh.rules))
-
-
-def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], param_specs, reduce_dtype):
+def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], param_specs, splits, reduce_dtype):
   """`scan(init, xs, params)`, the micro-batch loop (its carry: the sums of the step's metrics and gradients, the
   delayed-scaling histories[, the health statistics]), run by each replica (a device group along the mesh
   `axes`: `replica_axes`) on its own rows in a `shard_map`, then summed over the replicas: each gradient is
-  reduced across them once a step, in `reduce_dtype` (train.grad_reduce_dtype). Run as one program over the
-  whole mesh instead, the compiler reduces every micro-batch's gradient across them. Inside, each replica's
+  reduced across them once a step, in `reduce_dtype` (train.grad_reduce_dtype), and scattered over them where
+  the optimizer state is split (`splits`: ZeRO-1, trainer/state.py's `replica_splits`). Run as one program over
+  the whole mesh instead, the compiler reduces every micro-batch's gradient across them. Inside, each replica's
   activations and gradients are its own: the quantizers reduce their amaxes over the replicas (quant/dot.py),
   the MoE layers their statistics (taken from the first replica alone: `replica_part`) and exchange tokens
   over the expert axis as ever. The parameters enter as their `param_specs` say (an expert weight split over
@@ -222,18 +206,20 @@ def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], pa
     keys = jax.vmap(lambda k: jax.random.fold_in(k, jax.lax.axis_index(axes)))(keys)
     metrics, grads, *same = scan(init, (rows, keys), params)
 
-    grads = summed_over_replicas(grads, axes, param_specs, reduce_dtype)
+    grads = summed_over_replicas(grads, axes, param_specs, reduce_dtype, splits)
     return (jax.lax.psum(metrics, axes), grads, *same)
 
   batch = axes_lib.batch_axes(active_rules(), mesh)
   rows = jax.tree.map(lambda a: replicas_first(a, mesh, batch, axes), xs[0])
   specs = lambda grads: (P(), grads, *(P(),) * (len(init) - 2))
+  grad_specs = jax.tree.map(lambda p, spec, dim: split_over_replicas(spec, p.ndim, dim, axes), params, param_specs,
+                            splits)
   # check_vma=False: the model's scans start from constants (unvarying) and would each need a cast.
   # Manual over the mesh's axes of one device too, which split nothing: where no other axis is left, every axis is
   # manual and no kernel is handed to the partitioner for a group of one device (which JAX cannot read).
   manual = set(axes) | {a for a, n in mesh.shape.items() if n == 1}
   return jax.shard_map(per_replica, mesh=mesh, in_specs=(specs(param_specs), (P(None, axes), P()), param_specs),
-                       out_specs=specs(param_specs), axis_names=manual, check_vma=False)(init, (rows, xs[1]), params)
+                       out_specs=specs(grad_specs), axis_names=manual, check_vma=False)(init, (rows, xs[1]), params)
 
 
 def batch_sharding(cfg: Settings, mesh: Mesh) -> NamedSharding:

@@ -13,7 +13,7 @@ from ember.errors import ConfigError
 from ember.parallel import axes
 from ember.parallel import mesh as mesh_lib
 from ember.plan.layer import per_device_batch, sequence_shards
-from ember.trainer.step import replica_axes
+from ember.trainer.state import replica_axes
 from tests.helpers import config
 
 MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")

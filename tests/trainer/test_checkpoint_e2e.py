@@ -302,9 +302,11 @@ def test_resume_with_other_shapes_fails_in_one_line_and_keeps_the_checkpoints(sh
 
 
 @pytest.mark.parametrize("mesh,devices", [pytest.param(("data=2", "fsdp=2", "tensor=2"), 8, id="data2_fsdp2_tensor2", marks=pytest.mark.extended),
+                                        pytest.param(("data=2", "fsdp=4"), 8, id="data2_fsdp4"),
                                         pytest.param(("fsdp=4",), 4, id="4_devices")])
 @pytest.mark.long
 def test_checkpoint_restores_onto_another_mesh(shared, tmp_path, mesh, devices):
+  """data 2: the optimizer state saved whole on each FSDP device restores split over the data replicas."""
   # fsdp=8: 6 steps, checkpoints at 5 and 6; the loss of step 6 on the original mesh is the reference.
   base = shared_run(shared, "fsdp8_f32", lambda w: train(shared, w, 6, *F32))
   run = copy_run(base, tmp_path / "run")

@@ -201,8 +201,9 @@ def _replica_all_reduces(accum: int) -> list[hlo.Collective]:
   """The all-reduces across replicas (devices apart along the data or expert axes, with or without others: the
   loss sums the LM head's gradient over every axis the tokens are split over in one; MOE_MESH, tiny_moe, 32
   sequences, fp8_current) of a compiled step, with their loops' trip counts, but for those of 64 bytes or less
-  (the quantizers' amaxes, the MoE layers' statistics; the smallest gradient, a norm's, has 256)."""
-  collectives, apart, _ = _compiled_collectives("tiny_moe", accum, MOE_MESH)
+  (the quantizers' amaxes, the MoE layers' statistics; the smallest gradient, a norm's, has 256). Each replica
+  holds the whole optimizer state here: split over them, the sums are reduce-scattered (test_sharded_optimizer.py)."""
+  collectives, apart, _ = _compiled_collectives("tiny_moe", accum, {**MOE_MESH, "train.shard_optimizer_state": False})
   return [c for c in collectives
           if c.kind == "all-reduce" and c.groups and c.bytes > 64 and apart(c.groups[0]) & {"data", "expert"}]
 
