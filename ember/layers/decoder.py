@@ -269,6 +269,8 @@ def rows_by_layer(tree: dict, model: ModelConfig, recipe: Recipe) -> dict:
   scan segments from one config to the next."""
   rows = {}
   for path, leaf in tree_leaves(tree):
+    if not hasattr(leaf, "shape"):  # A masked optimizer state's placeholder (optax.MaskedNode): no array.
+      continue
     layers = stacked_layers(model, recipe, path)
     if layers is None:
       rows[(None, path)] = leaf

@@ -7,15 +7,13 @@ checkpoint: a resumed run is in the phase its step says, whichever side of a swi
 (`state_phase`); before running a step of another phase the loop moves the state over (`carry`) and
 compiles that phase's step once.
 
-What moves: parameters and optimizer state unchanged (recipes do not change their shapes); the
-quantization state (delayed-scaling amax histories) layer by layer where the new phase still keeps
-the same history (same layer, projection and shape), zeros where it starts one; histories the new
-phase does not use are dropped.
+What moves: parameters and optimizer state layer by layer (recipes do not change their shapes, but another
+`quant.exclude` can regroup the layers' scan segments); the quantization state (delayed-scaling amax histories)
+layer by layer where the new phase still keeps the same history (same layer, projection and shape), zeros where
+it starts one; histories the new phase does not use are dropped.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -54,20 +52,27 @@ class Phases:
 
 
 def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: TrainState) -> TrainState:
-  """`state` (made under `old_cfg`) in the structure of `new_cfg`'s phase (`abstract`, placed by
-  `shardings`): each layer's amax history kept where the new phase keeps the same one, zeros where it
-  starts one; the optimizer state moved where the new phase splits it over the replicas (a recipe whose kernels
-  partition themselves can have none: trainer/state.py's `replica_axes`)."""
-  old = rows_by_layer(state.quant_state, old_cfg.model, old_cfg.quant)
+  """`state` (made under `old_cfg`) in the structure of `new_cfg`'s phase (`abstract`, placed by `shardings`).
+  Each layer's parameters and optimizer state move to where the new phase stacks that layer (a phase whose
+  `quant.exclude` differs can group the layers into other scan segments); each layer's amax history is kept where
+  the new phase keeps the same one, zeros where it starts one; and everything is laid out as the new phase's
+  step takes it (its optimizer state split over the replicas or not: trainer/state.py's `replica_axes`)."""
+  def regrouped(tree, like, missing=None):
+    rows = rows_by_layer(tree, old_cfg.model, old_cfg.quant)
 
-  def row_of(key, like):
-    kept = old.get(key)
-    same = kept is not None and kept.shape == like.shape and kept.dtype == like.dtype
-    return kept if same else jnp.zeros(like.shape, like.dtype)
+    def row_of(key, want):
+      kept = rows.get(key)
+      if kept is not None and kept.shape == want.shape and kept.dtype == want.dtype:
+        return kept
+      if missing is None:
+        raise ValueError(f"precision schedule: no {key} of shape {want.shape} to carry into the next phase")
+      return missing(want)
+    return stacked_like(row_of, new_cfg.model, new_cfg.quant, like)
 
-  quant_state = stacked_like(row_of, new_cfg.model, new_cfg.quant, abstract.quant_state)
-  opt_state = state.opt_state
-  if jax.tree.structure(opt_state) == jax.tree.structure(shardings.opt_state):  # Not where the segments regroup.
-    opt_state = jax.device_put(opt_state, shardings.opt_state)
-  return dataclasses.replace(state, quant_state=jax.device_put(quant_state, shardings.quant_state),
-                             opt_state=opt_state)
+  params_like = lambda x: isinstance(x, dict) and "segments" in x  # A tree stacked as the parameters are.
+  opt_state = jax.tree.map(lambda old, like: regrouped(old, like) if params_like(old) else old,
+                           state.opt_state, abstract.opt_state, is_leaf=params_like)
+  new = TrainState(step=state.step, params=regrouped(state.params, abstract.params), opt_state=opt_state,
+                   quant_state=regrouped(state.quant_state, abstract.quant_state,
+                                         missing=lambda want: jnp.zeros(want.shape, want.dtype)))
+  return jax.device_put(new, shardings)

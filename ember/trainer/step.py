@@ -212,7 +212,7 @@ def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], pa
   batch = axes_lib.batch_axes(active_rules(), mesh)
   rows = jax.tree.map(lambda a: replicas_first(a, mesh, batch, axes), xs[0])
   specs = lambda grads: (P(), grads, *(P(),) * (len(init) - 2))
-  grad_specs = jax.tree.map(lambda p, spec, dim: split_over_replicas(spec, p.ndim, dim, axes), params, param_specs,
+  grad_specs = jax.tree.map(lambda p, spec, split: split_over_replicas(spec, p.ndim, split, axes), params, param_specs,
                             splits)
   # check_vma=False: the model's scans start from constants (unvarying) and would each need a cast.
   # Manual over the mesh's axes of one device too, which split nothing: where no other axis is left, every axis is

@@ -15,6 +15,7 @@ from ember.trainer import precision
 from ember.trainer.checkpointing import Checkpointer
 from ember.trainer.loop import _check_phase
 from ember.trainer.state import state_shardings
+from ember.trainer.step import batch_sharding, jit_train_step
 from tests import helpers
 
 
@@ -71,7 +72,8 @@ def test_histories_carry_over_where_the_next_phase_keeps_them():
   assert all(jax.tree.leaves(same))  # bf16 forward keeps fp8_delayed's histories.
   assert jax.tree.leaves(moved[2].quant_state) == []  # fp8_current keeps none.
   assert all(float(jnp.abs(h).max()) == 0 and h.shape[-1] == 8 for h in jax.tree.leaves(moved[3].quant_state))
-  assert moved[3].params is state.params
+  equal = lambda a, b: all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), a, b)))
+  assert equal(moved[3].params, state.params) and equal(moved[3].opt_state, state.opt_state)
 
 
 @pytest.mark.long
@@ -91,30 +93,48 @@ def test_bf16_forward_keeps_the_recipes_backward():
       np.testing.assert_array_equal(a, b)
 
 
-def test_histories_follow_their_layer_when_exclude_regroups_the_segments():
+def test_each_layer_follows_itself_when_exclude_regroups_the_segments():
   """quant.exclude of layer 1 makes segments [0], [1], [2, 3]; without it one segment [0..3]: each layer's
-  history must land on the same layer."""
+  parameters, moments and history must land on the same layer, and the next phase's step must take the state."""
 
   phases, start = _one_device_start(**{
       "quant.recipe": "fp8_delayed", "model.num_layers": 4, "quant.exclude": ("lm_head", "layers[1]"),
       "quant.schedule": ((5, {"exclude": ("lm_head",)}),)})
   state = start.state
   with start.rules():
-    # Mark each layer's qkv history with its layer number + 1 (layer 1, in bf16, has none).
+    # Mark each layer's qkv history, kernel and first moment with its layer number + 1 (layer 1, in bf16, has
+    # no history).
     quant = jax.tree.map(lambda a: a, state.quant_state)
-    assert set(quant["segments"]) == {0, 2}
+    params = jax.tree.map(lambda a: a, state.params)
+    mu = jax.tree.map(lambda a: a, state.opt_state[1][0].mu)
+    assert set(quant["segments"]) == {0, 2} and set(params["segments"]) == {0, 1, 2}
     for slot in layer_slots(phases.cfg(0).model, phases.cfg(0).quant):
-      if slot.layer == 1:
-        continue
-      node = quant["segments"][slot.segment]["blocks"]["layers"][slot.j]["attn"]["qkv"]
-      node["amax_history"] = node["amax_history"].at[slot.index].set(slot.layer + 1.0)
-    state = state.__class__(state.step, state.params, state.opt_state, quant)
-    _, shardings, abstract = state_shardings(phases.cfg(1), start.mesh, start.tx)
-    moved = precision.carry(state, phases.cfg(0), phases.cfg(1), abstract, shardings)
-  assert len(moved.quant_state["segments"]) == 1
-  history = moved.quant_state["segments"][0]["blocks"]["layers"][0]["attn"]["qkv"]["amax_history"]
+      for tree in (params, mu):
+        node = tree["segments"][slot.segment]["blocks"]["layers"][slot.j]["attn"]["qkv"]
+        node["kernel"] = node["kernel"].at[slot.index].set(slot.layer + 1.0)
+      if slot.layer != 1:
+        node = quant["segments"][slot.segment]["blocks"]["layers"][slot.j]["attn"]["qkv"]
+        node["amax_history"] = node["amax_history"].at[slot.index].set(slot.layer + 1.0)
+    clip, (adam, *rest) = state.opt_state  # Clipping's (empty) state, then AdamW's chain.
+    opt_state = (clip, (adam._replace(mu=mu), *rest))
+    state = state.__class__(state.step, params, opt_state, quant)
+    cfg = phases.cfg(1)
+    graphdef, shardings, abstract = state_shardings(cfg, start.mesh, start.tx)
+    moved = precision.carry(state, phases.cfg(0), cfg, abstract, shardings)
+    step = jit_train_step(cfg, start.mesh, graphdef, start.tx, start.schedule, shardings, donate=False)
+    batch = helpers.random_batch(helpers.config(**{"model.num_layers": 4}))
+    _, metrics = step(moved, {k: jax.device_put(v, batch_sharding(cfg, start.mesh)) for k, v in batch.items()})
+  assert len(moved.quant_state["segments"]) == 1 and len(moved.params["segments"]) == 1
+
+  def layer_of(tree) -> list[float]:
+    """The mark each layer's qkv leaf carries, in layer order (the one segment stacks them so)."""
+    (leaf,) = jax.tree.leaves(tree["segments"][0]["blocks"]["layers"][0]["attn"]["qkv"])
+    return [float(leaf[layer].max()) for layer in range(4)]
+
+  assert layer_of(moved.params) == layer_of(moved.opt_state[1][0].mu) == [1.0, 2.0, 3.0, 4.0]
   # Layer 1 was bf16 (no history) in phase 0: it starts from zeros; the others keep theirs.
-  assert [float(history[layer].max()) for layer in range(4)] == [1.0, 0.0, 3.0, 4.0]
+  assert layer_of(moved.quant_state) == [1.0, 0.0, 3.0, 4.0]
+  assert np.isfinite(float(metrics["loss"]))
 
 
 def test_a_checkpoint_of_another_phase_is_warned_about(tmp_path, capsys):
