@@ -82,7 +82,7 @@ def replica_axes(rules, mesh: Mesh, parameters: Iterable[tuple[str | None, ...]]
   """Of the batch axes, those of REPLICA_AXES with more than one device over which no parameter is split (the
   experts' weights along their experts aside: the MoE layers run over those axes as they are), in the order the
   batch is split over them. `parameters`: every parameter's logical axis names. `features_split_apart` False (a
-  recipe whose kernels partition themselves, trainer/step.py says why) leaves none wherever the mesh also splits
+  recipe whose kernels partition themselves, trainer/state.py says why) leaves none wherever the mesh also splits
   features over an axis the batch is not split over (tensor, context)."""
   rules = _rules(rules)
   batch = batch_axes(rules, mesh)

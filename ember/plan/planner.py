@@ -282,9 +282,13 @@ class Estimator:
         projections * again / self.facts.peak_flops(recipe.precision)
         + (attention * again + head) / self.facts.peak_flops(BF16))
     # Collectives per micro-batch, and once a step: a step over data- or expert-parallel replicas reduces its
-    # gradients across them once (trainer/step.py `replica_axes`; per micro-batch where the recipe's kernels
+    # gradients across them once (trainer/state.py `replica_axes`; per micro-batch where the recipe's kernels
     # partition themselves).
     passes = 3 if block.recompute_fraction > 0 else 2  # Weight gathers: forward, backward, recompute.
+    # The replicas' gradients reduce-scattered once a step by the step's own map (trainer/step.py's `_over_replicas`,
+    # the 1F1B schedules); one micro-batch runs as one program over the mesh, and GPipe's transpose sums them whole.
+    scatters = layout.grad_accum_steps > 1 if stages == 1 else layout.schedule != "gpipe"
+    param_bytes = m.param_dtype.itemsize
     grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
     seconds = once = 0.0
     experts_over = set(axes.expert_axes(cfg.mesh.rules_dict))
@@ -296,9 +300,12 @@ class Estimator:
           continue
         if a in split_over:  # Sharded over it: gathered for each pass, its gradient reduce-scattered.
           moved = elements * (n - 1) * (passes * weight_bytes + grad_bytes)
-        else:  # Replicated over it: its gradient all-reduced (ZeRO-1 over replicas: reduce-scattered, and the
-          # float32 parameters updated in pieces gathered back).
-          moved = elements * (n - 1) / n * (grad_bytes + 4.0 if zero and a in replicas else 2 * grad_bytes)
+        else:  # Replicated over it: its gradient all-reduced; with its optimizer state split over the
+          # replicas (ZeRO-1) the parameters updated in pieces are gathered back, and where the step reduces once
+          # over the replicas itself the all-reduce is a reduce-scatter.
+          moved = elements * (n - 1) / n * 2 * grad_bytes
+          if zero and a in replicas:
+            moved = elements * (n - 1) / n * ((grad_bytes if scatters else 2 * grad_bytes) + param_bytes)
           if a in replicas:
             once += moved / self._bandwidth(layout, a)
             continue

@@ -19,7 +19,7 @@ from ember.config import Settings
 from ember.layers.decoder import Transformer
 from ember.layers.linear import QuantState, QuantStats
 from ember.parallel import axes, sharding
-from ember.platform import target_platform
+from ember.platform import on_devices, target_platform
 
 
 @jax.tree_util.register_dataclass
@@ -129,8 +129,12 @@ def split_over_replicas(spec: P, ndim: int, split: ReplicaSplit | None, replicas
 def update_shardings(cfg: Settings, mesh: Mesh, platform: str | None = None):
   """Where each parameter's update is computed: its NamedSharding, split over the step's replicas too where
   `replica_splits` says (its optimizer state lies so, and its gradient is reduced onto it); `platform`: the one the
-  step compiles for (default: ember.platform's target)."""
-  replicas = replica_axes(cfg, mesh, platform or target_platform())
+  step compiles for (default: the one the step traces for on `mesh`'s devices, as parallel/sharding.py's
+  `use_rules` sets it)."""
+  if platform is None:
+    with on_devices(mesh.devices.flat[0]):
+      platform = target_platform()
+  replicas = replica_axes(cfg, mesh, platform)
   param_sh = sharding.tree_shardings(logical_axes(cfg)[1], mesh, cfg.mesh.rules)
   split = lambda a, s, part: NamedSharding(mesh, split_over_replicas(s.spec, a.ndim, part, replicas))
   return jax.tree.map(split, abstract_init(cfg)[0], param_sh, replica_splits(cfg, mesh, replicas))

@@ -155,8 +155,8 @@ def test_nvfp4_gemms_take_their_scales_and_operands_without_passes_of_their_own(
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8", pytest.param("nvfp4", marks=pytest.mark.extended)])
 def test_data_parallel_replicas_reduce_gradients_once_a_step(recipe, tmp_path):
-  """b200x8, 2 replicas x FSDP 4, 4 micro-batches, bf16 gradient reduction: the replicas' gradient all-reduce runs
-  once a step, in bf16, with cuDNN's attention (run per device there) and every projection GEMM in the recipe's
+  """b200x8, 2 replicas x FSDP 4, 4 micro-batches, bf16 gradient reduction: the replicas' gradient reduction (a
+  reduce-scatter: the optimizer state is split over them) runs once a step, in bf16, with cuDNN's attention (run per device there) and every projection GEMM in the recipe's
   format; the block-scaled recipes' kernels partition themselves inside the replicas' shard_map
   (quant/partitioning.py)."""
   path = tmp_path / "step.hlo"
@@ -166,8 +166,8 @@ def test_data_parallel_replicas_reduce_gradients_once_a_step(recipe, tmp_path):
                      target_lib.parse("b200x8"), hlo_out=str(path))
   # Devices 4 apart differ along `data` alone (data-major ids); the tiny model's blocks also span pairs in fsdp.
   along_data = lambda c: c.groups and all(len(g) == 2 and g[1] - g[0] == 4 for g in c.groups)
-  replicas = [c for c in hlo.collective_ops(path.read_text()) if c.kind == "all-reduce" and along_data(c)
-              and c.bytes > 4]
+  replicas = [c for c in hlo.collective_ops(path.read_text()) if c.kind in ("all-reduce", "reduce-scatter")
+              and along_data(c) and c.bytes > 4]
   assert replicas and all(c.times == 1 for c in replicas), [(c.shape, c.times) for c in replicas]
   # The gradients' (the step's metrics are summed beside them in float32).
   assert hlo.dtype_of(max(replicas, key=lambda c: c.bytes).shape) == "bf16", replicas
@@ -185,12 +185,13 @@ def test_block_scaled_replicas_compile(mesh, tmp_path):
   features are split, whose sums the kernels' rules cannot take inside the shard_map, so the step runs as one
   program over the mesh (`replica_axes`; inside, XLA failed a check partitioning it): every projection but the
   bf16 head still runs on the block-scaled GEMM, and the row-parallel GEMMs' partial outputs are summed across
-  the tensor pairs."""
+  the tensor pairs. (Each replica holds the whole optimizer state here: the sums are all-reduces.)"""
   path = tmp_path / "step.hlo"
   r = compile_report(loaded(["compile", f"--config={ROOT}/configs/default.py:tiny_moe",
                              "--config.data.source=synthetic", "--config.quant.recipe=mxfp8",
                              *(f"--config.mesh.{k}={v}" for k, v in mesh.items()),
-                             "--config.train.batch_size=16", "--config.train.grad_accum_steps=2"]),
+                             "--config.train.batch_size=16", "--config.train.grad_accum_steps=2",
+                             "--config.train.shard_optimizer_state=False"]),
                      target_lib.parse("b200x8"), hlo_out=str(path))
   collectives = hlo.collective_ops(path.read_text())
   if "tensor" not in mesh:
