@@ -11,6 +11,13 @@
 # jaxlib-version dependent: these were chosen for jax/jaxlib 0.10 (see the JAX GPU performance tips and
 # NVIDIA JAX-Toolbox's GPU performance guide) and ran unchanged on 0.11.2 on an H100 (docs/performance.md);
 # re-check them when upgrading.
+#
+# EMBER_LOOP_PIPELINING=0 leaves out the four loop-pipelining flags below (collectives moved into the previous
+# loop iteration, double-buffered loops). They speed up FSDP over scanned layers and slow down a pipeline-parallel
+# step: compiled for described H100s, llama3_8b's scanned steps are predicted 2.4-2.8% faster with them and the
+# planner's llama3_70b layout on 64 GPUs (1F1B over 4 stages) 16% slower, with 11 GiB more at its peak
+# (docs/performance.md, "XLA's scheduling flags"). Plan with the flags you launch with: ember.tools.plan and
+# ember.tools.compile compile under the XLA_FLAGS they are given.
 
 ember_xla_flags=(
   # Schedule collectives to overlap with compute (the FSDP all-gathers and reduce-scatters of
@@ -18,6 +25,19 @@ ember_xla_flags=(
   --xla_gpu_enable_latency_hiding_scheduler=true
   # Issue async collectives on the highest-priority stream so compute kernels do not starve them.
   --xla_gpu_enable_highest_priority_async_stream=true
+  # Combine all-gathers up to 128 MiB into one (fewer NCCL launches, better bandwidth).
+  --xla_gpu_all_gather_combine_threshold_bytes=134217728
+  # Combine all-reduces up to 128 MiB.
+  --xla_gpu_all_reduce_combine_threshold_bytes=134217728
+  # Let all-gathers along different tensor dimensions combine too (weights of different shapes).
+  --xla_gpu_enable_all_gather_combine_by_dim=false
+  # ember decides what to rematerialise (remat.policy); XLA's own memory-driven remat pass would
+  # recompute what a policy chose to save.
+  --xla_disable_hlo_passes=rematerialization
+)
+# Reduce-scatters keep XLA's own combining: combined up to 64 MiB, each micro-batch's last gradients waited
+# at the end of the backward pass (llama3_8b at 16 micro-batches of 8 on 8 H100s, predicted 3.2% slower).
+ember_loop_pipelining_flags=(
   # Pipeline each layer's weight all-gather across scan iterations: layer i+1's weights are
   # gathered while layer i computes.
   --xla_gpu_enable_pipelined_all_gather=true
@@ -27,22 +47,12 @@ ember_xla_flags=(
   --xla_gpu_enable_pipelined_all_reduce=true
   # Unroll the layer scan by two so consecutive layers' pipelined collectives use separate buffers.
   --xla_gpu_enable_while_loop_double_buffering=true
-  # Combine all-gathers up to 128 MiB into one (fewer NCCL launches, better bandwidth).
-  --xla_gpu_all_gather_combine_threshold_bytes=134217728
-  # Combine reduce-scatters up to 64 MiB.
-  --xla_gpu_reduce_scatter_combine_threshold_bytes=67108864
-  # Combine all-reduces up to 128 MiB.
-  --xla_gpu_all_reduce_combine_threshold_bytes=134217728
-  # Let all-gathers along different tensor dimensions combine too (weights of different shapes).
-  --xla_gpu_enable_all_gather_combine_by_dim=false
-  # The same for reduce-scatters.
-  --xla_gpu_enable_reduce_scatter_combine_by_dim=false
-  # ember decides what to rematerialise (remat.policy); XLA's own memory-driven remat pass would
-  # recompute what a policy chose to save.
-  --xla_disable_hlo_passes=rematerialization
 )
+if [[ "${EMBER_LOOP_PIPELINING:-1}" != 0 ]]; then
+  ember_xla_flags+=("${ember_loop_pipelining_flags[@]}")
+fi
 export XLA_FLAGS="${ember_xla_flags[*]}${XLA_FLAGS:+ ${XLA_FLAGS}}"
-unset ember_xla_flags
+unset ember_xla_flags ember_loop_pipelining_flags
 
 # Let XLA take 90% of each GPU (default 75%); the rest is for NCCL and cuDNN workspaces.
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"

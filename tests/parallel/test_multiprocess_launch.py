@@ -31,13 +31,21 @@ def test_xla_flags_each_have_a_comment_and_user_flags_win():
     assert lines[i - 1].strip().startswith("#"), f"{flag} has no comment of its own"
   names = [f.split("=")[0] for _, f in flags]
   assert len(names) == len(set(names))
-  out = subprocess.run(["bash", "-c", "source launch/xla_flags.sh; printf '%s\\n' \"$XLA_FLAGS\" "
-                        "\"$XLA_PYTHON_CLIENT_MEM_FRACTION\" \"$CUDA_DEVICE_MAX_CONNECTIONS\""],
-                       cwd=ROOT, env=dict(os.environ, XLA_FLAGS="--xla_mine=1"), capture_output=True, text=True,
-                       check=True).stdout.splitlines()
+  sourced = lambda **env: subprocess.run(
+      ["bash", "-c", "source launch/xla_flags.sh; printf '%s\\n' \"$XLA_FLAGS\" \"$XLA_PYTHON_CLIENT_MEM_FRACTION\" "
+       "\"$CUDA_DEVICE_MAX_CONNECTIONS\""], cwd=ROOT, env=dict(os.environ, XLA_FLAGS="--xla_mine=1", **env),
+      capture_output=True, text=True, check=True).stdout.splitlines()
+  out = sourced(EMBER_LOOP_PIPELINING="1")
   exported = out[0].split()
-  assert exported == [f for _, f in flags] + ["--xla_mine=1"]  # Hand-set flags come last and win.
+  assert sorted(exported[:-1]) == sorted(f for _, f in flags) and exported[-1] == "--xla_mine=1"  # Hand-set last.
   assert float(out[1]) <= 1.0 and out[2] == "1"
+  # EMBER_LOOP_PIPELINING=0 leaves out the loop-pipelining flags, and only those.
+  without = sourced(EMBER_LOOP_PIPELINING="0")[0].split()
+  left_out = set(exported) - set(without)
+  assert left_out == {"--xla_gpu_enable_pipelined_all_gather=true", "--xla_gpu_enable_pipelined_reduce_scatter=true",
+                      "--xla_gpu_enable_pipelined_all_reduce=true",
+                      "--xla_gpu_enable_while_loop_double_buffering=true"}, left_out
+  assert set(without) < set(exported)
 
 
 def _run_slurm_script(tmp_path, **env) -> tuple[list[str], dict[str, str]]:
