@@ -41,6 +41,12 @@ def with_xla_flags(xla_flags: str, wanted: dict[str, str]) -> str:
   return " ".join(tokens)
 
 
+def user_xla_flags(xla_flags: str) -> list[str]:
+  """The flags of `xla_flags` (an XLA_FLAGS value) that are not REQUIRED_XLA_FLAGS: those a user or
+  launch/xla_flags.sh chose, which a compile for a target and the run it plans should share."""
+  return [t for t in xla_flags.split() if t.split("=", 1)[0] not in REQUIRED_XLA_FLAGS]
+
+
 def require() -> None:
   """Adds REQUIRED_XLA_FLAGS to the environment's XLA_FLAGS (`import ember` does it). XLA reads them when JAX
   starts a backend: a process whose backend started before ember was imported keeps its own, which

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 
@@ -50,6 +51,7 @@ from ember.quant.recipe import BF16  # Attention and the LM head run in the comp
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import attention_flops_per_token, forward_flops_per_token, head_flops_per_token
 from ember.trainer.state import replica_axes, replica_splits, state_shardings
+from ember.xla_flags import user_xla_flags
 
 BUDGET_FRACTION = 0.9  # Default budget: the GPU's memory less 10% (allocator slack, cuDNN workspaces).
 ESTIMATE_SLACK = 1.15  # A layout is compiled if its estimated peak is within the budget times this.
@@ -431,6 +433,7 @@ def plan(cfg: Settings, target: Target, *, budget_gb: float | None = None, top: 
   return {"model": cfg.model.name, "target": target.name, "recipe": cfg.quant.name,
           "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "budget_bytes": int(budget),
           "layouts": len(found), "within_estimate": len(promising), "best": fitting[0],
+          "xla_flags": user_xla_flags(os.environ.get("XLA_FLAGS", "")),
           "candidates": ranked + [r for r in compiled.values() if "fits" not in r]}
 
 

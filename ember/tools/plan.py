@@ -10,7 +10,8 @@ roofline ceiling beside it, and the winner's flags
 (default: the GPU's memory less 10%). Exits 0 with a winner, 1 when no compiled layout fits the budget, 2 for
 bad input. `--out` JSON: `best` and `candidates` (ranked), each with its `flags`, `tokens_per_s_predicted`,
 `mfu_predicted`, `predicted_step_s`, `exposed_collectives_s`, `tokens_per_s_ceiling`, `mfu_ceiling`, `peak_bytes`
-and the quick `estimate` that chose it for compiling; a candidate whose compile failed has its `error`.
+and the quick `estimate` that chose it for compiling; a candidate whose compile failed has its `error`; and
+`xla_flags`, the XLA flags the compiles ran under beyond ember's own (launch/xla_flags.sh's, when sourced first).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def format_table(result: dict) -> str:
                f"({best['tokens_per_s_ceiling']:,.0f} at most), peak {best['peak_bytes'] / gib:.1f} GiB of "
                f"{result['budget_bytes'] / gib:.1f}")
   lines.append("  " + " ".join(best["flags"]))
+  # A compile's schedule, and so its prediction, depends on the XLA flags: the run should take the same ones.
+  xla = " ".join(result.get("xla_flags", ())) or "none beyond ember's own"
+  lines.append(f"compiled under XLA flags: {xla} (launch under the same: docs/performance.md, \"XLA's scheduling "
+               f"flags, layout by layout\")")
   return "\n".join(lines)
 
 

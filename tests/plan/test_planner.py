@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import matplotlib.image
 import pytest
@@ -11,6 +12,7 @@ from ember.plan import isolated, planner
 from ember.plan import target as target_lib
 from ember.plan.compile import compile_report
 from ember.tools import plan as tool
+from ember.xla_flags import REQUIRED_XLA_FLAGS, user_xla_flags
 from tests.helpers import ROOT, loaded
 
 needs_plugin = pytest.mark.skipif(not target_lib.plugin_available(),
@@ -138,7 +140,11 @@ def test_plan_picks_the_fastest_compiled_layout_within_the_budget(tmp_path, caps
   assert len(r["candidates"]) >= 3 and best in fitting
   assert all(c["tokens_per_s_predicted"] <= c["tokens_per_s_ceiling"] for c in fitting)
   assert best["peak_bytes"] <= r["budget_bytes"] == int(0.9 * target_lib.parse("h100x8").device_memory_bytes)
-  assert "best on h100x8" in capsys.readouterr().out
+  printed = capsys.readouterr().out
+  assert "best on h100x8" in printed
+  assert r["xla_flags"] == user_xla_flags(os.environ.get("XLA_FLAGS", ""))  # Ember's own flags are not listed.
+  assert not any(f.split("=")[0] in REQUIRED_XLA_FLAGS for f in r["xla_flags"])
+  assert f"compiled under XLA flags: {' '.join(r['xla_flags']) or 'none beyond'}" in printed
   # The winner's layout was compiled with no remat too (the estimate the planner trusts least).
   same = lambda c: (c["mesh"], c["dcn"], c["grad_accum_steps"]) == (best["mesh"], best["dcn"], best["grad_accum_steps"])
   assert any(same(c) and c["remat_policy"] == "none" for c in r["candidates"])
