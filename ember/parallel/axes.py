@@ -99,6 +99,13 @@ def replica_axes(rules, mesh: Mesh, parameters: Iterable[tuple[str | None, ...]]
   return tuple(a for a in batch if a in REPLICA_AXES and mesh.shape.get(a, 1) > 1 and a not in split)
 
 
+def not_splitting(spec: P, replicas: Iterable[str]) -> tuple[str, ...]:
+  """The `replicas` (mesh axes) that do not split an array laid out as `spec`: those that hold it whole, over which
+  its gradient is summed and its optimizer state may be split (an expert weight split over `expert` is not)."""
+  held = {a for entry in spec for a in entry_axes(entry)}
+  return tuple(r for r in replicas if r not in held)
+
+
 def replica_split(shape: tuple[int, ...], spec: P, over: Iterable[str], mesh: Mesh) -> int | None:
   """ZeRO-1 (train.shard_optimizer_state): the dimension along which a parameter's optimizer state, and its
   gradient reduced once a step, is split over the replica axes `over` that hold the parameter whole: its first

@@ -14,10 +14,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ember import remat
 from ember.config import Settings
 from ember.layers.mtp import depth_inputs as mtp_inputs
-from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
+from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
                          MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS,
                          MOE_ROUTER_Z_LOSS, MOE_SEQ_BALANCE_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
-from ember.parallel.sharding import active_mesh, active_rules, entry_axes, logical_to_spec, shard, shard_map
+from ember.parallel import axes
+from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant.varying import first_along, shard_axes
 from ember.trainer.loss import HeadOnce, cross_entropy, token_count
 
@@ -138,7 +139,7 @@ def summed_over_replicas(grads, replicas: tuple[str, ...], param_specs, reduce_d
   split there, trainer/state.py's `replica_splits`), so each replica keeps its piece. Once a step, by the
   micro-batch loop (trainer/step.py) and the pipeline (trainer/pipelined.py)."""
   def reduce(g, spec, split=None):
-    over = tuple(a for a in replicas if a not in {x for e in spec for x in entry_axes(e)})
+    over = axes.not_splitting(spec, replicas)
     if not over:
       return g
     if split is None:

@@ -99,7 +99,7 @@ def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Pr
 
   if run is _one_f_one_b:  # The schedule takes the gradients itself.
     grad_out = param_in if splits is None else jax.tree.map(
-        lambda p, spec, split: split_over_replicas(spec, p.ndim, split, replicas), state.params, param_in, splits)
+        lambda p, spec, split: split_over_replicas(spec, p.ndim, split), state.params, param_in, splits)
     mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), (grad_out, *in_specs[1:len(trees)])),
                            axis_names=manual, check_vma=False)
     return mapped(*trees, micro, keys, count)

@@ -8,6 +8,7 @@ NNX graphdef, and `nnx.merge(graphdef, params, quant_state)` rebuilds the model 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -50,8 +51,11 @@ def stats_inputs(cfg: Settings) -> dict:
   return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
 
 
+@functools.lru_cache(maxsize=16)
 def logical_axes(cfg: Settings):
-  """(graphdef, logical-axis PartitionSpecs of params, of quant state), without allocating anything."""
+  """(graphdef, logical-axis PartitionSpecs of params, of quant state), without allocating anything. Traced once per
+  settings (a model's trace takes a quarter of a second at deepseek_v3's size, and a step's shardings ask several
+  times): each call returns the same objects, to be read, not changed."""
   abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0)))
   graphdef, params, quant_state, _ = split_model(abstract)
   specs = lambda state: nnx.to_pure_dict(nnx.get_partition_spec(state))
@@ -97,9 +101,11 @@ def replica_specs(cfg: Settings, mesh: Mesh, replicas: tuple[str, ...]):
 @dataclasses.dataclass(frozen=True)
 class ReplicaSplit:
   """Where a parameter's optimizer state, and its gradient reduced once a step, is split over the replicas that
-  hold the parameter whole (ZeRO-1): along `dim`, the parameter itself laid out as `spec` over the whole mesh."""
+  hold the parameter whole (ZeRO-1): along `dim`, over the replica axes `over`, the parameter itself laid out as
+  `spec` over the whole mesh."""
   dim: int
   spec: P
+  over: tuple[str, ...]
 
 
 def replica_splits(cfg: Settings, mesh: Mesh, replicas: tuple[str, ...]):
@@ -111,19 +117,15 @@ def replica_splits(cfg: Settings, mesh: Mesh, replicas: tuple[str, ...]):
     return jax.tree.map(lambda _: None, abstract)
 
   def split(a, s):
-    held = {x for entry in s.spec for x in sharding.entry_axes(entry)}
-    dim = axes.replica_split(a.shape, s.spec, [r for r in replicas if r not in held], mesh)
-    return None if dim is None else ReplicaSplit(dim, s.spec)
+    over = axes.not_splitting(s.spec, replicas)
+    dim = axes.replica_split(a.shape, s.spec, over, mesh)
+    return None if dim is None else ReplicaSplit(dim, s.spec, over)
   return jax.tree.map(split, abstract, shardings)
 
 
-def split_over_replicas(spec: P, ndim: int, split: ReplicaSplit | None, replicas: tuple[str, ...]) -> P:
-  """`spec` with the `replicas` that do not split it yet added to the dimension of its `split` (unchanged for
-  None)."""
-  if split is None:
-    return spec
-  held = {x for entry in spec for x in sharding.entry_axes(entry)}
-  return axes.with_split(spec, ndim, split.dim, [r for r in replicas if r not in held])
+def split_over_replicas(spec: P, ndim: int, split: ReplicaSplit | None) -> P:
+  """`spec` with its `split`'s replica axes added to the split's dimension (unchanged for None)."""
+  return spec if split is None else axes.with_split(spec, ndim, split.dim, split.over)
 
 
 def update_shardings(cfg: Settings, mesh: Mesh, platform: str | None = None):
@@ -136,7 +138,7 @@ def update_shardings(cfg: Settings, mesh: Mesh, platform: str | None = None):
       platform = target_platform()
   replicas = replica_axes(cfg, mesh, platform)
   param_sh = sharding.tree_shardings(logical_axes(cfg)[1], mesh, cfg.mesh.rules)
-  split = lambda a, s, part: NamedSharding(mesh, split_over_replicas(s.spec, a.ndim, part, replicas))
+  split = lambda a, s, part: NamedSharding(mesh, split_over_replicas(s.spec, a.ndim, part))
   return jax.tree.map(split, abstract_init(cfg)[0], param_sh, replica_splits(cfg, mesh, replicas))
 
 
@@ -156,7 +158,9 @@ def state_shardings(cfg: Settings, mesh: Mesh, tx, platform: str | None = None):
   return graphdef, shardings, abstract
 
 
+@functools.lru_cache(maxsize=16)
 def abstract_init(cfg: Settings):
+  """(params, quant state) as ShapeDtypeStructs, traced once per settings (see `logical_axes`)."""
   def init():
     _, params, quant_state, _ = split_model(build_model(cfg, jax.random.key(0)))
     return nnx.to_pure_dict(params), nnx.to_pure_dict(quant_state)

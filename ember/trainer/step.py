@@ -11,20 +11,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import remat
 from ember.config import Settings
-from ember.names import (BATCH, BY_LAYER, EXPERT, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
-                         MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS, MOE_LOAD_MAX_OVER_MEAN, MOE_OVERFLOW_TOKENS,
-                         MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS, MOE_SEQ_BALANCE_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
+from ember.names import BY_LAYER, MOE_EXPERT_LOADS, MOE_LOAD_MAX_OVER_MEAN, SEGMENT_IDS
 from ember.layers import linear, moe_dispatch
 from ember.layers.decoder import keys_of, stacked_layers
 from ember.layers.moe import ROUTER_BIAS
-from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.parallel import axes as axes_lib
 from ember.parallel import mesh as mesh_lib
 from ember.parallel import pipeline
 from ember.parallel.sharding import active_mesh, active_rules
 from ember.platform import target_platform
 from ember.quant import health
-from ember.quant.varying import first_along, shard_axes
 from ember.trainer.loss import HeadOnce, read_once, token_count, with_head_gradient
 from ember.trainer import pipelined
 from ember.trainer.objective import (forward_loss, merged_model, micro_batches, replica_part,  # noqa: F401
@@ -212,7 +208,7 @@ def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], pa
   batch = axes_lib.batch_axes(active_rules(), mesh)
   rows = jax.tree.map(lambda a: replicas_first(a, mesh, batch, axes), xs[0])
   specs = lambda grads: (P(), grads, *(P(),) * (len(init) - 2))
-  grad_specs = jax.tree.map(lambda p, spec, split: split_over_replicas(spec, p.ndim, split, axes), params, param_specs,
+  grad_specs = jax.tree.map(lambda p, spec, split: split_over_replicas(spec, p.ndim, split), params, param_specs,
                             splits)
   # check_vma=False: the model's scans start from constants (unvarying) and would each need a cast.
   # Manual over the mesh's axes of one device too, which split nothing: where no other axis is left, every axis is
