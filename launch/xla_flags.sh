@@ -35,8 +35,9 @@ ember_xla_flags=(
   # recompute what a policy chose to save.
   --xla_disable_hlo_passes=rematerialization
 )
-# Reduce-scatters keep XLA's own combining: combined up to 64 MiB, each micro-batch's last gradients waited
-# at the end of the backward pass (llama3_8b at 16 micro-batches of 8 on 8 H100s, predicted 3.2% slower).
+# No reduce-scatter combine threshold: XLA's own is kept. Combined up to 64 MiB, as this file once set, each
+# micro-batch's last gradients waited at the end of its backward pass (llama3_8b at 16 micro-batches of 8 on
+# 8 H100s: predicted 3.2% slower).
 ember_loop_pipelining_flags=(
   # Pipeline each layer's weight all-gather across scan iterations: layer i+1's weights are
   # gathered while layer i computes.

@@ -41,7 +41,7 @@ def format_table(result: dict) -> str:
                f"{result['budget_bytes'] / gib:.1f}")
   lines.append("  " + " ".join(best["flags"]))
   # A compile's schedule, and so its prediction, depends on the XLA flags: the run should take the same ones.
-  xla = " ".join(result.get("xla_flags", ())) or "none beyond ember's own"
+  xla = " ".join(result["xla_flags"]) or "none beyond ember's own"
   lines.append(f"compiled under XLA flags: {xla} (launch under the same: docs/performance.md, \"XLA's scheduling "
                f"flags, layout by layout\")")
   return "\n".join(lines)
