@@ -89,6 +89,31 @@ def stage_transfers(micro_batches: int, num_stages: int, schedule: str, virtual_
   return warm + cool + steady * (2 + 2 * (num_stages - 1) / num_stages)
 
 
+def steady_runs(micro_batches: int, num_stages: int, virtual_stages: int = 1) -> list[tuple[int, bool]]:
+  """The 1F1B schedules' steady ticks (`phases`) as runs of (ticks, whether the last stage ends a micro-batch in
+  them: its forward pass runs the last chunk, so the LM head runs). Every steady tick for V = 1; S ticks of every
+  SV under interleaved 1F1B, the others run no head at all."""
+  s, v = num_stages, virtual_stages
+  warm, steady, _ = phases(micro_batches, s, v)
+  runs: list[tuple[int, bool]] = []
+  for tau in range(warm, warm + steady):
+    head = ((tau - (s - 1)) % (s * v)) // s == v - 1  # forward_unit's chunk for the last stage.
+    if runs and runs[-1][1] == head:
+      runs[-1] = (runs[-1][0] + 1, head)
+    else:
+      runs.append((1, head))
+  return runs
+
+
+def periods(runs: list) -> tuple[list, int]:
+  """(a period of `runs`, how often it repeats from their start): the steady ticks' loop of loops."""
+  period = runs[:2]
+  repeats = 1
+  while runs[repeats * len(period):(repeats + 1) * len(period)] == period:
+    repeats += 1
+  return period, repeats
+
+
 def forward_unit(tick, stage, micro_batches: int, num_stages: int, virtual_stages: int):
   """The (micro-batch, chunk, whether there is one) whose forward pass `stage` runs at `tick` (1F1B schedules).
 

@@ -242,9 +242,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     state = tuple(_map_stage_rows(cut, t) for t in train)
     return state, {p: jax.tree.map(cut, t) if p[0] == "segments" else t for p, t in kernel_amaxes.items()}
 
-  def forward(state, amaxes, x_received, f, v):
+  def forward(state, amaxes, x, f, v):
     model = merged_model(graphdef, *state)
-    x = jnp.where((stage == 0) & (v == 0), model.embed(inputs[f]), x_received)
     block_ids = jax.lax.dynamic_slice_in_dim(all_block_ids, (v * stages + stage) * rows, rows)
     y, a, per_layer = model.segments[0](x, segment_ids[f], positions[f], keys[f], policy,
                                         attention_bias(segment_ids[f], x.dtype), block_ids=block_ids,
@@ -256,7 +255,11 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     structure and, for each of its leaves, the index of the chunk's state or kernel amax it is (None: kept) go to
     `structure`, the same at every tick (a backward-only tick has no forward pass to read them from)."""
     state, amaxes = chunk(v)
-    (y, aux), vjp = jax.vjp(lambda t, x_: forward(t, amaxes, x_, f, v), state, x)
+    # Stage 0's first chunk starts from the embedding, looked up outside the VJP: its gradient is the input's,
+    # kept a step (`embedded_grad`) and taken into the table once, after the loop.
+    x = jnp.where((stage == 0) & (v == 0), merged_model(graphdef, *state).embed(inputs[f]), x)
+    rows_only = tuple(map(_stage_leaves, state))  # Differentiated: the chunk's rows, not the leaves on every stage.
+    (y, aux), vjp = jax.vjp(lambda t, x_: forward(_filled(t, state), amaxes, x_, f, v), rows_only, x)
     leaves, treedef = jax.tree.flatten(vjp)
     sources = {}
     for i, a in enumerate(jax.tree.leaves((state, amaxes))):
@@ -272,6 +275,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   ring0 = [jnp.zeros((slots, *s.shape), s.dtype) for s in shapes]
   stage_rows = lambda k, a: (virtual * a.shape[0], *a.shape[1:]) if k.endswith(BY_LAYER) else a.shape
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
+  embedded_grad0 = shard(jnp.zeros((m, *x_like.shape), x_like.dtype), (None, *ACTIVATION))
   acc0 = (f32_zeros(params), jax.tree.map(lambda a: pipeline.lowest(a.shape), quant_state),
           None if stats is None else jax.tree.map(lambda a: health.combine_identity(a.shape), stats),
           {k: jnp.zeros(stage_rows(k, a), F32) for k, a in aux_like.items()}, jnp.zeros((3,), F32))
@@ -284,8 +288,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
                    for k, a in aux_like.items()}
   take = lambda on, v: jnp.where(on, v, jnp.zeros_like(v))
 
-  def tick(carry, tau, *, forwards: bool, backwards: bool):
-    received, returned, ring, (grads, quant, stat, aux, losses) = carry
+  def tick(carry, tau, *, forwards: bool, backwards: bool, head: bool):
+    received, returned, ring, embedded_grad, (grads, quant, stat, aux, losses) = carry
     dy_head = None
     if forwards:
       f, v_f, has_f = unit(pipeline.forward_unit, tau)
@@ -295,13 +299,12 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
       aux = {k: _add_rows(acc, take(has_f, a[k]).astype(F32), v_f) if k.endswith(BY_LAYER)
              else acc + take(has_f, a[k]).astype(F32) for k, acc in aux.items()}
       received = pipeline.to_next_stage(take(has_f, y), stages, ring=ring_order)
-    if forwards and backwards:  # The LM head of the micro-batch the last stage's last chunk ends, if one does.
+    if head:  # The LM head of the micro-batch the last stage's last chunk ends, where one does.
       f_last, v_last, has_last = pipeline.forward_unit(tau, stages - 1, m, stages, virtual)
       at_head = has_last & (v_last == virtual - 1)
       (total, parts), d_head, dy_head = _head_share(chunk(v_f)[0], y, f_last, graphdef=graphdef, micro=micro,
                                                     keys=keys, count=count, cfg=cfg, stages=stages)
-      grads = jax.tree_util.tree_map_with_path(
-          lambda path, g, h: g if stage_spec(path) != P() else g + take(at_head, h).astype(F32), grads, d_head[0])
+      grads = _combine_shared(grads, d_head[0], at_head, jnp.add)
       quant = _combine_shared(quant, d_head[1], at_head, jnp.maximum)
       if stat is not None:
         stat = _combine_shared(stat, d_head[2], at_head, health.combine)
@@ -319,15 +322,34 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
       quant = _add_stage_rows(quant, d_state[1], v_b, has_b, lambda acc, d: jnp.maximum(acc, d.astype(F32)))
       if stat is not None:
         stat = _add_stage_rows(stat, d_state[2], v_b, has_b, lambda acc, d: health.combine(acc, d.astype(F32)))
+      first = has_b & (stage == 0) & (v_b == 0)  # dx: the gradient of micro-batch b's embedding.
+      embedded_grad = embedded_grad.at[b].set(jnp.where(first, dx, embedded_grad[b]))
       returned = pipeline.to_previous_stage(take(has_b, dx), stages, ring=ring_order)
-    return (received, returned, ring, (grads, quant, stat, aux, losses)), None
+    return (received, returned, ring, embedded_grad, (grads, quant, stat, aux, losses)), None
 
-  carry, start = (x_zero, x_zero, ring0, acc0), 0
-  for length, flags in zip(pipeline.phases(m, stages, virtual), ((True, False), (True, True), (False, True))):
-    body = functools.partial(tick, forwards=flags[0], backwards=flags[1])
-    carry, _ = jax.lax.scan(body, carry, jnp.arange(start, start + length))
-    start += length
+  def ticks(carry, start, length, **passes):
+    return jax.lax.scan(functools.partial(tick, **passes), carry, start + jnp.arange(length))[0]
+
+  def steady(carry, start, runs):  # Runs of ticks with and without the LM head, one after another.
+    for length, head in runs:
+      carry, start = ticks(carry, start, length, forwards=True, backwards=True, head=head), start + length
+    return carry
+
+  warm, steady_ticks, cool = pipeline.phases(m, stages, virtual)
+  carry = ticks((x_zero, x_zero, ring0, embedded_grad0, acc0), 0, warm, forwards=True, backwards=False, head=False)
+  # Under interleaved 1F1B the steady phase repeats a period of S ticks with the head and S (V - 1) without:
+  # one loop over the periods, so the program holds each kind of tick once.
+  runs = pipeline.steady_runs(m, stages, virtual)
+  period, repeats = pipeline.periods(runs)
+  span = sum(length for length, _ in period)
+  if repeats > 1:
+    carry, _ = jax.lax.scan(lambda c, start: (steady(c, start, period), None), carry,
+                            warm + span * jnp.arange(repeats))
+    runs = runs[len(period) * repeats:]
+  carry = steady(carry, warm + span * (repeats if repeats > 1 else 0), runs)
+  carry = ticks(carry, warm + steady_ticks, cool, forwards=False, backwards=True, head=False)
   grads, quant, stat, aux, losses = carry[-1]
+  grads = _combine_shared(grads, _embedding_grads(graphdef, train, inputs, carry[-2]), True, jnp.add)
   return _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m, stages, virtual)
 
 
@@ -343,28 +365,54 @@ def _add_rows(acc, d, v):
 
 
 def _add_stage_rows(acc_tree, d_tree, v, on, combine):
-  """A backward pass's chunk-v cotangents combined into the stage's accumulators where `on`: the stacked layers'
-  into chunk v's rows, the rest (the embedding's) whole."""
+  """A backward pass's chunk-v cotangents (`_stage_leaves`') combined into chunk v's rows of the stage's
+  accumulators where `on`."""
   def one(path, acc, d):
-    if stage_spec(path) == P():
-      return jnp.where(on, combine(acc, d), acc)
+    if d is None:
+      return acc
     n = d.shape[0]
     cur = jax.lax.dynamic_slice_in_dim(acc, v * n, n)
     return jax.lax.dynamic_update_slice_in_dim(acc, jnp.where(on, combine(cur, d), cur), v * n, 0)
-  return jax.tree_util.tree_map_with_path(one, acc_tree, d_tree)
+  return jax.tree_util.tree_map_with_path(one, acc_tree, d_tree, is_leaf=lambda x: x is None)
+
+
+def _stage_leaves(tree):
+  """`tree` with only its stacked-layer leaves (each stage's own rows), the others None."""
+  return jax.tree_util.tree_map_with_path(lambda path, a: a if stage_spec(path) != P() else None, tree)
+
+
+def _filled(part, whole):
+  """`part` (a tree with None leaves) with its None leaves taken from `whole`."""
+  return jax.tree.map(lambda a, p: a if p is None else p, whole, part)
+
+
+def _embedding_grads(graphdef, train, inputs_MxBxL, embedded_grad):
+  """The cotangents of the leaves on every stage (`_shared_leaves`: the embedding table's) from the gradients of
+  the step's embeddings [M, B, L, D] (zeros but on stage 0): the lookup's transpose, once a step."""
+  shared = tuple(map(_shared_leaves, train))
+  embed = lambda part: jax.vmap(merged_model(graphdef, *_filled(part, train)).embed)(inputs_MxBxL)
+  return jax.linear_transpose(embed, shared)(embedded_grad)[0][0]
+
+
+def _shared_leaves(tree):
+  """`tree` with its stacked-layer leaves (each stage's own rows) as None: the leaves on every stage, which the
+  LM head reads (embedding, final norm, head)."""
+  return jax.tree_util.tree_map_with_path(lambda path, a: a if stage_spec(path) == P() else None, tree)
 
 
 def _combine_shared(acc_tree, d_tree, on, combine):
-  """The head's cotangents (histories, statistics) combined into the leaves on every stage where `on`."""
+  """The head's cotangents (`_shared_leaves`' gradients, histories, statistics) combined into the leaves on every
+  stage where `on`."""
   return jax.tree_util.tree_map_with_path(
       lambda path, acc, d: acc if stage_spec(path) != P() else jnp.where(on, combine(acc, d.astype(F32)), acc),
-      acc_tree, d_tree)
+      acc_tree, d_tree, is_leaf=lambda x: x is None)
 
 
 def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, stages: int):
   """The LM head and loss of 1/S of the tokens of micro-batch f, whose hidden states `y` the last stage holds,
-  on each stage: ((loss, (ce, z)) of the share, their cotangents for `state`, and the gradient of the whole `y`
-  on every stage). The last stage's `y` is reduce-scattered over the stages along its length and the share's
+  on each stage: ((loss, (ce, z)) of the share, their cotangents for `state`'s leaves on every stage
+  (`_shared_leaves`; None for the stacked layers', which the head does not read), and the gradient of the whole
+  `y` on every stage). The last stage's `y` is reduce-scattered over the stages along its length and the share's
   gradient all-gathered back: two transfers of an activation's size instead of S - 1 stages idling in the head."""
   spec = logical_to_spec(ACTIVATION, active_rules(), active_mesh())
   token_spec = P(*spec[:2])
@@ -378,14 +426,14 @@ def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, sta
   t_share, s_share = on_stages(lambda t, s_: (share(t), share(s_)), (token_spec, token_spec),
                                (token_spec, token_spec))(micro[TARGETS][f], micro[SEGMENT_IDS][f])
 
-  def head(state_, h):
-    model = merged_model(graphdef, *state_)
+  def head(shared, h):
+    model = merged_model(graphdef, *_filled(shared, state))
     total, ce, z = cross_entropy(model.final_norm(h), t_share, (s_share > 0).astype(F32), model.head_parts(),
                                  key=keys[f], chunk_size=cfg.train.loss_chunk_size, count=count,
                                  z_loss_weight=cfg.train.z_loss_weight)
     return total, (ce, z)
 
-  total, vjp, parts = jax.vjp(head, state, y_share, has_aux=True)
+  total, vjp, parts = jax.vjp(head, tuple(map(_shared_leaves, state)), y_share, has_aux=True)
   d_state, dy_share = vjp(jnp.ones((), F32))
   dy = on_stages(lambda a: jax.lax.all_gather(a, PIPELINE, axis=1, tiled=True), (spec,), spec)(dy_share)
   return (total, parts), d_state, dy

@@ -183,7 +183,7 @@ def test_chunks_reach_their_stages_and_back(stages, virtual):
   np.testing.assert_array_equal(np.asarray(back), layers)
 
 
-@pytest.mark.parametrize("micro,stages,virtual", [(8, 4, 1), (3, 4, 1), (8, 2, 2), (16, 4, 3)])
+@pytest.mark.parametrize("micro,stages,virtual", [(8, 4, 1), (3, 4, 1), (8, 2, 2), (16, 4, 3), (32, 8, 5)])
 def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
   """The 1F1B ticks (`pipeline.forward_unit` / `backward_unit`): every (micro-batch, chunk) forward and backward
   exactly once on each stage, its forward a tick after the virtual stage before it, its backward a tick after the
@@ -207,6 +207,14 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
     assert bwd[(f, c)] >= tau
     assert c == depth - 1 or bwd[(f, c + 1)] == bwd[(f, c)] - 1
   assert bwd[(0, depth - 1)] == warm  # The first backward pass opens the steady ticks.
+  # The LM head runs in the steady ticks where the last stage's forward pass ends a micro-batch, and only there.
+  ends = {tau for (f, c), tau in fwd.items() if c == depth - 1}
+  runs = pipeline.steady_runs(micro, stages, virtual)
+  marked = np.repeat([head for _, head in runs], [length for length, _ in runs])
+  assert sum(length for length, _ in runs) == steady
+  assert {warm + i for i in np.flatnonzero(marked)} == ends
+  period, repeats = pipeline.periods(runs)
+  assert runs[:len(period) * repeats] == period * repeats
   for s in range(stages):
     kept = max(sum(fwd[(f, c)] <= tau < bwd[(f, c)] for f in range(micro) for c in range(s, depth, stages))
                for tau in range(ticks))
