@@ -29,7 +29,7 @@ from ember.config import Settings
 from ember.layers import linear
 from ember.layers.attention import attention_bias
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
-                         MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS)
+                         MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS, VOCAB)
 from ember.parallel import axes, pipeline
 from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant import health
@@ -257,7 +257,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     state, amaxes = chunk(v)
     # Stage 0's first chunk starts from the embedding, looked up outside the VJP: its gradient is the input's,
     # kept a step (`embedded_grad`) and taken into the table once, after the loop.
-    x = jnp.where((stage == 0) & (v == 0), merged_model(graphdef, *state).embed(inputs[f]), x)
+    x = jnp.where((stage == 0) & (v == 0), lookup(inputs[f]), x)
     rows_only = tuple(map(_stage_leaves, state))  # Differentiated: the chunk's rows, not the leaves on every stage.
     (y, aux), vjp = jax.vjp(lambda t, x_: forward(_filled(t, state), amaxes, x_, f, v), rows_only, x)
     leaves, treedef = jax.tree.flatten(vjp)
@@ -267,7 +267,12 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     structure.update(treedef=treedef, fixed=[sources.get(id(a)) for a in leaves])
     return y, aux, [a for a, i in zip(leaves, structure["fixed"]) if i is None]
 
-  x_like = jax.eval_shape(lambda t: merged_model(graphdef, *t).embed(inputs[0]), train)  # In the compute dtype.
+  lookup = whole.embed
+  # The table cast and gathered along `embed` once a step, as each tick's lookup reads it (layers/embed.py), not in
+  # every tick (the barrier keeps XLA from sinking the cast and the gather into the loop).
+  table = shard(lookup.embedding[...].astype(lookup.dtype), (VOCAB, None))
+  lookup.embedding.set_value(jax.lax.optimization_barrier(table))
+  x_like = jax.eval_shape(lookup, inputs[0])  # In the compute dtype.
   x_zero = jnp.zeros(x_like.shape, x_like.dtype)
   structure = {}
   index = jax.ShapeDtypeStruct((), jnp.int32)
