@@ -81,12 +81,13 @@ def in_flight(micro_batches: int, num_stages: int, schedule: str = "1f1b", virtu
 
 def stage_transfers(micro_batches: int, num_stages: int, schedule: str, virtual_stages: int = 1) -> float:
   """Activation-sized transfers a stage sends a step: one per pass and boundary (GPipe: each iteration's output
-  forward and its gradient back); the 1F1B schedules' forward passes and gradients plus, in each steady tick, the
-  share of the last stage's output each stage's LM head takes and the gradient it returns (2 (S - 1) / S)."""
+  forward and its gradient back); the 1F1B schedules' forward passes and gradients plus, once a micro-batch (the
+  ticks that run the LM head, `steady_runs`), the share of the last stage's output each stage's head takes and
+  the gradient it returns (2 (S - 1) / S)."""
   if schedule == "gpipe":
     return 2 * iterations(micro_batches, num_stages)
   warm, steady, cool = phases(micro_batches, num_stages, virtual_stages)
-  return warm + cool + steady * (2 + 2 * (num_stages - 1) / num_stages)
+  return warm + cool + 2 * steady + micro_batches * 2 * (num_stages - 1) / num_stages
 
 
 def steady_runs(micro_batches: int, num_stages: int, virtual_stages: int = 1) -> list[tuple[int, bool]]:

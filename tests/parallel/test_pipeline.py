@@ -213,6 +213,9 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
   marked = np.repeat([head for _, head in runs], [length for length, _ in runs])
   assert sum(length for length, _ in runs) == steady
   assert {warm + i for i in np.flatnonzero(marked)} == ends
+  # Each tick's output and gradient (padding or not) plus, in each tick with the head, a share of it and back.
+  transfers = ticks + steady + len(ends) * 2 * (stages - 1) / stages
+  assert pipeline.stage_transfers(micro, stages, "1f1b", virtual) == pytest.approx(transfers)
   period, repeats = pipeline.periods(runs)
   assert runs[:len(period) * repeats] == period * repeats
   for s in range(stages):
