@@ -151,6 +151,26 @@ def _row_bwd(index, _, g):
 _row_where_it_lies.defvjp(_row_fwd, _row_bwd)
 
 
+@jax.custom_vjp
+def _row_at(stacked, row, index):
+  """`row` read from `stacked` at the traced `index`, its gradient `row`'s: `_row_where_it_lies` for a scan over
+  rows of a larger stack (Segment's `rows_at`). The rows the scan is handed are then read by no one, and the
+  compiler drops their copy; the slice of `stacked` fuses into its readers."""
+  del row
+  return jax.lax.dynamic_index_in_dim(stacked, index, keepdims=False)
+
+
+def _row_at_fwd(stacked, row, index):
+  return _row_at(stacked, row, index), None
+
+
+def _row_at_bwd(_, g):
+  return None, g, None
+
+
+_row_at.defvjp(_row_at_fwd, _row_at_bwd)
+
+
 class Segment(nnx.Module):
   """Blocks `block_ids` stacked along a leading `layers` axis, run by one scan (`model.scan_layers`) or one after
   another."""
@@ -168,12 +188,15 @@ class Segment(nnx.Module):
     self.blocks = make(rngs)
 
   def __call__(self, x, segment_ids, positions, key, policy: remat.Preset, bias=None, block_ids=None, moe_plan=None,
-               taken=None):
+               taken=None, rows_at=None):
     """(x, aux summed over the segment's layers, the block's per-layer values for each of its layers). `bias`:
     the attention's segment bias (Transformer.__call__): an input of every checkpointed block, never recomputed.
     `block_ids`: the blocks whose rows the stacked state holds (int32 [rows]; a pipeline stage's share of them,
     ember/parallel/pipeline.py); all of the segment's by default. `moe_plan`: what its MoE layers run; `taken`:
-    what the step hands the projections (layers/linear.py's `Taken`, by path below the segment, per stacked row)."""
+    what the step hands the projections (layers/linear.py's `Taken`, by path below the segment, per stacked row).
+    `rows_at`: (stacked, first): the segment's state is rows first, first + 1, ... of `stacked` (a state of the
+    same blocks with more rows: a pipeline stage's, whose chunk this segment runs); scanned, each block reads its
+    row there (`_row_at`), so no copy of the rows is made for the scan, and its gradient goes to the state's row."""
     graphdef, state = nnx.split(self.blocks)
     ids = jnp.asarray(self.block_ids, jnp.int32) if block_ids is None else block_ids
     taken = handed(taken, "blocks") or {}
@@ -188,7 +211,16 @@ class Segment(nnx.Module):
                                                          block_taken)
       return (y, jax.tree.map(jnp.add, aux, a)), per_layer
 
-    if self.scan:
+    if self.scan and rows_at is not None:
+      stacked, first = rows_at
+
+      def in_place(carry, xs):
+        rows, block_id, block_taken, index = xs
+        return body(carry, (jax.tree.map(lambda s, r: _row_at(s, r, index), stacked, rows), block_id, block_taken))
+
+      index = first + jnp.arange(ids.shape[0])
+      (x, aux), per_layer = jax.lax.scan(remat.checkpoint(in_place, policy), (x, zero_aux()), (state, ids, taken, index))
+    elif self.scan:
       (x, aux), per_layer = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids, taken))
     else:  # One block after another, on its row of the stacked state (kernel casts read theirs in place).
       stacked, carry, outs = linear.stacked_kernels(self.blocks), (x, zero_aux()), []

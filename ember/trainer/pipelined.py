@@ -22,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ember import remat
@@ -233,6 +234,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   kernel_amaxes = linear.kernel_amaxes(whole)
   rows = len(whole.segments[0].block_ids) // (stages * virtual)  # Layers per chunk.
   all_block_ids = jnp.asarray(whole.segments[0].block_ids, jnp.int32)
+  # The stage's stacked blocks, whose rows each chunk's layers read where they lie (Segment's `rows_at`).
+  stage_blocks = nnx.split(whole.segments[0].blocks)[1]
   inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
   unit = lambda fn, tau: fn(tau, stage, m, stages, virtual)
 
@@ -247,7 +250,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     block_ids = jax.lax.dynamic_slice_in_dim(all_block_ids, (v * stages + stage) * rows, rows)
     y, a, per_layer = model.segments[0](x, segment_ids[f], positions[f], keys[f], policy,
                                         attention_bias(segment_ids[f], x.dtype), block_ids=block_ids,
-                                        moe_plan=moe_plan, taken=linear.handed(amaxes, "segments", 0))
+                                        moe_plan=moe_plan, taken=linear.handed(amaxes, "segments", 0),
+                                        rows_at=(stage_blocks, v * rows))
     return shard(y, ACTIVATION), {**a, **{k + BY_LAYER: v_ for k, v_ in per_layer.items()}}
 
   def run_forward(x, f, v):
@@ -262,7 +266,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     (y, aux), vjp = jax.vjp(lambda t, x_: forward(_filled(t, state), amaxes, x_, f, v), rows_only, x)
     leaves, treedef = jax.tree.flatten(vjp)
     sources = {}
-    for i, a in enumerate(jax.tree.leaves((state, amaxes))):
+    for i, a in enumerate(jax.tree.leaves((state, amaxes, stage_blocks))):
       sources.setdefault(id(a), i)
     structure.update(treedef=treedef, fixed=[sources.get(id(a)) for a in leaves])
     return y, aux, [a for a, i in zip(leaves, structure["fixed"]) if i is None]
@@ -317,7 +321,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     if backwards:
       b, v_b, has_b = unit(pipeline.backward_unit, tau)
       slot = pipeline.forward_index(b, v_b, stages, virtual) % slots
-      sources = jax.tree.leaves(chunk(v_b))
+      sources = jax.tree.leaves((*chunk(v_b), stage_blocks))
       kept = iter(buf[slot] for buf in ring)
       vjp = jax.tree.unflatten(structure["treedef"], [next(kept) if i is None else sources[i]
                                                        for i in structure["fixed"]])
