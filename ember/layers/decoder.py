@@ -218,8 +218,8 @@ class Segment(nnx.Module):
         rows, block_id, block_taken, index = xs
         return body(carry, (jax.tree.map(lambda s, r: _row_at(s, r, index), stacked, rows), block_id, block_taken))
 
-      index = first + jnp.arange(ids.shape[0])
-      (x, aux), per_layer = jax.lax.scan(remat.checkpoint(in_place, policy), (x, zero_aux()), (state, ids, taken, index))
+      xs = (state, ids, taken, first + jnp.arange(ids.shape[0]))
+      (x, aux), per_layer = jax.lax.scan(remat.checkpoint(in_place, policy), (x, zero_aux()), xs)
     elif self.scan:
       (x, aux), per_layer = jax.lax.scan(remat.checkpoint(body, policy), (x, zero_aux()), (state, ids, taken))
     else:  # One block after another, on its row of the stacked state (kernel casts read theirs in place).
