@@ -44,13 +44,14 @@ def _same_micro_batches(batch_size: int, batch_shards: int) -> np.ndarray:
   return rows.swapaxes(0, 1).reshape(-1)
 
 
-def _compare(preset, recipe, mesh: dict, batch_size: int = 16, schedule: str = "gpipe", virtual: int = 1):
-  cfg = _cfg(preset, **{"quant.recipe": recipe, "train.batch_size": batch_size})
+def _compare(preset, recipe, mesh: dict, batch_size: int = 16, schedule: str = "gpipe", virtual: int = 1,
+             **overrides):
+  cfg = _cfg(preset, **{"quant.recipe": recipe, "train.batch_size": batch_size, **overrides})
   batches = [helpers.random_batch(cfg, seed=s % 2) for s in range(5)]  # Batches 0, 1, 0, 1, 0.
   shards = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1)
   one, params_one = _train(cfg.copy_and_resolve_references(), batches, 1,
                            order=_same_micro_batches(batch_size, shards))
-  piped, params_piped = _train(_cfg(preset, **{"quant.recipe": recipe, "train.batch_size": batch_size,
+  piped, params_piped = _train(_cfg(preset, **{"quant.recipe": recipe, "train.batch_size": batch_size, **overrides,
                                                "pipeline.schedule": schedule, "pipeline.virtual_stages": virtual,
                                                **{f"mesh.{a}": n for a, n in {"data": 1, **mesh}.items()}}),
                                batches, math.prod(mesh.values()))
@@ -93,6 +94,16 @@ def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(re
   one, piped, rel = _compare("tiny", recipe, {"pipeline": 2, "fsdp": 2, "tensor": 2}, batch_size=32,
                              schedule="interleaved_1f1b", virtual=2)
   _assert_same_training(recipe, one, piped, rel)
+
+
+@pytest.mark.long
+def test_tied_embeddings_train_like_one_device():
+  """A tied head: the table's gradient from the lookups (taken once a step, on stage 0) and from the head (every
+  stage's share of the tokens) add up as on one device."""
+  one, piped, rel = _compare("tiny", "bf16", {"pipeline": 2, "fsdp": 2, "tensor": 2}, batch_size=32,
+                             schedule="interleaved_1f1b", virtual=2, **{"model.tie_embeddings": True})
+  np.testing.assert_allclose(piped, one, rtol=1e-5)
+  assert rel < 1e-5, rel
 
 
 @pytest.mark.parametrize("schedule", ONE_EXTENDED)
