@@ -130,45 +130,27 @@ def unstacked(state, n: int) -> list:
   return [jax.tree.unflatten(treedef, [r[i] for r in rows]) for i in range(n)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _row_where_it_lies(stacked, row, index: int):
-  """`row` (stacked[index]) read from `stacked`, its gradient `row`'s. An unrolled block's checkpoint keeps its
-  inputs behind an optimization barrier (remat.checkpoint), and an input that is a slice is a copy: each layer's
-  float32 parameters, copied row by row every step. Read inside the block, the slice fuses into its readers,
-  and the barrier holds `stacked`, a buffer that exists anyway."""
+@jax.custom_vjp
+def _row_where_it_lies(stacked, row, index):
+  """`row` (stacked[index]; `index` an int or a traced one) read from `stacked`, its gradient `row`'s. An unrolled
+  block's checkpoint keeps its inputs behind an optimization barrier (remat.checkpoint), and an input that is a
+  slice is a copy: each layer's float32 parameters, copied row by row every step. Read inside the block, the slice
+  fuses into its readers, and the barrier holds `stacked`, a buffer that exists anyway. A scan over rows of a
+  larger stack (Segment's `rows_at`) reads them the same way: the rows it is handed are read by no one, and the
+  compiler drops their copy."""
   del row
-  return stacked[index]
+  return jax.lax.dynamic_index_in_dim(stacked, index, keepdims=False)
 
 
 def _row_fwd(stacked, row, index):
   return _row_where_it_lies(stacked, row, index), None
 
 
-def _row_bwd(index, _, g):
-  return None, g
-
-
-_row_where_it_lies.defvjp(_row_fwd, _row_bwd)
-
-
-@jax.custom_vjp
-def _row_at(stacked, row, index):
-  """`row` read from `stacked` at the traced `index`, its gradient `row`'s: `_row_where_it_lies` for a scan over
-  rows of a larger stack (Segment's `rows_at`). The rows the scan is handed are then read by no one, and the
-  compiler drops their copy; the slice of `stacked` fuses into its readers."""
-  del row
-  return jax.lax.dynamic_index_in_dim(stacked, index, keepdims=False)
-
-
-def _row_at_fwd(stacked, row, index):
-  return _row_at(stacked, row, index), None
-
-
-def _row_at_bwd(_, g):
+def _row_bwd(_, g):
   return None, g, None
 
 
-_row_at.defvjp(_row_at_fwd, _row_at_bwd)
+_row_where_it_lies.defvjp(_row_fwd, _row_bwd)
 
 
 class Segment(nnx.Module):
@@ -196,7 +178,8 @@ class Segment(nnx.Module):
     what the step hands the projections (layers/linear.py's `Taken`, by path below the segment, per stacked row).
     `rows_at`: (stacked, first): the segment's state is rows first, first + 1, ... of `stacked` (a state of the
     same blocks with more rows: a pipeline stage's, whose chunk this segment runs); scanned, each block reads its
-    row there (`_row_at`), so no copy of the rows is made for the scan, and its gradient goes to the state's row."""
+    row there (`_row_where_it_lies`), so no copy of the rows is made for the scan, and its gradient goes to the
+    state's row."""
     graphdef, state = nnx.split(self.blocks)
     ids = jnp.asarray(self.block_ids, jnp.int32) if block_ids is None else block_ids
     taken = handed(taken, "blocks") or {}
@@ -216,7 +199,8 @@ class Segment(nnx.Module):
 
       def in_place(carry, xs):
         rows, block_id, block_taken, index = xs
-        return body(carry, (jax.tree.map(lambda s, r: _row_at(s, r, index), stacked, rows), block_id, block_taken))
+        return body(carry, (jax.tree.map(lambda s, r: _row_where_it_lies(s, r, index), stacked, rows), block_id,
+                           block_taken))
 
       xs = (state, ids, taken, first + jnp.arange(ids.shape[0]))
       (x, aux), per_layer = jax.lax.scan(remat.checkpoint(in_place, policy), (x, zero_aux()), xs)
