@@ -271,7 +271,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     structure.update(treedef=treedef, fixed=[sources.get(id(a)) for a in leaves])
     return y, aux, [a for a, i in zip(leaves, structure["fixed"]) if i is None]
 
-  lookup = whole.embed
+  lookup = merged_model(graphdef, *train).embed  # A model of its own: its table is replaced below.
   # The table cast and gathered along `embed` once a step, as each tick's lookup reads it (layers/embed.py), not in
   # every tick (the barrier keeps XLA from sinking the cast and the gather into the loop).
   table = shard(lookup.embedding[...].astype(lookup.dtype), (VOCAB, None))
@@ -351,11 +351,11 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   runs = pipeline.steady_runs(m, stages, virtual)
   period, repeats = pipeline.periods(runs)
   span = sum(length for length, _ in period)
+  start = warm
   if repeats > 1:
-    carry, _ = jax.lax.scan(lambda c, start: (steady(c, start, period), None), carry,
-                            warm + span * jnp.arange(repeats))
-    runs = runs[len(period) * repeats:]
-  carry = steady(carry, warm + span * (repeats if repeats > 1 else 0), runs)
+    carry, _ = jax.lax.scan(lambda c, t: (steady(c, t, period), None), carry, start + span * jnp.arange(repeats))
+    runs, start = runs[len(period) * repeats:], start + span * repeats
+  carry = steady(carry, start, runs)
   carry = ticks(carry, warm + steady_ticks, cool, forwards=False, backwards=True, head=False)
   grads, quant, stat, aux, losses = carry[-1]
   grads = _combine_shared(grads, _embedding_grads(graphdef, train, inputs, carry[-2]), True, jnp.add)
