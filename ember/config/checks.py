@@ -172,8 +172,8 @@ def _validate_mesh(s: Settings) -> None:
   if context > 1 and m.seq_len % (2 * context):  # The balanced layout's 2 chunks a device (parallel/context.py).
     bad_key("mesh.context", f"the 2 x {context} chunks of a sequence split over {context} devices do not divide "
             f"model.seq_len={m.seq_len}")
-  if sizes["tensor"] > 1 and m.num_kv_heads % sizes["tensor"]:
-    bad_key("mesh.tensor", f"{sizes['tensor']} does not divide model.num_kv_heads={m.num_kv_heads}")
+  if reason := m.tensor_refusal(sizes["tensor"]):
+    bad_key("mesh.tensor", reason)
   if m.num_experts and m.num_experts % sizes["expert"]:
     bad_key("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={m.num_experts}")
   embed = [a for a in rules.get(EMBED, ()) if sizes[a] > 1]  # Latent attention's ranks are sharded as `embed`.

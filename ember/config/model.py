@@ -138,6 +138,26 @@ class ModelConfig:
     """Query heads per key/value head (grouped-query attention)."""
     return self.num_heads // self.num_kv_heads
 
+  def kv_copies(self, tensor: int) -> int:
+    """How many of `tensor` ranks share each kv head: 1 where `tensor` divides the kv heads; where it is a multiple
+    of them, each rank holds whole copies of its group's key and value weights and computes its own (Megatron's
+    replicated kv groups; layers/attention.py `kv_view`). `tensor_refusal` says which counts can split the heads."""
+    return 1 if self.is_mla or self.num_kv_heads % tensor == 0 else tensor // self.num_kv_heads
+
+  def tensor_refusal(self, tensor: int) -> str | None:
+    """Why `tensor` ranks cannot split this model's heads and MLP units between them; None where they can."""
+    if tensor == 1:
+      return None
+    if self.num_heads % tensor:
+      return f"{tensor} does not divide model.num_heads={self.num_heads}"
+    if not self.is_mla and self.num_kv_heads % tensor and tensor % self.num_kv_heads:
+      return (f"{tensor} neither divides model.num_kv_heads={self.num_kv_heads} nor is a multiple of it (each rank "
+              f"holds its kv heads, or whole copies of one)")
+    for name in ("d_ff", "dense_width"):
+      if getattr(self, name) % tensor:
+        return f"{tensor} does not divide the MLP's {getattr(self, name)} units (model.{name})"
+    return None
+
   @property
   def out_init_std(self) -> float:
     """Init std of the projections that write into the residual stream (scaled by depth)."""

@@ -24,7 +24,7 @@ from ember.layers.rope import apply_rope
 from ember.config.model import ModelConfig
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV
 from ember.parallel import context
-from ember.parallel import sharding
+from ember.parallel import axes as mesh_axes, sharding
 from ember.parallel.sharding import shard
 from ember.platform import target_platform
 from ember.quant.varying import manual_axes
@@ -145,8 +145,22 @@ def cudnn_refusal(batch: int, length: int, num_heads: int, num_kv_heads: int, he
   return None
 
 
+def kv_view(kernel_DxKxGxH: jax.Array, copies: int) -> jax.Array:
+  """The fused qkv kernel [embed, K, G + 2, head_dim] (G query heads, then a key and a value, per kv head) as
+  [embed, K x copies, G / copies + 2, head_dim]: each kv head's query heads dealt out to `copies` groups, each group
+  with its own copy of the head's key and value. Heads keep their order, so attention over the copies is the
+  model's; a tensor rank that holds one such group computes its keys and values itself where the kv heads are fewer
+  than the ranks (`ModelConfig.kv_copies`), and the copies' gradients add up on the one kernel."""
+  d, kv, g2, h = kernel_DxKxGxH.shape
+  g = g2 - 2
+  q = kernel_DxKxGxH[:, :, :g].reshape(d, kv, copies, g // copies, h)
+  k_and_v = jnp.broadcast_to(kernel_DxKxGxH[:, :, None, g:], (d, kv, copies, 2, h))
+  return jnp.concatenate([q, k_and_v], axis=3).reshape(d, kv * copies, g // copies + 2, h)
+
+
 class Attention(nnx.Module):
   def __init__(self, model: ModelConfig, *, recipe: Recipe, layer: int, rngs: nnx.Rngs):
+    self.model = model  # Its kv_copies, under the active mesh (`_kv_copies`).
     self.num_heads, self.num_kv_heads, self.head_dim = model.num_heads, model.num_kv_heads, model.head_dim
     self.groups = model.q_per_kv
     self.rope_theta, self.implementation = model.rope_theta, model.attention
@@ -166,16 +180,27 @@ class Attention(nnx.Module):
     RoPE: saved apart, Q, K and V would each be a copy of a slice of it), and Q, K, V as attention reads them
     (`attention_input`, after RoPE: kept, the backward pass rotates nothing again)."""
     b, l, _ = x_BxLxD.shape
-    qkv = checkpoint_name(self.qkv(x_BxLxD, key, handed(taken, "qkv")), remat.QKV_PROJ)  # [B, L, K, G+2, H]
-    q_BxLxNxH = shard(qkv[:, :, :, : self.groups].reshape(b, l, self.num_heads, self.head_dim),
+    copies = self._kv_copies()
+    view = None if copies == 1 else lambda kernel: kv_view(kernel, copies)
+    groups = self.groups // copies  # Query heads a kv head (or a copy of one) serves.
+    qkv = checkpoint_name(self.qkv(x_BxLxD, key, handed(taken, "qkv"), view), remat.QKV_PROJ)  # [B, L, K, G+2, H]
+    q_BxLxNxH = shard(qkv[:, :, :, :groups].reshape(b, l, self.num_heads, self.head_dim),
                       (BATCH, LENGTH, HEADS, HEAD_DIM))
-    k_BxLxKxH = shard(qkv[:, :, :, self.groups], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
-    v_BxLxKxH = shard(qkv[:, :, :, self.groups + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+    k_BxLxKxH = shard(qkv[:, :, :, groups], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+    v_BxLxKxH = shard(qkv[:, :, :, groups + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     if self.q_norm is not None:
       q_BxLxNxH, k_BxLxKxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxKxH)
     q_BxLxNxH = apply_rope(q_BxLxNxH, positions_BxL, self.rope_theta)
     k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope_theta)
     return tuple(checkpoint_name(a, remat.ATTENTION_INPUT) for a in (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH))
+
+  def _kv_copies(self) -> int:
+    """Copies of each kv head the qkv GEMM writes: `ModelConfig.kv_copies` of the ranks the active rules split the
+    kv heads over (1 outside them, and in sampling)."""
+    rules, mesh = sharding.active_rules(), sharding.active_mesh()
+    if rules is None or mesh is None:
+      return 1
+    return self.model.kv_copies(mesh_axes.shards(set(rules.get(KV_HEADS, ())) - manual_axes(), mesh.shape))
 
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None, taken=None):
     """`bias`: `attention_bias(segment_ids_BxL)` if the caller made it already (the decoder does, once a step);
@@ -196,6 +221,8 @@ class Attention(nnx.Module):
     (k, v) [B, S, K, H]: their keys and values are written at their positions, and each query sees the
     cache up to its own position. Returns (y [B, T, D], cache)."""
     q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = self._qkv(x_BxTxD, positions_BxT, None)
+    copies = self._kv_copies()  # The cache holds the model's kv heads: one of each head's copies.
+    k_BxTxKxH, v_BxTxKxH = k_BxTxKxH[:, :, ::copies], v_BxTxKxH[:, :, ::copies]
     cache_k, cache_v = write_cache(cache, (k_BxTxKxH, v_BxTxKxH), positions_BxT)
     ctx_BxTxNxH = cached_attention(q_BxTxNxH, cache_k, cache_v, positions_BxT)
     return self.out(ctx_BxTxNxH), (cache_k, cache_v)

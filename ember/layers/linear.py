@@ -131,10 +131,16 @@ class Linear(nnx.Module):
         if recipe.quantized and recipe.stats else None
     self.output_error = output_error_input(recipe)
 
-  def __call__(self, x: jax.Array, key: jax.Array | None = None, taken: dict | None = None) -> jax.Array:
-    """`taken`: what the step hands this projection ({(): Taken}, `handed` by its module), or None."""
-    k, n = math.prod(self.in_shape), math.prod(self.out_shape)
+  def __call__(self, x: jax.Array, key: jax.Array | None = None, taken: dict | None = None, view=None) -> jax.Array:
+    """`taken`: what the step hands this projection ({(): Taken}, `handed` by its module), or None. `view`: a
+    function of the kernel giving the one the GEMMs read instead, of the same rank and logical axes and of other
+    output sizes (attention's replicated kv heads, layers/attention.py `kv_view`), laid out by those axes; or None."""
     mine = (taken or {}).get((), Taken())
+    kernel = self.kernel[...]
+    if view is not None:
+      kernel = sharding.shard(view(kernel), self.axes)
+    out_shape = kernel.shape[len(self.in_shape):]
+    k, n = math.prod(self.in_shape), math.prod(out_shape)
     lead = x.shape[: x.ndim - len(self.in_shape)]
     history = self.amax_history[...] if self.recipe.delayed else None
     stats = None if self.quant_stats is None else self.quant_stats[...]
@@ -142,11 +148,10 @@ class Linear(nnx.Module):
     row = None
     order = self._out_order()
     permuted = order != tuple(range(len(order)))
-    kernel = self.kernel[...]
     if permuted:
       n_in = len(self.in_shape)
       kernel = jnp.transpose(kernel, tuple(range(n_in)) + tuple(n_in + i for i in order))
-    if mine.stacked is not None and not permuted:
+    if mine.stacked is not None and not permuted and view is None:
       row = dot.KernelRow(mine.stacked.reshape(-1, k, n), mine.index)
     parallel = self._sequence_parallel_axes(lead)
     if parallel and not dot.keeps_rows(self.recipe):
@@ -163,8 +168,8 @@ class Linear(nnx.Module):
                              kernel_sharding=self._gemm_kernel_sharding(order),
                              row_sharding=self._gemm_row_sharding(parallel))
     if not permuted:
-      return self._placed(y.reshape(lead + self.out_shape), parallel)
-    y = self._placed(y.reshape(lead + tuple(self.out_shape[i] for i in order)), parallel, order)
+      return self._placed(y.reshape(lead + out_shape), parallel)
+    y = self._placed(y.reshape(lead + tuple(out_shape[i] for i in order)), parallel, order)
     return jnp.transpose(y, tuple(range(len(lead))) + tuple(len(lead) + order.index(i) for i in range(len(order))))
 
   def _gemm_kernel_sharding(self, order):

@@ -163,7 +163,8 @@ def _why_not_cudnn(cfg: Settings, mesh) -> str:
   from ember.layers.attention import cudnn_refusal
   m = cfg.model
   tensor = int(mesh.shape["tensor"])  # Heads are split over it.
-  kv_heads = m.num_heads if m.is_mla else m.num_kv_heads  # MLA's keys and values: one per head (values padded).
+  # MLA's keys and values: one per head (values padded); fewer kv heads than `tensor` ranks: copies of them.
+  kv_heads = m.num_heads if m.is_mla else m.num_kv_heads * m.kv_copies(tensor)
   reason = cudnn_refusal(per_device_batch(cfg, mesh), m.seq_len, m.num_heads // tensor, kv_heads // tensor,
                          m.qk_head_dim, m.dtype, sequence_shards(cfg, mesh))
   return f"cuDNN refuses these shapes: {reason}" if reason else "cuDNN accepts the shapes; XLA kept its own attention"

@@ -141,7 +141,7 @@ def layouts(settings: Settings, target: Target) -> list[Layout]:
   per_node, nodes = target.per_node, target.nodes
   out = []
   splits = [(p, t, e) for p, t, e, _ in _factorizations(per_node, 4) if (p == 1 or nodes == 1)
-            and not (m.num_heads % t or m.num_kv_heads % t or m.d_ff % t)
+            and m.tensor_refusal(t) is None
             and (e == 1 or (m.num_experts and m.num_experts % e == 0))]  # A pipeline inside a node on one node only.
   for pipe, tensor, expert in splits:
     node = (("pipeline", pipe), ("fsdp", per_node // pipe // tensor // expert), ("tensor", tensor), ("expert", expert))

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ember.config import Settings
 from ember.layers.decoder import Transformer
 from ember.layers.linear import QuantState, QuantStats
+from ember.names import KV_HEADS
 from ember.parallel import axes, sharding
 from ember.platform import on_devices, target_platform
 
@@ -59,7 +60,18 @@ def logical_axes(cfg: Settings):
   abstract = nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0)))
   graphdef, params, quant_state, _ = split_model(abstract)
   specs = lambda state: nnx.to_pure_dict(nnx.get_partition_spec(state))
-  return graphdef, specs(params), specs(quant_state)
+  return graphdef, _kv_heads_held_whole(cfg, specs(params)), specs(quant_state)
+
+
+def _kv_heads_held_whole(cfg: Settings, specs):
+  """The parameters' logical specs with the kv heads held whole where they are fewer than the ranks the rules
+  split them over (`ModelConfig.kv_copies` > 1): each rank's attention then reads copies of its group's key and
+  value weights (layers/attention.py `kv_view`)."""
+  ranks = axes.shards(cfg.mesh.rules_dict.get(KV_HEADS, ()), cfg.mesh.sizes())
+  if cfg.model.kv_copies(ranks) == 1:
+    return specs
+  return jax.tree.map(lambda spec: P(*(None if name == KV_HEADS else name for name in spec)), specs,
+                      is_leaf=lambda x: isinstance(x, P))
 
 
 def _match_opt_shardings(abstract_opt, param_shardings, mesh: Mesh):

@@ -74,3 +74,35 @@ def test_a_fused_attentions_residuals_are_named_so_a_policy_can_keep_them():
     return str(jax.make_jaxpr(jax.grad(step, argnums=(0, 1, 2)))(q, k, v)).count(" exp ")
 
   assert exps("minimal") == 1 and exps("full") == 2
+
+
+
+def test_kv_copies_attend_as_the_kv_heads_they_copy():
+  """`kv_view` deals each kv head's query heads out to copies of the head (8 query heads, 2 kv heads, 2 copies: the
+  layout of 2 kv heads over 4 tensor ranks): the fused projection through the view, attended with the copies as kv
+  heads, gives the model's attention, checked against every query head attending over its own kv head."""
+  from ember.layers.attention import kv_view, local_attention
+  d, kv, g, h, b, l = 16, 2, 4, 8, 2, 12
+  kernel = jax.random.normal(jax.random.key(0), (d, kv, g + 2, h))
+  x = jax.random.normal(jax.random.key(1), (b, l, d))
+  no_bias = jnp.zeros((b, 1, l, l))
+
+  def attend(kernel):
+    groups = kernel.shape[2] - 2
+    qkv = jnp.einsum("bld,dkgh->blkgh", x, kernel)
+    q = qkv[:, :, :, :groups].reshape(b, l, kv * g, h)
+    return local_attention(q, qkv[:, :, :, groups], qkv[:, :, :, groups + 1], no_bias, "xla", causal=True)
+
+  qkv = jnp.einsum("bld,dkgh->blkgh", x, kernel)
+  visible = jnp.tril(jnp.ones((l, l), bool))
+  heads = []
+  for head in range(kv * g):
+    k_head, q_head = divmod(head, g)
+    s = jnp.einsum("bqh,bsh->bqs", qkv[:, :, k_head, q_head], qkv[:, :, k_head, g]) * h**-0.5
+    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+    heads.append(jnp.einsum("bqs,bsh->bqh", p, qkv[:, :, k_head, g + 1]))
+  reference = jnp.stack(heads, axis=2)
+  viewed = kv_view(kernel, 2)
+  assert viewed.shape == (d, 2 * kv, g // 2 + 2, h)
+  np.testing.assert_allclose(attend(kernel), reference, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(attend(viewed), reference, rtol=1e-5, atol=1e-5)

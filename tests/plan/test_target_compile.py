@@ -236,6 +236,22 @@ def test_tensor_parallel_layers_move_fp8_activations_and_reduce_scatter_their_ou
   assert len(scattered) >= 4 and all("bf16[" in c.shape for c in scattered), [c.shape for c in scattered]
 
 
+def test_kv_heads_fewer_than_tensor_ranks_gather_no_weight_gradient(tmp_path):
+  """tiny fp8_current, fsdp 2 x tensor 4 on h100x8: 2 kv heads over 4 tensor ranks, each rank computing its copy of
+  its group's keys and values (layers/attention.py `kv_view`). Every projection's three GEMMs run in FP8, and the
+  backward pass gathers nothing but FP8 data (activations and gradients for the GEMMs, the weights again for the
+  recompute): the copies' key and value gradients are summed across their ranks, no weight gradient is gathered."""
+  path = tmp_path / "step.hlo"
+  r = compile_report(loaded(["compile", *TINY, "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=2",
+                             "--config.mesh.tensor=4", "--config.remat.policy=full"]), target_lib.parse("h100x8"),
+                     hlo_out=str(path))
+  assert r["gemms"]["fp8"] >= 3 * QUANTIZED_PROJECTIONS and r["gemms"]["bf16"] == HEAD_GEMMS, r["gemms"]
+  backward = [c for c in hlo.collective_ops(path.read_text()) if c.kind == "all-gather"
+              and "transpose(" in c.op_name and "rematted_computation" not in c.op_name]
+  assert backward and all(re.fullmatch(r"\(?(f8e4m3fn|f8e5m2)\[.*", c.shape) for c in backward), \
+      [(c.shape, c.op_name) for c in backward]
+
+
 def test_tensor_parallel_gemms_stay_fp8_inside_the_replicas_map():
   """tiny fp8_current, data 2 x fsdp 2 x tensor 2 in 2 micro-batches: the step runs inside a map manual over the
   data replicas, where XLA cannot prove a quantized input's scale the same on every device and would gather the

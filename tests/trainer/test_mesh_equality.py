@@ -12,6 +12,8 @@ MESHES = {
     "data8": {"mesh.data": 8, "mesh.fsdp": 1},
     "fsdp8": {"mesh.data": 1, "mesh.fsdp": 8},
     "data2_fsdp2_tensor2": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+    # tiny's 2 kv heads over 4 tensor ranks: each rank computes a copy of its group's keys and values.
+    "fsdp2_tensor4": {"mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 4},
 }
 
 

@@ -1,0 +1,42 @@
+"""Fewer kv heads than tensor ranks (tiny: 2 kv heads over tensor 4): each rank computes a copy of its group's keys
+and values (layers/attention.py `kv_view`). That such a step trains as one device does is
+tests/trainer/test_mesh_equality.py's (`fsdp2_tensor4`); what it gathers, tests/plan/test_target_compile.py's."""
+
+import pytest
+
+from ember import config as config_lib
+from ember.errors import ConfigError
+from ember.tools.sample import sample
+from ember.trainer.loop import train
+from tests.helpers import checked, config
+
+
+@pytest.mark.long
+def test_sampling_from_a_checkpoint_whose_kv_heads_are_copied(tmp_path):
+  """A run trained on fsdp 2 x tensor 4 samples on its own 8 devices (the cache holds the model's 2 kv heads, one
+  of each head's copies) the text it samples on one device."""
+  workdir = tmp_path / "run"
+  train(checked(config("tiny", steps=2, workdir=str(workdir),
+                       **{"mesh.fsdp": 2, "mesh.tensor": 4, "checkpoint.every_steps": 2})))
+  prompts = ["def ", "import os\n"]
+  sharded = sample(str(workdir), prompts, max_new_tokens=8)
+  alone = sample(str(workdir), prompts, max_new_tokens=8, one_device=True)
+  assert sharded == alone and all(sharded)
+
+
+@pytest.mark.parametrize("tensor,reason", [
+    (3, "mesh.tensor: 3 does not divide model.num_heads=4"),
+    (8, "mesh.tensor: 8 does not divide model.num_heads=4"),
+])
+def test_a_tensor_split_the_heads_cannot_take_is_a_config_error(tensor, reason):
+  with pytest.raises(ConfigError, match=reason):
+    config_lib.validate(config("tiny", **{"mesh.tensor": tensor, "mesh.fsdp": 1}), tensor, 1)
+
+
+def test_kv_heads_are_copied_only_where_the_ranks_outnumber_them():
+  m = config_lib.validate(config("tiny", **{"mesh.fsdp": 1}), 1, 1).model  # 4 heads, 2 kv heads.
+  assert [m.kv_copies(t) for t in (1, 2, 4)] == [1, 1, 2]
+  m = config_lib.validate(config("tiny", **{"mesh.fsdp": 1, "model.num_heads": 12, "model.num_kv_heads": 4,
+                                            "model.head_dim": 16, "model.d_ff": 192}), 1, 1).model
+  assert "model.num_kv_heads=4" in m.tensor_refusal(6)  # 6 splits the 12 heads, not the 4 kv heads: no copies.
+  assert m.tensor_refusal(12) is None and m.kv_copies(12) == 3
