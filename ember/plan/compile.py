@@ -28,7 +28,7 @@ from ember.plan import auto_remat, cost, hlo, predict
 from ember.plan import step as step_plan
 from ember.trainer import step as step_lib
 from ember.plan.layer import per_device_batch, sequence_shards
-from ember.plan.target import COMPILER_OPTIONS, Target, targeting
+from ember.plan.target import COMPILER_OPTIONS, Target, scheduler_memory_options, targeting
 from ember.plan.units import GiB
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import host_bytes, memory_peak, work_per_device
@@ -48,8 +48,16 @@ def prepare(cfg: Settings, target: Target) -> tuple[Settings, Mesh]:
   return cfg, make_mesh(cfg.mesh, devices)
 
 
-def compiler_options(target: Target) -> dict | None:
-  return dict(COMPILER_OPTIONS) if target.is_gpu else None
+def compiler_options(target: Target, cfg: Settings | None = None, mesh=None) -> dict | None:
+  """The options a compile for `target` takes: COMPILER_OPTIONS and, given the step's settings and mesh, the
+  scheduler's memory limit of a run (target.scheduler_memory_options); None for the local devices."""
+  if not target.is_gpu:
+    return None
+  options = dict(COMPILER_OPTIONS)
+  if cfg is not None and target.device_memory_bytes:
+    tx, _ = make_optimizer(cfg)
+    options.update(scheduler_memory_options(target.device_memory_bytes, step_plan.live_bytes(cfg, mesh, tx)))
+  return options
 
 
 def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
@@ -57,7 +65,7 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
   for the optimised HLO text."""
   with targeting(target):
     cfg, mesh = prepare(cfg, target)
-    options = compiler_options(target)
+    options = compiler_options(target, cfg, mesh)
     cfg = auto_remat.resolve(cfg, mesh, compiler_options=options)
     tx, schedule = make_optimizer(cfg)
     plan = step_lib.moe_plan(cfg, mesh, cfg.train.micro_batch_size)  # Traced with and reported.

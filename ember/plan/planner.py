@@ -45,7 +45,7 @@ from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import entry_axes
 from ember.plan import auto_remat, layer
 from ember.plan.isolated import compile_report_isolated
-from ember.plan.target import Target, targeting
+from ember.plan.target import Target, run_memory_fraction, targeting
 from ember.plan.units import GiB
 from ember.quant.recipe import BF16  # Attention and the LM head run in the compute dtype.
 from ember.trainer.optimizer import make_optimizer
@@ -53,7 +53,6 @@ from ember.trainer.perf import attention_flops_per_token, forward_flops_per_toke
 from ember.trainer.state import replica_axes, replica_splits, state_shardings
 from ember.xla_flags import user_xla_flags
 
-BUDGET_FRACTION = 0.9  # Default budget: the GPU's memory less 10% (allocator slack, cuDNN workspaces).
 ESTIMATE_SLACK = 1.15  # A layout is compiled if its estimated peak is within the budget times this.
 TOP = 6  # Layouts chosen for compiling by default.
 SMALLER_MICRO_BATCHES = 2  # Retries of a chosen layout whose compiled peak is over the budget, micro-batch halved.
@@ -338,7 +337,7 @@ def budget_bytes(target: Target, budget_gb: float | None) -> float:
     return budget_gb * GiB
   if not target.device_memory_bytes:
     raise ConfigError(f"--budget_gb: {target.name} has no known memory size; give a budget")
-  return target.device_memory_bytes * BUDGET_FRACTION
+  return target.device_memory_bytes * run_memory_fraction()
 
 
 def _row(layout: Layout, est: Estimate, tokens: float) -> dict:

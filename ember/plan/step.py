@@ -8,6 +8,7 @@ XLA's peak bytes per device off the compiled program.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,18 @@ def abstract_batch(cfg: Settings, mesh) -> tuple[dict, NamedSharding]:
   sharding = batch_sharding(cfg, mesh)
   shape = (cfg.train.batch_size, cfg.model.seq_len)
   return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}, sharding
+
+
+def live_bytes(cfg: Settings, mesh, tx) -> int:
+  """Per device, what the train step holds from its start to its end: the train state (donated: the new state
+  takes its buffers) and the batch; XLA's scheduler keeps it out of the memory it plans with
+  (target.scheduler_memory_options)."""
+  with use_rules(mesh, cfg.mesh.rules):
+    _, shardings, abstract = state_shardings(cfg, mesh, tx)
+  batch, batch_sharding_ = abstract_batch(cfg, mesh)
+  per_device = lambda a, s: math.prod(s.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+  state = jax.tree.leaves(jax.tree.map(per_device, abstract, shardings))
+  return int(sum(state) + sum(per_device(b, batch_sharding_) for b in batch.values()))
 
 
 def trace_train_step(cfg: Settings, mesh, tx, schedule, preset: remat.Preset, plan=None):

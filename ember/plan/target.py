@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 
 import jax
@@ -37,6 +38,38 @@ NODE_SIZE = 8  # GPUs per node: counts above it are whole nodes.
 # generation (the optimised HLO is byte-identical) and cut the compile time by a third.
 COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "rematerialization",
                     "xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+# The share of a GPU's memory a run gives XLA's allocator: XLA_PYTHON_CLIENT_MEM_FRACTION as launch/xla_flags.sh
+# sets it (or as the environment says), the rest left to NCCL and cuDNN workspaces. The planner's default budget.
+RUN_MEMORY_FRACTION = 0.9
+XLA_SCHEDULER_SHARE = 0.8  # What XLA's scheduler starts from when it knows no allocator: 80% of the GPU's memory.
+XLA_SLOP_FACTOR = 95  # XLA's default --xla_gpu_memory_limit_slop_factor (percent).
+
+
+def run_memory_fraction() -> float:
+  """The share of each GPU's memory the run's allocator takes (`RUN_MEMORY_FRACTION` unless the environment sets
+  XLA_PYTHON_CLIENT_MEM_FRACTION)."""
+  return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or RUN_MEMORY_FRACTION)
+
+
+def scheduler_memory_options(memory_bytes: int, live_bytes: int) -> dict:
+  """The compile option that gives a compile-only program the memory limit XLA's latency-hiding scheduler has in
+  a run on the GPU. A run's jit hands XLA its allocator's limit (`run_memory_fraction` of `memory_bytes`), and
+  the scheduler may then hold (that limit - the bytes live through the whole step) x the slop factor / 100
+  before it delays collectives to save memory; a compile with no device starts from `XLA_SCHEDULER_SHARE` of the
+  memory instead. On a step near its budget that smaller limit had the scheduler serialise the collectives a run
+  overlaps: llama3_70b in the planner's pipeline layout on h100x64 (64.8 GiB peak, 14.9 GiB of state) waited
+  3.0 s a step on its gradients' reduce-scatters (docs/performance.md, "The scheduler's memory limit").
+  `live_bytes`: per device, the step's inputs and outputs (the train state, donated, counted once; the batch)."""
+  slop = XLA_SLOP_FACTOR
+  for flag in os.environ.get("XLA_FLAGS", "").split():
+    if flag.startswith("--xla_gpu_memory_limit_slop_factor="):
+      slop = int(flag.split("=", 1)[1])
+  run = run_memory_fraction() * memory_bytes - live_bytes
+  compile_only = XLA_SCHEDULER_SHARE * memory_bytes - live_bytes
+  if run <= 0 or compile_only <= 0:
+    return {}
+  return {"xla_gpu_memory_limit_slop_factor": round(slop * run / compile_only)}
 
 
 @dataclasses.dataclass(frozen=True)

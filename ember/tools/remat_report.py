@@ -152,7 +152,7 @@ def main(argv: list[str]) -> int:
       cfg, mesh = compile_plan.prepare(cfg, target)
       names = policy_names(args.policies, cfg)
       report = build_report(cfg, names, compile=args.compile == "true", batch=args.layer_batch or None, mesh=mesh,
-                            compiler_options=compile_plan.compiler_options(target), target=target.name)
+                            compiler_options=compile_plan.compiler_options(target, cfg, mesh), target=target.name)
     cli.write_json("--out", args.out, report)
   except EmberError as e:
     fail_and_exit(e)
