@@ -48,13 +48,13 @@ def prepare(cfg: Settings, target: Target) -> tuple[Settings, Mesh]:
   return cfg, make_mesh(cfg.mesh, devices)
 
 
-def compiler_options(target: Target, cfg: Settings | None = None, mesh=None) -> dict | None:
-  """The options a compile for `target` takes: COMPILER_OPTIONS and, given the step's settings and mesh, the
-  scheduler's memory limit of a run (target.scheduler_memory_options); None for the local devices."""
+def compiler_options(target: Target, cfg: Settings, mesh) -> dict | None:
+  """The options a compile of the step of `cfg` on `mesh` for `target` takes: COMPILER_OPTIONS and the scheduler's
+  memory limit of a run (target.scheduler_memory_options); None for the local devices."""
   if not target.is_gpu:
     return None
   options = dict(COMPILER_OPTIONS)
-  if cfg is not None and target.device_memory_bytes:
+  if target.device_memory_bytes:
     tx, _ = make_optimizer(cfg)
     options.update(scheduler_memory_options(target.device_memory_bytes, step_plan.live_bytes(cfg, mesh, tx)))
   return options
