@@ -41,6 +41,12 @@ def with_xla_flags(xla_flags: str, wanted: dict[str, str]) -> str:
   return " ".join(tokens)
 
 
+def xla_flag_value(xla_flags: str, flag: str) -> str | None:
+  """The value `xla_flags` (an XLA_FLAGS value) gives `flag` (its last, as XLA reads them), or None."""
+  given = [t.split("=", 1)[1] for t in xla_flags.split() if t.split("=", 1)[0] == flag and "=" in t]
+  return given[-1] if given else None
+
+
 def user_xla_flags(xla_flags: str) -> list[str]:
   """The flags of `xla_flags` (an XLA_FLAGS value) that are not REQUIRED_XLA_FLAGS: those a user or
   launch/xla_flags.sh chose, which a compile for a target and the run it plans should share."""

@@ -27,6 +27,7 @@ import jax
 from ember import hardware
 from ember.errors import ConfigError, one_line
 from ember.platform import on_platform
+from ember.xla_flags import xla_flag_value
 
 NODE_SIZE = 8  # GPUs per node: counts above it are whole nodes.
 
@@ -61,10 +62,7 @@ def scheduler_memory_options(memory_bytes: int, live_bytes: int) -> dict:
   overlaps: llama3_70b in the planner's pipeline layout on h100x64 (64.8 GiB peak, 14.9 GiB of state) waited
   3.0 s a step on its gradients' reduce-scatters (docs/performance.md, "The scheduler's memory limit").
   `live_bytes`: per device, the step's inputs and outputs (the train state, donated, counted once; the batch)."""
-  slop = XLA_SLOP_FACTOR
-  for flag in os.environ.get("XLA_FLAGS", "").split():
-    if flag.startswith("--xla_gpu_memory_limit_slop_factor="):
-      slop = int(flag.split("=", 1)[1])
+  slop = int(xla_flag_value(os.environ.get("XLA_FLAGS", ""), "--xla_gpu_memory_limit_slop_factor") or XLA_SLOP_FACTOR)
   run = run_memory_fraction() * memory_bytes - live_bytes
   compile_only = XLA_SCHEDULER_SHARE * memory_bytes - live_bytes
   if run <= 0 or compile_only <= 0:
