@@ -222,8 +222,10 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   without the pass they lack (`pipeline.phases`), so the idle share is the schedule's own, (S - 1) / (MV + S - 1).
   A stage keeps the residuals of the forward passes whose backward has not run (`pipeline.in_flight`) in a ring
   of buffers: the residuals a remat policy saves; the stage's parameters and kernel amaxes are recognised among
-  them and never copied. The LM head runs where the last stage's last chunk ends a micro-batch: each stage takes
-  1/S of its tokens (`_head_share`), so every stage runs the same share of the head."""
+  them and never copied, and the attention's segment bias is made again in the backward tick from the micro-batch's
+  segment ids rather than kept ([B, 1, L, L]: 128 MiB a sequence of 8,192 tokens, in each of the ring's slots).
+  The LM head runs where the last stage's last chunk ends a micro-batch: each stage takes 1/S of its tokens
+  (`_head_share`), so every stage runs the same share of the head."""
   m = keys.shape[0]
   ring_order = virtual > 1
   stage = pipeline.stage_index()
@@ -245,11 +247,10 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     state = tuple(_map_stage_rows(cut, t) for t in train)
     return state, {p: jax.tree.map(cut, t) if p[0] == "segments" else t for p, t in kernel_amaxes.items()}
 
-  def forward(state, amaxes, x, f, v):
+  def forward(state, amaxes, x, f, v, bias):
     model = merged_model(graphdef, *state)
     block_ids = jax.lax.dynamic_slice_in_dim(all_block_ids, (v * stages + stage) * rows, rows)
-    y, a, per_layer = model.segments[0](x, segment_ids[f], positions[f], keys[f], policy,
-                                        attention_bias(segment_ids[f], x.dtype), block_ids=block_ids,
+    y, a, per_layer = model.segments[0](x, segment_ids[f], positions[f], keys[f], policy, bias, block_ids=block_ids,
                                         moe_plan=moe_plan, taken=linear.handed(amaxes, "segments", 0),
                                         rows_at=(stage_blocks, v * rows))
     return shard(y, ACTIVATION), {**a, **{k + BY_LAYER: v_ for k, v_ in per_layer.items()}}
@@ -262,11 +263,12 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     # Stage 0's first chunk starts from the embedding, looked up outside the VJP: its gradient is the input's,
     # kept a step (`embedded_grad`) and taken into the table once, after the loop.
     x = jnp.where((stage == 0) & (v == 0), lookup(inputs[f]), x)
+    bias = attention_bias(segment_ids[f], x.dtype)
     rows_only = tuple(map(_stage_leaves, state))  # Differentiated: the chunk's rows, not the leaves on every stage.
-    (y, aux), vjp = jax.vjp(lambda t, x_: forward(_filled(t, state), amaxes, x_, f, v), rows_only, x)
+    (y, aux), vjp = jax.vjp(lambda t, x_: forward(_filled(t, state), amaxes, x_, f, v, bias), rows_only, x)
     leaves, treedef = jax.tree.flatten(vjp)
     sources = {}
-    for i, a in enumerate(jax.tree.leaves((state, amaxes, stage_blocks))):
+    for i, a in enumerate(jax.tree.leaves((state, amaxes, stage_blocks, bias))):
       sources.setdefault(id(a), i)
     structure.update(treedef=treedef, fixed=[sources.get(id(a)) for a in leaves])
     return y, aux, [a for a, i in zip(leaves, structure["fixed"]) if i is None]
@@ -321,7 +323,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     if backwards:
       b, v_b, has_b = unit(pipeline.backward_unit, tau)
       slot = pipeline.forward_index(b, v_b, stages, virtual) % slots
-      sources = jax.tree.leaves((*chunk(v_b), stage_blocks))
+      sources = jax.tree.leaves((*chunk(v_b), stage_blocks, attention_bias(segment_ids[b], x_zero.dtype)))
       kept = iter(buf[slot] for buf in ring)
       vjp = jax.tree.unflatten(structure["treedef"], [next(kept) if i is None else sources[i]
                                                        for i in structure["fixed"]])
