@@ -29,13 +29,14 @@ from ember import remat
 from ember.config import Settings
 from ember.layers import linear
 from ember.layers.attention import attention_bias
+from ember.layers.decoder import keys_of
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
                          MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS, VOCAB)
 from ember.parallel import axes, pipeline
 from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant import health
 from ember.quant.varying import cotangent_once, shard_axes
-from ember.trainer.loss import cross_entropy, token_count
+from ember.trainer.loss import HeadOnce, cross_entropy, read_once, token_count, with_head_gradient
 from ember.trainer.objective import merged_model, micro_batches, replicas_first, step_terms, summed_over_replicas
 from ember.trainer.state import split_over_replicas
 
@@ -278,6 +279,14 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   # every tick (the barrier keeps XLA from sinking the cast and the gather into the loop).
   table = shard(lookup.embedding[...].astype(lookup.dtype), (VOCAB, None))
   lookup.embedding.set_value(jax.lax.optimization_barrier(table))
+  # The LM head read once a step too (loss.py's `read_once`), its weight gathered over the axes that split a stage's
+  # tokens and each device's share of its gradient summed over the head ticks and reduced once, after the loop:
+  # read in each head tick, the weight was gathered and its [D, V] float32 gradient reduce-scattered once a
+  # micro-batch, the step's largest collectives after the layers' own, issued where nothing was left to hide them.
+  head_parts = merged_model(graphdef, *train).head_parts()
+  once = read_once(head_parts)
+  if once is not None:
+    once = HeadOnce(jax.lax.optimization_barrier(once.weight), once.partial)
   x_like = jax.eval_shape(lookup, inputs[0])  # In the compute dtype.
   x_zero = jnp.zeros(x_like.shape, x_like.dtype)
   structure = {}
@@ -289,7 +298,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   embedded_grad0 = shard(jnp.zeros((m, *x_like.shape), x_like.dtype), (None, *ACTIVATION))
   acc0 = (f32_zeros(params), jax.tree.map(lambda a: pipeline.lowest(a.shape), quant_state),
           None if stats is None else jax.tree.map(lambda a: health.combine_identity(a.shape), stats),
-          {k: jnp.zeros(stage_rows(k, a), F32) for k, a in aux_like.items()}, jnp.zeros((3,), F32))
+          {k: jnp.zeros(stage_rows(k, a), F32) for k, a in aux_like.items()}, jnp.zeros((3,), F32),
+          None if once is None else jnp.zeros_like(once.partial))
 
   # The MoE auxiliary losses' share of the step's loss (objective.step_terms): their cotangents in every backward pass.
   routed = cfg.model.num_routed_layers * m
@@ -300,7 +310,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   take = lambda on, v: jnp.where(on, v, jnp.zeros_like(v))
 
   def tick(carry, tau, *, forwards: bool, backwards: bool, head: bool):
-    received, returned, ring, embedded_grad, (grads, quant, stat, aux, losses) = carry
+    received, returned, ring, embedded_grad, (grads, quant, stat, aux, losses, shares) = carry
     dy_head = None
     if forwards:
       f, v_f, has_f = unit(pipeline.forward_unit, tau)
@@ -313,8 +323,11 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     if head:  # The LM head of the micro-batch the last stage's last chunk ends, where one does.
       f_last, v_last, has_last = pipeline.forward_unit(tau, stages - 1, m, stages, virtual)
       at_head = has_last & (v_last == virtual - 1)
-      (total, parts), d_head, dy_head = _head_share(chunk(v_f)[0], y, f_last, graphdef=graphdef, micro=micro,
-                                                    keys=keys, count=count, cfg=cfg, stages=stages)
+      (total, parts), d_head, dy_head, d_shares = _head_share(
+          chunk(v_f)[0], y, f_last, graphdef=graphdef, micro=micro, keys=keys, count=count, cfg=cfg, stages=stages,
+          once=once, on=at_head)
+      if once is not None:
+        shares = shares + d_shares  # Zero where no micro-batch ends (`on`).
       grads = _combine_shared(grads, d_head[0], at_head, jnp.add)
       quant = _combine_shared(quant, d_head[1], at_head, jnp.maximum)
       if stat is not None:
@@ -336,7 +349,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
       first = has_b & (stage == 0) & (v_b == 0)  # dx: the gradient of micro-batch b's embedding.
       embedded_grad = embedded_grad.at[b].set(jnp.where(first, dx, embedded_grad[b]))
       returned = pipeline.to_previous_stage(take(has_b, dx), stages, ring=ring_order)
-    return (received, returned, ring, embedded_grad, (grads, quant, stat, aux, losses)), None
+    return (received, returned, ring, embedded_grad, (grads, quant, stat, aux, losses, shares)), None
 
   def ticks(carry, start, length, **passes):
     return jax.lax.scan(functools.partial(tick, **passes), carry, start + jnp.arange(length))[0]
@@ -359,7 +372,9 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     runs, start = runs[len(period) * repeats:], start + span * repeats
   carry = steady(carry, start, runs)
   carry = ticks(carry, warm + steady_ticks, cool, forwards=False, backwards=True, head=False)
-  grads, quant, stat, aux, losses = carry[-1]
+  grads, quant, stat, aux, losses, shares = carry[-1]
+  if once is not None:
+    grads = with_head_gradient(grads, head_parts, shares)
   grads = _combine_shared(grads, _embedding_grads(graphdef, train, inputs, carry[-2]), True, jnp.add)
   return _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m, stages, virtual)
 
@@ -415,16 +430,21 @@ def _combine_shared(acc_tree, d_tree, on, combine):
   """The head's cotangents (`_shared_leaves`' gradients, histories, statistics) combined into the leaves on every
   stage where `on`."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, acc, d: acc if stage_spec(path) != P() else jnp.where(on, combine(acc, d.astype(F32)), acc),
+      lambda path, acc, d: acc if stage_spec(path) != P() or d is None else jnp.where(on, combine(acc, d.astype(F32)),
+                                                                                     acc),
       acc_tree, d_tree, is_leaf=lambda x: x is None)
 
 
-def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, stages: int):
+def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, stages: int, once: HeadOnce | None,
+                on):
   """The LM head and loss of 1/S of the tokens of micro-batch f, whose hidden states `y` the last stage holds,
   on each stage: ((loss, (ce, z)) of the share, their cotangents for `state`'s leaves on every stage
-  (`_shared_leaves`; None for the stacked layers', which the head does not read), and the gradient of the whole
-  `y` on every stage). The last stage's `y` is reduce-scattered over the stages along its length and the share's
-  gradient all-gathered back: two transfers of an activation's size instead of S - 1 stages idling in the head."""
+  (`_shared_leaves`; None for the stacked layers', which the head does not read), the gradient of the whole `y` on
+  every stage, and each device's share of the head's weight gradient where the step reads the head `once` (the
+  weight's own cotangent then None), else None). The last stage's `y` is reduce-scattered over the stages along
+  its length and the share's gradient all-gathered back: two transfers of an activation's size instead of S - 1
+  stages idling in the head. Where not `on` (no micro-batch ends here) every token weighs zero, so the shares'
+  gradient is zero and adds to the step's as it is."""
   spec = logical_to_spec(ACTIVATION, active_rules(), active_mesh())
   token_spec = P(*spec[:2])
   on_stages = lambda fn, specs, out: shard_map(fn, mesh=active_mesh(), in_specs=specs, out_specs=out)
@@ -437,17 +457,27 @@ def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, sta
   t_share, s_share = on_stages(lambda t, s_: (share(t), share(s_)), (token_spec, token_spec),
                                (token_spec, token_spec))(micro[TARGETS][f], micro[SEGMENT_IDS][f])
 
-  def head(shared, h):
+  weights = ((s_share > 0) & on).astype(F32)
+  param = []
+
+  def head(shared, h, partial):
     model = merged_model(graphdef, *_filled(shared, state))
-    total, ce, z = cross_entropy(model.final_norm(h), t_share, (s_share > 0).astype(F32), model.head_parts(),
-                                 key=keys[f], chunk_size=cfg.train.loss_chunk_size, count=count,
-                                 z_loss_weight=cfg.train.z_loss_weight)
+    parts = model.head_parts()
+    param[:] = [parts.param]
+    total, ce, z = cross_entropy(model.final_norm(h), t_share, weights, parts, key=keys[f],
+                                 chunk_size=cfg.train.loss_chunk_size, count=count,
+                                 z_loss_weight=cfg.train.z_loss_weight,
+                                 once=None if once is None else HeadOnce(once.weight, partial))
     return total, (ce, z)
 
-  total, vjp, parts = jax.vjp(head, tuple(map(_shared_leaves, state)), y_share, has_aux=True)
-  d_state, dy_share = vjp(jnp.ones((), F32))
+  total, vjp, parts = jax.vjp(head, tuple(map(_shared_leaves, state)), y_share,
+                              None if once is None else once.partial, has_aux=True)
+  d_state, dy_share, d_shares = vjp(jnp.ones((), F32))
+  if once is not None:  # The weight's gradient is in the shares; its own cotangent is zeros.
+    d_state = tuple(jax.tree_util.tree_map_with_path(lambda path, d: None if keys_of(path) == param[0] else d,
+                                                     tree, is_leaf=lambda x: x is None) for tree in d_state)
   dy = on_stages(lambda a: jax.lax.all_gather(a, PIPELINE, axis=1, tiled=True), (spec,), spec)(dy_share)
-  return (total, parts), d_state, dy
+  return (total, parts), d_state, dy, d_shares
 
 
 def _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg: Settings, m: int, stages: int,
