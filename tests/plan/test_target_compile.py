@@ -74,6 +74,19 @@ def test_fsdp_keeps_dgrad_in_fp8():
     assert r["collectives"]["all-gather"] > 0 and r["collectives"]["reduce-scatter"] > 0
 
 
+def _head_collectives(path, d_model: int, vocab: int, shards: int) -> collections.Counter:
+  """Bytes a step each kind of collective moves of the head's weight [D, V] or its gradient (whole, or split
+  `shards` ways along V), by (kind, dtype), read from the optimised program at `path`."""
+  moved = collections.Counter()
+  for c in hlo.collective_ops(path.read_text()):
+    parts = re.findall(r"\w+\[[\d,]*\]", c.shape)  # A combined collective moves a tuple: each part apart.
+    for part in parts:
+      if part.split("[")[1] in (f"{d_model},{vocab}]", f"{d_model},{vocab // shards}]"):
+        share = hlo.nbytes(part) / sum(hlo.nbytes(q) for q in parts)
+        moved[c.kind, hlo.dtype_of(part)] += c.bytes_per_step * share
+  return moved
+
+
 def test_lm_head_gradient_is_reduced_once_a_step(tmp_path):
   """FSDP over 8 GPUs, the loss in 8 token chunks: the head's float32 gradient [64, 320] crosses the network once a
   step (each device's share summed over the chunks first), never once per chunk; its bf16 weight is gathered once
@@ -84,14 +97,25 @@ def test_lm_head_gradient_is_reduced_once_a_step(tmp_path):
                                    "--config.train.batch_size=16", f"--config.model.vocab_size={vocab}",
                                    "--config.train.loss_chunk_size=8"]),
                  target_lib.parse("h100x8"), hlo_out=str(path))
-  moved = collections.Counter()
-  for c in hlo.collective_ops(path.read_text()):
-    parts = re.findall(r"\w+\[[\d,]*\]", c.shape)  # A combined collective moves a tuple: each part apart.
-    for part in parts:
-      if part.split("[")[1] in (f"{d_model},{vocab}]", f"{d_model},{vocab // 8}]"):
-        share = hlo.nbytes(part) / sum(hlo.nbytes(q) for q in parts)
-        moved[c.kind, hlo.dtype_of(part)] += c.bytes_per_step * share
+  moved = _head_collectives(path, d_model, vocab, 8)
   assert moved == {("reduce-scatter", "f32"): d_model * vocab * 4, ("all-gather", "bf16"): d_model * vocab * 2}, moved
+
+
+def test_a_pipelined_step_reads_the_lm_head_once(tmp_path):
+  """2 stages x FSDP 4, 1F1B over 4 micro-batches, each stage running the head on its share of each micro-batch:
+  the head's float32 gradient is reduced once a step, as in a step without a pipeline, not once a micro-batch;
+  bf16 [64, 320] is gathered twice a step, the head's weight and the embedding table [320, 64] that XLA gathers
+  transposed for the lookups (both read once a step)."""
+  path = tmp_path / "step.hlo"
+  d_model, vocab = 64, 320
+  compile_report(loaded(["compile", *TINY, "--config.quant.recipe=fp8_current", "--config.mesh.pipeline=2",
+                         "--config.mesh.fsdp=4", "--config.mesh.data=1", "--config.train.batch_size=16",
+                         "--config.train.grad_accum_steps=4", "--config.pipeline.schedule=1f1b",
+                         f"--config.model.vocab_size={vocab}"]),
+                 target_lib.parse("h100x8"), hlo_out=str(path))
+  moved = _head_collectives(path, d_model, vocab, 4)
+  assert moved == {("reduce-scatter", "f32"): d_model * vocab * 4, ("all-gather", "bf16"): 2 * d_model * vocab * 2}, \
+      moved
 
 
 @pytest.mark.parametrize("target,recipe,gemm", [("h100x8", "fp8_current", "fp8"),
