@@ -308,10 +308,18 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   aux_cotangent = {k: jnp.full(a.shape, weights.get(k, 0.0) / routed if routed else 0.0, a.dtype)
                    for k, a in aux_like.items()}
   take = lambda on, v: jnp.where(on, v, jnp.zeros_like(v))
+  # Where a backward pass's input gradient is sent. Sent as it is made, at the end of a tick, the transfer overlaps
+  # nothing (the loop's next iteration needs it first); sent at the top of the next tick, it overlaps that tick's
+  # forward pass, but holds the one stream XLA runs collectives on while the forward pass's tensor-parallel
+  # collectives wait for it. So at the top where `tensor` splits nothing (docs/parallelism.md, "Schedules and their
+  # bubbles": llama3_70b's planner layout +1.2% predicted, Bridge's tensor 4 layout -3% had it been sent there).
+  send_next_tick = active_mesh().shape["tensor"] == 1
 
   def tick(carry, tau, *, forwards: bool, backwards: bool, head: bool):
     received, returned, ring, embedded_grad, (grads, quant, stat, aux, losses, shares) = carry
     dy_head = None
+    if backwards and send_next_tick:  # `returned` came unsent from the last tick.
+      returned = pipeline.to_previous_stage(returned, stages, ring=ring_order)
     if forwards:
       f, v_f, has_f = unit(pipeline.forward_unit, tau)
       y, a, kept = run_forward(received, f, v_f)
@@ -348,7 +356,9 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
         stat = _add_stage_rows(stat, d_state[2], v_b, has_b, lambda acc, d: health.combine(acc, d.astype(F32)))
       first = has_b & (stage == 0) & (v_b == 0)  # dx: the gradient of micro-batch b's embedding.
       embedded_grad = embedded_grad.at[b].set(jnp.where(first, dx, embedded_grad[b]))
-      returned = pipeline.to_previous_stage(take(has_b, dx), stages, ring=ring_order)
+      returned = take(has_b, dx)
+      if not send_next_tick:
+        returned = pipeline.to_previous_stage(returned, stages, ring=ring_order)
     return (received, returned, ring, embedded_grad, (grads, quant, stat, aux, losses, shares)), None
 
   def ticks(carry, start, length, **passes):
