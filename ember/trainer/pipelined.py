@@ -333,7 +333,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
       at_head = has_last & (v_last == virtual - 1)
       (total, parts), d_head, dy_head, d_shares = _head_share(
           chunk(v_f)[0], y, f_last, graphdef=graphdef, micro=micro, keys=keys, count=count, cfg=cfg, stages=stages,
-          once=once, on=at_head)
+          once=once, head_param=head_parts.param, on=at_head)
       if once is not None:
         shares = shares + d_shares  # Zero where no micro-batch ends (`on`).
       grads = _combine_shared(grads, d_head[0], at_head, jnp.add)
@@ -438,20 +438,21 @@ def _shared_leaves(tree):
 
 def _combine_shared(acc_tree, d_tree, on, combine):
   """The head's cotangents (`_shared_leaves`' gradients, histories, statistics) combined into the leaves on every
-  stage where `on`."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, acc, d: acc if stage_spec(path) != P() or d is None else jnp.where(on, combine(acc, d.astype(F32)),
-                                                                                     acc),
-      acc_tree, d_tree, is_leaf=lambda x: x is None)
+  stage where `on` (None cotangents leave theirs as they are)."""
+  def one(path, acc, d):
+    if stage_spec(path) != P() or d is None:
+      return acc
+    return jnp.where(on, combine(acc, d.astype(F32)), acc)
+  return jax.tree_util.tree_map_with_path(one, acc_tree, d_tree, is_leaf=lambda x: x is None)
 
 
 def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, stages: int, once: HeadOnce | None,
-                on):
+                head_param: tuple[str, ...], on):
   """The LM head and loss of 1/S of the tokens of micro-batch f, whose hidden states `y` the last stage holds,
   on each stage: ((loss, (ce, z)) of the share, their cotangents for `state`'s leaves on every stage
   (`_shared_leaves`; None for the stacked layers', which the head does not read), the gradient of the whole `y` on
   every stage, and each device's share of the head's weight gradient where the step reads the head `once` (the
-  weight's own cotangent then None), else None). The last stage's `y` is reduce-scattered over the stages along
+  weight's own cotangent, at `head_param`, then None), else None). The last stage's `y` is reduce-scattered over the stages along
   its length and the share's gradient all-gathered back: two transfers of an activation's size instead of S - 1
   stages idling in the head. Where not `on` (no micro-batch ends here) every token weighs zero, so the shares'
   gradient is zero and adds to the step's as it is."""
@@ -468,13 +469,10 @@ def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, sta
                                (token_spec, token_spec))(micro[TARGETS][f], micro[SEGMENT_IDS][f])
 
   weights = ((s_share > 0) & on).astype(F32)
-  param = []
 
   def head(shared, h, partial):
     model = merged_model(graphdef, *_filled(shared, state))
-    parts = model.head_parts()
-    param[:] = [parts.param]
-    total, ce, z = cross_entropy(model.final_norm(h), t_share, weights, parts, key=keys[f],
+    total, ce, z = cross_entropy(model.final_norm(h), t_share, weights, model.head_parts(), key=keys[f],
                                  chunk_size=cfg.train.loss_chunk_size, count=count,
                                  z_loss_weight=cfg.train.z_loss_weight,
                                  once=None if once is None else HeadOnce(once.weight, partial))
@@ -484,7 +482,7 @@ def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, sta
                               None if once is None else once.partial, has_aux=True)
   d_state, dy_share, d_shares = vjp(jnp.ones((), F32))
   if once is not None:  # The weight's gradient is in the shares; its own cotangent is zeros.
-    d_state = tuple(jax.tree_util.tree_map_with_path(lambda path, d: None if keys_of(path) == param[0] else d,
+    d_state = tuple(jax.tree_util.tree_map_with_path(lambda path, d: None if keys_of(path) == head_param else d,
                                                      tree, is_leaf=lambda x: x is None) for tree in d_state)
   dy = on_stages(lambda a: jax.lax.all_gather(a, PIPELINE, axis=1, tiled=True), (spec,), spec)(dy_share)
   return (total, parts), d_state, dy, d_shares
