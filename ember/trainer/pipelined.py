@@ -283,7 +283,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   # tokens and each device's share of its gradient summed over the head ticks and reduced once, after the loop:
   # read in each head tick, the weight was gathered and its [D, V] float32 gradient reduce-scattered once a
   # micro-batch, the step's largest collectives after the layers' own, issued where nothing was left to hide them.
-  head_parts = merged_model(graphdef, *train).head_parts()
+  head_parts = whole.head_parts()
   once = read_once(head_parts)
   if once is not None:
     once = HeadOnce(jax.lax.optimization_barrier(once.weight), once.partial)
@@ -452,10 +452,10 @@ def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, sta
   on each stage: ((loss, (ce, z)) of the share, their cotangents for `state`'s leaves on every stage
   (`_shared_leaves`; None for the stacked layers', which the head does not read), the gradient of the whole `y` on
   every stage, and each device's share of the head's weight gradient where the step reads the head `once` (the
-  weight's own cotangent, at `head_param`, then None), else None). The last stage's `y` is reduce-scattered over the stages along
-  its length and the share's gradient all-gathered back: two transfers of an activation's size instead of S - 1
-  stages idling in the head. Where not `on` (no micro-batch ends here) every token weighs zero, so the shares'
-  gradient is zero and adds to the step's as it is."""
+  weight's own cotangent, at `head_param`, then None), else None). The last stage's `y` is reduce-scattered over
+  the stages along its length and the share's gradient all-gathered back: two transfers of an activation's size
+  instead of S - 1 stages idling in the head. Where not `on` (no micro-batch ends here) every token weighs zero,
+  so the shares' gradient is zero and adds to the step's as it is."""
   spec = logical_to_spec(ACTIVATION, active_rules(), active_mesh())
   token_spec = P(*spec[:2])
   on_stages = lambda fn, specs, out: shard_map(fn, mesh=active_mesh(), in_specs=specs, out_specs=out)
