@@ -225,9 +225,9 @@ def _validate_pipeline(s: Settings) -> None:
   if len(segments) > 1:
     bad_key(key, f"the decoder's layers form {len(segments)} scan segments (model.first_k_dense or layer-specific "
             "quant.exclude entries); a pipeline splits one")
-  if m.num_blocks % (stages * virtual):
+  if m.num_blocks < stages * virtual:  # Fewer blocks than chunks: whole chunks of padding (pipeline.padded_blocks).
     chunks = f"{stages} stages x {virtual} chunks" if virtual > 1 else f"{stages} stages"
-    bad_key(key, f"{chunks} do not divide the decoder's {m.num_blocks} blocks of {m.block_size} layer(s)")
+    bad_key(key, f"{chunks} are more than the decoder's {m.num_blocks} blocks of {m.block_size} layer(s)")
   if virtual > 1 and accum % stages:
     bad_key("train.grad_accum_steps", f"{accum} micro-batches do not form groups of the {stages} pipeline stages "
             "that interleaved 1F1B runs through each chunk in turn")

@@ -20,10 +20,11 @@ from ember import remat
 from ember.errors import DataError, bad_key, one_line
 from ember.keys import declared, key
 from ember.config.model import ModelConfig
-from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, PIPELINE_SCHEDULES,
-                         SOURCE_NEEDS, STATE_DTYPES)
+from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, PIPELINE,
+                         PIPELINE_SCHEDULES, SOURCE_NEEDS, STATE_DTYPES)
 from ember.parallel import axes as axes_lib
 from ember.parallel import mesh as mesh_lib
+from ember.parallel import pipeline as pipeline_lib
 from ember.quant.recipe import WGRAD_DTYPES, Recipe
 
 
@@ -368,6 +369,15 @@ class Settings:
     if train.device_batch_size:
       train = dataclasses.replace(train, grad_accum_steps=_accumulation(train, mesh))
     return dataclasses.replace(self, mesh=mesh, train=train)
+
+  @property
+  def stacked_blocks(self) -> int:
+    """The rows of the decoder's stacked layers: the model's blocks, padded under a pipeline to a multiple of its
+    stages x chunks (ember/parallel/pipeline.py, `padded_blocks`)."""
+    stages = self.mesh.sizes()[PIPELINE]
+    if stages <= 1:
+      return self.model.num_blocks
+    return pipeline_lib.padded_blocks(self.model.num_blocks, stages, self.pipeline.virtual_stages)
 
   # --- Views --------------------------------------------------------------------------------------------
 

@@ -122,7 +122,8 @@ def _load_leaf(reader: Reader, m: ModelConfig, recipe: Recipe, path: tuple, leaf
   rule, layers = layout.leaf_source(m, recipe, path)
   dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
   indices = sharding.addressable_devices_indices_map(shape)  # device -> tuple of slices
-  buffers = {d: np.empty([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype)
+  # Zeros: a pipeline's padding rows past the model's layers (pipeline.padded_blocks) are read from nowhere.
+  buffers = {d: np.zeros([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype)
              for d, index in indices.items()}
 
   def build(prefix: str) -> np.ndarray:
@@ -133,7 +134,7 @@ def _load_leaf(reader: Reader, m: ModelConfig, recipe: Recipe, path: tuple, leaf
     for d, index in indices.items():
       buffers[d][...] = whole[index]
   else:
-    rows = {d: range(*index[0].indices(len(layers))) for d, index in indices.items()}  # Each device's layers.
+    rows = {d: range(*index[0].indices(shape[0])) for d, index in indices.items()}  # Each device's rows.
     for row, layer in enumerate(layers):
       wanted = [d for d in indices if row in rows[d]]
       if wanted:

@@ -14,6 +14,7 @@ from ember.config import from_saved
 from ember.errors import ConfigError
 from ember.layers.decoder import Transformer, keys_of
 from ember.layers.moe import ROUTER_BIAS
+from ember.names import PIPELINE
 from ember.parallel import sharding
 from ember.parallel.mesh import make_mesh
 from ember.trainer import checkpointing, precision
@@ -39,6 +40,10 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
     if cfg.mesh.context > 1:  # Decoding feeds a token at a time: the context devices shard the state as fsdp.
       cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=cfg.mesh.fsdp * cfg.mesh.context,
                                                               context=1))
+    if cfg.mesh.sizes()[PIPELINE] > 1:  # Nor through stages: theirs shard it as fsdp, the model's rows alone.
+      cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
+          cfg.mesh, fsdp=cfg.mesh.fsdp * cfg.mesh.pipeline, pipeline=1,
+          dcn_fsdp=cfg.mesh.dcn_fsdp * cfg.mesh.dcn_pipeline, dcn_pipeline=1))
     mesh = make_mesh(cfg.mesh)
   else:  # One device: every axis and host count 1.
     ones = {f.name: 1 for f in dataclasses.fields(cfg.mesh) if f.name != "rules"}

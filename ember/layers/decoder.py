@@ -158,8 +158,11 @@ class Segment(nnx.Module):
   another."""
 
   def __init__(self, model: ModelConfig, recipe: Recipe, block_ids: Sequence[int], rngs: nnx.Rngs):
+    """`block_ids` past the model's blocks are a pipeline's padding rows (parallel/pipeline.py, `padded_blocks`):
+    their parameters are zeros, and their aux terms and per-layer values are dropped."""
     self.block_ids = tuple(block_ids)
     self.scan = model.scan_layers
+    self.real_blocks = sum(b < model.num_blocks for b in self.block_ids)
     first = self.block_ids[0] * model.block_size
 
     @nnx.split_rngs(splits=len(self.block_ids))
@@ -168,6 +171,9 @@ class Segment(nnx.Module):
       return Block(model, recipe, first, rngs)
 
     self.blocks = make(rngs)
+    if self.real_blocks < len(self.block_ids):
+      params = nnx.state(self.blocks, nnx.Param)
+      nnx.update(self.blocks, jax.tree.map(lambda a: a.at[self.real_blocks:].set(0), params))
 
   def __call__(self, x, segment_ids, positions, key, policy: remat.Preset, bias=None, block_ids=None, moe_plan=None,
                taken=None, rows_at=None):
@@ -183,6 +189,7 @@ class Segment(nnx.Module):
     graphdef, state = nnx.split(self.blocks)
     ids = jnp.asarray(self.block_ids, jnp.int32) if block_ids is None else block_ids
     taken = handed(taken, "blocks") or {}
+    padded, num_blocks = self.real_blocks < len(self.block_ids), self.block_ids[0] + self.real_blocks
 
     def body(carry, xs, index=None):
       x, aux = carry
@@ -192,6 +199,8 @@ class Segment(nnx.Module):
       block_key = None if key is None else jax.random.fold_in(key, block_id)
       y, a, per_layer = nnx.merge(graphdef, block_state)(x, segment_ids, positions, block_key, bias, moe_plan,
                                                          block_taken)
+      if padded:  # A padding row is the identity; its MoE losses (of routing zeros) are not the model's.
+        a = jax.tree.map(lambda v: jnp.where(block_id < num_blocks, v, jnp.zeros_like(v)), a)
       return (y, jax.tree.map(jnp.add, aux, a)), per_layer
 
     if self.scan and rows_at is not None:
@@ -217,6 +226,8 @@ class Segment(nnx.Module):
         carry, out = step(carry, ((in_place, rows), ids[index], linear.row_taken(taken, stacked, index)))
         outs.append(out)
       (x, aux), per_layer = carry, {k: jnp.stack([out[k] for out in outs]) for k in outs[0]}
+    if block_ids is None:  # The whole segment: its real rows' values (a pipeline drops its padding's itself).
+      per_layer = {k: v[:self.real_blocks] for k, v in per_layer.items()}
     return x, aux, {k: v.reshape(-1, *v.shape[2:]) for k, v in per_layer.items()}
 
   def decode(self, x, positions, cache, valid):
@@ -277,6 +288,12 @@ def stacked_layers(model: ModelConfig, recipe: Recipe, path: tuple) -> list[int]
   return [s.layer for s in sorted(slots, key=lambda s: s.index)]
 
 
+def padded_rows(a: jax.Array, rows: int) -> jax.Array:
+  """The layers' rows `a` [layers, ...] with zero rows after them up to `rows`: a stacked leaf's pipeline padding
+  (Segment)."""
+  return jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1)) if rows > a.shape[0] else a
+
+
 def within_layer(path: tuple) -> tuple:
   """The part of a stacked leaf's path below its layer (e.g. ("attn", "qkv", "kernel"))."""
   return tuple(path[5:])
@@ -308,7 +325,7 @@ def stacked_like(row_of, model: ModelConfig, recipe: Recipe, like: dict) -> dict
     if layers is None:
       return row_of((None, path), jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
     row = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-    return jnp.stack([row_of((layer, within_layer(path)), row) for layer in layers])
+    return padded_rows(jnp.stack([row_of((layer, within_layer(path)), row) for layer in layers]), leaf.shape[0])
 
   return jax.tree_util.tree_map_with_path(take, like)
 
@@ -317,11 +334,14 @@ class Transformer(nnx.Module):
   """Decoder-only LM. `__call__` returns the final normed hidden states; `head` maps them to logits
   (the loss applies it chunk by chunk so full [batch, length, vocab] logits never exist)."""
 
-  def __init__(self, model: ModelConfig, recipe: Recipe, rngs: nnx.Rngs):
-    """`recipe`: the precision phase's (Settings.quant); each projection runs it with `quant.exclude` applied."""
+  def __init__(self, model: ModelConfig, recipe: Recipe, rngs: nnx.Rngs, blocks: int | None = None):
+    """`recipe`: the precision phase's (Settings.quant); each projection runs it with `quant.exclude` applied.
+    `blocks`: the stacked layers' rows (Settings.stacked_blocks), the last segment's padded to them."""
     self.embed = Embed(model.vocab_size, model.d_model, init_std=model.init_std, dtype=model.dtype,
                        param_dtype=model.param_dtype, rngs=rngs)
-    self.segments = nnx.List([Segment(model, recipe, ids, rngs) for ids in segments_of(model, recipe)])
+    segments = list(segments_of(model, recipe))
+    segments[-1] = segments[-1] + list(range(model.num_blocks, blocks or model.num_blocks))
+    self.segments = nnx.List([Segment(model, recipe, ids, rngs) for ids in segments])
     self.num_blocks, self.num_experts = model.num_blocks, model.num_experts
     self.mtp = nnx.List([mtp_lib.PredictionModule(model, recipe, k, rngs, make_layer=DecoderLayer)
                          for k in range(1, model.mtp_depth + 1)])

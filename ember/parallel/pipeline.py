@@ -41,6 +41,17 @@ def stages(mesh) -> int:
   return 1 if mesh is None else int(mesh.shape.get(PIPELINE, 1))
 
 
+def padded_blocks(blocks: int, num_stages: int, virtual_stages: int = 1) -> int:
+  """The stacked layers' rows under a pipeline: `blocks` rounded up to a multiple of the stages x chunks, so that
+  every chunk holds as many rows (126 layers in 8 stages: 128 rows, 16 a stage). The rows past the model's blocks
+  are padding, at the end (the last chunks hold them): zero parameters, which make a layer without bias terms the
+  identity (its norms' scales are zero, so every projection reads zeros), whose gradients are exactly zero and stay
+  so under the optimizer. A checkpoint keeps them, zeros (an array's fingerprint does not see them,
+  trainer/integrity.py); another mesh restores the model's rows (trainer/checkpointing.py)."""
+  chunks = num_stages * virtual_stages
+  return -(-blocks // chunks) * chunks
+
+
 def iterations(micro_batches: int, num_stages: int) -> int:
   """GPipe's loop: the last micro-batch enters stage 0 at M - 1 and leaves the last stage S - 1 later."""
   return micro_batches + num_stages - 1

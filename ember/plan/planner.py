@@ -61,6 +61,7 @@ DCN_AXES = ("pipeline", "data", "fsdp", "expert")  # Sized across nodes.
 MESH = ("pipeline", "data", "fsdp", "tensor", "expert")  # The axes a layout sizes.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # The pipeline schedules planned over (ember/parallel/pipeline.py).
 MAX_VIRTUAL_STAGES = 8  # The most chunks a stage interleaved 1F1B is planned with.
+MAX_PADDING = 0.05  # The most padding rows (uneven stages: idle layers), as a share of the blocks, a plan runs.
 
 
 class NoLayoutFits(ConfigError):
@@ -147,7 +148,7 @@ def layouts(settings: Settings, target: Target) -> list[Layout]:
     for dp, dd, df, de in _factorizations(nodes, 4):
       if de > 1 and (not m.num_experts or m.num_experts % (expert * de)):
         continue
-      if pipe * dp > 1 and m.num_blocks % (pipe * dp):
+      if pipe * dp > m.num_blocks:
         continue
       dcn = (("pipeline", dp), ("data", dd), ("fsdp", df), ("expert", de))
       shards = axes.shards(batch_axes, Layout(node, dcn, 1, "").mesh())
@@ -166,11 +167,14 @@ def layouts(settings: Settings, target: Target) -> list[Layout]:
 
 
 def _schedules(stages: int, blocks: int) -> list[tuple[str, int]]:
-  """(schedule, chunks a stage) planned for `stages` pipeline stages of `blocks` blocks."""
+  """(schedule, chunks a stage) planned for `stages` pipeline stages of `blocks` blocks: those whose padding rows
+  (pipeline.padded_blocks: uneven stages) are at most MAX_PADDING of the blocks."""
   if stages == 1:
     return [("gpipe", 1)]
-  chunks = [v for v in _divisors(blocks // stages) if 1 < v <= MAX_VIRTUAL_STAGES]
-  return [(s, 1) for s in SCHEDULES if s != "interleaved_1f1b"] + [("interleaved_1f1b", v) for v in chunks]
+  few = lambda v: pipeline.padded_blocks(blocks, stages, v) - blocks <= MAX_PADDING * blocks
+  chunks = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if few(v) and stages * v <= blocks]
+  contiguous = [(s, 1) for s in SCHEDULES if s != "interleaved_1f1b"] if few(1) else []
+  return contiguous + [("interleaved_1f1b", v) for v in chunks]
 
 
 # ----------------------------------------------------------------------------- the quick estimate
@@ -222,7 +226,7 @@ class Estimator:
     """(train state bytes per device, parameter bytes per device, [(elements per device, sharded axes, is a
     projection kernel, its optimizer state split over the replicas)] per parameter, the replica axes of a step of
     micro-batches, the share of the projection kernels' elements a device holds) on the layout's mesh."""
-    key = (layout.node, layout.dcn)
+    key = (layout.node, layout.dcn, self._rows(layout))  # A pipeline's padding rows are state too.
     if key not in self._state:
       cfg = layout.apply(self.settings).for_devices(self.target.count)
       mesh = make_mesh(cfg.mesh, self.target.devices())
@@ -242,6 +246,14 @@ class Estimator:
       held = sum(n for n, _, projection, _ in leaves if projection) / max(whole_kernels, 1)
       self._state[key] = (state, params, leaves, replicas, held)
     return self._state[key]
+
+  def _rows(self, layout: Layout) -> int:
+    """The stacked layers' rows a device's stage runs (all of them without a pipeline): the model's blocks padded
+    to the stages x chunks (pipeline.padded_blocks), in layers."""
+    stages = layout.mesh()["pipeline"]
+    blocks = self.model.num_blocks if stages == 1 else pipeline.padded_blocks(self.model.num_blocks, stages,
+                                                                               layout.virtual_stages)
+    return blocks * self.model.block_size
 
   def _bandwidth(self, layout: Layout, axis: str) -> float:
     crosses = dict(layout.dcn).get(axis, 1) > 1
@@ -266,10 +278,11 @@ class Estimator:
     # activations of every layer and one layer's whole working set, split over `tensor` where heads and MLP
     # units are.
     tensor = mesh["tensor"]
+    layers = self._rows(layout)  # The layers run: a pipeline's padding rows run as layers do.
     hidden = micro * m.seq_len * m.d_model * m.dtype.itemsize  # One micro-batch's hidden states on a device.
-    activations = micro * (kept * m.num_layers / stages * block.residual_bytes + 2 * block.working_bytes) / tensor
+    activations = micro * (kept * layers / stages * block.residual_bytes + 2 * block.working_bytes) / tensor
     # Kernel copies: a device's share of the layers' parameters, whatever the micro-batch.
-    activations += (kept * m.num_layers / stages * block.residual_kernel_bytes + block.working_kernel_bytes) * held
+    activations += (kept * layers / stages * block.residual_kernel_bytes + block.working_kernel_bytes) * held
     activations += kept * hidden if stages > 1 and layout.schedule == "gpipe" else 0  # Outputs kept for the loss.
     peak = state + params * (2 if layout.grad_accum_steps > 1 else 1) + activations
     # Compute: the model's FLOPs and the recomputed share; projections at the recipe's GEMM peak, attention and
@@ -278,6 +291,8 @@ class Estimator:
     tokens_per_device = cfg.train.batch_size * m.seq_len / n_devices
     attention, head = attention_flops_per_token(m), head_flops_per_token(m)
     projections = forward_flops_per_token(m) - attention - head
+    padded = layers / m.num_layers
+    projections, attention = projections * padded, attention * padded
     again = 1 + block.recompute_fraction
     compute = 3 * tokens_per_device * iterations / layout.grad_accum_steps * (
         projections * again / self.facts.peak_flops(recipe.precision)
@@ -321,7 +336,7 @@ class Estimator:
       moved = tokens * m.experts_per_token * m.d_model * per_element * (experts - 1) / experts * moe_layers
       seconds += moved / self._bandwidth(layout, "expert")
     if tensor > 1:  # Two activation all-reduces per layer and pass.
-      moved = 2 * passes * 2 * tokens * m.d_model * 2 * (tensor - 1) / tensor * m.num_layers
+      moved = 2 * passes * 2 * tokens * m.d_model * 2 * (tensor - 1) / tensor * layers
       seconds += moved / (self.facts.nvlink_gb_s * 1e9)
     network = seconds * iterations + once
     if stages > 1:  # Hidden states to the next stage and their gradients back (and the LM head's shares).

@@ -88,15 +88,19 @@ def _leaves_by_name(tree) -> dict[str, Any]:
   return {_path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
 
 
-def check_shapes(saved, expected, what: str, kind: str = "array") -> None:
-  """Raises CheckpointError naming the first array whose shape (or presence) differs, parameters first."""
+def check_shapes(saved, expected, what: str, kind: str = "array", padding: bool = False) -> None:
+  """Raises CheckpointError naming the first array whose shape (or presence) differs, parameters first.
+  `padding`: the checkpoint holds this config's layers, so a stacked leaf may differ in its rows alone, by a
+  pipeline's padding rows (parallel/pipeline.py, `padded_blocks`): the restore truncates or zero-pads them."""
   if isinstance(saved, dict) and isinstance(expected, dict) and "params" in saved and "params" in expected:
-    check_shapes(saved["params"], expected["params"], what, "parameter")
+    check_shapes(saved["params"], expected["params"], what, "parameter", padding)
   got = _leaves_by_name(saved)
   want = _leaves_by_name(expected)
   for name, leaf in want.items():
     if name not in got:
       raise CheckpointError(f"{what}: the checkpoint has no {kind} {name} (shape {tuple(leaf.shape)} in this config)")
+    if padding and "segments" in name.split("/") and tuple(got[name].shape[1:]) == tuple(leaf.shape[1:]):
+      continue
     if tuple(got[name].shape) != tuple(leaf.shape):
       raise CheckpointError(f"{what}: {kind} {name} has shape {tuple(got[name].shape)} in the checkpoint "
                             f"but {tuple(leaf.shape)} in this config")
@@ -104,6 +108,18 @@ def check_shapes(saved, expected, what: str, kind: str = "array") -> None:
   if extra is not None:
     raise CheckpointError(f"{what}: the checkpoint's {kind} {extra} (shape {tuple(got[extra].shape)}) "
                           "has no place in this config")
+
+
+def _padding_may_differ(custom: dict, layers: int | None, what: str) -> bool:
+  """Whether a stacked leaf's rows may differ by padding (`check_shapes`): the step's custom metadata records the
+  model.num_layers it was saved with and it is this config's `layers`. Where they differ, CheckpointError: with
+  padding rows the arrays may have the same shapes and still hold other layers."""
+  saved = custom.get("config", {}).get("model", {}).get("num_layers")
+  if layers is None or saved is None:
+    return False
+  if saved != layers:
+    raise CheckpointError(f"{what}: the checkpoint's model has {saved} layers, but model.num_layers={layers} here")
+  return True
 
 
 def _state_metadata(manager: ocp.CheckpointManager, step: int) -> dict:
@@ -189,9 +205,11 @@ class Checkpointer:
   def _step_dir(self, step: int) -> str:
     return storage.join(self.directory, str(step))
 
-  def check(self, step: int, abstract: TrainState, *, seed: int | None, what: str) -> None:
-    """Shape and seed checks from the step's metadata; CheckpointError on a mismatch."""
-    check_shapes(_state_metadata(self.manager, step), _as_dict(abstract), what)
+  def check(self, step: int, abstract: TrainState, *, seed: int | None, what: str, layers: int | None = None) -> None:
+    """Shape and seed checks from the step's metadata; CheckpointError on a mismatch. `layers`: this config's
+    model.num_layers (a pipeline's padding rows may differ where the checkpoint's model has as many)."""
+    check_shapes(_state_metadata(self.manager, step), _as_dict(abstract), what,
+                 padding=_padding_may_differ(self.custom_metadata(step), layers, what))
     if seed is None:
       return
     rng_path = storage.join(self._step_dir(step), "rng", "metadata")
@@ -205,7 +223,8 @@ class Checkpointer:
               data_it: ShardedIterator | None) -> TrainState:
     """The state of `step` onto `shardings`; sets `data_it` to the saved position (with a warning
     and the iterator's start if the position cannot be mapped onto this run's shards)."""
-    items = dict(state=ocp.args.StandardRestore(_abstract_target(abstract, shardings)))
+    # Not strict: `check` allowed a stacked leaf's rows to differ by padding alone, which Orbax truncates or pads.
+    items = dict(state=ocp.args.StandardRestore(_abstract_target(abstract, shardings), strict=False))
     own = storage.join(self._step_dir(step), "data", f"process_{jax.process_index()}-of-{jax.process_count()}.json")
     use_grain = data_it is not None and storage.exists(own)
     if use_grain:
@@ -217,9 +236,11 @@ class Checkpointer:
     return TrainState(**restored["state"])
 
   def restore_latest(self, targets: Callable[[int], tuple[TrainState, TrainState]],
-                     data_it: ShardedIterator | None, *, seed: int) -> tuple[TrainState, int] | None:
+                     data_it: ShardedIterator | None, *, seed: int,
+                     layers: int | None = None) -> tuple[TrainState, int] | None:
     """(state, step) of the newest checkpoint that restores; None if there is none. `targets(step)` is
-    (shardings, abstract) of the state saved at `step` (a precision schedule changes its structure).
+    (shardings, abstract) of the state saved at `step` (a precision schedule changes its structure); `layers`:
+    as `check`'s.
 
     A step that cannot be read is renamed `<step>.corrupt` (so that the run can write that step
     again) and the one before is tried. A step that reads but does not fit this config raises.
@@ -229,7 +250,7 @@ class Checkpointer:
     for step in reversed(self.steps()):
       shardings, abstract = targets(step)
       try:
-        self.check(step, abstract, seed=seed, what=f"checkpoint {self._step_dir(step)}")
+        self.check(step, abstract, seed=seed, what=f"checkpoint {self._step_dir(step)}", layers=layers)
       except CheckpointError:
         raise
       except Exception as e:  # Unreadable metadata: a damaged step.
@@ -305,25 +326,28 @@ def _manager_dir_and_step(path: str, what: str) -> tuple[str, int | None]:
 
 
 def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it: ShardedIterator | None, *,
-                 params_only: bool, init: Callable[[], TrainState]) -> tuple[TrainState, int]:
+                 params_only: bool, init: Callable[[], TrainState],
+                 layers: int | None = None) -> tuple[TrainState, int]:
   """Starts a new run from another run's checkpoint: (the state, the step the run starts after).
 
   Full: the whole TrainState (its step, optimizer state, amax histories) and, where this run reads
   the same data shards, the data position; the run goes on from the checkpoint's step (its loop's, which
   `state.step` trails by any steps skipped). `params_only`: the parameters, with a fresh optimizer
-  state, quantization state, step 0 and data position (`init()` builds the rest).
+  state, quantization state, step 0 and data position (`init()` builds the rest). `layers`: as
+  `Checkpointer.check`'s.
   """
   what = "config.checkpoint.restore_from"
   manager, directory, step = _open_step(path, what, partial_state=params_only)
   try:
     saved = _read_state_metadata(manager, directory, step, what)
+    padding = _padding_may_differ(manager.metadata(step).custom_metadata or {}, layers, what)
     target = _abstract_target(abstract, shardings)
     if params_only:
-      params = _restore_fields(manager, step, saved, {"params": target["params"]}, what)["params"]
+      params = _restore_fields(manager, step, saved, {"params": target["params"]}, what, padding)["params"]
       state = dataclasses.replace(init(), params=params)
     else:
-      check_shapes(saved, target, what)
-      restored = _restore_checked(manager, directory, step, ocp.args.StandardRestore(target), what)
+      check_shapes(saved, target, what, padding=padding)
+      restored = _restore_checked(manager, directory, step, ocp.args.StandardRestore(target, strict=False), what)
       state = TrainState(**restored)
       if data_it is not None:
         restore_data_position(storage.join(directory, str(step), "data"), data_it)
@@ -351,13 +375,14 @@ def _read_state_metadata(manager, directory: str, step: int, what: str) -> dict:
     raise CheckpointError(f"{what}: cannot read {os.path.join(directory, str(step))} ({type(e).__name__})") from None
 
 
-def _restore_fields(manager, step: int, saved: dict, targets: dict, what: str) -> dict:
+def _restore_fields(manager, step: int, saved: dict, targets: dict, what: str, padding: bool) -> dict:
   """Some TrainState fields alone (a partial restore, e.g. {"params": ...}) onto the targets' shardings,
-  shapes checked first."""
+  shapes checked first (`padding`: as `check_shapes`')."""
   for field, target in targets.items():
-    check_shapes(saved[field], target, what, "parameter" if field == "params" else "array")
-  args = ocp.args.PyTreeRestore(item=targets, partial_restore=True,
-                                restore_args=ocp.checkpoint_utils.construct_restore_args(targets))
+    check_shapes(saved[field], target, what, "parameter" if field == "params" else "array", padding)
+  restore_args = jax.tree.map(lambda a: dataclasses.replace(a, strict=False),
+                              ocp.checkpoint_utils.construct_restore_args(targets))
+  args = ocp.args.PyTreeRestore(item=targets, partial_restore=True, restore_args=restore_args)
   restored = _restore_checked(manager, manager.directory, step, args, what)
   return {field: restored[field] for field in targets}
 
@@ -397,6 +422,6 @@ def restore_fields(path: str, targets: dict, what: str) -> dict:
   manager, directory, step = _open_step(path, what, partial_state=True)
   try:
     saved = _read_state_metadata(manager, directory, step, what)
-    return _restore_fields(manager, step, saved, targets, what)
+    return _restore_fields(manager, step, saved, targets, what, padding=True)  # Targets of the saved config.
   finally:
     manager.close()

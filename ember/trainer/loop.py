@@ -457,7 +457,7 @@ def _restore_or_init(cfg: Settings, ckpt, local, mesh, tx, targets, metrics, tra
     console(f"resumed from the local checkpoint {os.path.join(local.directory, str(newest_local))} at step "
             f"{newest_local}{peers}")
     return state, newest_local
-  restored = ckpt.restore_latest(targets, train_it, seed=cfg.seed)
+  restored = ckpt.restore_latest(targets, train_it, seed=cfg.seed, layers=cfg.model.num_layers)
   if restored is not None:
     state, step = restored
     metrics.truncate_after(step)
@@ -468,7 +468,7 @@ def _restore_or_init(cfg: Settings, ckpt, local, mesh, tx, targets, metrics, tra
   metrics.truncate_after(0)  # A new run: no records of an earlier one in this workdir.
   if cfg.checkpoint.restore_from:
     return restore_from(cfg.checkpoint.restore_from, abstract, shardings, train_it,
-                        params_only=cfg.checkpoint.params_only, init=init)
+                        params_only=cfg.checkpoint.params_only, init=init, layers=cfg.model.num_layers)
   if cfg.checkpoint.init_from_hf:
     params = hf_load.load_params(cfg.checkpoint.init_from_hf, cfg.model, cfg.quant, abstract.params,
                                  shardings.params)

@@ -200,12 +200,13 @@ def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg: Settings, 
 
 def _terms_over_stages(losses, aux: dict, cfg: Settings, micro_batches: int, stages: int, virtual: int = 1):
   """The step's (total loss, metrics) from each stage's sums: its (loss, ce, z) and its layers' aux (MoE sums summed
-  over the stages, per-layer arrays gathered in layer order)."""
+  over the stages, per-layer arrays gathered in layer order, the padding rows' dropped)."""
   everywhere = (PIPELINE, *sorted(shard_axes()))  # The stages and the replicas.
   total, ce, z = jax.lax.psum(losses, everywhere)
   replicas = everywhere[1:]
+  layers = cfg.model.num_layers
   by_layer = {k: jax.lax.psum(pipeline.from_pipeline_order(jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True),
-                                                           stages, virtual), replicas)
+                                                           stages, virtual)[:layers], replicas)
               for k, v in aux.items() if k.endswith(BY_LAYER)}
   sums = {k: jax.lax.psum(aux[k], everywhere) for k in AUX_KEYS}
   return step_terms(total, ce, z, {**sums, **by_layer}, cfg, micro_batches)

@@ -35,7 +35,7 @@ class TrainState:
 
 def build_model(cfg: Settings, key: jax.Array) -> Transformer:
   with nnx.use_eager_sharding(False):
-    return Transformer(cfg.model, cfg.quant, nnx.Rngs(params=key))
+    return Transformer(cfg.model, cfg.quant, nnx.Rngs(params=key), blocks=cfg.stacked_blocks)
 
 
 def split_model(model: Transformer):

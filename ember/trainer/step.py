@@ -13,7 +13,7 @@ from ember import remat
 from ember.config import Settings
 from ember.names import BY_LAYER, MOE_EXPERT_LOADS, MOE_LOAD_MAX_OVER_MEAN, SEGMENT_IDS
 from ember.layers import linear, moe_dispatch
-from ember.layers.decoder import keys_of, stacked_layers
+from ember.layers.decoder import keys_of, padded_rows, stacked_layers
 from ember.layers.moe import ROUTER_BIAS
 from ember.parallel import axes as axes_lib
 from ember.parallel import mesh as mesh_lib
@@ -101,6 +101,7 @@ def update_router_biases(old_quant_state, new_quant_state, loads_LxE, model, rec
       loads = loads_LxE[model.num_layers + keys[1]]  # [experts].
     else:
       loads = loads_LxE[jnp.asarray(stacked_layers(model, recipe, keys))]  # [the leaf's layers, experts].
+      loads = padded_rows(loads, old.shape[0])  # A pipeline's padding rows: zero loads, their bias kept at zero.
     return old + rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)
 
   return jax.tree_util.tree_map_with_path(update, old_quant_state, new_quant_state)

@@ -15,6 +15,7 @@ import helpers
 from ember import config as config_lib
 from ember import remat
 from ember.errors import ConfigError
+from ember.names import MOE_LOAD_BALANCE_LOSS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS
 from ember.parallel import pipeline
 from ember.plan.jaxpr import is_quantize_cast, iter_eqns, name_stack
 from ember.quant.core import SCOPE_GRADIENT
@@ -29,12 +30,12 @@ def _cfg(preset="tiny", **overrides):
                                    "train.learning_rate": 1e-3, **overrides})
 
 
-def _train(cfg, batches, num_devices: int, order=None):
-  """(losses, final parameters) of len(batches) steps on the first `num_devices` devices; `order`: the rows of
-  each batch as this run reads them."""
+def _train(cfg, batches, num_devices: int, order=None, logged=("loss",)):
+  """(the `logged` metrics of each step, final parameters) of len(batches) steps on the first `num_devices`
+  devices; `order`: the rows of each batch as this run reads them."""
   batches = [{k: v if order is None else v[order] for k, v in batch.items()} for batch in batches]
   metrics, state = helpers.run_steps(cfg, batches, num_devices)
-  return np.asarray([float(m["loss"]) for m in metrics]), state.params
+  return np.asarray([[float(m[k]) for k in logged] for m in metrics]), state.params
 
 
 def _same_micro_batches(batch_size: int, batch_shards: int) -> np.ndarray:
@@ -45,18 +46,24 @@ def _same_micro_batches(batch_size: int, batch_shards: int) -> np.ndarray:
 
 
 def _compare(preset, recipe, mesh: dict, batch_size: int = 16, schedule: str = "gpipe", virtual: int = 1,
-             **overrides):
+             logged=("loss",), **overrides):
   cfg = _cfg(preset, **{"quant.recipe": recipe, "train.batch_size": batch_size, **overrides})
   batches = [helpers.random_batch(cfg, seed=s % 2) for s in range(5)]  # Batches 0, 1, 0, 1, 0.
   shards = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1)
   one, params_one = _train(cfg.copy_and_resolve_references(), batches, 1,
-                           order=_same_micro_batches(batch_size, shards))
+                           order=_same_micro_batches(batch_size, shards), logged=logged)
   piped, params_piped = _train(_cfg(preset, **{"quant.recipe": recipe, "train.batch_size": batch_size, **overrides,
                                                "pipeline.schedule": schedule, "pipeline.virtual_stages": virtual,
                                                **{f"mesh.{a}": n for a, n in {"data": 1, **mesh}.items()}}),
-                               batches, math.prod(mesh.values()))
-  rel = jax.tree.map(lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(a)), params_one, params_piped)
-  assert one[-1] < one[0]  # It trained.
+                               batches, math.prod(mesh.values()), logged=logged)
+  # A pipeline's padding rows (uneven stages) stay zeros; the model's rows are compared.
+  padding = jax.tree.map(lambda a, b: float(np.abs(b[a.shape[0]:]).max(initial=0)), params_one, params_piped)
+  assert max(jax.tree.leaves(padding)) == 0
+  rel = jax.tree.map(lambda a, b: float(np.linalg.norm(a - b[:a.shape[0]]) / np.linalg.norm(a)), params_one,
+                     params_piped)
+  assert one[-1, 0] < one[0, 0]  # It trained.
+  if len(logged) == 1:
+    one, piped = one[:, 0], piped[:, 0]
   return one, piped, max(jax.tree.leaves(rel))
 
 
@@ -145,6 +152,32 @@ def test_moe_stages_with_expert_parallelism_inside_train_like_one_device(schedul
   each stage."""
   one, piped, rel = _compare("tiny_moe", "fp8_delayed", mesh, batch_size=32, schedule=schedule, virtual=virtual)
   _assert_same_training("fp8_delayed", one, piped, rel)
+
+
+@pytest.mark.parametrize("recipe,mesh,schedule,virtual,layers", [
+    ("fp8_current", {"pipeline": 2, "fsdp": 2, "tensor": 2}, "1f1b", 1, 3),
+    pytest.param("bf16", {"pipeline": 2, "fsdp": 4}, "gpipe", 1, 3, marks=pytest.mark.extended),
+    pytest.param("bf16", {"pipeline": 2, "fsdp": 2, "tensor": 2}, "interleaved_1f1b", 2, 5,
+                 marks=pytest.mark.extended)])
+@pytest.mark.long
+def test_uneven_stages_train_like_one_device(recipe, mesh, schedule, virtual, layers):
+  """3 layers in 2 stages: the stacked rows padded to 4 with a zero row, the identity, which stays zero (`_compare`
+  checks it); 5 layers in 2 stages x 2 chunks: 8 rows, stage 1's second chunk all padding."""
+  one, piped, rel = _compare("tiny", recipe, mesh, batch_size=32, schedule=schedule, virtual=virtual,
+                             **{"model.num_layers": layers})
+  _assert_same_training(recipe, one, piped, rel)
+
+
+@pytest.mark.long
+def test_uneven_moe_stages_log_the_models_routing_losses():
+  """tiny_moe, 3 layers in 2 stages: the padding row routes too (zero scores, to zero experts), but its
+  load-balancing and z losses and its routed tokens are not the model's: the step logs one device's."""
+  logged = ("loss", MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_ROUTED_TOKENS)
+  one, piped, rel = _compare("tiny_moe", "bf16", {"pipeline": 2}, schedule="1f1b", logged=logged,
+                             **{"model.num_layers": 3})
+  assert one[:, 1].min() > 0 and one[:, 2].min() > 0
+  np.testing.assert_allclose(piped, one, rtol=1e-5)
+  assert rel < 1e-5, rel
 
 
 def _step_quantize_casts(policy_name: str, schedule: str) -> int:
@@ -256,11 +289,11 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
 
 
 @pytest.mark.parametrize("overrides,key", [
-    ({"mesh.pipeline": 8, "mesh.fsdp": 1}, "config.mesh.pipeline: 8 stages do not divide"),
+    ({"mesh.pipeline": 8, "mesh.fsdp": 1}, "config.mesh.pipeline: 8 stages are more than the decoder's 4 blocks"),
     ({"mesh.pipeline": 4, "mesh.fsdp": 2, "train.grad_accum_steps": 2}, "config.train.grad_accum_steps: 2"),
     ({"mesh.pipeline": 4, "mesh.fsdp": 2, "pipeline.virtual_stages": 2}, "config.pipeline.virtual_stages: 2"),
     ({"mesh.pipeline": 4, "mesh.fsdp": 2, "pipeline.schedule": "interleaved_1f1b", "pipeline.virtual_stages": 2},
-     "config.mesh.pipeline: 4 stages x 2 chunks do not divide"),
+     "config.mesh.pipeline: 4 stages x 2 chunks are more than"),
     ({"mesh.pipeline": 2, "mesh.fsdp": 4, "pipeline.schedule": "interleaved_1f1b", "pipeline.virtual_stages": 2,
       "train.grad_accum_steps": 3, "train.batch_size": 24}, "config.train.grad_accum_steps: 3"),
     ({"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.context": 2}, "config.mesh.pipeline: context parallelism"),

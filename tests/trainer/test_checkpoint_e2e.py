@@ -316,26 +316,32 @@ def test_checkpoint_restores_onto_another_mesh(shared, tmp_path, mesh, devices):
   assert losses(run)[6] == pytest.approx(losses(base)[6], rel=1e-5)
 
 
-PIPELINED = ["--config.model.num_layers=4", "--config.checkpoint.every_steps=3"]
+PIPELINED = ["--config.checkpoint.every_steps=3"]
 STAGES = ["--config.mesh.pipeline=4", "--config.train.grad_accum_steps=4"]  # fsdp fills the other 2 devices.
+UNEVEN = ["--config.mesh.pipeline=2", "--config.train.grad_accum_steps=2"]  # 3 layers: 4 rows, one of padding.
 
 
-@pytest.mark.parametrize("saved_on,resumed_on", [pytest.param(STAGES, [], id="pipeline4_to_fsdp8"),
-                                                 pytest.param([], STAGES, id="fsdp8_to_pipeline4",
-                                                              marks=pytest.mark.extended)])
+@pytest.mark.parametrize("layers,saved_on,resumed_on", [
+    pytest.param(4, STAGES, [], id="pipeline4_to_fsdp8"),
+    pytest.param(4, [], STAGES, id="fsdp8_to_pipeline4", marks=pytest.mark.extended),
+    pytest.param(3, UNEVEN, [], id="uneven_pipeline2_to_fsdp8"),
+    pytest.param(3, [], UNEVEN, id="fsdp8_to_uneven_pipeline2", marks=pytest.mark.extended)])
 @pytest.mark.long
-def test_pipelined_checkpoints_resume_without_a_pipeline_and_back(shared, tmp_path, saved_on, resumed_on):
+def test_pipelined_checkpoints_resume_without_a_pipeline_and_back(shared, tmp_path, layers, saved_on, resumed_on):
   """A pipeline's stages hold rows of the same stacked layers: a checkpoint saved at step 3 by 4 stages (x fsdp 2, 4
-  micro-batches) resumes on fsdp 8 alone, and the reverse, with the uninterrupted runs' losses (float32)."""
-  runs = {name: shared_run(shared, f"pipe_{name}", lambda w, m=mesh: train(shared, w, 6, *F32, *PIPELINED, *m))
-          for name, mesh in (("stages", STAGES), ("flat", []))}
+  micro-batches) resumes on fsdp 8 alone, and the reverse, with the uninterrupted runs' losses (float32). With 3
+  layers in 2 stages the pipelined state holds a padding row, which the restore drops (or adds, zeros)."""
+  model = [f"--config.model.num_layers={layers}", *PIPELINED]
+  stages = STAGES if layers == 4 else UNEVEN
+  runs = {name: shared_run(shared, f"pipe{layers}_{name}", lambda w, m=mesh: train(shared, w, 6, *F32, *model, *m))
+          for name, mesh in (("stages", stages), ("flat", []))}
   assert [losses(runs["stages"])[i] for i in range(1, 7)] == pytest.approx(
       [losses(runs["flat"])[i] for i in range(1, 7)], rel=1e-6)
   run = copy_run(runs["stages" if saved_on else "flat"], tmp_path / "run")
   shutil.rmtree(run / "checkpoints" / "6")
   kept = [r for r in records(run) if r.get("step", 0) <= 3]  # Steps 4-6 must come from the resumed run.
   (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-  p = train(shared, run, 6, *F32, *PIPELINED, *resumed_on)
+  p = train(shared, run, 6, *F32, *model, *resumed_on)
   assert "at step 3" in p.stderr
   assert [losses(run)[i] for i in (4, 5, 6)] == pytest.approx([losses(runs["flat"])[i] for i in (4, 5, 6)], rel=1e-6)
 

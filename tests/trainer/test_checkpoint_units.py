@@ -75,6 +75,18 @@ def test_resume_checks_shapes_before_reading_and_names_the_parameter(tmp_path, m
   ckpt.close()
 
 
+def test_resume_with_other_layers_fails_where_padding_would_hide_it(tmp_path, mesh):
+  """4 layers saved, 3 resumed: a pipeline padding 3 layers to 4 rows would hold the same shapes."""
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2, async_save=False)
+  ckpt.save(3, _state(mesh, 1.0), None, seed=0, metadata={"config": {"model": {"num_layers": 4}}})
+  abstract, shardings = _abstract_and_shardings(_state(mesh, 0.0))
+  with pytest.raises(CheckpointError, match=r"the checkpoint's model has 4 layers, but model.num_layers=3 here"):
+    ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0, layers=3)
+  _, step = ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0, layers=4)
+  assert step == 3
+  ckpt.close()
+
+
 def test_check_shapes_reports_parameters_first():
   saved = {"params": {"a": np.zeros((2, 3))}, "opt_state": {"mu": {"a": np.zeros((2, 3))}}}
   want = {"params": {"a": np.zeros((2, 4))}, "opt_state": {"mu": {"a": np.zeros((2, 4))}}}
@@ -148,3 +160,19 @@ def test_data_position_of_other_data_restarts_with_a_warning(capsys):
   fresh.set_state(old.get_state())
   assert "starts from the beginning" in capsys.readouterr().err
   np.testing.assert_array_equal(next(fresh)["inputs"], first["inputs"])
+
+
+def test_stacked_rows_may_differ_by_padding_alone():
+  """A pipeline's padding rows (parallel/pipeline.py, `padded_blocks`): a stacked leaf's rows may differ where the
+  checkpoint holds this config's layers (`padding`), nothing else may, and no leaf outside the layers."""
+  struct = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  layers = lambda rows, width=4: {"params": {"segments": {"0": {"w": struct(rows, width)}}, "head": struct(4, 4)}}
+  check_shapes(layers(4), layers(3), "ckpt", padding=True)
+  check_shapes(layers(3), layers(4), "ckpt", padding=True)
+  with pytest.raises(CheckpointError, match="segments/0/w has shape"):
+    check_shapes(layers(4), layers(3), "ckpt")  # Another model's layers.
+  with pytest.raises(CheckpointError, match="segments/0/w has shape"):
+    check_shapes(layers(4, 8), layers(3), "ckpt", padding=True)  # Another row shape.
+  with pytest.raises(CheckpointError, match="head has shape"):
+    check_shapes({**layers(4), "params": {**layers(4)["params"], "head": struct(5, 4)}}, layers(4), "ckpt",
+                 padding=True)
