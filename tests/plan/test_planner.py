@@ -8,6 +8,7 @@ import matplotlib.image
 import pytest
 
 from ember import config as config_lib
+from ember.parallel import pipeline
 from ember.plan import isolated, planner
 from ember.plan import target as target_lib
 from ember.plan.compile import compile_report
@@ -71,6 +72,21 @@ def test_interleaved_layouts_take_each_chunk_count_that_divides_a_stage():
                           *lay.flags()])
   assert (back.pipeline.schedule, back.pipeline.virtual_stages) == ("interleaved_1f1b", 2)
   assert all(lay.grad_accum_steps % 2 == 0 for lay in piped if lay.virtual_stages == 2)
+
+
+def test_uneven_stages_are_planned_where_their_padding_is_small():
+  """Stages that do not divide the blocks pad them (pipeline.padded_blocks); the planner takes the chunk counts whose
+  padding is at most 5% of the blocks. Llama 3.1 405B's 126 layers in 8 stages: 128 rows with 1, 2, 4 or 8 chunks a
+  stage, 144-168 with 3, 5, 6 or 7; Llama 3 70B's 80 divide by 8 x 2 and 8 x 5 alone; Qwen3-235B's 94: 96 rows
+  with 1, 2, 3, 4 or 6."""
+  assert [pipeline.padded_blocks(126, 8, v) for v in range(1, 9)] == [128, 128, 144, 128, 160, 144, 168, 128]
+  contiguous = [("gpipe", 1), ("1f1b", 1)]
+  interleaved = lambda *vs: [("interleaved_1f1b", v) for v in vs]
+  assert planner._schedules(8, 126) == contiguous + interleaved(2, 4, 8)
+  assert planner._schedules(8, 80) == contiguous + interleaved(2, 5)
+  assert planner._schedules(8, 94) == contiguous + interleaved(2, 3, 4, 6)
+  assert planner._schedules(16, 61) == contiguous + interleaved(2)  # 64 rows (4.9%); no more chunks than blocks.
+  assert planner._schedules(16, 59) == []  # 64 rows: 8.5% padding.
 
 
 def test_select_spans_the_splits_of_a_node():
