@@ -116,8 +116,10 @@ def pipeline_figures(cfg: Settings, mesh, report: dict) -> dict:
   """A pipelined step's schedule: its stages, chunks a stage and micro-batches, the idle share of the step
   (`bubble_fraction`, ember/parallel/pipeline.py: the compiled program runs the schedule's idle passes on zeros in
   lockstep, so the floor and the prediction above include them, and `bubble_s` is their share of the floor), the
-  activation bytes a stage sends a step (`pipeline.stage_transfers`) and the chunks' residuals a stage keeps at
-  most (`in_flight`). Every stage runs one program, so each holds the same peak (`peak_bytes`)."""
+  activation bytes a stage sends a step (`pipeline.stage_transfers`), the chunks' residuals a stage keeps at
+  most (`in_flight`) and the padding rows of uneven stages (`padding_layers`, pipeline.padded_blocks: they run as
+  layers, so `executed_over_model` counts them). Every stage runs one program, so each holds the same peak
+  (`peak_bytes`)."""
   stages, micro, virtual = pipeline.stages(mesh), cfg.train.grad_accum_steps, cfg.pipeline.virtual_stages
   schedule = cfg.pipeline.schedule
   m = cfg.model
@@ -129,7 +131,8 @@ def pipeline_figures(cfg: Settings, mesh, report: dict) -> dict:
           "ticks": pipeline.loop_length(micro, stages, schedule, virtual), "bubble_fraction": fraction,
           "bubble_formula": "(S - 1) / (M V + S - 1)", "bubble_s": None if floor is None else floor * fraction,
           "in_flight": pipeline.in_flight(micro, stages, schedule, virtual),
-          "stage_transfer_bytes": pipeline.stage_transfers(micro, stages, schedule, virtual) * activation}
+          "stage_transfer_bytes": pipeline.stage_transfers(micro, stages, schedule, virtual) * activation,
+          "padding_layers": (cfg.stacked_blocks - m.num_blocks) * m.block_size}
 
 
 def machine(target: Target, mesh) -> cost.Machine | None:

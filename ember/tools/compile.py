@@ -62,9 +62,11 @@ def _work_lines(r: dict) -> list[str]:
     p = r["pipeline"]
     bubble = "" if p["bubble_s"] is None else f", {_ms(p['bubble_s'])} of the floor"
     chunks = f" x {p['virtual_stages']} chunks" if p["virtual_stages"] > 1 else ""
+    pads = p.get("padding_layers", 0)
+    padding = f"; {pads} padding layer{'s' * (pads > 1)} (uneven stages)" if pads else ""
     lines.append(f"  pipeline:    {p['stages']} stages{chunks} ({p['schedule']}), {p['micro_batches']} micro-batches: "
                  f"bubble {p['bubble_fraction']:.1%} of the step {p['bubble_formula']}{bubble}; "
-                 f"{p['stage_transfer_bytes'] / 2**20:,.1f} MiB a stage sends a step")
+                 f"{p['stage_transfer_bytes'] / 2**20:,.1f} MiB a stage sends a step{padding}")
   if r.get("memory_by_op"):
     ops = ", ".join(f"{m['op']} ({m['pass']}) {m['bytes'] / 1e9:,.1f} GB" for m in r["memory_by_op"][:10])
     lines.append(f"  memory by op: {ops}")

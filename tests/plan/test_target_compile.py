@@ -118,6 +118,20 @@ def test_a_pipelined_step_reads_the_lm_head_once(tmp_path):
       moved
 
 
+def test_uneven_stages_run_their_padding_as_layers():
+  """3 layers in 2 stages x FSDP 4 run 4 rows: the step executes the FLOPs of 4 layers for the model FLOPs of 3, and
+  the report says so (`padding_layers`, `executed_over_model`)."""
+  def piped(layers: int) -> dict:
+    return compile_report(loaded(["compile", *TINY, "--config.mesh.pipeline=2", "--config.mesh.fsdp=4",
+                                  "--config.mesh.data=1", "--config.train.batch_size=16",
+                                  "--config.train.grad_accum_steps=4", "--config.pipeline.schedule=1f1b",
+                                  f"--config.model.num_layers={layers}"]), target_lib.parse("h100x8"))
+  three, four = piped(3), piped(4)
+  assert (three["pipeline"]["padding_layers"], four["pipeline"]["padding_layers"]) == (1, 0)
+  assert three["executed_flops"] == pytest.approx(four["executed_flops"], rel=1e-6)
+  assert three["model_flops"] < four["model_flops"] and three["executed_over_model"] > four["executed_over_model"]
+
+
 @pytest.mark.parametrize("target,recipe,gemm", [("h100x8", "fp8_current", "fp8"),
                                                   pytest.param("b200x8", "nvfp4", "nvfp4", marks=pytest.mark.extended)])
 def test_accumulated_step_takes_each_kernel_amax_once(target, recipe, gemm, tmp_path):
