@@ -19,7 +19,7 @@ from ember.config import schema
 from ember.config.settings import Settings, section
 from ember.errors import ConfigError, bad_key, one_line
 from ember.names import EMBED, EXPERT, PIPELINE
-from ember.parallel import axes, distributed
+from ember.parallel import axes, distributed, pipeline
 from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import Recipe
 
@@ -225,9 +225,12 @@ def _validate_pipeline(s: Settings) -> None:
   if len(segments) > 1:
     bad_key(key, f"the decoder's layers form {len(segments)} scan segments (model.first_k_dense or layer-specific "
             "quant.exclude entries); a pipeline splits one")
-  if m.num_blocks < stages * virtual:  # Fewer blocks than chunks: whole chunks of padding (pipeline.padded_blocks).
+  if pipeline.stage_without_layers(m.num_blocks, stages, virtual):
     chunks = f"{stages} stages x {virtual} chunks" if virtual > 1 else f"{stages} stages"
-    bad_key(key, f"{chunks} are more than the decoder's {m.num_blocks} blocks of {m.block_size} layer(s)")
+    rows = pipeline.padded_blocks(m.num_blocks, stages, virtual)
+    bad_key(key, f"{chunks} are too many for the decoder's {m.num_blocks} blocks of {m.block_size} layer(s): "
+            f"padded to {rows} rows ({rows // (stages * virtual)} a chunk), a stage would run no layer or a chunk "
+            "no block (uneven stages: docs/parallelism.md)")
   if virtual > 1 and accum % stages:
     bad_key("train.grad_accum_steps", f"{accum} micro-batches do not form groups of the {stages} pipeline stages "
             "that interleaved 1F1B runs through each chunk in turn")

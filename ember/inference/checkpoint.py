@@ -61,6 +61,6 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
       raise ConfigError(f"recipe {cfg.quant.name!r} keeps amax histories that a {trained_recipe!r} checkpoint "
                         "does not have")
     targets["quant_state"] = place(abstract_quant, quant_specs)
-  restored = checkpointing.restore_fields(path, targets, what)
+  restored = checkpointing.restore_fields(path, targets, what, checkpointing.stacked_of(cfg))
   model: Transformer = nnx.merge(graphdef, restored["params"], restored.get("quant_state", {}))
   return cfg, mesh, model

@@ -294,6 +294,16 @@ def padded_rows(a: jax.Array, rows: int) -> jax.Array:
   return jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1)) if rows > a.shape[0] else a
 
 
+def zero_padding_rows(tree: dict, model: ModelConfig, recipe: Recipe) -> dict:
+  """A stacked state tree with its pipeline padding rows (those past the layers `stacked_layers` gives a leaf) set
+  to zero: a delayed-scaling history's gradient row takes the amax of the residual stream's gradient even in a
+  padding row, whose projections then multiply it by zeros."""
+  def zeroed(key_path, a):
+    layers = stacked_layers(model, recipe, keys_of(key_path))
+    return a if layers is None or a.shape[0] == len(layers) else a.at[len(layers):].set(0)
+  return jax.tree_util.tree_map_with_path(zeroed, tree)
+
+
 def within_layer(path: tuple) -> tuple:
   """The part of a stacked leaf's path below its layer (e.g. ("attn", "qkv", "kernel"))."""
   return tuple(path[5:])

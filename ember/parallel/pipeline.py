@@ -46,10 +46,20 @@ def padded_blocks(blocks: int, num_stages: int, virtual_stages: int = 1) -> int:
   every chunk holds as many rows (126 layers in 8 stages: 128 rows, 16 a stage). The rows past the model's blocks
   are padding, at the end (the last chunks hold them): zero parameters, which make a layer without bias terms the
   identity (its norms' scales are zero, so every projection reads zeros), whose gradients are exactly zero and stay
-  so under the optimizer. A checkpoint keeps them, zeros (an array's fingerprint does not see them,
-  trainer/integrity.py); another mesh restores the model's rows (trainer/checkpointing.py)."""
+  so under the optimizer; the step keeps their amax histories at zero too (trainer/step.py). A checkpoint keeps
+  them, zeros (an array's fingerprint does not see them, trainer/integrity.py); another mesh restores the model's
+  rows (trainer/checkpointing.py)."""
   chunks = num_stages * virtual_stages
   return -(-blocks // chunks) * chunks
+
+
+def stage_without_layers(blocks: int, num_stages: int, virtual_stages: int = 1) -> bool:
+  """Whether `padded_blocks`' padding leaves a stage nothing but padding rows (9 blocks in 8 stages: 16 rows, 2 a
+  stage, stages 5-7 all padding), or there are more chunks than blocks: layouts the config refuses. The last
+  stage holds the most padding; its first chunk is virtual stage S - 1."""
+  chunks = num_stages * virtual_stages
+  per_chunk = padded_blocks(blocks, num_stages, virtual_stages) // chunks
+  return blocks < chunks or (num_stages - 1) * per_chunk >= blocks
 
 
 def iterations(micro_batches: int, num_stages: int) -> int:

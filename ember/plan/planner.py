@@ -168,11 +168,12 @@ def layouts(settings: Settings, target: Target) -> list[Layout]:
 
 def _schedules(stages: int, blocks: int) -> list[tuple[str, int]]:
   """(schedule, chunks a stage) planned for `stages` pipeline stages of `blocks` blocks: those whose padding rows
-  (pipeline.padded_blocks: uneven stages) are at most MAX_PADDING of the blocks."""
+  (pipeline.padded_blocks: uneven stages) are at most MAX_PADDING of the blocks, as the config allows them."""
   if stages == 1:
     return [("gpipe", 1)]
-  few = lambda v: pipeline.padded_blocks(blocks, stages, v) - blocks <= MAX_PADDING * blocks
-  chunks = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if few(v) and stages * v <= blocks]
+  few = lambda v: (pipeline.padded_blocks(blocks, stages, v) - blocks <= MAX_PADDING * blocks
+                   and not pipeline.stage_without_layers(blocks, stages, v))
+  chunks = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if few(v)]
   contiguous = [(s, 1) for s in SCHEDULES if s != "interleaved_1f1b"] if few(1) else []
   return contiguous + [("interleaved_1f1b", v) for v in chunks]
 
@@ -329,7 +330,7 @@ class Estimator:
     tokens = micro * m.seq_len
     experts = mesh["expert"]
     if m.num_experts and experts > 1:  # Each routed row out and back, in each pass; the backward's the other way.
-      moe_layers = m.num_layers // max(m.moe_every, 1)
+      moe_layers = layers // max(m.moe_every, 1)  # A padding row routes its tokens too.
       rows, grads = moe_dispatch.Wire.of(recipe, recipe, ()).bytes_per_element(m.dtype)
       back = m.dtype.itemsize  # The outputs, and the gradients of the copies, in the compute dtype.
       per_element = (passes - 1) * (rows + back) + (grads + back)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import grain
 import jax
@@ -35,6 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ember import storage
+from ember.config import Settings
 from ember.data import ShardedIterator
 from ember.errors import CheckpointError, one_line
 from ember.trainer import integrity
@@ -88,10 +89,26 @@ def _leaves_by_name(tree) -> dict[str, Any]:
   return {_path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
 
 
-def check_shapes(saved, expected, what: str, kind: str = "array", padding: bool = False) -> None:
+class Stacked(NamedTuple):
+  """The decoder's stacked layers as a checkpoint's shapes show them: the model's `layers` (model.num_layers), the
+  index of its last scan segment and that segment's `rows` without padding. A pipeline pads the last segment's
+  rows alone (parallel/pipeline.py, `padded_blocks`)."""
+  layers: int
+  segment: int
+  rows: int
+
+
+def stacked_of(cfg: Settings) -> Stacked:
+  """The config's `Stacked`."""
+  segments = cfg.model.segments(cfg.quant)
+  return Stacked(cfg.model.num_layers, len(segments) - 1, len(segments[-1]))
+
+
+def check_shapes(saved, expected, what: str, kind: str = "array", padding: Stacked | None = None) -> None:
   """Raises CheckpointError naming the first array whose shape (or presence) differs, parameters first.
-  `padding`: the checkpoint holds this config's layers, so a stacked leaf may differ in its rows alone, by a
-  pipeline's padding rows (parallel/pipeline.py, `padded_blocks`): the restore truncates or zero-pads them."""
+  `padding`: the checkpoint holds this config's layers (`_padding`), so a leaf of the last segment may differ in
+  its rows alone, both counts at least the segment's own: by a pipeline's padding rows, which the restore
+  truncates or zero-pads."""
   if isinstance(saved, dict) and isinstance(expected, dict) and "params" in saved and "params" in expected:
     check_shapes(saved["params"], expected["params"], what, "parameter", padding)
   got = _leaves_by_name(saved)
@@ -99,7 +116,7 @@ def check_shapes(saved, expected, what: str, kind: str = "array", padding: bool 
   for name, leaf in want.items():
     if name not in got:
       raise CheckpointError(f"{what}: the checkpoint has no {kind} {name} (shape {tuple(leaf.shape)} in this config)")
-    if padding and "segments" in name.split("/") and tuple(got[name].shape[1:]) == tuple(leaf.shape[1:]):
+    if padding is not None and _padded_apart(name, got[name].shape, leaf.shape, padding):
       continue
     if tuple(got[name].shape) != tuple(leaf.shape):
       raise CheckpointError(f"{what}: {kind} {name} has shape {tuple(got[name].shape)} in the checkpoint "
@@ -110,16 +127,25 @@ def check_shapes(saved, expected, what: str, kind: str = "array", padding: bool 
                           "has no place in this config")
 
 
-def _padding_may_differ(custom: dict, layers: int | None, what: str) -> bool:
-  """Whether a stacked leaf's rows may differ by padding (`check_shapes`): the step's custom metadata records the
-  model.num_layers it was saved with and it is this config's `layers`. Where they differ, CheckpointError: with
-  padding rows the arrays may have the same shapes and still hold other layers."""
-  saved = custom.get("config", {}).get("model", {}).get("num_layers")
-  if layers is None or saved is None:
+def _padded_apart(name: str, saved: tuple, expected: tuple, stacked: Stacked) -> bool:
+  """Whether leaf `name` of the last segment differs from its expected shape by padding rows alone."""
+  parts = name.split("/")
+  if "segments" not in parts or parts[parts.index("segments") + 1] != str(stacked.segment):
     return False
-  if saved != layers:
-    raise CheckpointError(f"{what}: the checkpoint's model has {saved} layers, but model.num_layers={layers} here")
-  return True
+  return tuple(saved[1:]) == tuple(expected[1:]) and min(saved[0], expected[0]) >= stacked.rows
+
+
+def _padding(custom: dict, stacked: Stacked | None, what: str) -> Stacked | None:
+  """`stacked` where a leaf's rows may differ by padding (`check_shapes`): the step's custom metadata records the
+  model.num_layers it was saved with and it is this config's. Where they differ, CheckpointError: with padding
+  rows the arrays may have the same shapes and still hold other layers."""
+  saved = custom.get("config", {}).get("model", {}).get("num_layers")
+  if stacked is None or saved is None:
+    return None
+  if saved != stacked.layers:
+    raise CheckpointError(f"{what}: the checkpoint's model has {saved} layers, but model.num_layers="
+                          f"{stacked.layers} here")
+  return stacked
 
 
 def _state_metadata(manager: ocp.CheckpointManager, step: int) -> dict:
@@ -205,11 +231,12 @@ class Checkpointer:
   def _step_dir(self, step: int) -> str:
     return storage.join(self.directory, str(step))
 
-  def check(self, step: int, abstract: TrainState, *, seed: int | None, what: str, layers: int | None = None) -> None:
-    """Shape and seed checks from the step's metadata; CheckpointError on a mismatch. `layers`: this config's
-    model.num_layers (a pipeline's padding rows may differ where the checkpoint's model has as many)."""
+  def check(self, step: int, abstract: TrainState, *, seed: int | None, what: str,
+            stacked: Stacked | None = None) -> None:
+    """Shape and seed checks from the step's metadata; CheckpointError on a mismatch. `stacked`: this config's
+    layers (a pipeline's padding rows may differ where the checkpoint's model has as many)."""
     check_shapes(_state_metadata(self.manager, step), _as_dict(abstract), what,
-                 padding=_padding_may_differ(self.custom_metadata(step), layers, what))
+                 padding=_padding(self.custom_metadata(step), stacked, what))
     if seed is None:
       return
     rng_path = storage.join(self._step_dir(step), "rng", "metadata")
@@ -237,9 +264,9 @@ class Checkpointer:
 
   def restore_latest(self, targets: Callable[[int], tuple[TrainState, TrainState]],
                      data_it: ShardedIterator | None, *, seed: int,
-                     layers: int | None = None) -> tuple[TrainState, int] | None:
+                     stacked: Stacked | None = None) -> tuple[TrainState, int] | None:
     """(state, step) of the newest checkpoint that restores; None if there is none. `targets(step)` is
-    (shardings, abstract) of the state saved at `step` (a precision schedule changes its structure); `layers`:
+    (shardings, abstract) of the state saved at `step` (a precision schedule changes its structure); `stacked`:
     as `check`'s.
 
     A step that cannot be read is renamed `<step>.corrupt` (so that the run can write that step
@@ -250,7 +277,7 @@ class Checkpointer:
     for step in reversed(self.steps()):
       shardings, abstract = targets(step)
       try:
-        self.check(step, abstract, seed=seed, what=f"checkpoint {self._step_dir(step)}", layers=layers)
+        self.check(step, abstract, seed=seed, what=f"checkpoint {self._step_dir(step)}", stacked=stacked)
       except CheckpointError:
         raise
       except Exception as e:  # Unreadable metadata: a damaged step.
@@ -327,20 +354,20 @@ def _manager_dir_and_step(path: str, what: str) -> tuple[str, int | None]:
 
 def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it: ShardedIterator | None, *,
                  params_only: bool, init: Callable[[], TrainState],
-                 layers: int | None = None) -> tuple[TrainState, int]:
+                 stacked: Stacked | None = None) -> tuple[TrainState, int]:
   """Starts a new run from another run's checkpoint: (the state, the step the run starts after).
 
   Full: the whole TrainState (its step, optimizer state, amax histories) and, where this run reads
   the same data shards, the data position; the run goes on from the checkpoint's step (its loop's, which
   `state.step` trails by any steps skipped). `params_only`: the parameters, with a fresh optimizer
-  state, quantization state, step 0 and data position (`init()` builds the rest). `layers`: as
+  state, quantization state, step 0 and data position (`init()` builds the rest). `stacked`: as
   `Checkpointer.check`'s.
   """
   what = "config.checkpoint.restore_from"
   manager, directory, step = _open_step(path, what, partial_state=params_only)
   try:
     saved = _read_state_metadata(manager, directory, step, what)
-    padding = _padding_may_differ(manager.metadata(step).custom_metadata or {}, layers, what)
+    padding = _padding(manager.metadata(step).custom_metadata or {}, stacked, what)
     target = _abstract_target(abstract, shardings)
     if params_only:
       params = _restore_fields(manager, step, saved, {"params": target["params"]}, what, padding)["params"]
@@ -375,7 +402,7 @@ def _read_state_metadata(manager, directory: str, step: int, what: str) -> dict:
     raise CheckpointError(f"{what}: cannot read {os.path.join(directory, str(step))} ({type(e).__name__})") from None
 
 
-def _restore_fields(manager, step: int, saved: dict, targets: dict, what: str, padding: bool) -> dict:
+def _restore_fields(manager, step: int, saved: dict, targets: dict, what: str, padding: Stacked | None) -> dict:
   """Some TrainState fields alone (a partial restore, e.g. {"params": ...}) onto the targets' shardings,
   shapes checked first (`padding`: as `check_shapes`')."""
   for field, target in targets.items():
@@ -416,12 +443,14 @@ def saved_config(path: str, what: str) -> tuple[dict, str]:
   return custom["config"], os.path.join(directory, str(step))
 
 
-def restore_fields(path: str, targets: dict, what: str) -> dict:
+def restore_fields(path: str, targets: dict, what: str, stacked: Stacked | None = None) -> dict:
   """TrainState fields of the checkpoint at `path` (as `saved_config` resolves it): `targets` maps a field
-  ("params", "quant_state") to its tree of ShapeDtypeStructs with shardings, which place the result."""
+  ("params", "quant_state") to its tree of ShapeDtypeStructs with shardings, which place the result; `stacked`:
+  as `Checkpointer.check`'s."""
   manager, directory, step = _open_step(path, what, partial_state=True)
   try:
     saved = _read_state_metadata(manager, directory, step, what)
-    return _restore_fields(manager, step, saved, targets, what, padding=True)  # Targets of the saved config.
+    padding = _padding(manager.metadata(step).custom_metadata or {}, stacked, what)
+    return _restore_fields(manager, step, saved, targets, what, padding)
   finally:
     manager.close()

@@ -36,13 +36,14 @@ from ember.data import build_tokenizer, records
 from ember.data.sharded import data_iterator, global_batch, source_shares
 from ember.errors import ConfigError, Diverged
 from ember.hf import load as hf_load
+from ember.layers.decoder import keys_of, stacked_layers
 from ember.names import RECORD_SOURCES
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import use_rules
 from ember.trainer import moe_counts, precision
 from ember.trainer import step as step_lib
-from ember.trainer.checkpointing import Checkpointer, restore_from
+from ember.trainer.checkpointing import Checkpointer, restore_from, stacked_of
 from ember.trainer.local_checkpoints import LocalCheckpoints
 from ember.trainer.metrics import MetricsWriter, console, format_count, format_eta, progress, progress_line
 from ember.trainer.moe_counts import MoeCounts
@@ -175,7 +176,12 @@ def _plan(cfg: Settings, mesh, params) -> str:
   """What the run trains and how, in one block: the model and its parameter count (active, for MoE), a step's
   tokens, the devices and mesh axes in use, the precision and remat choices."""
   m, t = cfg.model, cfg.train
-  total = sum(leaf.size for leaf in jax.tree.leaves(params))
+
+  def size(path, leaf):  # A stacked leaf's rows past the model's layers are a pipeline's padding: not counted.
+    layers = stacked_layers(m, cfg.quant, keys_of(path))
+    return leaf.size if layers is None else leaf.size // leaf.shape[0] * len(layers)
+
+  total = sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(size, params)))
   inactive = m.num_routed_layers * (m.num_experts - m.experts_per_token) * m.expert_params
   active = f" ({format_count(total - inactive)} active a token)" if inactive else ""
   micro = f", {t.grad_accum_steps} micro-batches" if t.grad_accum_steps > 1 else ""
@@ -457,7 +463,7 @@ def _restore_or_init(cfg: Settings, ckpt, local, mesh, tx, targets, metrics, tra
     console(f"resumed from the local checkpoint {os.path.join(local.directory, str(newest_local))} at step "
             f"{newest_local}{peers}")
     return state, newest_local
-  restored = ckpt.restore_latest(targets, train_it, seed=cfg.seed, layers=cfg.model.num_layers)
+  restored = ckpt.restore_latest(targets, train_it, seed=cfg.seed, stacked=stacked_of(cfg))
   if restored is not None:
     state, step = restored
     metrics.truncate_after(step)
@@ -468,7 +474,7 @@ def _restore_or_init(cfg: Settings, ckpt, local, mesh, tx, targets, metrics, tra
   metrics.truncate_after(0)  # A new run: no records of an earlier one in this workdir.
   if cfg.checkpoint.restore_from:
     return restore_from(cfg.checkpoint.restore_from, abstract, shardings, train_it,
-                        params_only=cfg.checkpoint.params_only, init=init, layers=cfg.model.num_layers)
+                        params_only=cfg.checkpoint.params_only, init=init, stacked=stacked_of(cfg))
   if cfg.checkpoint.init_from_hf:
     params = hf_load.load_params(cfg.checkpoint.init_from_hf, cfg.model, cfg.quant, abstract.params,
                                  shardings.params)

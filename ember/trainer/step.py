@@ -13,7 +13,7 @@ from ember import remat
 from ember.config import Settings
 from ember.names import BY_LAYER, MOE_EXPERT_LOADS, MOE_LOAD_MAX_OVER_MEAN, SEGMENT_IDS
 from ember.layers import linear, moe_dispatch
-from ember.layers.decoder import keys_of, padded_rows, stacked_layers
+from ember.layers.decoder import keys_of, padded_rows, stacked_layers, zero_padding_rows
 from ember.layers.moe import ROUTER_BIAS
 from ember.parallel import axes as axes_lib
 from ember.parallel import mesh as mesh_lib
@@ -62,6 +62,8 @@ def train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedul
     metrics[MOE_LOAD_MAX_OVER_MEAN] = load_max_over_mean(loads_LxE, cfg.model)
     if cfg.model.router_bias_update_rate:
       new_quant_state = update_router_biases(state.quant_state, new_quant_state, loads_LxE, cfg.model, cfg.quant)
+  if cfg.stacked_blocks > cfg.model.num_blocks:  # A pipeline's padding rows stay zeros (pipeline.padded_blocks).
+    new_quant_state = zero_padding_rows(new_quant_state, cfg.model, cfg.quant)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.tree.norm(grads)

@@ -85,7 +85,7 @@ def test_uneven_stages_are_planned_where_their_padding_is_small():
   assert planner._schedules(8, 126) == contiguous + interleaved(2, 4, 8)
   assert planner._schedules(8, 80) == contiguous + interleaved(2, 5)
   assert planner._schedules(8, 94) == contiguous + interleaved(2, 3, 4, 6)
-  assert planner._schedules(16, 61) == contiguous + interleaved(2)  # 64 rows (4.9%); no more chunks than blocks.
+  assert planner._schedules(16, 61) == contiguous + interleaved(2)  # 64 rows (4.9%); 3 x 16 chunks > 61.
   assert planner._schedules(16, 59) == []  # 64 rows: 8.5% padding.
 
 

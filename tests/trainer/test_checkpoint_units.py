@@ -15,7 +15,7 @@ from ember.config import defaults
 from ember.data import ShardedIterator, make_iterator
 from ember.errors import CheckpointError
 from ember.trainer.checkpointing import (
-    Checkpointer, check_shapes, restore_data_position, restore_from)
+    Checkpointer, Stacked, check_shapes, restore_data_position, restore_from)
 from ember.trainer.state import TrainState
 
 
@@ -81,8 +81,8 @@ def test_resume_with_other_layers_fails_where_padding_would_hide_it(tmp_path, me
   ckpt.save(3, _state(mesh, 1.0), None, seed=0, metadata={"config": {"model": {"num_layers": 4}}})
   abstract, shardings = _abstract_and_shardings(_state(mesh, 0.0))
   with pytest.raises(CheckpointError, match=r"the checkpoint's model has 4 layers, but model.num_layers=3 here"):
-    ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0, layers=3)
-  _, step = ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0, layers=4)
+    ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0, stacked=Stacked(3, 0, 8))
+  _, step = ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0, stacked=Stacked(4, 0, 8))
   assert step == 3
   ckpt.close()
 
@@ -163,16 +163,25 @@ def test_data_position_of_other_data_restarts_with_a_warning(capsys):
 
 
 def test_stacked_rows_may_differ_by_padding_alone():
-  """A pipeline's padding rows (parallel/pipeline.py, `padded_blocks`): a stacked leaf's rows may differ where the
-  checkpoint holds this config's layers (`padding`), nothing else may, and no leaf outside the layers."""
+  """A pipeline's padding rows (parallel/pipeline.py, `padded_blocks`): a leaf of the last scan segment may differ in
+  its rows where the checkpoint holds this config's layers (`padding`), each count at least the segment's own;
+  no other leaf, and nothing else, may differ."""
   struct = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  layers = lambda rows, width=4: {"params": {"segments": {"0": {"w": struct(rows, width)}}, "head": struct(4, 4)}}
-  check_shapes(layers(4), layers(3), "ckpt", padding=True)
-  check_shapes(layers(3), layers(4), "ckpt", padding=True)
+
+  def state(first, last, width=4):  # Two segments (a dense first layer, say), and a leaf outside the layers.
+    return {"params": {"segments": {"0": {"w": struct(first, 4)}, "1": {"w": struct(last, width)}},
+                       "head": struct(4, 4)}}
+
+  padding = Stacked(layers=4, segment=1, rows=3)  # Layer 0 in segment 0, layers 1-3 in segment 1.
+  check_shapes(state(1, 4), state(1, 3), "ckpt", padding=padding)
+  check_shapes(state(1, 3), state(1, 4), "ckpt", padding=padding)
+  with pytest.raises(CheckpointError, match="segments/1/w has shape"):
+    check_shapes(state(1, 4), state(1, 3), "ckpt")  # Another model's layers.
+  with pytest.raises(CheckpointError, match="segments/1/w has shape"):
+    check_shapes(state(1, 4, 8), state(1, 3), "ckpt", padding=padding)  # Another row shape.
   with pytest.raises(CheckpointError, match="segments/0/w has shape"):
-    check_shapes(layers(4), layers(3), "ckpt")  # Another model's layers.
-  with pytest.raises(CheckpointError, match="segments/0/w has shape"):
-    check_shapes(layers(4, 8), layers(3), "ckpt", padding=True)  # Another row shape.
+    check_shapes(state(2, 3), state(1, 4), "ckpt", padding=padding)  # A segment boundary moved.
+  with pytest.raises(CheckpointError, match="segments/1/w has shape"):
+    check_shapes(state(1, 2), state(1, 4), "ckpt", padding=padding)  # Fewer rows than the segment's layers.
   with pytest.raises(CheckpointError, match="head has shape"):
-    check_shapes({**layers(4), "params": {**layers(4)["params"], "head": struct(5, 4)}}, layers(4), "ckpt",
-                 padding=True)
+    check_shapes({"params": {**state(1, 4)["params"], "head": struct(5, 4)}}, state(1, 4), "ckpt", padding=padding)
