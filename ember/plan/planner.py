@@ -148,7 +148,8 @@ def layouts(settings: Settings, target: Target) -> list[Layout]:
     for dp, dd, df, de in _factorizations(nodes, 4):
       if de > 1 and (not m.num_experts or m.num_experts % (expert * de)):
         continue
-      if pipe * dp > m.num_blocks:
+      schedules = _schedules(pipe * dp, m.num_blocks)
+      if not schedules:  # Too much padding for these stages (uneven stages).
         continue
       dcn = (("pipeline", dp), ("data", dd), ("fsdp", df), ("expert", de))
       shards = axes.shards(batch_axes, Layout(node, dcn, 1, "").mesh())
@@ -156,7 +157,7 @@ def layouts(settings: Settings, target: Target) -> list[Layout]:
         continue
       for accum in _divisors(settings.train.batch_size // shards):
         for preset in presets(settings):
-          for schedule, virtual in _schedules(pipe * dp, m.num_blocks):
+          for schedule, virtual in schedules:
             candidate = Layout(node, dcn, accum, preset, schedule, virtual)
             try:
               config_lib.on_devices(candidate.apply(settings), target.count, 1)
@@ -249,11 +250,9 @@ class Estimator:
     return self._state[key]
 
   def _rows(self, layout: Layout) -> int:
-    """The stacked layers' rows a device's stage runs (all of them without a pipeline): the model's blocks padded
-    to the stages x chunks (pipeline.padded_blocks), in layers."""
-    stages = layout.mesh()["pipeline"]
-    blocks = self.model.num_blocks if stages == 1 else pipeline.padded_blocks(self.model.num_blocks, stages,
-                                                                               layout.virtual_stages)
+    """The stacked layers' rows, in layers: the model's blocks padded to the layout's stages x chunks
+    (pipeline.padded_blocks; none without a pipeline, whose layouts have one stage of one chunk)."""
+    blocks = pipeline.padded_blocks(self.model.num_blocks, layout.mesh()["pipeline"], layout.virtual_stages)
     return blocks * self.model.block_size
 
   def _bandwidth(self, layout: Layout, axis: str) -> float:
