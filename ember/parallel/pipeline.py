@@ -100,6 +100,13 @@ def in_flight(micro_batches: int, num_stages: int, schedule: str = "1f1b", virtu
   return min(micro_batches * virtual_stages, 2 * virtual_stages * num_stages - 1)
 
 
+def ring_slots(micro_batches: int, num_stages: int, virtual_stages: int = 1) -> int:
+  """The slots of a 1F1B stage's ring of residuals (trainer/pipelined.py): one a chunk in flight, and a spare that
+  a tick without a forward pass writes its unused residuals to, so that no slot is read back to be kept as it was
+  (a select: host memory, where a policy's offloaded residuals lie, cannot run one)."""
+  return in_flight(micro_batches, num_stages, "1f1b", virtual_stages) + 1
+
+
 def stage_transfers(micro_batches: int, num_stages: int, schedule: str, virtual_stages: int = 1) -> float:
   """Activation-sized transfers a stage sends a step: one per pass and boundary (GPipe: each iteration's output
   forward and its gradient back); the 1F1B schedules' forward passes and gradients plus, once a micro-batch (the

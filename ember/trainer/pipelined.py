@@ -223,9 +223,10 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   (`ppermute`). The ticks before the first backward pass anywhere and after the last forward pass are traced
   without the pass they lack (`pipeline.phases`), so the idle share is the schedule's own, (S - 1) / (MV + S - 1).
   A stage keeps the residuals of the forward passes whose backward has not run (`pipeline.in_flight`) in a ring
-  of buffers: the residuals a remat policy saves; the stage's parameters and kernel amaxes are recognised among
-  them and never copied, and the attention's segment bias is made again in the backward tick from the micro-batch's
-  segment ids rather than kept ([B, 1, L, L]: 128 MiB a sequence of 8,192 tokens, in each of the ring's slots).
+  of buffers (`pipeline.ring_slots`): the residuals a remat policy saves, on the device, or in host memory where it
+  offloads them; the stage's parameters and kernel amaxes are recognised among them and never copied, and the
+  attention's segment bias is made again in the backward tick from the micro-batch's segment ids rather than kept
+  ([B, 1, L, L]: 128 MiB a sequence of 8,192 tokens, in each of the ring's slots).
   The LM head runs where the last stage's last chunk ends a micro-batch: each stage takes 1/S of its tokens
   (`_head_share`), so every stage runs the same share of the head."""
   m = keys.shape[0]
@@ -273,7 +274,9 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     for i, a in enumerate(jax.tree.leaves((state, amaxes, stage_blocks, bias))):
       sources.setdefault(id(a), i)
     structure.update(treedef=treedef, fixed=[sources.get(id(a)) for a in leaves])
-    return y, aux, [a for a, i in zip(leaves, structure["fixed"]) if i is None]
+    kept = [a for a, i in zip(leaves, structure["fixed"]) if i is None]
+    structure["spaces"] = [jax.typeof(a).memory_space for a in kept]  # Host: a policy's offloaded residuals.
+    return y, aux, kept
 
   lookup = merged_model(graphdef, *train).embed  # A model of its own: its table is replaced below.
   # The table cast and gathered along `embed` once a step, as each tick's lookup reads it (layers/embed.py), not in
@@ -293,7 +296,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   structure = {}
   index = jax.ShapeDtypeStruct((), jnp.int32)
   _, aux_like, shapes = jax.eval_shape(run_forward, x_zero, index, index)
-  ring0 = [jnp.zeros((slots, *s.shape), s.dtype) for s in shapes]
+  # Offloaded residuals' slots lie in host memory, as the policy put them.
+  ring0 = [_ring(pipeline.ring_slots(m, stages, virtual), s, space) for s, space in zip(shapes, structure["spaces"])]
   stage_rows = lambda k, a: (virtual * a.shape[0], *a.shape[1:]) if k.endswith(BY_LAYER) else a.shape
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
   embedded_grad0 = shard(jnp.zeros((m, *x_like.shape), x_like.dtype), (None, *ACTIVATION))
@@ -324,8 +328,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     if forwards:
       f, v_f, has_f = unit(pipeline.forward_unit, tau)
       y, a, kept = run_forward(received, f, v_f)
-      slot = pipeline.forward_index(f, v_f, stages, virtual) % slots
-      ring = [buf.at[slot].set(jnp.where(has_f, r, buf[slot])) for buf, r in zip(ring, kept)]
+      slot = jnp.where(has_f, pipeline.forward_index(f, v_f, stages, virtual) % slots, slots)  # The spare: slots.
+      ring = [buf.at[slot].set(r) for buf, r in zip(ring, kept)]
       aux = {k: _add_rows(acc, take(has_f, a[k]).astype(F32), v_f) if k.endswith(BY_LAYER)
              else acc + take(has_f, a[k]).astype(F32) for k, acc in aux.items()}
       received = pipeline.to_next_stage(take(has_f, y), stages, ring=ring_order)
@@ -388,6 +392,13 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     grads = with_head_gradient(grads, head_parts, shares)
   grads = _combine_shared(grads, _embedding_grads(graphdef, train, inputs, carry[-2]), True, jnp.add)
   return _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m, stages, virtual)
+
+
+def _ring(slots: int, like, space):
+  """A stage's ring of `slots` zero buffers like `like`, in memory space `space`: the device's, or the host's for a
+  policy's offloaded residuals. (Zeroed on the device and moved over: a transient the ring's size, once a step.)"""
+  zeros = jnp.zeros((slots, *like.shape), like.dtype)
+  return zeros if space == jax.memory.Space.Device else jax.device_put(zeros, space)
 
 
 def _map_stage_rows(fn, tree):
