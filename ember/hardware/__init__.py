@@ -27,6 +27,7 @@ class DeviceFacts:
   tflops: dict[str, float]  # Dense peak per GEMM precision (ember/plan/hlo.py's PRECISIONS).
   nvlink_gb_s: float
   nic_gb_s: float
+  host_gb_s: float  # The link to host memory, one direction.
   mfu_precision: str  # facts.toml's: the precision whose dense peak MFU is quoted against.
 
   def peak_flops(self, precision: str) -> float:
@@ -54,7 +55,8 @@ def _rows() -> dict[str, dict]:
 
 def facts(gpu: str) -> DeviceFacts:
   row = _rows()[gpu]
-  return DeviceFacts(gpu, dict(row["tflops"]), row["nvlink_gb_s"], row["nic_gb_s"], _table()["mfu_precision"])
+  return DeviceFacts(gpu, dict(row["tflops"]), row["nvlink_gb_s"], row["nic_gb_s"], row["host_gb_s"],
+                     _table()["mfu_precision"])
 
 
 def facts_for_kind(device_kind: str) -> DeviceFacts | None:

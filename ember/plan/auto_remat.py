@@ -1,12 +1,15 @@
-"""`remat.policy=auto`: the preset with the least recomputation whose compiled step fits the budget.
+"""`remat.policy=auto`: the fastest preset whose compiled step fits the budget.
 
 For each candidate preset the real train step is traced and compiled ahead of time on abstract
 sharded inputs (nothing is allocated): XLA's memory analysis gives the peak bytes per device, the
-traced step's FLOPs (forward, recompute, backward, update; ember/plan/step.py) the cost.
-Candidates whose peak exceeds `remat.memory_budget_gb` (GiB, 2**30 bytes, per device) are dropped;
-of the rest the one with the fewest FLOPs wins, i.e. the least recomputation, since everything
-else in the step is the same. Ties (presets that differ only in names this model never produces)
-go to the one that moves nothing to host memory, then to the smaller peak.
+compiled program's predicted step (ember/plan/predict.py: on GPUs ember/hardware/ knows, a run's or a
+described target's) the cost; elsewhere the traced step's FLOPs (forward, recompute, backward, update;
+ember/plan/step.py), since everything but the recomputation is the same. Candidates whose peak exceeds
+`remat.memory_budget_gb` (GiB, 2**30 bytes, per device) are dropped; of the rest the one predicted
+fastest wins (else the fewest FLOPs: the least recomputation). The prediction counts what FLOPs do
+not: a preset that offloads its residuals waits for the host link (llama3_8b on 8 H100s: `minimal`'s
+names offloaded predict 1.65 s, recomputing everything 1.06 s). Ties (presets that differ only in names
+this model never produces) go to the one that moves nothing to host memory, then to the smaller peak.
 
 Candidates: `remat.auto_candidates`, or every preset that can differ for this model: the quantized
 presets only under a quantized recipe, the offloaded ones only where host offloading exists (not
@@ -37,6 +40,7 @@ class Candidate:
   name: str
   flops: float
   peak_bytes: int
+  predicted_s: float | None = None
 
   @property
   def offloads(self) -> bool:
@@ -71,21 +75,24 @@ def measure(cfg: Settings, mesh, tx, schedule, names, *, compiler_options: dict 
     if f.peak_bytes is None:
       raise ConfigError("config.remat.policy: auto needs a memory analysis of the compiled step, and this backend "
                         "gives none; choose a preset")
-    out.append(Candidate(name, f.flops, f.peak_bytes))
+    out.append(Candidate(name, f.flops, f.peak_bytes, f.predicted_s))
+    predicted = "" if f.predicted_s is None else f"  predicted {f.predicted_s * 1e3:,.0f} ms/step"
     console(f"remat auto: {name:<26} peak {f.peak_bytes / GiB:9.4g} GiB/device  "
-            f"{format_flops(f.flops):>13}/step")
+            f"{format_flops(f.flops):>13}/step{predicted}")
   return out
 
 
 def pick(found: list[Candidate], budget_gb: float) -> Candidate:
-  """The least-FLOPs candidate within the budget; ConfigError naming the smallest peak if none fits."""
+  """The candidate within the budget predicted fastest (where every one has a prediction), else with the fewest
+  FLOPs; ConfigError naming the smallest peak if none fits."""
   fits = [c for c in found if c.peak_bytes <= budget_gb * GiB]
   if not fits:
     smallest = min(found, key=lambda c: c.peak_bytes)
     raise ConfigError(f"config.remat.memory_budget_gb: no remat preset fits {budget_gb:g} GiB per device; the smallest "
                       f"compiled peak is {smallest.peak_bytes / GiB:.4g} GiB ({smallest.name})")
   order = {c.name: i for i, c in enumerate(found)}
-  return min(fits, key=lambda c: (c.flops, c.offloads, c.peak_bytes, order[c.name]))
+  predicted = all(c.predicted_s is not None for c in fits)
+  return min(fits, key=lambda c: (c.predicted_s if predicted else c.flops, c.offloads, c.peak_bytes, order[c.name]))
 
 
 def state_bytes_per_device(cfg: Settings, mesh, tx) -> int:

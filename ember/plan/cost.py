@@ -7,9 +7,11 @@ The time floor is a roofline, a bound and not a prediction:
   * memory: every other kernel's bytes read and written (ember/plan/hlo.py's rule) at HBM bandwidth;
   * collectives: the bytes each device sends, by the NCCL bus-bandwidth convention (all-gather,
     reduce-scatter, all-to-all: (n - 1) / n of what a device holds; all-reduce: 2 (n - 1) / n; a permute:
-    all of it), at NVLink bandwidth when every replica group lies inside a node, else at the network's.
-`time_floor_s` overlaps collectives with compute + memory (the larger of the two); `time_serial_s` adds
-all three. Peaks and link bandwidths are ember/hardware/facts.toml's; HBM bandwidth is the XLA spec's.
+    all of it), at NVLink bandwidth when every replica group lies inside a node, else at the network's;
+  * host: the bytes of the host transfers (ember/plan/hlo.py: a policy's offloaded residuals), the larger
+    direction, at the bandwidth of the GPU's link to the host.
+`time_floor_s` overlaps collectives and host transfers with compute + memory (the largest of the three);
+`time_serial_s` adds all four. Peaks and link bandwidths are ember/hardware/facts.toml's; HBM bandwidth is the XLA spec's.
 `mfu_ceiling` is the model FLOPs over the floor against the dense bf16 peak (how ember's MFU is measured,
 whatever the recipe); `tokens_per_s_ceiling` is per device.
 """
@@ -22,6 +24,7 @@ from ember import hardware
 from ember.hardware import DeviceFacts, Rates
 from ember.names import EXPERT_GEMM_SCOPE, HADAMARD_SCOPE
 from ember.plan import hlo
+from ember.plan.target import NODE_SIZE
 from ember.quant.recipe import BF16  # Attention's precision: the compute dtype's.
 
 TOP = 5  # Largest values and collectives reported.
@@ -43,6 +46,20 @@ class Machine:
     g = hardware.gpu(gpu)
     return cls(g.facts, g.hbm_bytes_per_s, (0,) * num_devices, hardware.rates(gpu))
 
+  @classmethod
+  def of_mesh(cls, mesh) -> "Machine | None":
+    """The GPUs of a mesh, a run's or a described target's, where ember/hardware/ has their kind's spec and rates,
+    in nodes of NODE_SIZE in device order (by process, as a target's devices and a launch's ranks lie); None for
+    any other devices."""
+    devices = list(mesh.devices.flat)
+    facts = hardware.facts_for_kind(devices[0].device_kind) if devices[0].platform == "gpu" else None
+    if facts is None or facts.name not in hardware.GPUS:
+      return None
+    g = hardware.gpu(facts.name)
+    position = {d.id: k for k, d in enumerate(sorted(devices, key=lambda d: (d.process_index, d.id)))}
+    return cls(g.facts, g.hbm_bytes_per_s, tuple(position[d.id] // NODE_SIZE for d in devices),
+               hardware.rates(facts.name))
+
 
 def step_cost(text: str | hlo.Program, *, model_flops: float, tokens: float, machine: Machine | None) -> dict:
   """The cost figures of an optimised HLO text or program. `model_flops` and `tokens` are per device per step;
@@ -59,7 +76,7 @@ def step_cost(text: str | hlo.Program, *, model_flops: float, tokens: float, mac
       "emulated_flops": sum(g.flops_per_step for g in gemms if g.emulated and not g.recomputed),
       "model_flops": model_flops, "executed_over_model": first_pass / model_flops if model_flops else None,
       "largest_values": largest_values(p), "largest_collectives": largest_collectives(p, machine),
-      "memory_by_op": memory_by_op(p),
+      "memory_by_op": memory_by_op(p), "host_transfer_bytes": hlo.host_transfers(p),
   }
   out.update(roofline(p, gemms, calls, model_flops=model_flops, tokens=tokens, machine=machine))
   return out
@@ -73,12 +90,13 @@ def roofline(p: hlo.Program, gemms, calls, *, model_flops: float, tokens: float,
   compute += sum(max(c.flops / facts.peak_flops(BF16), c.bytes / hbm) * c.times for c in calls)
   memory = sum(k.bytes * k.times for k in hlo.memory_kernels(p)) / hbm
   network = sum(collective_seconds(c, machine) for c in hlo.collective_ops(p))
-  floor = max(compute + memory, network)
+  host = max(hlo.host_transfers(p).values()) / (facts.host_gb_s * 1e9)
+  floor = max(compute + memory, network, host)
   return {
-      "time_floor_s": floor, "time_serial_s": compute + memory + network,
+      "time_floor_s": floor, "time_serial_s": compute + memory + network + host,
       "mfu_ceiling": model_flops / floor / facts.mfu_peak_flops if floor else None,
       "tokens_per_s_ceiling": tokens / floor if floor else None,
-      "time_floor_parts_s": {"compute": compute, "memory": memory, "collectives": network},
+      "time_floor_parts_s": {"compute": compute, "memory": memory, "collectives": network, "host": host},
   }
 
 

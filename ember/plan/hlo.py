@@ -23,6 +23,12 @@ Rules, in one place:
     its input; ragged-all-to-all: the smaller of its operand and its output buffer, a bound on what the
     routing moves; the rest: the operand), times the trip count of every loop around it (XLA records
     `known_trip_count` on the while ops of a scan), so `collectives` is bytes per device per step.
+  * a host transfer is a copy (`copy-start` / `copy-done`, or a plain `copy`) whose source or destination lies in
+    host memory (`S(5)`: a remat policy's offloaded residuals): its bytes, once a direction, over the GPU's link
+    to the host; a copy from host memory to host memory goes over it both ways. An asynchronous fusion
+    (`fusion-start` / `fusion-done`: a scan's slice or update of its residuals there) that reads or writes host
+    memory is one too, of those bytes. They are no memory kernels. Another kernel that reads or writes host
+    memory itself moves those bytes over the link, the rest through device memory.
   * a kernel's memory traffic is the bytes of its operands and results, except what it only slices
     (a fused `dynamic-slice` or `slice`, reached through bitcasts and elementwise ops: the slice, in the
     operand's dtype), what it updates in place (a `dynamic-update-slice` or `scatter` into its operand: the
@@ -457,13 +463,30 @@ def attention(hlo: str | Program) -> dict[str, object]:
 # --- Memory traffic -----------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+  """A kernel's bytes per execution (see the module doc): through device memory, and over the link to host memory
+  where it reads or writes host memory itself."""
+  device: float
+  to_host: float = 0.0
+  from_host: float = 0.0
+
+
 def kernel_bytes(p: Program, i: Instruction) -> float:
-  """The bytes a kernel reads and writes (see the module doc)."""
-  if i.opcode == "dynamic-update-slice":
-    return 2 * nbytes(p.type_of(i.operands[1]))
-  if i.opcode in ("dynamic-slice", "slice"):
-    return 2 * nbytes(i.shape)
-  operands = [nbytes(p.type_of(o)) for o in i.operands]
+  """The bytes a kernel reads and writes in device memory (see the module doc)."""
+  return kernel_traffic(p, i).device
+
+
+def kernel_traffic(p: Program, i: Instruction) -> Traffic:
+  """The bytes a kernel reads and writes (see the module doc), each where it lies: an operand or a result in host
+  memory (`S(5)`) moves over the link to the host."""
+  on_host = lambda shape: HOST_MEMORY in shape
+  if i.opcode in ("dynamic-update-slice", "dynamic-slice", "slice"):
+    moved = nbytes(p.type_of(i.operands[1])) if i.opcode == "dynamic-update-slice" else nbytes(i.shape)
+    source = p.type_of(i.operands[1 if i.opcode == "dynamic-update-slice" else 0])
+    return _traffic([(moved, on_host(source))], [(moved, on_host(i.shape))])
+  types = [p.type_of(o) for o in i.operands]
+  operands = [nbytes(t) for t in types]
   row_of = _STACKED_ROW.search(i.op_name or "")
   if row_of and operands:  # The stacked operand is the largest.
     largest = max(range(len(operands)), key=operands.__getitem__)
@@ -473,7 +496,7 @@ def kernel_bytes(p: Program, i: Instruction) -> float:
     parts = parts[:-1]  # A library call's scratch workspace: no data moves through it.
   if i.opcode == "fusion-start":  # ((operands), output, context): the fusion's own output is what it writes.
     parts = parts[1:2]
-  result = sum(nbytes(x) for x in parts)
+  results = [(nbytes(x), on_host(x)) for x in parts]
   if i.opcode in _FUSIONS:
     body = p.computations.get(i.attribute("calls") or "", [])
     params = {int(re.search(r"parameter\((\d+)\)", b.line).group(1)): b.name for b in body if b.opcode == "parameter"}
@@ -500,13 +523,20 @@ def kernel_bytes(p: Program, i: Instruction) -> float:
     for index, name in params.items():
       sliced = reads(name) if index < len(operands) else None
       if sliced is not None:  # Each slice's elements in the operand's own dtype.
-        width = _BYTES.get(dtype_of(p.type_of(i.operands[index])), 4)
+        width = _BYTES.get(dtype_of(types[index]), 4)
         operands[index] = sum(width * math.prod(dims_of(u.shape)) for u in sliced)
     for index, update, whole in in_place_updates(p, i):
       if index < len(operands):
         operands[index] = 0.0
-      result += update - whole  # In place: only the update is written.
-  return sum(operands) + max(result, 0.0)
+        results.append((update - whole, on_host(types[index])))  # In place: only the update is written.
+  return _traffic(list(zip(operands, map(on_host, types))), results)
+
+
+def _traffic(reads: list[tuple[float, bool]], writes: list[tuple[float, bool]]) -> Traffic:
+  """Traffic from (bytes, in host memory) reads and writes; writes of a side sum to no less than zero."""
+  written = lambda host: max(sum(b for b, h in writes if h == host), 0.0)
+  read = lambda host: sum(b for b, h in reads if h == host)
+  return Traffic(read(False) + written(False), written(True), read(True))
 
 
 def _is_fill(p: Program, i: Instruction) -> bool:
@@ -545,19 +575,25 @@ class Kernel:
   """A kernel-level instruction that moves memory: neither a GEMM, an attention call nor a collective."""
   name: str
   opcode: str
-  bytes: float  # Per execution.
+  bytes: float  # Per execution, through device memory.
   times: int
+  to_host: float = 0.0  # Per execution, what it writes to host memory itself and reads from there.
+  from_host: float = 0.0
 
 
 def memory_kernels(p: Program) -> list[Kernel]:
-  return [Kernel(i.name, i.opcode, kernel_bytes(p, i), p.times(i)) for i in p.kernels() if is_memory_kernel(i)]
+  return [Kernel(i.name, i.opcode, t.device, p.times(i), t.to_host, t.from_host) for i in p.kernels()
+          if is_memory_kernel(i) and host_transfer_of(p, i) is None for t in (kernel_traffic(p, i),)]
 
 
 def is_memory_kernel(i: Instruction) -> bool:
   """A kernel-level instruction that launches a kernel moving memory: not a GEMM, an attention call, a
-  collective, the done half of an async pair, or an instruction that launches nothing."""
+  collective, the done half of an async pair, or an instruction that launches nothing (a buffer's allocation:
+  the `AllocateBuffer` of a scan's stacked residuals in host memory)."""
   op = i.opcode[: -len("-start")] if i.opcode.endswith("-start") else i.opcode
-  return not (i.opcode in _NO_KERNEL or op in COLLECTIVES or i.opcode.endswith("-done") or _is_compute(i))
+  allocation = i.opcode == "custom-call" and i.attribute("custom_call_target") == "AllocateBuffer"
+  return not (i.opcode in _NO_KERNEL or op in COLLECTIVES or i.opcode.endswith("-done") or _is_compute(i)
+              or allocation)
 
 
 def _is_compute(i: Instruction) -> bool:
@@ -711,6 +747,54 @@ def _top_level(shape: str) -> list[str]:
     depth -= ch in ")}]"
     cur += ch
   return out + ([cur.strip()] if cur.strip() else [])
+
+
+# --- Host transfers ---------------------------------------------------------------------------------------
+
+HOST_MEMORY = ":S(5)"  # A layout's memory space in a GPU program: host memory.
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTransfer:
+  """A copy between device and host memory (see the module doc), per device."""
+  to_host: float  # Bytes a direction, per execution.
+  from_host: float
+  times: int
+  op_name: str
+
+  @property
+  def bytes(self) -> float:
+    return max(self.to_host, self.from_host)
+
+
+def host_transfer_of(p: Program, i: Instruction) -> HostTransfer | None:
+  """The host transfer a `copy-start`, a `copy` or a `fusion-start` is (see the module doc), None for any other
+  instruction or one inside device memory."""
+  if i.opcode == "fusion-start":  # An asynchronous slice or update of a buffer in host memory: a copy.
+    traffic = kernel_traffic(p, i)
+    if not (traffic.to_host or traffic.from_host):
+      return None
+    return HostTransfer(traffic.to_host, traffic.from_host, p.times(i), i.op_name)
+  if i.opcode == "copy-start":  # (destination, source, context)
+    destination, source = _top_level(i.shape)[:2]
+  elif i.opcode == "copy" and i.operands:
+    destination, source = i.shape, p.type_of(i.operands[0])
+  else:
+    return None
+  to_host, from_host = HOST_MEMORY in destination, HOST_MEMORY in source
+  if not (to_host or from_host):
+    return None
+  size = nbytes(destination)
+  return HostTransfer(size if to_host else 0.0, size if from_host else 0.0, p.times(i), i.op_name)
+
+
+def host_transfers(hlo: str | Program) -> dict[str, float]:
+  """{"to_host", "from_host": bytes per device per step}: the copies' and what kernels read and write in host
+  memory themselves."""
+  p = hlo if isinstance(hlo, Program) else Program(hlo)
+  moved = [t for i in p.kernels() if (t := host_transfer_of(p, i)) is not None] + [
+      k for k in memory_kernels(p) if k.to_host or k.from_host]  # Host transfers are no memory kernels.
+  return {"to_host": sum(t.to_host * t.times for t in moved), "from_host": sum(t.from_host * t.times for t in moved)}
 
 
 def host_placements(hlo: str) -> int:

@@ -7,17 +7,21 @@ The rules, in one place (the rates are the GPU's row of ember/hardware/rates.tom
     `tile_m` x `tile_n` tiles runs in waves of one tile per SM; the useful fraction of the tiles x waves it
     occupies is what a small or ragged GEMM loses;
   * a cuDNN attention call: its FLOPs at `attention_forward` / `attention_backward` x the bf16 peak, or its bytes;
-  * every other kernel: its bytes (ember/plan/hlo.py's rule) at `hbm` x the HBM bandwidth;
+  * every other kernel: its bytes (ember/plan/hlo.py's rule) at `hbm` x the HBM bandwidth, or those it reads or
+    writes in host memory itself at `host` x the host link's bandwidth, whichever takes longer;
   * every kernel adds `launch_s`;
   * a collective takes `collective_latency_s` plus the bytes it sends (the roofline's bus-bandwidth rule) at
     `nvlink` or `nic` x the link's bandwidth. Collectives share the network one at a time. An asynchronous one
     (a `*-start` / `*-done` pair) starts where the schedule starts it (or when the network frees) and is hidden
     behind the kernels scheduled before its done; whatever is left when the done is reached is exposed: the
     step waits. A synchronous one is exposed whole;
+  * a host transfer (ember/plan/hlo.py: a policy's offloaded residuals) takes its bytes at `host` x the
+    bandwidth of the link to the host, each direction a link of its own that its transfers share one at a
+    time, hidden or exposed as a collective is;
   * a loop body is walked once and counted its trip count times; a called computation is walked in place; a
     conditional takes its longest branch.
 The step is the compute stream's time at the end of the entry computation. What it leaves out: kernels running
-concurrently on other streams, NCCL kernels slowing the GEMMs they overlap, the host, and L2 reuse.
+concurrently on other streams, NCCL kernels slowing the GEMMs they overlap, the host's own work, and L2 reuse.
 
 `predicted_step_s`, `tokens_per_s_predicted` (per device) and `mfu_predicted` (model FLOPs against the dense
 bf16 peak, as a run's MFU is) go into the compile report, the bench and the planner; `time_by_op` says where
@@ -53,9 +57,10 @@ class _Call:  # A computation run `times` times in place (a loop body, a loop co
 
 
 @dataclasses.dataclass(frozen=True)
-class _Start:  # An asynchronous collective's start.
-  collective: int  # Index into Walk.collectives.
+class _Start:  # An asynchronous transfer's start: a collective's, or a host transfer's where `host`.
+  index: int  # Into Walk.collectives, or Walk.host_transfers.
   name: str
+  host: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +69,9 @@ class _Done:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Sync:  # A synchronous collective.
-  collective: int
+class _Sync:  # A synchronous transfer.
+  index: int
+  host: bool = False
 
 
 class Walk:
@@ -77,6 +83,7 @@ class Walk:
     self.program = p
     rows, self.events = [], {}
     self.collectives: list[hlo.Collective] = []
+    self.host_transfers: list[hlo.HostTransfer] = []
     self._waves: dict[tuple[int, int, int], np.ndarray] = {}  # Wave efficiencies by (tile_m, tile_n, SMs).
     for comp in (c for c in p.computations if c in p.kernel_computations):
       events: list = []
@@ -99,6 +106,7 @@ class Walk:
     self.times = np.array([r[4] for r in rows], dtype=np.float64)
     self.output = [r[5] for r in rows]
     self.labels = [(r[6], r[7]) for r in rows]  # (op, pass)
+    self.host_bytes = np.array([r[8] if len(r) > 8 else 0.0 for r in rows], dtype=np.float64)  # The larger way.
 
   def _event(self, p: hlo.Program, i: hlo.Instruction, rows: list):
     """The event an instruction is, or the index of the kernel row it adds, or None."""
@@ -112,8 +120,13 @@ class Walk:
     if i.opcode == "conditional":
       branches = tuple(c for c in hlo.callees(i.line, "|".join(hlo.BRANCHES)) if c in p.computations)
       return _Call(branches) if branches else None
-    if i.opcode.endswith("-done"):
-      return _Done(i.operands[0]) if i.operands and i.opcode != "fusion-done" else None
+    if i.opcode.endswith("-done"):  # (Ignored where it ends no transfer: a fusion-done of device memory.)
+      return _Done(i.operands[0]) if i.operands else None
+    transfer = hlo.host_transfer_of(p, i)
+    if transfer is not None:
+      self.host_transfers.append(transfer)
+      index = len(self.host_transfers) - 1
+      return _Start(index, i.name, host=True) if i.opcode.endswith("-start") else _Sync(index, host=True)
     collective = hlo.collective_of(p, i)
     if collective is not None:
       self.collectives.append(collective)
@@ -130,7 +143,8 @@ class Walk:
       rows.append((kind, BF16, call.flops, call.bytes, call.times, (), "attention", label[1]))
       return len(rows) - 1
     if hlo.is_memory_kernel(i):
-      rows.append((MEMORY, "", 0.0, hlo.kernel_bytes(p, i), p.times(i), (), *label))
+      traffic = hlo.kernel_traffic(p, i)
+      rows.append((MEMORY, "", 0.0, traffic.device, p.times(i), (), *label, max(traffic.to_host, traffic.from_host)))
       return len(rows) - 1
     return None
 
@@ -143,7 +157,8 @@ class Walk:
     with np.errstate(divide="ignore", invalid="ignore"):
       compute = np.where(self.flops > 0, self.flops / (efficiency * waves), 0.0)
     memory = self.bytes / (machine.hbm_bytes_per_s * rates["hbm"])
-    return np.maximum(compute, memory) + rates["launch_s"]
+    host = self.host_bytes / (facts.host_gb_s * 1e9 * rates["host"])
+    return np.maximum(np.maximum(compute, memory), host) + rates["launch_s"]
 
   def _wave_efficiency(self, tile_m: int, tile_n: int, sms: int) -> np.ndarray:
     """Each kernel's wave efficiency (1 for a kernel that is no GEMM), computed once per tile and SM count."""
@@ -180,6 +195,15 @@ class Prediction:
   kernel_s: np.ndarray  # Per execution, as Walk's table.
   collective_s: np.ndarray  # Per execution, as Walk.collectives.
   exposed_s: np.ndarray  # Per execution: what the step waits for each collective.
+  host_s: np.ndarray  # Per execution, as Walk.host_transfers.
+  host_exposed_s: np.ndarray  # Per execution: what the step waits for each host transfer.
+
+
+_NETWORK, _TO_HOST, _FROM_HOST = "network", "to host", "from host"  # The links transfers take one at a time.
+
+
+def _links(transfer: hlo.HostTransfer) -> tuple[str, ...]:
+  return (_TO_HOST,) * bool(transfer.to_host) + (_FROM_HOST,) * bool(transfer.from_host)
 
 
 def predict(walk: Walk, machine: cost.Machine, rates: Rates | None = None) -> Prediction:
@@ -188,38 +212,44 @@ def predict(walk: Walk, machine: cost.Machine, rates: Rates | None = None) -> Pr
   kernel_s = walk.kernel_seconds(machine, rates)
   cumulative = np.concatenate([[0.0], np.cumsum(kernel_s)])
   collective_s = np.array([_collective_seconds(c, machine, rates) for c in walk.collectives])
-  exposed = np.zeros(len(walk.collectives))
+  host_s = np.array([t.bytes / (machine.facts.host_gb_s * 1e9 * rates["host"]) for t in walk.host_transfers])
+  exposed, host_exposed = np.zeros(len(walk.collectives)), np.zeros(len(walk.host_transfers))
   durations: dict[str, float] = {}
+
+  def transfer(e) -> tuple[float, tuple[str, ...], np.ndarray]:  # (seconds, links, exposed array) of a transfer.
+    if e.host:
+      return host_s[e.index], _links(walk.host_transfers[e.index]), host_exposed
+    return collective_s[e.index], (_NETWORK,), exposed
 
   def run(comp: str) -> float:
     if comp in durations:
       return durations[comp]
-    t, network_free, pending = 0.0, 0.0, {}
+    t, free, pending = 0.0, collections.defaultdict(float), {}
     for e in walk.events.get(comp, ()):
       if isinstance(e, _Span):
         t += cumulative[e.stop] - cumulative[e.start]
       elif isinstance(e, _Call):
         t += e.times * max(run(c) for c in e.computations)
-      elif isinstance(e, _Start):
-        begin = max(t, network_free)
-        network_free = begin + collective_s[e.collective]
-        pending[e.name] = (e.collective, network_free)
+      elif isinstance(e, (_Start, _Sync)):
+        seconds, links, waits = transfer(e)
+        end = max(t, *(free[link] for link in links)) + seconds
+        free.update((link, end) for link in links)
+        if isinstance(e, _Start):
+          pending[e.name] = (waits, e.index, end)
+        else:
+          waits[e.index] = end - t
+          t = end
       elif isinstance(e, _Done) and e.start in pending:
-        index, end = pending.pop(e.start)
-        exposed[index] = max(end - t, 0.0)
+        waits, index, end = pending.pop(e.start)
+        waits[index] = max(end - t, 0.0)
         t = max(t, end)
-      elif isinstance(e, _Sync):
-        begin = max(t, network_free)
-        network_free = begin + collective_s[e.collective]
-        exposed[e.collective] = network_free - t
-        t = network_free
-    for index, end in pending.values():  # Started and never waited for here: the computation ends after it.
-      exposed[index] = max(end - t, 0.0)
+    for waits, index, end in pending.values():  # Started and never waited for here: the computation ends after it.
+      waits[index] = max(end - t, 0.0)
       t = max(t, end)
     durations[comp] = t
     return t
 
-  return Prediction(run(walk.program.entry), kernel_s, collective_s, exposed)
+  return Prediction(run(walk.program.entry), kernel_s, collective_s, exposed, host_s, host_exposed)
 
 
 def _collective_seconds(c: hlo.Collective, machine: cost.Machine, rates: Rates) -> float:
@@ -232,20 +262,23 @@ def _collective_seconds(c: hlo.Collective, machine: cost.Machine, rates: Rates) 
 
 def time_by_op(walk: Walk, prediction: Prediction) -> list[dict]:
   """Where the predicted time goes, per device per step: kernels by op (the last part of the op name, as
-  `memory_by_op`), kind (gemm, attention, memory) and pass; collectives by kind and pass, the exposed part and
-  the hidden part in rows of their own. The exposed rows sum to the step. Exposed collectives first, then the
-  rest, each by seconds."""
+  `memory_by_op`), kind (gemm, attention, memory) and pass; collectives by kind and pass, and host transfers
+  (kind `host`) by direction and pass, the exposed part and the hidden part in rows of their own. The exposed
+  rows sum to the step. Exposed transfers (collectives, host) first, then the rest, each by seconds."""
   totals: dict[tuple[str, str, str, bool], float] = collections.defaultdict(float)
   for k, (op, pass_) in enumerate(walk.labels):
     totals[(op, pass_, _KIND_NAMES[int(walk.kind[k])], True)] += prediction.kernel_s[k] * walk.times[k]
-  for k, c in enumerate(walk.collectives):
-    pass_ = cost.pass_of(c.op_name)
-    exposed = prediction.exposed_s[k] * c.times
-    totals[(c.kind, pass_, "collective", True)] += exposed
-    totals[(c.kind, pass_, "collective", False)] += prediction.collective_s[k] * c.times - exposed
+  transfers = [("collective", walk.collectives, prediction.collective_s, prediction.exposed_s, lambda c: c.kind),
+               ("host", walk.host_transfers, prediction.host_s, prediction.host_exposed_s,
+                lambda t: " and ".join(_links(t)))]
+  for kind, items, seconds, waits, op_of in transfers:
+    for k, t in enumerate(items):
+      key, exposed = (op_of(t), cost.pass_of(t.op_name), kind), waits[k] * t.times
+      totals[(*key, True)] += exposed
+      totals[(*key, False)] += seconds[k] * t.times - exposed
   rows = [{"op": op, "pass": pass_, "kind": kind, "seconds": s, "exposed": exposed}
           for (op, pass_, kind, exposed), s in totals.items() if s > 0]
-  return sorted(rows, key=lambda r: (not (r["kind"] == "collective" and r["exposed"]), -r["seconds"]))
+  return sorted(rows, key=lambda r: (not (r["kind"] in ("collective", "host") and r["exposed"]), -r["seconds"]))
 
 
 def predicted_step(p: hlo.Program, machine: cost.Machine | None, *, model_flops: float, tokens: float) -> dict:

@@ -18,6 +18,8 @@ from ember import remat
 from ember.config import Settings
 from ember.names import BATCH_KEYS
 from ember.parallel.sharding import use_rules
+from ember.plan import hlo, predict
+from ember.plan.cost import Machine
 from ember.plan.jaxpr import jaxpr_flops
 from ember.trainer.perf import compiled_peak_bytes, host_bytes
 from ember.trainer.state import state_shardings
@@ -61,6 +63,7 @@ class StepFigures:
   peak_bytes: int | None  # Per device: XLA's memory analysis of the compiled step (None: not compiled).
   xla_flops: float | None  # XLA's cost_analysis() of the compiled per-device program (loop bodies once).
   host_bytes: int | None = None  # Per device: host memory the compiled program uses (offloaded residuals).
+  predicted_s: float | None = None  # The compiled step's predicted time (ember/plan/predict.py) on GPUs it knows.
 
 
 def step_figures(cfg: Settings, mesh, tx, schedule, preset: remat.Preset, *, compile: bool = True,
@@ -81,4 +84,7 @@ def step_figures(cfg: Settings, mesh, tx, schedule, preset: remat.Preset, *, com
     host = host_bytes(compiled.memory_analysis())
   except Exception:  # Backends without a memory analysis.
     host = None
-  return StepFigures(flops, compiled_peak_bytes(compiled), xla_flops, host)
+  machine = Machine.of_mesh(mesh)
+  predicted = None if machine is None else predict.predicted_step(
+      hlo.Program(compiled.as_text()), machine, model_flops=0.0, tokens=1.0)["predicted_step_s"]
+  return StepFigures(flops, compiled_peak_bytes(compiled), xla_flops, host, predicted)

@@ -48,8 +48,9 @@ def _work_lines(r: dict) -> list[str]:
            f"model's {_flops(r['model_flops'])} per device per step; remat recomputes {_flops(r['recompute_flops'])}"]
   if r["time_floor_s"] is not None:
     parts = r["time_floor_parts_s"]
+    host = f" and host transfers {_ms(parts['host'])}" if parts.get("host") else ""
     lines.append(f"  time floor:  {_ms(r['time_floor_s'])} a step (roofline: compute {_ms(parts['compute'])} + memory "
-                 f"{_ms(parts['memory'])}, overlapped with collectives {_ms(parts['collectives'])}; serial "
+                 f"{_ms(parts['memory'])}, overlapped with collectives {_ms(parts['collectives'])}{host}; serial "
                  f"{_ms(r['time_serial_s'])}): MFU at most {r['mfu_ceiling']:.1%}{_over_100(r['mfu_ceiling'])}, at most "
                  f"{r['tokens_per_s_ceiling']:,.0f} tokens/s per device")
   if r.get("predicted_step_s"):
@@ -96,10 +97,19 @@ def format_report(r: dict) -> str:
       + " (each instruction once; a scan body once)",
       f"  attention:   {attention}",
       f"  collectives: {collectives} per device per step",
+      *_host_lines(r.get("host_transfer_bytes")),
       *_work_lines(r),
       *_moe_lines(r.get("moe")),
       f"  compiled in {r['compile_s']:.1f} s; memory is an estimate: {r['memory_note']}",
   ])
+
+
+def _host_lines(moved: dict | None) -> list[str]:
+  """The host transfers' line, where the program has any (a policy's offloaded residuals)."""
+  if not moved or not any(moved.values()):
+    return []
+  return [f"  host:        {moved['to_host'] / 2**30:,.1f} GiB to host memory and {moved['from_host'] / 2**30:,.1f} GiB "
+          "back per device per step"]
 
 
 def _moe_lines(moe: dict | None) -> list[str]:

@@ -9,23 +9,26 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-_PART_COLORS = {"compute": "tab:blue", "memory": "tab:orange", "collectives": "tab:green"}
+_PART_COLORS = {"compute": "tab:blue", "memory": "tab:orange", "collectives": "tab:green", "host": "tab:brown"}
 _KIND_COLORS = {"gemm": "tab:blue", "attention": "tab:purple", "memory": "tab:orange", "collective": "tab:green",
-                "launch": "tab:gray"}
+                "host": "tab:brown", "launch": "tab:gray"}
 
 
 def time_split(report: dict, path: str, top: int = 12) -> None:
-  """A compile report's step: left, the roofline floor's parts (compute, memory, collectives: the floor overlaps
-  collectives with the rest) beside the predicted step; right, where the predicted time goes (`time_by_op`, the
-  largest entries; exposed collectives hatched)."""
+  """A compile report's step: left, the roofline floor's parts (compute, memory, collectives, host transfers: the
+  floor overlaps the last two with the rest) beside the predicted step; right, where the predicted time goes
+  (`time_by_op`, the largest entries; exposed transfers hatched)."""
   fig, (split, ops) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [2, 3]})
   parts = report["time_floor_parts_s"]
   left = 0.0
   for name in ("compute", "memory"):
     split.barh(["floor (serial parts)"], [parts[name] * 1e3], left=left, color=_PART_COLORS[name], label=name)
     left += parts[name] * 1e3
-  split.barh(["floor (serial parts)"], [parts["collectives"] * 1e3], left=left, color=_PART_COLORS["collectives"],
-             label="collectives", alpha=0.5)
+  for name in ("collectives", "host"):  # Overlapped with the rest: drawn after it, lighter.
+    if parts.get(name):
+      split.barh(["floor (serial parts)"], [parts[name] * 1e3], left=left, color=_PART_COLORS[name], label=name,
+                 alpha=0.5)
+      left += parts[name] * 1e3
   split.barh(["floor"], [report["time_floor_s"] * 1e3], color="tab:red", alpha=0.7)
   if report.get("predicted_step_s"):
     split.barh(["predicted"], [report["predicted_step_s"] * 1e3], color="black", alpha=0.7)
@@ -42,8 +45,8 @@ def time_split(report: dict, path: str, top: int = 12) -> None:
   labels, entries = [label for label, _ in largest], [e for _, e in largest]
   ops.barh(labels, [e["seconds"] * 1e3 for e in entries], color=[_KIND_COLORS.get(e.get("kind"), "tab:gray")
                                                                    for e in entries],
-           hatch=["//" if e.get("exposed") and e.get("kind") == "collective" else "" for e in entries])
-  ops.set(xlabel="ms a step (predicted)", title="where the predicted step goes (hatched: exposed collectives)")
+           hatch=["//" if e.get("exposed") and e.get("kind") in ("collective", "host") else "" for e in entries])
+  ops.set(xlabel="ms a step (predicted)", title="where the predicted step goes (hatched: exposed transfers)")
   ops.tick_params(axis="y", labelsize=8)
   for ax in (split, ops):
     ax.grid(True, axis="x", alpha=0.3)

@@ -45,7 +45,7 @@ COLUMNS = (("policy", "policy"), ("residual_bytes_per_layer", "residuals/layer")
            ("offloaded_bytes_per_layer", "offloaded/layer"), ("recomputed_quantize_ops_per_layer", "quantize ops"),
            ("recomputed_gemms_per_layer", "GEMMs"), ("recomputed_attention_matmuls_per_layer", "attn matmuls"),
            ("flops_per_step", "FLOPs/step"), ("recomputed_flops_per_step", "recomputed"), ("peak_bytes", "peak/device"),
-           ("host_bytes", "host/device"))
+           ("host_bytes", "host/device"), ("predicted_step_s", "predicted step"))
 
 
 def policy_names(requested: str, cfg: Settings) -> list[str]:
@@ -77,7 +77,7 @@ def build_report(cfg: Settings, names, *, compile: bool = True, batch: int | Non
     f = figures[n]
     rows.append({"policy": n, **layers[n], "flops_per_step": f.flops, "recomputed_flops_per_step": f.flops - base,
                  "xla_flops_per_device": f.xla_flops, "peak_bytes": f.peak_bytes, "host_bytes": f.host_bytes,
-                 "peak_source": "compiled"})
+                 "predicted_step_s": f.predicted_s, "peak_source": "compiled"})
   m = cfg.model
   about = {"model": m.name, "recipe": cfg.quant.name, "batch_size": cfg.train.batch_size, "seq_len": m.seq_len,
            "layer_batch_per_device": batch or layer_plan.per_device_batch(cfg), "devices": len(mesh.devices.flat),
@@ -94,6 +94,8 @@ def _cell(key: str, value) -> str:
     return format_bytes(value)
   if "flops" in key:
     return format_flops(value)
+  if key.endswith("_s"):
+    return f"{value * 1e3:,.1f} ms"
   return f"{value:g}"
 
 

@@ -3,6 +3,8 @@ own measured steps (ember/plan/calibrate.py, benchmarks/measured/h100/)."""
 
 import math
 
+import jax
+import numpy as np
 import pytest
 
 from ember import hardware
@@ -92,6 +94,56 @@ def test_a_loop_body_counts_its_trips_and_time_by_op_sums_to_the_step():
   assert gemm["op"] == "dot_general" and gemm["seconds"] == pytest.approx(4 * _gemm_seconds(8192, 8192, 8192))
 
 
+def _host_seconds(nbytes: float) -> float:
+  """A copy to or from pinned host memory: its bytes at the host link x the rate."""
+  return nbytes / (H100.facts.host_gb_s * 1e9 * RATES["host"])
+
+
+def test_host_transfers_take_the_host_link_each_way_and_hide_behind_the_work_between_start_and_done():
+  """An offloaded residual (128 MiB to host memory, about 2.6 ms) behind one 8192^3 GEMM (about 1.7 ms); a second
+  one the same way waits for the link, one coming back takes the other direction's."""
+  to_host = lambda name, src: (f"  %{name} = (bf16[8192,8192]{{1,0:S(5)}}, bf16[8192,8192]{{1,0}}, u32[]) "
+                               f'copy-start(%{src}), metadata={{op_name="jit(step)/jvp()/device_put"}}')
+  gemm, moved = _gemm_seconds(8192, 8192, 8192), _host_seconds(8192 * 8192 * 2)
+  one = [to_host("c", "x"), _GEMM.format(name="g", a="x", b="y"), "  %cd = bf16[8192,8192]{1,0:S(5)} copy-done(%c)"]
+  walk = predict.Walk(_program(one))
+  got = predict.predict(walk, ONE_NODE)
+  assert got.step_s == pytest.approx(max(gemm, moved))
+  assert got.host_exposed_s[0] == pytest.approx(moved - gemm)
+  rows = predict.time_by_op(walk, got)
+  assert rows[0]["kind"] == "host" and rows[0]["op"] == "to host" and rows[0]["exposed"]
+  assert sum(r["seconds"] for r in rows if r["kind"] == "host") == pytest.approx(moved)
+  # Two the same way: one after the other on the link.
+  two = [to_host("c", "x"), to_host("c2", "y"), _GEMM.format(name="g", a="x", b="y"),
+         "  %cd = bf16[8192,8192]{1,0:S(5)} copy-done(%c)", "  %cd2 = bf16[8192,8192]{1,0:S(5)} copy-done(%c2)"]
+  assert predict.predict(predict.Walk(_program(two)), ONE_NODE).step_s == pytest.approx(max(gemm, 2 * moved))
+  # One each way: side by side.
+  back = [to_host("c", "x"), "  %h = bf16[8192,8192]{1,0:S(5)} parameter(2)",
+          "  %b = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0:S(5)}, u32[]) copy-start(%h)",
+          _GEMM.format(name="g", a="x", b="y"), "  %cd = bf16[8192,8192]{1,0:S(5)} copy-done(%c)",
+          "  %bd = bf16[8192,8192]{1,0} copy-done(%b)"]
+  p = _program(back)
+  assert predict.predict(predict.Walk(p), ONE_NODE).step_s == pytest.approx(max(gemm, moved))
+  # The roofline: the larger direction at the link's full bandwidth, beside compute + memory; no memory kernel.
+  assert hlo.host_transfers(p) == {"to_host": 8192 * 8192 * 2, "from_host": 8192 * 8192 * 2}
+  assert not hlo.memory_kernels(p)
+  parts = cost.roofline(p, hlo.gemms(p), [], model_flops=1.0, tokens=1.0, machine=ONE_NODE)["time_floor_parts_s"]
+  assert parts["host"] == pytest.approx(8192 * 8192 * 2 / (H100.facts.host_gb_s * 1e9))
+  # A copy inside device memory is a memory kernel as before, and no host transfer.
+  device = predict.Walk(_program(["  %d = bf16[8192,8192]{1,0} copy(%x)"]))
+  assert not device.host_transfers and len(device.kind) == 1
+  # A kernel that reads a slice of a buffer in host memory itself: the slice over the link, its result through HBM.
+  # (A buffer's allocation there moves nothing.)
+  sliced = _program(["  %h = bf16[16,8192,8192]{2,1,0:S(5)} parameter(2)", "  %i = s32[] parameter(3)",
+                     '  %a = bf16[16,8192,8192]{2,1,0:S(5)} custom-call(), custom_call_target="AllocateBuffer"',
+                     "  %z = s32[] constant(0)",
+                     "  %s = bf16[1,8192,8192]{2,1,0} dynamic-slice(%h, %i, %z, %z), dynamic_slice_sizes={1,8192,8192}"])
+  [kernel] = hlo.memory_kernels(sliced)
+  assert (kernel.bytes, kernel.to_host, kernel.from_host) == (8192 * 8192 * 2, 0, 8192 * 8192 * 2)
+  assert predict.predict(predict.Walk(sliced), ONE_NODE).step_s == pytest.approx(
+      _host_seconds(8192 * 8192 * 2) + RATES["launch_s"])
+
+
 def test_a_small_gemm_loses_to_wave_quantization():
   """133 tiles on 132 SMs take two waves: about half the second wave's SMs' time is lost."""
   assert predict.wave_efficiency((128 * 133, 256), 128, 256, 132) == pytest.approx(133 / 264)
@@ -127,3 +179,8 @@ def test_fit_rates_prints_the_leave_one_out_check(capsys):
   with pytest.raises(SystemExit) as e:
     fit_rates.main(["fit_rates", "--gpu=a100"])
   assert e.value.code == 2
+
+
+def test_no_machine_for_cpu_devices():
+  """A mesh of CPU devices has no GPU to predict for: `auto` ranks by FLOPs there."""
+  assert cost.Machine.of_mesh(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))) is None

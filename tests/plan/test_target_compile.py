@@ -10,10 +10,11 @@ import re
 
 import jax
 import matplotlib.image
+import numpy as np
 import pytest
 
 from ember import remat
-from ember.plan import hlo
+from ember.plan import cost, hlo
 from ember.plan import target as target_lib
 from ember.plan import compile as compile_plan
 from ember.plan import step as step_plan
@@ -535,13 +536,26 @@ def test_unknown_target_is_one_line_exit_2(capsys):
                                              "with gpu in b200, h100, h200 (e.g. h100x8)")
 
 
-def test_auto_chooses_under_the_target_memory():
-  """`auto` with no budget takes the target's 79.1 GiB: llama3_8b's `none` (79.4 GiB) is out, `full` in."""
+def test_auto_chooses_under_the_target_memory(capsys):
+  """`auto` with no budget takes the target's 79.1 GiB: llama3_8b's `none` (79.4 GiB) is out, `full` in; each
+  candidate's step is predicted for the target's GPUs (what `auto` ranks by)."""
   cfg = loaded(["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
                          "--config.quant.recipe=fp8_current", "--config.train.batch_size=8",
                          "--config.remat.policy=auto", "--config.remat.auto_candidates=('none', 'full')", *SCANNED])
   r = compile_report(cfg, target_lib.parse("h100x8"))
   assert r["remat_policy"] == "full" and r["fits"]
+  lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("remat auto: ") and "peak" in line]
+  assert len(lines) == 2 and all("predicted" in line for line in lines), lines
+
+
+def test_a_target_mesh_is_its_gpus_in_nodes():
+  """The machine a mesh of a target's devices runs on (what `auto` predicts steps for): the GPU's facts and rates,
+  its devices in nodes of 8."""
+  target = target_lib.parse("h100x16")
+  mesh = jax.sharding.Mesh(np.array(target.devices()).reshape(2, 8), ("data", "fsdp"))
+  machine = cost.Machine.of_mesh(mesh)
+  assert machine.facts.name == "h100" and machine.rates.gpu == "h100"
+  assert machine.node_of_partition == (0,) * 8 + (1,) * 8
 
 
 def test_ragged_dispatch_compiles_for_eight_gpus_and_moves_less():
