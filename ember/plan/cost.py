@@ -11,7 +11,8 @@ The time floor is a roofline, a bound and not a prediction:
   * host: the bytes of the host transfers (ember/plan/hlo.py: a policy's offloaded residuals), the larger
     direction, at the bandwidth of the GPU's link to the host.
 `time_floor_s` overlaps collectives and host transfers with compute + memory (the largest of the three);
-`time_serial_s` adds all four. Peaks and link bandwidths are ember/hardware/facts.toml's; HBM bandwidth is the XLA spec's.
+`time_serial_s` adds all four. Peaks and link bandwidths are ember/hardware/facts.toml's; HBM bandwidth is the
+XLA spec's.
 `mfu_ceiling` is the model FLOPs over the floor against the dense bf16 peak (how ember's MFU is measured,
 whatever the recipe); `tokens_per_s_ceiling` is per device.
 """
@@ -24,7 +25,6 @@ from ember import hardware
 from ember.hardware import DeviceFacts, Rates
 from ember.names import EXPERT_GEMM_SCOPE, HADAMARD_SCOPE
 from ember.plan import hlo
-from ember.plan.target import NODE_SIZE
 from ember.quant.recipe import BF16  # Attention's precision: the compute dtype's.
 
 TOP = 5  # Largest values and collectives reported.
@@ -49,16 +49,14 @@ class Machine:
   @classmethod
   def of_mesh(cls, mesh) -> "Machine | None":
     """The GPUs of a mesh, a run's or a described target's, where ember/hardware/ has their kind's spec and rates,
-    in nodes of NODE_SIZE in device order (by process, as a target's devices and a launch's ranks lie); None for
-    any other devices."""
+    a node a process (a target's nodes are its processes; a run launches one process a node, docs/multihost.md:
+    one a GPU would price every collective at the network's bandwidth); None for any other devices."""
     devices = list(mesh.devices.flat)
     facts = hardware.facts_for_kind(devices[0].device_kind) if devices[0].platform == "gpu" else None
     if facts is None or facts.name not in hardware.GPUS:
       return None
     g = hardware.gpu(facts.name)
-    position = {d.id: k for k, d in enumerate(sorted(devices, key=lambda d: (d.process_index, d.id)))}
-    return cls(g.facts, g.hbm_bytes_per_s, tuple(position[d.id] // NODE_SIZE for d in devices),
-               hardware.rates(facts.name))
+    return cls(g.facts, g.hbm_bytes_per_s, tuple(d.process_index for d in devices), hardware.rates(facts.name))
 
 
 def step_cost(text: str | hlo.Program, *, model_flops: float, tokens: float, machine: Machine | None) -> dict:

@@ -471,6 +471,11 @@ class Traffic:
   to_host: float = 0.0
   from_host: float = 0.0
 
+  @property
+  def host(self) -> float:
+    """The bytes over the host link's busier direction."""
+    return max(self.to_host, self.from_host)
+
 
 def kernel_bytes(p: Program, i: Instruction) -> float:
   """The bytes a kernel reads and writes in device memory (see the module doc)."""
@@ -751,7 +756,7 @@ def _top_level(shape: str) -> list[str]:
 
 # --- Host transfers ---------------------------------------------------------------------------------------
 
-HOST_MEMORY = ":S(5)"  # A layout's memory space in a GPU program: host memory.
+HOST_MEMORY = "S(5)"  # A layout's memory space in a GPU program: host memory.
 
 
 @dataclasses.dataclass(frozen=True)

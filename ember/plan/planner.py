@@ -273,7 +273,8 @@ class Estimator:
       iterations, kept = accum, 1  # The micro-batch loop: one micro-batch's activations alive at a time.
     else:  # Micro-batches' worth of time and of kept activations: GPipe every iteration's, 1F1B its chunks in flight.
       iterations = accum / (1 - pipeline.bubble_fraction(accum, stages, layout.schedule, virtual))
-      kept = pipeline.in_flight(accum, stages, layout.schedule, virtual) / virtual
+      kept = (pipeline.iterations(accum, stages) if layout.schedule == "gpipe"
+              else pipeline.ring_slots(accum, stages, virtual)) / virtual
     # Memory: the state, the float32 gradient (and the accumulator of a multi-micro-batch step), the kept
     # activations of every layer and one layer's whole working set, split over `tensor` where heads and MLP
     # units are.

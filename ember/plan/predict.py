@@ -75,9 +75,10 @@ class _Sync:  # A synchronous transfer.
 
 
 class Walk:
-  """A program's kernels and collectives in scheduled order, read once: the kernel table (one row per kernel
-  instruction: its class, precision, FLOPs and bytes per execution, executions per step, op and pass) and each
-  computation's events. `predict` times it for a GPU's rates; a fit times it many times."""
+  """A program's kernels, collectives and host transfers in scheduled order, read once: the kernel table (one row
+  per kernel instruction: its class, precision, FLOPs and bytes per execution, executions per step, op and pass,
+  bytes over the host link) and each computation's events. `predict` times it for a GPU's rates; a fit times it
+  many times."""
 
   def __init__(self, p: hlo.Program):
     self.program = p
@@ -144,7 +145,7 @@ class Walk:
       return len(rows) - 1
     if hlo.is_memory_kernel(i):
       traffic = hlo.kernel_traffic(p, i)
-      rows.append((MEMORY, "", 0.0, traffic.device, p.times(i), (), *label, max(traffic.to_host, traffic.from_host)))
+      rows.append((MEMORY, "", 0.0, traffic.device, p.times(i), (), *label, traffic.host))
       return len(rows) - 1
     return None
 

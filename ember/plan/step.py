@@ -1,8 +1,9 @@
 """The whole train step under a remat policy, traced and compiled on abstract sharded inputs.
 
 `trace_train_step` traces the real step (ember/trainer/step.py, jitted as the loop jits it) without
-allocating anything; `step_figures` reads its FLOPs off the jaxpr (scan trip counts applied) and
-XLA's peak bytes per device off the compiled program.
+allocating anything; `step_figures` reads its FLOPs off the jaxpr (scan trip counts applied), XLA's peak
+bytes per device off the compiled program and, on GPUs ember/hardware/ knows, the program's predicted step
+(ember/plan/predict.py).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class StepFigures:
 
 def step_figures(cfg: Settings, mesh, tx, schedule, preset: remat.Preset, *, compile: bool = True,
                  compiler_options: dict | None = None) -> StepFigures:
-  """FLOPs of the traced step and, compiled (with `compiler_options`, a target's), its peak bytes."""
+  """FLOPs of the traced step and, compiled (with `compiler_options`, a target's), its peak bytes and, on GPUs
+  ember/hardware/ knows, its predicted time."""
   traced = trace_train_step(cfg, mesh, tx, schedule, preset)
   flops = jaxpr_flops(traced.jaxpr.jaxpr)
   if not compile:
@@ -85,6 +87,6 @@ def step_figures(cfg: Settings, mesh, tx, schedule, preset: remat.Preset, *, com
   except Exception:  # Backends without a memory analysis.
     host = None
   machine = Machine.of_mesh(mesh)
-  predicted = None if machine is None else predict.predicted_step(
-      hlo.Program(compiled.as_text()), machine, model_flops=0.0, tokens=1.0)["predicted_step_s"]
+  predicted = None if machine is None else predict.predict(predict.Walk(hlo.Program(compiled.as_text())),
+                                                           machine).step_s
   return StepFigures(flops, compiled_peak_bytes(compiled), xla_flops, host, predicted)
