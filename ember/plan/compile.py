@@ -20,7 +20,6 @@ from jax.sharding import Mesh
 
 from ember import config as config_lib
 from ember.config import Settings
-from ember import hardware
 from ember.layers import moe_dispatch
 from ember.parallel import axes, pipeline
 from ember.parallel.mesh import make_mesh
@@ -101,7 +100,7 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
     report["attention_note"] = attention_note
   num_devices = len(mesh.devices.flat)
   per_device = work_per_device(cfg, num_devices)
-  m = machine(target, mesh)
+  m = cost.Machine.of_mesh(mesh)  # A target's nodes are its processes, as a run's.
   report.update(cost.step_cost(program, machine=m, **per_device))
   report.update(predict.predicted_step(program, m, **per_device))
   if cfg.model.num_experts:
@@ -133,16 +132,6 @@ def pipeline_figures(cfg: Settings, mesh, report: dict) -> dict:
           "in_flight": pipeline.in_flight(micro, stages, schedule, virtual),
           "stage_transfer_bytes": pipeline.stage_transfers(micro, stages, schedule, virtual) * activation,
           "padding_layers": (cfg.stacked_blocks - m.num_blocks) * m.block_size}
-
-
-def machine(target: Target, mesh) -> cost.Machine | None:
-  """The target's roofline figures and achievable rates, with the node of each of the program's partitions (the
-  mesh's devices in order; the target's devices are node-major)."""
-  if not target.is_gpu:
-    return None
-  position = {d.id: k for k, d in enumerate(target.devices())}
-  nodes = tuple(position[d.id] // target.per_node for d in mesh.devices.flat)
-  return cost.Machine(target.facts, target.hbm_bytes_per_s, nodes, hardware.rates(target.gpu))
 
 
 def moe_figures(p: moe_dispatch.Plan, program: hlo.Program) -> dict:

@@ -69,18 +69,21 @@ def step_cost(text: str | hlo.Program, *, model_flops: float, tokens: float, mac
   attention = sum(c.flops_per_step - c.recomputed_flops_per_step for c in calls)
   recompute = sum(g.flops_per_step for g in gemms if g.recomputed) + sum(c.recomputed_flops_per_step for c in calls)
   first_pass = sum(executed.values()) + attention
+  moved = hlo.host_transfers(p)
   out = {
       "executed_flops": executed, "recompute_flops": recompute, "attention_flops": attention,
       "emulated_flops": sum(g.flops_per_step for g in gemms if g.emulated and not g.recomputed),
       "model_flops": model_flops, "executed_over_model": first_pass / model_flops if model_flops else None,
       "largest_values": largest_values(p), "largest_collectives": largest_collectives(p, machine),
-      "memory_by_op": memory_by_op(p), "host_transfer_bytes": hlo.host_transfers(p),
+      "memory_by_op": memory_by_op(p), "host_transfer_bytes": moved,
   }
-  out.update(roofline(p, gemms, calls, model_flops=model_flops, tokens=tokens, machine=machine))
+  out.update(roofline(p, gemms, calls, model_flops=model_flops, tokens=tokens, machine=machine, moved=moved))
   return out
 
 
-def roofline(p: hlo.Program, gemms, calls, *, model_flops: float, tokens: float, machine: Machine | None) -> dict:
+def roofline(p: hlo.Program, gemms, calls, *, model_flops: float, tokens: float, machine: Machine | None,
+             moved: dict[str, float] | None = None) -> dict:
+  """The floor and its ceilings; `moved`: the program's `hlo.host_transfers`, where the caller has them."""
   if machine is None:
     return {"time_floor_s": None, "time_serial_s": None, "mfu_ceiling": None, "tokens_per_s_ceiling": None}
   facts, hbm = machine.facts, machine.hbm_bytes_per_s
@@ -88,7 +91,7 @@ def roofline(p: hlo.Program, gemms, calls, *, model_flops: float, tokens: float,
   compute += sum(max(c.flops / facts.peak_flops(BF16), c.bytes / hbm) * c.times for c in calls)
   memory = sum(k.bytes * k.times for k in hlo.memory_kernels(p)) / hbm
   network = sum(collective_seconds(c, machine) for c in hlo.collective_ops(p))
-  host = max(hlo.host_transfers(p).values()) / (facts.host_gb_s * 1e9)
+  host = max((hlo.host_transfers(p) if moved is None else moved).values()) / (facts.host_gb_s * 1e9)
   floor = max(compute + memory, network, host)
   return {
       "time_floor_s": floor, "time_serial_s": compute + memory + network + host,

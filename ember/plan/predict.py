@@ -107,7 +107,7 @@ class Walk:
     self.times = np.array([r[4] for r in rows], dtype=np.float64)
     self.output = [r[5] for r in rows]
     self.labels = [(r[6], r[7]) for r in rows]  # (op, pass)
-    self.host_bytes = np.array([r[8] if len(r) > 8 else 0.0 for r in rows], dtype=np.float64)  # The larger way.
+    self.host_bytes = np.array([r[8] for r in rows], dtype=np.float64)  # Over the host link's busier direction.
 
   def _event(self, p: hlo.Program, i: hlo.Instruction, rows: list):
     """The event an instruction is, or the index of the kernel row it adds, or None."""
@@ -136,12 +136,12 @@ class Walk:
     label = (cost.op_of(i.op_name) if i.op_name else f"({i.opcode})", cost.pass_of(i.op_name))
     gemm = hlo.gemm_of(p, i)
     if gemm is not None:
-      rows.append((GEMM, gemm.precision, gemm.flops, gemm.bytes, gemm.times, gemm.output_dims, *label))
+      rows.append((GEMM, gemm.precision, gemm.flops, gemm.bytes, gemm.times, gemm.output_dims, *label, 0.0))
       return len(rows) - 1
     call = hlo.attention_of(p, i)
     if call is not None:
       kind = ATTENTION_BACKWARD if call.backward else ATTENTION_FORWARD
-      rows.append((kind, BF16, call.flops, call.bytes, call.times, (), "attention", label[1]))
+      rows.append((kind, BF16, call.flops, call.bytes, call.times, (), "attention", label[1], 0.0))
       return len(rows) - 1
     if hlo.is_memory_kernel(i):
       traffic = hlo.kernel_traffic(p, i)

@@ -297,7 +297,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   index = jax.ShapeDtypeStruct((), jnp.int32)
   _, aux_like, shapes = jax.eval_shape(run_forward, x_zero, index, index)
   # Offloaded residuals' slots lie in host memory, as the policy put them.
-  ring0 = [_ring(slots + 1, s, space) for s, space in zip(shapes, structure["spaces"])]  # pipeline.ring_slots
+  ring0 = [_ring(pipeline.ring_slots(m, stages, virtual), s, space) for s, space in zip(shapes, structure["spaces"])]
   stage_rows = lambda k, a: (virtual * a.shape[0], *a.shape[1:]) if k.endswith(BY_LAYER) else a.shape
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
   embedded_grad0 = shard(jnp.zeros((m, *x_like.shape), x_like.dtype), (None, *ACTIVATION))
