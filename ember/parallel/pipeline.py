@@ -28,10 +28,12 @@ as the micro-batch loop does (max, `health.combine`) instead of summing them.
 from __future__ import annotations
 
 import functools
+import heapq
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ember.names import PIPELINE
 
@@ -93,11 +95,12 @@ def bubble_fraction(micro_batches: int, num_stages: int, schedule: str = "gpipe"
 
 def in_flight(micro_batches: int, num_stages: int, schedule: str = "1f1b", virtual_stages: int = 1) -> int:
   """Chunks (1/V of a stage each) whose forward pass a stage has run and whose backward pass it has not, at most:
-  GPipe keeps every iteration's; under the 1F1B schedules stage 0's first chunk waits 2VS - 2 ticks for its
-  backward pass, a forward pass entering every tick."""
+  GPipe keeps every iteration's; under the 1F1B schedules stage 0 runs a forward pass every tick from tick 0 and a
+  backward pass every tick from tick S + VS - 2 (`backward_unit`), so it keeps S + VS - 1 (Megatron's count for
+  its interleaved schedule, (S - 1) 2 + (V - 1) S + 1; 2S - 1 for V = 1), and every other stage fewer."""
   if schedule == "gpipe":
     return iterations(micro_batches, num_stages)
-  return min(micro_batches * virtual_stages, 2 * virtual_stages * num_stages - 1)
+  return max(ring_table(micro_batches, num_stages, virtual_stages)) + 1
 
 
 def ring_slots(micro_batches: int, num_stages: int, virtual_stages: int = 1) -> int:
@@ -105,6 +108,38 @@ def ring_slots(micro_batches: int, num_stages: int, virtual_stages: int = 1) -> 
   a tick without a forward pass writes its unused residuals to, so that no slot is read back to be kept as it was
   (a select: host memory, where a policy's offloaded residuals lie, cannot run one)."""
   return in_flight(micro_batches, num_stages, "1f1b", virtual_stages) + 1
+
+
+@functools.lru_cache(maxsize=64)
+def ring_table(micro_batches: int, num_stages: int, virtual_stages: int = 1) -> tuple[int, ...]:
+  """The ring slot of each forward pass of a 1F1B stage, by its position in the stage's forward order
+  (`forward_index`): a slot is taken at the forward pass's tick and freed after its backward pass's, and each
+  forward pass takes the lowest free slot, so the ring needs no more slots than chunks are ever in flight.
+
+  Indexed by forward position modulo the slots, the ring would need as many as the longest wait (2VS - 1 ticks:
+  a group's chunk 0, whose backward pass comes last) where S + VS - 1 are in flight (79 against 47 for S = 8, V = 5).
+  Stage 0's table serves every stage: stage s runs forward position n at tick n + s and its backward pass 2s ticks
+  sooner after it than stage 0 does, so each of its lifetimes lies inside stage 0's. Within a tick the forward pass
+  writes its slot before the backward pass reads its own, so a slot freed by a tick's backward pass is taken from
+  the next tick on."""
+  m, s, v = micro_batches, num_stages, virtual_stages
+  n = np.arange(m * v)
+  with jax.ensure_compile_time_eval():  # Called while a step is traced: constants, not the trace's values.
+    micro, chunk, _ = (np.asarray(a) for a in _unit(n, m, s, v, backward=True))
+  # Stage 0 runs backward position k at tick k + (S - 1) + (VS - 1), forward position n at tick n.
+  backward_tick = np.empty(m * v, np.int64)
+  backward_tick[np.asarray(forward_index(micro, chunk, s, v))] = n + s - 1 + v * s - 1
+  slots, free, taken, size = [], [], [], 0  # free, taken ((backward tick, slot)): heaps.
+  for tick in range(m * v):
+    while taken and taken[0][0] < tick:
+      heapq.heappush(free, heapq.heappop(taken)[1])
+    if free:
+      slot = heapq.heappop(free)
+    else:
+      slot, size = size, size + 1
+    heapq.heappush(taken, (int(backward_tick[tick]), slot))
+    slots.append(slot)
+  return tuple(slots)
 
 
 def stage_transfers(micro_batches: int, num_stages: int, schedule: str, virtual_stages: int = 1) -> float:

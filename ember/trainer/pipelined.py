@@ -223,7 +223,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   (`ppermute`). The ticks before the first backward pass anywhere and after the last forward pass are traced
   without the pass they lack (`pipeline.phases`), so the idle share is the schedule's own, (S - 1) / (MV + S - 1).
   A stage keeps the residuals of the forward passes whose backward has not run (`pipeline.in_flight`) in a ring
-  of buffers (`pipeline.ring_slots`): the residuals a remat policy saves, on the device, or in host memory where it
+  of buffers (`pipeline.ring_slots`, each forward pass's slot from `pipeline.ring_table`): the residuals a remat policy saves, on the device, or in host memory where it
   offloads them; the stage's parameters and kernel amaxes are recognised among them and never copied, and the
   attention's segment bias is made again in the backward tick from the micro-batch's segment ids rather than kept
   ([B, 1, L, L]: 128 MiB a sequence of 8,192 tokens, in each of the ring's slots).
@@ -234,6 +234,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   stage = pipeline.stage_index()
   last = stage == stages - 1
   slots = pipeline.in_flight(m, stages, cfg.pipeline.schedule, virtual)
+  slot_of = jnp.asarray(pipeline.ring_table(m, stages, virtual), jnp.int32)  # By position in the forward order.
   train = (params, quant_state, stats)
   whole = merged_model(graphdef, *train)
   kernel_amaxes = linear.kernel_amaxes(whole)
@@ -328,7 +329,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     if forwards:
       f, v_f, has_f = unit(pipeline.forward_unit, tau)
       y, a, kept = run_forward(received, f, v_f)
-      slot = jnp.where(has_f, pipeline.forward_index(f, v_f, stages, virtual) % slots, slots)  # The spare: slots.
+      slot = jnp.where(has_f, slot_of[pipeline.forward_index(f, v_f, stages, virtual)], slots)  # The spare: slots.
       ring = [buf.at[slot].set(r) for buf, r in zip(ring, kept)]
       aux = {k: _add_rows(acc, take(has_f, a[k]).astype(F32), v_f) if k.endswith(BY_LAYER)
              else acc + take(has_f, a[k]).astype(F32) for k, acc in aux.items()}
@@ -348,7 +349,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
       losses = losses + take(at_head, jnp.stack([total, *parts]).astype(F32))
     if backwards:
       b, v_b, has_b = unit(pipeline.backward_unit, tau)
-      slot = pipeline.forward_index(b, v_b, stages, virtual) % slots
+      slot = slot_of[pipeline.forward_index(b, v_b, stages, virtual)]
       sources = jax.tree.leaves((*chunk(v_b), stage_blocks, attention_bias(segment_ids[b], x_zero.dtype)))
       kept = iter(buf[slot] for buf in ring)
       vjp = jax.tree.unflatten(structure["treedef"], [next(kept) if i is None else sources[i]

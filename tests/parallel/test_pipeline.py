@@ -274,7 +274,7 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
   """The 1F1B ticks (`pipeline.forward_unit` / `backward_unit`): every (micro-batch, chunk) forward and backward
   exactly once on each stage, its forward a tick after the virtual stage before it, its backward a tick after the
   virtual stage after it and not before its own forward; no backward pass in the warm-up ticks, no forward pass
-  in the cool-down ones; at most `in_flight` residuals kept."""
+  in the cool-down ones; at most `in_flight` residuals kept, each in a ring slot no other holds meanwhile."""
   ticks = pipeline.loop_length(micro, stages, "1f1b", virtual)
   warm, steady, _ = pipeline.phases(micro, stages, virtual)
   fwd, bwd = {}, {}
@@ -304,10 +304,25 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
   assert pipeline.stage_transfers(micro, stages, "1f1b", virtual) == pytest.approx(transfers)
   period, repeats = pipeline.periods(runs)
   assert runs[:len(period) * repeats] == period * repeats
+  # The ring: a slot is held from a forward pass's tick through its backward pass's (inclusive: a tick's forward
+  # pass writes before its backward pass reads); no two passes held at once on any stage share one, and stage 0
+  # holds as many at once as the ring has slots (so the ring is no larger than it must be).
+  slot_of = pipeline.ring_table(micro, stages, virtual)
+  held = []
   for s in range(stages):
-    kept = max(sum(fwd[(f, c)] <= tau < bwd[(f, c)] for f in range(micro) for c in range(s, depth, stages))
-               for tau in range(ticks))
+    units = [(f, c) for f in range(micro) for c in range(s, depth, stages)]
+    for tau in range(ticks):
+      alive = [u for u in units if fwd[u] <= tau <= bwd[u]]
+      slots = [slot_of[pipeline.forward_index(f, c // stages, stages, virtual)] for f, c in alive]
+      assert len(set(slots)) == len(slots), (s, tau)
+      held.append(len(alive))
+    kept = max(sum(fwd[u] <= tau < bwd[u] for u in units) for tau in range(ticks))
     assert kept <= pipeline.in_flight(micro, stages, "1f1b", virtual)
+  assert max(held) == pipeline.in_flight(micro, stages, "1f1b", virtual) == max(slot_of) + 1
+  # Megatron's count for its interleaved schedule, (S - 1) 2 + (V - 1) S + 1 on the first stage, where micro-batches
+  # fill it.
+  assert pipeline.in_flight(micro, stages, "1f1b", virtual) == min(micro * virtual,
+                                                                    (stages - 1) * 2 + (virtual - 1) * stages + 1)
 
 
 @pytest.mark.parametrize("overrides,key", [
