@@ -98,6 +98,22 @@ def test_select_spans_the_splits_of_a_node():
   assert planner._halved(lay(8, 1), list(estimates)) == lay(8, 2) and planner._halved(lay(4, 1), list(estimates)) is None
 
 
+def test_the_winners_split_gets_its_next_layout_by_estimate():
+  """After the rounds, the winner's split of a node gets one more compile: its fastest layout by estimate not yet
+  compiled (split A's third here: its second was compiled as the first's retry), none where every layout of the
+  split was compiled; other splits' layouts are not its."""
+  lay = lambda split, accum, remat="full": planner.Layout((("fsdp", split),), (("data", 1), ("fsdp", 1), ("expert", 1)),
+                                                         accum, remat)
+  est = lambda s: planner.Estimate(s, s, 0.0, 1.0)
+  estimates = {lay(8, 1, "save_qkv_proj"): est(1), lay(8, 1): est(2), lay(8, 2, "save_qkv_proj"): est(3),
+               lay(8, 4): est(4), lay(4, 1): est(1.5)}
+  best = {"fits": True}
+  compiled = {lay(8, 1, "save_qkv_proj"): {"fits": False}, lay(8, 1): best, lay(4, 1): {"fits": True}}
+  assert planner._runner_up(best, compiled, list(estimates), estimates) == lay(8, 2, "save_qkv_proj")
+  compiled.update({lay(8, 2, "save_qkv_proj"): {}, lay(8, 4): {}})
+  assert planner._runner_up(best, compiled, list(estimates), estimates) is None
+
+
 def test_select_takes_the_fewest_micro_batches_where_estimates_tie():
   """Layouts of one split bound by their GEMMs (the same estimated step): one micro-batch is compiled first though
   it peaks highest, then two; of two layouts with as many micro-batches, the lower peak first."""
