@@ -204,17 +204,17 @@ def test_save_quantized_recomputes_no_quantize_op_in_a_pipelined_step(schedule):
   assert casts["save_quantized"] == casts["none"] < casts["full"], casts
 
 
-def _ring(policy_name: str, **overrides) -> list:
-  """The avals of a 1F1B stage's ring of residuals (pipeline 4 x fsdp 2, 8 micro-batches) in the step's program:
-  the scans' carried arrays of `pipeline.ring_slots` rows."""
-  s = helpers.start(_cfg(**{"mesh.pipeline": 4, "mesh.fsdp": 2, "mesh.data": 1, "pipeline.schedule": "1f1b",
-                            **overrides}), 8)
+def _ring(policy_name: str, slots: int | None = None, **overrides) -> list:
+  """The avals of a 1F1B stage's ring of residuals (pipeline 4 x fsdp 2, 8 micro-batches, unless `overrides` say
+  otherwise) in the step's program: the scans' carried arrays of `slots` rows (`pipeline.ring_slots`)."""
+  overrides = {"mesh.pipeline": 4, "mesh.fsdp": 2, "mesh.data": 1, "pipeline.schedule": "1f1b", **overrides}
+  s = helpers.start(_cfg(**overrides), 8)
   batch = {k: jax.numpy.asarray(v) for k, v in helpers.random_batch(s.cfg).items()}
   with s.rules():
     step = functools.partial(train_step, graphdef=s.graphdef, cfg=s.cfg, tx=s.tx, schedule=s.schedule,
                              policy=remat.PRESETS[policy_name], batch_shards=2)
     jaxpr = jax.make_jaxpr(step)(s.state, batch).jaxpr
-  slots = pipeline.ring_slots(ACCUM, 4)
+  slots = slots or pipeline.ring_slots(ACCUM, 4)
   carried = [v.aval for e in iter_eqns(jaxpr) if e.primitive.name == "scan" for v in e.invars
              if hasattr(v.aval, "shape")]
   ring = [a for a in carried if len(a.shape) > 2 and a.shape[0] == slots]
@@ -225,10 +225,20 @@ def _ring(policy_name: str, **overrides) -> list:
 def test_a_stage_keeps_no_attention_bias_in_flight():
   """A 1F1B stage keeps each forward pass's residuals in a ring until its backward tick, but not the attention's
   [B, 1, L, L] segment bias: the backward tick makes it again from the micro-batch's segment ids (kept, it would
-  hold 2VS - 1 biases: 10 GiB a device on llama3_70b's planner layout)."""
+  hold S + VS - 1 biases: 6 GiB a device on llama3_70b's planner layout)."""
   length = 48  # Unlike every other dimension of tiny, so a [.., 1, L, L] value is the bias.
   ring = _ring("full", **{"model.seq_len": length})
   assert not [a.shape for a in ring if a.shape[-3:] == (1, length, length)], ring
+
+
+def test_an_interleaved_stage_keeps_a_slot_per_chunk_in_flight():
+  """Interleaved 1F1B, 2 stages x 2 chunks, 8 micro-batches: stage 0 holds at most S + VS - 1 = 5 chunks' residuals,
+  and its ring has those 5 slots and the spare, not the 2VS - 1 = 7 (and spare) that the longest wait would need were
+  slots taken in forward order."""
+  ring = _ring("full", 6, **{"mesh.pipeline": 2, "mesh.fsdp": 4, "train.batch_size": 32,
+                             "pipeline.schedule": "interleaved_1f1b",
+                             "pipeline.virtual_stages": 2})
+  assert pipeline.ring_slots(ACCUM, 2, 2) == 6 and all(a.shape[0] == 6 for a in ring)
 
 
 @pytest.mark.long
