@@ -94,10 +94,11 @@ def bubble_fraction(micro_batches: int, num_stages: int, schedule: str = "gpipe"
 
 
 def in_flight(micro_batches: int, num_stages: int, schedule: str = "1f1b", virtual_stages: int = 1) -> int:
-  """Chunks (1/V of a stage each) whose forward pass a stage has run and whose backward pass it has not, at most:
-  GPipe keeps every iteration's; under the 1F1B schedules stage 0 runs a forward pass every tick from tick 0 and a
-  backward pass every tick from tick S + VS - 2 (`backward_unit`), so it keeps S + VS - 1 (Megatron's count for
-  its interleaved schedule, (S - 1) 2 + (V - 1) S + 1; 2S - 1 for V = 1), and every other stage fewer."""
+  """Chunks (1/V of a stage each) a stage holds residuals of at once, at most: from its forward pass through the
+  tick of its backward pass. GPipe keeps every iteration's; under the 1F1B schedules stage 0 runs a forward pass
+  every tick from tick 0 and a backward pass every tick from tick S + VS - 2 (`backward_unit`), so it holds
+  S + VS - 1 (Megatron's count for its interleaved schedule, (S - 1) 2 + (V - 1) S + 1; 2S - 1 for V = 1), or all
+  MV where fewer, and every other stage fewer."""
   if schedule == "gpipe":
     return iterations(micro_batches, num_stages)
   return max(ring_table(micro_batches, num_stages, virtual_stages)) + 1

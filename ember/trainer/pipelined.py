@@ -222,11 +222,12 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   (`pipeline.forward_unit` / `backward_unit`), each where it exists, and hands an output on and a gradient back
   (`ppermute`). The ticks before the first backward pass anywhere and after the last forward pass are traced
   without the pass they lack (`pipeline.phases`), so the idle share is the schedule's own, (S - 1) / (MV + S - 1).
-  A stage keeps the residuals of the forward passes whose backward has not run (`pipeline.in_flight`) in a ring
-  of buffers (`pipeline.ring_slots`, each forward pass's slot from `pipeline.ring_table`): the residuals a remat policy saves, on the device, or in host memory where it
-  offloads them; the stage's parameters and kernel amaxes are recognised among them and never copied, and the
-  attention's segment bias is made again in the backward tick from the micro-batch's segment ids rather than kept
-  ([B, 1, L, L]: 128 MiB a sequence of 8,192 tokens, in each of the ring's slots).
+  A stage keeps the residuals of the forward passes whose backward has not run (`pipeline.in_flight`) in a ring of
+  buffers (`pipeline.ring_slots`, each forward pass's slot from `pipeline.ring_table`): the residuals a remat policy
+  saves, on the device, or in host memory where it offloads them; the stage's parameters and kernel amaxes are
+  recognised among them and never copied, and the attention's segment bias is made again in the backward tick from
+  the micro-batch's segment ids rather than kept ([B, 1, L, L]: 128 MiB a sequence of 8,192 tokens, in each of the
+  ring's slots).
   The LM head runs where the last stage's last chunk ends a micro-batch: each stage takes 1/S of its tokens
   (`_head_share`), so every stage runs the same share of the head."""
   m = keys.shape[0]

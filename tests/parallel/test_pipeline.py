@@ -204,9 +204,9 @@ def test_save_quantized_recomputes_no_quantize_op_in_a_pipelined_step(schedule):
   assert casts["save_quantized"] == casts["none"] < casts["full"], casts
 
 
-def _ring(policy_name: str, slots: int | None = None, **overrides) -> list:
-  """The avals of a 1F1B stage's ring of residuals (pipeline 4 x fsdp 2, 8 micro-batches, unless `overrides` say
-  otherwise) in the step's program: the scans' carried arrays of `slots` rows (`pipeline.ring_slots`)."""
+def _carried(policy_name: str, **overrides) -> list:
+  """The avals the scans of a pipelined step carry (pipeline 4 x fsdp 2, 1F1B, 8 micro-batches, unless `overrides`
+  say otherwise)."""
   overrides = {"mesh.pipeline": 4, "mesh.fsdp": 2, "mesh.data": 1, "pipeline.schedule": "1f1b", **overrides}
   s = helpers.start(_cfg(**overrides), 8)
   batch = {k: jax.numpy.asarray(v) for k, v in helpers.random_batch(s.cfg).items()}
@@ -214,10 +214,15 @@ def _ring(policy_name: str, slots: int | None = None, **overrides) -> list:
     step = functools.partial(train_step, graphdef=s.graphdef, cfg=s.cfg, tx=s.tx, schedule=s.schedule,
                              policy=remat.PRESETS[policy_name], batch_shards=2)
     jaxpr = jax.make_jaxpr(step)(s.state, batch).jaxpr
-  slots = slots or pipeline.ring_slots(ACCUM, 4)
-  carried = [v.aval for e in iter_eqns(jaxpr) if e.primitive.name == "scan" for v in e.invars
-             if hasattr(v.aval, "shape")]
-  ring = [a for a in carried if len(a.shape) > 2 and a.shape[0] == slots]
+  return [v.aval for e in iter_eqns(jaxpr) if e.primitive.name == "scan" for v in e.invars
+          if hasattr(v.aval, "shape")]
+
+
+def _ring(policy_name: str, **overrides) -> list:
+  """The avals of a 1F1B stage's ring of residuals (pipeline 4 x fsdp 2, 8 micro-batches) in the step's program:
+  the scans' carried arrays of `pipeline.ring_slots` rows."""
+  carried = _carried(policy_name, **overrides)
+  ring = [a for a in carried if len(a.shape) > 2 and a.shape[0] == pipeline.ring_slots(ACCUM, 4)]
   assert ring, [a.shape for a in carried]  # The ring is there to look in.
   return ring
 
@@ -232,13 +237,14 @@ def test_a_stage_keeps_no_attention_bias_in_flight():
 
 
 def test_an_interleaved_stage_keeps_a_slot_per_chunk_in_flight():
-  """Interleaved 1F1B, 2 stages x 2 chunks, 8 micro-batches: stage 0 holds at most S + VS - 1 = 5 chunks' residuals,
+  """Interleaved 1F1B, 2 stages x 2 chunks, 4 micro-batches: stage 0 holds at most S + VS - 1 = 5 chunks' residuals,
   and its ring has those 5 slots and the spare, not the 2VS - 1 = 7 (and spare) that the longest wait would need were
   slots taken in forward order."""
-  ring = _ring("full", 6, **{"mesh.pipeline": 2, "mesh.fsdp": 4, "train.batch_size": 32,
-                             "pipeline.schedule": "interleaved_1f1b",
-                             "pipeline.virtual_stages": 2})
-  assert pipeline.ring_slots(ACCUM, 2, 2) == 6 and all(a.shape[0] == 6 for a in ring)
+  carried = _carried("full", **{"mesh.pipeline": 2, "mesh.fsdp": 4, "train.grad_accum_steps": 4,
+                                "pipeline.schedule": "interleaved_1f1b", "pipeline.virtual_stages": 2})
+  rows = lambda n: [a.shape for a in carried if len(a.shape) > 2 and a.shape[0] == n]
+  assert pipeline.ring_slots(4, 2, 2) == 6
+  assert rows(6) and not rows(8), (rows(6), rows(8))
 
 
 @pytest.mark.long
