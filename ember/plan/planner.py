@@ -447,14 +447,15 @@ def plan(cfg: Settings, target: Target, *, budget_gb: float | None = None, top: 
       compiled[lay] = row = compile_one(lay)
   ranked = _ranked(compiled.values())
   fitting = [r for r in ranked if r["fits"]]
-  if fitting and (runner_up := _runner_up(fitting[0], compiled, promising, estimates)) is not None:
-    compiled[runner_up] = compile_one(runner_up)
-    ranked = _ranked(compiled.values())
-    fitting = [r for r in ranked if r["fits"]]
-  if fitting and (bare := _without_remat(fitting[0], compiled, found)) is not None:
-    compiled[bare] = compile_one(bare)
-    ranked = _ranked(compiled.values())
-    fitting = [r for r in ranked if r["fits"]]
+  # Two more compiles, each from the winner so far: its split's runner-up, then the winner with no remat.
+  for follow_up in (lambda lay: _runner_up(lay, compiled, promising, estimates),
+                    lambda lay: _without_remat(lay, compiled, found)):
+    if not fitting:
+      break
+    if (extra := follow_up(next(lay for lay, row in compiled.items() if row is fitting[0]))) is not None:
+      compiled[extra] = compile_one(extra)
+      ranked = _ranked(compiled.values())
+      fitting = [r for r in ranked if r["fits"]]
   if not fitting:
     smallest = min((r["peak_bytes"] for r in ranked), default=None)
     raise NoLayoutFits(f"--budget_gb: no layout compiled within {budget / GiB:.1f} GiB per device" +
@@ -476,23 +477,21 @@ def exposed_collectives(time_by_op: list[dict]) -> float:
   return sum(t["seconds"] for t in time_by_op if t["kind"] == "collective" and t["exposed"])
 
 
-def _runner_up(best: dict, compiled: dict, promising: list[Layout], estimates: dict) -> Layout | None:
+def _runner_up(best: Layout, compiled: dict, promising: list[Layout], estimates: dict) -> Layout | None:
   """The fastest by estimate of the winning layout's split of a node (`select`) that was not compiled, if any.
   Within a split the estimate ranks close layouts the compiles do not, and a split's first pick over the budget
   spends its retries on its own mesh: llama3_70b on h100x64 picked FSDP 8 x 4 stages x data 2 across the nodes
   under `save_qkv_proj` (78.9 GiB compiled, 70.6 estimated) and fell back to it under `full` (1,284 tokens/s/GPU
   predicted), where the split's next, FSDP 8 x 8 stages under `save_qkv_proj`, fits at 67.5 GiB (1,379)."""
-  lay = next(lay for lay, row in compiled.items() if row is best)
-  rest = [f for f in promising if _split(f) == _split(lay) and f not in compiled]
+  rest = [f for f in promising if _split(f) == _split(best) and f not in compiled]
   return min(rest, key=_by_estimate(estimates), default=None)
 
 
-def _without_remat(best: dict, compiled: dict, found: list[Layout]) -> Layout | None:
+def _without_remat(best: Layout, compiled: dict, found: list[Layout]) -> Layout | None:
   """The winning layout with no remat (`none`), if it is a layout and was not compiled. Its estimate is the one
   the planner trusts least: it counts every residual the traced step saves, and the compiled step keeps far fewer
   (XLA fuses the elementwise ones into the backward pass's kernels), so a step without checkpoints, the fastest
   when it fits, often fits where its estimate says it cannot (llama3_8b on h100x8 at one sequence per GPU:
   estimated 92 GiB, compiled 54.9). One more compile settles it."""
-  lay = next(lay for lay, row in compiled.items() if row is best)
-  bare = dataclasses.replace(lay, remat="none")
+  bare = dataclasses.replace(best, remat="none")
   return bare if bare in found and bare not in compiled else None

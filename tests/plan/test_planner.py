@@ -107,8 +107,8 @@ def test_the_winners_split_gets_its_next_layout_by_estimate():
   est = lambda s: planner.Estimate(s, s, 0.0, 1.0)
   estimates = {lay(8, 1, "save_qkv_proj"): est(1), lay(8, 1): est(2), lay(8, 2, "save_qkv_proj"): est(3),
                lay(8, 4): est(4), lay(4, 1): est(1.5)}
-  best = {"fits": True}
-  compiled = {lay(8, 1, "save_qkv_proj"): {"fits": False}, lay(8, 1): best, lay(4, 1): {"fits": True}}
+  best = lay(8, 1)
+  compiled = {lay(8, 1, "save_qkv_proj"): {"fits": False}, best: {"fits": True}, lay(4, 1): {"fits": True}}
   assert planner._runner_up(best, compiled, list(estimates), estimates) == lay(8, 2, "save_qkv_proj")
   compiled.update({lay(8, 2, "save_qkv_proj"): {}, lay(8, 4): {}})
   assert planner._runner_up(best, compiled, list(estimates), estimates) is None
