@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ember.names import BATCH, EMBED, LENGTH, RESIDUAL, VOCAB
 from ember.parallel import context
@@ -59,3 +60,26 @@ def _lookup_on_each_device(table_VxD, tokens_BxL):
 
   return shard_map(lookup, mesh=mesh, in_specs=(spec((VOCAB, None)), spec((BATCH, LENGTH))),
                    out_specs=spec((BATCH, LENGTH, None)))(table_VxD, tokens_BxL)
+
+
+def add_token_gradients(grad_VxD, tokens_BxL, dx_BxLxD, on):
+  """`grad_VxD`, a gradient laid out as the table (`vocab` x `embed`), with each token's gradient `dx` added to its
+  row where `on` (a boolean scalar): the lookup's transpose for one batch, accumulated in place. Each device takes
+  every token of the batch in its own columns (dx moved from split by token to split by column: an exchange of the
+  batch's activations' size) and adds those that fall in its rows, so nothing of the table's size is made or moved
+  (a pipeline's stage 0 adds each micro-batch's as its backward pass ends, trainer/pipelined.py). Where not `on` every
+  add is dropped: no branch, which would copy the gradient (and a collective in a branch that some devices skip
+  would wait for them forever)."""
+  mesh, rules = active_mesh(), active_rules()
+  spec = lambda names: logical_to_spec(names, rules, mesh)
+  vocab_axes = tuple(a for a in jax.tree.leaves(tuple(spec((VOCAB,)))) if a not in manual_axes())
+
+  def add(acc, tokens, dx, on):
+    rows = acc.shape[0]
+    first = rows * (jax.lax.axis_index(vocab_axes) if vocab_axes else 0)
+    local = tokens - first
+    mine = (local >= 0) & (local < rows) & on
+    return acc.at[jnp.where(mine, local, rows)].add(dx.astype(acc.dtype), mode="drop")
+
+  return shard_map(add, mesh=mesh, in_specs=(spec((VOCAB, EMBED)), P(), spec((None, None, EMBED)), P()),
+                   out_specs=spec((VOCAB, EMBED)))(grad_VxD, tokens_BxL, dx_BxLxD, on)

@@ -30,6 +30,7 @@ from ember.config import Settings
 from ember.layers import linear
 from ember.layers.attention import attention_bias
 from ember.layers.decoder import keys_of
+from ember.layers.embed import add_token_gradients
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
                          MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS, VOCAB)
 from ember.parallel import axes, pipeline
@@ -42,6 +43,7 @@ from ember.trainer.state import split_over_replicas
 
 F32 = jnp.float32
 ACTIVATION = (BATCH, LENGTH, EMBED)  # A micro-batch's hidden states between stages.
+TABLE = ("embed", "embedding")  # The embedding table's path in the model's state.
 
 
 def stage_spec(path) -> P:
@@ -266,7 +268,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     `structure`, the same at every tick (a backward-only tick has no forward pass to read them from)."""
     state, amaxes = chunk(v)
     # Stage 0's first chunk starts from the embedding, looked up outside the VJP: its gradient is the input's,
-    # kept a step (`embedded_grad`) and taken into the table once, after the loop.
+    # added into the table's rows where the chunk's backward pass ends (`_with_embedding_gradient`).
     x = jnp.where((stage == 0) & (v == 0), lookup(inputs[f]), x)
     bias = attention_bias(segment_ids[f], x.dtype)
     rows_only = tuple(map(_stage_leaves, state))  # Differentiated: the chunk's rows, not the leaves on every stage.
@@ -302,7 +304,6 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   ring0 = [_ring(pipeline.ring_slots(m, stages, virtual), s, space) for s, space in zip(shapes, structure["spaces"])]
   stage_rows = lambda k, a: (virtual * a.shape[0], *a.shape[1:]) if k.endswith(BY_LAYER) else a.shape
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
-  embedded_grad0 = shard(jnp.zeros((m, *x_like.shape), x_like.dtype), (None, *ACTIVATION))
   acc0 = (f32_zeros(params), jax.tree.map(lambda a: pipeline.lowest(a.shape), quant_state),
           None if stats is None else jax.tree.map(lambda a: health.combine_identity(a.shape), stats),
           {k: jnp.zeros(stage_rows(k, a), F32) for k, a in aux_like.items()}, jnp.zeros((3,), F32),
@@ -323,7 +324,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   send_next_tick = active_mesh().shape["tensor"] == 1
 
   def tick(carry, tau, *, forwards: bool, backwards: bool, head: bool):
-    received, returned, ring, embedded_grad, (grads, quant, stat, aux, losses, shares) = carry
+    received, returned, ring, (grads, quant, stat, aux, losses, shares) = carry
     dy_head = None
     if backwards and send_next_tick:  # `returned` came unsent from the last tick.
       returned = pipeline.to_previous_stage(returned, stages, ring=ring_order)
@@ -362,11 +363,11 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
       if stat is not None:
         stat = _add_stage_rows(stat, d_state[2], v_b, has_b, lambda acc, d: health.combine(acc, d.astype(F32)))
       first = has_b & (stage == 0) & (v_b == 0)  # dx: the gradient of micro-batch b's embedding.
-      embedded_grad = embedded_grad.at[b].set(jnp.where(first, dx, embedded_grad[b]))
+      grads = _with_embedding_gradient(grads, inputs[b], dx, first)
       returned = take(has_b, dx)
       if not send_next_tick:
         returned = pipeline.to_previous_stage(returned, stages, ring=ring_order)
-    return (received, returned, ring, embedded_grad, (grads, quant, stat, aux, losses, shares)), None
+    return (received, returned, ring, (grads, quant, stat, aux, losses, shares)), None
 
   def ticks(carry, start, length, **passes):
     return jax.lax.scan(functools.partial(tick, **passes), carry, start + jnp.arange(length))[0]
@@ -377,7 +378,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     return carry
 
   warm, steady_ticks, cool = pipeline.phases(m, stages, virtual)
-  carry = ticks((x_zero, x_zero, ring0, embedded_grad0, acc0), 0, warm, forwards=True, backwards=False, head=False)
+  carry = ticks((x_zero, x_zero, ring0, acc0), 0, warm, forwards=True, backwards=False, head=False)
   # Under interleaved 1F1B the steady phase repeats a period of S ticks with the head and S (V - 1) without:
   # one loop over the periods, so the program holds each kind of tick once.
   runs = pipeline.steady_runs(m, stages, virtual)
@@ -392,7 +393,6 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   grads, quant, stat, aux, losses, shares = carry[-1]
   if once is not None:
     grads = with_head_gradient(grads, head_parts, shares)
-  grads = _combine_shared(grads, _embedding_grads(graphdef, train, inputs, carry[-2]), True, jnp.add)
   return _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg, m, stages, virtual)
 
 
@@ -436,12 +436,16 @@ def _filled(part, whole):
   return jax.tree.map(lambda a, p: a if p is None else p, whole, part)
 
 
-def _embedding_grads(graphdef, train, inputs_MxBxL, embedded_grad):
-  """The cotangents of the leaves on every stage (`_shared_leaves`: the embedding table's) from the gradients of
-  the step's embeddings [M, B, L, D] (zeros but on stage 0): the lookup's transpose, once a step."""
-  shared = tuple(map(_shared_leaves, train))
-  embed = lambda part: jax.vmap(merged_model(graphdef, *_filled(part, train)).embed)(inputs_MxBxL)
-  return jax.linear_transpose(embed, shared)(embedded_grad)[0][0]
+def _with_embedding_gradient(grads, tokens_BxL, dx_BxLxD, on):
+  """`grads` with the gradient of one micro-batch's embedding lookup added to the table's, where `on` (stage 0, as
+  the backward pass of a micro-batch's first chunk ends): each token's gradient into its row, in the table's own
+  layout and in float32 (layers/embed.py's `add_token_gradients`). Kept instead for a transpose after the loop, the
+  step's input gradients were [M, B, L, D] on every stage (4 GiB a device on llama3_70b's planner layout)."""
+  def add(path, g):
+    if keys_of(path) != TABLE:
+      return g
+    return add_token_gradients(g, tokens_BxL, dx_BxLxD, on)
+  return jax.tree_util.tree_map_with_path(add, grads)
 
 
 def _shared_leaves(tree):

@@ -107,8 +107,8 @@ def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(re
 
 @pytest.mark.long
 def test_tied_embeddings_train_like_one_device():
-  """A tied head: the table's gradient from the lookups (taken once a step, on stage 0) and from the head (every
-  stage's share of the tokens) add up as on one device."""
+  """A tied head: the table's gradient from the lookups (added on stage 0 as each micro-batch's first chunk ends its
+  backward pass) and from the head (every stage's share of the tokens) add up as on one device."""
   one, piped, rel = _compare("tiny", "bf16", {"pipeline": 2, "fsdp": 2, "tensor": 2}, batch_size=32,
                              schedule="interleaved_1f1b", virtual=2, **{"model.tie_embeddings": True})
   np.testing.assert_allclose(piped, one, rtol=1e-5)
@@ -245,6 +245,17 @@ def test_an_interleaved_stage_keeps_a_slot_per_chunk_in_flight():
   rows = lambda n: [a.shape for a in carried if len(a.shape) > 2 and a.shape[0] == n]
   assert pipeline.ring_slots(4, 2, 2) == 6
   assert rows(6) and not rows(8), (rows(6), rows(8))
+
+
+def test_stage_0_keeps_no_micro_batchs_embedding_gradient_for_the_step():
+  """Each micro-batch's embedding gradient goes into the table's as its first chunk's backward pass ends: no scan of
+  the step carries the micro-batches' [M, B, L, D] input gradients (interleaved, 2 stages x 2 chunks, 4 micro-batches,
+  so the ring's 6 rows are no M)."""
+  carried = _carried("full", **{"mesh.pipeline": 2, "mesh.fsdp": 4, "train.grad_accum_steps": 4,
+                                "pipeline.schedule": "interleaved_1f1b", "pipeline.virtual_stages": 2})
+  m = _cfg().model
+  inputs_grads = (4, 16 // 4, m.seq_len, m.d_model)
+  assert inputs_grads not in {a.shape for a in carried}
 
 
 @pytest.mark.long
