@@ -459,13 +459,16 @@ class Transformer(nnx.Module):
     """The LM head as the loss applies it, once per token chunk (ember/trainer/loss.py)."""
     if self.tie_embeddings:
       return Head(functools.partial(_tied_logits, wgrad_dtype=self.tied_wgrad_dtype), self.embed.embedding[...].T,
-                  read_dtype=self.embed.dtype, reduce_dtype=self.tied_wgrad_dtype, param=("embed", "embedding"),
+                  read_dtype=self.embed.dtype, reduce_dtype=self.tied_wgrad_dtype, param=TABLE,
                   transposed=True)
     head = self.lm_head
     kernel = head.kernel[...]
     return Head(functools.partial(_linear_logits, recipe=head.recipe, dtype=head.dtype), kernel,
                 read_dtype=kernel.dtype if head.recipe.quantized else head.dtype,
                 reduce_dtype=head.recipe.wgrad_out(kernel.dtype), param=("lm_head", "kernel"))
+
+
+TABLE = ("embed", "embedding")  # The embedding table's path in the model's state (a tied head's weight).
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,19 +46,15 @@ def _lookup_on_each_device(table_VxD, tokens_BxL):
   ([tokens of all batch devices, d_model], 16 GiB a micro-batch on llama3_405b over 1,024 GPUs) onto each table
   shard; here each device adds its own tokens' gradients into its rows, and the map's transpose sums those partial
   tables over the batch devices."""
-  mesh, rules = active_mesh(), active_rules()
-  spec = lambda names: logical_to_spec(names, rules, mesh)
-  vocab_axes = tuple(a for a in jax.tree.leaves(tuple(spec((VOCAB,)))) if a not in manual_axes())
+  spec, vocab_axes = _specs_and_vocab_axes()
 
   def lookup(table, tokens):
     rows = table.shape[0]
-    first = rows * (jax.lax.axis_index(vocab_axes) if vocab_axes else 0)
-    local = tokens - first
-    inside = (local >= 0) & (local < rows)
+    local, inside = _rows_here(tokens, rows, vocab_axes)
     x = jnp.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
     return jax.lax.psum(x, vocab_axes) if vocab_axes else x
 
-  return shard_map(lookup, mesh=mesh, in_specs=(spec((VOCAB, None)), spec((BATCH, LENGTH))),
+  return shard_map(lookup, mesh=active_mesh(), in_specs=(spec((VOCAB, None)), spec((BATCH, LENGTH))),
                    out_specs=spec((BATCH, LENGTH, None)))(table_VxD, tokens_BxL)
 
 
@@ -70,16 +66,25 @@ def add_token_gradients(grad_VxD, tokens_BxL, dx_BxLxD, on):
   (a pipeline's stage 0 adds each micro-batch's as its backward pass ends, trainer/pipelined.py). Where not `on` every
   add is dropped: no branch, which would copy the gradient (and a collective in a branch that some devices skip
   would wait for them forever)."""
-  mesh, rules = active_mesh(), active_rules()
-  spec = lambda names: logical_to_spec(names, rules, mesh)
-  vocab_axes = tuple(a for a in jax.tree.leaves(tuple(spec((VOCAB,)))) if a not in manual_axes())
+  spec, vocab_axes = _specs_and_vocab_axes()
 
   def add(acc, tokens, dx, on):
     rows = acc.shape[0]
-    first = rows * (jax.lax.axis_index(vocab_axes) if vocab_axes else 0)
-    local = tokens - first
-    mine = (local >= 0) & (local < rows) & on
-    return acc.at[jnp.where(mine, local, rows)].add(dx.astype(acc.dtype), mode="drop")
+    local, inside = _rows_here(tokens, rows, vocab_axes)
+    return acc.at[jnp.where(inside & on, local, rows)].add(dx.astype(acc.dtype), mode="drop")
 
-  return shard_map(add, mesh=mesh, in_specs=(spec((VOCAB, EMBED)), P(), spec((None, None, EMBED)), P()),
+  return shard_map(add, mesh=active_mesh(), in_specs=(spec((VOCAB, EMBED)), P(), spec((None, None, EMBED)), P()),
                    out_specs=spec((VOCAB, EMBED)))(grad_VxD, tokens_BxL, dx_BxLxD, on)
+
+
+def _specs_and_vocab_axes():
+  """(logical names -> PartitionSpec on the active mesh, the mesh axes not manual here that split `vocab`)."""
+  mesh, rules = active_mesh(), active_rules()
+  spec = lambda names: logical_to_spec(names, rules, mesh)
+  return spec, tuple(a for a in jax.tree.leaves(tuple(spec((VOCAB,)))) if a not in manual_axes())
+
+
+def _rows_here(tokens, rows: int, vocab_axes: tuple[str, ...]):
+  """(each token's index among this device's `rows` of a table split along `vocab_axes`, whether it lies in them)."""
+  local = tokens - rows * (jax.lax.axis_index(vocab_axes) if vocab_axes else 0)
+  return local, (local >= 0) & (local < rows)

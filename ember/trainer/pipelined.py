@@ -29,7 +29,7 @@ from ember import remat
 from ember.config import Settings
 from ember.layers import linear
 from ember.layers.attention import attention_bias
-from ember.layers.decoder import keys_of
+from ember.layers.decoder import TABLE, keys_of
 from ember.layers.embed import add_token_gradients
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
                          MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS, VOCAB)
@@ -43,7 +43,6 @@ from ember.trainer.state import split_over_replicas
 
 F32 = jnp.float32
 ACTIVATION = (BATCH, LENGTH, EMBED)  # A micro-batch's hidden states between stages.
-TABLE = ("embed", "embedding")  # The embedding table's path in the model's state.
 
 
 def stage_spec(path) -> P:

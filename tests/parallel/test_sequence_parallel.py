@@ -36,17 +36,22 @@ def test_the_residual_stream_keeps_a_tensor_groups_share_of_the_tokens():
   assert (2, 2, 64, 64) in whole and (2, 2, 32, 64) not in whole, whole
 
 
+def _lookup_case(seed: int):
+  """(tiny's rules, a data 2 x fsdp 2 x tensor 2 mesh, a [16, 8] table, [8, 4] tokens, a [8, 4, 8] gradient): a map
+  manual over `data` has two other axes split there, where XLA's partitioner aborts on the lookup."""
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                       devices=jax.devices()[:8])
+  keys = jax.random.split(jax.random.key(seed), 3)
+  table = jax.random.normal(keys[0], (16, 8))
+  tokens = jax.random.randint(keys[1], (8, 4), 0, 16)
+  return tuple(default.get_config("tiny").mesh.rules), mesh, table, tokens, jax.random.normal(keys[2], (8, 4, 8))
+
+
 def test_the_per_device_lookup_gives_xlas_values_and_gradients():
   """Inside a map manual over `data` with fsdp 2 x tensor 2 split (where XLA's partitioner aborts on the lookup),
   each device looks its own tokens up in its vocabulary rows: the same embeddings, and the same table gradient (each
   device's rows summed over the batch devices once, not once per device)."""
-  rules = tuple(default.get_config("tiny").mesh.rules)
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                       devices=jax.devices()[:8])
-  keys = jax.random.split(jax.random.key(0), 3)
-  table = jax.random.normal(keys[0], (16, 8))
-  tokens = jax.random.randint(keys[1], (8, 4), 0, 16)
-  cotangent = jax.random.normal(keys[2], (8, 4, 8))
+  rules, mesh, table, tokens, cotangent = _lookup_case(0)
 
   def ours(t):
     def replica(t, tok, c):
@@ -66,13 +71,7 @@ def test_token_gradients_add_up_to_the_lookups_transpose():
   """Inside a map manual over `data`, fsdp 2 x tensor 2 split, a table gradient (vocab over `tensor`, columns over
   fsdp) plus each token's gradient added in its row gives the start plus autodiff's gradient of `jnp.take`, every
   repeated token summed; `on` false leaves it as it was."""
-  rules = tuple(default.get_config("tiny").mesh.rules)
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                       devices=jax.devices()[:8])
-  keys = jax.random.split(jax.random.key(1), 3)
-  start = jax.random.normal(keys[0], (16, 8))
-  tokens = jax.random.randint(keys[1], (8, 4), 0, 16)
-  dx = jax.random.normal(keys[2], (8, 4, 8))
+  rules, mesh, start, tokens, dx = _lookup_case(1)
 
   def ours(on):
     def replica(g, tok, d):
