@@ -15,10 +15,12 @@ Schedules (docs/parallelism.md):
 - 1F1B and interleaved 1F1B: each tick a stage runs one (micro-batch, chunk)'s forward pass and another's
   backward pass (`forward_unit`, `backward_unit`), in three phases (`phases`) so that no tick runs a pass no
   stage has.
-Each idles (S - 1) / (MV + S - 1) of a step (`bubble_fraction`; V = 1 but for interleaved 1F1B). Where a stage
-has no micro-batch it runs on zeros whose segment ids mark padding: the layers map them to zeros (no bias terms;
-norms of zero are zero), no token is routed, and the results are masked out of the outputs, losses and
-statistics.
+Each idles (S - 1) / (MV + S - 1) of a step (`bubble_fraction`; V = 1 but for interleaved 1F1B). Where a GPipe
+stage has no micro-batch it runs on zeros whose segment ids mark padding: the layers map them to zeros (no bias
+terms; norms of zero are zero), no token is routed, and the results are masked out of the outputs, losses and
+statistics. A 1F1B tick without a pass of a kind traced in it runs that pass on a real micro-batch (its position
+clipped into range) and masks its results out: its ring slot is the spare one, its outputs, statistics and gradients
+are dropped (`has_f`, `has_b` in ember/trainer/pipelined.py).
 
 Values that are "gradients" of a whole-step kind rather than sums (delayed-scaling histories, health
 statistics) reach every GPipe iteration through `fan_out`, whose transpose combines the iterations' cotangents

@@ -68,10 +68,14 @@ def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg: Setti
   return step_terms(total, ce, z, aux, cfg, micro_batches, mtp_loss)
 
 
-def step_terms(total, ce, z, aux: dict, cfg: Settings, micro_batches: int = 1, mtp_loss=None):
+def step_terms(total, ce, z, aux: dict, cfg: Settings, micro_batches: int = 1, mtp_loss=None, *,
+               replicas_summed_after: bool = True):
   """(total loss, metrics) from the next-token loss (`cross_entropy`'s total, ce, z), the decoder's aux (its MoE
   sums and per-layer arrays) and the multi-token-prediction loss (or None): the terms a step adds to the loss and
-  logs, for one micro-batch of `micro_batches` (`forward_loss`) or a pipelined step's whole batch."""
+  logs, for one micro-batch of `micro_batches` (`forward_loss`) or a pipelined step's whole batch.
+  `replicas_summed_after`: the caller sums the replicas' terms (the micro-batch loop's replicas map), so the MoE
+  statistics, each a total over every replica's tokens already, count on the first replica alone
+  (`replica_part`); False where every replica holds the step's whole terms (a pipelined step)."""
   metrics = {"loss": ce}
   if cfg.train.z_loss_weight:  # Logged where it is in effect (a weight of 0 trains nothing toward it).
     metrics["z_loss"] = z
@@ -80,7 +84,8 @@ def step_terms(total, ce, z, aux: dict, cfg: Settings, micro_batches: int = 1, m
     metrics["mtp_loss"] = jax.lax.stop_gradient(mtp_loss)
   num_moe = cfg.model.num_routed_layers
   if num_moe:  # Dense models log no MoE keys (they would always be zero).
-    aux = jax.tree.map(replica_part, aux)  # Reduced over the replicas already: the step sums them again.
+    if replicas_summed_after:
+      aux = jax.tree.map(replica_part, aux)
     lb, rz = aux[MOE_LOAD_BALANCE_LOSS] / (num_moe * micro_batches), aux[MOE_ROUTER_Z_LOSS] / (num_moe * micro_batches)
     total = total + cfg.model.load_balance_weight * lb + cfg.model.router_z_weight * rz
     if cfg.model.seq_load_balance_weight:  # DeepSeek-V3's sequence-wise balance loss, where it is on.

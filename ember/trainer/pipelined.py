@@ -36,7 +36,7 @@ from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_L
 from ember.parallel import axes, pipeline
 from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant import health
-from ember.quant.varying import cotangent_once, shard_axes
+from ember.quant.varying import cotangent_once, first_along, shard_axes
 from ember.trainer.loss import HeadOnce, cross_entropy, read_once, token_count, with_head_gradient
 from ember.trainer.objective import merged_model, micro_batches, replicas_first, step_terms, summed_over_replicas
 from ember.trainer.state import split_over_replicas
@@ -200,17 +200,17 @@ def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg: Settings, 
 
 
 def _terms_over_stages(losses, aux: dict, cfg: Settings, micro_batches: int, stages: int, virtual: int = 1):
-  """The step's (total loss, metrics) from each stage's sums: its (loss, ce, z) and its layers' aux (MoE sums summed
-  over the stages, per-layer arrays gathered in layer order, the padding rows' dropped)."""
-  everywhere = (PIPELINE, *sorted(shard_axes()))  # The stages and the replicas.
-  total, ce, z = jax.lax.psum(losses, everywhere)
-  replicas = everywhere[1:]
+  """The step's (total loss, metrics) from each stage's sums: its (loss, ce, z) summed over the stages and the
+  replicas, and its layers' aux: MoE sums summed over the stages, per-layer arrays gathered in layer order (the
+  padding rows' dropped). Each MoE statistic is a total over every token shard already, the replicas' included
+  (layers/moe.py `aux_losses`): summed over the replicas again it would count each of their tokens R times."""
+  total, ce, z = jax.lax.psum(losses, (PIPELINE, *sorted(shard_axes())))
   layers = cfg.model.num_layers
-  by_layer = {k: jax.lax.psum(pipeline.from_pipeline_order(jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True),
-                                                           stages, virtual)[:layers], replicas)
+  by_layer = {k: pipeline.from_pipeline_order(jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True), stages,
+                                              virtual)[:layers]
               for k, v in aux.items() if k.endswith(BY_LAYER)}
-  sums = {k: jax.lax.psum(aux[k], everywhere) for k in AUX_KEYS}
-  return step_terms(total, ce, z, {**sums, **by_layer}, cfg, micro_batches)
+  sums = {k: jax.lax.psum(aux[k], PIPELINE) for k in AUX_KEYS}
+  return step_terms(total, ce, z, {**sums, **by_layer}, cfg, micro_batches, replicas_summed_after=False)
 
 
 def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Settings, policy: remat.Preset,
@@ -312,8 +312,11 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   routed = cfg.model.num_routed_layers * m
   weights = {MOE_LOAD_BALANCE_LOSS: cfg.model.load_balance_weight, MOE_ROUTER_Z_LOSS: cfg.model.router_z_weight,
              MOE_SEQ_BALANCE_LOSS: cfg.model.seq_load_balance_weight}
-  aux_cotangent = {k: jnp.full(a.shape, weights.get(k, 0.0) / routed if routed else 0.0, a.dtype)
-                   for k, a in aux_like.items()}
+  # Fed on the first replica alone: each statistic is reduced over the replicas' tokens inside the layer, whose
+  # transpose sums the replicas' cotangents (as objective.replica_part's does for the micro-batch loop).
+  first = first_along(tuple(sorted(shard_axes())))
+  aux_cotangent = {k: jnp.full(a.shape, jnp.where(first, weights.get(k, 0.0) / routed if routed else 0.0, 0.0),
+                               a.dtype) for k, a in aux_like.items()}
   take = lambda on, v: jnp.where(on, v, jnp.zeros_like(v))
   # Where a backward pass's input gradient is sent. Sent as it is made, at the end of a tick, the transfer overlaps
   # nothing (the loop's next iteration needs it first); sent at the top of the next tick, it overlaps that tick's

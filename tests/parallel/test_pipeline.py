@@ -135,11 +135,15 @@ def test_stages_with_fsdp_and_tensor_inside_train_like_one_device(schedule):
   assert rel < 1e-5, rel
 
 
-@pytest.mark.extended  # The expert-parallel MoE stages below check the same, quantized.
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_moe_stages_train_like_one_device(schedule):
-  """tiny_moe, bf16, 2 stages: the MoE auxiliary losses' gradients reach the routers in either schedule."""
-  one, piped, rel = _compare("tiny_moe", "bf16", {"pipeline": 2}, schedule=schedule)
+@pytest.mark.parametrize("schedule", ONE_EXTENDED)
+@pytest.mark.long
+def test_moe_stages_over_data_parallel_replicas_train_like_one_device(schedule):
+  """tiny_moe, bf16, 2 stages x data 2, the balancing losses weighted up: each MoE statistic is a total over both
+  replicas' tokens already, so the step logs it, and its gradient reaches the routers, once and not once a replica
+  (the routing losses and the routed tokens were logged twice over, and 1F1B's routers took twice their gradient)."""
+  logged = ("loss", "total_loss", "moe_load_balance_loss", "moe_router_z_loss", "moe_routed_tokens")
+  one, piped, rel = _compare("tiny_moe", "bf16", {"pipeline": 2, "data": 2}, schedule=schedule, logged=logged,
+                             **{"model.load_balance_weight": 1.0, "model.router_z_weight": 0.1})
   np.testing.assert_allclose(piped, one, rtol=1e-5)
   assert rel < 1e-5, rel
 
