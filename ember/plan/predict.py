@@ -14,7 +14,8 @@ The rules, in one place (the rates are the GPU's row of ember/hardware/rates.tom
     `nvlink` or `nic` x the link's bandwidth. Collectives share the network one at a time. An asynchronous one
     (a `*-start` / `*-done` pair) starts where the schedule starts it (or when the network frees) and is hidden
     behind the kernels scheduled before its done; whatever is left when the done is reached is exposed: the
-    step waits. A synchronous one is exposed whole;
+    step waits. A synchronous one is exposed whole. A wait is charged to whatever holds the link while the step
+    waits: a small collective queued behind a large one shows the large one's time as the large one's, not its own;
   * a host transfer (ember/plan/hlo.py: a policy's offloaded residuals) takes its bytes at `host` x the
     bandwidth of the link to the host, each direction a link of its own that its transfers share one at a
     time, hidden or exposed as a collective is;
@@ -195,12 +196,21 @@ class Prediction:
   step_s: float
   kernel_s: np.ndarray  # Per execution, as Walk's table.
   collective_s: np.ndarray  # Per execution, as Walk.collectives.
-  exposed_s: np.ndarray  # Per execution: what the step waits for each collective.
+  exposed_s: np.ndarray  # Per execution: what the step waits while each collective holds its link.
   host_s: np.ndarray  # Per execution, as Walk.host_transfers.
-  host_exposed_s: np.ndarray  # Per execution: what the step waits for each host transfer.
+  host_exposed_s: np.ndarray  # Per execution: what the step waits while each host transfer holds its link.
 
 
 _NETWORK, _TO_HOST, _FROM_HOST = "network", "to host", "from host"  # The links transfers take one at a time.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:  # A transfer on a link: it holds the link from `begin` to `end`; the step's waits then go to waits[index].
+  link: str
+  begin: float
+  end: float
+  waits: np.ndarray
+  index: int
 
 
 def _links(transfer: hlo.HostTransfer) -> tuple[str, ...]:
@@ -225,7 +235,20 @@ def predict(walk: Walk, machine: cost.Machine, rates: Rates | None = None) -> Pr
   def run(comp: str) -> float:
     if comp in durations:
       return durations[comp]
-    t, free, pending = 0.0, collections.defaultdict(float), {}
+    t, pending = 0.0, {}
+    # Each link's transfers in the order it runs them, from the last one that ended before the step's time on.
+    held: dict[str, collections.deque[_Held]] = collections.defaultdict(collections.deque)
+
+    def wait_for(h: _Held) -> None:  # The step waits from t to h's end: charged to whatever holds the link.
+      nonlocal t
+      if h.end > t:
+        for other in held[h.link]:
+          other.waits[other.index] += max(min(other.end, h.end) - max(other.begin, t), 0.0)
+        t = h.end
+        for queue in held.values():
+          while len(queue) > 1 and queue[0].end <= t:
+            queue.popleft()
+
     for e in walk.events.get(comp, ()):
       if isinstance(e, _Span):
         t += cumulative[e.stop] - cumulative[e.start]
@@ -233,20 +256,20 @@ def predict(walk: Walk, machine: cost.Machine, rates: Rates | None = None) -> Pr
         t += e.times * max(run(c) for c in e.computations)
       elif isinstance(e, (_Start, _Sync)):
         seconds, links, waits = transfer(e)
-        end = max(t, *(free[link] for link in links)) + seconds
-        free.update((link, end) for link in links)
+        begin = max([t, *(held[link][-1].end for link in links if held[link])])
+        # Its wait is read off the link that made it wait (or its only one); it holds each of its links.
+        binding = max(links, key=lambda link: held[link][-1].end if held[link] else t)
+        h = _Held(binding, begin, begin + seconds, waits, e.index)
+        for link in links:
+          held[link].append(dataclasses.replace(h, link=link))
         if isinstance(e, _Start):
-          pending[e.name] = (waits, e.index, end)
+          pending[e.name] = h
         else:
-          waits[e.index] = end - t
-          t = end
+          wait_for(h)
       elif isinstance(e, _Done) and e.start in pending:
-        waits, index, end = pending.pop(e.start)
-        waits[index] = max(end - t, 0.0)
-        t = max(t, end)
-    for waits, index, end in pending.values():  # Started and never waited for here: the computation ends after it.
-      waits[index] = max(end - t, 0.0)
-      t = max(t, end)
+        wait_for(pending.pop(e.start))
+    for h in pending.values():  # Started and never waited for here: the computation ends after it.
+      wait_for(h)
     durations[comp] = t
     return t
 

@@ -77,6 +77,24 @@ def test_an_all_gather_is_hidden_behind_the_gemm_scheduled_between_its_start_and
       _collective_seconds(2, 8192 * 8192 * 2) + gemm)
 
 
+
+def test_a_wait_is_charged_to_the_collective_that_holds_the_network():
+  """A tiny all-reduce issued while a 1 GiB all-gather is on the network waits for it: the step's wait is the
+  gather's (time_by_op shows the gather exposed), the all-reduce is exposed for its own few microseconds only."""
+  program = [f"  %ag = (bf16[8192,8192]{{1,0}}, bf16[65536,8192]{{1,0}}) all-gather-start(%x), {_GROUPS}, "
+             'dimensions={0}, metadata={op_name="jit(step)/all_gather"}',
+             f"  %ar = f32[] all-reduce(%s), {_GROUPS}, to_apply=%add, metadata={{op_name=\"jit(step)/pmax\"}}",
+             _GEMM.format(name="g", a="x", b="y"),
+             "  %agd = bf16[65536,8192]{1,0} all-gather-done(%ag)"]
+  walk = predict.Walk(_program(["  %s = f32[] parameter(2)", *program]))
+  got = predict.predict(walk, ONE_NODE)
+  gathered, reduced = _collective_seconds(1, 65536 * 8192 * 2), _collective_seconds(2, 4)
+  assert got.step_s == pytest.approx(gathered + reduced + _gemm_seconds(8192, 8192, 8192))
+  assert got.exposed_s == pytest.approx([gathered, reduced])  # Before: [0, gathered + reduced].
+  rows = {r["op"]: r["seconds"] for r in predict.time_by_op(walk, got) if r["exposed"] and r["kind"] == "collective"}
+  assert rows == pytest.approx({"all-gather": gathered, "all-reduce": reduced})
+  assert sum(r["seconds"] for r in predict.time_by_op(walk, got) if r["exposed"]) == pytest.approx(got.step_s)
+
 def test_a_loop_body_counts_its_trips_and_time_by_op_sums_to_the_step():
   gather = [f"  %ag = (bf16[8192,8192]{{1,0}}, bf16[65536,8192]{{1,0}}) all-gather-start(%x), {_GROUPS}, "
             'dimensions={0}, metadata={op_name="jit(step)/transpose(jvp())/all_gather"}',
