@@ -213,11 +213,14 @@ def _local(plan: _Plan, h_BxLxD, w_read, targets_BxL, weights_BxL, count, key, *
   # The weight varies over the map's axes, so its gradient is each device's own partial sum (the transpose of
   # an invariant input would sum it over them, once a chunk).
   w_in = jax.lax.pcast(w_read, axes, to="varying") if vary else w_read
+  if key is not None and axes:  # A quantized head's stochastic rounding: noise of its own on every token shard.
+    key = jax.random.fold_in(key, jax.lax.axis_index(axes))
 
   def one_chunk(c):
     """(the chunk's [NLL sum, z sum], its dh in h's dtype, its dw in float32), no gradients without `grads`."""
     h, targets, weights = chunk(h4, c), chunk(t3, c), chunk(wt3, c)
-    apply = lambda h, w: _logits(plan.logits, h, w, key)
+    chunk_key = None if key is None else jax.random.fold_in(key, c)  # And on every chunk.
+    apply = lambda h, w: _logits(plan.logits, h, w, chunk_key)
     # The VJP is taken at the weight in its own dtype, so the chunk's weight gradient is too; the cast is made
     # here, beside the head's cast back to `read_dtype`, so the compiler drops the exact round trip.
     w = w_in.astype(plan.w_dtype)

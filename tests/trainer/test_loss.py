@@ -85,6 +85,29 @@ def test_sharded_equals_one_device(rules):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
 
 
+
+def _noisy_logits(h, w, key):
+  """A stand-in for a quantized head's stochastic rounding: logits scaled by noise drawn from the chunk's key."""
+  return jnp.einsum("bld,dv->blv", h, w) * (1.0 + jax.random.uniform(key, h.shape[:2] + (1,)))
+
+
+def test_every_chunk_and_token_shard_rounds_with_noise_of_its_own():
+  """Equal tokens in two chunks (positions 2i and 2i + 1: strided chunks of 2) or on two token shards get
+  gradients that differ: the head's key is folded with the chunk and the shard (the same key everywhere made their
+  rounding noise equal, its errors correlated)."""
+  hidden, w, targets, weights = _case()
+  hidden = jnp.repeat(hidden[:, :20], 2, axis=1)  # Positions 2i and 2i + 1 equal.
+  targets, weights = jnp.repeat(targets[:, :20], 2, axis=1), jnp.ones((4, 40))
+  hidden, targets = (jnp.concatenate([a[:2], a[:2]]) for a in (hidden, targets))  # Rows 2, 3 equal rows 0, 1.
+  head = Head(_noisy_logits, w, read_dtype=w.dtype, reduce_dtype=jnp.float32)
+  loss = lambda h: cross_entropy(h, targets, weights, head, key=jax.random.key(3), chunk_size=20)[0]
+  dh = jax.grad(loss)(hidden)
+  assert float(jnp.max(jnp.abs(dh[:, 0::2] - dh[:, 1::2]))) > 1e-3 * float(jnp.max(jnp.abs(dh)))
+  mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+  with use_rules(mesh, (("batch", "fsdp"), ("length", None), ("embed", None), ("vocab", None))):
+    dh = jax.jit(jax.grad(loss))(jax.device_put(hidden, NamedSharding(mesh, P("fsdp", None, None))))
+  assert float(jnp.max(jnp.abs(dh[:2] - dh[2:]))) > 1e-3 * float(jnp.max(jnp.abs(dh)))
+
 def test_the_head_runs_once_a_chunk():
   """One forward GEMM per chunk and its two backward GEMMs: no logits recomputed in the backward pass."""
   hidden, w, targets, weights = _case()
