@@ -46,12 +46,17 @@ def thresholds(limits=()) -> dict[str, tuple[float, str]]:
   return {stat: (overrides.get(stat, limit), meaning) for stat, (limit, meaning) in THRESHOLDS.items()}
 
 
+# A value counts as saturated past the format's max by more than float32's rounding of `scaled`: the amax itself,
+# scaled by max / amax, lands an ulp above the max in about one tensor in twelve, and the cast loses nothing there.
+SATURATION_SLACK = 1.0 + 2.0**-21
+
+
 def measure(x32: jax.Array, scaled: jax.Array, data: jax.Array, fmt_max: float, amax: jax.Array, scale: jax.Array,
             staleness: jax.Array, reduce_axes: tuple[str, ...] = ()) -> jax.Array:
   """The `STATS` vector of one quantized tensor: `x32` the input in float32, `scaled` the value handed
   to the cast (before rounding and clipping), `data` the cast's result."""
   nonzero = x32 != 0
-  counts = jnp.stack([jnp.sum(jnp.abs(scaled) > fmt_max, dtype=jnp.float32),
+  counts = jnp.stack([jnp.sum(jnp.abs(scaled) > fmt_max * SATURATION_SLACK, dtype=jnp.float32),
                       jnp.sum(nonzero & (data == 0), dtype=jnp.float32),
                       jnp.sum(nonzero, dtype=jnp.float32)])
   if reduce_axes:

@@ -18,7 +18,7 @@ from tests.xla_cpu import EXACT_FP4_CASTS
 from ember.quant import (E4M3, E5M2, QUANTIZED_RECIPES, RECIPES, ROLES, CurrentScaling,
                          DelayedScaling, MXFP8Scaling, NVFP4Scaling,
                          QuantizedTensor, make_quantizer, quantize,
-                         update_history)
+                         health, update_history)
 
 # One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
 pytestmark = pytest.mark.xdist_group("test_quantize")
@@ -208,6 +208,17 @@ def test_delayed_scaling_saturates_past_stale_amax():
   np.testing.assert_array_equal(qt.data.astype(jnp.float32), [224, 448, -448])
   assert qt.amax == 500.0  # The observed amax, for the next step's history.
 
+
+
+def test_the_amax_itself_is_not_counted_saturated():
+  """An amax of 1.0775 scales to 448.00003 (max / amax rounds up in float32): the cast loses nothing and no element
+  counts as saturated; past a stale delayed scale the elements do."""
+  saturated = health.STATS.index("saturated")
+  x = jnp.array([1.0775, -0.5, 0.25], jnp.float32)
+  assert float(x[0] * (jnp.float32(448.0) / x[0])) > 448.0  # The rounding this is about.
+  assert CurrentScaling(E4M3).quantize(x, stats=True).health[saturated] == 0
+  stale = DelayedScaling(jnp.array([1.0, 0.5]), E4M3).quantize(jnp.array([0.5, 2.0, -500.0]), stats=True)
+  assert stale.health[saturated] == 2
 
 def test_mxfp8_exponents_at_powers_of_two():
   amaxes = np.float32([448, 449, 224, 224.00002, 56, 512, 1, 2.0**-100, 0])
