@@ -196,11 +196,14 @@ def _run(plan: _Plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key, grad
   if not axes:
     return local(h_BxLxD, w_read, targets_BxL, weights_BxL, count, key)
   stacked = P(axes, None, None)
-  mapped = shard_map(lambda h, w, t, wt, c: local(h, w, t, wt, c, key), mesh=active_mesh(),
-                     in_specs=(P(*rows, None), P(), rows, rows, P()),
+  # The key goes in as an input, not captured: inside a step's own map (replicas, stages) a captured value lies on
+  # that map's mesh, where this map's axes are the compiler's, and the shard's index cannot be folded into it.
+  keyed = () if key is None else (key,)
+  mapped = shard_map(lambda h, w, t, wt, c, *k: local(h, w, t, wt, c, *(k or (None,))), mesh=active_mesh(),
+                     in_specs=(P(*rows, None), P(), rows, rows, P()) + (P(),) * len(keyed),
                      out_specs=((P(), P(), P()), P(*rows, None) if grads else None, stacked if grads else None),
                      axis_names=set(axes))
-  return mapped(h_BxLxD, w_read, targets_BxL, weights_BxL, count)
+  return mapped(h_BxLxD, w_read, targets_BxL, weights_BxL, count, *keyed)
 
 
 def _local(plan: _Plan, h_BxLxD, w_read, targets_BxL, weights_BxL, count, key, *, axes, vary: bool, grads: bool):
