@@ -63,6 +63,15 @@ class Taken:
   index: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
+@dataclasses.dataclass(frozen=True)
+class _FlatOutputs:
+  """A kernel's output axes as its N is flattened (Linear._flat_outputs): each split axis viewed as [shards, size /
+  shards] (`shape`), the view's axes in N's order (`order`: the split axes' shards first), the split axes (`split`)."""
+  shape: tuple[int, ...]
+  order: tuple[int, ...]
+  split: tuple[int, ...]
+
+
 def kernel_amaxes(model: nnx.Module) -> dict:
   """{path: Taken(max|kernel|)} of every projection of `model` whose recipe takes a kernel's amax in a pass of its
   own (one amax per layer where kernels are stacked)."""
@@ -146,12 +155,12 @@ class Linear(nnx.Module):
     stats = None if self.quant_stats is None else self.quant_stats[...]
     error = None if self.output_error is None else self.output_error[...]
     row = None
-    order = self._out_order()
-    permuted = order != tuple(range(len(order)))
-    if permuted:
+    flat = self._flat_outputs(out_shape)
+    if flat is not None:
       n_in = len(self.in_shape)
-      kernel = jnp.transpose(kernel, tuple(range(n_in)) + tuple(n_in + i for i in order))
-    if mine.stacked is not None and not permuted and view is None:
+      kernel = jnp.transpose(kernel.reshape(self.in_shape + flat.shape),
+                             tuple(range(n_in)) + tuple(n_in + i for i in flat.order))
+    if mine.stacked is not None and flat is None and view is None:
       row = dot.KernelRow(mine.stacked.reshape(-1, k, n), mine.index)
     parallel = self._sequence_parallel_axes(lead)
     if parallel and not dot.keeps_rows(self.recipe):
@@ -165,35 +174,49 @@ class Linear(nnx.Module):
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
                              error=error, kernel_amax=mine.amax, wgrad_transposed=self._reduced_along_output(),
                              row_axes=self._row_axes() if len(lead) == 2 else (), kernel_row=row,
-                             kernel_sharding=self._gemm_kernel_sharding(order),
+                             kernel_sharding=self._gemm_kernel_sharding(flat),
                              row_sharding=self._gemm_row_sharding(parallel))
-    if not permuted:
+    if flat is None:
       return self._placed(y.reshape(lead + out_shape), parallel)
-    y = self._placed(y.reshape(lead + tuple(out_shape[i] for i in order)), parallel, order)
-    return jnp.transpose(y, tuple(range(len(lead))) + tuple(len(lead) + order.index(i) for i in range(len(order))))
+    y = self._placed(y.reshape(lead + tuple(flat.shape[i] for i in flat.order)), parallel, flat)
+    back = tuple(len(lead) + flat.order.index(i) for i in range(len(flat.order)))
+    return jnp.transpose(y, tuple(range(len(lead))) + back).reshape(lead + out_shape)
 
-  def _gemm_kernel_sharding(self, order):
+  def _gemm_kernel_sharding(self, flat: "_FlatOutputs | None"):
     """Where the flattened [K, N] kernel's GEMMs read it: the kernel's own split of its major input and output
     axes, less the axes the tokens are split over (the batch's and the sequence's, over which the kernel is split
     as FSDP splits it: gathered for the GEMM) and the axes already manual; None outside the rules."""
     rules, mesh, n_in = sharding.active_rules(), sharding.active_mesh(), len(self.in_shape)
     if rules is None or mesh is None:
       return None
-    spec = sharding.logical_to_spec((self.axes[0], self.axes[n_in + order[0]]), rules, mesh)
+    spec = sharding.logical_to_spec((self.axes[0], self.axes[n_in + (flat.split[0] if flat else 0)]), rules, mesh)
     return _for_the_compiler(sharding.without_axes(spec, set(mesh_axes.token_axes(rules, mesh)) | set(manual_axes())),
                              mesh)
 
-  def _out_order(self) -> tuple[int, ...]:
-    """The output axes in the order the kernel is flattened to [K, N]: those split over a mesh axis first, so that
-    N's split is one run of columns a device (the [embed, 2, mlp] kernel's mlp split over `tensor` is not, flattened
-    as it is)."""
+  def _flat_outputs(self, out_shape) -> "_FlatOutputs | None":
+    """How the output axes are flattened into the kernel's N, where their split over the mesh makes a plain
+    flattening wrong: N's split must be one run of columns a device, so each split output axis is read as
+    [its shards, size / shards] and the shards go first; the rest keep their order. A device's run is then its
+    share of every axis in the axes' own order (the [embed, 2, mlp] kernel with mlp split over `tensor` is read as
+    [tensor, 2, mlp / tensor]), so a block of a block-scaled recipe along N lies in the gate or the up half, as on
+    one device, and on each device the reordering moves nothing. None where only the first axis, or none, is split
+    (the kernel is flattened as it is)."""
     rules, mesh, n_in = sharding.active_rules(), sharding.active_mesh(), len(self.in_shape)
-    same = tuple(range(len(self.out_shape)))
-    if rules is None or mesh is None or len(same) < 2:
-      return same
-    spec = sharding.logical_to_spec(self.axes, rules, mesh)[n_in:]
-    split = [i for i in same if spec[i] is not None]
-    return tuple(split + [i for i in same if i not in split])
+    if rules is None or mesh is None or len(out_shape) < 2:
+      return None
+    spec = sharding.without_axes(sharding.logical_to_spec(self.axes, rules, mesh), manual_axes())[n_in:]
+    shards = [math.prod(mesh.shape[a] for a in sharding.entry_axes(e)) for e in spec]
+    if all(n == 1 for n in shards[1:]):
+      return None
+    shape, firsts, rests, split = [], [], [], []
+    for i, (size, n) in enumerate(zip(out_shape, shards)):
+      if n > 1:
+        firsts.append(len(shape))
+        shape.append(n)
+        split.append(i)
+      rests.append(len(shape))
+      shape.append(size // n)
+    return _FlatOutputs(tuple(shape), tuple(firsts + rests), tuple(split))
 
   def block_output(self) -> tuple[str, ...]:
     """The logical axes of a block's output that this (row-parallel) projection writes: the residual stream's where
@@ -220,15 +243,17 @@ class Linear(nnx.Module):
     batch, length = sharding.without_axes(mesh_axes.token_spec(sharding.active_rules(), mesh), set(manual_axes()))
     return _for_the_compiler(P(batch, length, P.UNCONSTRAINED), mesh)
 
-  def _placed(self, y, parallel: set[str], order=None):
+  def _placed(self, y, parallel: set[str], flat: "_FlatOutputs | None" = None):
     """A column-parallel output (its kernel's output split over the sequence-parallel axes) with its tokens whole
     and its output split as the kernel's: so XLA gathers x for the GEMM, not the kernel (whose output would then
-    lie on the tokens' split, and be moved onto the heads' by an all-to-all)."""
+    lie on the tokens' split, and be moved onto the heads' by an all-to-all). `flat`: y's output axes are those of
+    the flattened kernel's N (`_flat_outputs`), the split axes' shards first."""
     if not parallel:
       return y
     rules, mesh, n_in = sharding.active_rules(), sharding.active_mesh(), len(self.in_shape)
-    out_axes = tuple(self.axes[n_in + i] for i in (order or range(len(self.out_shape))))
-    out = sharding.only_axes(sharding.logical_to_spec(out_axes, rules, mesh), parallel)
+    out = sharding.only_axes(sharding.logical_to_spec(self.axes[n_in:], rules, mesh), parallel)
+    if flat is not None:
+      out = P(*(out[i] for i in flat.split), *(None,) * (len(flat.order) - len(flat.split)))
     if all(e is None for e in out):
       return y
     return sharding.place(y, P(*mesh_axes.token_spec(rules, mesh), *out))
