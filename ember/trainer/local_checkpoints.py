@@ -17,9 +17,9 @@ a lost process's part from another replica of the same shards (a data-parallel c
 fully-sharded layout (every process holds a different part: FSDP over all the devices, ember's default) does not
 have, so they fall back to the persistent tier exactly where a node is lost. Hence this explicit peer copy.
 
-Files: `<local_dir>/<step>/process_<p>-of-<n>-<layout>.bin` (process p's part) and `peer_<p>-of-<n>-<layout>.bin`
-(the copy of process p's part, kept by process p + 1), each written under a temporary name and renamed when
-complete. `local_dir` may hold `{process}` (one directory per process, for several processes per node sharing a
+Files: `<local_dir>/run-<run>/<step>/process_<p>-of-<n>-<layout>.bin` (process p's part) and
+`peer_<p>-of-<n>-<layout>.bin` (the copy of process p's part, kept by process p + 1), each written under a temporary
+name and renamed when complete; `<run>` is a hash of the run's workdir, so a run sees only its own steps. `local_dir` may hold `{process}` (one directory per process, for several processes per node sharing a
 disk or a test on one machine). A part: an 8-byte header length, a JSON header {key: [dtype, shape, offset,
 nbytes]}, then the bytes.
 """
@@ -110,8 +110,11 @@ def exchange(blob: bytes, shift: int) -> bytes:
 class LocalCheckpoints:
   """Save and restore of the local tier (the module's docstring)."""
 
-  def __init__(self, directory: str, every_steps: int, mesh: Mesh, seed: int):
-    self.directory = os.path.abspath(directory.replace("{process}", str(jax.process_index())))
+  def __init__(self, directory: str, every_steps: int, mesh: Mesh, seed: int, run: str):
+    """`run`: the run's workdir, absolute. Its steps go to a directory of their own, `run-<hash of it>` under
+    `directory`: runs that share a node's disk neither resume from nor prune each other's steps."""
+    base = os.path.abspath(directory.replace("{process}", str(jax.process_index())))
+    self.directory = os.path.join(base, "run-" + hashlib.blake2b(run.encode(), digest_size=6).hexdigest())
     self.every_steps, self.mesh, self.seed = every_steps, mesh, seed
     self.process, self.count = jax.process_index(), jax.process_count()
     os.makedirs(self.directory, exist_ok=True)

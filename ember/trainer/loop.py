@@ -265,7 +265,8 @@ class _Run:
     phases = precision.Phases(cfg)
     targets = lambda step: state_shardings(phases.cfg(phases.state_phase(step)), mesh, tx)[1:]
     c = cfg.checkpoint
-    local = LocalCheckpoints(c.local_dir, c.local_every_steps, mesh, cfg.seed) if c.local_every_steps else None
+    local = LocalCheckpoints(c.local_dir, c.local_every_steps, mesh, cfg.seed, run=storage.absolute(cfg.workdir)) \
+        if c.local_every_steps else None
     progress("set-up: the model state (the newest checkpoint, or initialised)")
     state, first = _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it)
     _check_phase(ckpt, phases, first)

@@ -69,16 +69,38 @@ def test_killed_processes_resume_from_local_checkpoints_even_with_one_disk_lost(
   # Killed before the first persistent step: only the local tier holds the run. Then process 1's disk is lost.
   _kill_after(_start(run), run, rng.randint(3, 8))
   shutil.rmtree(run / "local" / "1")
+  (own,) = (run / "local" / "0").iterdir()  # The run's own directory, run-<hash of its workdir>.
+  assert own.name.startswith("run-"), own
   complete = lambda d, *names: all(any(f.startswith(n) and f.endswith(".bin") for f in os.listdir(d)) for n in names)
-  newest = max(int(d) for d in os.listdir(run / "local" / "0")
-               if d.isdigit() and complete(run / "local" / "0" / d, "process_0", "peer_1"))
+  newest = max(int(d) for d in os.listdir(own) if d.isdigit() and complete(own / d, "process_0", "peer_1"))
   procs = _start(run)
   _kill_after(procs, run, rng.randint(12, 14))  # Past the persistent step 10: a local step 12 or later is newer.
   err = procs[0].stderr.read()
-  assert (f"resumed from the local checkpoint {run}/local/0/{newest} at step {newest}; the parts of processes [1] "
+  assert (f"resumed from the local checkpoint {own}/{newest} at step {newest}; the parts of processes [1] "
           "from their peers' copies") in err, err[-3000:]
   # A plain restart: every part on its own disk.
   err = _finish(_start(run))
-  resumed = re.search(rf"resumed from the local checkpoint {run}/local/0/(\d+) at step (\d+)\n", err)
+  resumed = re.search(rf"resumed from the local checkpoint {own}/(\d+) at step (\d+)\n", err)
   assert resumed and resumed[1] == resumed[2] and int(resumed[1]) >= 12, err[-3000:]
   assert _without_timings(_records(run)) == _without_timings(_records(reference))
+
+
+@pytest.mark.long
+def test_runs_sharing_a_local_dir_keep_to_their_own_steps(tmp_path, capsys):
+  """Two runs with one `checkpoint.local_dir` (a node's disk): the second, in a workdir of its own, starts at step 0
+  rather than resuming from the first one's newest local step, and its saves prune none of the first one's."""
+  from ember.trainer.loop import train
+  from tests import helpers
+
+  def run(name: str, steps: int):
+    train(helpers.checked(helpers.config(**{
+        "workdir": str(tmp_path / name), "steps": steps, "checkpoint.every_steps": -1, "log.every_steps": 1,
+        "checkpoint.local_dir": str(tmp_path / "local"), "checkpoint.local_every_steps": 1,
+        "model.num_layers": 1, "model.seq_len": 16, "train.batch_size": 8})))
+
+  run("a", 4)
+  run("b", 2)
+  assert "resumed" not in capsys.readouterr().err
+  assert [r["step"] for r in _records(tmp_path / "b") if "loss" in r] == [1, 2]
+  steps = {d.name: sorted(int(s) for s in os.listdir(d) if s.isdigit()) for d in (tmp_path / "local").iterdir()}
+  assert sorted(steps.values()) == [[1, 2], [3, 4]], steps  # Each run's newest two.
