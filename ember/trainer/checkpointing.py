@@ -252,14 +252,19 @@ class Checkpointer:
     and the iterator's start if the position cannot be mapped onto this run's shards)."""
     # Not strict: `check` allowed a stacked leaf's rows to differ by padding alone, which Orbax truncates or pads.
     items = dict(state=ocp.args.StandardRestore(_abstract_target(abstract, shardings), strict=False))
-    own = storage.join(self._step_dir(step), "data", f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+    data_dir = storage.join(self._step_dir(step), "data")
+    if data_it is not None and _merged_data_state(data_dir) is None:
+      # The run saves its data position with every step: without one the step is incomplete, and a resume from it
+      # would read the data from the start. Damaged, as an unreadable file is (`restore_latest`).
+      raise FileNotFoundError(f"no data position in {data_dir}")
+    own = storage.join(data_dir, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
     use_grain = data_it is not None and storage.exists(own)
     if use_grain:
       items["data"] = grain.checkpoint.CheckpointRestore(data_it)
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     _verify(self._step_dir(step), restored["state"], f"step {step}")
     if data_it is not None and not use_grain:
-      restore_data_position(storage.join(self._step_dir(step), "data"), data_it)
+      restore_data_position(data_dir, data_it)
     return TrainState(**restored["state"])
 
   def restore_latest(self, targets: Callable[[int], tuple[TrainState, TrainState]],

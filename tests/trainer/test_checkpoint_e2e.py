@@ -202,6 +202,7 @@ DAMAGED_FILES = {
     "array metadata": "state/array_metadatas/process_0", "tree metadata": "state/_METADATA",
     "shardings": "state/_sharding", "rng": "rng/metadata", "data position": "data/process_0-of-1.json",
     "fingerprints": "fingerprints/metadata",
+    "data position, deleted": "data/process_0-of-1.json",  # The file gone, not damaged: the step is incomplete.
 }
 
 
@@ -219,7 +220,10 @@ def test_a_damaged_newest_checkpoint_is_one_warning_and_the_previous_one(shared,
   data = bytearray(target.read_bytes())
   middle = max(len(data) // 2 - 50, 0)
   data[middle:middle + 100] = random.Random(0).randbytes(min(100, len(data)))
-  target.write_bytes(bytes(data))
+  if kind.endswith("deleted"):
+    target.unlink()
+  else:
+    target.write_bytes(bytes(data))
 
   p = train(shared, run, 20)
   warnings = [line for line in p.stderr.splitlines() if "warning: skipping checkpoint step 20" in line]
