@@ -357,15 +357,16 @@ def _manager_dir_and_step(path: str, what: str) -> tuple[str, int | None]:
   return path, None
 
 
-def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it: ShardedIterator | None, *,
-                 params_only: bool, init: Callable[[], TrainState],
+def restore_from(path: str, targets: Callable[[int], tuple[TrainState, TrainState]], data_it: ShardedIterator | None,
+                 *, params_only: bool, init: Callable[[], TrainState],
                  stacked: Stacked | None = None) -> tuple[TrainState, int]:
   """Starts a new run from another run's checkpoint: (the state, the step the run starts after).
 
   Full: the whole TrainState (its step, optimizer state, amax histories) and, where this run reads
   the same data shards, the data position; the run goes on from the checkpoint's step (its loop's, which
-  `state.step` trails by any steps skipped). `params_only`: the parameters, with a fresh optimizer
-  state, quantization state, step 0 and data position (`init()` builds the rest). `stacked`: as
+  `state.step` trails by any steps skipped), in the state that step has in this config (`targets(step)`:
+  (shardings, abstract); a precision schedule changes its structure). `params_only`: the parameters, with a fresh
+  optimizer state, quantization state, step 0 and data position (`init()` builds the rest). `stacked`: as
   `Checkpointer.check`'s.
   """
   what = "config.checkpoint.restore_from"
@@ -373,6 +374,7 @@ def restore_from(path: str, abstract: TrainState, shardings: TrainState, data_it
   try:
     saved = _read_state_metadata(manager, directory, step, what)
     padding = _padding(manager.metadata(step).custom_metadata or {}, stacked, what)
+    shardings, abstract = targets(0 if params_only else step)
     target = _abstract_target(abstract, shardings)
     if params_only:
       params = _restore_fields(manager, step, saved, {"params": target["params"]}, what, padding)["params"]

@@ -470,12 +470,12 @@ def _restore_or_init(cfg: Settings, ckpt, local, mesh, tx, targets, metrics, tra
     metrics.truncate_after(step)
     console(f"resumed from {ckpt.directory} at step {step}")
     return state, step
-  shardings, abstract = targets(0)
   init = lambda: create_train_state(cfg, mesh, tx)[1]
   metrics.truncate_after(0)  # A new run: no records of an earlier one in this workdir.
   if cfg.checkpoint.restore_from:
-    return restore_from(cfg.checkpoint.restore_from, abstract, shardings, train_it,
-                        params_only=cfg.checkpoint.params_only, init=init, stacked=stacked_of(cfg))
+    return restore_from(cfg.checkpoint.restore_from, targets, train_it, params_only=cfg.checkpoint.params_only,
+                        init=init, stacked=stacked_of(cfg))
+  shardings, abstract = targets(0)
   if cfg.checkpoint.init_from_hf:
     params = hf_load.load_params(cfg.checkpoint.init_from_hf, cfg.model, cfg.quant, abstract.params,
                                  shardings.params)

@@ -265,6 +265,20 @@ def test_restore_from_full_state_continues_that_run(shared, tmp_path):
   assert [got[11], got[12]] == [ref[11], ref[12]]  # Same state, same data position: bitwise.
 
 
+
+@pytest.mark.long
+def test_restore_from_a_step_past_a_precision_switch_continues_that_run(shared, tmp_path):
+  """fp8_current, then fp8_delayed from step 6 on (the state gains amax histories): a new run of the same config
+  started from step 10 takes that step's state as its phase has it and logs what the first run logged after it.
+  (It was read as phase 0's state: one false line, exit 2.)"""
+  switch = ["--config.quant.recipe=fp8_current", "--config.quant.schedule=((5, {'recipe': 'fp8_delayed'}),)"]
+  ref_dir = shared_run(shared, "ref_switch", lambda w: train(shared, w, 20, *switch))
+  run = tmp_path / "run"
+  p = train(shared, run, 12, *switch, f"--config.checkpoint.restore_from={ref_dir / 'checkpoints' / '10'}")
+  assert "started from" in p.stderr
+  ref, got = losses(ref_dir), losses(run)
+  assert sorted(got) == [11, 12] and [got[11], got[12]] == [ref[11], ref[12]]
+
 def test_restore_from_params_only_starts_at_step_zero(shared, tmp_path):
   ref_dir = reference(shared, "bf16")
   run = tmp_path / "run"

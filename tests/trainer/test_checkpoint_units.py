@@ -142,10 +142,10 @@ def test_data_position_for_another_shard_count_restarts_with_a_warning(tmp_path,
 def test_restore_from_a_missing_or_empty_directory_names_the_key(tmp_path, mesh):
   abstract, shardings = _abstract_and_shardings(_state(mesh, 0.0))
   with pytest.raises(CheckpointError, match=r"config\.checkpoint\.restore_from: no checkpoint directory at"):
-    restore_from(str(tmp_path / "nowhere"), abstract, shardings, None, params_only=False, init=None)
+    restore_from(str(tmp_path / "nowhere"), lambda step: (shardings, abstract), None, params_only=False, init=None)
   (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
   with pytest.raises(CheckpointError, match=r"config\.checkpoint\.restore_from: no complete checkpoint"):
-    restore_from(str(tmp_path / "empty"), abstract, shardings, None, params_only=False, init=None)
+    restore_from(str(tmp_path / "empty"), lambda step: (shardings, abstract), None, params_only=False, init=None)
 
 
 def test_data_position_of_other_data_restarts_with_a_warning(capsys):
