@@ -26,7 +26,8 @@ class ByteTokenizer:
 
   vocab_size = 256
 
-  def encode(self, text: str | bytes) -> np.ndarray:
+  def encode(self, text: str | bytes, eos: bool = True) -> np.ndarray:
+    """`eos`: as every tokenizer here takes it (`HFTokenizer.encode`); this one has no EOS token."""
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
     return np.frombuffer(data, np.uint8).astype(np.int32)
 
@@ -44,7 +45,8 @@ class SentencePieceTokenizer:
     self._sp = spm.SentencePieceProcessor(model_file=model_path)
     self.vocab_size = int(self._sp.get_piece_size())
 
-  def encode(self, text: str | bytes) -> np.ndarray:
+  def encode(self, text: str | bytes, eos: bool = True) -> np.ndarray:
+    """`eos`: as every tokenizer here takes it (`HFTokenizer.encode`); the model's own pieces decide."""
     if not isinstance(text, str):
       text = bytes(text).decode("utf-8", errors="replace")
     return np.asarray(self._sp.encode(text, out_type=int), np.int32)
@@ -78,11 +80,13 @@ class HFTokenizer:
       eos = eos.get("content") if isinstance(eos, dict) else eos
       self.eos_id = None if eos is None else self._tok.token_to_id(eos)
 
-  def encode(self, text: str | bytes) -> np.ndarray:
+  def encode(self, text: str | bytes, eos: bool = True) -> np.ndarray:
+    """A document's ids, ended with the EOS token where the tokenizer names one; `eos=False`: a text that goes on
+    (a prompt to continue)."""
     if not isinstance(text, str):
       text = bytes(text).decode("utf-8", errors="replace")
     ids = self._tok.encode(text, add_special_tokens=True).ids
-    if self.eos_id is not None:
+    if eos and self.eos_id is not None:
       ids = ids + [self.eos_id]
     return np.asarray(ids, np.int32)
 

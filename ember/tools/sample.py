@@ -90,7 +90,7 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
   cfg, mesh, model = load_model(checkpoint, what="--checkpoint", recipe=None if quantized else UNQUANTIZED, dtype=dtype,
                                 one_device=one_device)
   tokenizer = build_tokenizer(cfg.data)
-  encoded = [tokenizer.encode(p) for p in prompts]
+  encoded = prompt_ids(tokenizer, prompts)
   empty = next((i for i, e in enumerate(encoded) if len(e) == 0), None)
   if empty is not None:
     raise ConfigError(f"--prompt: prompt {empty} encodes to no tokens")
@@ -107,12 +107,18 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
   return [_continuation(tokenizer, prompt, new) for prompt, new in zip(encoded, out)]
 
 
-def _continuation(tokenizer, prompt_ids, new_ids) -> str:
-  """The new tokens' text as it reads after the prompt: decoded together with the prompt, then the prompt's
+def prompt_ids(tokenizer, prompts: list[str]) -> list:
+  """Each prompt's ids as a text that goes on: without the end-of-document token a tokenizer ends a training
+  document with (after it the model would start a new document, not continue the prompt)."""
+  return [tokenizer.encode(p, eos=False) for p in prompts]
+
+
+def _continuation(tokenizer, prompt, new_ids) -> str:
+  """The new tokens' text as it reads after the prompt's ids: decoded together with the prompt, then the prompt's
   text removed (SentencePiece drops a leading space from tokens decoded alone)."""
   import numpy as np
-  whole = tokenizer.decode(np.concatenate([prompt_ids, new_ids]))
-  prefix = tokenizer.decode(prompt_ids)
+  whole = tokenizer.decode(np.concatenate([prompt, new_ids]))
+  prefix = tokenizer.decode(prompt)
   return whole[len(prefix):] if whole.startswith(prefix) else tokenizer.decode(new_ids)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from ember.config import derive
 from ember.data import ByteTokenizer, DataError, build_tokenizer, make_iterator
+from ember.tools.sample import prompt_ids
 from tests.helpers import config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,3 +66,17 @@ def test_train_sentencepiece_cli(data_cfg, tmp_path):
                                                "data.tokenizer": model, **o}), 1).model.vocab_size
   assert vocab() == 384 and vocab(**{"model.vocab_size": 320}) == 320
   assert derive(config("tiny"), 1).model.vocab_size == 256  # The byte tokenizer.
+
+
+def test_a_hugging_face_tokenizer_ends_documents_with_eos_but_not_prompts(tmp_path):
+  """A tokenizer whose tokenizer_config.json names an EOS token: training documents end with it, a prompt to
+  continue (ember.tools.sample) does not, or the model would start a new document."""
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<s>": 0, "</s>": 1, "hello": 2, "world": 3, "[UNK]": 4},
+                                                         unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+  hf = build_tokenizer(config(**{"data.tokenizer": str(tmp_path / "tokenizer.json")}).data)
+  assert hf.encode("hello world").tolist() == [2, 3, 1]
+  assert [ids.tolist() for ids in prompt_ids(hf, ["hello world", "world"])] == [[2, 3], [3]]
