@@ -45,9 +45,14 @@ from ember.trainer.state import TrainState
 # --- The data position ----------------------------------------------------------------------------
 
 
+def _data_files(data_dir: str) -> list[str]:
+  """Every process's data-position file in a step's data/."""
+  return storage.glob(data_dir, "process_*-of-*.json")
+
+
 def _merged_data_state(data_dir: str) -> dict | None:
   """The shard states of every process's file in a step's data/ (None if there are none)."""
-  files = storage.glob(data_dir, "process_*-of-*.json")
+  files = _data_files(data_dir)
   if not files:
     return None
   merged = {"num_shards": None, "fingerprint": "", "shards": {}}
@@ -253,7 +258,7 @@ class Checkpointer:
     # Not strict: `check` allowed a stacked leaf's rows to differ by padding alone, which Orbax truncates or pads.
     items = dict(state=ocp.args.StandardRestore(_abstract_target(abstract, shardings), strict=False))
     data_dir = storage.join(self._step_dir(step), "data")
-    if data_it is not None and _merged_data_state(data_dir) is None:
+    if data_it is not None and not _data_files(data_dir):
       # The run saves its data position with every step: without one the step is incomplete, and a resume from it
       # would read the data from the start. Damaged, as an unreadable file is (`restore_latest`).
       raise FileNotFoundError(f"no data position in {data_dir}")

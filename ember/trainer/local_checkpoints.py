@@ -19,8 +19,9 @@ have, so they fall back to the persistent tier exactly where a node is lost. Hen
 
 Files: `<local_dir>/run-<run>/<step>/process_<p>-of-<n>-<layout>.bin` (process p's part) and
 `peer_<p>-of-<n>-<layout>.bin` (the copy of process p's part, kept by process p + 1), each written under a temporary
-name and renamed when complete; `<run>` is a hash of the run's workdir, so a run sees only its own steps. `local_dir` may hold `{process}` (one directory per process, for several processes per node sharing a
-disk or a test on one machine). A part: an 8-byte header length, a JSON header {key: [dtype, shape, offset,
+name and renamed when complete; `<run>` is a hash of the run's workdir, so a run sees only its own steps.
+`local_dir` may hold `{process}` (one directory per process, for several processes per node sharing a disk or a test
+on one machine). A part: an 8-byte header length, a JSON header {key: [dtype, shape, offset,
 nbytes]}, then the bytes.
 """
 

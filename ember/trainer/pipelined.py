@@ -36,9 +36,10 @@ from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_L
 from ember.parallel import axes, pipeline
 from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant import health
-from ember.quant.varying import cotangent_once, first_along, shard_axes
+from ember.quant.varying import cotangent_once, shard_axes
 from ember.trainer.loss import HeadOnce, cross_entropy, read_once, token_count, with_head_gradient
-from ember.trainer.objective import merged_model, micro_batches, replicas_first, step_terms, summed_over_replicas
+from ember.trainer.objective import (merged_model, micro_batches, replica_part, replicas_first, step_terms,
+                                    summed_over_replicas)
 from ember.trainer.state import split_over_replicas
 
 F32 = jnp.float32
@@ -312,11 +313,10 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   routed = cfg.model.num_routed_layers * m
   weights = {MOE_LOAD_BALANCE_LOSS: cfg.model.load_balance_weight, MOE_ROUTER_Z_LOSS: cfg.model.router_z_weight,
              MOE_SEQ_BALANCE_LOSS: cfg.model.seq_load_balance_weight}
-  # Fed on the first replica alone: each statistic is reduced over the replicas' tokens inside the layer, whose
-  # transpose sums the replicas' cotangents (as objective.replica_part's does for the micro-batch loop).
-  first = first_along(tuple(sorted(shard_axes())))
-  aux_cotangent = {k: jnp.full(a.shape, jnp.where(first, weights.get(k, 0.0) / routed if routed else 0.0, 0.0),
-                               a.dtype) for k, a in aux_like.items()}
+  # Fed on the first replica alone (`replica_part`): each statistic is reduced over the replicas' tokens inside the
+  # layer, whose transpose sums the replicas' cotangents.
+  aux_cotangent = {k: replica_part(jnp.full(a.shape, weights.get(k, 0.0) / routed if routed else 0.0, a.dtype))
+                   for k, a in aux_like.items()}
   take = lambda on, v: jnp.where(on, v, jnp.zeros_like(v))
   # Where a backward pass's input gradient is sent. Sent as it is made, at the end of a tick, the transfer overlaps
   # nothing (the loop's next iteration needs it first); sent at the top of the next tick, it overlaps that tick's
