@@ -58,7 +58,7 @@ def checked(cfg):
 def settings(preset: str = "tiny", num_devices: int = 1, **overrides):
   """`config(preset, **overrides)` validated and derived for `num_devices` devices: the typed settings."""
   cfg = config(preset, **overrides)
-  return config_lib.validate(cfg, num_devices, 1)
+  return config_lib.validate(cfg, num_devices)
 
 
 def random_batch(cfg, seed: int = 0, segments: int = 2) -> dict[str, np.ndarray]:
@@ -100,7 +100,7 @@ class Start:
 
 def start(cfg, num_devices: int = 1) -> Start:
   """The one start-up sequence of the tests: validate, derive, mesh, optimizer, state."""
-  cfg = config_lib.validate(cfg, num_devices, 1)
+  cfg = config_lib.validate(cfg, num_devices)
   mesh = make_mesh(cfg.mesh, devices(num_devices))
   tx, schedule = make_optimizer(cfg)
   with use_rules(mesh, cfg.mesh.rules):

@@ -79,7 +79,7 @@ def test_validation_errors_name_the_key(flags, expected):
   try:
     with pytest.raises(config_lib.ConfigError) as err:
       cfg = config_lib.load(argv)
-      config_lib.validate(cfg, num_devices=8, process_count=1)
+      config_lib.validate(cfg, num_devices=8)
   finally:
     os.chdir(cwd)
   message = str(err.value)

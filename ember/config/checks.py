@@ -24,7 +24,7 @@ from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import Recipe
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_count: int = 1) -> Settings:
+def validate(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Settings:
   """Checks every key before anything is built; raises ConfigError naming the first bad key. Returns the typed
   settings it built for the checks (what `derive` gives): past here only they travel.
 
@@ -38,21 +38,20 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, process_co
   _validate_exclude(settings.quant, settings.model.num_layers, "quant.exclude")
   for index, (start, recipe) in enumerate(settings.phases[1:]):
     _validate_exclude(recipe, settings.model.num_layers, f"quant.schedule[{index}]: from step {start}: quant.exclude")
-  _validate_data(settings, process_count)
+  _validate_data(settings)
   _validate_log(settings)
   _validate_paths(settings)
-  return settings if num_devices is None else on_devices(settings, num_devices, process_count)
+  return settings if num_devices is None else on_devices(settings, num_devices)
 
 
-def on_devices(settings: Settings, num_devices: int, process_count: int = 1) -> Settings:
-  """Validated `settings` on `num_devices` devices of `process_count` processes: the values that need the
+def on_devices(settings: Settings, num_devices: int) -> Settings:
+  """Validated `settings` on `num_devices` devices: the values that need the
   devices derived (`Settings.for_devices`: the mesh's sizes, the micro-batches) and the rules that read them
   checked. What the trainer, the compile and the planner do once they know the devices."""
   if not isinstance(settings, Settings):  # A config tree not yet validated: a caller's mistake, said plainly.
     raise TypeError(f"on_devices takes the Settings config.validate returns, not a {type(settings).__name__}")
   out = settings.for_devices(num_devices)
   _validate_mesh(out)
-  distributed.data_shards(out.data.num_shards, out.train.batch_size, 0, process_count)  # Raises naming the key.
   return out
 
 
@@ -80,7 +79,7 @@ def _validate_log(s: Settings) -> None:
     bad_key("log.wandb_project", "Weights & Biases logging needs wandb; install the extra: pip install -e '.[wandb]'")
 
 
-def _validate_data(s: Settings, process_count: int) -> None:
+def _validate_data(s: Settings) -> None:
   d = s.data
   if d.source == "tfds":
     if importlib.util.find_spec("tensorflow_datasets") is None:
@@ -91,7 +90,8 @@ def _validate_data(s: Settings, process_count: int) -> None:
     for name, source, path, _, _ in getattr(d, key):
       if path and source != "synthetic" and not glob.glob(os.path.expanduser(path), recursive=True):
         bad_key(f"data.{key}", f"source {name!r}: no file matches {path!r}")
-  distributed.data_shards(d.num_shards, s.train.batch_size, 0, process_count)  # Raises naming the key.
+  # Raises naming the key; which shards a process reads is decided on the mesh (data/sharded.py).
+  distributed.data_shards(d.num_shards, s.train.batch_size)
 
 
 def _validate_paths(s: Settings) -> None:

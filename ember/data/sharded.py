@@ -2,11 +2,11 @@
 
 A global batch of `train.batch_size` rows is cut into `data.num_shards` shards of consecutive rows
 (0, the default: one shard per row), each its own pipeline over its own share of the documents, and
-each process reads a contiguous block of shards: the rule is `distributed.data_shards`. Shard order is
-the global row order, and `global_batch` assembles the jax.Arrays from every process's rows. The
-global batches are therefore a function of the seed and the data config alone: 1, 2, 4 or 8 processes
-(any count that divides the shards) feed the same rows at every step, and a checkpoint's per-shard
-positions resume on any of them.
+each process reads the shards of the rows its devices hold (processes that hold the same rows, such as
+the stages of a pipeline across hosts, read the same shards): the rule is `distributed.data_shards`.
+`global_batch` assembles the jax.Arrays from every process's rows. The global batches are therefore a
+function of the seed and the data config alone: 1, 2, 4 or 8 processes feed the same rows at every
+step, and a checkpoint's per-shard positions resume on any of them.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ class ShardedIterator:
   `grain.checkpoint.CheckpointSave/CheckpointRestore` (get_state/set_state as bytes).
   """
 
-  def __init__(self, make: Callable[[int], Any], shards: list[int], num_shards: int, fingerprint: str = ""):
+  def __init__(self, make: Callable[[int], Any], shards: list[int], num_shards: int, fingerprint: str = "",
+               primary: bool = True):
     self.shards, self.num_shards, self.fingerprint = list(shards), num_shards, fingerprint
+    self.primary = primary  # No lower process reads these shards: counts over processes take this one's.
     self._make = make
     self._its = [make(s) for s in self.shards]
 
@@ -88,14 +90,19 @@ class ShardedIterator:
       getattr(it, "close", lambda: None)()
 
 
-def data_iterator(cfg: Settings, split: str) -> ShardedIterator:
-  """This process's rows of each global batch of `split` (ember/parallel/distributed.py's `data_shards`)."""
-  shards = distributed.data_shards(cfg.data.num_shards, cfg.train.batch_size)
+def data_iterator(cfg: Settings, split: str, sharding: NamedSharding | None = None) -> ShardedIterator:
+  """This process's rows of each global batch of `split`: those its devices hold under the batch's `sharding`
+  (None: every row, one process); ember/parallel/distributed.py's `data_shards` is the rule."""
+  rows = None if sharding is None else distributed.process_rows(sharding, cfg.train.batch_size, cfg.model.seq_len)
+  if rows is None and jax.process_count() > 1:
+    raise ValueError("data_iterator: several processes read the rows the batch's sharding gives them; pass it")
+  shards = distributed.data_shards(cfg.data.num_shards, cfg.train.batch_size, rows)
   threads = max(1, int(cfg.data.num_threads) // len(shards.mine))  # The process's read threads, over its shards.
   make = lambda shard: make_iterator(cfg.data, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.batch_size,
                                      seed=cfg.seed, split=split, process_index=shard, process_count=shards.count,
                                      vocab_size=cfg.model.vocab_size, read_threads=threads)
-  return ShardedIterator(make, list(shards.mine), shards.count, data_fingerprint(cfg.data, split))
+  return ShardedIterator(make, list(shards.mine), shards.count, data_fingerprint(cfg.data, split),
+                         primary=shards.primary)
 
 
 def data_fingerprint(data_cfg, split: str) -> str:

@@ -73,29 +73,53 @@ class DataShards:
   """Which data shards there are and which this process reads (`data_shards`)."""
   count: int  # Shards of every global batch, each its own pipeline over its own share of the documents.
   rows: int  # Rows of the global batch each shard feeds.
-  mine: tuple[int, ...]  # This process's shards: a contiguous block, so shard order is the global row order.
+  mine: tuple[int, ...]  # This process's shards, in global row order.
+  primary: bool = True  # The first process reading these shards: the one whose counts of them are summed.
 
 
-def data_shards(num_shards: int, batch_size: int, process_index: int | None = None,
-                process_count: int | None = None) -> DataShards:
+@dataclasses.dataclass(frozen=True)
+class ProcessRows:
+  """The rows of a global batch a process feeds (`process_rows`)."""
+  blocks: tuple[tuple[int, int], ...]  # [start, stop) ranges, in order.
+  primary: bool = True  # No process of a lower index feeds the same rows.
+
+
+def data_shards(num_shards: int, batch_size: int, rows: ProcessRows | None = None) -> DataShards:
   """The data-shard rule, the one place it is written.
 
   A global batch of `batch_size` rows (`train.batch_size`) is cut into `num_shards` shards
-  (`data.num_shards`; 0 means one shard per row) of consecutive rows, and the processes split the shards
-  into equal contiguous blocks. With the default the global batches, and a saved data position, are
-  independent of the process count: any count that divides the batch reads the same rows at every step.
-  Raises ConfigError naming the key when the shards do not divide the batch or the processes the shards.
+  (`data.num_shards`; 0 means one shard per row) of consecutive rows; a process reads the shards of the rows
+  its devices hold (`rows`, from the batch's sharding: `process_rows`; None: every row, one process). With the
+  default the global batches, and a saved data position, are independent of the process count and layout.
+  Raises ConfigError naming the key when the shards do not divide the batch or a process's rows.
   """
-  index = jax.process_index() if process_index is None else process_index
-  processes = jax.process_count() if process_count is None else process_count
   count = num_shards or batch_size
   if batch_size % count:
     raise ConfigError(f"config.data.num_shards: {count} data shards do not divide train.batch_size={batch_size}")
-  if count % processes:
-    key = "data.num_shards" if num_shards else "train.batch_size"
-    raise ConfigError(f"config.{key}: {count} data shards cannot be split over {processes} processes")
-  per = count // processes
-  return DataShards(count=count, rows=batch_size // count, mine=tuple(range(index * per, (index + 1) * per)))
+  per = batch_size // count
+  rows = rows or ProcessRows(blocks=((0, batch_size),))
+  for start, stop in rows.blocks:
+    if start % per or stop % per:
+      key = "data.num_shards" if num_shards else "train.batch_size"
+      raise ConfigError(f"config.{key}: shards of {per} rows do not fit rows {start}-{stop - 1} of the batch, "
+                        f"which process {jax.process_index()}'s devices hold")
+  mine = tuple(s for start, stop in rows.blocks for s in range(start // per, stop // per))
+  return DataShards(count=count, rows=per, mine=mine, primary=rows.primary)
+
+
+def process_rows(sharding, batch_size: int, seq_len: int) -> ProcessRows:
+  """The rows of a [batch_size, seq_len] batch that this process's devices hold under `sharding`: what it feeds
+  `jax.make_array_from_process_local_data`, which places a process's distinct row slices in order. Processes
+  whose devices split something other than the batch (pipeline stages, tensor or context ranks on other
+  hosts) hold the same rows, and so read the same shards."""
+  held: dict[int, set[tuple[int, int]]] = {}
+  for device, index in sharding.devices_indices_map((batch_size, seq_len)).items():
+    rows = index[0]
+    stop = batch_size if rows.stop is None else rows.stop
+    held.setdefault(device.process_index, set()).add((rows.start or 0, stop))
+  mine = held[jax.process_index()]
+  return ProcessRows(blocks=tuple(sorted(mine)),
+                     primary=not any(blocks == mine for p, blocks in held.items() if p < jax.process_index()))
 
 
 def sum_over_processes(values: np.ndarray) -> np.ndarray:

@@ -43,7 +43,7 @@ def prepare(cfg: Settings, target: Target) -> tuple[Settings, Mesh]:
   memory = target.device_memory_bytes
   if cfg.remat.policy == "auto" and not cfg.remat.memory_budget_gb and memory:
     cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, memory_budget_gb=memory / GiB))
-  cfg = config_lib.on_devices(cfg, len(devices), 1)
+  cfg = config_lib.on_devices(cfg, len(devices))
   return cfg, make_mesh(cfg.mesh, devices)
 
 

@@ -161,7 +161,7 @@ def layouts(settings: Settings, target: Target) -> list[Layout]:
           for schedule, virtual in schedules:
             candidate = Layout(node, dcn, accum, preset, schedule, virtual)
             try:
-              config_lib.on_devices(candidate.apply(settings), target.count, 1)
+              config_lib.on_devices(candidate.apply(settings), target.count)
             except ConfigError:
               continue
             out.append(candidate)

@@ -93,9 +93,10 @@ def run(cfg: Settings, *, steps: int, warmup: int, hlo_out: str | None = None) -
   with use_rules(mesh, cfg.mesh.rules):
     graphdef, state, shardings = create_train_state(cfg, mesh, tx)
     step_fn = step_lib.jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings)
-    it = data_iterator(cfg, "train")
+    sharding = step_lib.batch_sharding(cfg, mesh)
+    it = data_iterator(cfg, "train", sharding)
     try:
-      batch = global_batch(next(it), step_lib.batch_sharding(cfg, mesh))
+      batch = global_batch(next(it), sharding)
     finally:
       it.close()
     t0 = time.time()

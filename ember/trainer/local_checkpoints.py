@@ -19,7 +19,9 @@ have, so they fall back to the persistent tier exactly where a node is lost. Hen
 
 Files: `<local_dir>/run-<run>/<step>/process_<p>-of-<n>-<layout>.bin` (process p's part) and
 `peer_<p>-of-<n>-<layout>.bin` (the copy of process p's part, kept by process p + 1), each written under a temporary
-name and renamed when complete; `<run>` is a hash of the run's workdir, so a run sees only its own steps.
+name and renamed when complete; `<run>` is the run's id, made by its first start and kept in its workdir
+(`run_id`), so a run sees only its own steps: neither another run's nor those of an earlier run in a workdir of
+the same path, deleted since.
 `local_dir` may hold `{process}` (one directory per process, for several processes per node sharing a disk or a test
 on one machine). A part: an 8-byte header length, a JSON header {key: [dtype, shape, offset,
 nbytes]}, then the bytes.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import struct
 
@@ -45,6 +48,7 @@ DATA_KEY = "__data__"
 KEEP = 2  # Local steps kept on each disk.
 CHUNK_BYTES = 1 << 29  # The peer exchange in pieces of at most this much device memory.
 MAX_STEPS = 16  # Steps one process reports when the processes agree on a step to restore.
+RUN_ID_FILE = "local_checkpoints_run"  # In the workdir: the run's id, the name of its directory of local steps.
 
 
 def _index_key(path, index: tuple) -> str:
@@ -108,14 +112,29 @@ def exchange(blob: bytes, shift: int) -> bytes:
   return np.concatenate(received or [np.zeros(0, np.uint8)])[:sizes[source]].tobytes()
 
 
+def run_id(workdir: str) -> str:
+  """The run's id: made by process 0 at the run's first start and written (atomically) to the workdir, read there
+  by every later start, the same on every process. A workdir deleted and made again at the same path is a new
+  run, which must not resume from the local steps the old one left on the nodes' disks."""
+  token = np.zeros(8, np.uint8)
+  if jax.process_index() == 0:
+    path = storage.join(workdir, RUN_ID_FILE)
+    if not storage.exists(path):
+      storage.write_atomic(path, secrets.token_hex(8))
+    token = np.frombuffer(bytes.fromhex(storage.read_text(path).strip()), np.uint8)
+  if jax.process_count() > 1:
+    token = np.asarray(multihost_utils.broadcast_one_to_all(token))
+  return bytes(np.asarray(token, np.uint8)).hex()
+
+
 class LocalCheckpoints:
   """Save and restore of the local tier (the module's docstring)."""
 
-  def __init__(self, directory: str, every_steps: int, mesh: Mesh, seed: int, run: str):
-    """`run`: the run's workdir, absolute. Its steps go to a directory of their own, `run-<hash of it>` under
-    `directory`: runs that share a node's disk neither resume from nor prune each other's steps."""
+  def __init__(self, directory: str, every_steps: int, mesh: Mesh, seed: int, workdir: str):
+    """The run's steps go to a directory of their own under `directory`, `run-<id>` (`run_id(workdir)`): runs that
+    share a node's disk neither resume from nor prune each other's steps."""
     base = os.path.abspath(directory.replace("{process}", str(jax.process_index())))
-    self.directory = os.path.join(base, "run-" + hashlib.blake2b(run.encode(), digest_size=6).hexdigest())
+    self.directory = os.path.join(base, "run-" + run_id(workdir))
     self.every_steps, self.mesh, self.seed = every_steps, mesh, seed
     self.process, self.count = jax.process_index(), jax.process_count()
     os.makedirs(self.directory, exist_ok=True)

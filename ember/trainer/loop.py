@@ -63,7 +63,7 @@ def prepare(settings: Settings) -> tuple[Settings, Mesh]:
   if settings.train.compilation_cache_dir:  # Before anything compiles (the auto remat policy's candidates too).
     jax.config.update("jax_compilation_cache_dir", storage.absolute(settings.train.compilation_cache_dir))
   distributed.initialize(settings.distributed)
-  cfg = config_lib.on_devices(settings, jax.device_count(), jax.process_count())
+  cfg = config_lib.on_devices(settings, jax.device_count())
   if cfg.data.source != "synthetic":
     vocab = build_tokenizer(cfg.data).vocab_size
     if vocab > cfg.model.vocab_size:
@@ -253,7 +253,8 @@ class _Run:
     watch.expect("the set-up (data, checkpoint restore)", deadlines.long(), Deadlines.LONG_KEY)
     tx, schedule = make_optimizer(cfg)
     progress(f"set-up: the {cfg.data.source} data pipeline")
-    train_it = data_iterator(cfg, "train")
+    batch_sharding = step_lib.batch_sharding(cfg, mesh)
+    train_it = data_iterator(cfg, "train", batch_sharding)
     resources.callback(train_it.close)
     metrics = MetricsWriter(cfg.workdir, tensorboard=cfg.log.tensorboard, wandb=_wandb_run(cfg))
     resources.callback(metrics.close)
@@ -265,12 +266,11 @@ class _Run:
     phases = precision.Phases(cfg)
     targets = lambda step: state_shardings(phases.cfg(phases.state_phase(step)), mesh, tx)[1:]
     c = cfg.checkpoint
-    local = LocalCheckpoints(c.local_dir, c.local_every_steps, mesh, cfg.seed, run=storage.absolute(cfg.workdir)) \
+    local = LocalCheckpoints(c.local_dir, c.local_every_steps, mesh, cfg.seed, workdir=cfg.workdir) \
         if c.local_every_steps else None
     progress("set-up: the model state (the newest checkpoint, or initialised)")
     state, first = _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it)
     _check_phase(ckpt, phases, first)
-    batch_sharding = step_lib.batch_sharding(cfg, mesh)
     shares = source_shares(cfg)
     run = cls(cfg=cfg, mesh=mesh, train_it=train_it, metrics=metrics, preemption=preemption, ckpt=ckpt, local=local,
               targets=targets,
@@ -292,7 +292,8 @@ class _Run:
   def next_batch(self):
     """The next global batch; a mixture's per-token sources are counted here and stay on the host."""
     rows = next(self.train_it)
-    self.shares.count(rows)
+    if self.train_it.primary:  # Rows that several processes feed (pipeline stages on other hosts) count once.
+      self.shares.count(rows)
     return global_batch(rows, self.batch_sharding)
 
 
@@ -345,7 +346,8 @@ def _log(run: _Run, done: int, step_metrics, stopping: bool) -> None:
     record.update(phase.quant_health.record(done, step_metrics["quant_stats"]))
   record.update(run.shares.report())
   if run.reads_records:  # Bad records skipped by rule (ember/data/records.py), over all processes.
-    record["data_skipped_records"] = int(distributed.sum_over_processes(np.int64(records.skipped_records())))
+    skipped = records.skipped_records() if run.train_it.primary else 0  # Rows fed by several processes: once.
+    record["data_skipped_records"] = int(distributed.sum_over_processes(np.int64(skipped)))
   run.metrics.write(record)
   console(progress_line(record, cfg.steps))
   for warning in moe_warnings:  # Never silent: these copies' expert outputs were zero.
@@ -502,7 +504,7 @@ def _check_phase(ckpt: Checkpointer, phases: precision.Phases, step: int) -> Non
 
 def evaluate(cfg: Settings, state, eval_fn, batch_sharding) -> float:
   """Mean loss over the first `train.eval_batches` batches of the held-out split (the same every time)."""
-  it = data_iterator(cfg, "eval")
+  it = data_iterator(cfg, "eval", batch_sharding)
   try:
     losses = [eval_fn(state, global_batch(next(it), batch_sharding)) for _ in range(cfg.train.eval_batches)]
   finally:

@@ -42,15 +42,15 @@ def test_a_batch_rule_without_fsdp_is_what_validation_and_the_planner_count():
   """Batch split over data alone: FSDP still shards the weights, but every fsdp device sees the same rows."""
   cfg = config("tiny", **{"train.batch_size": 4, "mesh.fsdp": 2, "mesh.data": 4})
   cfg.mesh.rules = _rules(cfg, batch=("data",))
-  settings = config_lib.validate(cfg, 8, 1)
+  settings = config_lib.validate(cfg, 8)
   assert axes.batch_axes(settings.mesh.rules_dict) == ("data",)
   assert per_device_batch(settings) == 1 and sequence_shards(settings) == 1
   cfg.train.batch_size = 6  # Divisible by data*fsdp? No; by data alone? No: named as the rules have it.
   with pytest.raises(ConfigError, match=r"6 is not divisible by the data-parallel size data=4"):
-    config_lib.validate(cfg, 8, 1)
+    config_lib.validate(cfg, 8)
   cfg.train.batch_size, cfg.train.grad_accum_steps = 8, 3
   with pytest.raises(ConfigError, match=r"train.batch_size=8 / data=4 = 2"):
-    config_lib.validate(cfg, 8, 1)
+    config_lib.validate(cfg, 8)
 
 
 def test_replicas_are_the_batch_axes_no_parameter_is_split_over():

@@ -77,4 +77,4 @@ def test_a_context_that_does_not_divide_the_sequence_is_a_config_error():
   cfg = config("tiny", **{"mesh.context": 3, "mesh.fsdp": 2, "model.seq_len": 64})
   reason = r"mesh.context: the 2 x 3 chunks of a sequence split over 3 devices do not divide model.seq_len=64"
   with pytest.raises(ConfigError, match=reason):
-    config_lib.validate(cfg, 6, 1)
+    config_lib.validate(cfg, 6)

@@ -69,7 +69,7 @@ def test_killed_processes_resume_from_local_checkpoints_even_with_one_disk_lost(
   # Killed before the first persistent step: only the local tier holds the run. Then process 1's disk is lost.
   _kill_after(_start(run), run, rng.randint(3, 8))
   shutil.rmtree(run / "local" / "1")
-  (own,) = (run / "local" / "0").iterdir()  # The run's own directory, run-<hash of its workdir>.
+  (own,) = (run / "local" / "0").iterdir()  # The run's own directory, run-<its id>.
   assert own.name.startswith("run-"), own
   complete = lambda d, *names: all(any(f.startswith(n) and f.endswith(".bin") for f in os.listdir(d)) for n in names)
   newest = max(int(d) for d in os.listdir(own) if d.isdigit() and complete(own / d, "process_0", "peer_1"))
@@ -88,7 +88,8 @@ def test_killed_processes_resume_from_local_checkpoints_even_with_one_disk_lost(
 @pytest.mark.long
 def test_runs_sharing_a_local_dir_keep_to_their_own_steps(tmp_path, capsys):
   """Two runs with one `checkpoint.local_dir` (a node's disk): the second, in a workdir of its own, starts at step 0
-  rather than resuming from the first one's newest local step, and its saves prune none of the first one's."""
+  rather than resuming from the first one's newest local step, and its saves prune none of the first one's. A third
+  in the first one's workdir, deleted and made again, is a new run too."""
   from ember.trainer.loop import train
   from tests import helpers
 
@@ -104,3 +105,7 @@ def test_runs_sharing_a_local_dir_keep_to_their_own_steps(tmp_path, capsys):
   assert [r["step"] for r in _records(tmp_path / "b") if "loss" in r] == [1, 2]
   steps = {d.name: sorted(int(s) for s in os.listdir(d) if s.isdigit()) for d in (tmp_path / "local").iterdir()}
   assert sorted(steps.values()) == [[1, 2], [3, 4]], steps  # Each run's newest two.
+  shutil.rmtree(tmp_path / "a")
+  run("a", 2)
+  assert "resumed" not in capsys.readouterr().err
+  assert [r["step"] for r in _records(tmp_path / "a") if "loss" in r] == [1, 2]

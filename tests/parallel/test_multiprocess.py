@@ -27,6 +27,8 @@ ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--co
         "--config.train.device_batch_size=2"]  # No data.num_shards: batches never depend on the process count; 2
 # sequences a device: one micro-batch on 4 devices, two on 2.
 TWO_HOSTS = ["--config.mesh.fsdp=2", "--config.mesh.dcn_fsdp=2"]  # The same mesh (fsdp=4), hybrid over processes.
+PIPELINE = ["--config.model.num_layers=2", "--config.mesh.fsdp=2", "--config.train.device_batch_size=0",
+            "--config.train.grad_accum_steps=2"]  # Two stages of a layer each, two micro-batches.
 
 
 def _env(cache: Path, **extra) -> dict:
@@ -114,6 +116,25 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tm
   assert f"at step {stopped}" in p.stderr and "warning" not in p.stderr
   half_losses = _losses(half)
   assert [half_losses[s] for s in after] == pytest.approx([sp_losses[s] for s in after], rel=1e-5)
+
+
+@pytest.mark.long
+def test_pipeline_stages_on_two_processes_train_like_one_process(tmp_path, cache):
+  """`mesh.dcn_pipeline=2`: each process holds one stage of every row of the batch, so both feed the whole batch
+  (the rows their devices hold, not a share of an even split over the processes) and the run takes the losses
+  of the same mesh in one process, its two stages inside it."""
+  two, one = tmp_path / "two_processes", tmp_path / "one_process"
+  common = [*ARGS, *PIPELINE, "--config.steps=3", "--config.checkpoint.every_steps=0", "--config.log.tensorboard=false"]
+  p = subprocess.run(["launch/local.sh", "2", "2", sys.executable, "train.py", *common, "--config.mesh.dcn_pipeline=2",
+                      f"--config.workdir={two}"], cwd=ROOT, env=_env(cache), capture_output=True, text=True,
+                     timeout=300)
+  assert p.returncode == 0, p.stderr[-3000:]
+  p = subprocess.run([sys.executable, "train.py", *common, "--config.mesh.pipeline=2", f"--config.workdir={one}"],
+                     cwd=ROOT, env=_env(cache, XLA_FLAGS=cpu_xla_flags(4)), capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-3000:]
+  two_losses, one_losses = _losses(two), _losses(one)
+  assert sorted(two_losses) == [1, 2, 3]
+  assert [two_losses[s] for s in (1, 2, 3)] == pytest.approx([one_losses[s] for s in (1, 2, 3)], rel=1e-6)
 
 
 def test_local_sh_fails_when_a_process_fails(tmp_path):

@@ -133,14 +133,16 @@ def test_init_settings(monkeypatch):
     distributed.settings(DistCfg("host:9", 4, 4))
 
 
-def test_data_shards_are_contiguous_blocks_of_rows():
+def test_data_shards_follow_the_rows_a_process_holds():
+  rows = distributed.ProcessRows
   # 0: one shard per row of the global batch, whatever the process count.
-  assert distributed.data_shards(0, 8, 1, 2) == distributed.DataShards(count=8, rows=1, mine=(4, 5, 6, 7))
-  assert distributed.data_shards(0, 8, 0, 1).mine == tuple(range(8))
-  assert distributed.data_shards(4, 8, 1, 2) == distributed.DataShards(count=4, rows=2, mine=(2, 3))
+  assert distributed.data_shards(0, 8, rows(((4, 8),))) == distributed.DataShards(count=8, rows=1, mine=(4, 5, 6, 7))
+  assert distributed.data_shards(0, 8).mine == tuple(range(8))  # One process: every row.
+  assert distributed.data_shards(4, 8, rows(((4, 8),))) == distributed.DataShards(count=4, rows=2, mine=(2, 3))
+  # Rows in two blocks (a layout whose devices hold rows 0-1 and 4-5), and a second reader of rows 0-7.
+  assert distributed.data_shards(4, 8, rows(((0, 2), (4, 6)))).mine == (0, 2)
+  assert distributed.data_shards(0, 8, rows(((0, 8),), primary=False)).primary is False
   with pytest.raises(ConfigError, match=r"config\.data\.num_shards: 3 data shards do not divide train\.batch_size=8"):
-    distributed.data_shards(3, 8, 0, 1)
-  with pytest.raises(ConfigError, match=r"config\.data\.num_shards: 2 data shards cannot be split over 4 processes"):
-    distributed.data_shards(2, 8, 0, 4)
-  with pytest.raises(ConfigError, match=r"config\.train\.batch_size: 6 data shards cannot be split over 4"):
-    distributed.data_shards(0, 6, 0, 4)
+    distributed.data_shards(3, 8)
+  with pytest.raises(ConfigError, match=r"config\.data\.num_shards: shards of 4 rows do not fit rows 2-3 of the batch"):
+    distributed.data_shards(2, 8, rows(((2, 4),)))

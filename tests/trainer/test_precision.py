@@ -46,7 +46,7 @@ def test_phases_from_steps_and_fractions():
 def test_bad_schedules_name_the_entry(schedule, message):
   cfg = helpers.config(**{"steps": 100, "quant.schedule": schedule})
   with pytest.raises(ConfigError, match=message):
-    config_lib.validate(cfg, 1, 1)
+    config_lib.validate(cfg, 1)
 
 
 def _one_device_start(**overrides):
