@@ -280,7 +280,9 @@ class Checkpointer:
     as `check`'s.
 
     A step that cannot be read is renamed `<step>.corrupt` (so that the run can write that step
-    again) and the one before is tried. A step that reads but does not fit this config raises.
+    again) and the one before is tried. A step that reads but does not fit this config raises, and so does a
+    restore that ran out of memory (`_is_damage`): the step is kept. When steps were moved aside and none
+    restores, it raises rather than return None: a run that started over would truncate the run's metrics.
     """
     # Before any read: a failed read's callbacks may fire before its exception reaches this frame.
     integrity.quiet_abandoned_reads()
@@ -298,11 +300,19 @@ class Checkpointer:
         state = self.restore(step, abstract, shardings, data_it)
       except CheckpointError:
         raise
-      except Exception as e:  # Damaged array files.
+      except Exception as e:  # Damaged array files, or no memory to hold them.
         error = e
       if _all_processes_ok(error is None):
         return state, step
+      if not _all_processes_ok(error is None or _is_damage(error)):
+        if error is not None and not _is_damage(error):
+          raise error
+        raise CheckpointError(f"checkpoint {self._step_dir(step)}: another process ran out of memory restoring it")
       self._skip(step, error or RuntimeError("another process could not restore it"))
+    moved = [os.path.basename(p) for p in storage.glob(self.directory, "*.corrupt*")]
+    if moved:
+      raise CheckpointError(f"{self.directory}: no step restores (moved aside as damaged: {', '.join(moved)}); a "
+                            "new run here would truncate this run's metrics: move them out to start over")
     return None
 
   def _skip(self, step: int, error: Exception) -> None:
@@ -331,6 +341,14 @@ def restore_data_position(data_dir: str, data_it: ShardedIterator) -> None:
     console(f"warning: no data position in {data_dir}: the data iterator starts from the beginning")
     return
   data_it.set_state(merged)  # Its rule decides whether the position maps onto this run's shards.
+
+
+def _is_damage(error: Exception) -> bool:
+  """Whether a failed restore speaks of the step's files (moved aside, the one before tried), not of this run's
+  memory: a state that does not fit the devices or the host now fits no other step either, and the step is
+  sound."""
+  text = str(error)
+  return not (isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower())
 
 
 def _all_processes_ok(ok: bool) -> bool:

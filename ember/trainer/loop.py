@@ -115,6 +115,7 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
     run = _Run.open(cfg, mesh, resources)
     first, timed_from, done = run.first, None, run.first
     last_ready = time.time()
+    run.interval.restart()  # The first interval's time is its steps', not the set-up's or the first batch's.
     for step in range(first, cfg.steps):
       compiles = _compiles(run, step)
       # Long: a step that compiles, and the steps up to the first logged one (its first all-gathers, the
@@ -138,14 +139,17 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
       run.moe.add(step, step_metrics)
       done = step + 1
       run.skips.count(done, step_metrics)
-      timed_from = timed_from or (done, time.time())  # The first step carries the compile: not timed.
+      # The first step carries the compile: not timed.
+      timed_from = timed_from or (done, time.time(), run.interval.excluded_s)
       if run.profiler.stops(done):  # Writing a trace takes its time.
         run.watchdog.expect(f"the profile's write at step {done}", run.deadlines.long(), Deadlines.LONG_KEY)
       run.profiler.after(done)
       stopping = _preempted(run, done)
       _log(run, done, step_metrics, stopping)
+      hooks = time.time()
       _evaluate(run, done)
       _checkpoint(run, done, stopping)
+      run.interval.exclude(time.time() - hooks)  # Speed and MFU are the steps': an evaluation is not training.
       if stopping:
         console(f"preempted (SIGTERM): saved a checkpoint at step {done} in {run.ckpt.directory} and stopped")
         break
@@ -195,17 +199,19 @@ def _plan(cfg: Settings, mesh, params) -> str:
           f"training to step {cfg.steps} in {storage.absolute(cfg.workdir)}")
 
 
-def _summary(run: _Run, first: int, timed_from: tuple[int, float], done: int, wall_s: float) -> str:
+def _summary(run: _Run, first: int, timed_from: tuple[int, float, float], done: int, wall_s: float) -> str:
   """The end of a finished run: what it trained, how fast (the steps after the first, which carries the
-  compile), its last losses, and where its outputs are."""
+  compile, less the time the interval left out: evaluations, checkpoint writes), its last losses, and where its
+  outputs are."""
   cfg = run.cfg
   tokens = (done - first) * cfg.train.batch_size * cfg.model.seq_len
-  timed_steps, t0 = done - timed_from[0], timed_from[1]
+  (timed_first, t0, excluded0), timed_steps = timed_from, done - timed_from[0]
   speed = ""
   if timed_steps > 0:
-    perf = Throughput.of(cfg, (time.time() - t0) / timed_steps, jax.device_count(), jax.devices()[0].device_kind)
+    step_s = (time.time() - t0 - (run.interval.excluded_s - excluded0)) / timed_steps
+    perf = Throughput.of(cfg, step_s, jax.device_count(), jax.devices()[0].device_kind)
     mfu = "" if perf.mfu is None else f", MFU {perf.mfu:.1%}"
-    speed = f"; {perf.tokens_per_s:,.0f} tokens/s{mfu} over steps {timed_from[0] + 1}-{done}"
+    speed = f"; {perf.tokens_per_s:,.0f} tokens/s{mfu} over steps {timed_first + 1}-{done}"
   losses = ", ".join(f"{k} {run.last[k]:.4f}" for k in ("loss", "eval_loss") if k in run.last)
   return (f"finished: {done - first} steps ({first + 1}-{done}), {tokens:,} tokens in {format_eta(wall_s)}{speed}; "
           f"{losses}; metrics {storage.join(storage.absolute(cfg.workdir), 'metrics.jsonl')}, checkpoints "
@@ -416,10 +422,16 @@ class _Interval:
 
   def __init__(self, cfg: Settings, *, start: int):
     self.cfg, self.t_last, self.step_last = cfg, time.time(), start
+    self.excluded_s = 0.0  # All the time left out so far.
+
+  def restart(self) -> None:
+    self.t_last = time.time()
 
   def exclude(self, seconds: float) -> None:
-    """Leaves `seconds` (a compile) out of the interval's time."""
+    """Leaves `seconds` (a compile, an evaluation, a checkpoint's write) out of the interval's time and the run's
+    speed (`_summary`)."""
     self.t_last += seconds
+    self.excluded_s += seconds
 
   def take(self, done: int) -> dict:
     now = time.time()

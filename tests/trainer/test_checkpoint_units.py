@@ -15,7 +15,7 @@ from ember.config import defaults
 from ember.data import ShardedIterator, make_iterator
 from ember.errors import CheckpointError
 from ember.trainer.checkpointing import (
-    Checkpointer, Stacked, check_shapes, restore_data_position, restore_from)
+    Checkpointer, Stacked, _is_damage, check_shapes, restore_data_position, restore_from)
 from ember.trainer.state import TrainState
 
 
@@ -73,6 +73,22 @@ def test_resume_checks_shapes_before_reading_and_names_the_parameter(tmp_path, m
   state, step = ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0)
   assert step == 3 and float(state.params["layer"]["w"][0, 0]) == 1.0
   ckpt.close()
+
+
+def test_when_no_step_restores_the_run_does_not_start_over(tmp_path, mesh):
+  """Every step damaged: each is moved aside, then an error (not None, which would start a new run and truncate
+  the run's metrics), and again on the next start, the steps already moved aside. Out of memory is not damage."""
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2, async_save=False)
+  for step in (1, 2):
+    ckpt.save(step, _state(mesh, float(step)), None, seed=0)
+    (tmp_path / "ckpt" / str(step) / "state" / "_METADATA").write_text("{")
+  abstract, shardings = _abstract_and_shardings(_state(mesh, 0.0))
+  for _ in range(2):
+    with pytest.raises(CheckpointError, match=r"no step restores \(moved aside as damaged: 1\.corrupt, 2\.corrupt\)"):
+      ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0)
+  ckpt.close()
+  assert not _is_damage(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8589934592 bytes"))
+  assert _is_damage(ValueError("Error reading \"state/manifest.ocdbt\": unexpected end of data"))
 
 
 def test_resume_with_other_layers_fails_where_padding_would_hide_it(tmp_path, mesh):
