@@ -26,6 +26,15 @@ CASES = [
      "config.train.grad_accum_steps: 3 does not divide the sequences each device holds: train.batch_size=8 / "
      "data*fsdp*expert=8 = 1"),
     (["--config.train.grad_accum_steps=0"], "config.train.grad_accum_steps: must be >= 1, got 0"),
+    # Sizes the sharding rules split, each named before a parameter is built (they crashed there once).
+    (["--config.model.d_model=36", "--config.model.num_heads=2"],
+     "config.mesh.fsdp: the fsdp=8 devices every weight's embed axis is split over do not divide "
+     "model.d_model=36"),
+    (["--config.mesh.tensor=2", "--config.mesh.fsdp=4", "--config.model.vocab_size=251"],
+     "config.mesh.tensor: 2 does not divide the vocabulary's 251 units (model.vocab_size)"),
+    (["--config=configs/default.py:tiny_moe", "--config.mesh.tensor=4", "--config.mesh.fsdp=2",
+      "--config.model.shared_expert_d_ff=66"],
+     "config.mesh.tensor: 4 does not divide the MLP's 66 units (model.shared_expert_d_ff)"),
     (["--config.data.path=/nonexistent/*.txt"], "config.data.path: no file matches '/nonexistent/*.txt'"),
     (["--config.data.tokenizer=/nonexistent/tokenizer.json"],
      "config.data.tokenizer: '/nonexistent/tokenizer.json' is neither 'byte', a SentencePiece .model file nor a tokenizer.json"),

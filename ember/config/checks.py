@@ -178,6 +178,9 @@ def _validate_mesh(s: Settings) -> None:
     bad_key("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={m.num_experts}")
   embed = [a for a in rules.get(EMBED, ()) if sizes[a] > 1]  # Latent attention's ranks are sharded as `embed`.
   embed_shards = axes.shards(embed, sizes)
+  if m.d_model % embed_shards:
+    bad_key(f"mesh.{embed[0]}", f"the {'*'.join(embed)}={embed_shards} devices every weight's embed axis is split "
+            f"over do not divide model.d_model={m.d_model}")
   for rank in ("q_lora_rank", "kv_lora_rank") if m.is_mla else ():
     if getattr(m, rank) % embed_shards:
       bad_key(f"mesh.{embed[0]}", f"the {'*'.join(embed)}={embed_shards} devices the weights' embed axis is split "

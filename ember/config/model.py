@@ -145,7 +145,8 @@ class ModelConfig:
     return 1 if self.is_mla or self.num_kv_heads % tensor == 0 else tensor // self.num_kv_heads
 
   def tensor_refusal(self, tensor: int) -> str | None:
-    """Why `tensor` ranks cannot split this model's heads and MLP units between them; None where they can."""
+    """Why `tensor` ranks cannot split this model's heads, MLP units and vocabulary between them; None where they
+    can."""
     if tensor == 1:
       return None
     if self.num_heads % tensor:
@@ -153,9 +154,11 @@ class ModelConfig:
     if not self.is_mla and self.num_kv_heads % tensor and tensor % self.num_kv_heads:
       return (f"{tensor} neither divides model.num_kv_heads={self.num_kv_heads} nor is a multiple of it (each rank "
               f"holds its kv heads, or whole copies of one)")
-    for name in ("d_ff", "dense_width"):
-      if getattr(self, name) % tensor:
-        return f"{tensor} does not divide the MLP's {getattr(self, name)} units (model.{name})"
+    for name, units in (("d_ff", self.d_ff), ("dense_d_ff", self.dense_width), ("shared_expert_d_ff", self.shared_d_ff),
+                        ("vocab_size", self.vocab_size)):
+      if units % tensor:
+        what = "vocabulary's" if name == "vocab_size" else "MLP's"
+        return f"{tensor} does not divide the {what} {units} units (model.{name})"
     return None
 
   @property

@@ -6,8 +6,8 @@ Initialisation, in order of precedence:
      EMBER_PROCESS_ID (launch/local.sh and the Kubernetes manifest set these);
   3. SLURM with more than one task: JAX's own cluster detection (`jax.distributed.initialize()`
      reads SLURM_* for the coordinator, the process count and id); with one task per node
-     (SLURM_NTASKS_PER_NODE=1) each process gets all SLURM_GPUS_ON_NODE GPUs, not JAX's default
-     of GPU SLURM_LOCALID (JAX_LOCAL_DEVICE_IDS, if set, wins);
+     (SLURM_NTASKS_PER_NODE=1, or as many tasks as nodes) each process gets all SLURM_GPUS_ON_NODE GPUs,
+     not JAX's default of GPU SLURM_LOCALID (JAX_LOCAL_DEVICE_IDS, if set, wins);
   4. otherwise one process: nothing to initialise.
 `initialize` must run before anything touches a JAX device.
 
@@ -49,9 +49,18 @@ def settings(dist_cfg) -> dict | None:
 def _slurm_local_devices() -> dict:
   """JAX's SLURM detection gives task k of a node GPU k only; one task per node gets all its GPUs."""
   gpus = os.environ.get("SLURM_GPUS_ON_NODE", "")
-  if os.environ.get("SLURM_NTASKS_PER_NODE") == "1" and gpus.isdigit() and not os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+  if _one_task_per_node() and gpus.isdigit() and not os.environ.get("JAX_LOCAL_DEVICE_IDS"):
     return {"local_device_ids": list(range(int(gpus)))}
   return {}
+
+
+def _one_task_per_node() -> bool:
+  """SLURM sets SLURM_NTASKS_PER_NODE only where --ntasks-per-node was given; `srun -N4 -n4` says it by its
+  counts: as many tasks in the step as nodes."""
+  env = os.environ.get
+  tasks = env("SLURM_STEP_NUM_TASKS") or env("SLURM_NTASKS", "")
+  nodes = env("SLURM_STEP_NUM_NODES") or env("SLURM_NNODES", "")
+  return env("SLURM_NTASKS_PER_NODE") == "1" or (tasks.isdigit() and tasks == nodes)
 
 
 def initialize(dist_cfg) -> None:

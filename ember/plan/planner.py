@@ -456,6 +456,9 @@ def plan(cfg: Settings, target: Target, *, budget_gb: float | None = None, top: 
       compiled[extra] = compile_one(extra)
       ranked = _ranked(compiled.values())
       fitting = [r for r in ranked if r["fits"]]
+  if not ranked:  # Not one compiled: the budget is not the reason.
+    first = next(r["error"] for r in compiled.values())
+    raise NoLayoutFits(f"--target: none of the {len(compiled)} layouts compiled; the first: {first}")
   if not fitting:
     smallest = min((r["peak_bytes"] for r in ranked), default=None)
     raise NoLayoutFits(f"--budget_gb: no layout compiled within {budget / GiB:.1f} GiB per device" +

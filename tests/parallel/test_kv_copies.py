@@ -37,6 +37,7 @@ def test_kv_heads_are_copied_only_where_the_ranks_outnumber_them():
   m = config_lib.validate(config("tiny", **{"mesh.fsdp": 1}), 1).model  # 4 heads, 2 kv heads.
   assert [m.kv_copies(t) for t in (1, 2, 4)] == [1, 1, 2]
   m = config_lib.validate(config("tiny", **{"mesh.fsdp": 1, "model.num_heads": 12, "model.num_kv_heads": 4,
-                                            "model.head_dim": 16, "model.d_ff": 192}), 1).model
+                                            "model.head_dim": 16, "model.d_ff": 192, "model.vocab_size": 384}),
+                         1).model
   assert "model.num_kv_heads=4" in m.tensor_refusal(6)  # 6 splits the 12 heads, not the 4 kv heads: no copies.
   assert m.tensor_refusal(12) is None and m.kv_copies(12) == 3

@@ -118,11 +118,22 @@ class DistCfg:
 
 
 def test_init_settings(monkeypatch):
-  for k in ("EMBER_COORDINATOR_ADDRESS", "EMBER_NUM_PROCESSES", "EMBER_PROCESS_ID", "SLURM_NTASKS"):
+  for k in ("EMBER_COORDINATOR_ADDRESS", "EMBER_NUM_PROCESSES", "EMBER_PROCESS_ID", "SLURM_NTASKS", "SLURM_NNODES",
+            "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE",
+            "JAX_LOCAL_DEVICE_IDS"):
     monkeypatch.delenv(k, raising=False)
   assert distributed.settings(DistCfg()) is None  # One process: nothing to initialise.
   monkeypatch.setenv("SLURM_NTASKS", "4")
   assert distributed.settings(DistCfg()) == {}  # JAX's own SLURM detection.
+  # `srun -N4 -n4 --gpus-per-node=8` (no --ntasks-per-node): one task a node, each with its node's 8 GPUs ...
+  monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
+  monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+  monkeypatch.setenv("SLURM_STEP_NUM_NODES", "4")
+  assert distributed.settings(DistCfg()) == {"local_device_ids": list(range(8))}
+  monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")  # ... and two a node: JAX's task k -> GPU k.
+  assert distributed.settings(DistCfg()) == {}
+  for k in ("SLURM_GPUS_ON_NODE", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES"):
+    monkeypatch.delenv(k)
   monkeypatch.setenv("EMBER_COORDINATOR_ADDRESS", "10.0.0.1:1234")
   monkeypatch.setenv("EMBER_NUM_PROCESSES", "2")
   monkeypatch.setenv("EMBER_PROCESS_ID", "1")
