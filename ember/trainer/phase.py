@@ -5,7 +5,6 @@ compiled ahead of time, the eval step, and the quantization-health watch. A run 
 
 from __future__ import annotations
 
-import functools
 import time
 
 import jax
@@ -75,9 +74,7 @@ class Phase:
     plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.micro_batch_size)  # Decided once: jitted with and logged.
     step_fn = step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings, plan=plan)
     phase.compiled = compile_step(step_fn, state, batch, cfg, self.mesh, plan)
-    eval_plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.batch_size)
-    phase.eval_fn = jax.jit(functools.partial(step_lib.eval_step, graphdef=graphdef, cfg=cfg, moe_plan=eval_plan),
-                            in_shardings=(shardings, self.batch_sharding))
+    phase.eval_fn = step_lib.jit_eval_step(cfg, self.mesh, graphdef, shardings, plan)
     phase.quant_health = QuantHealth(cfg) if cfg.log.quant_stats_every else None
     return phase, state
 

@@ -245,18 +245,39 @@ def jit_train_step(cfg: Settings, mesh: Mesh, graphdef, tx, schedule, shardings,
   policy = cfg.remat.preset if policy is None else policy
   plan = moe_plan(cfg, mesh, cfg.train.micro_batch_size) if plan is None else plan
   rows = batch_sharding(cfg, mesh)
-  shards = cfg.train.batch_size // rows.shard_shape((cfg.train.batch_size, cfg.model.seq_len))[0]
   step = functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy,
-                           batch_shards=shards, moe_plan=plan)
+                           batch_shards=batch_shards(cfg, mesh), moe_plan=plan)
   return jax.jit(step, in_shardings=(shardings, rows), out_shardings=(shardings, None),
                  donate_argnums=0 if donate else ())
 
 
-def eval_step(state: TrainState, batch, *, graphdef, cfg: Settings, moe_plan: moe_dispatch.Plan | None = None):
-  """Mean next-token loss on a batch, with no quantization noise (no stochastic-rounding key); `moe_plan`: that
-  of the whole batch (`moe_plan(cfg, mesh, train.batch_size)`)."""
+def eval_step(state: TrainState, batch, *, graphdef, cfg: Settings, batch_shards: int,
+              moe_plan: moe_dispatch.Plan | None = None):
+  """Mean next-token loss on a batch, with no quantization noise (no stochastic-rounding key), run as the train
+  step runs it: `train.grad_accum_steps` micro-batches in a scan, one micro-batch's activations alive at a time
+  (a whole batch at once would hold grad_accum_steps times the activations the step was sized for), each
+  micro-batch's loss its share of the batch's tokens. `moe_plan`: that of one micro-batch, as the step's."""
   stats = stats_inputs(cfg) if cfg.log.quant_stats_every else None
-  _, metrics = forward_loss(state.params, state.quant_state, batch, stats, graphdef=graphdef, cfg=cfg, key=None,
-                            moe_plan=moe_plan)
-  return metrics["loss"]
+  accum, count = cfg.train.grad_accum_steps, token_count(batch[SEGMENT_IDS] > 0)
+
+  def body(total, micro):
+    _, metrics = forward_loss(state.params, state.quant_state, micro, stats, graphdef=graphdef, cfg=cfg, key=None,
+                              moe_plan=moe_plan, count=count, micro_batches=accum)
+    return total + metrics["loss"].astype(jnp.float32), None
+
+  micro = jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch)
+  return jax.lax.scan(body, jnp.zeros((), jnp.float32), micro)[0]
+
+
+def jit_eval_step(cfg: Settings, mesh: Mesh, graphdef, shardings, plan: moe_dispatch.Plan | None = None):
+  """`eval_step` jitted the one way the loop and the tests run it: on the step's micro-batches and MoE plan."""
+  plan = moe_plan(cfg, mesh, cfg.train.micro_batch_size) if plan is None else plan
+  step = functools.partial(eval_step, graphdef=graphdef, cfg=cfg, batch_shards=batch_shards(cfg, mesh), moe_plan=plan)
+  return jax.jit(step, in_shardings=(shardings, batch_sharding(cfg, mesh)))
+
+
+def batch_shards(cfg: Settings, mesh: Mesh) -> int:
+  """How many blocks of rows the batch is split into over the devices (its sharding's)."""
+  rows = batch_sharding(cfg, mesh)
+  return cfg.train.batch_size // rows.shard_shape((cfg.train.batch_size, cfg.model.seq_len))[0]
 

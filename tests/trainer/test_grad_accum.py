@@ -216,3 +216,24 @@ def test_gradients_are_reduced_across_replicas_once_a_step():
   one, four = _replica_all_reduces(1), _replica_all_reduces(4)
   assert four and all(c.times == 1 for c in four), [(c.shape, c.times) for c in four]
   assert sum(c.bytes for c in four) <= 1.25 * sum(c.bytes_per_step for c in one)
+
+
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("tiny_moe", marks=pytest.mark.extended)])
+def test_evaluation_runs_the_steps_micro_batches(preset):
+  """float32, 32 sequences on data 2 x fsdp 4: the eval step over 4 micro-batches gives the loss of the whole
+  batch at once, holding one micro-batch's activations (its compiled temporaries below the whole batch's): the
+  memory the step was sized for."""
+  overrides = {"model.dtype": "float32", "train.batch_size": 32, **MESH}
+  if preset == "tiny_moe":
+    overrides["model.capacity_factor"] = 0.0
+  batch = random_batch(config(preset, **overrides))
+  losses, temporaries = [], []
+  for accum in (1, 4):
+    s = start(config(preset, **overrides, **{"train.grad_accum_steps": accum}), 8)
+    with s.rules():
+      rows = jax.device_put(batch, step_lib.batch_sharding(s.cfg, s.mesh))
+      compiled = step_lib.jit_eval_step(s.cfg, s.mesh, s.graphdef, s.shardings).lower(s.state, rows).compile()
+      losses.append(float(compiled(s.state, rows)))
+    temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
+  assert rel_error(losses[1], losses[0]) < 1e-6, losses
+  assert temporaries[1] < temporaries[0], temporaries
