@@ -26,6 +26,8 @@ CASES = [
      "config.train.grad_accum_steps: 3 does not divide the sequences each device holds: train.batch_size=8 / "
      "data*fsdp*expert=8 = 1"),
     (["--config.train.grad_accum_steps=0"], "config.train.grad_accum_steps: must be >= 1, got 0"),
+    (["--config.train.optimizer_state_dtype=bfloat16", "--config.train.b2=0.999"],
+     "config.train.b2: 0.999 with train.optimizer_state_dtype=bfloat16: a moment stored in bf16 moves by at most"),
     # Sizes the sharding rules split, each named before a parameter is built (they crashed there once).
     (["--config.model.d_model=36", "--config.model.num_heads=2"],
      "config.mesh.fsdp: the fsdp=8 devices every weight's embed axis is split over do not divide "

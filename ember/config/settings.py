@@ -67,6 +67,16 @@ class Train:
   def __post_init__(self):
     if -1 < self.step_timeout_s < 0:
       bad_key("train.step_timeout_s", f"{self.step_timeout_s} is neither seconds (> 0), 0 (auto) nor -1 (off)")
+    if self.optimizer_state_dtype == "bfloat16":
+      # A moment m <- beta m + ... rounded to bf16 (to nearest) decays by at most (1 - beta) m a step: below half
+      # of bf16's rounding step (2^-8 of m, at worst) it would never decay, only grow.
+      betas = {"b1": self.b1, "b2": self.b2, **({"muon_momentum": self.muon_momentum} if self.optimizer == "muon"
+                                                 else {})}
+      for name, beta in betas.items():
+        if 1 - beta <= 2**-8:
+          bad_key(f"train.{name}", f"{beta} with train.optimizer_state_dtype=bfloat16: a moment stored in bf16 "
+                  f"moves by at most 1 - {name} = {1 - beta:.3g} of itself a step, under half of bf16's rounding "
+                  f"step (2^-8), so it would never decay; use {name} < {1 - 2**-8:.4f} or float32 state")
 
   @property
   def micro_batch_size(self) -> int:
