@@ -31,7 +31,7 @@ from ember.layers.linear import Linear, handed
 from ember.layers.norm import RMSNorm
 from ember.layers.rope import apply_rope
 from ember.config.model import ModelConfig
-from ember.quant.recipe import Recipe
+from ember.quant.recipe import WEIGHT, Recipe
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH
 from ember.parallel import context
 from ember.parallel.sharding import shard
@@ -119,7 +119,12 @@ class LatentAttention(nnx.Module):
     recipe = self.kv_b.recipe
     if not recipe.quantized:
       return kernel.astype(self.kv_b.dtype)
-    c, n, e = kernel.shape  # The product with an identity is the quantized kernel itself.
+    c, n, e = kernel.shape
+    if recipe.delayed:  # Per-tensor FP8 whose scales come from the histories: the kernel's own quantizer.
+      weight = recipe.quantizer(WEIGHT, self.kv_b.amax_history[...][1])
+      return weight.quantize(kernel.reshape(c, n * e), axis=0).dequantize(self.kv_b.dtype).reshape(c, n, e)
+    # Elsewhere an identity's rows quantize exactly (their scale is their own amax's), so the product with one
+    # is the kernel as the forward GEMM reads it, whatever the recipe's blocks and tensor scales.
     return self.kv_b(jnp.eye(c, dtype=self.kv_b.dtype)).reshape(c, n, e)
 
 

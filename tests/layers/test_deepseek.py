@@ -234,3 +234,24 @@ def test_deepseek_v3_model_flops_match_megatrons_count():
   theirs = _megatron_flops_per_token(m)
   assert ours == pytest.approx(theirs, rel=0.02)
 
+
+
+@pytest.mark.parametrize("latent_amax", [0.5, 3.0])
+def test_the_cached_kernel_of_latent_attention_is_the_kernel_under_delayed_scaling(latent_amax):
+  """fp8_delayed: the kv_b kernel the cached decoder reads is the kernel in E4M3 at its own history's scale (each
+  element within E4M3's rounding of the float32 kernel, none scaled as a whole), whatever amax the latent's history
+  holds: read as the product with an identity, it came scaled by the identity's own rounding (0.5x under a latent
+  history of 0.5, ~0.96x under 3.0)."""
+  from ember.layers.mla import LatentAttention
+  m = config_lib.derive(helpers.config(PRESET, **{"quant.recipe": "fp8_delayed", "model.dtype": "float32",
+                                                  "mesh.fsdp": 1}), 1)
+  with nnx.use_eager_sharding(False):
+    attn = LatentAttention(m.model, recipe=m.quant, layer=0, rngs=nnx.Rngs(0))
+  kernel = np.asarray(attn.kv_b.kernel[...], np.float64)
+  history = np.zeros(attn.kv_b.amax_history[...].shape, np.float32)
+  history[0], history[1] = latent_amax, np.abs(kernel).max()  # The latent's row, the kernel's.
+  attn.kv_b.amax_history[...] = jnp.asarray(history)
+  got = np.asarray(attn.kv_b_kernel(), np.float64)
+  big = np.abs(kernel) > np.abs(kernel).max() / 64  # Normal E4M3 numbers at this scale: relative rounding 2^-4.
+  np.testing.assert_array_less(np.abs(got[big] / kernel[big] - 1), 2**-4 + 1e-3)
+  assert abs(np.median(got[big] / kernel[big]) - 1) < 1e-2
