@@ -250,7 +250,7 @@ def test_a_run_starts_from_the_hf_directory(exported_dense, tmp_path, capsys):
                "checkpoint.every_steps": -1}
   cfg = helpers.config(**{**overrides, "workdir": str(tmp_path / "hf"), "checkpoint.init_from_hf": out})
   data_cfg = cfg.copy_and_resolve_references()
-  config_lib.validate(data_cfg, jax.device_count(), jax.process_count())
+  config_lib.validate(data_cfg, jax.device_count())
   it = data_iterator(config_lib.derive(data_cfg, jax.device_count()), "train")
   try:
     batch = next(it)  # The batch of the run's first step.
