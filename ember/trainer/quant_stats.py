@@ -25,6 +25,7 @@ from ember.quant import health
 from ember.quant.recipe import ACTIVATION, GRADIENT, SCHEMES, WEIGHT, Recipe
 
 ROLES = (ACTIVATION, WEIGHT, GRADIENT)  # The rows of a QuantStats input, in order.
+MTP = "mtp"  # The multi-token-prediction modules' subtree of the state (layers/decoder.py's `Transformer.mtp`).
 _I = {name: i for i, name in enumerate(health.STATS)}
 
 
@@ -32,6 +33,8 @@ def _projection(path: tuple) -> str:
   """The projection kind (names.PROJECTIONS) of the module a stats leaf belongs to."""
   keys = [str(k) for k in path[:-1]]
   name = keys[-1]
+  if keys[0] == MTP and len(keys) == 3:  # A prediction module's own projection (mtp/<i>/proj).
+    return "mtp_proj"
   if "shared" in keys:
     return f"shared_{name}"
   if "moe" in keys:
@@ -57,7 +60,10 @@ def per_layer(stats_tree: dict, model: ModelConfig, recipe: Recipe) -> dict[tupl
   for path, leaf in tree_leaves(stats_tree):
     leaf = np.asarray(leaf, np.float32)
     projection = _projection(path)
-    for index, layer in enumerate(stacked_layers(model, recipe, path) or []):  # Only layers collect them.
+    layers = stacked_layers(model, recipe, path)
+    if path[0] == MTP:  # Prediction module i (not stacked) is the model's layer num_layers + i (layers/mtp.py).
+      layers, leaf = [model.num_layers + int(path[1])], leaf[None]
+    for index, layer in enumerate(layers or []):  # Only layers collect them.
       rows = _by_role(leaf[index])
       for r, role in enumerate(ROLES):
         out.setdefault((projection, role), {})[layer] = rows[r]

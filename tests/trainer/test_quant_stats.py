@@ -123,3 +123,17 @@ def test_stats_off_traces_no_statistic(recipe, experts, monkeypatch):
                       any("quant_stats" in jax.tree_util.keystr(path) for path, _ in jax.tree.leaves_with_path(state)))
   assert counted[1][0] > 0 and counted[1][1], counted
   assert counted[0] == (0, False, False), counted
+
+
+def test_the_prediction_modules_report_their_statistics_as_the_layers_after_the_decoders():
+  """deepseek_tiny (3 layers, the first dense, and 1 multi-token-prediction module), fp8_current: a step's
+  statistics name the module's projections as layer 3, its own `mtp_proj` and its attention and MoE projections
+  beside the decoder's layers'."""
+  cfg = helpers.config("deepseek_tiny", **{"quant.recipe": "fp8_current", "log.quant_stats_every": 1,
+                                           "mesh.fsdp": 1, "train.batch_size": 2})
+  metrics, _ = helpers.run_steps(cfg, [helpers.random_batch(cfg)], 1)
+  settings = helpers.checked(cfg)
+  layers = quant_stats.per_layer(metrics[0]["quant_stats"], settings.model, settings.quant)
+  assert sorted(layers[("mtp_proj", "activation")]) == [3]
+  assert sorted(layers[("kv_b", "weight")]) == [0, 1, 2, 3] and sorted(layers[("moe_wi", "gradient")]) == [1, 2, 3]
+  assert layers[("mtp_proj", "activation")][3][quant_stats._I["nonzero"]] > 0  # Counted, not a zero row.
