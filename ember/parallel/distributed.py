@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 
 import jax
 import numpy as np
@@ -150,22 +151,31 @@ class Preemption:
 
   def __init__(self):
     self._flag = False
-    self._previous = None
+    self.signal = "SIGTERM"  # The notice's name, for the run's last line.
+    self._previous: dict = {}
     from jax._src import distributed as jax_distributed
     # JAX's notifier (installed by jax.distributed.initialize) owns SIGTERM in a multi-process job;
     # a Python handler would replace it and the other processes would never hear of the notice.
     self._service = jax.process_count() > 1 and jax_distributed.global_state.preemption_sync_manager is not None
 
   def install(self) -> "Preemption":
+    """SIGTERM, and in one process Ctrl-C (SIGINT) too: the first stops the run after its step with a checkpoint,
+    a second Ctrl-C interrupts at once. (Several processes get Ctrl-C as a SIGTERM from their launcher.)"""
     if not self._service:
       try:
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+        if jax.process_count() == 1:
+          self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._handle)
       except ValueError:  # Not the main thread (a test harness): no preemption handling.
-        self._previous = None
+        self._previous = {}
     return self
 
-  def _handle(self, *_):
+  def _handle(self, signum, _frame):
     self._flag = True
+    if signum == signal.SIGINT:
+      self.signal = "SIGINT"
+      signal.signal(signal.SIGINT, signal.default_int_handler)  # A second Ctrl-C: KeyboardInterrupt, at once.
+      print("stopping after this step with a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
 
   def reached(self, step: int) -> bool:
     """Call once per step, with the same step on every process."""
@@ -179,6 +189,7 @@ class Preemption:
     return bool(np.any(multihost_utils.process_allgather(np.asarray(self._flag))))
 
   def uninstall(self):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
+    for signum, previous in self._previous.items():
+      if previous is not None:
+        signal.signal(signum, previous)
+    self._previous = {}

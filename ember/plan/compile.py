@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ember import config as config_lib
+from ember import storage
 from ember.config import Settings
 from ember.layers import moe_dispatch
 from ember.parallel import axes, pipeline
@@ -77,8 +78,7 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
     attention = hlo.attention(program)
     attention_note = _why_not_cudnn(cfg, mesh) if target.is_gpu and attention["kernel"] != "cudnn" else None
   if hlo_out:
-    with open(hlo_out, "w") as f:
-      f.write(text)
+    storage.write_atomic(hlo_out, text)
   memory = compiled.memory_analysis()
   peak = memory_peak(memory)
   device_memory = target.device_memory_bytes

@@ -456,6 +456,10 @@ def plan(cfg: Settings, target: Target, *, budget_gb: float | None = None, top: 
       compiled[extra] = compile_one(extra)
       ranked = _ranked(compiled.values())
       fitting = [r for r in ranked if r["fits"]]
+  if not compiled:
+    smallest = min(e.peak_bytes for e in estimates.values())
+    raise NoLayoutFits(f"--budget_gb: no layout is estimated within {budget / GiB:.1f} GiB per device; the smallest "
+                       f"estimate is {smallest / GiB:.1f} GiB")
   if not ranked:  # Not one compiled: the budget is not the reason.
     first = next(r["error"] for r in compiled.values())
     raise NoLayoutFits(f"--target: none of the {len(compiled)} layouts compiled; the first: {first}")

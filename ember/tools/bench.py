@@ -36,7 +36,7 @@ import time
 import jax
 import numpy as np
 
-from ember import native_output
+from ember import native_output, storage
 from ember.config import Settings
 from ember import hardware
 from ember.data.sharded import data_iterator, global_batch
@@ -104,8 +104,7 @@ def run(cfg: Settings, *, steps: int, warmup: int, hlo_out: str | None = None) -
     compile_s = time.time() - t0
     text = compiled.as_text()
     if hlo_out:
-      with open(hlo_out, "w") as f:
-        f.write(text)
+      storage.write_atomic(hlo_out, text)
     times = []
     for i in range(warmup + steps):
       t = time.perf_counter()

@@ -90,8 +90,8 @@ def check_out_dir(flag: str, path: str) -> None:
 
 def write_json(flag: str, path: str, obj) -> None:
   """Writes `obj` as JSON; a failure (a full disk, a path gone since the check) is a ConfigError naming it."""
+  from ember import storage
   try:
-    with open(path, "w") as f:
-      json.dump(obj, f, indent=1)
+    storage.write_atomic(path, json.dumps(obj, indent=1))  # An earlier file is replaced whole or kept.
   except OSError as e:
     raise ConfigError(f"{flag}: cannot write {path}: {e.strerror or e}") from None

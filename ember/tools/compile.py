@@ -126,7 +126,7 @@ def _moe_lines(moe: dict | None) -> list[str]:
 
 def main(argv: list[str]) -> int:
   target_env.prepare_environment(argv)
-  from ember.errors import ArgumentParser, EmberError, fail_and_exit
+  from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
   from ember.plan import target as target_lib
   from ember.plan.compile import compile_report
   from ember.tools import cli
@@ -140,6 +140,8 @@ def main(argv: list[str]) -> int:
     own, config_argv = cli.split_config(argv)
     args = cli.parse(parser, own)
     target = target_lib.parse(args.target)
+    if args.plot and not target.is_gpu:
+      raise ConfigError(f"--plot: draws a GPU step's floor and predicted time, which --target={target.name} has not")
     cli.check_out_files({"--out": args.out, "--hlo_out": args.hlo_out, "--plot": args.plot})
     cfg = cli.settings(config_argv)
     report = compile_report(cfg, target, hlo_out=args.hlo_out)

@@ -29,7 +29,7 @@ import os
 import statistics
 import sys
 
-from ember import native_output
+from ember import native_output, storage
 from ember.errors import ArgumentParser, ConfigError, fail_and_exit
 from ember.quant.recipe import SCHEMES, UNQUANTIZED
 from ember.tools import cli, sweep
@@ -85,9 +85,25 @@ def gaps(late: dict[str, dict[int, float | None]]) -> dict[str, dict]:
   return out
 
 
+def _runs(config: str, variants: dict[str, dict], seeds: list[int], steps: int, out: str, fixed: dict):
+  """(variant, seed, run name, its overrides) of every run, each checked against what OUT holds: a run of another
+  command there (another config, override or step count) is an error, its losses not this comparison's."""
+  runs = []
+  for seed, (name, overrides) in ((s, v) for s in seeds for v in variants.items()):
+    run_name, run_overrides = f"{name}/seed{seed}", {**overrides, "seed": str(seed)}
+    earlier = sweep.logged_arguments(out, run_name)
+    now = sweep.arguments(sweep.command(config, fixed, run_overrides, steps, os.path.join(out, run_name)))
+    if earlier is not None and earlier != now:
+      raise ConfigError(f"--out: {os.path.join(out, run_name)} holds a run of another command ({earlier}); choose "
+                        "another --out or remove it")
+    runs.append((name, seed, run_name, run_overrides))
+  return runs
+
+
 def _finished(out: str, name: str, steps: int) -> dict | None:
-  """A run an earlier invocation finished (its metrics reach `steps`): kept, not run again, so an interrupted
-  comparison goes on where it stopped and more seeds or variants add to it. Delete its directory to rerun it."""
+  """A run an earlier invocation finished (its metrics reach `steps`; `_runs` checked it is this command's): kept,
+  not run again, so an interrupted comparison goes on where it stopped and more seeds or variants add to it.
+  Delete its directory to rerun it."""
   from ember.trainer.metrics import read_records
   workdir = os.path.join(out, name)
   if not any(r.get("step") == steps and r.get("loss") is not None
@@ -100,12 +116,12 @@ def run(config: str, variants: dict[str, dict], seeds: list[int], steps: int, ou
         late: float, timeout: float | None, log=print) -> dict:
   from ember.trainer.metrics import read_records
   os.makedirs(out, exist_ok=True)
+  planned = _runs(config, variants, seeds, steps, out, fixed)
   runs, late_by = [], {name: {} for name in variants}
-  total = len(variants) * len(seeds)
-  for i, (seed, (name, overrides)) in enumerate((s, v) for s in seeds for v in variants.items()):
-    log(f"[{i + 1}/{total}] {name}, seed {seed}")
-    r = _finished(out, f"{name}/seed{seed}", steps) or sweep.run_one(
-        config, fixed, {**overrides, "seed": str(seed)}, steps, out, timeout, name=f"{name}/seed{seed}")
+  for i, (name, seed, run_name, run_overrides) in enumerate(planned):
+    log(f"[{i + 1}/{len(planned)}] {name}, seed {seed}")
+    r = _finished(out, run_name, steps) or sweep.run_one(config, fixed, run_overrides, steps, out, timeout,
+                                                         name=run_name)
     loss = late_loss(read_records(os.path.join(r["workdir"], "metrics.jsonl")), steps, late) \
         if r["status"] == "ok" else None
     late_by[name][seed] = loss
@@ -115,10 +131,8 @@ def run(config: str, variants: dict[str, dict], seeds: list[int], steps: int, ou
   report = {"config": config, "steps": steps, "seeds": seeds, "late_fraction": late, "fixed": fixed,
             "variants": {name: {"overrides": variants[name], **g} for name, g in gaps(late_by).items()},
             "runs": runs}
-  with open(os.path.join(out, "convergence.json"), "w") as f:
-    json.dump(report, f, indent=1)
-  with open(os.path.join(out, "convergence.md"), "w") as f:
-    f.write(table(report) + "\n")
+  storage.write_atomic(os.path.join(out, "convergence.json"), json.dumps(report, indent=1))
+  storage.write_atomic(os.path.join(out, "convergence.md"), table(report) + "\n")
   plot(os.path.join(out, "convergence.png"), report)
   return report
 
@@ -137,9 +151,9 @@ def table(report: dict) -> str:
 def plot(path: str, report: dict) -> None:
   """Left: each variant's train loss against step, mean over its seeds, smoothed over 5% of the steps. Right: the
   gaps to the reference with one standard error."""
-  import matplotlib
-  matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
+  from ember.tools import figures  # Matplotlib (Agg) and `save`, imported where a figure is drawn.
   import numpy as np
   from ember.trainer.metrics import read_records
   fig, (curves, bars) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
@@ -169,8 +183,7 @@ def plot(path: str, report: dict) -> None:
     ax.grid(True, alpha=0.3)
   curves.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  figures.save(fig, path)
 
 
 def _parse(argv: list[str]):
@@ -213,6 +226,7 @@ def _parse(argv: list[str]):
 def main(argv: list[str]) -> int:
   try:
     args, variants, fixed = _parse(argv[1:])
+    _runs(args.config, variants, list(range(args.seeds)), args.steps, args.out, fixed)  # Before any runs.
   except ConfigError as e:
     fail_and_exit(e)
   report = run(args.config, variants, list(range(args.seeds)), args.steps, args.out, fixed, args.late, args.timeout)

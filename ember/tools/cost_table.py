@@ -70,6 +70,8 @@ def main(argv: list[str]) -> int:
           reports.append(json.load(f))
       except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: not a compile report ({e})") from None
+      if not isinstance(reports[-1], dict) or "executed_flops" not in reports[-1]:
+        raise ConfigError(f"{path}: not a compile report (ember.tools.compile --out=FILE writes one)")
       if reports[-1].get("time_floor_s") is None:
         raise ConfigError(f"{path}: no time floor (a report for a GPU target is needed)")
   except EmberError as e:

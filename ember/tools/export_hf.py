@@ -19,7 +19,7 @@ import os
 import re
 import sys
 
-from ember import native_output
+from ember import native_output, storage
 
 DTYPES = ("bfloat16", "float32", "float16")
 
@@ -74,10 +74,9 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
   for stale in glob.glob(os.path.join(out, "model*.safetensors*")) + glob.glob(os.path.join(out, "tokenizer*")):
     os.remove(stale)  # An earlier export's files would win over this one's (an old index, tokenizer.json).
   files = safetensors.write_dir(out, tensors, max_shard_bytes)
-  with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump(layout.hf_config(m, dtype), f, indent=2)
-  with open(os.path.join(out, "generation_config.json"), "w") as f:
-    json.dump({"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "do_sample": False}, f, indent=2)
+  storage.write_atomic(os.path.join(out, "config.json"), json.dumps(layout.hf_config(m, dtype), indent=2))
+  storage.write_atomic(os.path.join(out, "generation_config.json"), json.dumps(
+      {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "do_sample": False}, indent=2))
   files += ["config.json", "generation_config.json"]
   files += tokenizer.write(out, cfg.data.tokenizer, m.seq_len)
   return files

@@ -1,17 +1,29 @@
 """The figures of the compile report and the planner (`--plot=FILE` on `ember.tools.compile` and `ember.tools.plan`),
 drawn from the JSON they write, so a saved report draws again: `python -c "from ember.tools import figures; ..."`.
-(The sweep and the convergence tool draw their own, beside their results.)"""
+(The sweep and the convergence tool draw their own, beside their results; every figure is written by `save`.)"""
 
 from __future__ import annotations
+
+import io
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ember import storage  # noqa: E402
+
 _PART_COLORS = {"compute": "tab:blue", "memory": "tab:orange", "collectives": "tab:green", "host": "tab:brown"}
 _KIND_COLORS = {"gemm": "tab:blue", "attention": "tab:purple", "memory": "tab:orange", "collective": "tab:green",
                 "host": "tab:brown", "launch": "tab:gray"}
+
+
+def save(fig, path: str) -> None:
+  """`fig` as a PNG at `path`, replacing an earlier one whole (never half written), and closed."""
+  png = io.BytesIO()
+  fig.savefig(png, format="png", dpi=120)
+  plt.close(fig)
+  storage.write_bytes(path, png.getvalue())
 
 
 def time_split(report: dict, path: str, top: int = 12) -> None:
@@ -51,8 +63,7 @@ def time_split(report: dict, path: str, top: int = 12) -> None:
   for ax in (split, ops):
     ax.grid(True, axis="x", alpha=0.3)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save(fig, path)
 
 
 def layouts(result: dict, path: str) -> None:
@@ -73,5 +84,4 @@ def layouts(result: dict, path: str) -> None:
   ax.grid(True, axis="x", alpha=0.3)
   ax.legend(fontsize=8, loc="lower right")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save(fig, path)

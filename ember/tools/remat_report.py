@@ -21,7 +21,6 @@ from __future__ import annotations
 import sys
 
 from ember import native_output
-from ember.config import Settings
 from ember.tools import target_env
 
 target_env.prepare_environment(sys.argv)  # Before JAX is imported (python -m ember.tools.remat_report --target=...).
@@ -31,6 +30,7 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 
 from ember import remat  # noqa: E402
+from ember.config import Settings  # noqa: E402
 from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit  # noqa: E402
 from ember.parallel.mesh import make_mesh  # noqa: E402
 from ember.plan import compile as compile_plan  # noqa: E402
@@ -53,6 +53,8 @@ def policy_names(requested: str, cfg: Settings) -> list[str]:
     custom = ["custom"] if cfg.remat.save_names or cfg.remat.offload_names else []
     return list(remat.PRESETS) + custom
   names = [n.strip() for n in requested.split(",") if n.strip()]
+  if not names:
+    raise ConfigError(f"--policies: {requested!r} names no policy")
   valid = tuple(remat.PRESETS) + ("custom",)
   for n in names:
     if n not in valid:
@@ -148,6 +150,8 @@ def main(argv: list[str]) -> int:
   try:
     own, config_argv = cli.split_config(argv)
     args = _parse(own)
+    if args.layer_batch < 0:
+      raise ConfigError(f"--layer_batch: sequences per device, at least 1 (0: the config's), got {args.layer_batch}")
     cfg = cli.settings(config_argv)
     target = target_lib.parse(args.target)
     with target_lib.targeting(target):

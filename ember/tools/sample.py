@@ -11,7 +11,7 @@ model runs unquantized by default, as Hugging Face and serving stacks run the ex
 `--quantized` keeps the recipe it was trained with. It runs on the mesh it was trained on when this
 job has that many devices, else (or with `--one_device`) on one device. The KV cache's size per token goes to
 stderr (multi-head latent attention caches its latent and RoPE key); `--no_cache` runs the whole forward pass for
-every new token instead (the same tokens, slower).
+every new token instead (the same tokens in float32, slower; bfloat16 near-ties may round either way).
 """
 
 from __future__ import annotations

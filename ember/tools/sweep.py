@@ -28,6 +28,7 @@ Unless overridden, runs log every step, skip evaluation and save no checkpoint
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
 import os
@@ -37,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from ember import native_output
+from ember import native_output, storage
 from ember.errors import ArgumentParser, ConfigError, fail_and_exit
 from ember.plan.units import format_bytes
 from ember.tools import cli
@@ -61,8 +62,14 @@ def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
       raise ConfigError(f"--grid={spec}: expected KEY=V1,V2,...")
     if any(key == k for k, _ in grid):
       raise ConfigError(f"--grid={spec}: key {key} appears twice")
+    if key in SWEEP_KEYS:
+      raise ConfigError(f"--grid={spec}: {key} is the sweep's own ({SWEEP_KEYS[key]})")
     grid.append((key, vals))
   return grid
+
+
+# Keys a run's command sets itself, whatever a grid or an override would say.
+SWEEP_KEYS = {"steps": "--steps", "workdir": "each run's is OUT/<combination>"}
 
 
 def combinations(grid) -> list[dict[str, str]]:
@@ -78,6 +85,21 @@ def combo_name(overrides: dict[str, str]) -> str:
 def command(config: str, fixed: dict[str, str], overrides: dict[str, str], steps: int, workdir: str) -> list[str]:
   keys = {**DEFAULTS, **fixed, **overrides, "steps": str(steps), "workdir": workdir}
   return [sys.executable, TRAIN_PY, f"--config={config}"] + [f"--config.{k}={v}" for k, v in keys.items()]
+
+
+def logged_arguments(out: str, name: str) -> str | None:
+  """The arguments of the command (the interpreter's path aside) of the run `run_one` logged as `name` in OUT (its
+  log's first line), as `arguments` spells them; None where no run is logged."""
+  try:
+    with open(os.path.join(out, "logs", f"{name}.log")) as f:
+      line = f.readline().rstrip("\n")
+  except OSError:
+    return None
+  return line[len(sys.executable) + 1:] if line.startswith(sys.executable + " ") else line.partition(" ")[2]
+
+
+def arguments(cmd: list[str]) -> str:
+  return " ".join(cmd[1:])
 
 
 def summarize(records: list[dict]) -> dict:
@@ -108,7 +130,7 @@ def _last_line(text: str) -> str:
 def run_one(config: str, fixed: dict, overrides: dict, steps: int, out: str, timeout: float | None,
             name: str | None = None) -> dict:
   """One run in its own process, its workdir OUT/<name> (default: the overrides spelled out), its log
-  OUT/logs/<name>.log; the result: status, figures (`summarize`), where it ran."""
+  OUT/logs/<name>.log (its first line the command); the result: status, figures (`summarize`), where it ran."""
   from ember.trainer.metrics import read_records
   name = name or combo_name(overrides)
   os.makedirs(os.path.dirname(os.path.join(out, "logs", f"{name}.log")), exist_ok=True)
@@ -139,14 +161,16 @@ def run_one(config: str, fixed: dict, overrides: dict, steps: int, out: str, tim
 
 
 def write_results(out: str, grid, results: list[dict]) -> None:
-  with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"grid": {k: v for k, v in grid}, "results": results}, f, indent=1)
+  # Each file replaced whole: a sweep killed while writing keeps what it measured before.
+  storage.write_atomic(os.path.join(out, "results.json"),
+                       json.dumps({"grid": {k: v for k, v in grid}, "results": results}, indent=1))
   keys = [k for k, _ in grid]
-  with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-    w = csv.writer(f)
-    w.writerow(keys + list(FIELDS))
-    for r in results:
-      w.writerow([r["overrides"][k] for k in keys] + ["" if r.get(k) is None else r.get(k) for k in FIELDS])
+  rows = io.StringIO(newline="")
+  w = csv.writer(rows)
+  w.writerow(keys + list(FIELDS))
+  for r in results:
+    w.writerow([r["overrides"][k] for k in keys] + ["" if r.get(k) is None else r.get(k) for k in FIELDS])
+  storage.write_atomic(os.path.join(out, "results.csv"), rows.getvalue())
   plot(os.path.join(out, "sweep.png"), grid, results)
   plot_curves(os.path.join(out, "curves.png"), grid, results)
 
@@ -159,9 +183,9 @@ def _labeller(grid):
 def plot_curves(path: str, grid, results: list[dict]):
   """Train loss and eval loss against step, one line per run that logged any (failed runs too, up to where
   they stopped). Returns the (closed) Figure it saved: its axes are the train and the eval panel."""
-  import matplotlib
-  matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
+  from ember.tools import figures  # Matplotlib (Agg) and `save`, imported where a figure is drawn.
   from ember.trainer.metrics import read_records
   varied, label = _labeller(grid)
   fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(13, 5))
@@ -186,16 +210,15 @@ def plot_curves(path: str, grid, results: list[dict]):
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  figures.save(fig, path)
   return fig
 
 
 def plot(path: str, grid, results: list[dict]) -> None:
   """Step time against peak memory, one labelled point per finished run; failures listed below."""
-  import matplotlib
-  matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
+  from ember.tools import figures  # Matplotlib (Agg) and `save`, imported where a figure is drawn.
   varied, label = _labeller(grid)
   done = [r for r in results if r["status"] == "ok" and r.get("peak_bytes") is not None]
   fig, ax = plt.subplots(figsize=(8, 5.5))
@@ -212,8 +235,7 @@ def plot(path: str, grid, results: list[dict]) -> None:
   if failed:
     fig.text(0.01, 0.01, "not plotted: " + "; ".join(failed), fontsize=7, wrap=True)
     fig.subplots_adjust(bottom=0.16)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  figures.save(fig, path)
 
 
 def sweep(config: str, grid, steps: int, out: str, fixed: dict | None = None, timeout: float | None = None,
@@ -246,6 +268,16 @@ def check(config: str, grid, fixed: dict[str, str], steps: int, out: str) -> Non
       raise ConfigError(f"{e} (the run {combo_name(overrides)})" if named else str(e)) from None
 
 
+def check_fresh(grid, out: str) -> None:
+  """No combination's workdir holds an earlier run: resumed, it would skip its compile and time other steps, or
+  be finished already."""
+  for overrides in combinations(grid):
+    workdir = os.path.join(out, combo_name(overrides))
+    if os.path.exists(os.path.join(workdir, "metrics.jsonl")) or os.path.isdir(os.path.join(workdir, "checkpoints")):
+      raise ConfigError(f"--out: {workdir} holds an earlier run; a sweep times fresh runs: choose another --out "
+                        "or remove it")
+
+
 def _parse(argv: list[str]):
   parser = ArgumentParser(prog="python -m ember.tools.sweep")
   parser.add_argument("--config", required=True, help="config file[:arg], as for train.py")
@@ -254,6 +286,8 @@ def _parse(argv: list[str]):
   parser.add_argument("--out", required=True, help="output directory")
   parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
   args, fixed = cli.parse_with_overrides(parser, argv, "--grid, --steps, --out")
+  for key in SWEEP_KEYS.keys() & fixed.keys():
+    raise ConfigError(f"--config.{key}: the sweep's own ({SWEEP_KEYS[key]})")
   if not args.grid:
     raise ConfigError("--grid: give at least one KEY=V1,V2,...")
   if args.steps < 1:
@@ -269,6 +303,7 @@ def main(argv: list[str]) -> int:
     args, fixed = _parse(argv[1:])
     grid = parse_grid(args.grid)
     check(args.config, grid, fixed, args.steps, args.out)
+    check_fresh(grid, args.out)
   except ConfigError as e:
     fail_and_exit(e)
   results = sweep(args.config, grid, args.steps, args.out, fixed, args.timeout)

@@ -151,7 +151,8 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
       _checkpoint(run, done, stopping)
       run.interval.exclude(time.time() - hooks)  # Speed and MFU are the steps': an evaluation is not training.
       if stopping:
-        console(f"preempted (SIGTERM): saved a checkpoint at step {done} in {run.ckpt.directory} and stopped")
+        console(f"preempted ({run.preemption.signal}): saved a checkpoint at step {done} in {run.ckpt.directory} and "
+                "stopped")
         break
       if done < cfg.steps:
         waited = time.time()

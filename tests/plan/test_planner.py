@@ -253,7 +253,7 @@ def test_plan_exits_1_when_nothing_fits_the_budget(capsys):
           "--budget_gb=0.0001"]
   assert tool.main(args) == 1
   err = capsys.readouterr().err.strip().splitlines()
-  assert err[-1].startswith("error: --budget_gb: no layout compiled within 0.0 GiB per device"), err
+  assert err[-1].startswith("error: --budget_gb: no layout is estimated within 0.0 GiB per device"), err
 
 
 def test_plan_refuses_a_cpu_target(capsys):

@@ -10,7 +10,7 @@ import matplotlib.image
 import pytest
 
 from ember.errors import ConfigError
-from ember.tools import convergence
+from ember.tools import convergence, sweep
 from ember.trainer.metrics import read_records
 from tests.helpers import ROOT
 from tests.xla_cpu import FAST_CPU_CODEGEN
@@ -82,3 +82,16 @@ def test_a_finished_run_is_kept_and_an_unfinished_one_runs_again(tmp_path):
   assert convergence._finished(str(tmp_path), "bf16/seed1", 10) is None
   assert convergence._finished(str(tmp_path), "bf16/seed2", 10) is None  # Never started.
   assert convergence._finished(str(tmp_path), "bf16/seed0", 20) is None  # Asked for more steps.
+
+
+def test_runs_of_another_command_in_the_directory_are_refused(tmp_path):
+  """A directory holding a comparison of another config (or override, or step count) is not read as this one's."""
+  variants, fixed = {"bf16": {"quant.recipe": "bf16"}}, {"data.source": "synthetic"}
+  (planned,) = convergence._runs("configs/default.py:tiny", variants, [0], 10, str(tmp_path), fixed)
+  log = tmp_path / "logs" / "bf16" / "seed0.log"
+  log.parent.mkdir(parents=True)
+  same = sweep.command("configs/default.py:tiny", fixed, planned[3], 10, str(tmp_path / "bf16/seed0"))
+  log.write_text(" ".join(same) + "\n")
+  assert convergence._runs("configs/default.py:tiny", variants, [0], 10, str(tmp_path), fixed) == [planned]
+  with pytest.raises(ConfigError, match=r"^--out: .*bf16/seed0 holds a run of another command \(.*:tiny "):
+    convergence._runs("configs/default.py:small", variants, [0], 10, str(tmp_path), fixed)

@@ -73,11 +73,28 @@ def test_summary_skips_the_first_interval_and_classifies_out_of_memory():
   assert sweep.classify(1, "ValueError: bad shape") == "error" and sweep.classify(0, "") == "ok"
 
 
-def test_bad_grid_exits_2(capsys):
+@pytest.mark.parametrize("flags,expected", [
+    (["--grid=remat.policy"], "error: --grid=remat.policy: expected KEY=V1,V2,..."),
+    # What the sweep sets itself is no grid key or override (each run trained --steps steps, labelled otherwise).
+    (["--grid=steps=3,6"], "error: --grid=steps=3,6: steps is the sweep's own (--steps)"),
+    (["--grid=remat.policy=full", "--config.workdir=/tmp/w"],
+     "error: --config.workdir: the sweep's own (each run's is OUT/<combination>)")])
+def test_bad_grid_exits_2(flags, expected, tmp_path, capsys):
   with pytest.raises(SystemExit) as exit_:
-    sweep.main(["sweep", "--config=configs/default.py:tiny", "--grid=remat.policy", "--steps=3", "--out=/tmp/x"])
+    sweep.main(["sweep", f"--config={ROOT}/configs/default.py:tiny", *flags, "--steps=3", f"--out={tmp_path}"])
   assert exit_.value.code == 2
-  assert capsys.readouterr().err.strip() == "error: --grid=remat.policy: expected KEY=V1,V2,..."
+  assert capsys.readouterr().err.strip() == expected
+
+
+def test_a_sweep_refuses_a_combination_run_before(tmp_path, capsys):
+  """A combination's workdir holding a run (metrics, checkpoints) would resume: no compile timed, or finished."""
+  (tmp_path / "remat.policy=full").mkdir()
+  (tmp_path / "remat.policy=full" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["sweep", f"--config={ROOT}/configs/default.py:tiny", "--grid=remat.policy=none,full", "--steps=3",
+                f"--out={tmp_path}"])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err.strip().startswith(f"error: --out: {tmp_path}/remat.policy=full holds an earlier run")
 
 
 def test_curves_plot_train_and_eval_loss_per_combination(tmp_path):

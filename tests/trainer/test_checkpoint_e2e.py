@@ -171,18 +171,20 @@ def test_muon_bfloat16_state_and_router_bias_resume_bitwise(shared, tmp_path):
 # --- Preemption -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("notice", ["SIGTERM", "SIGINT"])  # A preemption notice, and Ctrl-C in a terminal.
 @pytest.mark.long
-def test_sigterm_saves_synchronously_exits_zero_and_resumes(shared, tmp_path):
+def test_sigterm_saves_synchronously_exits_zero_and_resumes(shared, tmp_path, notice):
   ref = losses(reference(shared, "bf16"))
   run = tmp_path / "run"
   proc = start(shared, run, 1000)
   wait_for_step(proc, run, 3)
-  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(getattr(signal, notice))
   _, stderr = proc.communicate(timeout=120)
   assert proc.returncode == 0, stderr[-3000:]
+  assert "Traceback" not in stderr, stderr[-3000:]
   stopped = max(losses(run))
   assert stopped < 1000
-  assert f"preempted (SIGTERM): saved a checkpoint at step {stopped}" in stderr
+  assert f"preempted ({notice}): saved a checkpoint at step {stopped}" in stderr
   assert checkpoint_steps(run)[-1] == stopped
   assert not list((run / "checkpoints").glob("*tmp*"))  # The save completed before the exit.
 
