@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import time
 from typing import Any
@@ -278,6 +279,7 @@ class _Run:
     progress("set-up: the model state (the newest checkpoint, or initialised)")
     state, first = _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it)
     _check_phase(ckpt, phases, first)
+    _check_schedule(ckpt, cfg, first)
     shares = source_shares(cfg)
     run = cls(cfg=cfg, mesh=mesh, train_it=train_it, metrics=metrics, preemption=preemption, ckpt=ckpt, local=local,
               targets=targets,
@@ -506,13 +508,37 @@ def _restore_or_init(cfg: Settings, ckpt, local, mesh, tx, targets, metrics, tra
 
 def _check_phase(ckpt: Checkpointer, phases: precision.Phases, step: int) -> None:
   """Warns when a resumed checkpoint was saved in another precision phase than this config's schedule
-  puts its step in (quant.schedule edited between runs): the run goes on in this config's phase."""
+  puts its step in (quant.schedule edited between runs), or under other precision keys (quant.recipe changed
+  between runs, to one of the same state): the run goes on in this config's phase."""
   if step == 0 or step not in ckpt.steps():
     return
-  saved = ckpt.custom_metadata(step).get("quant_phase")
+  metadata = ckpt.custom_metadata(step)
+  saved = metadata.get("quant_phase")
   if saved is not None and saved != phases.state_phase(step):
     console(f"warning: the checkpoint of step {step} was saved in precision phase {saved}; this config's "
             f"quant.schedule puts step {step} in {phases.describe(phases.state_phase(step))}")
+    return
+  # As the checkpoint's JSON holds them (tuples as lists), to compare.
+  plain = lambda v: json.loads(json.dumps(v, default=str))
+  saved_quant, quant = metadata.get("config", {}).get("quant"), plain(phases.settings.to_dict()["quant"])
+  changed = sorted(k for k in quant if saved_quant is not None and plain(saved_quant.get(k)) != quant[k])
+  if changed:
+    console(f"warning: the checkpoint of step {step} was trained with other precision settings "
+            f"({', '.join(f'quant.{k}={saved_quant.get(k)!r}' for k in changed)}); this run goes on with "
+            + ", ".join(f"quant.{k}={quant[k]!r}" for k in changed))
+
+
+def _check_schedule(ckpt: Checkpointer, cfg: Settings, step: int) -> None:
+  """Says so when a resumed run's learning-rate schedule is not the one its checkpoint was trained on: a larger
+  `steps` with `train.decay_steps=0` stretches the decay over the new length from here on."""
+  if step == 0 or step not in ckpt.steps():
+    return
+  saved = ckpt.custom_metadata(step).get("config", {}).get("train", {})
+  keys = ("learning_rate", "warmup_steps", "decay_steps", "min_lr_ratio")
+  changed = [k for k in keys if k in saved and saved[k] != getattr(cfg.train, k)]
+  if changed:
+    console(f"note: the learning-rate schedule differs from the one step {step} was trained on: "
+            + ", ".join(f"train.{k} {saved[k]} -> {getattr(cfg.train, k)}" for k in changed))
 
 
 def evaluate(cfg: Settings, state, eval_fn, batch_sharding) -> float:

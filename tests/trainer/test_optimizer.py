@@ -9,6 +9,7 @@ import ml_collections
 import numpy as np
 
 from ember.trainer.optimizer import learning_rate_schedule, make_optimizer
+from tests import helpers
 
 
 def _train_cfg(**overrides):
@@ -71,3 +72,19 @@ def test_clipping_by_global_norm():
   _, state = tx_off.update(grads, tx_off.init(params), params)
   adam = next(s for s in jax.tree.leaves(state, is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu"))
   np.testing.assert_allclose(adam.mu["layer"]["kernel"], 0.1 * 3.0 * np.ones((3, 2)), rtol=1e-5)
+
+
+def test_a_resume_on_another_schedule_says_so(tmp_path, capsys):
+  """A run extended from 10 to 20 steps with the default decay length (0: until `steps`) stretches the cosine decay
+  from the step it resumes at; it says so, and says nothing resumed on the schedule it was saved with."""
+  from ember.trainer.checkpointing import Checkpointer
+  from ember.trainer.loop import _check_schedule
+  start = helpers.one_device_start(**{"steps": 10, "train.warmup_steps": 2})
+  ckpt = Checkpointer(str(tmp_path / "checkpoints"), every_steps=1, keep=2, async_save=False)
+  ckpt.save(5, start.state, None, seed=start.cfg.seed, metadata={"config": start.cfg.to_dict()})
+  _check_schedule(ckpt, start.cfg, 5)
+  assert capsys.readouterr().err == ""
+  _check_schedule(ckpt, helpers.settings(**{"steps": 20, "train.warmup_steps": 2}), 5)
+  assert ("note: the learning-rate schedule differs from the one step 5 was trained on: train.decay_steps 8 -> 18"
+          in capsys.readouterr().err)
+  ckpt.close()

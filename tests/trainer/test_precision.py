@@ -150,4 +150,13 @@ def test_a_checkpoint_of_another_phase_is_warned_about(tmp_path, capsys):
   assert "warning" not in capsys.readouterr().err
   _check_phase(ckpt, phases, 5)
   assert "saved in precision phase 0" in capsys.readouterr().err
+  # Saved with its config: quiet for the same precision keys, said for a recipe changed since (one of the same
+  # state: fp8_current to bf16 resumes).
+  ckpt.save(6, state, None, seed=cfg.seed, metadata={"quant_phase": 1, "config": phases.settings.to_dict()})
+  _check_phase(ckpt, phases, 6)
+  assert "warning" not in capsys.readouterr().err
+  other = _one_device_start(**{"quant.recipe": "bf16", "quant.schedule": ((2, {"forward": "bf16"}),)})[0]
+  _check_phase(ckpt, other, 6)
+  assert ("warning: the checkpoint of step 6 was trained with other precision settings (quant.recipe='fp8_current')"
+          "; this run goes on with quant.recipe='bf16'") in capsys.readouterr().err
   ckpt.close()
