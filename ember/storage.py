@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import glob as _glob
 import os
+import secrets
 import tempfile
 
 REMOTE_SCHEMES = ("gs://",)
@@ -88,6 +89,13 @@ def read_text(path: str) -> str:
 def write_atomic(path: str, text: str) -> None:
   """`path` holds `text`, replacing what it held; never half of either."""
   write_bytes(path, text.encode())
+
+
+def kept_id(path: str, nbytes: int) -> str:
+  """The id kept at `path`: made (random, hex, written atomically) by the first caller, read by every later one."""
+  if not exists(path):
+    write_atomic(path, secrets.token_hex(nbytes))
+  return read_text(path).strip()
 
 
 def write_bytes(path: str, data: bytes) -> None:

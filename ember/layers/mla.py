@@ -117,7 +117,7 @@ class LatentAttention(nnx.Module):
     """kv_b's weights [C, N, nope + v] as its forward reads them (its recipe's rounding where it quantizes)."""
     kernel = self.kv_b.kernel[...]
     recipe = self.kv_b.recipe
-    if not recipe.quantized:
+    if not (recipe.quantized and recipe.forward_quantized):  # quant.forward=bf16 too: the GEMM reads it as it is.
       return kernel.astype(self.kv_b.dtype)
     c, n, e = kernel.shape
     if recipe.delayed:  # Per-tensor FP8 whose scales come from the histories: the kernel's own quantizer.

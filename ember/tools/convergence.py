@@ -91,10 +91,12 @@ def _runs(config: str, variants: dict[str, dict], seeds: list[int], steps: int, 
   runs = []
   for seed, (name, overrides) in ((s, v) for s in seeds for v in variants.items()):
     run_name, run_overrides = f"{name}/seed{seed}", {**overrides, "seed": str(seed)}
-    earlier = sweep.logged_arguments(out, run_name)
-    now = sweep.arguments(sweep.command(config, fixed, run_overrides, steps, os.path.join(out, run_name)))
+    earlier = sweep.logged_settings(out, run_name)
+    now = sweep.run_settings(sweep.command(config, fixed, run_overrides, steps, os.path.join(out, run_name)))
     if earlier is not None and earlier != now:
-      raise ConfigError(f"--out: {os.path.join(out, run_name)} holds a run of another command ({earlier}); choose "
+      differ = ", ".join(f"{k.removeprefix('--')}={earlier.get(k)}" for k in sorted(earlier.keys() | now.keys())
+                         if earlier.get(k) != now.get(k))
+      raise ConfigError(f"--out: {os.path.join(out, run_name)} holds a run of another command ({differ}); choose "
                         "another --out or remove it")
     runs.append((name, seed, run_name, run_overrides))
   return runs

@@ -87,19 +87,28 @@ def command(config: str, fixed: dict[str, str], overrides: dict[str, str], steps
   return [sys.executable, TRAIN_PY, f"--config={config}"] + [f"--config.{k}={v}" for k, v in keys.items()]
 
 
-def logged_arguments(out: str, name: str) -> str | None:
-  """The arguments of the command (the interpreter's path aside) of the run `run_one` logged as `name` in OUT (its
-  log's first line), as `arguments` spells them; None where no run is logged."""
+def run_settings(cmd: list[str]) -> dict[str, str]:
+  """What a train.py command runs, spelled one way: its flags and values, the config file and the workdir by
+  their absolute paths (two spellings of one run are equal)."""
+  out = {}
+  for arg in cmd[2:]:
+    key, _, value = arg.partition("=")
+    if key == "--config":
+      path, colon, preset = value.partition(":")
+      value = os.path.abspath(path) + colon + preset
+    elif key == "--config.workdir":
+      value = os.path.abspath(value)
+    out[key] = value
+  return out
+
+
+def logged_settings(out: str, name: str) -> dict[str, str] | None:
+  """`run_settings` of the run `run_one` ran as `name` in OUT (OUT/logs/<name>.json), or None."""
   try:
-    with open(os.path.join(out, "logs", f"{name}.log")) as f:
-      line = f.readline().rstrip("\n")
-  except OSError:
+    with open(os.path.join(out, "logs", f"{name}.json")) as f:
+      return json.load(f)
+  except (OSError, ValueError):
     return None
-  return line[len(sys.executable) + 1:] if line.startswith(sys.executable + " ") else line.partition(" ")[2]
-
-
-def arguments(cmd: list[str]) -> str:
-  return " ".join(cmd[1:])
 
 
 def summarize(records: list[dict]) -> dict:
@@ -137,6 +146,7 @@ def run_one(config: str, fixed: dict, overrides: dict, steps: int, out: str, tim
   workdir = os.path.join(out, name)
   log_path = os.path.join(out, "logs", f"{name}.log")
   cmd = command(config, fixed, overrides, steps, workdir)
+  storage.write_atomic(os.path.join(out, "logs", f"{name}.json"), json.dumps(run_settings(cmd)))  # What ran there.
   t0 = time.time()
   with open(log_path, "w") as log:
     log.write(" ".join(cmd) + "\n")

@@ -262,13 +262,9 @@ class Checkpointer:
       # The run saves its data position with every step: without one the step is incomplete, and a resume from it
       # would read the data from the start. Damaged, as an unreadable file is (`restore_latest`).
       raise FileNotFoundError(f"no data position in {data_dir}")
-    own = storage.join(data_dir, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-    use_grain = data_it is not None and storage.exists(own)
-    if use_grain:
-      items["data"] = grain.checkpoint.CheckpointRestore(data_it)
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     _verify(self._step_dir(step), restored["state"], f"step {step}")
-    if data_it is not None and not use_grain:
+    if data_it is not None:  # From every process's file: the shards a process reads follow the mesh, not its index.
       restore_data_position(data_dir, data_it)
     return TrainState(**restored["state"])
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import struct
 
@@ -118,10 +117,7 @@ def run_id(workdir: str) -> str:
   run, which must not resume from the local steps the old one left on the nodes' disks."""
   token = np.zeros(8, np.uint8)
   if jax.process_index() == 0:
-    path = storage.join(workdir, RUN_ID_FILE)
-    if not storage.exists(path):
-      storage.write_atomic(path, secrets.token_hex(8))
-    token = np.frombuffer(bytes.fromhex(storage.read_text(path).strip()), np.uint8)
+    token = np.frombuffer(bytes.fromhex(storage.kept_id(storage.join(workdir, RUN_ID_FILE), 8)), np.uint8)
   if jax.process_count() > 1:
     token = np.asarray(multihost_utils.broadcast_one_to_all(token))
   return bytes(np.asarray(token, np.uint8)).hex()

@@ -521,7 +521,9 @@ def _check_phase(ckpt: Checkpointer, phases: precision.Phases, step: int) -> Non
   # As the checkpoint's JSON holds them (tuples as lists), to compare.
   plain = lambda v: json.loads(json.dumps(v, default=str))
   saved_quant, quant = metadata.get("config", {}).get("quant"), plain(phases.settings.to_dict()["quant"])
-  changed = sorted(k for k in quant if saved_quant is not None and plain(saved_quant.get(k)) != quant[k])
+  # The schedule aside: where it moves the resumed step's phase, the warning above says so.
+  changed = sorted(k for k in quant if k != "schedule" and saved_quant is not None and k in saved_quant
+                   and plain(saved_quant[k]) != quant[k])
   if changed:
     console(f"warning: the checkpoint of step {step} was trained with other precision settings "
             f"({', '.join(f'quant.{k}={saved_quant.get(k)!r}' for k in changed)}); this run goes on with "

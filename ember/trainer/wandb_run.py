@@ -10,7 +10,6 @@ own environment applies: WANDB_MODE=offline writes the run under the workdir's `
 from __future__ import annotations
 
 import os
-import secrets
 
 from ember import storage
 
@@ -20,12 +19,7 @@ ID_FILE = "wandb_run_id"
 
 def _run_id(workdir: str) -> str:
   """This workdir's W&B run id, made and written (atomically) by its first run."""
-  path = storage.join(workdir, ID_FILE)
-  if storage.exists(path):
-    return storage.read_text(path).strip()
-  run_id = secrets.token_hex(4)
-  storage.write_atomic(path, run_id)
-  return run_id
+  return storage.kept_id(storage.join(workdir, ID_FILE), 4)
 
 
 class WandbRun:

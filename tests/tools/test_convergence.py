@@ -4,6 +4,7 @@ values."""
 
 import json
 import math
+import os
 import statistics
 
 import matplotlib.image
@@ -84,14 +85,18 @@ def test_a_finished_run_is_kept_and_an_unfinished_one_runs_again(tmp_path):
   assert convergence._finished(str(tmp_path), "bf16/seed0", 20) is None  # Asked for more steps.
 
 
-def test_runs_of_another_command_in_the_directory_are_refused(tmp_path):
-  """A directory holding a comparison of another config (or override, or step count) is not read as this one's."""
-  variants, fixed = {"bf16": {"quant.recipe": "bf16"}}, {"data.source": "synthetic"}
+def test_runs_of_another_command_in_the_directory_are_refused(tmp_path, monkeypatch):
+  """A directory holding a comparison of another config (or override, or step count) is not read as this one's;
+  the same command spelled otherwise (the config's path, --out's, the overrides' order) is the same run."""
+  monkeypatch.chdir(ROOT)
+  variants, fixed = {"bf16": {"quant.recipe": "bf16"}}, {"data.source": "synthetic", "log.every_steps": "1"}
   (planned,) = convergence._runs("configs/default.py:tiny", variants, [0], 10, str(tmp_path), fixed)
-  log = tmp_path / "logs" / "bf16" / "seed0.log"
-  log.parent.mkdir(parents=True)
-  same = sweep.command("configs/default.py:tiny", fixed, planned[3], 10, str(tmp_path / "bf16/seed0"))
-  log.write_text(" ".join(same) + "\n")
-  assert convergence._runs("configs/default.py:tiny", variants, [0], 10, str(tmp_path), fixed) == [planned]
-  with pytest.raises(ConfigError, match=r"^--out: .*bf16/seed0 holds a run of another command \(.*:tiny "):
-    convergence._runs("configs/default.py:small", variants, [0], 10, str(tmp_path), fixed)
+  (tmp_path / "logs" / "bf16").mkdir(parents=True)
+  ran = sweep.command("configs/default.py:tiny", fixed, planned[3], 10, str(tmp_path / "bf16" / "seed0"))
+  (tmp_path / "logs" / "bf16" / "seed0.json").write_text(json.dumps(sweep.run_settings(ran)))
+  monkeypatch.chdir(tmp_path)
+  respelled = {"log.every_steps": "1", "data.source": "synthetic"}
+  assert convergence._runs(f"{ROOT}/configs/default.py:tiny", variants, [0], 10, ".", respelled) == [
+      ("bf16", 0, "bf16/seed0", planned[3])]
+  with pytest.raises(ConfigError, match=r"^--out: \./bf16/seed0 holds a run of another command \(config=.*:tiny\)"):
+    convergence._runs(f"{ROOT}/configs/default.py:small", variants, [0], 10, ".", respelled)

@@ -155,6 +155,9 @@ def test_a_checkpoint_of_another_phase_is_warned_about(tmp_path, capsys):
   ckpt.save(6, state, None, seed=cfg.seed, metadata={"quant_phase": 1, "config": phases.settings.to_dict()})
   _check_phase(ckpt, phases, 6)
   assert "warning" not in capsys.readouterr().err
+  later = _one_device_start(**{"quant.schedule": ((2, {"forward": "bf16"}), (8, {"recipe": "bf16"}))})[0]
+  _check_phase(ckpt, later, 6)  # A phase added after the step: nothing it trained differs.
+  assert "warning" not in capsys.readouterr().err
   other = _one_device_start(**{"quant.recipe": "bf16", "quant.schedule": ((2, {"forward": "bf16"}),)})[0]
   _check_phase(ckpt, other, 6)
   assert ("warning: the checkpoint of step 6 was trained with other precision settings (quant.recipe='fp8_current')"
