@@ -53,6 +53,22 @@ def user_xla_flags(xla_flags: str) -> list[str]:
   return [t for t in xla_flags.split() if t.split("=", 1)[0] not in REQUIRED_XLA_FLAGS]
 
 
+# launch/xla_flags.sh's loop-pipelining flags (EMBER_LOOP_PIPELINING=0 leaves them out).
+LOOP_PIPELINING = ("--xla_gpu_enable_pipelined_all_gather", "--xla_gpu_enable_pipelined_reduce_scatter",
+                   "--xla_gpu_enable_pipelined_all_reduce", "--xla_gpu_enable_while_loop_double_buffering")
+
+
+def pipeline_flags_warning(xla_flags: str, stages: int) -> str | None:
+  """What a pipeline-parallel run under the loop-pipelining flags is told, or None: they speed up FSDP over scanned
+  layers and slow down a pipelined step, holding more memory (docs/performance.md, "XLA's scheduling flags")."""
+  on = [f for f in LOOP_PIPELINING if xla_flag_value(xla_flags, f) == "true"]
+  if stages <= 1 or not on:
+    return None
+  return (f"warning: {stages} pipeline stages under XLA_FLAGS' loop-pipelining flags ({', '.join(on)}): compiled "
+          "for described H100s they slow a pipelined step and raise its peak (llama3_70b's planned layout: 80.97 "
+          "GiB, not 63.90); launch with EMBER_LOOP_PIPELINING=0 source launch/xla_flags.sh")
+
+
 def require() -> None:
   """Adds REQUIRED_XLA_FLAGS to the environment's XLA_FLAGS (`import ember` does it). XLA reads them when JAX
   starts a backend: a process whose backend started before ember was imported keeps its own, which

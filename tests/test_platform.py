@@ -39,3 +39,20 @@ def test_importing_ember_sets_them_before_a_backend_starts_and_the_cpu_accepts_t
 
 def test_the_cpu_divides_exactly():
   assert platform.divides_exactly(jax.devices()[0])
+
+
+def test_a_pipeline_under_the_loop_pipelining_flags_is_warned_about():
+  """launch/xla_flags.sh's own XLA_FLAGS (read from the script, loop pipelining on and off) against a pipelined
+  mesh and a mesh without stages."""
+  script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "xla_flags.sh")
+
+  def sourced(pipelining: str) -> str:
+    env = {"PATH": os.environ.get("PATH", ""), "EMBER_LOOP_PIPELINING": pipelining}
+    return subprocess.run(["bash", "-c", f"source {script} && printf %s \"$XLA_FLAGS\""], env=env, text=True,
+                          capture_output=True, check=True).stdout
+
+  warning = xla_flags.pipeline_flags_warning(sourced("1"), 8)
+  assert warning.startswith("warning: 8 pipeline stages under XLA_FLAGS' loop-pipelining flags "
+                            "(--xla_gpu_enable_pipelined_all_gather,") and "EMBER_LOOP_PIPELINING=0" in warning
+  assert xla_flags.pipeline_flags_warning(sourced("0"), 8) is None
+  assert xla_flags.pipeline_flags_warning(sourced("1"), 1) is None
