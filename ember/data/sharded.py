@@ -29,8 +29,9 @@ class ShardedIterator:
   """This process's data shards, read in lockstep; a batch is their rows concatenated in shard order.
 
   Its state (JSON) maps each shard to its Grain iterator state, so the position of shard k can be
-  restored by whichever process reads shard k next time. It follows the iterator protocol of
-  `grain.checkpoint.CheckpointSave/CheckpointRestore` (get_state/set_state as bytes).
+  restored by whichever process reads shard k next time. It is saved through Grain's
+  `grain.checkpoint.CheckpointSave` (get_state as bytes) and restored from every process's file merged
+  (ember/trainer/checkpointing.py's `restore_data_position`, set_state).
   """
 
   def __init__(self, make: Callable[[int], Any], shards: list[int], num_shards: int, fingerprint: str = "",
@@ -81,9 +82,6 @@ class ShardedIterator:
     warn(f"the saved data position is for {reason}: the data iterator starts from the beginning")
     self.close()
     self._its = [self._make(s) for s in self.shards]
-
-  def start_prefetch(self) -> None:  # Called by grain's CheckpointRestore.
-    pass
 
   def close(self) -> None:
     for it in self._its:

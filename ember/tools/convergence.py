@@ -228,10 +228,11 @@ def _parse(argv: list[str]):
 def main(argv: list[str]) -> int:
   try:
     args, variants, fixed = _parse(argv[1:])
-    _runs(args.config, variants, list(range(args.seeds)), args.steps, args.out, fixed)  # Before any runs.
+    # Its only ConfigError comes before any run starts: `_runs`, checking what --out holds.
+    report = run(args.config, variants, list(range(args.seeds)), args.steps, args.out, fixed, args.late,
+                 args.timeout)
   except ConfigError as e:
     fail_and_exit(e)
-  report = run(args.config, variants, list(range(args.seeds)), args.steps, args.out, fixed, args.late, args.timeout)
   print(table(report))
   print(f"in {os.path.join(args.out, 'convergence.md')} and convergence.png")
   return 0

@@ -193,8 +193,7 @@ def _manager(directory: str, options: ocp.CheckpointManagerOptions, *, partial_s
   for item in ("rng", FINGERPRINTS):
     registry.add(item, ocp.args.JsonSave, ocp.JsonCheckpointHandler)
     registry.add(item, ocp.args.JsonRestore, ocp.JsonCheckpointHandler)
-  registry.add("data", grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointHandler)
-  registry.add("data", grain.checkpoint.CheckpointRestore, grain.checkpoint.CheckpointHandler)
+  registry.add("data", grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointHandler)  # Restored merged.
   return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
 
 

@@ -283,8 +283,10 @@ class _Run:
         if c.local_every_steps else None
     progress("set-up: the model state (the newest checkpoint, or initialised)")
     state, first = _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it)
-    _check_phase(ckpt, phases, first)
-    _check_schedule(ckpt, cfg, first)
+    if first and first in ckpt.steps():  # Resumed from a persistent step: what it was trained with, read once.
+      metadata = ckpt.custom_metadata(first)
+      _check_phase(metadata, phases, first)
+      _check_schedule(metadata, cfg, first)
     shares = source_shares(cfg)
     run = cls(cfg=cfg, mesh=mesh, train_it=train_it, metrics=metrics, preemption=preemption, ckpt=ckpt, local=local,
               targets=targets,
@@ -511,13 +513,11 @@ def _restore_or_init(cfg: Settings, ckpt, local, mesh, tx, targets, metrics, tra
   return state, 0
 
 
-def _check_phase(ckpt: Checkpointer, phases: precision.Phases, step: int) -> None:
-  """Warns when a resumed checkpoint was saved in another precision phase than this config's schedule
-  puts its step in (quant.schedule edited between runs), or under other precision keys (quant.recipe changed
-  between runs, to one of the same state): the run goes on in this config's phase."""
-  if step == 0 or step not in ckpt.steps():
-    return
-  metadata = ckpt.custom_metadata(step)
+def _check_phase(metadata: dict, phases: precision.Phases, step: int) -> None:
+  """Warns when the checkpoint of `step` (its `metadata`, Checkpointer.custom_metadata) was saved in another
+  precision phase than this config's schedule puts its step in (quant.schedule edited between runs), or under
+  other precision keys (quant.recipe changed between runs, to one of the same state): the run goes on in this
+  config's phase."""
   saved = metadata.get("quant_phase")
   if saved is not None and saved != phases.state_phase(step):
     console(f"warning: the checkpoint of step {step} was saved in precision phase {saved}; this config's "
@@ -535,12 +535,11 @@ def _check_phase(ckpt: Checkpointer, phases: precision.Phases, step: int) -> Non
             + ", ".join(f"quant.{k}={quant[k]!r}" for k in changed))
 
 
-def _check_schedule(ckpt: Checkpointer, cfg: Settings, step: int) -> None:
-  """Says so when a resumed run's learning-rate schedule is not the one its checkpoint was trained on: a larger
-  `steps` with `train.decay_steps=0` stretches the decay over the new length from here on."""
-  if step == 0 or step not in ckpt.steps():
-    return
-  saved = ckpt.custom_metadata(step).get("config", {}).get("train", {})
+def _check_schedule(metadata: dict, cfg: Settings, step: int) -> None:
+  """Says so when a resumed run's learning-rate schedule is not the one the checkpoint of `step` (its `metadata`)
+  was trained on: a larger `steps` with `train.decay_steps=0` stretches the decay over the new length from here
+  on."""
+  saved = metadata.get("config", {}).get("train", {})
   keys = ("learning_rate", "warmup_steps", "decay_steps", "min_lr_ratio")
   changed = [k for k in keys if k in saved and saved[k] != getattr(cfg.train, k)]
   if changed:

@@ -82,9 +82,9 @@ def test_a_resume_on_another_schedule_says_so(tmp_path, capsys):
   start = helpers.one_device_start(**{"steps": 10, "train.warmup_steps": 2})
   ckpt = Checkpointer(str(tmp_path / "checkpoints"), every_steps=1, keep=2, async_save=False)
   ckpt.save(5, start.state, None, seed=start.cfg.seed, metadata={"config": start.cfg.to_dict()})
-  _check_schedule(ckpt, start.cfg, 5)
+  _check_schedule(ckpt.custom_metadata(5), start.cfg, 5)
   assert capsys.readouterr().err == ""
-  _check_schedule(ckpt, helpers.settings(**{"steps": 20, "train.warmup_steps": 2}), 5)
+  _check_schedule(ckpt.custom_metadata(5), helpers.settings(**{"steps": 20, "train.warmup_steps": 2}), 5)
   assert ("note: the learning-rate schedule differs from the one step 5 was trained on: train.decay_steps 8 -> 18"
           in capsys.readouterr().err)
   ckpt.close()

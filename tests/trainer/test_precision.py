@@ -146,20 +146,20 @@ def test_a_checkpoint_of_another_phase_is_warned_about(tmp_path, capsys):
   ckpt = Checkpointer(str(tmp_path / "checkpoints"), every_steps=1, keep=2, async_save=False)
   ckpt.save(4, state, None, seed=cfg.seed, metadata={"quant_phase": 1})
   ckpt.save(5, state, None, seed=cfg.seed, metadata={"quant_phase": 0})
-  _check_phase(ckpt, phases, 4)  # Saved in phase 1, and phase 1 made step 4: quiet.
+  _check_phase(ckpt.custom_metadata(4), phases, 4)  # Saved in phase 1, and phase 1 made step 4: quiet.
   assert "warning" not in capsys.readouterr().err
-  _check_phase(ckpt, phases, 5)
+  _check_phase(ckpt.custom_metadata(5), phases, 5)
   assert "saved in precision phase 0" in capsys.readouterr().err
   # Saved with its config: quiet for the same precision keys, said for a recipe changed since (one of the same
   # state: fp8_current to bf16 resumes).
   ckpt.save(6, state, None, seed=cfg.seed, metadata={"quant_phase": 1, "config": phases.settings.to_dict()})
-  _check_phase(ckpt, phases, 6)
+  _check_phase(ckpt.custom_metadata(6), phases, 6)
   assert "warning" not in capsys.readouterr().err
   later = _one_device_start(**{"quant.schedule": ((2, {"forward": "bf16"}), (8, {"recipe": "bf16"}))})[0]
-  _check_phase(ckpt, later, 6)  # A phase added after the step: nothing it trained differs.
+  _check_phase(ckpt.custom_metadata(6), later, 6)  # A phase added after the step: nothing it trained differs.
   assert "warning" not in capsys.readouterr().err
   other = _one_device_start(**{"quant.recipe": "bf16", "quant.schedule": ((2, {"forward": "bf16"}),)})[0]
-  _check_phase(ckpt, other, 6)
+  _check_phase(ckpt.custom_metadata(6), other, 6)
   assert ("warning: the checkpoint of step 6 was trained with other precision settings (quant.recipe='fp8_current')"
           "; this run goes on with quant.recipe='bf16'") in capsys.readouterr().err
   ckpt.close()
