@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.parallel import axes as mesh_axes
 from ember.platform import target_platform
+from ember.quant import formats
 from ember.quant.grouped import starts
 from ember.quant.quantizers import Quantizer
 from ember.quant.recipe import ACTIVATION, GRADIENT, Recipe
@@ -153,8 +154,11 @@ class Wire:
   """The formats token copies cross an exchange in: `rows` the copies on their way to the experts, `grads` the
   gradients of the experts' outputs on that same way in the backward pass; None: in the compute dtype. Each is
   quantized with the amax over `reduce_axes` (every token shard's copies), the expert GEMM's own amax, so the
-  GEMM quantizes what arrives to the very values sent (`Recipe.exchange_quantizer`), at the same scale: the largest
-  element arrives as itself in bf16 (in float32, within its rounding)."""
+  GEMM quantizes what arrives to the very values sent (`Recipe.exchange_quantizer`), at the same scale. Each value
+  arrives as data x scale_inv rounded toward zero into the rows' dtype: within half an FP8 step of what was sent,
+  and the largest of them between the amax sent and fmt.max x scale_inv, where scale_inv, the bf16 just above
+  amax / fmt.max (ember/quant/quantizers.py), comes out again. Rounded to nearest, the largest could land a bf16
+  above fmt.max x scale_inv and the GEMM's scale one bf16 step away from the one sent."""
   rows: Quantizer | None = None
   grads: Quantizer | None = None
   reduce_axes: tuple[str, ...] = ()
@@ -184,7 +188,7 @@ def _send(move, quantizer, reduce_axes, rows, ints):
   if quantizer is None:
     return move(rows, *ints)
   q = quantizer.quantize(rows, axis=-1, reduce_axes=reduce_axes)
-  return (move(q.data, *ints).astype(jnp.float32) * q.scale_inv).astype(rows.dtype)
+  return formats.cast_toward_zero(move(q.data, *ints).astype(jnp.float32) * q.scale_inv, rows.dtype)
 
 
 def across(move, forward: Quantizer | None, backward: Quantizer | None, reduce_axes, rows, ints):

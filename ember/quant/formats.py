@@ -88,6 +88,13 @@ def cast(x: jax.Array, fmt: "Format | str") -> jax.Array:
   return y.astype(fmt.dtype)
 
 
+def cast_toward_zero(x: jax.Array, dtype) -> jax.Array:
+  """`x` in `dtype`, rounded toward zero: never larger in magnitude than `x` (NaN and Inf pass through)."""
+  y = x.astype(dtype)
+  over = jnp.abs(y.astype(x.dtype)) > jnp.abs(x)
+  return jnp.where(over, jnp.nextafter(y, jnp.zeros_like(y)), y)
+
+
 def pow2(k: jax.Array) -> jax.Array:
   """Exactly 2**k as float32 for integer k in [-126, 127], built from bits.
 

@@ -23,6 +23,14 @@ comparison is bit for bit. Scale policy shared by every recipe: a zero or
 non-finite amax gives scale 1.0 (so a NaN input stays NaN in E4M3/E5M2 data
 and +-Inf saturates), and a scale is clamped to the float32 max so that a
 tiny amax never makes it Inf (which would turn 0 * scale into NaN).
+
+A per-tensor FP8 scale (current and delayed scaling) starts from its inverse:
+scale_inv = amax * 2**margin / fmt.max rounded *up* to the nearest bfloat16
+(`per_tensor_scale_inv`), scale = 1 / scale_inv. The GEMM dequantizes with scale_inv in the GEMM's own
+dtype (`QuantizedTensor.dequantize`, the pattern XLA hands to cuBLASLt), so a
+scale_inv that bf16 cannot hold would be rounded there by up to 2**-9: a bias
+on every element of the tensor, the same sign everywhere. Held exactly, the
+only error left is the cast's, and rounding up keeps |x * scale| <= fmt.max.
 """
 
 import dataclasses
@@ -59,23 +67,44 @@ def block_amax(x: jax.Array, axes, block) -> jax.Array:
   return block_reduce_max(jnp.abs(x), axes, block).astype(jnp.float32)
 
 
-def scale_from_amax(numerator: float, amax: jax.Array, margin: int = 0):
-  """min((numerator / amax) / 2**margin, f32 max); 1.0 for amax 0 / non-finite."""
+def scale_from_amax(numerator: float, amax: jax.Array):
+  """min(numerator / amax, f32 max); 1.0 for amax 0 / non-finite (NVFP4's global scale, applied in float32)."""
   ok = (amax > 0) & jnp.isfinite(amax)
   scale = jnp.float32(numerator) / jnp.where(ok, amax, 1.0)
-  if margin:
-    scale = scale / jnp.float32(2.0**margin)
   return jnp.where(ok, jnp.minimum(scale, _F32_MAX), 1.0).astype(jnp.float32)
 
 
-def _per_tensor(x, axis, fmt, scale, amax, recipe, *, stats=False, staleness=1.0, reduce_axes=()) -> QuantizedTensor:
-  """data = cast(x * scale), scale_inv = 1 / scale."""
+_BF16_MANTISSA = np.uint32(0xFFFF)  # The float32 bits below a bfloat16's.
+# Float32 ulps above a bfloat16 that still round to it: a tensor that arrives quantized at scale_inv s (an MoE
+# exchange's, layers/moe_dispatch.py) has amax fmt.max x s, and (fmt.max x s) x (1 / fmt.max) lands within two ulps
+# of s; it must give s again, not the bfloat16 above it.
+_ULPS_KEPT = np.uint32(3)
+_MIN_SCALE_INV = np.float32(2.0**-126)  # The smallest normal float: 1 / scale_inv stays finite (2**126).
+
+
+def per_tensor_scale_inv(fmt_max: float, amax: jax.Array, margin: int = 0) -> jax.Array:
+  """amax x 2**margin x (1 / fmt_max), rounded up to a bfloat16 value (held in float32), at least 2**-126; 1.0 for
+  amax 0 / non-finite. See the module doc for why it is exact in bfloat16. A product, not a quotient: a compiler
+  may turn a division by a constant into that product, and every one rounds the product alike. Up to
+  `_ULPS_KEPT` ulps above a bfloat16 round down to it, so |x * scale| may pass fmt_max by as many ulps, where
+  the saturating cast gives fmt_max, as rounding to nearest would."""
+  ok = (amax > 0) & jnp.isfinite(amax)
+  inv = jnp.where(ok, amax, 1.0).astype(jnp.float32) * jnp.float32(2.0**margin) * np.float32(1.0 / fmt_max)
+  bits = jax.lax.bitcast_convert_type(inv, jnp.uint32)
+  up = jax.lax.bitcast_convert_type((bits + (_BF16_MANTISSA - _ULPS_KEPT)) & ~_BF16_MANTISSA, jnp.float32)
+  return jnp.where(ok, jnp.maximum(up, _MIN_SCALE_INV), 1.0).astype(jnp.float32)
+
+
+def _per_tensor(x, axis, fmt, scale_inv, amax, recipe, *, stats=False, staleness=1.0,
+                reduce_axes=()) -> QuantizedTensor:
+  """scale = 1 / scale_inv, data = cast(x * scale)."""
   x32 = x.astype(jnp.float32)
+  scale = jnp.float32(1.0) / scale_inv
   scaled = x32 * scale
   data = formats.cast(scaled, fmt)
   return QuantizedTensor(
       data=data,
-      scale_inv=jnp.float32(1.0) / scale,
+      scale_inv=scale_inv,
       global_scale_inv=jnp.float32(1.0),
       amax=amax,
       recipe=recipe,
@@ -105,8 +134,8 @@ class CurrentScaling:
     # Named `remat.TENSOR_AMAX`, which every policy keeps: the scale needs it before the cast, so a recompute
     # would pass over x twice (its amax, then the cast) where the saved scalar leaves it one.
     amax = checkpoint_name(tensor_amax(x, reduce_axes) if amax is None else amax, TENSOR_AMAX)
-    scale = scale_from_amax(self.fmt.max, amax)
-    return _per_tensor(x, axis, self.fmt, scale, amax, "fp8_current", stats=stats, reduce_axes=reduce_axes)
+    scale_inv = per_tensor_scale_inv(self.fmt.max, amax)
+    return _per_tensor(x, axis, self.fmt, scale_inv, amax, "fp8_current", stats=stats, reduce_axes=reduce_axes)
 
 
 def update_history(history: jax.Array, amax: jax.Array) -> jax.Array:
@@ -151,20 +180,20 @@ class DelayedScaling:
     return cls(jnp.zeros((history_len,), jnp.float32), fmt, margin, compute_algo)
 
   @property
-  def scale(self) -> jax.Array:
+  def scale_inv(self) -> jax.Array:
     h = self.amax_history
     ref = jnp.max(h) if self.compute_algo == "max" else h[0]
-    return scale_from_amax(self.fmt.max, ref, self.margin)
+    return per_tensor_scale_inv(self.fmt.max, ref, self.margin)
 
   reads_tensor_amax = True  # For the history (CurrentScaling's note).
 
   def quantize(self, x, axis=-1, *, rng=None, reduce_axes=(), stats=False, amax=None):
     del rng  # Round to nearest.
     amax = tensor_amax(x, reduce_axes) if amax is None else amax
-    scale = self.scale
-    # amax over the amax the scale was made for (fmt.max / scale, margin undone).
-    staleness = amax * scale * jnp.float32(2.0**self.margin) / jnp.float32(self.fmt.max)
-    return _per_tensor(x, axis, self.fmt, scale, amax, "fp8_delayed", stats=stats, staleness=staleness,
+    scale_inv = self.scale_inv
+    # amax over the amax the scale was made for (fmt.max x scale_inv, margin undone).
+    staleness = amax / (scale_inv * jnp.float32(self.fmt.max) / jnp.float32(2.0**self.margin))
+    return _per_tensor(x, axis, self.fmt, scale_inv, amax, "fp8_delayed", stats=stats, staleness=staleness,
                        reduce_axes=reduce_axes)
 
   def update(self, amax: jax.Array) -> "DelayedScaling":

@@ -7,7 +7,7 @@ vector when the quantizer was asked for statistics, so the tree structure
 depends only on the static fields and that request, never on values.
 
 `scale_inv` is always the factor that *multiplies* `data` on the way back:
-  per-tensor (fp8_current, fp8_delayed): float32 scalar, 1 / scale.
+  per-tensor (fp8_current, fp8_delayed): float32 scalar, a bfloat16 value; scale = 1 / scale_inv.
   mxfp8: one E8M0 power of two per block of 32 along `axis`.
   nvfp4: one E4M3 block scale per 1x16 block along `axis`, or per 16x16 tile
     over the last two dims (`block == (16, 16)`); `global_scale_inv` holds the

@@ -126,8 +126,12 @@ def _grads_by_name(grads):
 def _assert_layer_matches_one_device(recipe, one, sharded):
   (grads_1, dx_1), (y_1, aux_1) = one
   (grads_8, dx_8), (y_8, aux_8) = sharded
-  # The forward pass and dgrad quantize every row exactly as on one device (global amaxes).
-  assert _rel(y_8, y_1)[0] < 1e-5 and _rel(dx_8, dx_1)[0] < 1e-5
+  # The forward pass and dgrad quantize every row as on one device (global amaxes). The sharded GEMMs sum in another
+  # order, so a value within float32 rounding of a midpoint of the FP8 grid may round the other way: one token at
+  # most (a scale made on a shard would move every token), and the gradients then differ by what it moves.
+  off = lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(-1) > 1e-5 * np.abs(np.asarray(b)).max()
+  flipped = int(np.sum(off(y_8, y_1) | off(dx_8, dx_1)))
+  assert flipped <= 1 and _rel(y_8, y_1)[0] < 1e-2 and _rel(dx_8, dx_1)[0] < 1e-2, flipped
   for k in aux_1:
     assert _rel(aux_8[k], aux_1[k])[0] < 1e-5, k
   g1, g8 = _grads_by_name(grads_1), _grads_by_name(grads_8)
@@ -135,6 +139,8 @@ def _assert_layer_matches_one_device(recipe, one, sharded):
     max_rel, norm_rel = _rel(g8[name], g1[name])
     if "amax_history" in name:  # Delayed scaling: the rolled-in amaxes (global, per expert) agree.
       assert max_rel < 1e-6, name
+    elif flipped:
+      assert norm_rel < 2e-3, name
     elif recipe == "nvfp4" and "kernel" in name:
       # Expert wgrad quantizes each group's rows in blocks of 16 along the rows; a device holds its
       # data shard's rows of a group, so blocks start elsewhere than on one device: a different, as

@@ -66,38 +66,49 @@ def stochastic_round(x, fmt: str, u) -> np.ndarray:
   return _finish(x, np.where(np.asarray(u, F32) < p, hi, lo), fmt)
 
 
-def scale_from_amax(numerator, amax, margin=0) -> np.float32:
+def scale_from_amax(numerator, amax) -> np.float32:
   amax = F32(amax)
   if not (amax > 0 and np.isfinite(amax)):
     return F32(1)
   with np.errstate(over="ignore"):
     s = F32(numerator) / amax
-    if margin:
-      s = s / F32(2.0**margin)
   return F32(min(s, np.finfo(F32).max))
+
+
+def per_tensor_scale_inv(fmt_max, amax, margin=0) -> np.float32:
+  """amax * 2**margin * (1 / fmt_max) in float32, then the next bfloat16 at or above it (rounding away from zero),
+  except that up to 3 ulps above a bfloat16 round down to it; at least 2**-126."""
+  amax = F32(amax)
+  if not (amax > 0 and np.isfinite(amax)):
+    return F32(1)
+  inv = F32(F32(amax * F32(2.0**margin)) * F32(1.0 / fmt_max))
+  bits = int(np.array(inv, F32).view(np.uint32))
+  if bits & 0xFFFF > 3:
+    bits += 0x10000
+  bits &= ~0xFFFF
+  return max(np.array(bits, np.uint32).view(F32)[()], F32(2.0**-126))
 
 
 def _amax(x) -> np.float32:
   return F32(np.max(np.abs(x)))
 
 
-def per_tensor(x, fmt: str, scale, amax) -> dict:
+def per_tensor(x, fmt: str, scale_inv, amax) -> dict:
   x = np.asarray(x, F32)
-  data = round_nearest_even(x * scale, fmt)
-  scale_inv = F32(1) / scale
+  data = round_nearest_even(x * (F32(1) / scale_inv), fmt)
   return dict(data=data, scale_inv=scale_inv, global_scale_inv=F32(1),
               amax=F32(amax), deq=data.astype(F32) * scale_inv)
 
 
 def fp8_current(x, fmt: str) -> dict:
   amax = _amax(x)
-  return per_tensor(x, fmt, scale_from_amax(MAX[fmt], amax), amax)
+  return per_tensor(x, fmt, per_tensor_scale_inv(MAX[fmt], amax), amax)
 
 
 def fp8_delayed(x, history, fmt: str, margin=0, algo="max") -> dict:
   history = np.asarray(history, F32)
   ref = np.max(history) if algo == "max" else history[0]
-  return per_tensor(x, fmt, scale_from_amax(MAX[fmt], ref, margin), _amax(x))
+  return per_tensor(x, fmt, per_tensor_scale_inv(MAX[fmt], ref, margin), _amax(x))
 
 
 def update_history(history, amax) -> np.ndarray:

@@ -202,6 +202,32 @@ def test_per_tensor_nonfinite_and_zero():
   assert jnp.isfinite(tiny.scale_inv) and tiny.dequantize()[0] == 0
 
 
+@pytest.mark.parametrize("quantizer", [CurrentScaling(E4M3), CurrentScaling(E5M2), "delayed"])
+def test_a_per_tensor_scale_inv_is_the_bfloat16_just_above_amax_over_max(quantizer):
+  """The GEMM reads scale_inv in bf16: one bf16 cannot hold would be rounded there, a bias on every element."""
+  amaxes = np.float32(np.exp(np.random.default_rng(0).uniform(-30, 30, 256)))
+  x = jnp.asarray(amaxes)[:, None] * jnp.asarray([1.0, -0.3, 0.7, -1.0])
+  if quantizer == "delayed":  # Scaled from the history, with a margin, ahead of this tensor.
+    margin, fmt_max = 1, E4M3.max
+    qts = jax.vmap(lambda a, v: DelayedScaling(jnp.full((4,), a), margin=margin).quantize(v))(jnp.asarray(amaxes), x)
+  else:
+    margin, fmt_max = 0, quantizer.fmt.max
+    qts = jax.vmap(quantizer.quantize)(x)
+  scale_inv = np.asarray(qts.scale_inv)
+  np.testing.assert_array_equal(scale_inv, scale_inv.astype(jnp.bfloat16).astype(np.float32))
+  wanted = amaxes * np.float32(2.0**margin) / np.float32(fmt_max)
+  below = (scale_inv.astype(jnp.bfloat16).view(np.uint16) - 1).view(jnp.bfloat16).astype(np.float32)  # One lower.
+  assert np.all(scale_inv >= wanted * (1 - 2.0**-21)) and np.all(below < wanted)  # Three ulps below at most.
+  # What arrives quantized at that scale (an MoE exchange) quantizes again at that very scale.
+  current = CurrentScaling(E4M3) if quantizer == "delayed" else quantizer
+  again = jax.jit(jax.vmap(lambda q: current.quantize(q.dequantize(jnp.float32))))(qts)  # As compiled.
+  np.testing.assert_array_equal(again.scale_inv * 2.0**margin, scale_inv)
+  # Rounded up, the scaled amax stays within the format: the amax comes back within the cast's rounding.
+  deq = np.asarray(jax.vmap(lambda q: q.dequantize(jnp.float32))(qts))
+  np.testing.assert_allclose(np.abs(deq).max(axis=1) * 2.0**margin, amaxes * 2.0**margin, rtol=2**-3)
+  assert np.all(np.abs(np.asarray(qts.data.astype(jnp.float32))) <= fmt_max / 2**margin)
+
+
 def test_delayed_scaling_saturates_past_stale_amax():
   q = DelayedScaling(jnp.array([1.0, 0.5]), E4M3)
   qt = q.quantize(jnp.array([0.5, 2.0, -500.0]))
@@ -330,12 +356,11 @@ def test_amax_spike_lasts_history_len_steps(algo):
 
   q, scale_inv = jax.lax.scan(step, DelayedScaling.create(hist_len, compute_algo=algo), xs)
   # The amax each step's scale came from (448: empty history, scale 1.0).
-  ref_amax = np.float32(scale_inv) * 448
   if algo == "max":  # The spike sets the scale for exactly hist_len steps.
     expected = [448] + [1] * spike + [100] * hist_len + [1] * (steps - spike - 1 - hist_len)
   else:  # most_recent: for one step.
     expected = [448] + [1] * spike + [100] + [1] * (steps - spike - 2)
-  np.testing.assert_allclose(ref_amax, expected, rtol=1e-6)
+  np.testing.assert_array_equal(scale_inv, [ref.per_tensor_scale_inv(448, a) for a in expected])
   np.testing.assert_array_equal(q.amax_history, amaxes[::-1][:hist_len])
 
 

@@ -19,6 +19,7 @@ from ember.trainer.objective import forward_loss
 from ember.trainer.state import abstract_init, logical_axes, split_model, step_key
 from flax import nnx
 from tests.helpers import ROOT
+from tests.quant import reference as quant_ref
 
 # One worker runs this module (`--dist loadgroup`): its tests share module-scoped state.
 pytestmark = pytest.mark.xdist_group("test_precision_probe")
@@ -96,8 +97,8 @@ def test_errors_against_their_definitions(checkpoint):
   _, params, _, _ = split_model(model)
   w = np.asarray(nnx.to_pure_dict(params)["segments"][0]["blocks"]["layers"][0]["mlp"]["wo"]["kernel"][1],
                  np.float32)  # Layer 1's [mlp, embed] kernel.
-  scale = 448.0 / np.max(np.abs(w))
-  q = (w * scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) / scale
+  scale_inv = quant_ref.per_tensor_scale_inv(448, np.max(np.abs(w)))
+  q = (w * (np.float32(1) / scale_inv)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale_inv
   want = np.linalg.norm(q - w) / np.linalg.norm(w)
   got = probe_lib.weight_error(w, ("mlp", "embed"), "fp8_current")
   assert got == pytest.approx(want, rel=1e-5)
@@ -128,8 +129,8 @@ def test_output_error_against_its_definition(checkpoint):
   w = np.asarray(layer0["attn"]["qkv"]["kernel"][0], np.float32).reshape(x.shape[1], -1)
 
   def e4m3(a):
-    scale = 448.0 / np.max(np.abs(a))
-    return (a * scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) / scale
+    scale_inv = quant_ref.per_tensor_scale_inv(448, np.max(np.abs(a)))
+    return (a * (np.float32(1) / scale_inv)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale_inv
 
   y = (e4m3(x).astype(np.float64) @ e4m3(w)).astype(ml_dtypes.bfloat16).astype(np.float64)
   ref = x.astype(np.float64) @ w

@@ -28,7 +28,9 @@ def test_per_tensor_statistics_match_a_numpy_reference():
   x[0, :4] = 0.0
   q = CurrentScaling().quantize(jnp.asarray(x), stats=True)
   got = dict(zip(health.STATS, np.asarray(q.health)))
-  scale = np.float32(448.0) / np.float32(1e3)
+  scale_inv = np.float32(q.scale_inv)  # 1e3 / 448 rounded up to a bfloat16 (ember/quant/quantizers.py).
+  assert scale_inv == np.float32(ml_dtypes.bfloat16(scale_inv)) and 0 <= scale_inv - np.float32(1e3 / 448) < 2**-8
+  scale = np.float32(1) / scale_inv
   scaled = x * scale
   ref_data = np.clip(scaled, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
   assert got["amax"] == np.float32(1e3) and got["scale"] == pytest.approx(scale)
@@ -38,8 +40,9 @@ def test_per_tensor_statistics_match_a_numpy_reference():
   # Delayed scaling with a history 100x below the tensor: it saturates and is 100x stale.
   d = DelayedScaling(jnp.full((4,), 10.0, jnp.float32)).quantize(jnp.asarray(x), stats=True)
   got = dict(zip(health.STATS, np.asarray(d.health)))
-  assert got["saturated"] == np.count_nonzero(np.abs(x * np.float32(44.8)) > 448) >= 1
-  assert got["staleness"] == pytest.approx(100.0, rel=1e-5)
+  assert got["saturated"] == np.count_nonzero(np.abs(x * (np.float32(1) / np.float32(d.scale_inv))) > 448) >= 1
+  # 100x the amax its scale covers (448 x scale_inv: the history's 10, its scale_inv rounded up to a bfloat16).
+  assert got["staleness"] == pytest.approx(1e3 / (448 * float(d.scale_inv)), rel=1e-6) == pytest.approx(100, rel=2**-8)
 
 
 def _forced_step(recipe: str = "fp8_delayed"):
