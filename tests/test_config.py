@@ -32,8 +32,8 @@ CASES = [
     (["--config.model.d_model=36", "--config.model.num_heads=2"],
      "config.mesh.fsdp: the fsdp=8 devices every weight's embed axis is split over do not divide "
      "model.d_model=36"),
-    (["--config.mesh.tensor=2", "--config.mesh.fsdp=4", "--config.model.vocab_size=251"],
-     "config.mesh.tensor: 2 does not divide the vocabulary's 251 units (model.vocab_size)"),
+    (["--config.mesh.tensor=2", "--config.mesh.fsdp=4", "--config.model.vocab_size=257"],
+     "config.mesh.tensor: 2 does not divide the vocabulary's 257 units (model.vocab_size)"),
     (["--config=configs/default.py:tiny_moe", "--config.mesh.tensor=4", "--config.mesh.fsdp=2",
       "--config.model.shared_expert_d_ff=66"],
      "config.mesh.tensor: 4 does not divide the MLP's 66 units (model.shared_expert_d_ff)"),
@@ -52,6 +52,11 @@ CASES = [
     (["--config.quant.exclude=(bad"], "config.quant.exclude: entry '(bad' is not a projection"),
     (["--config.quant.exclude=('layers.1*',)"], "config.quant.exclude: entry 'layers.1*' is not a projection"),
     (["--config.quant.exclude=('layers[7]',)"], "config.quant.exclude: entry 'layers[7]': layer 7 is outside"),
+    (["--config.model.vocab_size=128"], "config.model.vocab_size: 128 is smaller than the tokenizer's vocabulary (256)"),
+    (["--config.data.source=synthetic", "--config.model.vocab_size=128",  # A mixture's text is tokenized too.
+      "--config.data.mixture=(('code', 'text', '', '', 1.0),)"],
+     "config.model.vocab_size: 128 is smaller than the tokenizer's vocabulary (256)"),
+    (["--config.quant.exclude=('mtp',)"], "config.quant.exclude: entry 'mtp': the model has no multi-token-prediction"),
     (["--config.remat.offload_names=(1,)"], "config.remat.offload_names: must hold strings only, got 1"),
     (["--config.train.min_lr_ratio=2.0"], "config.train.min_lr_ratio: must be in [0, 1], got 2.0"),
     (["--config.steps=0"], "config.steps: must be >= 1, got 0"),

@@ -16,7 +16,7 @@ import ml_collections
 from ember import storage
 from ember.config import phases as phases_lib
 from ember.config import schema
-from ember.config.settings import Settings, section
+from ember.config.settings import Settings, section, tokenizer_vocab
 from ember.errors import ConfigError, bad_key, one_line
 from ember.names import EMBED, EXPERT, PIPELINE
 from ember.parallel import axes, distributed, pipeline
@@ -35,9 +35,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Setting
   schema.check(cfg)
   _validate_phases(cfg)
   settings = derive(cfg, None)  # The sections' own rules run as they are built.
-  _validate_exclude(settings.quant, settings.model.num_layers, "quant.exclude")
+  _validate_exclude(settings.quant, settings.model, "quant.exclude")
   for index, (start, recipe) in enumerate(settings.phases[1:]):
-    _validate_exclude(recipe, settings.model.num_layers, f"quant.schedule[{index}]: from step {start}: quant.exclude")
+    _validate_exclude(recipe, settings.model, f"quant.schedule[{index}]: from step {start}: quant.exclude")
   _validate_data(settings)
   _validate_log(settings)
   _validate_paths(settings)
@@ -66,10 +66,10 @@ def _validate_phases(cfg) -> None:
       raise ConfigError(f"config.quant.schedule[{index}]: from step {start}: {reason}") from None
 
 
-def _validate_exclude(recipe: Recipe, num_layers: int, key: str) -> None:
+def _validate_exclude(recipe: Recipe, model, key: str) -> None:
   """The selectors as the recipe parsed them (quant/exclude.py), against the model's layers."""
   try:
-    exclude_lib.check_layers(recipe.selectors, num_layers)
+    exclude_lib.check_layers(recipe.selectors, model.num_layers, model.mtp_depth)
   except ValueError as e:
     bad_key(key, str(e))
 
@@ -92,6 +92,10 @@ def _validate_data(s: Settings) -> None:
         bad_key(f"data.{key}", f"source {name!r}: no file matches {path!r}")
   # Raises naming the key; which shards a process reads is decided on the mesh (data/sharded.py).
   distributed.data_shards(d.num_shards, s.train.batch_size)
+  # The tokenizer's ids reach the model wherever a source other than synthetic data is read, a mixture's too.
+  kinds = {source for key in ("mixture", "eval_mixture") for _, source, *_ in getattr(d, key)} or {d.source}
+  if kinds != {"synthetic"} and (vocab := tokenizer_vocab(d.tokenizer)) > s.model.vocab_size:
+    bad_key("model.vocab_size", f"{s.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab})")
 
 
 def _validate_paths(s: Settings) -> None:

@@ -143,7 +143,8 @@ def get_config() -> ml_collections.ConfigDict:
   q = c.quant = ml_collections.ConfigDict()
   q.recipe = UNQUANTIZED  # bf16 (no quantization) | fp8_delayed | fp8_current | mxfp8 | nvfp4.
   q.exclude = ("lm_head",)  # Projections kept in bf16: a kind ("lm_head", "wo"), layers ("layers[0]",
-  # "layers[-2:]": the last two) or both ("layers[0:4].qkv"). Grammar: ember/quant/exclude.py.
+  # "layers[-2:]": the last two; "mtp": the multi-token-prediction modules) or both ("layers[0:4].qkv"). Grammar:
+  # ember/quant/exclude.py.
   q.amax_history_len = 1024  # fp8_delayed: amax history length.
   q.amax_compute_algo = "max"  # fp8_delayed: "max" or "most_recent" of the history.
   q.margin = 0  # fp8_delayed: scale = fp8_max / amax / 2**margin.

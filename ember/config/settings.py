@@ -271,9 +271,8 @@ def tokenizer_file(name: str) -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=8)
 def tokenizer_vocab(name: str) -> int:
-  """`model.vocab_size` when the config leaves it 0: the vocabulary of the `data.tokenizer` named, rounded up to a
-  multiple of 128 (the embedding's and the LM head's GEMMs then tile evenly; the extra rows are never a target).
-  A tokenizer that does not load is the config's error, naming data.tokenizer."""
+  """The vocabulary of the `data.tokenizer` named. A tokenizer that does not load is the config's error, naming
+  data.tokenizer."""
   try:
     kind, path = tokenizer_file(name)
     if kind == "byte":
@@ -288,7 +287,7 @@ def tokenizer_vocab(name: str) -> int:
     bad_key("data.tokenizer", str(e).removeprefix("data.tokenizer: "))
   except Exception as e:  # tokenizers and sentencepiece raise their own types for a bad file.
     bad_key("data.tokenizer", f"cannot load {name!r} ({one_line(e)})")
-  return -(-int(vocab) // 128) * 128
+  return int(vocab)
 
 
 def _accumulation(train: Train, mesh: Mesh) -> int:
@@ -356,9 +355,11 @@ class Settings:
       bad_key("model.num_heads", f"{m.num_heads} heads do not divide model.d_model={m.d_model} (or set model.head_dim)")
     quant = recipe(cfg.quant)
     data = section(Data, cfg.data)
-    vocab = tokenizer_vocab(data.tokenizer)  # Loading it checks data.tokenizer.
+    # model.vocab_size=0: the tokenizer's vocabulary rounded up to a multiple of 128 (the embedding's and the LM
+    # head's GEMMs then tile evenly; the extra rows are never a target). Loading it checks data.tokenizer.
+    padded_vocab = -(-tokenizer_vocab(data.tokenizer) // 128) * 128
     model = section(ModelConfig, m, head_dim=m.head_dim or m.d_model // m.num_heads,
-                    vocab_size=m.vocab_size or vocab)
+                    vocab_size=m.vocab_size or padded_vocab)
     train = section(Train, cfg.train, decay_steps=cfg.train.decay_steps or max(cfg.steps - cfg.train.warmup_steps, 1))
     phases = tuple((start, quant if start == 0 else recipe(phase.quant))
                    for start, phase in config_phases.precision_phases(cfg))

@@ -33,7 +33,7 @@ import ember
 from ember import config as config_lib
 from ember.config import Settings
 from ember import platform, storage
-from ember.data import build_tokenizer, records
+from ember.data import records
 from ember.data.sharded import data_iterator, global_batch, source_shares
 from ember.errors import ConfigError, Diverged
 from ember.hf import load as hf_load
@@ -66,11 +66,6 @@ def prepare(settings: Settings) -> tuple[Settings, Mesh]:
     jax.config.update("jax_compilation_cache_dir", storage.absolute(settings.train.compilation_cache_dir))
   distributed.initialize(settings.distributed)
   cfg = config_lib.on_devices(settings, jax.device_count())
-  if cfg.data.source != "synthetic":
-    vocab = build_tokenizer(cfg.data).vocab_size
-    if vocab > cfg.model.vocab_size:
-      raise ConfigError(f"config.model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
-                        f"vocabulary ({vocab})")
   device = jax.local_devices()[0]
   if platform.target_platform() == "gpu" and not platform.divides_exactly(device):
     console("warning: float32 division on this GPU is not IEEE-rounded (JAX started its backend before ember was "

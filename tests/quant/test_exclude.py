@@ -56,6 +56,8 @@ def test_bf16_recipe_ignores_exclusions_and_others_keep_their_options():
     ("layers[1].lm_head", "unknown projection 'lm_head'"),
     ("layers[x]", "is not a projection"),
     ("attn", "is not a projection"),
+    ("mtp[0]", "is not a projection"),
+    ("mtp.lm_head", "unknown projection 'lm_head'"),
 ])
 def test_malformed_entries_are_errors(entry, message):
   with pytest.raises(ValueError, match=message):
@@ -69,3 +71,16 @@ def test_single_layer_out_of_range():
   with pytest.raises(ValueError, match="layer 12 is outside a model of 12 layers"):
     exclude.check_layers(selectors, LAYERS)
   exclude.check_layers((exclude.parse("layers[-12]"), exclude.parse("layers[-20:]")), LAYERS)
+
+
+def test_mtp_entries_select_the_prediction_modules_and_layer_ranges_do_not():
+  """The prediction module after the decoder is the model's layer LAYERS: `mtp` selects it, `layers[...]` never."""
+  bf16 = lambda entry, p, layer: Recipe("fp8_current", exclude=(entry,)).for_projection(p, layer, LAYERS).name == "bf16"
+  assert all(bf16("mtp", p, LAYERS) for p in LAYER_PROJECTIONS) and not any(
+      bf16("mtp", p, i) for i in range(LAYERS) for p in LAYER_PROJECTIONS) and not bf16("mtp", "lm_head", None)
+  assert [p for p in LAYER_PROJECTIONS if bf16("mtp.wo", p, LAYERS)] == ["wo"] and not bf16("mtp.wo", "wo", 0)
+  assert not any(bf16(e, p, LAYERS) for e in ("layers[-1:]", "layers[:]", "layers[-1]") for p in LAYER_PROJECTIONS)
+  assert bf16("wo", "wo", LAYERS)  # A kind is every layer's, the module's too.
+  exclude.check_layers((exclude.parse("mtp"),), LAYERS, mtp_depth=1)
+  with pytest.raises(ValueError, match=r"'mtp.wo': the model has no multi-token-prediction modules"):
+    exclude.check_layers((exclude.parse("mtp.wo"),), LAYERS)
