@@ -69,7 +69,7 @@ class ShardedIterator:
       reason = (f"{state.get('num_shards')} data shards, this run reads {self.num_shards} "
                 "(data.num_shards or train.batch_size changed)")
     elif state.get("fingerprint", "") != self.fingerprint:
-      reason = "other data (data.source, path, text_key, mixture or shuffle window changed)"
+      reason = "other data (data.source, path, text_key, the dataset, tokenizer, mixture or shuffle window changed)"
     elif not all(str(s) in state.get("shards", {}) for s in self.shards):
       reason = "other shards"
     if reason is None:
@@ -103,9 +103,15 @@ def data_iterator(cfg: Settings, split: str, sharding: NamedSharding | None = No
                          primary=shards.primary)
 
 
+# What a dataset library's source reads besides data.source and text_key: which dataset, configuration, split
+# and field. In a fingerprint only where that source is read, so the other sources' saved positions keep theirs.
+_LIBRARY_KEYS = {"tfds": ("tfds_text_key",), "hf": ("hf_dataset", "hf_config", "hf_split")}
+
+
 def data_fingerprint(data_cfg, split: str) -> str:
   """What a saved data position belongs to: the keys that change the document streams."""
   keys = ("source", "path", "text_key", "tfds_name", "tokenizer", "eval_fraction", "chunk_shuffle_window", "mixture")
+  keys += _LIBRARY_KEYS.get(data_cfg.source, ())
   if split == "eval":
     keys += ("eval_mixture",)
   return json.dumps({k: getattr(data_cfg, k) for k in keys}, sort_keys=True, default=str)

@@ -136,8 +136,10 @@ def decode_record(record: bytes) -> np.ndarray:
   return np.frombuffer(record, "<i4").astype(np.int32)
 
 
-def array_record_documents(path: str, split: str, eval_fraction: float) -> grain.MapDataset:
-  """One document per record; a record is a document's token ids as little-endian int32."""
+def array_record_documents(path: str, split: str, eval_fraction: float, vocab_size: int) -> grain.MapDataset:
+  """One document per record; a record is a document's token ids as little-endian int32, each in
+  [0, vocab_size): an id outside it (files written with another tokenizer) is a DataError when its record is
+  read, where the embedding and the loss would silently read another row."""
   files, root = list_files(path)
   try:
     counts = [len(grain.sources.ArrayRecordDataSource(f)) for f in files]
@@ -150,7 +152,16 @@ def array_record_documents(path: str, split: str, eval_fraction: float) -> grain
       for f, n in zip(files, counts)
   ])
   keep = split_indices(hashes, split, eval_fraction, f"data.path={path!r}")
-  return grain.MapDataset.source(keep).map(lambda k: decode_record(source[int(k)]))
+  def load(k):
+    ids = decode_record(source[int(k)])
+    if ids.size and not (0 <= ids.min() and ids.max() < vocab_size):
+      bad = ids.min() if ids.min() < 0 else ids.max()
+      raise DataError(f"data.path: a record of {path!r} holds token id {bad}, outside model.vocab_size={vocab_size}; "
+                      "write the files with the run's tokenizer (python -m ember.data.write_array_record "
+                      "--tokenizer=...) or raise model.vocab_size")
+    return ids
+
+  return grain.MapDataset.source(keep).map(load)
 
 
 # --- Synthetic ----------------------------------------------------------------------------
@@ -261,7 +272,7 @@ def open_documents(data_cfg, split: str, *, seed: int, vocab_size: int) -> grain
   if source == "text":
     return text_documents(data_cfg.path, split, frac)
   if source == "array_record":
-    return array_record_documents(data_cfg.path, split, frac)
+    return array_record_documents(data_cfg.path, split, frac, vocab_size)
   if source == "tfds":
     return tfds_documents(data_cfg.tfds_name, data_cfg.tfds_data_dir, data_cfg.tfds_text_key,
                           split, frac)

@@ -197,6 +197,14 @@ FAMILIES = {"llama": ("LlamaForCausalLM", "llama"), "mixtral": ("MixtralForCausa
             "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
             "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3")}
 _MOE_RULES["deepseek_v3"] = _MOE_RULES["qwen3_moe"]  # The routed experts' tensors are named alike.
+# Tensors a family keeps in float32 whatever the export's dtype (transformers' `_keep_in_fp32_modules_strict`):
+# DeepSeek-V3's router kernel and its score-correction bias, whose small updates bf16 would round away.
+FLOAT32_TENSORS = {"deepseek_v3": ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")}
+
+
+def export_dtype(m: ModelConfig, name: str, dtype: np.dtype) -> np.dtype:
+  """The dtype HF tensor `name` is exported in, for an export in `dtype`."""
+  return np.dtype(np.float32) if name.endswith(FLOAT32_TENSORS.get(family(m), ())) else dtype
 
 
 def family(m: ModelConfig) -> str:

@@ -37,7 +37,7 @@ def test_array_record_round_trip(data_cfg, text_corpus, tmp_path):
   glob = f"{tmp_path}/ar/docs-*"
   read = []
   for split in ("train", "eval"):
-    ds = sources.array_record_documents(glob, split, 0.2)
+    ds = sources.array_record_documents(glob, split, 0.2, vocab_size=256)
     read += [bytes(ds[i].astype(np.uint8)) for i in range(len(ds))]
   assert sorted(read) == sorted(docs.values())
 
@@ -48,6 +48,21 @@ def test_array_record_round_trip(data_cfg, text_corpus, tmp_path):
     m = s == 1
     text = bytes(np.append(inp[m], tgt[m][-1]).astype(np.uint8))
     assert any(text in d for d in docs.values())
+
+
+@pytest.mark.parametrize("bad", [300, -1])
+def test_array_record_ids_outside_the_vocabulary_are_a_data_error(data_cfg, tmp_path, bad):
+  """Files written with another tokenizer: the embedding would read another row, silently."""
+  from array_record.python.array_record_module import ArrayRecordWriter
+  writer = ArrayRecordWriter(str(tmp_path / "docs.array_record"), "group_size:1")
+  for doc in ([1, 2, 3] * 20, [4, bad, 5] * 20):
+    writer.write(sources.encode_record(doc))
+  writer.close()
+  cfg = data_cfg(source="array_record", path=str(tmp_path / "*.array_record"), eval_fraction=0.0)
+  it = make_iterator(cfg, seq_len=16, global_batch_size=2, seed=0, split="train", vocab_size=256)
+  with pytest.raises(DataError, match=rf"data.path: a record of .* holds token id {bad}, outside model.vocab_size=256"):
+    for _ in range(8):
+      next(it)
 
 
 def test_synthetic_is_deterministic_and_learnable(data_cfg):

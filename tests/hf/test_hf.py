@@ -13,6 +13,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -22,7 +23,7 @@ from ember.data import train_tokenizer
 from ember.data.sharded import data_iterator
 from ember.data.tokenizers import SentencePieceTokenizer, build_tokenizer
 from ember.errors import CheckpointError
-from ember.hf import layout, load, tokenizer
+from ember.hf import layout, load, safetensors, tokenizer
 from ember.inference.checkpoint import load_model
 from ember.inference.generate import generate
 from ember.parallel.mesh import make_mesh
@@ -200,6 +201,22 @@ def test_latent_cache_samples_the_text_of_no_cache(tmp_path_factory):
   m = cfg.model
   per_token = (m.kv_lora_rank + m.qk_rope_head_dim) * m.num_layers * 4
   assert per_token == 480 and f"KV cache: {per_token:,} bytes per token" in cached.stderr
+
+
+@pytest.mark.long
+def test_a_bf16_deepseek_export_keeps_its_routers_in_float32(tmp_path_factory, tmp_path):
+  """transformers keeps DeepSeek-V3's router kernel and score-correction bias in float32 (small bias updates would
+  round away in bf16); a bf16 export writes them so, bit for bit, and every other tensor in bf16."""
+  _, _, _, run, out32 = _export("deepseek", tmp_path_factory)
+  result = _tool("export_hf", f"--checkpoint={run}", f"--out={tmp_path}", "--dtype=bfloat16")
+  assert result.returncode == 0, result.stderr
+  ours, full = safetensors.Reader(str(tmp_path)), safetensors.Reader(out32)
+  routers = [n for n in ours.names() if n.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))]
+  assert len(routers) >= 4 and any(n.endswith("e_score_correction_bias") for n in routers)
+  for name in ours.names():
+    assert ours[name].dtype == (np.float32 if name in routers else ml_dtypes.bfloat16), name
+  for name in routers:
+    np.testing.assert_array_equal(ours[name], full[name])
 
 
 def _prompts(tmp_path_factory):

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ember.config import defaults
 from ember.data import ShardedIterator, make_iterator
+from ember.data.sharded import data_fingerprint
 from ember.errors import CheckpointError
 from ember.trainer.checkpointing import (
     Checkpointer, Stacked, _is_damage, check_shapes, restore_data_position, restore_from)
@@ -162,6 +163,19 @@ def test_restore_from_a_missing_or_empty_directory_names_the_key(tmp_path, mesh)
   (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
   with pytest.raises(CheckpointError, match=r"config\.checkpoint\.restore_from: no complete checkpoint"):
     restore_from(str(tmp_path / "empty"), lambda step: (shardings, abstract), None, params_only=False, init=None)
+
+
+@pytest.mark.parametrize("source, key, value", [("hf", "hf_dataset", "other/corpus"), ("hf", "hf_config", "sample-10BT"),
+                                               ("hf", "hf_split", "validation"), ("tfds", "tfds_text_key", "content")])
+def test_a_dataset_librarys_dataset_is_in_the_data_fingerprint(source, key, value):
+  """A resume onto another Hugging Face dataset, configuration or split (or TFDS field) is other data."""
+  def data(source, **changes):
+    d = _data_cfg().copy_and_resolve_references()
+    d.update({"source": source, "tfds_name": "lm1b", "hf_dataset": "org/corpus", **changes})
+    return d
+  assert data_fingerprint(data(source, **{key: value}), "train") != data_fingerprint(data(source), "train")
+  # Where no library is read its keys change nothing: earlier positions keep their fingerprint.
+  assert data_fingerprint(data("text", **{key: value}), "train") == data_fingerprint(data("text"), "train")
 
 
 def test_data_position_of_other_data_restarts_with_a_warning(capsys):

@@ -13,6 +13,7 @@ import pytest
 
 from array_record.python.array_record_module import ArrayRecordWriter
 
+from ember.data import ShardedIterator
 from ember.data.sources import encode_record
 from ember.errors import DIVERGED_EXIT_STATUS, Diverged, fail_and_exit
 from ember.trainer import stragglers as stragglers_lib
@@ -47,19 +48,34 @@ def test_a_non_finite_step_leaves_the_state_as_if_its_batch_never_came():
 
 
 @pytest.fixture(scope="module")
-def poisoned_corpus(tmp_path_factory):
-  """Pre-tokenized documents (ArrayRecord), one of them holding a token id past the vocabulary (a tokenizer
-  mismatch): the steps whose batch packs it have non-finite losses."""
-  root = tmp_path_factory.mktemp("poisoned")
+def corpus(tmp_path_factory):
+  """Pre-tokenized documents (ArrayRecord)."""
+  root = tmp_path_factory.mktemp("corpus")
   rng = np.random.default_rng(0)
   writer = ArrayRecordWriter(str(root / "docs.array_record"), "group_size:1")
-  for i in range(60):
-    tokens = rng.integers(0, 256, size=int(rng.integers(40, 120)), dtype=np.int32)
-    if i == 7:
-      tokens[5] = 1 << 20
-    writer.write(encode_record(tokens))
+  for _ in range(60):
+    writer.write(encode_record(rng.integers(0, 256, size=int(rng.integers(40, 120)), dtype=np.int32)))
   writer.close()
   return root
+
+
+POISONED_BATCH = 4  # The training batch (1-based) that reaches the step with a token id past the vocabulary.
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+  """Every data iterator's POISONED_BATCH-th batch holds an id past the vocabulary (NaN embeddings, a non-finite
+  step): what a tokenizer mismatch did before the pipeline checked its ids, put in past that check."""
+  served = ShardedIterator.__next__
+
+  def next_batch(self):
+    batch = served(self)
+    self.served = getattr(self, "served", 0) + 1
+    if self.served == POISONED_BATCH:
+      batch = dict(batch, inputs=np.where(np.arange(batch["inputs"].shape[1]) == 5, 1 << 20, batch["inputs"]))
+    return batch
+
+  monkeypatch.setattr(ShardedIterator, "__next__", next_batch)
 
 
 def _run(tmp_path, corpus, **overrides):
@@ -70,13 +86,13 @@ def _run(tmp_path, corpus, **overrides):
 
 
 @pytest.mark.long
-def test_skipped_steps_are_counted_and_the_run_goes_on_or_ends_past_the_limit(tmp_path, poisoned_corpus, capsys):
-  train(checked(_run(tmp_path / "on", poisoned_corpus, **{"train.max_skipped_steps": 2})))
+def test_skipped_steps_are_counted_and_the_run_goes_on_or_ends_past_the_limit(tmp_path, corpus, poisoned, capsys):
+  train(checked(_run(tmp_path / "on", corpus, **{"train.max_skipped_steps": 2})))
   records = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
   records = [r for r in records if "loss" in r]
   assert [r["step"] for r in records] == list(range(1, 12))  # The run went on to its last step.
   bad = [r["step"] for r in records if r["loss"] is None]
-  assert len(bad) == 1 and bad[0] < 11, bad  # The poisoned document reaches one batch in these 11 steps.
+  assert bad == [POISONED_BATCH], bad
   for r in records:  # skipped_steps counts the non-finite steps up to each record's.
     assert r["skipped_steps"] == sum(b <= r["step"] for b in bad)
   assert all(np.isfinite(r["loss"]) for r in records if r["step"] not in bad)
@@ -84,7 +100,7 @@ def test_skipped_steps_are_counted_and_the_run_goes_on_or_ends_past_the_limit(tm
   assert f"warning: step {bad[0]}: loss nan" in err and "not finite, the step is skipped" in err
   # The same data with a limit of one: the first skipped step ends the run with a line naming the key.
   with pytest.raises(Diverged, match=rf"train.max_skipped_steps: 1 steps in a row \({bad[0]}-{bad[0]}\)"):
-    train(checked(_run(tmp_path / "limit", poisoned_corpus, **{"train.max_skipped_steps": 1})))
+    train(checked(_run(tmp_path / "limit", corpus, **{"train.max_skipped_steps": 1})))
   with pytest.raises(SystemExit) as exit_info:
     fail_and_exit(Diverged("x"))
   assert exit_info.value.code == DIVERGED_EXIT_STATUS == 3
