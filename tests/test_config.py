@@ -56,6 +56,9 @@ CASES = [
     (["--config.data.source=synthetic", "--config.model.vocab_size=128",  # A mixture's text is tokenized too.
       "--config.data.mixture=(('code', 'text', '', '', 1.0),)"],
      "config.model.vocab_size: 128 is smaller than the tokenizer's vocabulary (256)"),
+    (["--config.model.vocab_size=128",  # Training reads data.source's text, whatever the eval mixture holds.
+      "--config.data.eval_mixture=(('s', 'synthetic', '', '', 1.0),)"],
+     "config.model.vocab_size: 128 is smaller than the tokenizer's vocabulary (256)"),
     (["--config.quant.exclude=('mtp',)"], "config.quant.exclude: entry 'mtp': the model has no multi-token-prediction"),
     (["--config.remat.offload_names=(1,)"], "config.remat.offload_names: must hold strings only, got 1"),
     (["--config.train.min_lr_ratio=2.0"], "config.train.min_lr_ratio: must be in [0, 1], got 2.0"),

@@ -92,8 +92,10 @@ def _validate_data(s: Settings) -> None:
         bad_key(f"data.{key}", f"source {name!r}: no file matches {path!r}")
   # Raises naming the key; which shards a process reads is decided on the mesh (data/sharded.py).
   distributed.data_shards(d.num_shards, s.train.batch_size)
-  # The tokenizer's ids reach the model wherever a source other than synthetic data is read, a mixture's too.
-  kinds = {source for key in ("mixture", "eval_mixture") for _, source, *_ in getattr(d, key)} or {d.source}
+  # The tokenizer's ids reach the model wherever a source other than synthetic data is read: training reads the
+  # mixture's sources (or data.source), evaluation the eval mixture's (or training's).
+  train_kinds = {source for _, source, *_ in d.mixture} or {d.source}
+  kinds = train_kinds | ({source for _, source, *_ in d.eval_mixture} or train_kinds)
   if kinds != {"synthetic"} and (vocab := tokenizer_vocab(d.tokenizer)) > s.model.vocab_size:
     bad_key("model.vocab_size", f"{s.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab})")
 

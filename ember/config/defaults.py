@@ -147,7 +147,7 @@ def get_config() -> ml_collections.ConfigDict:
   # ember/quant/exclude.py.
   q.amax_history_len = 1024  # fp8_delayed: amax history length.
   q.amax_compute_algo = "max"  # fp8_delayed: "max" or "most_recent" of the history.
-  q.margin = 0  # fp8_delayed: scale = fp8_max / amax / 2**margin.
+  q.margin = 0  # fp8_delayed: scale_inv = amax * 2**margin / fp8_max (rounded up to a bfloat16: docs/quantization.md).
   q.nvfp4_rht = True  # nvfp4: random Hadamard transform on the wgrad operands.
   q.nvfp4_stochastic_rounding = True  # nvfp4: stochastic rounding of gradients.
   q.nvfp4_2d_weights = True  # nvfp4: 16x16 weight tiles (False: 1x16 along the contraction axis).

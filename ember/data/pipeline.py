@@ -121,8 +121,9 @@ def make_iterator(data_cfg, *, seq_len: int, global_batch_size: int, seed: int, 
   """An endless iterator of this process's batches.
 
   Each batch is a dict of int32 arrays [global_batch_size // process_count, seq_len]:
-  `inputs`, `targets`, `segment_ids` (0 = padding), `positions`. `vocab_size` is used by
-  the synthetic source only; other sources take it from the tokenizer.
+  `inputs`, `targets`, `segment_ids` (0 = padding), `positions`. `vocab_size` (the model's): the
+  synthetic source draws its ids below it, and an array_record id at or past it is a DataError; the
+  text sources' ids are the tokenizer's (config validation checks it against the model's).
   """
   return iter(make_dataset(
       data_cfg, seq_len=seq_len, global_batch_size=global_batch_size, seed=seed, split=split,

@@ -152,13 +152,15 @@ def array_record_documents(path: str, split: str, eval_fraction: float, vocab_si
       for f, n in zip(files, counts)
   ])
   keep = split_indices(hashes, split, eval_fraction, f"data.path={path!r}")
+  ends = np.cumsum(counts)
+
   def load(k):
     ids = decode_record(source[int(k)])
     if ids.size and not (0 <= ids.min() and ids.max() < vocab_size):
-      bad = ids.min() if ids.min() < 0 else ids.max()
-      raise DataError(f"data.path: a record of {path!r} holds token id {bad}, outside model.vocab_size={vocab_size}; "
-                      "write the files with the run's tokenizer (python -m ember.data.write_array_record "
-                      "--tokenizer=...) or raise model.vocab_size")
+      bad, file = ids.min() if ids.min() < 0 else ids.max(), int(np.searchsorted(ends, int(k), side="right"))
+      raise DataError(f"{files[file]}: record {int(k) - (ends[file - 1] if file else 0)} holds token id {bad}, "
+                      f"outside model.vocab_size={vocab_size}; write the files with the run's tokenizer "
+                      "(python -m ember.data.write_array_record --tokenizer=...) or raise model.vocab_size")
     return ids
 
   return grain.MapDataset.source(keep).map(load)

@@ -89,10 +89,23 @@ def cast(x: jax.Array, fmt: "Format | str") -> jax.Array:
 
 
 def cast_toward_zero(x: jax.Array, dtype) -> jax.Array:
-  """`x` in `dtype`, rounded toward zero: never larger in magnitude than `x` (NaN and Inf pass through)."""
-  y = x.astype(dtype)
-  over = jnp.abs(y.astype(x.dtype)) > jnp.abs(x)
-  return jnp.where(over, jnp.nextafter(y, jnp.zeros_like(y)), y)
+  """float32 `x` in the float `dtype` (float32, bfloat16, float16), rounded toward zero as IEEE's mode does: never
+  larger in magnitude than `x` (a finite value past dtype's max gives its max); NaN and Inf stay. In bits and
+  exact float32 steps, as `kernels.round_like`: a compiler that allows excess precision (XLA's default on GPUs)
+  drops a narrowing round trip, so a check of the cast against `x` would always pass there. The float32 mantissa
+  bits dtype lacks are cleared (bfloat16's subnormals are float32's, cleared alike); below float16's normal range,
+  where its steps are 2**-24 apart, x is truncated to a multiple of that step. Either is exact in dtype, and so is the cast after it."""
+  x = x.astype(jnp.float32)
+  info = jnp.finfo(dtype)
+  if info.nmant >= 23:
+    return x.astype(dtype)
+  low = jnp.uint32((1 << (23 - info.nmant)) - 1)
+  y = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) & ~low, jnp.float32)
+  if info.minexp > jnp.finfo(jnp.float32).minexp:  # float16: subnormal where float32 is not.
+    step = float(info.smallest_subnormal)  # A power of two: x / step and its product with step are exact.
+    y = jnp.where(jnp.abs(x) < float(info.smallest_normal), jnp.trunc(x / step) * step, y)
+  y = jnp.clip(y, -float(info.max), float(info.max))
+  return jnp.where(jnp.isfinite(x), y, x).astype(dtype)
 
 
 def pow2(k: jax.Array) -> jax.Array:

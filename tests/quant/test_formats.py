@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import reference as ref
 from tests.xla_cpu import EXACT_FP4_CASTS
 from ember.quant import E2M1, E4M3, E5M2, E8M0, cast, get_format, stochastic_cast
+from ember.quant.formats import cast_toward_zero
 
 FMTS = ("e4m3", "e5m2", "e2m1")
 
@@ -159,3 +160,22 @@ def test_stochastic_keys_and_fixed_points():
       out = np.asarray(_sr(x, jax.random.key(seed), fmt)[0]).astype(np.float32)
       np.testing.assert_array_equal(out[:g.size], g)
       np.testing.assert_array_equal(out[g.size:], np.float32([1, -1, 1]) * ref.MAX[fmt])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_cast_toward_zero_gives_the_grid_value_at_or_inside_x(dtype):
+  """ml_dtypes' grid: the result is a `dtype` value no larger in magnitude than x, and the next one out is larger
+  (past dtype's max: its max); subnormals, NaN and Inf included. Under jit, as a compiled MoE exchange runs it."""
+  rng = np.random.default_rng(0)
+  x = (rng.standard_normal(50_000) * np.exp(rng.uniform(-30, 14, 50_000))).astype(np.float32)
+  x = np.concatenate([x, np.float32([0.0, -0.0, 1.0, 7e4, -7e4, 1e-6, 3e-41, np.nan, np.inf, -np.inf])])
+  y = np.asarray(jax.jit(lambda v: cast_toward_zero(v, dtype))(jnp.asarray(x)))
+  assert y.dtype == np.dtype(dtype)
+  ours = y.astype(np.float32)
+  finite = np.isfinite(x)
+  np.testing.assert_array_equal(np.isnan(ours), np.isnan(x))
+  np.testing.assert_array_equal(ours[np.isinf(x)], x[np.isinf(x)])
+  assert np.all(np.abs(ours[finite]) <= np.abs(x[finite])) and np.all(np.sign(ours[finite]) * np.sign(x[finite]) >= 0)
+  out = np.nextafter(y[finite], np.copysign(np.inf, x[finite]).astype(dtype)).astype(np.float32)
+  top = np.abs(ours[finite]) == float(ml_dtypes.finfo(dtype).max)
+  assert np.all((np.abs(out) > np.abs(x[finite])) | top)
