@@ -122,10 +122,13 @@ def source_shares(cfg: Settings) -> SourceShares:
   return SourceShares([name for name, _, _ in mixture_components(cfg.data, "train")])
 
 
-def global_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-  """This process's rows of a batch as global jax.Arrays on `sharding` (every process calls it); only the
-  model's inputs (names.BATCH_KEYS) go to the devices."""
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(batch[k])) for k in BATCH_KEYS}
+def global_batch(batch: dict[str, np.ndarray], sharding: NamedSharding, batch_size: int) -> dict[str, jax.Array]:
+  """This process's rows of a batch of `batch_size` rows as global jax.Arrays on `sharding` (every process calls
+  it); only the model's inputs (names.BATCH_KEYS) go to the devices. A process holds whole rows
+  (`distributed.process_rows`), so the global shape is stated: where the sequence is split over processes (a
+  context group across hosts) JAX would otherwise take each process's rows for its share of the length."""
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(batch[k]),
+                                                    (batch_size,) + np.shape(batch[k])[1:]) for k in BATCH_KEYS}
 
 
 class SourceShares:

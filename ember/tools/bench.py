@@ -96,7 +96,7 @@ def run(cfg: Settings, *, steps: int, warmup: int, hlo_out: str | None = None) -
     sharding = step_lib.batch_sharding(cfg, mesh)
     it = data_iterator(cfg, "train", sharding)
     try:
-      batch = global_batch(next(it), sharding)
+      batch = global_batch(next(it), sharding, cfg.train.batch_size)
     finally:
       it.close()
     t0 = time.time()

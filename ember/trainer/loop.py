@@ -305,7 +305,7 @@ class _Run:
     rows = next(self.train_it)
     if self.train_it.primary:  # Rows that several processes feed (pipeline stages on other hosts) count once.
       self.shares.count(rows)
-    return global_batch(rows, self.batch_sharding)
+    return global_batch(rows, self.batch_sharding, self.cfg.train.batch_size)
 
 
 def _reads_records(cfg: Settings) -> bool:
@@ -546,7 +546,8 @@ def evaluate(cfg: Settings, state, eval_fn, batch_sharding) -> float:
   """Mean loss over the first `train.eval_batches` batches of the held-out split (the same every time)."""
   it = data_iterator(cfg, "eval", batch_sharding)
   try:
-    losses = [eval_fn(state, global_batch(next(it), batch_sharding)) for _ in range(cfg.train.eval_batches)]
+    losses = [eval_fn(state, global_batch(next(it), batch_sharding, cfg.train.batch_size))
+              for _ in range(cfg.train.eval_batches)]
   finally:
     it.close()
   return float(jnp.mean(jnp.stack(losses)))

@@ -66,7 +66,8 @@ def _imbalance(rate: float, steps: int = 80) -> float:
   try:
     with s.rules():
       for _ in range(steps):
-        state, metrics = step(state, global_batch(next(batches), step_lib.batch_sharding(s.cfg, s.mesh)))
+        state, metrics = step(state, global_batch(next(batches), step_lib.batch_sharding(s.cfg, s.mesh),
+                                                  s.cfg.train.batch_size))
         seen.append(float(metrics["moe_load_max_over_mean"]))
   finally:
     batches.close()

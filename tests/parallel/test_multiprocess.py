@@ -137,6 +137,25 @@ def test_pipeline_stages_on_two_processes_train_like_one_process(tmp_path, cache
   assert [two_losses[s] for s in (1, 2, 3)] == pytest.approx([one_losses[s] for s in (1, 2, 3)], rel=1e-6)
 
 
+@pytest.mark.long
+def test_a_context_group_across_two_processes_trains_like_one_process(tmp_path, cache):
+  """`mesh.context=4` over two processes of two devices: each process feeds whole rows, the sequences split over
+  both, and the run takes the losses of the same mesh in one process. (Without the batch's global shape, JAX read
+  each process's rows as its share of the length: step-1 loss 5.5621 against 5.5607.)"""
+  two, one = tmp_path / "two_processes", tmp_path / "one_process"
+  common = [*ARGS, "--config.mesh.context=4", "--config.mesh.fsdp=1", "--config.train.device_batch_size=0",
+            "--config.steps=3", "--config.checkpoint.every_steps=0", "--config.log.tensorboard=false"]
+  p = subprocess.run(["launch/local.sh", "2", "2", sys.executable, "train.py", *common, f"--config.workdir={two}"],
+                     cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-3000:]
+  p = subprocess.run([sys.executable, "train.py", *common, f"--config.workdir={one}"],
+                     cwd=ROOT, env=_env(cache, XLA_FLAGS=cpu_xla_flags(4)), capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-3000:]
+  two_losses, one_losses = _losses(two), _losses(one)
+  assert sorted(two_losses) == [1, 2, 3]
+  assert [two_losses[s] for s in (1, 2, 3)] == pytest.approx([one_losses[s] for s in (1, 2, 3)], rel=1e-6)
+
+
 def test_local_sh_fails_when_a_process_fails(tmp_path):
   p = subprocess.run(["launch/local.sh", "2", "1", sys.executable, "-c",
                       "import os, sys, time; i = int(os.environ['EMBER_PROCESS_ID']); "
