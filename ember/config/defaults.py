@@ -73,7 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.num_shared_experts = 0  # Always-on shared experts beside the routed ones, each of d_ff (DeepSeek-V3: 1).
   m.first_k_dense = 0  # The first k layers are dense (of dense_d_ff), the rest MoE.
   m.dense_d_ff = 0  # Width of the dense layers' SwiGLU in an MoE model (0 = d_ff).
-  m.seq_load_balance_weight = 0.0  # DeepSeek-V3's sequence-wise balance loss (each document's loads; 0 = off).
+  m.seq_load_balance_weight = 0.0  # DeepSeek-V3's sequence-wise balance loss (each packed row's loads; 0 = off).
   # Multi-head latent attention (ember/layers/mla.py), on where kv_lora_rank > 0: keys and values come from a
   # compressed latent of kv_lora_rank and a RoPE key of qk_rope_head_dim shared by all heads; queries from a
   # q_lora_rank latent (0 = a full projection). Per head: qk_nope_head_dim + qk_rope_head_dim query/key dims and

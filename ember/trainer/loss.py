@@ -58,7 +58,8 @@ def num_chunks(length: int, chunk_size: int) -> int:
 def strided_chunks(a_BxLx, n: int):
   """[B, L, ...] -> [B, L / n, n, ...]: chunk c (index c on axis 2) holds the positions c, c + n, c + 2n, ...
   (strided, so a length split over devices stays split inside every chunk, and a chunk is the same tokens on
-  any mesh)."""
+  any split of the batch; a device holding part of each sequence, under `mesh.context`, cuts its own part into
+  chunks of its own: docs/long_context.md, Numerics)."""
   b, length, *rest = a_BxLx.shape
   return a_BxLx.reshape(b, length // n, n, *rest)
 
