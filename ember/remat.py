@@ -21,7 +21,7 @@ import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 from ember.errors import ConfigError
-from ember.names import PROJECTIONS
+from ember.names import LAYER_PROJECTIONS
 
 # Activations (names follow MaxText's where one exists).
 LAYER_INPUT = "decoder_layer_input"
@@ -48,6 +48,8 @@ MOE_ROUTING = "moe_routing"  # The top-k expert choices (uint8); see ROUTED belo
 # the shared RoPE key, as their down-projections write them. Its queries, keys and values take QUERY, KEY, VALUE.
 MLA_Q_LATENT = "mla_q_latent"
 MLA_KV_LATENT = "mla_kv_latent"
+# A multi-token-prediction module's projection of [embedding; hidden] (ember/layers/mtp.py), the input of its layer.
+MTP_PROJ = "mtp_proj"
 
 # A current-scaling tensor's amax (ember/quant/quantizers.py, CurrentScaling): a scalar every policy keeps. Its scale
 # needs it before the cast, so recomputed it would be a pass of its own over the tensor. (Delayed scaling's amax is
@@ -56,10 +58,12 @@ TENSOR_AMAX = "tensor_amax"
 
 ACTIVATION_NAMES = (LAYER_INPUT, QKV_PROJ, QUERY, KEY, VALUE, ATTENTION_INPUT, ATTENTION_CONTEXT, OUT_PROJ,
                     ATTENTION_RESIDUAL, MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MOE_ROUTING,
-                    MLA_Q_LATENT, MLA_KV_LATENT)
+                    MLA_Q_LATENT, MLA_KV_LATENT, MTP_PROJ)
 
-# Quantized residuals of every projection (ember.names.PROJECTIONS): the operand copies a quantized
-# matmul may hold (ember/quant/recipe.py says which copies a recipe makes).
+# Quantized residuals of every projection a checkpointed block runs (ember.names.LAYER_PROJECTIONS): the operand
+# copies a quantized matmul may hold (ember/quant/recipe.py says which copies a recipe makes). The LM head names
+# its copies too, but runs outside any checkpoint (its gradient is taken in the forward pass, ember/trainer/loss.py),
+# so no policy can keep or drop them.
 QUANTIZED = "quantized"
 QUANTIZED_OPERANDS = ("x", "kernel", "x_t", "kernel_t")
 
@@ -69,7 +73,7 @@ def quantized_name(projection: str, operand: str) -> str:
   return f"{QUANTIZED}.{projection}.{operand}"
 
 
-QUANTIZED_NAMES = tuple(quantized_name(p, o) for p in PROJECTIONS for o in QUANTIZED_OPERANDS)
+QUANTIZED_NAMES = tuple(quantized_name(p, o) for p in LAYER_PROJECTIONS for o in QUANTIZED_OPERANDS)
 # The weight copies (`kernel`, `kernel_t`) and the activation copies (`x`, `x_t`) of QUANTIZED_NAMES.
 QUANTIZED_KERNEL_NAMES = tuple(n for n in QUANTIZED_NAMES if n.rsplit(".", 1)[1].startswith("kernel"))
 QUANTIZED_ACTIVATION_NAMES = tuple(n for n in QUANTIZED_NAMES if n not in QUANTIZED_KERNEL_NAMES)
@@ -86,7 +90,7 @@ ALL_NAMES = ACTIVATION_NAMES + QUANTIZED_NAMES
 # too (q, k, v after RoPE; the residual sum the out projection's GEMM writes): a policy keeps what the backward reads
 # of the names it lists, so that form is kept instead and nothing is rotated or added again.
 MATMUL_OUTPUTS = (QKV_PROJ, QUERY, KEY, VALUE, ATTENTION_INPUT, ATTENTION_CONTEXT, OUT_PROJ, ATTENTION_RESIDUAL,
-                  MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MLA_Q_LATENT, MLA_KV_LATENT)
+                  MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MLA_Q_LATENT, MLA_KV_LATENT, MTP_PROJ)
 
 
 @dataclasses.dataclass(frozen=True)

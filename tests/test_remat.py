@@ -150,3 +150,18 @@ def test_unknown_custom_name_exits_2_with_one_line():
   assert len(lines) == 1, proc.stderr
   assert lines[0].startswith("error: config.remat.save_names: unknown checkpoint name 'kv_cache'; valid names: ")
   assert all(n in lines[0] for n in remat.ALL_NAMES)
+
+
+def test_minimal_keeps_the_prediction_modules_projection():
+  """`minimal` keeps every matmul's output, a multi-token-prediction module's projection too: the module adds one
+  layer's recompute to the step, not that layer's and its [embedding; hidden] projection GEMM's."""
+  recomputed = {}
+  for depth in (0, 1):
+    s = start(config(**{"quant.recipe": "bf16", "model.mtp_depth": depth, "train.batch_size": 4}))
+    flops = {p: step_plan.step_figures(s.cfg, s.mesh, s.tx, s.schedule, remat.PRESETS[p], compile=False).flops
+             for p in ("none", "minimal")}
+    recomputed[depth] = flops["minimal"] - flops["none"]
+  m, batch = s.cfg.model, s.cfg.train.batch_size
+  per_layer = recomputed[0] / m.num_layers
+  projection = 2 * batch * m.seq_len * (2 * m.d_model) * m.d_model
+  assert per_layer <= recomputed[1] - recomputed[0] < per_layer + projection / 2, (recomputed, projection)

@@ -230,10 +230,12 @@ def _validate_pipeline(s: Settings) -> None:
   if virtual > 1 and s.pipeline.schedule != "interleaved_1f1b":
     bad_key("pipeline.virtual_stages", f"{virtual} chunks a stage need pipeline.schedule=interleaved_1f1b, not "
             f"{s.pipeline.schedule!r}")
-  segments = m.segments(s.quant)
-  if len(segments) > 1:
-    bad_key(key, f"the decoder's layers form {len(segments)} scan segments (model.first_k_dense or layer-specific "
-            "quant.exclude entries); a pipeline splits one")
+  for index, (start, recipe) in enumerate(s.phases):  # Each precision phase groups the layers by its own recipe.
+    segments = m.segments(recipe)
+    if len(segments) > 1:
+      phase = "" if index == 0 else f" from step {start} (quant.schedule[{index - 1}])"
+      bad_key(key, f"the decoder's layers form {len(segments)} scan segments{phase} (model.first_k_dense or "
+              "layer-specific quant.exclude entries); a pipeline splits one")
   if pipeline.stage_without_layers(m.num_blocks, stages, virtual):
     chunks = f"{stages} stages x {virtual} chunks" if virtual > 1 else f"{stages} stages"
     rows = pipeline.padded_blocks(m.num_blocks, stages, virtual)

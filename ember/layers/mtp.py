@@ -20,7 +20,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from ember import remat
 from ember.layers.linear import Linear, handed
 from ember.layers.norm import RMSNorm
 from ember.config.model import ModelConfig
@@ -47,8 +49,9 @@ class PredictionModule(nnx.Module):
     """(this depth's hidden state for the next depth, it normed for the LM head, the layer's aux). `moe_plan`, `taken`:
     what the step hands its MoE layer and its projections (the decoder layer's)."""
     joined = jnp.concatenate([self.embed_norm(embedded_BxLxD), self.hidden_norm(hidden_BxLxD)], axis=-1)
-    x_BxLxD, aux = self.layer(self.proj(joined, key, handed(taken, "proj")), segment_ids_BxL, positions_BxL, key,
-                              bias, moe_plan, handed(taken, "layer"))
+    projected_BxLxD = checkpoint_name(self.proj(joined, key, handed(taken, "proj")), remat.MTP_PROJ)
+    x_BxLxD, aux = self.layer(projected_BxLxD, segment_ids_BxL, positions_BxL, key, bias, moe_plan,
+                              handed(taken, "layer"))
     return x_BxLxD, self.out_norm(x_BxLxD), aux
 
 

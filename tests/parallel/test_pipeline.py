@@ -371,6 +371,9 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
     ({"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "quant.recipe": "fp8_current",
       "quant.exclude": ("layers[0]",)},
      "config.mesh.pipeline: the decoder's layers form 2 scan segments"),
+    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "quant.recipe": "bf16", "quant.exclude": ("lm_head", "layers[0]"),
+      "quant.schedule": ((5, {"recipe": "fp8_current"}),)},  # One segment under bf16; fp8 splits layer 0 off.
+     "config.mesh.pipeline: the decoder's layers form 2 scan segments from step 5 (quant.schedule[0])"),
 ])
 def test_bad_pipeline_layouts_name_the_key(overrides, key):
   with pytest.raises(ConfigError) as e:
