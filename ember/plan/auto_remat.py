@@ -11,8 +11,11 @@ not: a preset that offloads its residuals waits for the host link (llama3_8b on 
 names offloaded predict 1.65 s, recomputing everything 1.06 s). Ties (presets that differ only in names
 this model never produces) go to the one that moves nothing to host memory, then to the smaller peak.
 
+Under a precision schedule (`quant.schedule`) each phase's recipe compiles its own step: a preset's peak is the
+largest of its phases', its FLOPs and predicted step their mean weighted by the phases' steps.
+
 Candidates: `remat.auto_candidates`, or every preset that can differ for this model: the quantized
-presets only under a quantized recipe, the offloaded ones only where host offloading exists (not
+presets only where a phase's recipe is quantized, the offloaded ones only where host offloading exists (not
 on the CPU backend, whose compiler strips memory-placement annotations).
 """
 
@@ -49,10 +52,10 @@ class Candidate:
 
 def candidates(cfg: Settings, mesh=None) -> tuple[str, ...]:
   """The presets `auto` compiles: `remat.auto_candidates`, else every preset that can differ for this
-  model on the mesh's platform (offloading needs a GPU or TPU)."""
+  model (under any of its precision phases' recipes) on the mesh's platform (offloading needs a GPU or TPU)."""
   if cfg.remat.auto_candidates:
     return tuple(cfg.remat.auto_candidates)
-  quantized = cfg.quant.quantized
+  quantized = any(recipe.quantized for _, recipe in cfg.phases)
   names = [n for n, p in remat.PRESETS.items() if quantized or not p.quantized_only]
   platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   if platform == "cpu":
@@ -79,6 +82,35 @@ def measure(cfg: Settings, mesh, tx, schedule, names, *, compiler_options: dict 
     predicted = "" if f.predicted_s is None else f"  predicted {f.predicted_s * 1e3:,.0f} ms/step"
     console(f"remat auto: {name:<26} peak {f.peak_bytes / GiB:9.4g} GiB/device  "
             f"{format_flops(f.flops):>13}/step{predicted}")
+  return out
+
+
+def phase_weights(cfg: Settings) -> list[tuple[Settings, float]]:
+  """(the settings of each precision phase with a recipe of its own, its share of the run's steps): the programs
+  the run compiles, each run for that share."""
+  bounds = [start for start, _ in cfg.phases] + [cfg.steps]
+  first, share = {}, {}
+  for index, (_, recipe) in enumerate(cfg.phases):
+    first.setdefault(recipe, index)
+    share[recipe] = share.get(recipe, 0.0) + max(bounds[index + 1] - bounds[index], 0) / max(cfg.steps, 1)
+  return [(cfg.at_phase(first[recipe]), share[recipe]) for recipe in first]
+
+
+def measure_phases(cfg: Settings, mesh, tx, schedule, names, *, compiler_options: dict | None = None) -> list[Candidate]:
+  """`measure` under every precision phase's recipe: each preset at its largest peak over the phases, its FLOPs and
+  predicted step weighted by the phases' shares of the steps (one phase: `measure`'s figures)."""
+  phases = phase_weights(cfg)
+  if len(phases) == 1:
+    return measure(cfg, mesh, tx, schedule, names, compiler_options=compiler_options)
+  found = []
+  for settings, share in phases:
+    console(f"remat auto: under {settings.quant.name} ({share:.0%} of the steps)")
+    found.append((measure(settings, mesh, tx, schedule, names, compiler_options=compiler_options), share))
+  out = []
+  for i, name in enumerate(names):
+    each = [(phase[i], share) for phase, share in found]
+    predicted = None if any(c.predicted_s is None for c, _ in each) else sum(c.predicted_s * w for c, w in each)
+    out.append(Candidate(name, sum(c.flops * w for c, w in each), max(c.peak_bytes for c, _ in each), predicted))
   return out
 
 
@@ -114,7 +146,8 @@ def choose(cfg: Settings, mesh, tx, schedule, *, compiler_options: dict | None =
                       f"({state / GiB:.4g} GiB per device: parameters, optimizer state); no remat preset fits")
   console(f"remat auto: compiling the train step for {len(candidates(cfg, mesh))} presets (budget {budget:g} "
           "GiB/device)")
-  best = pick(measure(cfg, mesh, tx, schedule, candidates(cfg, mesh), compiler_options=compiler_options), budget)
+  best = pick(measure_phases(cfg, mesh, tx, schedule, candidates(cfg, mesh), compiler_options=compiler_options),
+              budget)
   console(f"remat auto: chose {best.name} (peak {best.peak_bytes / GiB:.4g} GiB/device within {budget:g} GiB)")
   return best.name
 
