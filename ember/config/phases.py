@@ -29,7 +29,8 @@ def precision_phases(cfg) -> list[tuple[int, ml_collections.ConfigDict]]:
     if isinstance(when, float) and not 0 < when < 1:
       bad_key(key, f"a fraction of steps must be in (0, 1), got {when!r}")
     if not 1 <= start < cfg.steps:
-      bad_key(key, f"starts at step {start}, outside [1, steps={cfg.steps})")
+      fraction = "" if isinstance(when, int) else f" (round({when!r} x steps={cfg.steps}))"
+      bad_key(key, f"starts at step {start}{fraction}, outside [1, steps={cfg.steps})")
     if start <= phases[-1][0]:
       bad_key(key, f"starts at step {start}, not after the entry before it (step {phases[-1][0]})")
     unknown = next((k for k in overrides if k not in cfg.quant or k == "schedule"), None)

@@ -37,6 +37,7 @@ def test_phases_from_steps_and_fractions():
 @pytest.mark.parametrize("schedule,message", [
     (((1.5, {"forward": "bf16"}),), r"quant\.schedule\[0\].*fraction.*\(0, 1\)"),
     (((0, {"forward": "bf16"}),), r"quant\.schedule\[0\].*outside \[1, steps=100\)"),
+    (((0.996, {"forward": "bf16"}),), r"quant\.schedule\[0\]: starts at step 100 \(round\(0\.996 x steps=100\)\)"),
     (((50, {"forward": "bf16"}), (40, {"recipe": "bf16"})), r"quant\.schedule\[1\].*not after"),
     (((50, {"fowrard": "bf16"}),), r"quant\.schedule\[0\].*'fowrard'"),
     (((50, {"recipe": "fp6"}),), r"quant\.schedule\[0\].*from step 50.*quant\.recipe.*fp6"),
