@@ -70,9 +70,14 @@ def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: 
     return stacked_like(row_of, new_cfg.model, new_cfg.quant, like)
 
   params_like = lambda x: isinstance(x, dict) and "segments" in x  # A tree stacked as the parameters are.
-  opt_state = jax.tree.map(lambda old, like: regrouped(old, like) if params_like(old) else old,
-                           state.opt_state, abstract.opt_state, is_leaf=params_like)
-  new = TrainState(step=state.step, params=regrouped(state.params, abstract.params), opt_state=opt_state,
+  if old_cfg.model.segments(old_cfg.quant) == new_cfg.model.segments(new_cfg.quant):
+    # The layers stacked alike: parameters and optimizer state as they are (no second copy of them at the switch).
+    params, opt_state = state.params, state.opt_state
+  else:
+    params = regrouped(state.params, abstract.params)
+    opt_state = jax.tree.map(lambda old, like: regrouped(old, like) if params_like(old) else old,
+                             state.opt_state, abstract.opt_state, is_leaf=params_like)
+  new = TrainState(step=state.step, params=params, opt_state=opt_state,
                    quant_state=regrouped(state.quant_state, abstract.quant_state,
                                          missing=lambda want: jnp.zeros(want.shape, want.dtype)))
   return jax.device_put(new, shardings)
