@@ -7,15 +7,8 @@ A bad flag, config value or input path exits with status 2 and one line on stder
 every exit status.
 """
 
-import os
 import sys
 import time
-
-
-def _first_process() -> bool:
-  """Process 0 of the job, read from the launchers' variables: JAX, which knows it for sure, takes seconds to
-  import."""
-  return all(os.environ.get(k, "0") in ("", "0") for k in ("EMBER_PROCESS_ID", "SLURM_PROCID"))
 
 
 def main(argv: list[str]) -> int:
@@ -25,7 +18,8 @@ def main(argv: list[str]) -> int:
     return 0
   from ember import native_output  # Imports no JAX (nor does `import ember`).
   native_output.quiet(argv)  # Before JAX loads: XLA reads its log level then.
-  if _first_process():  # Before the imports, on stdout (stderr is for the log): the run is seen to start at once.
+  from ember.errors import first_process  # A leaf module: no JAX.
+  if first_process():  # Before the imports, on stdout (stderr is for the log): the run is seen to start at once.
     print(f"[{time.strftime('%H:%M:%S')}] ember: starting ({' '.join(argv[1:]) or 'no flags'}); loading JAX",
           flush=True)
   from ember.errors import Diverged, EmberError, fail_and_exit

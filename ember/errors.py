@@ -71,10 +71,27 @@ def one_line(e: BaseException) -> str:
   return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+_process_index: int | None = None  # This process's, once JAX knows it (`note_process_index`).
+
+
+def note_process_index(index: int) -> None:
+  """Called when the job is joined (ember/parallel/distributed.py): from then on `first_process` asks no launcher."""
+  global _process_index
+  _process_index = int(index)
+
+
+def first_process() -> bool:
+  """Whether this is process 0 of the job: JAX's index once noted; before, the launchers' variables (JAX, which
+  knows it for sure, takes seconds to import)."""
+  if _process_index is not None:
+    return _process_index == 0
+  import os
+  return all(os.environ.get(k, "0") in ("", "0") for k in ("EMBER_PROCESS_ID", "SLURM_PROCID"))
+
+
 def warn(msg: str) -> None:
   """A warning line on stderr (process 0 prints; the trainer's console adds a time stamp to its own)."""
-  import os
-  if os.environ.get("EMBER_PROCESS_ID", "0") in ("", "0"):
+  if first_process():
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from ember import config as config_lib
+from tests import helpers
 from tests.helpers import ROOT
 
 CASES = [
@@ -48,6 +49,8 @@ CASES = [
      "config.model.moe_every: model.num_layers=2 is not a multiple of moe_every=3"),
     ([f"--config.workdir={ROOT}/README.md/run"], "config.workdir: cannot create"),
     ([f"--config.train.compilation_cache_dir={ROOT}/README.md/cache"], "config.train.compilation_cache_dir: cannot create"),
+    ([f"--config.checkpoint.local_dir={ROOT}/README.md/{{process}}", "--config.checkpoint.local_every_steps=1"],
+     "config.checkpoint.local_dir: cannot create"),
     (["--config.data.num_shards=3"], "config.data.num_shards: 3 data shards do not divide train.batch_size=8"),
     (["--config.quant.exclude=(bad"], "config.quant.exclude: entry '(bad' is not a projection"),
     (["--config.quant.exclude=('layers.1*',)"], "config.quant.exclude: entry 'layers.1*' is not a projection"),
@@ -79,6 +82,11 @@ CASES = [
     (["--config.steps=abc"], "config.steps: cannot parse 'abc': invalid literal for int()"),
     (["--config.model.tie_embeddings=maybe"], "config.model.tie_embeddings: cannot parse 'maybe': must be true or false"),
     (["--config.model.d_model"], "config.model.d_model: no value; pass --config.model.d_model=VALUE"),
+    # Not the next flag taken as the value (a workdir named "--config.steps=3").
+    (["--config.workdir", "--config.steps=3"], "config.workdir: no value; pass --config.workdir=VALUE"),
+    (["--config.steps", "3"], "config.steps: no value; pass --config.steps=VALUE"),
+    (["--config.train.batch_size.x=3"], "config.train.batch_size.x: unknown config key"),
+    (["--config..steps=3"], "--config..steps=3: not a config override; pass --config.KEY=VALUE"),
     (["--config=configs/default.py:nope"], "--config: configs/default.py:nope: ValueError: unknown model preset 'nope'"),
     (["--config="], "--config: empty; pass --config=FILE[:ARG]"),
     (["--config=configs"], "--config: no such config file: configs"),
@@ -253,3 +261,11 @@ def test_the_model_section_is_the_model_shape_alone():
   s = config_lib.validate(config_lib.load(["train.py", f"--config={ROOT}/configs/default.py:tiny",
                                            "--config.quant.schedule=((3, {'recipe': 'bf16'}),)", "--config.steps=5"]), None)
   assert s.at_phase(1).model == s.model and s.at_phase(1).quant.name == "bf16" != s.quant.name
+
+
+def test_a_workdir_under_home_is_one_directory(monkeypatch, tmp_path):
+  """`~` is expanded once, where the settings are made: checkpoints, metrics and TensorBoard all go under it (the
+  metrics went to a literal `./~/...` beside checkpoints under the home directory)."""
+  monkeypatch.setenv("HOME", str(tmp_path))
+  s = config_lib.validate(helpers.config(**{"workdir": "~/run"}), None)
+  assert s.workdir == str(tmp_path / "run")

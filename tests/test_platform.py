@@ -56,3 +56,17 @@ def test_a_pipeline_under_the_loop_pipelining_flags_is_warned_about():
                             "(--xla_gpu_enable_pipelined_all_gather,") and "EMBER_LOOP_PIPELINING=0" in warning
   assert xla_flags.pipeline_flags_warning(sourced("0"), 8) is None
   assert xla_flags.pipeline_flags_warning(sourced("1"), 1) is None
+
+
+def test_warnings_are_process_zeros_whichever_launcher_started_it(monkeypatch, capsys):
+  """Under SLURM (no EMBER_PROCESS_ID) only task 0 warns; once the job is joined JAX's index decides."""
+  from ember import errors
+  monkeypatch.setattr(errors, "_process_index", None)
+  monkeypatch.delenv("EMBER_PROCESS_ID", raising=False)
+  monkeypatch.setenv("SLURM_PROCID", "3")
+  errors.warn("from task 3")
+  errors.note_process_index(0)  # JAX's index wins over the variables.
+  errors.warn("from process 0")
+  errors.note_process_index(2)
+  errors.warn("from process 2")
+  assert capsys.readouterr().err == "warning: from process 0\n"

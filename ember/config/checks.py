@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import logging
 import os
 
 import ml_collections
@@ -113,6 +114,8 @@ def _validate_paths(s: Settings) -> None:
     if not os.path.isfile(os.path.join(os.path.expanduser(hf), "config.json")):
       bad_key("checkpoint.init_from_hf", f"no Hugging Face model directory (config.json) at {hf}")
   _validate_directory("workdir", s.workdir)
+  if s.checkpoint.local_dir and s.checkpoint.local_every_steps > 0:  # Each process's, as process 0's.
+    _validate_directory("checkpoint.local_dir", s.checkpoint.local_dir.replace("{process}", "0"))
   if s.train.compilation_cache_dir:
     _validate_directory("train.compilation_cache_dir", s.train.compilation_cache_dir)
 
@@ -148,6 +151,11 @@ def directory_problem(directory: str) -> str | None:
 
 def _bucket_problem(url: str) -> str | None:
   bucket = storage.bucket(url)
+  # gcsfs logs each retry's traceback before giving up: the one line below says it.
+  quiet = [logging.getLogger(name) for name in ("gcsfs", "fsspec")]
+  levels = [q.level for q in quiet]
+  for q in quiet:
+    q.setLevel(logging.CRITICAL)
   try:
     if not storage.exists(bucket):
       return f"{url}: the bucket {bucket} does not exist (or these credentials cannot see it)"
@@ -155,6 +163,9 @@ def _bucket_problem(url: str) -> str | None:
     return str(e)
   except Exception as e:  # pylint: disable=broad-except  # No credentials, no network: say which.
     return f"{url}: cannot reach {bucket} ({type(e).__name__}: {one_line(e)[:200]})"
+  finally:
+    for q, level in zip(quiet, levels):
+      q.setLevel(level)
   return None
 
 

@@ -27,7 +27,16 @@ def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_col
   if len(files) > 1:
     raise ConfigError(f"--config: given {len(files)} times ({', '.join(files)}); pass one config file and change "
                       "keys with --config.KEY=VALUE")
-  _load_file(argv[0], files[-1])  # The file alone first: its own errors are the file's, not an override's.
+  base = _load_file(argv[0], files[-1])  # The file alone first: its own errors are the file's, not an override's.
+  for flag in (a for a in argv[1:] if a.startswith("--config.")):
+    key = flag[2:].split("=", 1)[0]
+    if not re.fullmatch(r"config(\.[A-Za-z_]\w*)+", key):
+      raise ConfigError(f"{flag}: not a config override; pass --config.KEY=VALUE")
+    value = _value(base, key)
+    if value is _UNDER_A_VALUE:  # ml_collections' own message names the key's type, not the key.
+      raise ConfigError(_unknown(key))
+    if "=" not in flag and value is not _MISSING and not isinstance(value, bool):  # absl would take the next flag.
+      raise ConfigError(f"{key}: no value; pass {flag}=VALUE")
   fv = flag_values or flags.FlagValues()
   holder = config_flags.DEFINE_config_file("config", None, "Config file[:arg].", flag_values=fv, lock_config=True,
                                           sys_argv=list(argv))
@@ -43,7 +52,7 @@ def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_col
   return cfg
 
 
-def _load_file(prog: str, arg: str) -> None:
+def _load_file(prog: str, arg: str) -> ml_collections.ConfigDict:
   """Loads `--config=FILE[:ARG]` with no overrides; ConfigError naming the file and what is wrong with it."""
   spec = arg.split("=", 1)[1] if "=" in arg else ""
   path = spec.split(":", 1)[0]
@@ -76,6 +85,23 @@ def _load_file(prog: str, arg: str) -> None:
     absl_logging.set_verbosity(verbosity)
   if not isinstance(cfg, ml_collections.ConfigDict):
     raise ConfigError(f"--config: {spec}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
+  return cfg
+
+
+_MISSING, _UNDER_A_VALUE = object(), object()
+
+
+def _value(cfg: ml_collections.ConfigDict, dotted: str):
+  """The value at `config.KEY` (`dotted`); `_MISSING` where the file has no such key (absl names it),
+  `_UNDER_A_VALUE` where a part of the key is a value, not a section."""
+  node = cfg
+  for part in dotted.split(".")[1:]:
+    if not isinstance(node, ml_collections.ConfigDict):
+      return _UNDER_A_VALUE
+    if part not in node:
+      return _MISSING
+    node = node[part]
+  return node
 
 
 def _explain(argv: list[str], e: Exception) -> str:

@@ -29,6 +29,7 @@ import sys
 import jax
 import numpy as np
 
+from ember import errors
 from ember.errors import ConfigError
 
 
@@ -65,12 +66,13 @@ def _one_task_per_node() -> bool:
 
 
 def initialize(dist_cfg) -> None:
+  """Joins the job (when there is one to join), and notes this process's index for the warnings (ember/errors.py)."""
   args = settings(dist_cfg)
-  if args is None or _initialized():
-    return
-  # CPU devices of several processes talk over gloo (TCP); GPU backends ignore this setting.
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(**args)
+  if args is not None and not _initialized():
+    # CPU devices of several processes talk over gloo (TCP); GPU backends ignore this setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**args)
+  errors.note_process_index(jax.process_index())
 
 
 def _initialized() -> bool:

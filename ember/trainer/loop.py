@@ -142,9 +142,11 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
       run.skips.count(done, step_metrics)
       # The first step carries the compile: not timed.
       timed_from = timed_from or (done, time.time(), run.interval.excluded_s)
-      if run.profiler.stops(done):  # Writing a trace takes its time.
+      if run.profiler.stops(done):  # Writing a trace takes its time, left out of the speed like a checkpoint's.
         run.watchdog.expect(f"the profile's write at step {done}", run.deadlines.long(), Deadlines.LONG_KEY)
+      written = time.time()
       run.profiler.after(done)
+      run.interval.exclude(time.time() - written)
       stopping = _preempted(run, done)
       _log(run, done, step_metrics, stopping)
       hooks = time.time()
@@ -344,7 +346,9 @@ def _log(run: _Run, done: int, step_metrics, stopping: bool) -> None:
   record = {"step": done, **{k: float(v) for k, v in host.items()}, **run.interval.take(done),
             "skipped_steps": run.skips.total}
   if jax.process_count() > 1:
+    probed = time.time()
     straggler, warning = run.stragglers.take(distributed.gather_over_processes)
+    run.interval.exclude(time.time() - probed)  # The probe (its compile, then its runs) measures; it trains nothing.
     record.update(straggler)
     if warning:
       console(f"warning: {warning}")

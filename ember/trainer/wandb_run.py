@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from ember import storage
+from ember.errors import ConfigError, one_line
 
 
 ID_FILE = "wandb_run_id"
@@ -28,11 +29,15 @@ class WandbRun:
   def __init__(self, *, project: str, entity: str, name: str, workdir: str, config: dict):
     import wandb  # The optional extra; checked at validation (config.py).
     storage.makedirs(workdir)
-    self._run = wandb.init(project=project, entity=entity or None,
-                           name=name or os.path.basename(storage.absolute(workdir)),
-                           id=_run_id(workdir), resume="allow", dir=None if storage.is_remote(workdir) else workdir,
-                           config=config,
-                           settings=wandb.Settings(console="off", quiet=True))
+    try:
+      self._run = wandb.init(project=project, entity=entity or None,
+                             name=name or os.path.basename(storage.absolute(workdir)),
+                             id=_run_id(workdir), resume="allow", dir=None if storage.is_remote(workdir) else workdir,
+                             config=config,
+                             settings=wandb.Settings(console="off", quiet=True))
+    except wandb.errors.Error as e:  # No API key, no network, an unknown entity: the user's to fix, in one line.
+      raise ConfigError(f"config.log.wandb_project: W&B did not start ({one_line(e)}); run `wandb login`, or set "
+                        "WANDB_MODE=offline to log locally for a later `wandb sync`") from None
 
   def log(self, scalars: dict, step: int) -> None:
     self._run.log(scalars, step=step)

@@ -69,3 +69,15 @@ def test_wandb_without_the_package_is_a_config_error(monkeypatch):
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
   with pytest.raises(ConfigError, match=r"config.log.wandb_project: .*pip install -e '.\[wandb\]'"):
     config_lib.validate(config("tiny", **{"log.wandb_project": "p"}), 1)
+
+
+def test_wandb_that_cannot_start_is_a_config_error(tmp_path, monkeypatch):
+  """Online without an API key: one line naming the key and the way out, not W&B's traceback."""
+  from ember.errors import ConfigError
+  from ember.trainer.wandb_run import WandbRun
+  for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_SILENT"):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path))  # No ~/.netrc holding a key.
+  monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+  with pytest.raises(ConfigError, match=r"^config.log.wandb_project: W&B did not start \(.*\); run `wandb login`"):
+    WandbRun(project="p", entity="", name="", workdir=str(tmp_path / "run"), config={})
