@@ -82,7 +82,7 @@ def note_process_index(index: int) -> None:
 
 def first_process() -> bool:
   """Whether this is process 0 of the job: JAX's index once noted; before, the launchers' variables (JAX, which
-  knows it for sure, takes seconds to import)."""
+  knows it for sure, takes seconds to import; a `--config.distributed.process_id` is known from the join on)."""
   if _process_index is not None:
     return _process_index == 0
   import os

@@ -114,8 +114,9 @@ def _validate_paths(s: Settings) -> None:
     if not os.path.isfile(os.path.join(os.path.expanduser(hf), "config.json")):
       bad_key("checkpoint.init_from_hf", f"no Hugging Face model directory (config.json) at {hf}")
   _validate_directory("workdir", s.workdir)
-  if s.checkpoint.local_dir and s.checkpoint.local_every_steps > 0:  # Each process's, as process 0's.
-    _validate_directory("checkpoint.local_dir", s.checkpoint.local_dir.replace("{process}", "0"))
+  if storage.is_remote(s.checkpoint.local_dir):  # Its writability is the training nodes' (LocalCheckpoints).
+    bad_key("checkpoint.local_dir", f"{s.checkpoint.local_dir} is a URL; the local tier is node-local storage "
+            "(a bucket is checkpoint's own tier: workdir)")
   if s.train.compilation_cache_dir:
     _validate_directory("train.compilation_cache_dir", s.train.compilation_cache_dir)
 

@@ -42,6 +42,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import storage
+from ember.errors import ConfigError
 
 DATA_KEY = "__data__"
 KEEP = 2  # Local steps kept on each disk.
@@ -133,7 +134,10 @@ class LocalCheckpoints:
     self.directory = os.path.join(base, "run-" + run_id(workdir))
     self.every_steps, self.mesh, self.seed = every_steps, mesh, seed
     self.process, self.count = jax.process_index(), jax.process_count()
-    os.makedirs(self.directory, exist_ok=True)
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+    except OSError as e:  # Checked here, on the node that writes it, not where the config was validated.
+      raise ConfigError(f"config.checkpoint.local_dir: cannot create {self.directory}: {e.strerror or e}") from None
 
   def should_save(self, step: int) -> bool:
     return self.every_steps > 0 and step % self.every_steps == 0

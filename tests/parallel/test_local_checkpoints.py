@@ -109,3 +109,16 @@ def test_runs_sharing_a_local_dir_keep_to_their_own_steps(tmp_path, capsys):
   run("a", 2)
   assert "resumed" not in capsys.readouterr().err
   assert [r["step"] for r in _records(tmp_path / "a") if "loss" in r] == [1, 2]
+
+
+def test_a_local_dir_the_node_cannot_create_is_a_config_error(tmp_path):
+  """Checked where the steps are written (a training node's disk), not where the config was validated: one line
+  naming the key, not a NotADirectoryError."""
+  from ember.errors import ConfigError
+  from ember.trainer.loop import train
+  from tests import helpers
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(ConfigError, match=r"^config.checkpoint.local_dir: cannot create .*a_file/run-"):
+    train(helpers.checked(helpers.config(**{
+        "workdir": str(tmp_path / "run"), "steps": 1, "checkpoint.local_dir": str(tmp_path / "a_file"),
+        "checkpoint.local_every_steps": 1, "model.num_layers": 1, "model.seq_len": 16, "train.batch_size": 8})))
