@@ -5,8 +5,8 @@
 benchmark runs it on 1,024 H100s with a global batch of 1,536 sequences of 8192 (TP 8, PP 8, CP 2, 8 virtual
 stages). ember's pipeline stages must divide the 126 layers (2, 3, 6, 7, 9, 14, ...; docs/parallelism.md).
 Hugging Face export and import: the Llama layout (ember/hf/layout.py), as llama3_8b and llama3_70b. The published
-Llama-3.1 checkpoints carry the RoPE scaling of their 128k-token extension ("llama3"), which ember does not apply:
-importing one is refused in one line naming it.
+Llama-3.1 checkpoints carry the RoPE scaling of their 128k-token extension ("llama3"); the preset, for the
+8192-token pretraining, has none: import one with `--config.model.rope_scaling_factor=8` (docs/huggingface.md).
 """
 MODEL = dict(name="llama3_405b", num_layers=126, d_model=16384, num_heads=128, num_kv_heads=8, d_ff=53248,
              vocab_size=128256, seq_len=8192, rope_theta=500000.0)

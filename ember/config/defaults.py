@@ -28,6 +28,10 @@ def get_config() -> ml_collections.ConfigDict:
   m.vocab_size = 0  # 0 = the tokenizer's vocabulary rounded up to a multiple of 128 (the byte tokenizer: 256).
   m.seq_len = 128  # Tokens per training sequence (packed).
   m.rope_theta = 10000.0  # Rotary embedding base.
+  m.rope_scaling_factor = 0.0  # Llama 3.1's RoPE scaling (HF rope_type "llama3"): long wavelengths / this; 0 = none.
+  m.rope_low_freq_factor = 1.0  # Wavelengths past rope_original_seq_len / this are scaled by the factor,
+  m.rope_high_freq_factor = 4.0  # those below rope_original_seq_len / this kept, a smooth mix between.
+  m.rope_original_seq_len = 8192  # The context the model was first trained at.
   m.norm_eps = 1e-5  # RMSNorm epsilon.
   m.qk_norm = False  # RMSNorm over each head's dims on queries and keys, before RoPE (Qwen3's QK-norm).
   # True: the layers run under one scan, so the program holds one layer and compiles in the time of one. False:

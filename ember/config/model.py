@@ -37,6 +37,11 @@ class ModelConfig:
   vocab_size: int = key("int", ">=0")  # The key's 0 (= the tokenizer's, padded to 128) is resolved by the builder.
   seq_len: int = key("int", ">=1")
   rope_theta: float = key("float", ">0")
+  # Llama 3.1's RoPE scaling (Hugging Face's rope_type "llama3", ember/layers/rope.py); factor 0 = none.
+  rope_scaling_factor: float = key("float", ">=0")
+  rope_low_freq_factor: float = key("float", ">0")
+  rope_high_freq_factor: float = key("float", ">0")
+  rope_original_seq_len: int = key("int", ">=1")
   norm_eps: float = key("float", ">=0")
   tie_embeddings: bool = key("bool")
   param_dtype: jnp.dtype = key("str", choices=DTYPES)
@@ -87,6 +92,9 @@ class ModelConfig:
       bad_key("model.num_kv_heads", f"{self.num_kv_heads} kv heads do not divide model.num_heads={self.num_heads}")
     if self.head_dim % 2:
       bad_key("model.head_dim", f"rotary embeddings need an even head_dim, got {self.head_dim}")
+    if self.rope_scaling_factor and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+      bad_key("model.rope_high_freq_factor", f"{self.rope_high_freq_factor} must exceed model.rope_low_freq_factor="
+              f"{self.rope_low_freq_factor} (the band between them is mixed)")
     if self.num_experts:
       if self.experts_per_token > self.num_experts:
         bad_key("model.experts_per_token",

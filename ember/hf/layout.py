@@ -36,6 +36,7 @@ In ember's parameter tree, layers are stacked per segment: `decoder.layer_slots`
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import numpy as np
@@ -321,6 +322,33 @@ def leaf_source(m: ModelConfig, recipe: Recipe, path: tuple) -> tuple[Rule, list
   return (TOP_RULES[tuple(path)] if layers is None else layer_rules(m)[within_layer(path)]), layers
 
 
+# model.rope_* -> Hugging Face's "llama3" RoPE parameters (ember/layers/rope.py's rule is transformers' own).
+_LLAMA3_ROPE = (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
+                ("high_freq_factor", "rope_high_freq_factor"),
+                ("original_max_position_embeddings", "rope_original_seq_len"))
+
+
+def rope_parameters(m: ModelConfig) -> dict:
+  """config.json's `rope_parameters` of the model: "default", or "llama3" with its scaling."""
+  if not m.rope_scaling_factor:
+    return {"rope_type": "default", "rope_theta": m.rope_theta}
+  return {"rope_type": "llama3", "rope_theta": m.rope_theta, **{hf: getattr(m, ours) for hf, ours in _LLAMA3_ROPE}}
+
+
+def _rope_mismatch(m: ModelConfig, rope: dict) -> str | None:
+  """Why a directory's RoPE parameters are not the model's RoPE, or None."""
+  kind = rope.get("rope_type") or rope.get("type") or "default"
+  if kind not in ("default", "llama3"):
+    return f"RoPE type {kind!r} is set; ember's RoPE is the default or Llama 3.1's (llama3)"
+  if kind == "default":
+    return None if not m.rope_scaling_factor else (
+        f"RoPE has no scaling; config.model.rope_scaling_factor is {m.rope_scaling_factor!r} (set it to 0)")
+  for hf, ours in _LLAMA3_ROPE:
+    if hf in rope and not math.isclose(float(rope[hf]), float(getattr(m, ours)), rel_tol=1e-6):
+      return f"RoPE's {hf} is {rope[hf]!r}, config.model.{ours} is {getattr(m, ours)!r}"
+  return None
+
+
 def hf_config(m: ModelConfig, dtype: str) -> dict:
   """config.json of the family's model (`FAMILIES`) with ember's shapes."""
   architecture, model_type = FAMILIES[family(m)]
@@ -330,12 +358,14 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
       "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
       "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
       "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
-      "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+      "rope_theta": m.rope_theta, "rope_parameters": rope_parameters(m),
       "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
       "initializer_range": m.init_std, "use_cache": True, "dtype": dtype, "torch_dtype": dtype,
       # ember trains without BOS/EOS tokens (document boundaries are segment ids).
       "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
   }
+  if m.rope_scaling_factor:  # transformers before 5 reads the scaling from here.
+    c["rope_scaling"] = rope_parameters(m)
   if family(m) == "deepseek_v3":
     c.update(num_key_value_heads=m.num_heads, head_dim=m.qk_rope_head_dim, moe_intermediate_size=m.d_ff,
              intermediate_size=m.dense_width, n_routed_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
@@ -394,10 +424,11 @@ def config_mismatch(m: ModelConfig, hf: dict) -> str | None:
     problem = _deepseek_mismatch(m, hf)
     if problem:
       return problem
-  rope = hf.get("rope_parameters") or {}
+  rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}  # transformers reads rope_scaling first.
   theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-  if (rope.get("rope_type") or "default") != "default" or hf.get("rope_scaling"):
-    return "RoPE scaling is set; ember's RoPE has none"
+  problem = _rope_mismatch(m, rope)
+  if problem:
+    return problem
   eps = hf.get("rms_norm_eps", 1e-6)
   if abs(eps - m.norm_eps) > 1e-6 * max(abs(m.norm_eps), 1e-12):
     return f"rms_norm_eps is {eps!r}, config.model.norm_eps is {m.norm_eps!r}"

@@ -20,7 +20,7 @@ from ember import remat
 from ember.errors import one_line
 from ember.layers.linear import Linear, handed
 from ember.layers.norm import RMSNorm
-from ember.layers.rope import apply_rope
+from ember.layers.rope import Rope, apply_rope
 from ember.config.model import ModelConfig
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV
 from ember.parallel import context
@@ -163,7 +163,7 @@ class Attention(nnx.Module):
     self.model = model  # Its kv_copies, under the active mesh (`_kv_copies`).
     self.num_heads, self.num_kv_heads, self.head_dim = model.num_heads, model.num_kv_heads, model.head_dim
     self.groups = model.q_per_kv
-    self.rope_theta, self.implementation = model.rope_theta, model.attention
+    self.rope, self.implementation = Rope.of(model), model.attention
     common = dict(dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
     recipe_of = lambda name: recipe.for_projection(name, layer, model.num_layers)  # `quant.exclude` applied.
     self.qkv = Linear((model.d_model,), (model.num_kv_heads, self.groups + 2, model.head_dim),
@@ -190,8 +190,8 @@ class Attention(nnx.Module):
     v_BxLxKxH = shard(qkv[:, :, :, groups + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     if self.q_norm is not None:
       q_BxLxNxH, k_BxLxKxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxKxH)
-    q_BxLxNxH = apply_rope(q_BxLxNxH, positions_BxL, self.rope_theta)
-    k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope_theta)
+    q_BxLxNxH = apply_rope(q_BxLxNxH, positions_BxL, self.rope)
+    k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope)
     return tuple(checkpoint_name(a, remat.ATTENTION_INPUT) for a in (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH))
 
   def _kv_copies(self) -> int:

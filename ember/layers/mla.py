@@ -29,7 +29,7 @@ from ember import remat
 from ember.layers.attention import attend, attention_bias, write_cache
 from ember.layers.linear import Linear, handed
 from ember.layers.norm import RMSNorm
-from ember.layers.rope import apply_rope
+from ember.layers.rope import Rope, apply_rope
 from ember.config.model import ModelConfig
 from ember.quant.recipe import WEIGHT, Recipe
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH
@@ -45,7 +45,7 @@ class LatentAttention(nnx.Module):
     n, d = model.num_heads, model.d_model
     self.num_heads, self.nope, self.rope = n, model.qk_nope_head_dim, model.qk_rope_head_dim
     self.v_dim, self.kv_rank = model.v_head_dim, model.kv_lora_rank
-    self.rope_theta, self.implementation = model.rope_theta, model.attention
+    self.rotary, self.implementation = Rope.of(model), model.attention
     qk = self.nope + self.rope
     common = dict(dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs, init_std=model.init_std)
     linear = lambda name, ins, outs, axes, **kw: Linear(ins, outs, axes, name=name,
@@ -70,14 +70,14 @@ class LatentAttention(nnx.Module):
       x_BxLxD = self.q_a_norm(latent)
     q = self.q_b(x_BxLxD, key, handed(taken, "q_b"))
     q = checkpoint_name(shard(q, (BATCH, LENGTH, HEADS, HEAD_DIM)), remat.QUERY)
-    return jnp.concatenate([q[..., :self.nope], apply_rope(q[..., self.nope:], positions_BxL, self.rope_theta)], -1)
+    return jnp.concatenate([q[..., :self.nope], apply_rope(q[..., self.nope:], positions_BxL, self.rotary)], -1)
 
   def _latent(self, x_BxLxD, positions_BxL, key, taken=None):
     """(the normed latent [B, L, kv_lora_rank], the rotated RoPE key [B, L, rope]): what sampling caches."""
     kv = self.kv_a(x_BxLxD, key, handed(taken, "kv_a"))
     kv = checkpoint_name(shard(kv, (BATCH, LENGTH, None)), remat.MLA_KV_LATENT)
     latent, k_rope = kv[..., :self.kv_rank], kv[..., self.kv_rank:]
-    k_rope = apply_rope(k_rope[:, :, None, :], positions_BxL, self.rope_theta)[:, :, 0]
+    k_rope = apply_rope(k_rope[:, :, None, :], positions_BxL, self.rotary)[:, :, 0]
     return self.kv_a_norm(latent), k_rope
 
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None, taken=None):

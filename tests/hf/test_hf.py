@@ -364,7 +364,12 @@ def test_export_over_an_earlier_export_leaves_none_of_its_files(exported_dense):
   assert sorted(f for f in os.listdir(scratch) if "safetensors" in f) == ["model.safetensors"]
 
 
-@pytest.mark.parametrize("kind", KIND_PARAMS)
+# Llama 3.1's RoPE scaling ("llama3"), with an original length whose three bands (kept, mixed, scaled) all hold
+# frequencies of tiny's heads.
+ROPE_KINDS = {"llama3_rope": {"model.rope_scaling_factor": 8.0, "model.rope_original_seq_len": 64}}
+
+
+@pytest.mark.parametrize("kind", KIND_PARAMS + list(ROPE_KINDS))
 @pytest.mark.variants
 def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path):
   """A randomly initialised Llama / Mixtral / Qwen3 / Qwen3-MoE saved by transformers itself (not by ember's export) starts
@@ -372,7 +377,7 @@ def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path)
 
   # transformers' DeepseekV3 has no multi-token-prediction module to save.
   cfg = helpers.config(**{"model.dtype": "float32", "quant.recipe": "bf16", "model.rope_theta": 50000.0,
-                          **KINDS[kind], **({"model.mtp_depth": 0} if kind == "deepseek" else {})})
+                          **{**KINDS, **ROPE_KINDS}[kind], **({"model.mtp_depth": 0} if kind == "deepseek" else {})})
   start = helpers.start(cfg)
   cfg = start.cfg
   m = cfg.model

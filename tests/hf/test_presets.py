@@ -38,7 +38,17 @@ def test_qwen3_235b_a22b_reads_its_published_config():
   assert layout.config_mismatch(m, PUBLISHED["qwen3_235b_a22b"]) is None
 
 
-def test_llama31_405b_long_context_rope_is_refused_in_one_line():
-  """Llama 3.1's checkpoints carry the RoPE scaling of their 128k-token extension, which ember does not apply."""
-  problem = layout.config_mismatch(helpers.settings("llama3_405b").model, PUBLISHED["llama3_405b"])
-  assert problem and "rope" in problem.lower() and "\n" not in problem
+def test_llama31_405b_reads_its_published_config_with_its_rope_scaling():
+  """Llama 3.1's checkpoints carry the RoPE scaling of their 128k-token extension: the preset (its 8192-token
+  pretraining, unscaled) is told so in one line naming the key, and reads the config with the scaling set; the
+  export of that model writes the published RoPE parameters."""
+  published = PUBLISHED["llama3_405b"]
+  problem = layout.config_mismatch(helpers.settings("llama3_405b").model, published)
+  assert problem == "RoPE's factor is 8.0, config.model.rope_scaling_factor is 0.0"
+  scaled = helpers.settings("llama3_405b", **{"model.rope_scaling_factor": 8.0}).model
+  assert layout.config_mismatch(scaled, published) is None
+  written = layout.hf_config(scaled, "bfloat16")
+  assert written["rope_parameters"] == written["rope_scaling"] == {**published["rope_scaling"], "rope_theta": 500000.0}
+  other = dict(published, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+  assert layout.config_mismatch(scaled, other) == ("RoPE type 'yarn' is set; ember's RoPE is the default or Llama "
+                                                   "3.1's (llama3)")

@@ -12,7 +12,7 @@ from flax import nnx
 from ember.config import derive
 from ember.layers.decoder import Transformer
 from ember.layers.norm import RMSNorm
-from ember.layers.rope import apply_rope
+from ember.layers.rope import Rope, apply_rope
 from ember.trainer.state import build_model, split_model
 from tests.helpers import config
 
@@ -39,6 +39,28 @@ def test_rope_matches_complex_rotation():
   # Position 0 is the identity, and a rotation keeps norms.
   np.testing.assert_allclose(apply_rope(jnp.asarray(x), jnp.zeros((b, l), jnp.int32), theta), x, atol=0)
   np.testing.assert_allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_llama31_rope_scaling_is_meta_llamas_rule():
+  """Llama 3.1's frequencies, in float64 from the rule as its reference code writes it (each frequency by its
+  wavelength: kept below original / high_freq_factor, divided by the factor past original / low_freq_factor, a smooth
+  mix between), for Llama 3.1's own head, base and factors: every band holds some of the 64 frequencies."""
+  h, theta, factor, low, high, original = 128, 500000.0, 8.0, 1.0, 4.0, 8192
+  rope = Rope(theta, factor, low, high, original)
+  want = []
+  for f in theta ** (-np.arange(0, h, 2) / h):
+    wavelength = 2 * np.pi / f
+    if wavelength < original / high:
+      want.append(f)
+    elif wavelength > original / low:
+      want.append(f / factor)
+    else:
+      smooth = (original / wavelength - low) / (high - low)
+      want.append((1 - smooth) * f / factor + smooth * f)
+  got = np.asarray(rope.frequencies(h))
+  np.testing.assert_allclose(got, want, rtol=2e-6)
+  base = np.asarray(Rope(theta).frequencies(h))
+  assert (got == base).any() and (got == base / factor).any() and ((got != base) & (got != base / factor)).any()
 
 
 def test_rmsnorm_matches_formula():
