@@ -55,7 +55,8 @@ CASES = [
     (["--config.quant.exclude=(bad"], "config.quant.exclude: entry '(bad' is not a projection"),
     (["--config.quant.exclude=('layers.1*',)"], "config.quant.exclude: entry 'layers.1*' is not a projection"),
     (["--config.quant.exclude=('layers[7]',)"], "config.quant.exclude: entry 'layers[7]': layer 7 is outside"),
-    (["--config.model.vocab_size=128"], "config.model.vocab_size: 128 is smaller than the tokenizer's vocabulary (256)"),
+    (["--config.model.vocab_size=128"],
+     "config.model.vocab_size: 128 is smaller than the tokenizer's vocabulary (256)"),
     (["--config.data.source=synthetic", "--config.model.vocab_size=128",  # A mixture's text is tokenized too.
       "--config.data.mixture=(('code', 'text', '', '', 1.0),)"],
      "config.model.vocab_size: 128 is smaller than the tokenizer's vocabulary (256)"),

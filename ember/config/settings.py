@@ -364,7 +364,8 @@ class Settings:
     phases = tuple((start, quant if start == 0 else recipe(phase.quant))
                    for start, phase in config_phases.precision_phases(cfg))
     # `~` expanded once, here: every file of the run (checkpoints, metrics, TensorBoard) is then under one directory.
-    settings = cls(workdir=os.path.expanduser(cfg.workdir), seed=cfg.seed, steps=cfg.steps, model=model, train=train, quant=quant,
+    settings = cls(workdir=os.path.expanduser(cfg.workdir), seed=cfg.seed, steps=cfg.steps, model=model, train=train,
+                   quant=quant,
                    remat=section(Remat, cfg.remat), data=data, mesh=section(Mesh, cfg.mesh),
                    pipeline=section(Pipeline, cfg.pipeline), checkpoint=section(Checkpoint, cfg.checkpoint),
                    log=section(Log, cfg.log), distributed=section(Distributed, cfg.distributed), phases=phases,

@@ -96,7 +96,8 @@ def phase_weights(cfg: Settings) -> list[tuple[Settings, float]]:
   return [(cfg.at_phase(first[recipe]), share[recipe]) for recipe in first]
 
 
-def measure_phases(cfg: Settings, mesh, tx, schedule, names, *, compiler_options: dict | None = None) -> list[Candidate]:
+def measure_phases(cfg: Settings, mesh, tx, schedule, names, *,
+                   compiler_options: dict | None = None) -> list[Candidate]:
   """`measure` under every precision phase's recipe: each preset at its largest peak over the phases, its FLOPs and
   predicted step weighted by the phases' shares of the steps (one phase: `measure`'s figures)."""
   phases = phase_weights(cfg)

@@ -94,7 +94,8 @@ def cast_toward_zero(x: jax.Array, dtype) -> jax.Array:
   exact float32 steps, as `kernels.round_like`: a compiler that allows excess precision (XLA's default on GPUs)
   drops a narrowing round trip, so a check of the cast against `x` would always pass there. The float32 mantissa
   bits dtype lacks are cleared (bfloat16's subnormals are float32's, cleared alike); below float16's normal range,
-  where its steps are 2**-24 apart, x is truncated to a multiple of that step. Either is exact in dtype, and so is the cast after it."""
+  where its steps are 2**-24 apart, x is truncated to a multiple of that step. Either is exact in dtype, and so is
+  the cast after it."""
   x = x.astype(jnp.float32)
   info = jnp.finfo(dtype)
   if info.nmant >= 23:

@@ -60,7 +60,7 @@ def test_array_record_ids_outside_the_vocabulary_are_a_data_error(data_cfg, tmp_
   writer.close()
   cfg = data_cfg(source="array_record", path=str(tmp_path / "*.array_record"), eval_fraction=0.0)
   it = make_iterator(cfg, seq_len=16, global_batch_size=2, seed=0, split="train", vocab_size=256)
-  with pytest.raises(DataError, match=rf"docs.array_record: record 1 holds token id {bad}, outside model.vocab_size=256"):
+  with pytest.raises(DataError, match=rf"docs.array_record: record 1 holds token id {bad}, outside model.vocab_size="):
     for _ in range(8):
       next(it)
 
