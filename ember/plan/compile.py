@@ -98,6 +98,8 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
   }
   if attention_note:
     report["attention_note"] = attention_note
+  if len(cfg.phases) > 1:  # The step compiled is the first phase's; a precision schedule's others compile apart.
+    report["precision_phases"] = [[start, recipe.name] for start, recipe in cfg.phases]
   num_devices = len(mesh.devices.flat)
   per_device = work_per_device(cfg, num_devices)
   m = cost.Machine.of_mesh(mesh)  # A target's nodes are its processes, as a run's.

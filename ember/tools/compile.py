@@ -85,9 +85,12 @@ def format_report(r: dict) -> str:
   collectives = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(r["collectives"].items())) or "none"
   g = r["gemms"]
   attention = r["attention"] + (f" ({r['attention_note']})" if r.get("attention_note") else "")
+  phases = r.get("precision_phases")
+  later = "" if not phases else ("; the precision schedule's later phases compile apart (--config.quant.* as they "
+                                 "set them): " + ", ".join(f"{name} from step {start}" for start, name in phases[1:]))
   return "\n".join([
       f"{r['model']} on {r['target']} ({r['num_devices']} x {r['device_kind']}), mesh {r['mesh']}, recipe "
-      f"{r['recipe']}, remat {r['remat_policy']}, batch {r['batch_size']} x {r['seq_len']}",
+      f"{r['recipe']}, remat {r['remat_policy']}, batch {r['batch_size']} x {r['seq_len']}{later}",
       f"  fits:        {'yes' if r['fits'] else 'NO'}: peak {r['peak_bytes'] / gib:.2f} GiB of {memory} per device",
       f"  memory:      arguments {r['argument_bytes'] / gib:.2f} GiB (parameters, optimizer state, batch), outputs "
       f"{r['output_bytes'] / gib:.2f} GiB ({r['alias_bytes'] / gib:.2f} aliased), temporaries "

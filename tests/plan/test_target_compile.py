@@ -51,6 +51,15 @@ def report(target, *flags):
   return compile_report(loaded(["compile", *TINY, *flags]), target_lib.parse(target))
 
 
+def test_a_scheduled_config_reports_its_first_phase_and_names_the_others():
+  """The step compiled is phase 0's; the report says which phases the schedule switches to, and when."""
+  from ember.tools.compile import format_report
+  r = report("h100x1", "--config.quant.recipe=fp8_current", "--config.quant.schedule=((0.5, {'recipe': 'bf16'}),)")
+  assert r["recipe"] == "fp8_current" and r["gemms"]["fp8"] > 0
+  assert r["precision_phases"] == [[0, "fp8_current"], [100, "bf16"]]
+  assert "later phases compile apart (--config.quant.* as they set them): bf16 from step 100" in format_report(r)
+
+
 @pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
 def test_fp8_gemms_forward_dgrad_wgrad(recipe):
   r = report("h100x1", f"--config.quant.recipe={recipe}", "--config.remat.policy=none")
