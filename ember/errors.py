@@ -14,6 +14,7 @@ Every exit status of train.py (docs/multihost.md, "When a job fails", says what 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from typing import NoReturn
@@ -85,7 +86,6 @@ def first_process() -> bool:
   knows it for sure, takes seconds to import; a `--config.distributed.process_id` is known from the join on)."""
   if _process_index is not None:
     return _process_index == 0
-  import os
   return all(os.environ.get(k, "0") in ("", "0") for k in ("EMBER_PROCESS_ID", "SLURM_PROCID"))
 
 

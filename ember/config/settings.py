@@ -365,8 +365,7 @@ class Settings:
                    for start, phase in config_phases.precision_phases(cfg))
     # `~` expanded once, here: every file of the run (checkpoints, metrics, TensorBoard) is then under one directory.
     settings = cls(workdir=os.path.expanduser(cfg.workdir), seed=cfg.seed, steps=cfg.steps, model=model, train=train,
-                   quant=quant,
-                   remat=section(Remat, cfg.remat), data=data, mesh=section(Mesh, cfg.mesh),
+                   quant=quant, remat=section(Remat, cfg.remat), data=data, mesh=section(Mesh, cfg.mesh),
                    pipeline=section(Pipeline, cfg.pipeline), checkpoint=section(Checkpoint, cfg.checkpoint),
                    log=section(Log, cfg.log), distributed=section(Distributed, cfg.distributed), phases=phases,
                    schedule=_plain(cfg.quant.schedule))

@@ -48,9 +48,8 @@ class Rope:
     return jnp.where(medium, smoothed, scaled)
 
 
-def apply_rope(x_BxLxNxH: jax.Array, positions_BxL: jax.Array, rope: Rope | float) -> jax.Array:
-  """`x` rotated by its tokens' positions; `rope` a `Rope`, or a bare base theta."""
-  rope = rope if isinstance(rope, Rope) else Rope(float(rope))
+def apply_rope(x_BxLxNxH: jax.Array, positions_BxL: jax.Array, rope: Rope) -> jax.Array:
+  """`x` rotated by its tokens' positions."""
   h = x_BxLxNxH.shape[-1]
   angle_BxLx1xH2 = positions_BxL.astype(jnp.float32)[:, :, None, None] * rope.frequencies(h)
   sin, cos = jnp.sin(angle_BxLx1xH2), jnp.cos(angle_BxLx1xH2)

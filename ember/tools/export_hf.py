@@ -66,8 +66,8 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
   params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Any(nnx.Param, RouterBias) if deepseek
                                                      else nnx.Param)))
   np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-  tensors = {name: w.astype(layout.export_dtype(m, name, np_dtype)) for name, w in layout.to_hf(m, cfg.quant,
-                                                                                               params).items()}
+  hf_tensors = layout.to_hf(m, cfg.quant, params)
+  tensors = {name: w.astype(layout.export_dtype(m, name, np_dtype)) for name, w in hf_tensors.items()}
   try:
     os.makedirs(out, exist_ok=True)
   except OSError as e:  # Where the permission bits allow it but the file system does not (/proc, read-only).

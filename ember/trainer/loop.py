@@ -144,15 +144,13 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
       timed_from = timed_from or (done, time.time(), run.interval.excluded_s)
       if run.profiler.stops(done):  # Writing a trace takes its time, left out of the speed like a checkpoint's.
         run.watchdog.expect(f"the profile's write at step {done}", run.deadlines.long(), Deadlines.LONG_KEY)
-      written = time.time()
-      run.profiler.after(done)
-      run.interval.exclude(time.time() - written)
+      with run.interval.left_out():
+        run.profiler.after(done)
       stopping = _preempted(run, done)
       _log(run, done, step_metrics, stopping)
-      hooks = time.time()
-      _evaluate(run, done)
-      _checkpoint(run, done, stopping)
-      run.interval.exclude(time.time() - hooks)  # Speed and MFU are the steps': an evaluation is not training.
+      with run.interval.left_out():  # Speed and MFU are the steps': an evaluation is not training.
+        _evaluate(run, done)
+        _checkpoint(run, done, stopping)
       if stopping:
         console(f"preempted ({run.preemption.signal}): saved a checkpoint at step {done} in {run.ckpt.directory} and "
                 "stopped")
@@ -346,9 +344,8 @@ def _log(run: _Run, done: int, step_metrics, stopping: bool) -> None:
   record = {"step": done, **{k: float(v) for k, v in host.items()}, **run.interval.take(done),
             "skipped_steps": run.skips.total}
   if jax.process_count() > 1:
-    probed = time.time()
-    straggler, warning = run.stragglers.take(distributed.gather_over_processes)
-    run.interval.exclude(time.time() - probed)  # The probe (its compile, then its runs) measures; it trains nothing.
+    with run.interval.left_out():  # The probe (its compile, then its runs) measures; it trains nothing.
+      straggler, warning = run.stragglers.take(distributed.gather_over_processes)
     record.update(straggler)
     if warning:
       console(f"warning: {warning}")
@@ -441,6 +438,15 @@ class _Interval:
     speed (`_summary`)."""
     self.t_last += seconds
     self.excluded_s += seconds
+
+  @contextlib.contextmanager
+  def left_out(self):
+    """`exclude`s the time the block takes."""
+    start = time.time()
+    try:
+      yield
+    finally:
+      self.exclude(time.time() - start)
 
   def take(self, done: int) -> dict:
     now = time.time()

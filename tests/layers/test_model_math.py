@@ -34,10 +34,10 @@ def test_rope_matches_complex_rotation():
   freq = theta ** (-np.arange(0, h, 2) / h)
   z = z * np.exp(1j * pos[:, :, None, None] * freq)
   expected = np.concatenate([z.real, z.imag], axis=-1)
-  got = apply_rope(jnp.asarray(x), jnp.asarray(pos), theta)
+  got = apply_rope(jnp.asarray(x), jnp.asarray(pos), Rope(theta))
   np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
   # Position 0 is the identity, and a rotation keeps norms.
-  np.testing.assert_allclose(apply_rope(jnp.asarray(x), jnp.zeros((b, l), jnp.int32), theta), x, atol=0)
+  np.testing.assert_allclose(apply_rope(jnp.asarray(x), jnp.zeros((b, l), jnp.int32), Rope(theta)), x, atol=0)
   np.testing.assert_allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
 
 
