@@ -232,7 +232,7 @@ def _local(plan: _Plan, h_BxLxD, w_read, targets_BxL, weights_BxL, count, key, *
       out, head_vjp = jax.vjp(apply, h, w)
     else:
       out = apply(h, w)
-    lse = jax.nn.logsumexp(out, axis=-1)
+    lse = _logsumexp(out)
     hit = jax.lax.broadcasted_iota(jnp.int32, out.shape, 2) == targets[..., None]
     target_logit = jnp.sum(jnp.where(hit, out, 0.0), axis=-1)
     sums = jnp.stack([jnp.sum((lse - target_logit) * weights), jnp.sum(lse * lse * weights)])
@@ -262,6 +262,29 @@ def _local(plan: _Plan, h_BxLxD, w_read, targets_BxL, weights_BxL, count, key, *
     return out, None, None
   dh_NxBxCxD = jnp.concatenate([dh0[None], dh_rest])  # [n, B, L / n, D]: back to the positions' order.
   return out, jnp.moveaxis(dh_NxBxCxD, 0, 2).reshape(b, l, d), dw[None]
+
+
+def _logsumexp(x_BxCxV):
+  """log(sum(exp(x))) over the vocab, reading the chunk's float32 logits once: one reduction of (running max, sum
+  of exp(x - running max)) pairs, as online softmax does, where `jax.nn.logsumexp` reads them twice (its max, then
+  its sum). Where the vocab is split over mesh axes (the head's tensor parallelism) the pairs cannot be combined by
+  an all-reduce, and the two-read form is kept."""
+  mesh = active_mesh()
+  split = mesh is not None and math.prod(
+      mesh.shape[a] for e in logical_to_spec((VOCAB,), active_rules(), mesh) for a in entry_axes(e)) > 1
+  if split:
+    return jax.nn.logsumexp(x_BxCxV, axis=-1)
+
+  def combine(a, b):
+    (m_a, s_a), (m_b, s_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    # A side that holds nothing yet (max -inf, sum 0) adds nothing; exp(-inf - -inf) would be NaN.
+    scaled = lambda m_x, s_x: jnp.where(s_x > 0, s_x * jnp.exp(m_x - m), 0.0)
+    return m, scaled(m_a, s_a) + scaled(m_b, s_b)
+
+  m, s = jax.lax.reduce((x_BxCxV, jnp.ones_like(x_BxCxV)), (jnp.array(-jnp.inf, F32), jnp.array(0.0, F32)),
+                        combine, (x_BxCxV.ndim - 1,))
+  return m + jnp.log(s)
 
 
 def _logits(logits: Callable, h_BxCxD, w_DxV, key):

@@ -8,7 +8,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember.layers.decoder import Head
 from ember.parallel.sharding import use_rules
-from ember.trainer.loss import cross_entropy, num_chunks
+from ember.trainer.loss import _logsumexp, cross_entropy, num_chunks
 
 
 def _matmul_logits(h, w, key=None):
@@ -39,6 +39,19 @@ def _case():
 
 def _loss(targets, weights, chunk_size, z_weight=0.1):
   return lambda h, w: cross_entropy(h, targets, weights, _head(w), chunk_size=chunk_size, z_loss_weight=z_weight)[0]
+
+
+def test_one_pass_logsumexp_matches_float64():
+  """The (running max, rescaled sum) reduction against log(sum(exp)) in float64, on rows that stress the rescaling:
+  one logit far above the rest, all equal, a huge spread, large negative values, the maximum at either end."""
+  rng = np.random.default_rng(0)
+  rows = [rng.normal(0, 3, 1000), np.full(1000, 7.5), rng.normal(0, 3, 1000) + np.eye(1000)[417] * 80,
+          rng.uniform(-3e4, 3e4, 1000), rng.normal(-500, 1, 1000), np.arange(1000.0) / 10, -np.arange(1000.0) / 10]
+  x = np.stack(rows)[None].astype(np.float32)  # [1, 7, 1000]: a chunk's [batch, tokens, vocab]
+  x64 = x.astype(np.float64)
+  top = x64.max(-1, keepdims=True)
+  expected = (top + np.log(np.exp(x64 - top).sum(-1, keepdims=True)))[..., 0]
+  np.testing.assert_allclose(jax.jit(_logsumexp)(jnp.asarray(x)), expected, rtol=2e-7)
 
 
 @pytest.mark.parametrize("chunk_size", [0, 10, 8, 6])  # 1, 4, 5 and 8 chunks of 40 positions.
