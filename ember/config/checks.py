@@ -99,6 +99,22 @@ def _validate_data(s: Settings) -> None:
   kinds = train_kinds | ({source for _, source, *_ in d.eval_mixture} or train_kinds)
   if kinds != {"synthetic"} and (vocab := tokenizer_vocab(d.tokenizer)) > s.model.vocab_size:
     bad_key("model.vocab_size", f"{s.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab})")
+  if kinds != {"synthetic"} and (shipped := _hf_tokenizer(s.checkpoint.init_from_hf)):
+    # Weights trained on one tokenizer's ids, fed another's (the byte default, say), train without an error.
+    if (vocab := tokenizer_vocab(d.tokenizer)) != (theirs := tokenizer_vocab(shipped)):
+      bad_key("data.tokenizer", f"{d.tokenizer!r} ({vocab} ids) is not the tokenizer the weights of "
+              f"checkpoint.init_from_hf were trained with ({shipped}, {theirs} ids); set "
+              f"data.tokenizer={s.checkpoint.init_from_hf}")
+
+
+def _hf_tokenizer(directory: str) -> str | None:
+  """The tokenizer a Hugging Face model directory ships (tokenizer.json, or SentencePiece's tokenizer.model), or
+  None (no directory, or none shipped)."""
+  for name in ("tokenizer.json", "tokenizer.model"):
+    path = os.path.join(os.path.expanduser(directory), name) if directory else ""
+    if path and os.path.isfile(path):
+      return path
+  return None
 
 
 def _validate_paths(s: Settings) -> None:

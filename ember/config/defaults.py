@@ -10,6 +10,10 @@ import ml_collections
 
 from ember.quant.recipe import UNQUANTIZED
 
+# data.eval_fraction's default, also the tokenizer trainer's (ember/data/train_tokenizer.py), so the documents a
+# run holds out for eval are ones its tokenizer never read.
+EVAL_FRACTION = 0.05
+
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -174,7 +178,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.source = "text"  # synthetic | text | array_record | tfds | hf | jsonl | parquet.
   d.path = ""  # text: glob of files ("" = this interpreter's stdlib *.py); array_record: glob of files.
   d.tokenizer = "byte"  # "byte", a SentencePiece .model file, or a Hugging Face tokenizer.json (or its directory).
-  d.eval_fraction = 0.05  # Share of documents held out for eval (by a hash of their name); the default
+  d.eval_fraction = EVAL_FRACTION  # Share of documents held out for eval (by a hash of their name); the default
   # corpus has ~1,800 files, and at 2% a few large ones would dominate the eval bytes.
   d.chunk_shuffle_window = 16384  # Chunks shuffled together before packing (~200 stdlib files): batches
   # mix many documents, so consecutive steps do not train on the same few files. 0 = off. Synthetic data: at most 64

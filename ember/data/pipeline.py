@@ -30,6 +30,7 @@ per row and overlap with the device through JAX's asynchronous dispatch. (Grain 
 import dataclasses
 
 import grain
+import numpy as np
 
 from ember.data import packing, sources, tokenizers
 from ember.data.mixing import TokenMix
@@ -42,7 +43,11 @@ SYNTHETIC_WINDOW = 64  # The most batches of synthetic chunks shuffled together 
 def _tokenize(tokenizer):
   """Text documents to token ids; a list (a Parquet row group) stays a list of documents."""
   def one(doc):
-    return doc if not isinstance(doc, bytes) else tokenizer.encode(doc)
+    if not isinstance(doc, bytes):
+      return doc
+    # An empty document (a skipped bad record, or empty text) is no tokens: encoded, a tokenizer that adds BOS
+    # would make it [BOS, EOS], two tokens the packer keeps and the loss trains on.
+    return tokenizer.encode(doc) if doc else np.zeros(0, np.int32)
   return lambda doc: [one(d) for d in doc] if isinstance(doc, list) else one(doc)
 
 

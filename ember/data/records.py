@@ -100,10 +100,13 @@ def _open_compressed(path: str):
 def line_offsets(path: str) -> np.ndarray:
   """Start offsets of the non-blank lines of a file (scanned in 1 MiB reads; offsets only in memory)."""
   after_newlines, size = [np.zeros(1, np.int64)], 0
-  with open(path, "rb") as f:
-    while block := f.read(1 << 20):
-      after_newlines.append(np.flatnonzero(np.frombuffer(block, np.uint8) == 10).astype(np.int64) + size + 1)
-      size += len(block)
+  try:
+    with open(path, "rb") as f:
+      while block := f.read(1 << 20):
+        after_newlines.append(np.flatnonzero(np.frombuffer(block, np.uint8) == 10).astype(np.int64) + size + 1)
+        size += len(block)
+  except OSError as e:
+    raise DataError(f"data.path: cannot read {path} ({one_line(e)})") from e
   starts = np.concatenate(after_newlines)
   ends = np.append(starts[1:], size)
   ends_in_newline = np.arange(len(starts)) < len(starts) - 1

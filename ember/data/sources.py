@@ -115,8 +115,11 @@ def list_files(path: str, key: str = "data.path") -> tuple[list[str], str]:
 
 
 def _read_bytes(path: str) -> bytes:
-  with open(path, "rb") as f:
-    return f.read()
+  try:
+    with open(path, "rb") as f:
+      return f.read()
+  except OSError as e:
+    raise DataError(f"data.path: cannot read {path} ({one_line(e)})") from e
 
 
 def text_documents(path: str, split: str, eval_fraction: float) -> grain.MapDataset:
@@ -154,11 +157,19 @@ def array_record_documents(path: str, split: str, eval_fraction: float, vocab_si
   keep = split_indices(hashes, split, eval_fraction, f"data.path={path!r}")
   ends = np.cumsum(counts)
 
+  def where(k):
+    file = int(np.searchsorted(ends, int(k), side="right"))
+    return f"{files[file]}: record {int(k) - (ends[file - 1] if file else 0)}"
+
   def load(k):
-    ids = decode_record(source[int(k)])
+    record = source[int(k)]
+    if len(record) % 4:
+      raise DataError(f"{where(k)} is {len(record)} bytes, not whole little-endian int32 token ids; write the "
+                      "files with python -m ember.data.write_array_record")
+    ids = decode_record(record)
     if ids.size and not (0 <= ids.min() and ids.max() < vocab_size):
-      bad, file = ids.min() if ids.min() < 0 else ids.max(), int(np.searchsorted(ends, int(k), side="right"))
-      raise DataError(f"{files[file]}: record {int(k) - (ends[file - 1] if file else 0)} holds token id {bad}, "
+      bad = ids.min() if ids.min() < 0 else ids.max()
+      raise DataError(f"{where(k)} holds token id {bad}, "
                       f"outside model.vocab_size={vocab_size}; write the files with the run's tokenizer "
                       "(python -m ember.data.write_array_record --tokenizer=...) or raise model.vocab_size")
     return ids
@@ -254,13 +265,16 @@ def hf_documents(dataset: str, config: str, hf_split: str, text_key: str, cache_
   if text_key not in ds.column_names:
     raise DataError(f"data.text_key: {dataset!r} has no column {text_key!r}; its columns: "
                     f"{', '.join(ds.column_names)}")
+  feature = ds.features[text_key]
+  if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+    raise DataError(f"data.text_key: column {text_key!r} of {dataset!r} holds {feature}, not text")
   ds = ds.select_columns([text_key])
   keep = split_indices(mix64(np.arange(len(ds), dtype=np.uint64) ^ np.uint64(name_hash(dataset))),
                        split, eval_fraction, "data.hf_dataset")
 
   def load(k):
     text = ds[int(k)][text_key]  # None (a null record): an empty document, which packs into nothing.
-    return b"" if text is None else text.encode() if isinstance(text, str) else bytes(text)
+    return b"" if text is None else text.encode()
 
   return grain.MapDataset.source(keep).map(load)
 

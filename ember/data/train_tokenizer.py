@@ -15,6 +15,7 @@ import itertools
 import os
 import sys
 
+from ember.config.defaults import EVAL_FRACTION
 from ember.data import sources
 from ember.errors import ArgumentParser, DataError, EmberError, fail_and_exit
 
@@ -30,7 +31,7 @@ def _sentences(docs, max_docs: int):
 
 def train(*, source: str, path: str, vocab_size: int, out: str, max_docs: int = 0,
           input_sentence_size: int = 1_000_000, model_type: str = "bpe",
-          eval_fraction: float = 0.02, tfds_name: str = "", tfds_data_dir: str = "",
+          eval_fraction: float = EVAL_FRACTION, tfds_name: str = "", tfds_data_dir: str = "",
           tfds_text_key: str = "text") -> str:
   """Trains and writes `out + ".model"`; returns that path."""
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top
@@ -73,8 +74,8 @@ def main(argv=None) -> int:
   p.add_argument("--input_sentence_size", type=int, default=1_000_000,
                  help="train on at most this many lines")
   p.add_argument("--model_type", default="bpe", help="bpe | unigram")
-  p.add_argument("--eval_fraction", type=float, default=0.02,
-                 help="must match data.eval_fraction so eval documents stay unseen")
+  p.add_argument("--eval_fraction", type=float, default=EVAL_FRACTION,
+                 help="must match data.eval_fraction (default: its default) so eval documents stay unseen")
   p.add_argument("--tfds_name", default="")
   p.add_argument("--tfds_data_dir", default="")
   p.add_argument("--tfds_text_key", default="text")

@@ -40,10 +40,12 @@ def test_the_splits_are_disjoint_and_cover_the_records(hf_folder, tmp_path):
   assert sorted(read["train"] + read["eval"]) == sorted(texts)
 
 
-def test_a_missing_column_or_dataset_is_one_line(hf_folder, tmp_path):
+def test_a_missing_or_non_text_column_or_dataset_is_one_line(hf_folder, tmp_path):
   folder, _ = hf_folder
   with pytest.raises(DataError, match=r"data.text_key: .* has no column 'content'; its columns: id, text"):
     sources.hf_documents(str(folder), "", "train", "content", "", "train", 0.1)
+  with pytest.raises(DataError, match=r"data.text_key: column 'id' of .* holds Value\('int64'.*, not text"):
+    sources.hf_documents(str(folder), "", "train", "id", "", "train", 0.1)  # Ints would train as NUL bytes.
   with pytest.raises(DataError, match=r"data.hf_dataset: cannot load '.*nowhere'"):
     sources.hf_documents(str(tmp_path / "nowhere"), "", "train", "text", "", "train", 0.1)
 

@@ -65,6 +65,29 @@ def test_array_record_ids_outside_the_vocabulary_are_a_data_error(data_cfg, tmp_
       next(it)
 
 
+def test_array_record_records_of_other_widths_are_a_data_error(data_cfg, tmp_path):
+  """Files of uint16 ids (another tool's): an odd count was a traceback, an even one ids merged in pairs."""
+  from array_record.python.array_record_module import ArrayRecordWriter
+  writer = ArrayRecordWriter(str(tmp_path / "docs.array_record"), "group_size:1")
+  for _ in range(2):
+    writer.write(np.arange(7, dtype="<u2").tobytes())
+  writer.close()
+  cfg = data_cfg(source="array_record", path=str(tmp_path / "*.array_record"), eval_fraction=0.0)
+  ds = sources.open_documents(cfg, "train", seed=0, vocab_size=256)
+  with pytest.raises(DataError, match=r"docs.array_record: record [01] is 14 bytes, not whole little-endian int32"):
+    ds[0]
+
+
+def test_a_file_gone_unreadable_is_a_data_error(data_cfg, tmp_path):
+  for name in ("a", "b"):
+    (tmp_path / f"{name}.txt").write_text(f"document {name} " * 20)
+  ds = sources.open_documents(data_cfg(source="text", path=str(tmp_path / "*.txt"), eval_fraction=0.0), "train",
+                              seed=0, vocab_size=256)
+  (tmp_path / "a.txt").unlink()  # Listed, then gone (or unreadable) by the time a reader opens it.
+  with pytest.raises(DataError, match=r"data.path: cannot read .*a.txt \("):
+    [ds[i] for i in range(len(ds))]
+
+
 def test_synthetic_is_deterministic_and_learnable(data_cfg):
   doc = sources.synthetic_document(0, 5, 256)
   np.testing.assert_array_equal(doc, sources.synthetic_document(0, 5, 256))

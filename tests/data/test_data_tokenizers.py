@@ -1,4 +1,5 @@
 """Tokenizers: the byte round trip and a SentencePiece model trained by the CLI."""
+import inspect
 import os
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import pytest
 from ember.config import derive
 from ember.data import ByteTokenizer, DataError, build_tokenizer, make_iterator
 from ember.tools.sample import prompt_ids
-from tests.helpers import config
+from ember.errors import ConfigError
+from tests.helpers import checked, config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -80,3 +82,48 @@ def test_a_hugging_face_tokenizer_ends_documents_with_eos_but_not_prompts(tmp_pa
   hf = build_tokenizer(config(**{"data.tokenizer": str(tmp_path / "tokenizer.json")}).data)
   assert hf.encode("hello world").tolist() == [2, 3, 1]
   assert [ids.tolist() for ids in prompt_ids(hf, ["hello world", "world"])] == [[2, 3], [3]]
+
+
+def _bos_tokenizer(directory):
+  """A Hugging Face tokenizer that opens every text with BOS (as Llama 3's does) and names its EOS."""
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<s>": 0, "</s>": 1, "hello": 2, "world": 3, "[UNK]": 4},
+                                                         unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+  tok.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+  return str(directory / "tokenizer.json")
+
+
+def test_an_empty_document_is_no_tokens_not_bos_then_eos(tmp_path):
+  """Empty texts and skipped bad records are empty documents: with a tokenizer that adds BOS they were [BOS, EOS],
+  a two-token segment the loss trained on."""
+  path = _bos_tokenizer(tmp_path)
+  lines = ['{"text": "hello world hello"}', '{"text": ""}', '{"id": 3}', "not json"] * 8
+  (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+  cfg = config(**{"data.source": "jsonl", "data.path": str(tmp_path / "docs.jsonl"), "data.tokenizer": path,
+                  "data.eval_fraction": 0.0}).data
+  batch = next(make_iterator(cfg, seq_len=16, global_batch_size=4, seed=0, split="train", vocab_size=5))
+  for inputs, segments in zip(batch["inputs"], batch["segment_ids"]):
+    for s in set(segments.tolist()) - {0}:
+      assert inputs[segments == s].tolist() == [0, 2, 3, 2]  # BOS hello world hello; its target row ends in EOS.
+
+
+def test_weights_from_hugging_face_need_their_own_tokenizer(tmp_path):
+  """checkpoint.init_from_hf with the byte default (or any tokenizer of another vocabulary) would train the
+  weights on other ids, silently: the config names data.tokenizer."""
+  _bos_tokenizer(tmp_path)
+  (tmp_path / "config.json").write_text("{}")
+  run = lambda **o: checked(config(**{"data.source": "text", "checkpoint.init_from_hf": str(tmp_path), **o}))
+  with pytest.raises(ConfigError, match=r"config.data.tokenizer: 'byte' \(256 ids\) is not the tokenizer the "
+                                        r"weights of checkpoint.init_from_hf were trained with \(.*tokenizer.json, 5 ids"):
+    run()
+  run(**{"data.tokenizer": str(tmp_path)})  # Its own: accepted.
+  run(**{"data.source": "synthetic"})  # No text read: nothing to tokenize.
+
+
+def test_the_tokenizer_trainer_holds_out_the_run_eval_documents():
+  from ember.config.defaults import get_config
+  from ember.data.train_tokenizer import train
+  assert inspect.signature(train).parameters["eval_fraction"].default == get_config().data.eval_fraction
