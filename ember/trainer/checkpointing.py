@@ -85,6 +85,24 @@ def _abstract_target(abstract: TrainState, shardings: TrainState) -> dict:
   return jax.tree.map(to_struct, _as_dict(abstract), _as_dict(shardings))
 
 
+def _in_saved_dtypes(target: dict, saved) -> dict:
+  """`target` (ShapeDtypeStructs) with each array's dtype as the checkpoint holds it. A run may change a dtype
+  (train.optimizer_state_dtype, model.param_dtype) and resume: restored as saved, the arrays can be checked against
+  their fingerprints, then cast (`_in_target_dtypes`); restored cast, they would not match them and the sound step
+  would be moved aside as damaged."""
+  held = {name: getattr(leaf, "dtype", None) for name, leaf in _leaves_by_name(saved).items()}
+
+  def as_saved(path, t):
+    dtype = held.get(_path_name(path))
+    return t if dtype is None or dtype == t.dtype else jax.ShapeDtypeStruct(t.shape, dtype, sharding=t.sharding)
+  return jax.tree_util.tree_map_with_path(as_saved, target)
+
+
+def _in_target_dtypes(restored: dict, target: dict) -> dict:
+  """The restored arrays (`_in_saved_dtypes`) cast to this config's dtypes, on their shardings."""
+  return jax.tree.map(lambda r, t: r if r.dtype == t.dtype else r.astype(t.dtype), restored, target)
+
+
 def _path_name(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
@@ -255,7 +273,9 @@ class Checkpointer:
     """The state of `step` onto `shardings`; sets `data_it` to the saved position (with a warning
     and the iterator's start if the position cannot be mapped onto this run's shards)."""
     # Not strict: `check` allowed a stacked leaf's rows to differ by padding alone, which Orbax truncates or pads.
-    items = dict(state=ocp.args.StandardRestore(_abstract_target(abstract, shardings), strict=False))
+    target = _abstract_target(abstract, shardings)
+    as_saved = _in_saved_dtypes(target, _state_metadata(self.manager, step))
+    items = dict(state=ocp.args.StandardRestore(as_saved, strict=False))
     data_dir = storage.join(self._step_dir(step), "data")
     if data_it is not None and not _data_files(data_dir):
       # The run saves its data position with every step: without one the step is incomplete, and a resume from it
@@ -265,7 +285,7 @@ class Checkpointer:
     _verify(self._step_dir(step), restored["state"], f"step {step}")
     if data_it is not None:  # From every process's file: the shards a process reads follow the mesh, not its index.
       restore_data_position(data_dir, data_it)
-    return TrainState(**restored["state"])
+    return TrainState(**_in_target_dtypes(restored["state"], target))
 
   def restore_latest(self, targets: Callable[[int], tuple[TrainState, TrainState]],
                      data_it: ShardedIterator | None, *, seed: int,
@@ -399,8 +419,9 @@ def restore_from(path: str, targets: Callable[[int], tuple[TrainState, TrainStat
       state = dataclasses.replace(init(), params=params)
     else:
       check_shapes(saved, target, what, padding=padding)
-      restored = _restore_checked(manager, directory, step, ocp.args.StandardRestore(target, strict=False), what)
-      state = TrainState(**restored)
+      as_saved = _in_saved_dtypes(target, saved)
+      restored = _restore_checked(manager, directory, step, ocp.args.StandardRestore(as_saved, strict=False), what)
+      state = TrainState(**_in_target_dtypes(restored, target))
       if data_it is not None:
         restore_data_position(storage.join(directory, str(step), "data"), data_it)
   finally:
@@ -432,11 +453,12 @@ def _restore_fields(manager, step: int, saved: dict, targets: dict, what: str, p
   shapes checked first (`padding`: as `check_shapes`')."""
   for field, target in targets.items():
     check_shapes(saved[field], target, what, "parameter" if field == "params" else "array", padding)
+  as_saved = _in_saved_dtypes(targets, {field: saved[field] for field in targets})
   restore_args = jax.tree.map(lambda a: dataclasses.replace(a, strict=False),
-                              ocp.checkpoint_utils.construct_restore_args(targets))
-  args = ocp.args.PyTreeRestore(item=targets, partial_restore=True, restore_args=restore_args)
+                              ocp.checkpoint_utils.construct_restore_args(as_saved))
+  args = ocp.args.PyTreeRestore(item=as_saved, partial_restore=True, restore_args=restore_args)
   restored = _restore_checked(manager, manager.directory, step, args, what)
-  return {field: restored[field] for field in targets}
+  return _in_target_dtypes({field: restored[field] for field in targets}, targets)
 
 
 def _restore_checked(manager, directory, step: int, args, what: str) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -102,6 +103,29 @@ def test_resume_with_other_layers_fails_where_padding_would_hide_it(tmp_path, me
   _, step = ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0, stacked=Stacked(4, 0, 8))
   assert step == 3
   ckpt.close()
+
+
+def test_a_resume_in_other_dtypes_casts_a_sound_step_not_moves_it_aside(tmp_path, mesh):
+  """optimizer_state_dtype (or param_dtype) changed on a resume: the step restores in its own dtypes, checked
+  against its fingerprints, then cast; cast by the restore, it failed its fingerprints and was renamed .corrupt."""
+  directory = str(tmp_path / "ckpt")
+  ckpt = Checkpointer(directory, every_steps=1, keep=3, async_save=False)
+  for step in (1, 2):
+    saved = _state(mesh, float(step), step)
+    saved = dataclasses.replace(saved, opt_state=({"mu": jax.tree.map(lambda a: a + 0.1, saved.params)},))
+    ckpt.save(step, saved, None, seed=0)
+  ckpt.close()
+  want = jax.tree.map(lambda a: a.astype(jnp.bfloat16), saved)  # Every array in bf16 now.
+  abstract, shardings = _abstract_and_shardings(want)
+  again = Checkpointer(directory, every_steps=1, keep=3)
+  state, step = again.restore_latest(lambda s: (shardings, abstract), None, seed=0)
+  again.close()
+  assert step == 2 and sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1", "2"]
+  for got, ref in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+    assert got.dtype == ref.dtype and got.sharding == ref.sharding
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+  params, _ = restore_from(directory, lambda s: (shardings, abstract), None, params_only=True, init=lambda: want)
+  assert params.params["layer"]["w"].dtype == jnp.bfloat16
 
 
 def test_check_shapes_reports_parameters_first():
