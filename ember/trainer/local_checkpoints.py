@@ -165,6 +165,14 @@ class LocalCheckpoints:
     if self.count > 1:  # No process goes on to the next step's collectives while another is still writing.
       multihost_utils.sync_global_devices(f"local checkpoint {step}")
 
+  def forget_after(self, step: int) -> None:
+    """Removes this process's steps after `step`, the step the run resumed from (or 0, a new run): steps of another
+    timeline or of a layout this run cannot read. Kept, they would outrank the steps the run writes, which `_prune`
+    would then delete as the oldest."""
+    for stale in self._steps():
+      if stale > step:
+        shutil.rmtree(os.path.join(self.directory, str(stale)), ignore_errors=True)
+
   def _prune(self) -> None:
     steps = sorted(self._steps())
     for old in steps[:-KEEP]:

@@ -278,6 +278,8 @@ class _Run:
         if c.local_every_steps else None
     progress("set-up: the model state (the newest checkpoint, or initialised)")
     state, first = _restore_or_init(cfg, ckpt, local, mesh, tx, targets, metrics, train_it)
+    if local is not None:
+      local.forget_after(first)
     if first and first in ckpt.steps():  # Resumed from a persistent step: what it was trained with, read once.
       metadata = ckpt.custom_metadata(first)
       _check_phase(metadata, phases, first)

@@ -122,3 +122,25 @@ def test_a_local_dir_the_node_cannot_create_is_a_config_error(tmp_path):
     train(helpers.checked(helpers.config(**{
         "workdir": str(tmp_path / "run"), "steps": 1, "checkpoint.local_dir": str(tmp_path / "a_file"),
         "checkpoint.local_every_steps": 1, "model.num_layers": 1, "model.seq_len": 16, "train.batch_size": 8})))
+
+
+def test_steps_a_run_did_not_resume_from_give_way_to_the_ones_it_writes(tmp_path):
+  """Local steps after the step a run resumed from (another layout's, or unreadable) were kept as the newest, and
+  each step the run wrote was pruned as the oldest at once: the tier silently saved nothing."""
+  from ember.trainer.loop import train
+  from tests import helpers
+  local, checkpoints = tmp_path / "local", tmp_path / "run" / "checkpoints"
+  run = lambda steps: train(helpers.checked(helpers.config(**{
+      "workdir": str(tmp_path / "run"), "steps": steps, "checkpoint.local_dir": str(local),
+      "checkpoint.local_every_steps": 1, "checkpoint.every_steps": 4, "model.num_layers": 1, "model.seq_len": 16,
+      "train.batch_size": 8})))
+  run(10)  # Persistent steps 4, 8 and 10; local ones between them, the newest two kept.
+  (run_dir,) = local.iterdir()
+  assert sorted(int(p.name) for p in run_dir.iterdir()) == [7, 9]
+  for step in (7, 9):  # Parts this run cannot read (as another mesh's are).
+    for part in (run_dir / str(step)).iterdir():
+      part.unlink()
+  for step in (8, 10):
+    shutil.rmtree(checkpoints / str(step))
+  run(7)  # Resumes from the persistent step 4 and writes local steps 5 and 6.
+  assert sorted(int(p.name) for p in run_dir.iterdir()) == [5, 6]
