@@ -12,7 +12,7 @@ from flax import nnx
 
 from ember.config import from_saved
 from ember.errors import ConfigError
-from ember.layers.decoder import Transformer, keys_of
+from ember.layers.decoder import Transformer, keys_of, rows_by_layer, stacked_like
 from ember.layers.moe import ROUTER_BIAS
 from ember.names import PIPELINE
 from ember.parallel import sharding
@@ -33,9 +33,6 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
   # No health statistics while sampling.
   cfg = from_saved(saved, {"log.quant_stats_every": 0, **({"model.dtype": dtype} if dtype else {})})
   cfg = cfg.at_phase(precision.Phases(cfg).state_phase(int(os.path.basename(step_dir))))  # The phase that saved it.
-  trained_recipe = cfg.quant.name
-  if recipe:
-    cfg = cfg.replace("quant.recipe", recipe)
   if not one_device and not host and math.prod(cfg.mesh.sizes().values()) == jax.device_count():
     if cfg.mesh.context > 1:  # Decoding feeds a token at a time: the context devices shard the state as fsdp.
       cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=cfg.mesh.fsdp * cfg.mesh.context,
@@ -49,18 +46,40 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
     ones = {f.name: 1 for f in dataclasses.fields(cfg.mesh) if f.name != "rules"}
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **ones))
     mesh = make_mesh(cfg.mesh, (jax.devices("cpu") if host else jax.devices())[:1])
+  trained, cfg = cfg, cfg.replace("quant.recipe", recipe) if recipe else cfg
+  graphdef, want = _targets(cfg, mesh)
+  # Another recipe may stack the layers into other scan segments (its `quant.exclude`): the checkpoint is read
+  # as it was trained, then each layer's rows are stacked where this recipe runs them.
+  restack = trained.model.segments(trained.quant) != cfg.model.segments(cfg.quant)
+  held = _targets(trained, mesh)[1] if restack else want
+  targets = {"params": held["params"]}
+  if jax.tree.leaves(want["quant_state"]):
+    histories = [p for p, _ in jax.tree_util.tree_leaves_with_path(want["quant_state"])
+                 if keys_of(p)[-1] != ROUTER_BIAS]
+    if histories and cfg.quant.name != trained.quant.name:
+      raise ConfigError(f"recipe {cfg.quant.name!r} keeps amax histories that a {trained.quant.name!r} checkpoint "
+                        "does not have")
+    targets["quant_state"] = held["quant_state"]
+  restored = checkpointing.restore_fields(path, targets, what, checkpointing.stacked_of(trained))
+  if restack:
+    restored = {field: _restacked(tree, trained, cfg, want[field]) for field, tree in restored.items()}
+  model: Transformer = nnx.merge(graphdef, restored["params"], restored.get("quant_state", {}))
+  return cfg, mesh, model
+
+
+def _targets(cfg, mesh) -> tuple:
+  """(graphdef, {"params": ..., "quant_state": ...}) of `cfg`'s model: ShapeDtypeStructs placed on `mesh`."""
   graphdef, param_specs, quant_specs = logical_axes(cfg)
   abstract_params, abstract_quant = abstract_init(cfg)
   place = lambda abstract, specs: jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
       sharding.tree_shardings(specs, mesh, cfg.mesh.rules))
-  targets = {"params": place(abstract_params, param_specs)}
-  if jax.tree.leaves(abstract_quant):
-    histories = [p for p, _ in jax.tree_util.tree_leaves_with_path(abstract_quant) if keys_of(p)[-1] != ROUTER_BIAS]
-    if histories and cfg.quant.name != trained_recipe:
-      raise ConfigError(f"recipe {cfg.quant.name!r} keeps amax histories that a {trained_recipe!r} checkpoint "
-                        "does not have")
-    targets["quant_state"] = place(abstract_quant, quant_specs)
-  restored = checkpointing.restore_fields(path, targets, what, checkpointing.stacked_of(cfg))
-  model: Transformer = nnx.merge(graphdef, restored["params"], restored.get("quant_state", {}))
-  return cfg, mesh, model
+  return graphdef, {"params": place(abstract_params, param_specs), "quant_state": place(abstract_quant, quant_specs)}
+
+
+def _restacked(tree: dict, trained, cfg, like: dict) -> dict:
+  """`tree` (stacked as `trained` stacks the layers) stacked as `cfg` does, in the structure of `like`, on its
+  shardings."""
+  rows = rows_by_layer(tree, trained.model, trained.quant)
+  stacked = stacked_like(lambda key, _: rows[key], cfg.model, cfg.quant, like)
+  return jax.device_put(stacked, jax.tree.map(lambda a: a.sharding, like))
