@@ -7,6 +7,8 @@ fit?"); run it on two nodes or more. Remat: `save_dot_except_mlp`, which fits tw
 `minimal` (79.9 GiB) and `minimal_quantized` (127.9 GiB) do not. The faster layout on two nodes is expert
 parallelism inside each and FSDP across them (`--config.mesh.fsdp=1 --config.mesh.expert=8
 --config.mesh.dcn_fsdp=2`, what `ember.tools.plan` picks): 44.3% MFU ceiling against 6.3% (docs/moe.md).
+The batch of 256 sequences needs micro-batches: `--config.train.device_batch_size=1` (one sequence per GPU at a
+time, the figures above), or each GPU takes 16 at once.
 """
 MODEL = dict(name="mixtral_8x7b", num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, d_ff=14336,
              vocab_size=32000, seq_len=4096, rope_theta=1e6, num_experts=8, experts_per_token=2)

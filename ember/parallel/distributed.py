@@ -44,6 +44,10 @@ def settings(dist_cfg) -> dict | None:
                         f"process_id in [0, num_processes) (got {address!r}, {num}, {pid})")
     return dict(coordinator_address=address, num_processes=num, process_id=pid)
   if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
+    if "SLURM_STEP_NODELIST" not in os.environ:  # The allocation's, not a step's: python run outside srun.
+      errors.warn(f"SLURM_NTASKS={os.environ['SLURM_NTASKS']} but this process is not an srun task: it runs alone; "
+                  "launch the job's tasks with srun (launch/slurm.sbatch)")
+      return None
     return _slurm_local_devices()
   return None
 

@@ -81,6 +81,13 @@ def test_slurm_script_runs_train_py_once_per_node_with_all_gpus(tmp_path):
   assert out["IDS"] == "0,1,2,3" and out["PLATFORMS"] == ""
 
 
+def test_slurm_script_with_tasks_per_gpu_leaves_each_task_its_own_gpu(tmp_path):
+  """sbatch --ntasks-per-node=8 (a process per GPU): JAX's SLURM detection gives task k GPU k; all 8 ids for
+  every task would have each process claim every GPU of the node."""
+  _, out = _run_slurm_script(tmp_path, SLURM_NTASKS_PER_NODE="8", SLURM_GPUS_ON_NODE="8")
+  assert out["IDS"] == ""
+
+
 def test_slurm_script_on_cpu_nodes_gives_each_task_its_cpu_devices(tmp_path):
   srun, out = _run_slurm_script(tmp_path, EMBER_CPU_DEVICES="2", SLURM_NTASKS_PER_NODE="2")
   assert "--ntasks-per-node=2" in srun and "--kill-on-bad-exit=1" in srun  # The allocation's layout.

@@ -120,10 +120,14 @@ class DistCfg:
 def test_init_settings(monkeypatch):
   for k in ("EMBER_COORDINATOR_ADDRESS", "EMBER_NUM_PROCESSES", "EMBER_PROCESS_ID", "SLURM_NTASKS", "SLURM_NNODES",
             "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE",
-            "JAX_LOCAL_DEVICE_IDS"):
+            "JAX_LOCAL_DEVICE_IDS", "SLURM_STEP_NODELIST"):
     monkeypatch.delenv(k, raising=False)
   assert distributed.settings(DistCfg()) is None  # One process: nothing to initialise.
   monkeypatch.setenv("SLURM_NTASKS", "4")
+  # In an allocation of 4 tasks but not started by srun (python on a node of `salloc -N4`): one process; JAX's
+  # detection would stop on the coordinator, which only an srun step names.
+  assert distributed.settings(DistCfg()) is None
+  monkeypatch.setenv("SLURM_STEP_NODELIST", "node[01-04]")
   assert distributed.settings(DistCfg()) == {}  # JAX's own SLURM detection.
   # `srun -N4 -n4 --gpus-per-node=8` (no --ntasks-per-node): one task a node, each with its node's 8 GPUs ...
   monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
