@@ -28,7 +28,7 @@ from ember.plan import auto_remat, cost, hlo, predict
 from ember.plan import step as step_plan
 from ember.trainer import step as step_lib
 from ember.plan.layer import per_device_batch, sequence_shards
-from ember.plan.target import COMPILER_OPTIONS, Target, scheduler_memory_options, targeting
+from ember.plan.target import COMPILER_OPTIONS, Target, run_memory_fraction, scheduler_memory_options, targeting
 from ember.plan.units import GiB
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import host_bytes, memory_peak, work_per_device
@@ -38,12 +38,13 @@ ESTIMATE_NOTE = ("XLA's memory estimate for the compiled program: no autotuning 
 
 
 def prepare(cfg: Settings, target: Target) -> tuple[Settings, Mesh]:
-  """(settings, mesh) of validated settings on the target's devices; `auto` with no budget gets the target's
-  memory."""
+  """(settings, mesh) of validated settings on the target's devices; `auto` with no budget gets the memory a run's
+  allocator takes of the target's (`run_memory_fraction`), the planner's budget."""
   devices = target.devices()
   memory = target.device_memory_bytes
   if cfg.remat.policy == "auto" and not cfg.remat.memory_budget_gb and memory:
-    cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, memory_budget_gb=memory / GiB))
+    budget = memory * run_memory_fraction() / GiB
+    cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, memory_budget_gb=budget))
   cfg = config_lib.on_devices(cfg, len(devices))
   return cfg, make_mesh(cfg.mesh, devices)
 
@@ -85,6 +86,8 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
   report = {
       "target": target.name, "device_kind": target.device_kind, "num_devices": len(mesh.devices.flat),
       "fits": device_memory is None or peak <= device_memory, "device_memory_bytes": device_memory,
+      # What a run's allocator takes of it (XLA_PYTHON_CLIENT_MEM_FRACTION, launch/xla_flags.sh).
+      "run_memory_bytes": None if device_memory is None else int(device_memory * run_memory_fraction()),
       "peak_bytes": peak, "argument_bytes": int(memory.argument_size_in_bytes),
       "output_bytes": int(memory.output_size_in_bytes), "alias_bytes": int(memory.alias_size_in_bytes),
       "temp_bytes": int(memory.temp_size_in_bytes), "host_bytes": host_bytes(memory),

@@ -79,6 +79,15 @@ def _work_lines(r: dict) -> list[str]:
   return lines
 
 
+def _over_the_run_pool(r: dict) -> str:
+  """A warning where the peak fits the GPU but not the share of it a run's allocator takes."""
+  pool = r.get("run_memory_bytes")
+  if not r["fits"] or pool is None or r["peak_bytes"] <= pool:
+    return ""
+  return (f"; but over the {pool / 2**30:.1f} GiB a run's allocator takes ({pool / r['device_memory_bytes']:.0%}: "
+          "XLA_PYTHON_CLIENT_MEM_FRACTION, launch/xla_flags.sh): expect an out-of-memory error")
+
+
 def format_report(r: dict) -> str:
   gib = 2**30
   memory = "unknown" if r["device_memory_bytes"] is None else f"{r['device_memory_bytes'] / gib:.1f} GiB"
@@ -91,7 +100,8 @@ def format_report(r: dict) -> str:
   return "\n".join([
       f"{r['model']} on {r['target']} ({r['num_devices']} x {r['device_kind']}), mesh {r['mesh']}, recipe "
       f"{r['recipe']}, remat {r['remat_policy']}, batch {r['batch_size']} x {r['seq_len']}{later}",
-      f"  fits:        {'yes' if r['fits'] else 'NO'}: peak {r['peak_bytes'] / gib:.2f} GiB of {memory} per device",
+      f"  fits:        {'yes' if r['fits'] else 'NO'}: peak {r['peak_bytes'] / gib:.2f} GiB of {memory} per device"
+      + _over_the_run_pool(r),
       f"  memory:      arguments {r['argument_bytes'] / gib:.2f} GiB (parameters, optimizer state, batch), outputs "
       f"{r['output_bytes'] / gib:.2f} GiB ({r['alias_bytes'] / gib:.2f} aliased), temporaries "
       f"{r['temp_bytes'] / gib:.2f} GiB, host {r['host_bytes'] / gib:.2f} GiB",

@@ -60,6 +60,18 @@ def test_a_scheduled_config_reports_its_first_phase_and_names_the_others():
   assert "later phases compile apart (--config.quant.* as they set them): bf16 from step 100" in format_report(r)
 
 
+def test_a_peak_over_what_a_run_allocates_is_a_warning(monkeypatch):
+  """A peak under the GPU's memory but over the share a run's allocator takes (90% under launch/xla_flags.sh)
+  still fits by the contract's rule, and the report says the run will not."""
+  from ember.tools.compile import format_report
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+  r = report("h100x1")
+  assert r["run_memory_bytes"] == int(r["device_memory_bytes"] * 0.5)
+  assert "over the" not in format_report(r)
+  r = dict(r, peak_bytes=int(r["device_memory_bytes"] * 0.75))
+  assert r["fits"] and "but over the 39.6 GiB a run's allocator takes (50%" in format_report(r)
+
+
 @pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
 def test_fp8_gemms_forward_dgrad_wgrad(recipe):
   r = report("h100x1", f"--config.quant.recipe={recipe}", "--config.remat.policy=none")
@@ -546,7 +558,8 @@ def test_unknown_target_is_one_line_exit_2(capsys):
 
 
 def test_auto_chooses_under_the_target_memory(capsys):
-  """`auto` with no budget takes the target's 79.1 GiB: llama3_8b's `none` (79.4 GiB) is out, `full` in; each
+  """`auto` with no budget takes what a run allocates of the target's 79.1 GiB (90%, 71.2 GiB): llama3_8b's `none`
+  (79.4 GiB) is out, `full` in; each
   candidate's step is predicted for the target's GPUs (what `auto` ranks by)."""
   cfg = loaded(["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
                          "--config.quant.recipe=fp8_current", "--config.train.batch_size=8",
