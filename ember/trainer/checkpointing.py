@@ -38,6 +38,7 @@ from ember import storage
 from ember.config import Settings
 from ember.data import ShardedIterator
 from ember.errors import CheckpointError, one_line
+from ember.layers.moe import ROUTER_BIAS
 from ember.trainer import integrity
 from ember.trainer.metrics import console
 from ember.trainer.state import TrainState
@@ -414,9 +415,15 @@ def restore_from(path: str, targets: Callable[[int], tuple[TrainState, TrainStat
     padding = _padding(manager.metadata(step).custom_metadata or {}, stacked, what)
     shardings, abstract = targets(0 if params_only else step)
     target = _abstract_target(abstract, shardings)
-    if params_only:
-      params = _restore_fields(manager, step, saved, {"params": target["params"]}, what, padding)["params"]
-      state = dataclasses.replace(init(), params=params)
+    if params_only:  # The parameters, and the routers' learned biases: routing state the model needs as trained.
+      fields = {"params": target["params"], "quant_state": _router_biases(target["quant_state"])}
+      held = {"params": saved["params"], "quant_state": _router_biases(saved.get("quant_state", {}))}
+      fields = {k: v for k, v in fields.items() if jax.tree.leaves(v)}
+      restored = _restore_fields(manager, step, held, fields, what, padding)
+      fresh = init()
+      biases = _leaves_by_name(restored.get("quant_state", {}))
+      quant_state = jax.tree_util.tree_map_with_path(lambda p, x: biases.get(_path_name(p), x), fresh.quant_state)
+      state = dataclasses.replace(fresh, params=restored["params"], quant_state=quant_state)
     else:
       check_shapes(saved, target, what, padding=padding)
       as_saved = _in_saved_dtypes(target, saved)
@@ -428,6 +435,14 @@ def restore_from(path: str, targets: Callable[[int], tuple[TrainState, TrainStat
     manager.close()
   console(f"started from {'the parameters of ' if params_only else ''}{directory} step {step}")
   return state, 0 if params_only else step
+
+
+def _router_biases(tree):
+  """The part of a state tree (nested dicts) that holds the MoE routers' biases (layers/moe.py's ROUTER_BIAS)."""
+  if not isinstance(tree, dict):
+    return tree
+  kept = {k: _router_biases(v) for k, v in tree.items() if isinstance(v, dict) or k == ROUTER_BIAS}
+  return {k: v for k, v in kept.items() if not isinstance(v, dict) or v}
 
 
 def _open_step(path: str, what: str, *, partial_state: bool):

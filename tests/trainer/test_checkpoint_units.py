@@ -128,6 +128,27 @@ def test_a_resume_in_other_dtypes_casts_a_sound_step_not_moves_it_aside(tmp_path
   assert params.params["layer"]["w"].dtype == jnp.bfloat16
 
 
+def test_params_only_keeps_the_routers_learned_biases(tmp_path, mesh):
+  """A fine-tune from the parameters alone starts a fresh optimizer and quantization state, but the routers' biases
+  (aux-loss-free balancing: routing state, not parameters) come with the model, as init_from_hf brings them."""
+  sh = NamedSharding(mesh, P())
+  put = lambda v: jax.device_put(jnp.full((4,), v, jnp.float32), sh)
+  saved = dataclasses.replace(_state(mesh, 1.0, 3), quant_state={"layer": {"router_bias": put(0.5),
+                                                                           "amax_history": put(7.0)}})
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=1, async_save=False)
+  ckpt.save(3, saved, None, seed=0)
+  ckpt.close()
+  fresh = dataclasses.replace(_state(mesh, 0.0), quant_state={"layer": {"router_bias": put(0.0),
+                                                                        "amax_history": put(0.0)}})
+  abstract, shardings = _abstract_and_shardings(fresh)
+  state, first = restore_from(str(tmp_path / "ckpt"), lambda s: (shardings, abstract), None, params_only=True,
+                              init=lambda: fresh)
+  assert first == 0 and int(state.step) == 0
+  np.testing.assert_array_equal(np.asarray(state.params["layer"]["w"]), 1.0)
+  np.testing.assert_array_equal(np.asarray(state.quant_state["layer"]["router_bias"]), 0.5)
+  np.testing.assert_array_equal(np.asarray(state.quant_state["layer"]["amax_history"]), 0.0)
+
+
 def test_check_shapes_reports_parameters_first():
   saved = {"params": {"a": np.zeros((2, 3))}, "opt_state": {"mu": {"a": np.zeros((2, 3))}}}
   want = {"params": {"a": np.zeros((2, 4))}, "opt_state": {"mu": {"a": np.zeros((2, 4))}}}
