@@ -318,9 +318,9 @@ class Checkpointer:
         raise
       except Exception as e:  # Damaged array files, or no memory to hold them.
         error = e
-      if _all_processes_ok(error is None):
+      if all_processes_ok(error is None):
         return state, step
-      if not _all_processes_ok(error is None or _is_damage(error)):
+      if not all_processes_ok(error is None or _is_damage(error)):
         if error is not None and not _is_damage(error):
           raise error
         raise CheckpointError(f"checkpoint {self._step_dir(step)}: another process ran out of memory restoring it")
@@ -367,7 +367,8 @@ def _is_damage(error: Exception) -> bool:
   return not (isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower())
 
 
-def _all_processes_ok(ok: bool) -> bool:
+def all_processes_ok(ok: bool) -> bool:
+  """Whether `ok` holds on every process (each calls it at the same point)."""
   if jax.process_count() == 1:
     return ok
   from jax.experimental import multihost_utils

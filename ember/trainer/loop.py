@@ -35,7 +35,7 @@ from ember.config import Settings
 from ember import platform, storage
 from ember.data import records
 from ember.data.sharded import data_iterator, global_batch, source_shares
-from ember.errors import ConfigError, Diverged
+from ember.errors import ConfigError, Diverged, one_line
 from ember.hf import load as hf_load
 from ember.layers.decoder import keys_of, stacked_layers
 from ember.names import RECORD_SOURCES
@@ -44,7 +44,7 @@ from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import use_rules
 from ember.trainer import moe_counts, precision
 from ember.trainer import step as step_lib
-from ember.trainer.checkpointing import Checkpointer, restore_from, stacked_of
+from ember.trainer.checkpointing import Checkpointer, all_processes_ok, restore_from, stacked_of
 from ember.trainer.local_checkpoints import LocalCheckpoints
 from ember.trainer.metrics import MetricsWriter, console, format_count, format_eta, progress, progress_line
 from ember.trainer.moe_counts import MoeCounts
@@ -482,14 +482,32 @@ class _Profiler:
       self.active = False
 
 
+def _restore_local(local, step: int, targets, train_it):
+  """(state, processes restored from their peers) of local step `step`, or None where a process could not read its
+  part (a damaged file): every process then resumes from the persistent tier, which checks its arrays, rather than
+  fail on the same step at every restart."""
+  error, restored = None, None
+  try:
+    restored = local.restore(step, targets, train_it)
+  except Exception as e:  # A truncated or garbled part: its own format's errors, of many types.
+    error = e
+  if all_processes_ok(error is None):
+    return restored
+  console(f"warning: cannot restore the local checkpoint {os.path.join(local.directory, str(step))}"
+          + (f" ({type(error).__name__}: {one_line(error)[:200]})" if error else " (on another process)")
+          + "; resuming from the persistent tier")
+  return None
+
+
 def _restore_or_init(cfg: Settings, ckpt, local, mesh, tx, targets, metrics, train_it):
   """(state, the step it is after): resumes from the newest checkpoint of either tier (the local one when it is
   newer than the workdir's newest persistent step), else starts from checkpoint.init_from_hf,
   checkpoint.restore_from or init. `targets(step)`: (shardings, abstract) of the state after `step` steps (its
   precision phase's)."""
   newest_local = None if local is None else local.newest(targets, after=max(ckpt.steps(), default=0))
-  if newest_local is not None:
-    state, from_peers = local.restore(newest_local, targets, train_it)
+  restored_local = None if newest_local is None else _restore_local(local, newest_local, targets, train_it)
+  if restored_local is not None:
+    state, from_peers = restored_local
     metrics.truncate_after(newest_local)
     peers = f"; the parts of processes {from_peers} from their peers' copies" if from_peers else ""
     console(f"resumed from the local checkpoint {os.path.join(local.directory, str(newest_local))} at step "

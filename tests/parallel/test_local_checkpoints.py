@@ -144,3 +144,24 @@ def test_steps_a_run_did_not_resume_from_give_way_to_the_ones_it_writes(tmp_path
     shutil.rmtree(checkpoints / str(step))
   run(7)  # Resumes from the persistent step 4 and writes local steps 5 and 6.
   assert sorted(int(p.name) for p in run_dir.iterdir()) == [5, 6]
+
+
+def test_a_local_part_that_does_not_read_gives_way_to_the_persistent_tier(tmp_path, capsys):
+  """A garbled local part failed every restart on the same step, with a traceback; the run now resumes from the
+  persistent tier, which checks its arrays against their fingerprints, and says so."""
+  from ember.trainer.loop import train
+  from ember.trainer.metrics import read_records
+  from tests import helpers
+  local = tmp_path / "local"
+  run = lambda steps: train(helpers.checked(helpers.config(**{
+      "workdir": str(tmp_path / "run"), "steps": steps, "checkpoint.local_dir": str(local),
+      "checkpoint.local_every_steps": 1, "checkpoint.every_steps": 4, "model.num_layers": 1, "model.seq_len": 16,
+      "train.batch_size": 8, "log.every_steps": 1})))
+  run(6)
+  shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")  # The local step 5 is the newest now.
+  (part,) = (next(local.iterdir()) / "5").iterdir()
+  part.write_bytes(part.read_bytes()[:100])  # Truncated.
+  run(6)
+  assert "cannot restore the local checkpoint" in capsys.readouterr().err
+  steps = [r["step"] for r in read_records(str(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
+  assert steps == [1, 2, 3, 4, 5, 6]  # Resumed after the persistent step 4.
