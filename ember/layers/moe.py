@@ -144,14 +144,15 @@ class MoE(nnx.Module):
   def __call__(self, x_BxLxD, segment_ids_BxL, key=None, plan: moe_dispatch.Plan | None = None, taken=None):
     """(y [B, L, D], aux): aux holds names.AUX_KEYS as float32 scalars and MOE_EXPERT_LOADS, the copies routed
     to each expert [experts]. `plan`: what the layer runs, as its step decided it (trainer/step.py's `moe_plan`);
-    without one (sampling, a layer called alone) the plan of this batch on the active mesh. `taken`: what the step
+    without one (sampling, a layer called alone) the plan of this batch on the active mesh, dropless. `taken`: what the step
     hands the shared experts' projections (layers/linear.py's `Taken`, by path), or None."""
     keys = None if key is None else (projection_key(key, "moe_wi"), projection_key(key, "moe_wo"))
     histories = (self.wi.history(), self.wo.history())
     stats = (self.wi.stats(), self.wo.stats())
     errors = (self.wi.error(), self.wo.error())
     if plan is None:
-      plan = moe_dispatch.plan(self.model, sharding.active_mesh(), sharding.active_rules(), batch=x_BxLxD.shape[:2])
+      plan = moe_dispatch.plan(self.model, sharding.active_mesh(), sharding.active_rules(), batch=x_BxLxD.shape[:2],
+                               dropless=True)
     bias = None if self.router_bias is None else self.router_bias[...]
     y_BxLxD, aux = moe_ffn(x_BxLxD, segment_ids_BxL, self.router[...], self.wi.kernel[...], self.wo.kernel[...],
                            histories, keys, self.options, plan, stats, bias, errors)

@@ -351,7 +351,7 @@ def _log(run: _Run, done: int, step_metrics, stopping: bool) -> None:
     record.update(straggler)
     if warning:
       console(f"warning: {warning}")
-  moe, moe_warnings = run.moe.take(done)
+  moe, moe_warnings = run.moe.take(done, phase.plan)
   record.update(moe)
   record["peak_bytes"], record["peak_source"] = peak_bytes(phase.compiled)
   if len(cfg.phases) > 1:

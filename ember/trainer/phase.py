@@ -61,7 +61,7 @@ class Phase:
   def __init__(self, phases: precision.Phases, index: int, mesh, tx, schedule, batch_sharding):
     self.phases, self.index, self.cfg = phases, index, phases.cfg(index)
     self.mesh, self.tx, self.schedule, self.batch_sharding = mesh, tx, schedule, batch_sharding
-    self.compiled = self.eval_fn = self.quant_health = None
+    self.compiled = self.eval_fn = self.quant_health = self.plan = None
 
   def enter(self, index: int, state, batch, step: int):
     """(the phase `index` compiled, `state` moved into its structure) before `step` (the loop's)."""
@@ -71,7 +71,7 @@ class Phase:
     if index != self.index:
       state = precision.carry(state, self.cfg, cfg, abstract, shardings)
       console(f"precision schedule: {self.phases.describe(index)} from step {step + 1}")
-    plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.micro_batch_size)  # Decided once: jitted with and logged.
+    plan = phase.plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.micro_batch_size)  # Decided once: jitted with, logged.
     step_fn = step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings, plan=plan)
     phase.compiled = compile_step(step_fn, state, batch, cfg, self.mesh, plan)
     phase.eval_fn = step_lib.jit_eval_step(cfg, self.mesh, graphdef, shardings, plan)

@@ -131,6 +131,31 @@ def test_the_step_plans_once_and_its_layers_read_the_plan(monkeypatch):
   assert [c["batch"] for c in calls] == [(2, cfg.model.seq_len)]  # Unplanned: its own batch's plan.
 
 
+def test_a_layer_without_a_step_plan_drops_no_copy_on_a_gpu():
+  """Sampling calls the MoE layer with no step's plan. Traced for a GPU it took the capacity layout, whose slots
+  hold 1.25x the balanced load, and a repetitive prompt's copies past them got zero outputs, silently; planned for
+  itself it is dropless, and gives what the ragged GEMM gives."""
+  import dataclasses
+  from flax import nnx
+  from ember import platform
+  from ember.layers.moe import MoE
+  from tests.helpers import settings
+  cfg = settings("tiny_moe", 1, **{"model.dtype": "float32", "quant.recipe": "bf16"})
+  with nnx.use_eager_sharding(False):
+    layer = MoE(cfg.model, recipe=cfg.quant, layer=0, rngs=nnx.Rngs(params=0))
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=cfg.model.d_model) + 0.05 * rng.normal(size=(1, 256, cfg.model.d_model)),
+                  jnp.float32)  # The same token, over and over: every copy to the same experts.
+  segments = jnp.ones((1, 256), jnp.int32)
+  with platform.on_platform("gpu", (9, 0)):
+    sized = moe_dispatch.plan(cfg.model, None, {}, batch=(1, 256))
+    assert sized.expert_gemm == "capacity" and layer(x, segments, plan=sized)[1]["moe_overflow_tokens"] > 0
+    y, aux = layer(x, segments)  # No plan.
+  ragged = moe_dispatch.plan(dataclasses.replace(cfg.model, moe_expert_gemm="ragged_dot"), None, {}, batch=(1, 256))
+  np.testing.assert_allclose(y, layer(x, segments, plan=ragged)[0], rtol=1e-6, atol=1e-6)
+  assert aux["moe_overflow_tokens"] == 0
+
+
 @pytest.mark.parametrize("role", ["activation", "gradient"])
 def test_rows_sent_quantized_quantize_again_to_the_same_operand(role):
   """What the FP8 wire rests on (moe_dispatch.Wire): bf16 rows quantized with their amax, taken back to bf16 on

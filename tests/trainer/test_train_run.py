@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from ember.layers import moe_dispatch
 from ember.trainer.loop import train
 from ember.trainer.moe_counts import MoeCounts
 from tests.helpers import checked, config
@@ -71,11 +72,18 @@ def test_overflow_warnings_name_the_layers_and_steps():
           "moe_dropped_tokens_by_layer": np.zeros(3), "moe_overflow_tokens_by_layer": np.zeros(3)}
   counts.add(10, zero)
   counts.add(11, {**zero, "moe_overflow_tokens": 5.0, "moe_overflow_tokens_by_layer": np.array([0.0, 2.0, 3.0])})
-  record, warnings = counts.take(12)
+  ragged = moe_dispatch.Plan("ragged", "ragged_dot", ("expert",), 8, 1, 64, None, 96, 96, 0)
+  record, warnings = counts.take(12, ragged)
   assert record == {"moe_dropped_tokens": 0.0, "moe_routed_tokens": 16.0, "moe_overflow_tokens": 5.0}
-  assert warnings == ["steps 11-12: 5 MoE token copies did not fit the ragged dispatcher's receive buffer "
-                      "(layer 1: 2, layer 2: 3); their expert outputs are zero: raise config.model.moe_ragged_buffer"]
+  assert warnings == ["steps 11-12: 5 MoE token copies did not fit the ragged exchange's receive buffer (raise "
+                      "config.model.moe_ragged_buffer) (layer 1: 2, layer 2: 3); their expert outputs are zero"]
   assert counts.take(13) == ({}, [])
+  # One device's several experts on a GPU: the capacity layout's slots overflow, sized by another setting.
+  counts.add(19, {**zero, "moe_overflow_tokens": 1.0, "moe_overflow_tokens_by_layer": np.array([1.0, 0.0, 0.0])})
+  slots = moe_dispatch.Plan("local", "capacity", (), 1, 8, 64, None, 0, 128, 32)
+  assert counts.take(20, slots)[1] == ["step 20: 1 MoE token copies did not fit the capacity layout's slots (raise "
+                                       "config.model.moe_expert_buffer, or set config.model.moe_expert_gemm="
+                                       "ragged_dot) (layer 0: 1); their expert outputs are zero"]
 
 
 @pytest.mark.extended
