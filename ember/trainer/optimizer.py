@@ -39,9 +39,13 @@ def make_optimizer(cfg: Settings) -> tuple[optax.GradientTransformation, optax.S
   t = cfg.train
   schedule = learning_rate_schedule(t)
   if t.optimizer == "muon":
-    _, axes, _ = logical_axes(cfg)
-    flat = jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda a: isinstance(a, tuple))[0]
-    layouts = {muon.keys_of(path): muon.matrix_layout(muon.keys_of(path), tuple(spec)) for path, spec in flat}
+    # Every precision phase's parameter paths: a phase whose quant.exclude regroups the layers stacks them into
+    # other scan segments, and the one optimizer serves every phase.
+    layouts = {}
+    for phase in range(len(cfg.phases)):
+      _, axes, _ = logical_axes(cfg.at_phase(phase))
+      flat = jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda a: isinstance(a, tuple))[0]
+      layouts.update({muon.keys_of(path): muon.matrix_layout(muon.keys_of(path), tuple(spec)) for path, spec in flat})
     layouts = {path: layout for path, layout in layouts.items() if layout is not None}
     labels = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: "muon" if muon.keys_of(path) in layouts else "adamw", params)

@@ -56,6 +56,23 @@ def _one_device_start(**overrides):
   return precision.Phases(start.cfg), start
 
 
+def test_muon_kernels_stay_muon_when_a_phase_regroups_the_segments():
+  """Muon's table of matrices was read off phase 0's stacking: a later phase whose quant.exclude splits the layers
+  into more scan segments had its new segments' kernels labelled AdamW, and the switch failed on their moments."""
+  phases, start = _one_device_start(**{
+      "train.optimizer": "muon", "quant.recipe": "fp8_current", "model.num_layers": 4, "quant.exclude": ("lm_head",),
+      "quant.schedule": ((5, {"exclude": ("lm_head", "layers[1]")}),)})
+  with start.rules():
+    cfg = phases.cfg(1)
+    graphdef, shardings, abstract = state_shardings(cfg, start.mesh, start.tx)
+    assert len(abstract.params["segments"]) == 3 > len(start.state.params["segments"])
+    moved = precision.carry(start.state, phases.cfg(0), cfg, abstract, shardings)
+    step = jit_train_step(cfg, start.mesh, graphdef, start.tx, start.schedule, shardings, donate=False)
+    batch = helpers.random_batch(helpers.config(**{"model.num_layers": 4}))
+    _, metrics = step(moved, {k: jax.device_put(v, batch_sharding(cfg, start.mesh)) for k, v in batch.items()})
+  assert jnp.isfinite(metrics["loss"])
+
+
 def test_histories_carry_over_where_the_next_phase_keeps_them():
   phases, start = _one_device_start(**{
       "quant.recipe": "fp8_delayed",
