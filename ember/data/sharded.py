@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from ember.config import Settings
+from ember.data import sources
 from ember.data.pipeline import make_iterator, mixture_components
 from ember.errors import warn
 from ember.names import BATCH_KEYS, SOURCE
@@ -109,12 +110,15 @@ _LIBRARY_KEYS = {"tfds": ("tfds_text_key",), "hf": ("hf_dataset", "hf_config", "
 
 
 def data_fingerprint(data_cfg, split: str) -> str:
-  """What a saved data position belongs to: the keys that change the document streams."""
+  """What a saved data position belongs to: the keys that change the document streams, and the files each file
+  source matches (`sources.files_digest`: files added under a glob re-index its documents)."""
   keys = ("source", "path", "text_key", "tfds_name", "tokenizer", "eval_fraction", "chunk_shuffle_window", "mixture")
   keys += _LIBRARY_KEYS.get(data_cfg.source, ())
   if split == "eval":
     keys += ("eval_mixture",)
-  return json.dumps({k: getattr(data_cfg, k) for k in keys}, sort_keys=True, default=str)
+  read = [c for _, c, _ in mixture_components(data_cfg, split)] or [data_cfg]
+  files = {c.path: sources.files_digest(c.path) for c in read if c.source in sources.FILE_SOURCES}
+  return json.dumps({**{k: getattr(data_cfg, k) for k in keys}, "files": files}, sort_keys=True, default=str)
 
 
 def source_shares(cfg: Settings) -> SourceShares:

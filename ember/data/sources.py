@@ -114,6 +114,18 @@ def list_files(path: str, key: str = "data.path") -> tuple[list[str], str]:
   return files, root
 
 
+FILE_SOURCES = ("text", "array_record", "jsonl", "parquet")  # The sources that read `data.path`'s files.
+
+
+def files_digest(path: str) -> str:
+  """A digest of the files `path` matches (`list_files`): their names, relative to the glob's root, and sizes.
+  A saved data position indexes the documents of these files: another set (files added under the glob, one
+  rewritten) gives another digest."""
+  files, root = list_files(path)
+  listing = "\n".join(f"{os.path.relpath(f, root)}:{os.path.getsize(f)}" for f in files)
+  return hashlib.blake2b(listing.encode(), digest_size=8).hexdigest()
+
+
 def _read_bytes(path: str) -> bytes:
   try:
     with open(path, "rb") as f:

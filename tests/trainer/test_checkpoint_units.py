@@ -223,6 +223,23 @@ def test_a_dataset_librarys_dataset_is_in_the_data_fingerprint(source, key, valu
   assert data_fingerprint(data("text", **{key: value}), "train") == data_fingerprint(data("text"), "train")
 
 
+def test_files_added_under_the_glob_are_other_data(tmp_path):
+  """A saved position indexes the documents of the files the glob matched: a file added (the dataset grew) or one
+  rewritten re-indexes them, so the position is of other data; mixture sources' files count too."""
+  for name in ("a", "b"):
+    (tmp_path / f"{name}.txt").write_text(f"document {name}\n" * 20)
+  from tests.helpers import settings
+  d = settings(**{"data.source": "text", "data.path": str(tmp_path / "*.txt")}).data
+  mixed = settings(**{"data.mixture": (("web", "text", str(tmp_path / "*.txt"), "", 1.0),)}).data
+  before = data_fingerprint(d, "train"), data_fingerprint(mixed, "train")
+  assert data_fingerprint(d, "train") == before[0]  # The same files: the same data.
+  (tmp_path / "c.txt").write_text("document c\n" * 20)
+  after = data_fingerprint(d, "train"), data_fingerprint(mixed, "train")
+  assert after[0] != before[0] and after[1] != before[1]
+  (tmp_path / "c.txt").write_text("document c, longer\n" * 20)
+  assert data_fingerprint(d, "train") != after[0]
+
+
 def test_data_position_of_other_data_restarts_with_a_warning(capsys):
   """A position saved for other data (the fingerprint differs) is not forced onto this pipeline: the
   iterator warns and starts from the beginning; nothing raises."""
