@@ -69,8 +69,9 @@ class ShardedIterator:
     if state.get("num_shards") != self.num_shards:
       reason = (f"{state.get('num_shards')} data shards, this run reads {self.num_shards} "
                 "(data.num_shards or train.batch_size changed)")
-    elif state.get("fingerprint", "") != self.fingerprint:
-      reason = "other data (data.source, path, text_key, the dataset, tokenizer, mixture or shuffle window changed)"
+    elif not _same_data(state.get("fingerprint", ""), self.fingerprint):
+      reason = ("other data (data.source, path, text_key, the dataset, tokenizer, mixture or shuffle window changed, "
+                "or the files a path matches)")
     elif not all(str(s) in state.get("shards", {}) for s in self.shards):
       reason = "other shards"
     if reason is None:
@@ -119,6 +120,19 @@ def data_fingerprint(data_cfg, split: str) -> str:
   read = [c for _, c, _ in mixture_components(data_cfg, split)] or [data_cfg]
   files = {c.path: sources.files_digest(c.path) for c in read if c.source in sources.FILE_SOURCES}
   return json.dumps({**{k: getattr(data_cfg, k) for k in keys}, "files": files}, sort_keys=True, default=str)
+
+
+def _same_data(saved: str, ours: str) -> bool:
+  """Whether a saved position's fingerprint is this run's data; one saved before fingerprints held the files
+  (`data_fingerprint`) is compared on its keys alone, so a run resumes across that change."""
+  if saved == ours:
+    return True
+  try:
+    saved_keys, our_keys = json.loads(saved), json.loads(ours)
+  except ValueError:
+    return False
+  return isinstance(saved_keys, dict) and "files" not in saved_keys and {**our_keys, "files": None} == \
+      {**saved_keys, "files": None}
 
 
 def source_shares(cfg: Settings) -> SourceShares:
