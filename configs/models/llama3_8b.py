@@ -5,8 +5,12 @@ Layers unrolled (`scan_layers=False`): a step without the scan's copies of the s
 more (docs/remat.md, "Scanned or unrolled layers").
 
 Remat: `minimal_quantized`, the preset with the least recompute that fits an 80 GB H100 at one 8192-token
-sequence per GPU under FSDP 8 (42.1 GiB with fp8_current unrolled, 44.7 scanned). The whole table of the
-scanned program, and the command that made it: docs/remat.md ("Will it fit?").
+sequence per GPU under FSDP 8 (51.0 GiB with fp8_current, this unrolled program: README's table). The whole table
+of the scanned program, and the command that made it: docs/remat.md ("Will it fit?").
+
+The batch of 256 sequences needs micro-batches on any cluster: `--config.train.device_batch_size=1` runs one
+sequence per GPU at a time (the figures above) whatever the node count; without it each GPU takes 256 / GPUs at
+once.
 """
 MODEL = dict(name="llama3_8b", num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, d_ff=14336,
              vocab_size=128256, seq_len=8192, rope_theta=500000.0, scan_layers=False)

@@ -54,6 +54,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_every = 1  # Every n-th layer is MoE (1 = all); the others are dense.
   m.shared_expert_d_ff = 0  # Width of an always-on shared expert (0 = none).
   m.router_softmax_first = False  # False: softmax over the selected k; True: softmax, top-k, renormalise.
+  m.norm_topk_prob = True  # Softmax-first or sigmoid scores: renormalise the top-k weights to sum to 1 (Qwen3-MoE,
+  # DeepSeek-V3); False: the top-k probabilities as they are (DeepSeekMoE, Qwen2-MoE).
   m.capacity_factor = 0.0  # 0 = dropless; > 0 = drop tokens past capacity_factor * tokens*k/experts.
   # Token exchange under expert parallelism (ember/layers/moe_dispatch.py): "allgather" (gather the
   # expert group's tokens), "alltoall" (fixed buffers), "ragged" (only the routed copies; GPUs), or

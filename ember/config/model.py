@@ -55,6 +55,7 @@ class ModelConfig:
   moe_every: int = key("int", ">=1")
   shared_expert_d_ff: int = key("int", ">=0")
   router_softmax_first: bool = key("bool")
+  norm_topk_prob: bool = key("bool")  # layers/moe.py's `route`.
   capacity_factor: float = key("float", ">=0")
   moe_dispatch: str = key("str", choices=MOE_DISPATCHERS)  # ember/layers/moe_dispatch.py.
   moe_ragged_buffer: float = key("float", ">0")
@@ -115,6 +116,9 @@ class ModelConfig:
       self._check_mla()
 
   def _check_routing(self):
+    if not self.norm_topk_prob and not self.router_softmax_first and self.router_score == "softmax":
+      bad_key("model.norm_topk_prob", "false needs model.router_softmax_first or router_score='sigmoid': a softmax "
+              "over the top-k logits (Mixtral's router) sums to 1 by construction")
     group = self.num_experts // self.n_group
     if self.num_experts % self.n_group:
       bad_key("model.n_group", f"{self.n_group} groups do not divide model.num_experts={self.num_experts}")

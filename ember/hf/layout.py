@@ -370,13 +370,14 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
     c.update(num_key_value_heads=m.num_heads, head_dim=m.qk_rope_head_dim, moe_intermediate_size=m.d_ff,
              intermediate_size=m.dense_width, n_routed_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
              n_shared_experts=m.num_shared_experts, routed_scaling_factor=m.routed_scaling_factor,
-             n_group=m.n_group, topk_group=m.topk_group, first_k_dense_replace=m.first_k_dense, norm_topk_prob=True,
+             n_group=m.n_group, topk_group=m.topk_group, first_k_dense_replace=m.first_k_dense,
+             norm_topk_prob=m.norm_topk_prob,
              q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
              qk_nope_head_dim=m.qk_nope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=True,
              num_nextn_predict_layers=m.mtp_depth, pretraining_tp=1)
-  elif family(m) == "qwen3_moe":  # Every layer MoE; the renormalised top-k is ember's router.
+  elif family(m) == "qwen3_moe":  # Every layer MoE.
     c.update(num_experts=m.num_experts, num_experts_per_tok=m.experts_per_token, moe_intermediate_size=m.d_ff,
-             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+             norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
              router_aux_loss_coef=0.0, use_sliding_window=False, sliding_window=None)
   elif m.is_moe:
     c.update(num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token, output_router_logits=False,
@@ -388,8 +389,8 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
 
 def _deepseek_mismatch(m: ModelConfig, hf: dict) -> str | None:
   """The first DeepSeek-V3 hyper-parameter of config.json that disagrees with ember's model."""
-  if not hf.get("norm_topk_prob", True):
-    return "norm_topk_prob is off; ember's sigmoid router renormalises the top-k weights"
+  if hf.get("norm_topk_prob", True) != m.norm_topk_prob:
+    return f"norm_topk_prob is {hf.get('norm_topk_prob', True)!r}, config.model.norm_topk_prob is {m.norm_topk_prob!r}"
   if not hf.get("rope_interleave", True):
     return "rope_interleave is off; ember reads DeepSeek's interleaved RoPE layout"
   if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
@@ -416,10 +417,11 @@ def config_mismatch(m: ModelConfig, hf: dict) -> str | None:
   if model_type != want_type:
     kind = ("an MoE" if m.is_moe else "a dense") + (" QK-norm" if m.qk_norm else "")
     return f"model_type is {model_type!r}, {kind} ember model reads {want_type!r}"
-  if want_type == "qwen3_moe" and (not hf.get("norm_topk_prob", False) or hf.get("mlp_only_layers")
-                                   or hf.get("decoder_sparse_step", 1) != 1):
-    return ("norm_topk_prob is off, or some layers are dense (mlp_only_layers, decoder_sparse_step): ember's "
-            "MoE renormalises the top-k weights in every layer")
+  if want_type == "qwen3_moe" and hf.get("norm_topk_prob", False) != m.norm_topk_prob:
+    return (f"norm_topk_prob is {hf.get('norm_topk_prob', False)!r}, config.model.norm_topk_prob is "
+            f"{m.norm_topk_prob!r}")
+  if want_type == "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
+    return "some layers are dense (mlp_only_layers, decoder_sparse_step): ember's Qwen3-MoE is MoE in every layer"
   if want_type == "deepseek_v3":
     problem = _deepseek_mismatch(m, hf)
     if problem:

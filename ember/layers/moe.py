@@ -71,6 +71,7 @@ class Options:
   topk_group: int = 1
   scale: float = 1.0  # model.routed_scaling_factor.
   seq_balance: bool = False  # Take the sequence-wise balance loss (model.seq_load_balance_weight > 0).
+  norm_topk: bool = True  # model.norm_topk_prob: softmax-first or sigmoid weights renormalised over the top-k.
 
 
 class ExpertKernel(nnx.Module):
@@ -135,7 +136,7 @@ class MoE(nnx.Module):
                       names=("shared_wi", "shared_wo")) if model.shared_d_ff else None
     self.options = Options(e, model.experts_per_token, model.router_softmax_first, model.dtype, self.wi.recipe,
                            self.wo.recipe, model.router_score, model.n_group, model.topk_group,
-                           model.routed_scaling_factor, model.seq_load_balance_weight > 0)
+                           model.routed_scaling_factor, model.seq_load_balance_weight > 0, model.norm_topk_prob)
     self.model = model  # What the MoE plan reads (layers/moe_dispatch.py: exchange, expert GEMMs, buffers).
     # Replicated like the router.
     self.router_bias = RouterBias(jnp.zeros((e,), F32), out_sharding=(None,)) if model.router_bias_update_rate \
@@ -144,15 +145,16 @@ class MoE(nnx.Module):
   def __call__(self, x_BxLxD, segment_ids_BxL, key=None, plan: moe_dispatch.Plan | None = None, taken=None):
     """(y [B, L, D], aux): aux holds names.AUX_KEYS as float32 scalars and MOE_EXPERT_LOADS, the copies routed
     to each expert [experts]. `plan`: what the layer runs, as its step decided it (trainer/step.py's `moe_plan`);
-    without one (sampling, a layer called alone) the plan of this batch on the active mesh, dropless. `taken`: what the step
-    hands the shared experts' projections (layers/linear.py's `Taken`, by path), or None."""
+    without one (sampling, a layer called alone) the plan of this batch on the active mesh, whose buffers hold every
+    copy (`no_overflow`). `taken`: what the step hands the shared experts' projections (layers/linear.py's `Taken`,
+    by path), or None."""
     keys = None if key is None else (projection_key(key, "moe_wi"), projection_key(key, "moe_wo"))
     histories = (self.wi.history(), self.wo.history())
     stats = (self.wi.stats(), self.wo.stats())
     errors = (self.wi.error(), self.wo.error())
     if plan is None:
       plan = moe_dispatch.plan(self.model, sharding.active_mesh(), sharding.active_rules(), batch=x_BxLxD.shape[:2],
-                               dropless=True)
+                               no_overflow=True)
     bias = None if self.router_bias is None else self.router_bias[...]
     y_BxLxD, aux = moe_ffn(x_BxLxD, segment_ids_BxL, self.router[...], self.wi.kernel[...], self.wo.kernel[...],
                            histories, keys, self.options, plan, stats, bias, errors)
@@ -372,7 +374,8 @@ def route(x_TxD, router_DxE, opts: Options, bias_E=None):
   choices.
 
   Scores: the logits (softmax over the k chosen), a softmax over all experts (`softmax_first`: top-k,
-  renormalised) or, DeepSeek-V3's, sigmoids (top-k, renormalised); the weights times `opts.scale`. With groups
+  renormalised) or, DeepSeek-V3's, sigmoids (top-k, renormalised); without `opts.norm_topk` the last two's top-k
+  are the weights as they are; the weights times `opts.scale`. With groups
   (`opts.n_group` > 1) each group of consecutive experts is scored by the sum of its two best biased scores and
   the k experts are chosen within the best `opts.topk_group` groups alone. The probabilities the balance losses
   read are the softmax, or the sigmoids normalised over the experts.
@@ -395,7 +398,9 @@ def route(x_TxD, router_DxE, opts: Options, bias_E=None):
     choice_TxE = within_best_groups(choice_TxE, opts.n_group, opts.topk_group)
   experts_TxK = _saved_routing(jax.lax.top_k(choice_TxE, opts.k)[1], opts.num_experts)
   top_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
-  if opts.score == "sigmoid":
+  if (opts.score == "sigmoid" or opts.softmax_first) and not opts.norm_topk:
+    weights_TxK = top_TxK  # The top-k probabilities (sigmoids) as they are: DeepSeekMoE's, Qwen2-MoE's.
+  elif opts.score == "sigmoid":
     weights_TxK = top_TxK / (jnp.sum(top_TxK, axis=-1, keepdims=True) + 1e-20)
   elif opts.softmax_first:
     weights_TxK = top_TxK / jnp.sum(top_TxK, axis=-1, keepdims=True)

@@ -103,12 +103,12 @@ class Plan:
 
 
 def plan(model, mesh, rules: dict, *, batch: tuple[int, int], platform: str | None = None,
-         dropless: bool = False) -> Plan:
+         no_overflow: bool = False) -> Plan:
   """The Plan of `model`'s MoE layers (a ModelConfig: its `moe_*`, expert and capacity settings) for batches of
   `batch` = (sequences, length) on `mesh` under `rules` (platform: the one traced for). Without a mesh (or
-  on one device) there is one token shard and no expert axis. `dropless`: every copy kept, whatever the config's
-  capacity factor and buffers (sampling: a prompt's tokens are far from balanced, and no step counts what a buffer
-  would drop)."""
+  on one device) there is one token shard and no expert axis. `no_overflow`: buffers that hold every copy the
+  model keeps (its capacity factor still applies), whatever their settings' headroom over the balanced load
+  (sampling: a prompt's tokens are far from balanced, and no step counts what a buffer would drop)."""
   e, k = model.num_experts, model.experts_per_token
   sharded = mesh is not None and mesh.size > 1
   axes = mesh_axes.expert_axes(rules, mesh) if sharded else ()
@@ -121,11 +121,12 @@ def plan(model, mesh, rules: dict, *, batch: tuple[int, int], platform: str | No
   num_local = e // n
   exchange, gemm = choose(model.moe_dispatch, model.moe_expert_gemm, expert_parallel=n, num_local=num_local,
                           platform=platform)
-  gemm = RAGGED_DOT if dropless else gemm
-  capacity = None if dropless else expert_capacity(model.capacity_factor, t, k, e)
-  # Dropless, ragged's receive buffer holds n x T x k rows: at least all that can arrive (`gemm_rows`).
+  capacity = expert_capacity(model.capacity_factor, t, k, e)
+  if no_overflow and capacity is None:  # Slots sized by the balanced load could overflow; a capacity's never do.
+    gemm = RAGGED_DOT
+  # With no_overflow ragged's receive buffer holds n x T x k rows: at least all that can arrive (`gemm_rows`).
   rows_of = functools.partial(gemm_rows, tokens=t, k=k, num_local=num_local, capacity=capacity,
-                              ragged_buffer=float(n) if dropless else model.moe_ragged_buffer)
+                              ragged_buffer=float(n) if no_overflow else model.moe_ragged_buffer)
   if exchange == ALLTOALL:
     buffer = rows_of(exchange, n=1)  # The most one source can keep for one device.
     rows = n * buffer

@@ -71,7 +71,8 @@ class Phase:
     if index != self.index:
       state = precision.carry(state, self.cfg, cfg, abstract, shardings)
       console(f"precision schedule: {self.phases.describe(index)} from step {step + 1}")
-    plan = phase.plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.micro_batch_size)  # Decided once: jitted with, logged.
+    # Decided once: jitted with, logged, and named by the overflow warnings.
+    plan = phase.plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.micro_batch_size)
     step_fn = step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings, plan=plan)
     phase.compiled = compile_step(step_fn, state, batch, cfg, self.mesh, plan)
     phase.eval_fn = step_lib.jit_eval_step(cfg, self.mesh, graphdef, shardings, plan)

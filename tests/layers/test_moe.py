@@ -17,6 +17,8 @@ from ember.parallel.sharding import use_rules
 from ember.plan import layer as analysis
 from ember.plan.jaxpr import iter_eqns
 from ember.trainer import perf
+from ember.errors import ConfigError
+from tests import helpers
 from tests.helpers import config
 
 F32 = jnp.float32
@@ -226,3 +228,30 @@ def test_flops_count_active_experts_only():
   assert perf.forward_flops_per_token(more_experts) - base == 2 * m.num_layers * m.d_model * m.num_experts
   top1 = dataclasses.replace(m, experts_per_token=1)
   assert base - perf.forward_flops_per_token(top1) == 2 * m.num_layers * 3 * m.d_model * m.d_ff
+
+
+@pytest.mark.parametrize("score, softmax_first", [("softmax", True), ("sigmoid", False)])
+def test_unrenormalised_weights_are_the_top_k_probabilities(score, softmax_first):
+  """model.norm_topk_prob=False (DeepSeekMoE, Qwen2-MoE): the chosen experts' softmax probabilities (or sigmoids)
+  as they are, times the scaling factor; with it, the same renormalised to sum to the factor."""
+  from ember.layers.moe import Options, route
+  from ember.quant.recipe import Recipe
+  rng = np.random.default_rng(0)
+  x, router = rng.normal(size=(32, 8)).astype(np.float32), rng.normal(size=(8, 16)).astype(np.float32)
+  logits = x.astype(np.float64) @ router
+  probs = np.exp(logits - logits.max(-1, keepdims=True)) if score == "softmax" else 1 / (1 + np.exp(-logits))
+  probs = probs / probs.sum(-1, keepdims=True) if score == "softmax" else probs
+  top = np.sort(np.argsort(-probs, axis=-1)[:, :4], axis=-1)
+  chosen = np.take_along_axis(probs, top, axis=-1)
+  for norm, want in ((False, 2.5 * chosen), (True, 2.5 * chosen / chosen.sum(-1, keepdims=True))):
+    opts = Options(num_experts=16, k=4, softmax_first=softmax_first, dtype=jnp.float32, wi_recipe=Recipe(name="bf16"),
+                   wo_recipe=Recipe(name="bf16"), score=score, scale=2.5, norm_topk=norm)
+    _, _, weights, experts = jax.device_get(route(jnp.asarray(x), jnp.asarray(router), opts))
+    order = np.argsort(experts, axis=-1)
+    np.testing.assert_array_equal(np.take_along_axis(experts, order, -1), top)
+    np.testing.assert_allclose(np.take_along_axis(weights, order, -1), want, rtol=1e-5)
+
+
+def test_mixtrals_router_cannot_leave_its_weights_unrenormalised():
+  with pytest.raises(ConfigError, match=r"config.model.norm_topk_prob: false needs model.router_softmax_first"):
+    helpers.settings("tiny_moe", 1, **{"model.norm_topk_prob": False})

@@ -335,10 +335,11 @@ def test_ragged_overflow_is_counted_and_zeroed():
   graphdef, state = nnx.split(layer)
   x = jax.random.normal(jax.random.key(1), (8, 16, cfg1.model.d_model), jnp.float32)
   seg = jnp.ones((8, 16), jnp.int32)
-  run = jax.jit(lambda state, x, seg: nnx.merge(graphdef, state)(x, seg))
   mesh = make_mesh(cfg8.mesh, jax.devices()[:8])
   with use_rules(mesh, cfg8.mesh.rules):
     rules = rules_dict(cfg8.mesh.rules)
+    plan = moe_dispatch.plan(cfg8.model, mesh, rules, batch=(8, 16))  # A step's: sized by moe_ragged_buffer.
+    run = jax.jit(lambda state, x, seg: nnx.merge(graphdef, state)(x, seg, plan=plan))
     y8, aux8 = run(jax.device_put(state, tree_shardings(nnx.get_partition_spec(state), mesh, cfg8.mesh.rules)),
                    jax.device_put(x, NamedSharding(mesh, logical_to_spec(("batch", "length", "embed"), rules, mesh))),
                    jax.device_put(seg, NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))))
