@@ -270,3 +270,14 @@ def test_a_workdir_under_home_is_one_directory(monkeypatch, tmp_path):
   monkeypatch.setenv("HOME", str(tmp_path))
   s = config_lib.validate(helpers.config(**{"workdir": "~/run"}), None)
   assert s.workdir == str(tmp_path / "run")
+
+
+def test_a_config_saved_before_a_key_existed_loads_with_its_default():
+  """A checkpoint's config (sampling, export, the precision probe read it back) saved by an older ember lacks the
+  keys added since: each takes its default, the behaviour that run had, instead of a KeyError."""
+  from ember.config import from_saved
+  saved = helpers.settings("tiny_moe", 1, **{"model.router_softmax_first": True}).to_dict()
+  del saved["model"]["norm_topk_prob"], saved["train"]["device_batch_size"]
+  loaded = from_saved(saved)
+  assert loaded.model.norm_topk_prob is True and loaded.train.device_batch_size == 0
+  assert loaded.model.router_softmax_first  # What it saved stays.

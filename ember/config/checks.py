@@ -15,6 +15,7 @@ import os
 import ml_collections
 
 from ember import storage
+from ember.config import defaults
 from ember.config import phases as phases_lib
 from ember.config import schema
 from ember.config.settings import Settings, section, tokenizer_vocab
@@ -239,10 +240,21 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Settings:
 def from_saved(saved: dict, overrides: dict | None = None) -> Settings:
   """The typed settings of a config a run saved (`Settings.to_dict`, in a checkpoint's metadata), with dotted
   `overrides` ({"model.dtype": "float32"}) applied before the derived values are worked out again (a recipe's
-  health statistics follow `log.quant_stats_every`). The devices are left to the caller (`on_devices`)."""
+  health statistics follow `log.quant_stats_every`). The devices are left to the caller (`on_devices`). A key
+  added to the config since the run saved it takes its default, which is the behaviour the run had."""
   cfg = ml_collections.ConfigDict(saved)
+  _fill_missing(cfg, defaults.get_config())
   cfg.update_from_flattened_dict(overrides or {})
   return derive(cfg, None)
+
+
+def _fill_missing(cfg: ml_collections.ConfigDict, reference: ml_collections.ConfigDict) -> None:
+  """Adds to `cfg` every key of `reference` it lacks, with `reference`'s value, at any depth."""
+  for key, value in reference.items():
+    if key not in cfg:
+      cfg[key] = value
+    elif isinstance(value, ml_collections.ConfigDict) and isinstance(cfg[key], ml_collections.ConfigDict):
+      _fill_missing(cfg[key], value)
 
 
 def _validate_pipeline(s: Settings) -> None:

@@ -261,6 +261,8 @@ def unsupported(m: ModelConfig) -> str | None:
     return "an MoE with a shared expert (model.shared_expert_d_ff > 0) has no Mixtral or Qwen3-MoE form"
   if m.is_moe and m.moe_every != 1:
     return f"dense layers between MoE layers (model.moe_every = {m.moe_every}) have no Mixtral or Qwen3-MoE form"
+  if m.is_moe and family(m) == "mixtral" and not m.norm_topk_prob:
+    return "top-k weights left unrenormalised (model.norm_topk_prob = false) have no Mixtral form: it renormalises"
   return None
 
 

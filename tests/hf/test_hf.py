@@ -405,3 +405,16 @@ def test_a_model_written_by_transformers_imports_with_its_logits(kind, tmp_path)
     ours = np.asarray(model.head(h))
   assert np.abs(theirs).max() > 1.0
   np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * np.abs(theirs).max())
+
+
+def test_unrenormalised_routing_has_no_mixtral_form_and_a_qwen3_moe_config_must_say_so():
+  """Mixtral renormalises its top-k weights: a model that does not (model.norm_topk_prob=false) is refused, on
+  export and on import (its logits were 30-38% off); Qwen3-MoE's config.json carries the setting, checked both ways."""
+  overrides = {"model.router_softmax_first": True, "model.norm_topk_prob": False}
+  mixtral = helpers.settings("tiny_moe", 1, **overrides).model
+  assert "norm_topk_prob = false) have no Mixtral form" in layout.unsupported(mixtral)
+  qwen = helpers.settings("tiny_moe", 1, **overrides, **{"model.qk_norm": True}).model
+  assert layout.unsupported(qwen) is None
+  written = layout.hf_config(qwen, "float32")
+  assert written["norm_topk_prob"] is False and layout.config_mismatch(qwen, written) is None
+  assert "config.model.norm_topk_prob is False" in layout.config_mismatch(qwen, {**written, "norm_topk_prob": True})
