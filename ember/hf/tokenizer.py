@@ -44,15 +44,31 @@ def byte_tokenizer_json() -> dict:
   }
 
 
+def source_files(tokenizer: str) -> set[str]:
+  """The files `write` reads for `data.tokenizer` (absolute paths): an export into the directory that holds them
+  keeps them."""
+  if tokenizer in ("", "byte"):
+    return set()
+  source = hf_tokenizer_json(tokenizer)
+  if source:
+    return {os.path.abspath(source), os.path.abspath(os.path.join(os.path.dirname(source), "tokenizer_config.json"))}
+  return {os.path.abspath(os.path.expanduser(tokenizer))}
+
+
+def _copy(source: str, target: str) -> None:
+  if os.path.abspath(source) != os.path.abspath(target):  # Exported into the tokenizer's own directory: in place.
+    shutil.copyfile(source, target)
+
+
 def write(directory: str, tokenizer: str, max_length: int) -> list[str]:
   """Writes the tokenizer files for ember's `data.tokenizer` ("byte", a SentencePiece .model path, or a Hugging
   Face tokenizer.json or its directory)."""
   source = hf_tokenizer_json(tokenizer) if tokenizer not in ("", "byte") else None
   if source:
-    shutil.copyfile(source, os.path.join(directory, "tokenizer.json"))
+    _copy(source, os.path.join(directory, "tokenizer.json"))
     config_path = os.path.join(os.path.dirname(source), "tokenizer_config.json")
     if os.path.isfile(config_path):
-      shutil.copyfile(config_path, os.path.join(directory, "tokenizer_config.json"))
+      _copy(config_path, os.path.join(directory, "tokenizer_config.json"))
     else:
       with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
@@ -66,7 +82,7 @@ def write(directory: str, tokenizer: str, max_length: int) -> list[str]:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **common}
     files = ["tokenizer.json", "tokenizer_config.json"]
   else:
-    shutil.copyfile(tokenizer, os.path.join(directory, "tokenizer.model"))
+    _copy(os.path.expanduser(tokenizer), os.path.join(directory, "tokenizer.model"))
     config = {"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_prefix_space": True, **common,
               "unk_token": "<unk>"}
     files = ["tokenizer.model", "tokenizer_config.json"]

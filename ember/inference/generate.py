@@ -25,8 +25,12 @@ from ember.errors import warn
 from ember.layers.decoder import Transformer
 
 
-def pick(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
-  """The next token of each row (int32 [B])."""
+def pick(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_p: float,
+         vocab: int | None = None) -> jax.Array:
+  """The next token of each row (int32 [B]), below `vocab` (the tokenizer's ids; None: any row of the head): the
+  head's rows past the tokenizer's, padding to a multiple of 128, are no token."""
+  if vocab is not None and vocab < logits_BxV.shape[-1]:
+    logits_BxV = jnp.where(jnp.arange(logits_BxV.shape[-1]) < vocab, logits_BxV, -jnp.inf)
   if temperature == 0:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
   logits = logits_BxV.astype(jnp.float32) / temperature
@@ -51,13 +55,14 @@ def _prefill(graphdef, state, tokens_BxP, lengths_B, cache_len: int):
   return model.head(last_Bx1xD)[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature", "top_p"))
-def _decode(graphdef, state, logits_BxV, cache, lengths_B, key, steps: int, temperature: float, top_p: float):
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature", "top_p", "vocab"))
+def _decode(graphdef, state, logits_BxV, cache, lengths_B, key, steps: int, temperature: float, top_p: float,
+            vocab: int | None):
   model: Transformer = nnx.merge(graphdef, state)
 
   def step(carry, t):
     logits, cache = carry
-    token_B = pick(logits, jax.random.fold_in(key, t), temperature, top_p)
+    token_B = pick(logits, jax.random.fold_in(key, t), temperature, top_p, vocab)
     h, cache = model.decode(token_B[:, None], (lengths_B + t)[:, None], cache)
     return (model.head(h)[:, 0], cache), token_B
 
@@ -65,8 +70,9 @@ def _decode(graphdef, state, logits_BxV, cache, lengths_B, key, steps: int, temp
   return tokens_NxB.T
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature", "top_p"))
-def _uncached(graphdef, state, tokens_BxN, lengths_B, key, steps: int, temperature: float, top_p: float):
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature", "top_p", "vocab"))
+def _uncached(graphdef, state, tokens_BxN, lengths_B, key, steps: int, temperature: float, top_p: float,
+              vocab: int | None):
   """`_prefill` and `_decode` without a cache: each new token from the whole forward pass over the row so far
   (the rows padded to their final length, the padding a segment of its own that no token attends to)."""
   model: Transformer = nnx.merge(graphdef, state)
@@ -78,7 +84,7 @@ def _uncached(graphdef, state, tokens_BxN, lengths_B, key, steps: int, temperatu
     segments = jnp.where(positions < length[:, None], 1, 2).astype(jnp.int32)
     h, _ = model(tokens, segments, positions)
     last = jnp.take_along_axis(h, (length - 1)[:, None, None], axis=1)
-    token_B = pick(model.head(last)[:, 0], jax.random.fold_in(key, t), temperature, top_p)
+    token_B = pick(model.head(last)[:, 0], jax.random.fold_in(key, t), temperature, top_p, vocab)
     return tokens.at[jnp.arange(b), length].set(token_B, mode="drop"), token_B
 
   _, tokens_NxB = jax.lax.scan(step, tokens_BxN, jnp.arange(steps, dtype=jnp.int32))
@@ -93,10 +99,12 @@ def cache_bytes_per_token(model: Transformer) -> int:
 
 
 def generate(model: Transformer, prompts: Sequence[np.ndarray], *, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, batch_multiple: int = 1, cache: bool = True) -> list[np.ndarray]:
+             top_p: float = 1.0, seed: int = 0, batch_multiple: int = 1, cache: bool = True,
+             vocab: int | None = None) -> list[np.ndarray]:
   """`max_new_tokens` new tokens after each prompt (a non-empty int sequence). `batch_multiple` pads the
   batch with copies of the first prompt to a multiple of the devices its rows are sharded over. `cache=False`
-  runs the whole forward pass for every new token (the reference the cache is held to)."""
+  runs the whole forward pass for every new token (the reference the cache is held to). `vocab`: the tokenizer's
+  vocabulary, below which every new token is (`pick`)."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("every prompt needs at least one token")
   rows = len(prompts) + (-len(prompts) % batch_multiple)
@@ -112,9 +120,9 @@ def generate(model: Transformer, prompts: Sequence[np.ndarray], *, max_new_token
   if not cache:
     whole = np.pad(tokens, ((0, 0), (0, max_new_tokens)))
     out = _uncached(graphdef, state, whole, lengths, jax.random.key(seed), steps=max_new_tokens,
-                    temperature=float(temperature), top_p=float(top_p))
+                    temperature=float(temperature), top_p=float(top_p), vocab=vocab)
     return list(np.asarray(out)[: len(prompts)])
   logits, kv = _prefill(graphdef, state, tokens, lengths, cache_len=int(lengths.max()) + max_new_tokens)
   out = _decode(graphdef, state, logits, kv, lengths, jax.random.key(seed), steps=max_new_tokens,
-                temperature=float(temperature), top_p=float(top_p))
+                temperature=float(temperature), top_p=float(top_p), vocab=vocab)
   return list(np.asarray(out)[: len(prompts)])

@@ -72,8 +72,10 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
     os.makedirs(out, exist_ok=True)
   except OSError as e:  # Where the permission bits allow it but the file system does not (/proc, read-only).
     raise ConfigError(f"--out: cannot create {out}: {e.strerror or e}") from None
+  keep = tokenizer.source_files(cfg.data.tokenizer)  # An export into the directory the tokenizer is read from.
   for stale in glob.glob(os.path.join(out, "model*.safetensors*")) + glob.glob(os.path.join(out, "tokenizer*")):
-    os.remove(stale)  # An earlier export's files would win over this one's (an old index, tokenizer.json).
+    if os.path.abspath(stale) not in keep:
+      os.remove(stale)  # An earlier export's files would win over this one's (an old index, tokenizer.json).
   files = safetensors.write_dir(out, tensors, max_shard_bytes)
   storage.write_atomic(os.path.join(out, "config.json"), json.dumps(layout.hf_config(m, dtype), indent=2))
   storage.write_atomic(os.path.join(out, "generation_config.json"), json.dumps(

@@ -103,7 +103,7 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
         f"({m.dtype.name}){'' if cache else '; not used (--no_cache)'}", file=sys.stderr)
   with use_rules(mesh, cfg.mesh.rules):
     out = generate(model, encoded, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                   batch_multiple=batch_shards, cache=cache)
+                   batch_multiple=batch_shards, cache=cache, vocab=tokenizer.vocab_size)
   return [_continuation(tokenizer, prompt, new) for prompt, new in zip(encoded, out)]
 
 

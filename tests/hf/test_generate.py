@@ -70,6 +70,11 @@ def test_sampling_follows_temperature_and_top_p():
     np.testing.assert_allclose(freq, want, atol=0.03, err_msg=f"temperature {temperature}, top_p {top_p}")
   assert int(pick(logits, keys[0], 0.0, 1.0)[0]) == 0  # Greedy.
   assert int(pick(-logits, keys[0], 0.0, 1.0)[0]) == 3
+  # A head padded past the tokenizer's vocabulary (here 2 ids): its extra rows are never a token, whatever
+  # their logits (SentencePiece failed on them; other tokenizers dropped them from the text).
+  assert int(pick(-logits, keys[0], 0.0, 1.0, vocab=2)[0]) == 1
+  draws = np.asarray(jax.vmap(lambda k: pick(-logits, k, 1.0, 1.0, vocab=2))(keys[:500]))[:, 0]
+  assert set(draws.tolist()) == {0, 1}
 
 
 @pytest.mark.parametrize("dispatch", [pytest.param("allgather", marks=pytest.mark.extended), "ragged"])

@@ -418,3 +418,21 @@ def test_unrenormalised_routing_has_no_mixtral_form_and_a_qwen3_moe_config_must_
   written = layout.hf_config(qwen, "float32")
   assert written["norm_topk_prob"] is False and layout.config_mismatch(qwen, written) is None
   assert "config.model.norm_topk_prob is False" in layout.config_mismatch(qwen, {**written, "norm_topk_prob": True})
+
+
+def test_an_export_into_the_tokenizers_own_directory_keeps_it(tmp_path):
+  """init_from_hf=DIR with data.tokenizer=DIR, then an export back to DIR: the stale-file sweep deleted the
+  tokenizer before copying it, and the export failed with the directory's tokenizer gone for good."""
+  tokenizers = pytest.importorskip("tokenizers")
+  from ember.tools.export_hf import export
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<s>": 0, "</s>": 1, "hello": 2, "[UNK]": 3},
+                                                         unk_token="[UNK]"))
+  tok.save(str(hf_dir / "tokenizer.json"))
+  (hf_dir / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+  before = (hf_dir / "tokenizer.json").read_bytes(), (hf_dir / "tokenizer_config.json").read_bytes()
+  _save_checkpoint(tmp_path / "run", **{"data.tokenizer": str(hf_dir)})
+  files = export(str(tmp_path / "run"), str(hf_dir), dtype="float32")
+  assert "tokenizer.json" in files and (hf_dir / "config.json").exists()
+  assert ((hf_dir / "tokenizer.json").read_bytes(), (hf_dir / "tokenizer_config.json").read_bytes()) == before
