@@ -363,7 +363,7 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
       "rope_theta": m.rope_theta, "rope_parameters": rope_parameters(m),
       "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
       "initializer_range": m.init_std, "use_cache": True, "dtype": dtype, "torch_dtype": dtype,
-      # ember trains without BOS/EOS tokens (document boundaries are segment ids).
+      # Document boundaries are segment ids; a tokenizer that ends documents with EOS names it (the export's).
       "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
   }
   if m.rope_scaling_factor:  # transformers before 5 reads the scaling from here.

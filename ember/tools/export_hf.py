@@ -56,7 +56,9 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
       "model would route to other experts"))
   if problem:
     raise CheckpointError(f"--checkpoint: {problem}; not exported")
-  build_tokenizer(cfg.data)  # A tokenizer that is gone is a one-line error before anything is written.
+  # A tokenizer that is gone is a one-line error before anything is written. Its EOS, where it ends documents with
+  # one, is the exported model's (transformers' generate stops there).
+  eos = getattr(build_tokenizer(cfg.data), "eos_id", None)
   if m.capacity_factor > 0:
     warn(f"the model was trained with model.capacity_factor={m.capacity_factor} (tokens past capacity dropped); "
          "the exported Mixtral is dropless")
@@ -77,9 +79,10 @@ def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", max_shard_byte
     if os.path.abspath(stale) not in keep:
       os.remove(stale)  # An earlier export's files would win over this one's (an old index, tokenizer.json).
   files = safetensors.write_dir(out, tensors, max_shard_bytes)
-  storage.write_atomic(os.path.join(out, "config.json"), json.dumps(layout.hf_config(m, dtype), indent=2))
+  storage.write_atomic(os.path.join(out, "config.json"),
+                       json.dumps({**layout.hf_config(m, dtype), "eos_token_id": eos}, indent=2))
   storage.write_atomic(os.path.join(out, "generation_config.json"), json.dumps(
-      {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "do_sample": False}, indent=2))
+      {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": None, "do_sample": False}, indent=2))
   files += ["config.json", "generation_config.json"]
   files += tokenizer.write(out, cfg.data.tokenizer, m.seq_len)
   return files

@@ -114,9 +114,13 @@ def prompt_ids(tokenizer, prompts: list[str]) -> list:
 
 
 def _continuation(tokenizer, prompt, new_ids) -> str:
-  """The new tokens' text as it reads after the prompt's ids: decoded together with the prompt, then the prompt's
-  text removed (SentencePiece drops a leading space from tokens decoded alone)."""
+  """The new tokens' text as it reads after the prompt's ids, up to the end of the document (the tokenizer's EOS,
+  where it ends documents with one: past it the model starts another): decoded together with the prompt, then the
+  prompt's text removed (SentencePiece drops a leading space from tokens decoded alone)."""
   import numpy as np
+  eos = getattr(tokenizer, "eos_id", None)
+  if eos is not None and eos in new_ids:
+    new_ids = new_ids[:list(new_ids).index(eos) + 1]
   whole = tokenizer.decode(np.concatenate([prompt, new_ids]))
   prefix = tokenizer.decode(prompt)
   return whole[len(prefix):] if whole.startswith(prefix) else tokenizer.decode(new_ids)

@@ -436,3 +436,10 @@ def test_an_export_into_the_tokenizers_own_directory_keeps_it(tmp_path):
   files = export(str(tmp_path / "run"), str(hf_dir), dtype="float32")
   assert "tokenizer.json" in files and (hf_dir / "config.json").exists()
   assert ((hf_dir / "tokenizer.json").read_bytes(), (hf_dir / "tokenizer_config.json").read_bytes()) == before
+  # The tokenizer ends documents with </s>: the exported model stops there (transformers' generate reads it).
+  for name in ("config.json", "generation_config.json"):
+    assert json.loads((hf_dir / name).read_text())["eos_token_id"] == 1
+  # And ember's sampler prints the text up to it.
+  from ember.tools.sample import _continuation
+  tok = build_tokenizer(helpers.settings(**{"data.tokenizer": str(hf_dir)}).data)
+  assert _continuation(tok, np.asarray([2]), np.asarray([2, 1, 2, 2])) == tok.decode([2, 2, 1])[len(tok.decode([2])):]
