@@ -85,14 +85,14 @@ class Layout:
     return {a: inside.get(a, 1) * across.get(a, 1) for a in MESH}
 
   def flags(self) -> list[str]:
+    """The command-line flags that lay a config out this way: everything `apply` sets, whatever the config they are
+    added to says (an interleaved schedule in it, say, with a layout that has none)."""
     inside, across = dict(self.node), dict(self.dcn)
     out = [f"--config.mesh.{a}={inside.get(a, 1)}" for a in MESH]
     out += [f"--config.mesh.dcn_{a}={across.get(a, 1)}" for a in DCN_AXES]
     out += [f"--config.train.grad_accum_steps={self.grad_accum_steps}", "--config.train.device_batch_size=0",
             f"--config.remat.policy={self.remat}"]
-    if self.mesh()["pipeline"] > 1:
-      out.append(f"--config.pipeline.schedule={self.schedule}")
-    return out + ([f"--config.pipeline.virtual_stages={self.virtual_stages}"] if self.virtual_stages > 1 else [])
+    return out + [f"--config.pipeline.schedule={self.schedule}", f"--config.pipeline.virtual_stages={self.virtual_stages}"]
 
   def describe(self) -> str:
     """Short form for tables: "node fsdp=4 tensor=2 | nodes data=2 | accum 4 | full" (sizes of 1 left out)."""

@@ -16,6 +16,7 @@ and the quick `estimate` that chose it for compiling; a candidate whose compile 
 
 from __future__ import annotations
 
+import math
 import sys
 
 from ember import native_output
@@ -64,8 +65,8 @@ def main(argv: list[str]) -> int:
   try:
     own, config_argv = cli.split_config(argv)
     args = cli.parse(parser, own)
-    if args.budget_gb < 0:
-      raise ConfigError(f"--budget_gb: must be positive, got {args.budget_gb:g}")
+    if not (math.isfinite(args.budget_gb) and args.budget_gb >= 0):
+      raise ConfigError(f"--budget_gb: must be a finite number of GiB >= 0 (0: the GPU's), got {args.budget_gb:g}")
     if args.top < 1:
       raise ConfigError(f"--top: must be at least 1, got {args.top}")
     target = target_lib.parse(args.target)

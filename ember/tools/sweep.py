@@ -19,7 +19,8 @@ run's metrics.jsonl and writes
       e.g. --grid=quant.recipe=bf16,fp8_current,nvfp4, is one command;
   OUT/logs/<combination>.log          each run's output.
 A run is `oom` when it dies with an out-of-memory error (XLA's RESOURCE_EXHAUSTED), `error` for any
-other failure; the sweep records it and carries on.
+other failure (a timeout too); the sweep records it and carries on. Exit status 0 when at least one run finished,
+1 when none did (the results are written either way), 2 for bad input.
 
 Unless overridden, runs log every step, skip evaluation and save no checkpoint
 (`checkpoint.every_steps=-1`): the sweep measures training steps, nothing else.
@@ -319,7 +320,7 @@ def main(argv: list[str]) -> int:
   results = sweep(args.config, grid, args.steps, args.out, fixed, args.timeout)
   ok = sum(r["status"] == "ok" for r in results)
   print(f"{ok}/{len(results)} runs finished; results in {os.path.join(args.out, 'results.csv')}")
-  return 0
+  return 0 if ok else 1
 
 
 if __name__ == "__main__":

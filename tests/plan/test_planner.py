@@ -72,6 +72,15 @@ def test_interleaved_layouts_take_each_chunk_count_that_divides_a_stage():
                           *lay.flags()])
   assert (back.pipeline.schedule, back.pipeline.virtual_stages) == ("interleaved_1f1b", 2)
   assert all(lay.grad_accum_steps % 2 == 0 for lay in piped if lay.virtual_stages == 2)
+  # Each layout's flags, added to a command that asks for interleaving, lay the config out as `apply` does (a 1F1B
+  # winner's flags said nothing of the chunks, and train.py refused the pair).
+  base = ["--config.model.num_layers=4", "--config.train.batch_size=16", "--config.data.source=synthetic",
+          "--config.pipeline.schedule=interleaved_1f1b", "--config.pipeline.virtual_stages=2"]
+  cfg = _cfg("tiny", *base)
+  for lay in piped:
+    back = config_lib.validate(config_lib.load(["plan", f"--config={ROOT}/configs/default.py:tiny", *base,
+                                                *lay.flags()]), None)
+    assert back.pipeline == lay.apply(cfg).pipeline and back.mesh == lay.apply(cfg).mesh
 
 
 def test_uneven_stages_are_planned_where_their_padding_is_small():
@@ -254,6 +263,15 @@ def test_plan_exits_1_when_nothing_fits_the_budget(capsys):
   assert tool.main(args) == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith("error: --budget_gb: no layout is estimated within 0.0 GiB per device"), err
+
+
+@pytest.mark.parametrize("budget", ["inf", "nan", "-1"])
+def test_a_budget_that_is_no_number_of_gib_is_one_line_exit_2(budget, capsys):
+  """inf compiled every layout and then failed converting it to bytes; nan ran as a budget nothing fits."""
+  with pytest.raises(SystemExit) as e:
+    tool.main(["plan", f"--config={ROOT}/configs/default.py:tiny", "--target=h100x8", f"--budget_gb={budget}"])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.strip().startswith("error: --budget_gb: must be a finite number of GiB >= 0")
 
 
 def test_plan_refuses_a_cpu_target(capsys):

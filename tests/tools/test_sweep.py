@@ -126,3 +126,16 @@ def test_curves_plot_train_and_eval_loss_per_combination(tmp_path):
   assert train_ax.get_ylabel() == "train loss" and eval_ax.get_ylabel() == "eval loss"
   image = matplotlib.image.imread(str(tmp_path / "curves.png"))
   assert image.shape[1] > image.shape[0] > 300  # Two panels side by side.
+
+
+@pytest.mark.long
+def test_a_sweep_with_no_run_finished_exits_1(tmp_path, monkeypatch):
+  """A script or CI job can tell a sweep of failures from one that measured something."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  out = tmp_path / "sweep"
+  out.mkdir()
+  for policy in ("none", "full"):  # Each run's workdir taken by a file: train.py stops on its config.
+    (out / sweep.combo_name({"remat.policy": policy})).write_text("not a directory")
+  assert sweep.main(["sweep", f"--config={ROOT}/configs/default.py:tiny", "--grid=remat.policy=none,full",
+                     "--steps=1", f"--out={out}", "--config.data.source=synthetic"]) == 1
+  assert {r["status"] for r in json.loads((out / "results.json").read_text())["results"]} == {"error"}
