@@ -38,7 +38,7 @@ from ember.data.sharded import data_iterator, global_batch, source_shares
 from ember.errors import ConfigError, Diverged, one_line
 from ember.hf import load as hf_load
 from ember.layers.decoder import keys_of, stacked_layers
-from ember.names import RECORD_SOURCES
+from ember.names import RECORD_SOURCES, SEGMENT_IDS
 from ember.parallel import distributed
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import use_rules
@@ -573,11 +573,16 @@ def _check_schedule(metadata: dict, cfg: Settings, step: int) -> None:
 
 
 def evaluate(cfg: Settings, state, eval_fn, batch_sharding) -> float:
-  """Mean loss over the first `train.eval_batches` batches of the held-out split (the same every time)."""
+  """Mean loss per token over the first `train.eval_batches` batches of the held-out split (the same every time):
+  each batch's mean weighted by its tokens (padding holds none), as one batch of them all would be."""
   it = data_iterator(cfg, "eval", batch_sharding)
+  losses, counts = [], []
   try:
-    losses = [eval_fn(state, global_batch(next(it), batch_sharding, cfg.train.batch_size))
-              for _ in range(cfg.train.eval_batches)]
+    for _ in range(cfg.train.eval_batches):
+      batch = global_batch(next(it), batch_sharding, cfg.train.batch_size)
+      losses.append(eval_fn(state, batch))
+      counts.append(jnp.sum(batch[SEGMENT_IDS] > 0, dtype=jnp.float32))
   finally:
     it.close()
-  return float(jnp.mean(jnp.stack(losses)))
+  counts = jnp.stack(counts)
+  return float(jnp.sum(jnp.stack(losses) * counts) / jnp.maximum(jnp.sum(counts), 1.0))

@@ -237,3 +237,35 @@ def test_evaluation_runs_the_steps_micro_batches(preset):
     temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
   assert rel_error(losses[1], losses[0]) < 1e-6, losses
   assert temporaries[1] < temporaries[0], temporaries
+
+
+def test_the_eval_loss_weights_each_batch_by_its_tokens(monkeypatch):
+  """Two held-out batches, one with 10 real tokens and mean loss 1, one with 30 and mean loss 3: the loss per
+  token is (10 + 90) / 40 = 2.5, as one batch of both would give; the mean of the means (2.0) weighted a padded
+  batch as a full one."""
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from ember import config as config_lib
+  from ember.trainer import loop
+  cfg = config_lib.validate(config("tiny", **{"train.batch_size": 2, "train.eval_batches": 2}), 1)
+
+  def batch(real):
+    segments = np.zeros((2, cfg.model.seq_len), np.int32)
+    segments.reshape(-1)[:real] = 1
+    return {k: segments.copy() for k in ("inputs", "targets", "positions", "segment_ids")}
+
+  class Batches:
+    def __init__(self):
+      self.left = [batch(10), batch(30)]
+
+    def __next__(self):
+      return self.left.pop(0)
+
+    def close(self):
+      pass
+
+  monkeypatch.setattr(loop, "data_iterator", lambda *a, **k: Batches())
+  sharding = NamedSharding(Mesh(np.asarray(jax.devices()[:1]), ("data",)), P())
+  loss_of = lambda state, b: jnp.where(jnp.sum(b["segment_ids"]) == 10, 1.0, 3.0)
+  assert loop.evaluate(cfg, None, loss_of, sharding) == pytest.approx(2.5)
