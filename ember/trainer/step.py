@@ -22,6 +22,7 @@ from ember.parallel.sharding import active_mesh, active_rules
 from ember.platform import target_platform
 from ember.quant import health
 from ember.trainer.loss import HeadOnce, read_once, token_count, with_head_gradient
+from ember.trainer.optimizer import learning_rate_schedule
 from ember.trainer import pipelined
 from ember.trainer.objective import (forward_loss, merged_model, micro_batches, replica_part,  # noqa: F401
                                      replicas_first, summed_over_replicas)
@@ -68,6 +69,8 @@ def train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedul
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.tree.norm(grads)
   metrics = dict(metrics, grad_norm=grad_norm, lr=schedule(state.step))
+  if cfg.train.optimizer == "muon":  # `lr` is AdamW's (embeddings, norms, the head); the matrices run Muon's.
+    metrics["lr_muon"] = learning_rate_schedule(cfg.train, cfg.train.muon_learning_rate)(state.step)
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, quant_state=new_quant_state)
   return unless_non_finite(state, new_state, metrics, grad_norm)
 

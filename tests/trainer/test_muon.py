@@ -90,6 +90,10 @@ def test_a_step_updates_kernels_by_muon_and_the_rest_by_adamw():
   emb = np.asarray(grads["embed"]["embedding"])
   np.testing.assert_allclose(np.asarray(updates["embed"]["embedding"]), -float(schedule(0)) * np.sign(emb),
                              rtol=1e-3, atol=1e-7)
+  # The step logs both rates: `lr`, AdamW's, and `lr_muon`, the kernels'.
+  cfg = helpers.config("tiny", **{"train.optimizer": "muon", "train.warmup_steps": 0, "train.muon_learning_rate": 0.05})
+  metrics, _ = helpers.one_step(cfg, helpers.random_batch(cfg), 1)
+  assert float(metrics["lr_muon"]) == pytest.approx(lr_muon) and float(metrics["lr"]) == pytest.approx(schedule(0))
 
 
 @pytest.mark.extended
