@@ -10,7 +10,7 @@ import os
 import jax
 from flax import nnx
 
-from ember.config import from_saved
+from ember.config import Settings, from_saved
 from ember.errors import ConfigError
 from ember.layers.decoder import Transformer, keys_of, rows_by_layer, stacked_like
 from ember.layers.moe import ROUTER_BIAS
@@ -67,7 +67,7 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
   return cfg, mesh, model
 
 
-def _targets(cfg, mesh) -> tuple:
+def _targets(cfg: Settings, mesh) -> tuple:
   """(graphdef, {"params": ..., "quant_state": ...}) of `cfg`'s model: ShapeDtypeStructs placed on `mesh`."""
   graphdef, param_specs, quant_specs = logical_axes(cfg)
   abstract_params, abstract_quant = abstract_init(cfg)
@@ -77,7 +77,7 @@ def _targets(cfg, mesh) -> tuple:
   return graphdef, {"params": place(abstract_params, param_specs), "quant_state": place(abstract_quant, quant_specs)}
 
 
-def _restacked(tree: dict, trained, cfg, like: dict) -> dict:
+def _restacked(tree: dict, trained: Settings, cfg: Settings, like: dict) -> dict:
   """`tree` (stacked as `trained` stacks the layers) stacked as `cfg` does, in the structure of `like`, on its
   shardings."""
   rows = rows_by_layer(tree, trained.model, trained.quant)
