@@ -152,3 +152,11 @@ def stochastic_cast(x: jax.Array, fmt: "Format | str",
   up = u < (a - lo) / ulp
   rounded = jnp.minimum(jnp.where(up, lo + ulp, lo), fmt.max)
   return cast(jnp.copysign(rounded, x32), fmt)
+
+
+def magnitude(x: jax.Array) -> jax.Array:
+  """|x| with a NaN as +Inf: what every amax (a tensor's, a block's) is the max of, in x's dtype. A max reduction
+  may skip NaN (XLA's vectorised CPU one does, Pallas lowers max to a NaN-ignoring op on GPUs); as an Inf, a NaN
+  makes its amax non-finite on every platform, and the scale policy (ember/quant/quantizers.py) takes it from
+  there."""
+  return jnp.where(jnp.isnan(x), jnp.asarray(jnp.inf, x.dtype), jnp.abs(x))

@@ -36,7 +36,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ember.platform import target_platform
-from ember.quant import kernels, partitioning
+from ember.quant import formats, kernels, partitioning
 from ember.quant.formats import E4M3
 from ember.quant.quantizers import tensor_amax
 from ember.quant.recipe import KERNEL, KERNEL_T
@@ -134,7 +134,7 @@ def _inverse_scale(k):
 
 def _kernel(x_ref, data_ref, scale_ref, *transposed_refs, rows: int, cols: int):
   x = x_ref[...].astype(jnp.float32)
-  magnitude = jnp.abs(x)
+  magnitude = formats.magnitude(x)
   k_rows = _exponents(jnp.max(magnitude.reshape(rows, cols // BLOCK, BLOCK), axis=2))  # [rows, cols / 32]
   along_rows = jnp.broadcast_to(_inverse_scale(k_rows)[:, :, None], (rows, cols // BLOCK, BLOCK))
   data_ref[...] = kernels.cast_e4m3(x * along_rows.reshape(rows, cols))

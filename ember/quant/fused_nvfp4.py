@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ember.names import STACKED_ROW_SCOPE
 from ember.platform import target_platform
-from ember.quant import kernels, partitioning
+from ember.quant import formats, kernels, partitioning
 from ember.quant.formats import E2M1, E4M3
 from ember.quant.hadamard import rht_matrix
 from ember.quant.quantizers import scale_from_amax, tensor_amax
@@ -265,7 +265,7 @@ def _divide(a, b, interpret: bool):
 def _cast_blocks(x, global_scale, interpret: bool, tile_2d: bool = False, u=None):
   """NVFP4 of float32 x [R, C] along its last axis: (packed data [R, C / 2], E4M3 scales [R, C / 16] or, for
   16 x 16 tiles, [R / 16, C / 16])."""
-  magnitude = jnp.abs(x)
+  magnitude = formats.magnitude(x)
   amax = _tile_amaxes(magnitude) if tile_2d else _block_amaxes(magnitude)
   block_scale = kernels.cast_e4m3(_divide(amax, 6.0, interpret) * global_scale)
   s = block_scale.astype(jnp.float32)
@@ -330,8 +330,8 @@ def _rows_kernel(scale_ref, x_ref, data_ref, block_scale_ref, *, tile_2d: bool, 
 
 def _amax_kernel(rht_ref, x_ref, rows_ref, cols_ref, *, transform: bool):
   x = x_ref[...].astype(jnp.float32)
-  rows_ref[...] = _tile_amaxes(jnp.abs(x))
-  cols_ref[...] = _tile_amaxes(jnp.abs(_transformed_t(x_ref[...], rht_ref[...], transform))).T
+  rows_ref[...] = _tile_amaxes(formats.magnitude(x))
+  cols_ref[...] = _tile_amaxes(formats.magnitude(_transformed_t(x_ref[...], rht_ref[...], transform))).T
 
 
 def _both_kernel(*refs, transform: bool, stochastic: bool, interpret: bool):

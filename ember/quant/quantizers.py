@@ -19,10 +19,12 @@ straddle shards as long as shards hold whole blocks.
 Which quantizer each recipe and role uses is the recipe table's business
 (`ember.quant.recipe`). All arithmetic is float32, in the order written in each docstring; the
 tests' NumPy reference does the same operations in the same order, so the
-comparison is bit for bit. Scale policy shared by every recipe: a zero or
-non-finite amax gives scale 1.0 (so a NaN input stays NaN in E4M3/E5M2 data
-and +-Inf saturates), and a scale is clamped to the float32 max so that a
-tiny amax never makes it Inf (which would turn 0 * scale into NaN).
+comparison is bit for bit. Scale policy shared by every recipe: a zero amax gives scale 1.0; a non-finite
+per-tensor amax (current scaling's, NVFP4's global one) gives scale NaN, so the GEMM's output is NaN and the
+step is skipped (a saturating cast would turn an Inf into the format's max: a finite, wrong step), while a
+non-finite MXFP8 or NVFP4 block amax gives its block scale 1.0 (a NaN input stays NaN in E4M3/E5M2 data, +-Inf
+saturates); a scale is clamped to the float32 max so that a tiny amax never makes it Inf (which would turn
+0 * scale into NaN).
 
 A per-tensor FP8 scale (current and delayed scaling) starts from its inverse:
 scale_inv = amax * 2**margin / fmt.max rounded *up* to the nearest bfloat16
@@ -56,22 +58,30 @@ def _reduce(amax: jax.Array, reduce_axes) -> jax.Array:
 
 
 def tensor_amax(x: jax.Array, reduce_axes: tuple[str, ...] = ()) -> jax.Array:
-  """max |x| over the whole tensor, as float32; NaN if any element is NaN. Taken in x's own dtype: abs and
-  max are exact in every float format (and the widening after them too), so the pass reads bf16 bytes, not
-  a float32 copy."""
-  return _reduce(jnp.max(jnp.abs(x)).astype(jnp.float32), reduce_axes)
+  """max |x| over the whole tensor, as float32; +Inf if any element is NaN (`formats.magnitude`). Taken in x's
+  own dtype: abs and max are exact in every float format (and the widening after them too), so the pass reads
+  bf16 bytes, not a float32 copy."""
+  return _reduce(jnp.max(formats.magnitude(x)).astype(jnp.float32), reduce_axes)
 
 
 def block_amax(x: jax.Array, axes, block) -> jax.Array:
   """max |x| over each block, as float32, taken in x's own dtype (see `tensor_amax`)."""
-  return block_reduce_max(jnp.abs(x), axes, block).astype(jnp.float32)
+  return block_reduce_max(formats.magnitude(x), axes, block).astype(jnp.float32)
 
 
 def scale_from_amax(numerator: float, amax: jax.Array):
-  """min(numerator / amax, f32 max); 1.0 for amax 0 / non-finite (NVFP4's global scale, applied in float32)."""
+  """min(numerator / amax, f32 max); 1.0 for amax 0; NaN for a non-finite amax (NVFP4's global scale, applied in
+  float32), as `per_tensor_scale_inv`."""
   ok = (amax > 0) & jnp.isfinite(amax)
   scale = jnp.float32(numerator) / jnp.where(ok, amax, 1.0)
-  return jnp.where(ok, jnp.minimum(scale, _F32_MAX), 1.0).astype(jnp.float32)
+  return jnp.where(ok, jnp.minimum(scale, _F32_MAX), _scale_of_no_amax(amax)).astype(jnp.float32)
+
+
+def _scale_of_no_amax(amax: jax.Array) -> jax.Array:
+  """A per-tensor scale where amax gives none: 1.0 for an all-zero tensor; NaN for a non-finite amax, so that the
+  GEMM's output, and the step's loss or gradient norm, are NaN and the step is skipped (trainer/step.py): a
+  saturating cast would turn an Inf into the format's max, a finite and wrong step."""
+  return jnp.where(jnp.isfinite(amax), jnp.float32(1.0), jnp.float32(jnp.nan))
 
 
 _BF16_MANTISSA = np.uint32(0xFFFF)  # The float32 bits below a bfloat16's.
@@ -84,7 +94,7 @@ _MIN_SCALE_INV = np.float32(2.0**-126)  # The smallest normal float: 1 / scale_i
 
 def per_tensor_scale_inv(fmt_max: float, amax: jax.Array, margin: int = 0) -> jax.Array:
   """amax x 2**margin x (1 / fmt_max), rounded up to a bfloat16 value (held in float32), at least 2**-126; 1.0 for
-  amax 0 / non-finite. See the module doc for why it is exact in bfloat16. A product, not a quotient: a compiler
+  amax 0, NaN for a non-finite amax (`_scale_of_no_amax`). See the module doc for why it is exact in bfloat16. A product, not a quotient: a compiler
   may turn a division by a constant into that product, and every one rounds the product alike. Up to
   `_ULPS_KEPT` ulps above a bfloat16 round down to it, so |x * scale| may pass fmt_max by as many ulps, where
   the saturating cast gives fmt_max, as rounding to nearest would."""
@@ -92,7 +102,7 @@ def per_tensor_scale_inv(fmt_max: float, amax: jax.Array, margin: int = 0) -> ja
   inv = jnp.where(ok, amax, 1.0).astype(jnp.float32) * jnp.float32(2.0**margin) * np.float32(1.0 / fmt_max)
   bits = jax.lax.bitcast_convert_type(inv, jnp.uint32)
   up = jax.lax.bitcast_convert_type((bits + (_BF16_MANTISSA - _ULPS_KEPT)) & ~_BF16_MANTISSA, jnp.float32)
-  return jnp.where(ok, jnp.maximum(up, _MIN_SCALE_INV), 1.0).astype(jnp.float32)
+  return jnp.where(ok, jnp.maximum(up, _MIN_SCALE_INV), _scale_of_no_amax(amax)).astype(jnp.float32)
 
 
 def _per_tensor(x, axis, fmt, scale_inv, amax, recipe, *, stats=False, staleness=1.0,
@@ -161,9 +171,9 @@ class DelayedScaling:
   ("max") or amax_history[0] ("most_recent"). The current amax is returned on
   the QuantizedTensor; the caller rolls it in with `update` (or
   `update_history`) and carries the new quantizer to the next step. Values
-  past the stale amax saturate. A zero history (the start) gives scale 1.0,
-  and so does a non-finite entry while it stays in the window: a NaN or Inf
-  step shows up in the data instead of silently rescaling everything.
+  past the stale amax saturate. A zero history (the start) gives scale 1.0.
+  A non-finite amax never enters the history: the step that measures one is
+  skipped (trainer/step.py's `unless_non_finite` checks the new histories).
   """
 
   amax_history: jax.Array
@@ -253,7 +263,7 @@ class NVFP4Scaling:
   """NVFP4: E2M1 data, E4M3 block scales, a float32 per-tensor scale.
 
   In float32, in this order:
-    global_scale = (6 * 448) / global_amax        (1.0 if amax 0/non-finite)
+    global_scale = (6 * 448) / global_amax        (1.0 if amax 0, NaN if non-finite)
     block_scale  = cast_e4m3((block_amax / 6) * global_scale)   # RNE, saturating
     data         = e2m1((x * global_scale) / block_scale)  (0 where block_scale == 0)
     global_scale_inv = 1 / global_scale

@@ -77,11 +77,15 @@ def train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedul
 
 def unless_non_finite(state: TrainState, new_state: TrainState, metrics: dict, grad_norm: jax.Array):
   """(the state after the step, metrics with `skipped`): `new_state`, or `state` itself, untouched, when the step's
-  loss or gradient norm is not finite. A skipped step applies no update: parameters, optimizer state (and so its
+  loss or gradient norm is not finite, or its new quantization state is not (an Inf in a delayed-scaling operand:
+  the cast saturates it and the step's outputs stay finite, but the history would hold the Inf, and scale by it,
+  for as many steps as it is long). A skipped step applies no update: parameters, optimizer state (and so its
   learning-rate count), amax histories and `step` (updates applied) stay as they were; the loop counts its batch
   (ember/trainer/loop.py). The choice is an elementwise select that XLA fuses into the update's own kernels,
   which read both states already: no extra pass over the state."""
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics.get("total_loss", metrics["loss"]))  # What was derived.
+  for leaf in jax.tree.leaves(new_state.quant_state):  # Histories [H] and router biases [E]: small.
+    finite &= jnp.all(jnp.isfinite(leaf))
   kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
   return kept, dict(metrics, skipped=(~finite).astype(jnp.int32))
 

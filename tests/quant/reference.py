@@ -68,7 +68,9 @@ def stochastic_round(x, fmt: str, u) -> np.ndarray:
 
 def scale_from_amax(numerator, amax) -> np.float32:
   amax = F32(amax)
-  if not (amax > 0 and np.isfinite(amax)):
+  if not np.isfinite(amax):
+    return F32(np.nan)
+  if not amax > 0:
     return F32(1)
   with np.errstate(over="ignore"):
     s = F32(numerator) / amax
@@ -79,7 +81,9 @@ def per_tensor_scale_inv(fmt_max, amax, margin=0) -> np.float32:
   """amax * 2**margin * (1 / fmt_max) in float32, then the next bfloat16 at or above it (rounding away from zero),
   except that up to 3 ulps above a bfloat16 round down to it; at least 2**-126."""
   amax = F32(amax)
-  if not (amax > 0 and np.isfinite(amax)):
+  if not np.isfinite(amax):
+    return F32(np.nan)  # A non-finite tensor's scale: its GEMM's output is NaN, and the step is skipped.
+  if not amax > 0:
     return F32(1)
   inv = F32(F32(amax * F32(2.0**margin)) * F32(1.0 / fmt_max))
   bits = int(np.array(inv, F32).view(np.uint32))
@@ -89,8 +93,13 @@ def per_tensor_scale_inv(fmt_max, amax, margin=0) -> np.float32:
   return max(np.array(bits, np.uint32).view(F32)[()], F32(2.0**-126))
 
 
+def _magnitude(x):
+  """|x| with a NaN as +Inf (ember's `formats.magnitude`): what every amax is the max of."""
+  return np.where(np.isnan(x), np.inf, np.abs(x)).astype(np.asarray(x).dtype)
+
+
 def _amax(x) -> np.float32:
-  return F32(np.max(np.abs(x)))
+  return F32(np.max(_magnitude(x)))
 
 
 def per_tensor(x, fmt: str, scale_inv, amax) -> dict:
@@ -138,7 +147,7 @@ def _ceil_log2_ratio(amax, denom):
 def mxfp8(x, axis=-1) -> dict:
   x = np.asarray(x, F32)
   xb, unblock = _blocks(x, axis, 32)
-  bamax = np.max(np.abs(xb), axis=-1)
+  bamax = np.max(_magnitude(xb), axis=-1)
   k = _ceil_log2_ratio(bamax, 448.0)
   k = np.where(bamax == 0, -127, np.clip(k, -127, 127))
   k = np.where(np.isfinite(bamax), k, 0)
@@ -160,12 +169,12 @@ def nvfp4(x, axis=-1, tile_2d=False, u=None) -> dict:
     r, c = x.shape[-2:]
     lead = x.shape[:-2]
     xb = x.reshape(lead + (r // 16, 16, c // 16, 16))
-    bamax = np.max(np.abs(xb), axis=(-3, -1))
+    bamax = np.max(_magnitude(xb), axis=(-3, -1))
     expand = lambda s: s[..., :, None, :, None]
     unblock = lambda y: y.reshape(x.shape)
   else:
     xb, unblock = _blocks(x, axis, 16)
-    bamax = np.max(np.abs(xb), axis=-1)
+    bamax = np.max(_magnitude(xb), axis=-1)
     expand = lambda s: s[..., None]
   bscale = round_nearest_even((bamax / F32(6)) * gs, "e4m3")
   bs = expand(bscale.astype(F32))

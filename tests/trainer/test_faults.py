@@ -47,6 +47,23 @@ def test_a_non_finite_step_leaves_the_state_as_if_its_batch_never_came():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_step_whose_new_amax_history_is_not_finite_is_skipped():
+  """An Inf in a delayed-scaling operand saturates in the cast: loss and gradient norm stay finite, but the new
+  history holds the Inf and would set that operand's scale to 1 for as many steps as the history is long (small
+  gradients flushed to zero all that time). The step is skipped instead."""
+  import jax.numpy as jnp
+  from ember.trainer.state import TrainState
+  from ember.trainer.step import unless_non_finite
+  old = TrainState(step=jnp.asarray(3), params={"w": jnp.ones(2)}, opt_state=(), quant_state={"h": jnp.zeros(4)})
+  new = TrainState(step=jnp.asarray(4), params={"w": jnp.full(2, 0.5)}, opt_state=(),
+                   quant_state={"h": jnp.asarray([jnp.inf, 0.0, 0.0, 0.0])})
+  kept, metrics = unless_non_finite(old, new, {"loss": jnp.asarray(2.0)}, jnp.asarray(1.0))
+  assert int(metrics["skipped"]) == 1 and int(kept.step) == 3 and float(kept.quant_state["h"].max()) == 0.0
+  finite = TrainState(step=new.step, params=new.params, opt_state=(), quant_state={"h": jnp.asarray([5.0, 0, 0, 0])})
+  kept, metrics = unless_non_finite(old, finite, {"loss": jnp.asarray(2.0)}, jnp.asarray(1.0))
+  assert int(metrics["skipped"]) == 0 and int(kept.step) == 4
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
   """Pre-tokenized documents (ArrayRecord)."""
