@@ -263,8 +263,20 @@ def eval_step(state: TrainState, batch, *, graphdef, cfg: Settings, batch_shards
   """Mean next-token loss on a batch, with no quantization noise (no stochastic-rounding key), run as the train
   step runs it: `train.grad_accum_steps` micro-batches in a scan, one micro-batch's activations alive at a time
   (a whole batch at once would hold grad_accum_steps times the activations the step was sized for), each
-  micro-batch's loss its share of the batch's tokens. `moe_plan`: that of one micro-batch, as the step's."""
+  micro-batch's loss its share of the batch's tokens. `moe_plan`: that of one micro-batch, as the step's.
+
+  On a pipelined mesh the batch goes through the stages as the train step's does (its gradients dropped): run
+  whole, every stage would gather every stage's layers, a model's worth of parameters on each device. The
+  backward pass's rounding keys touch no forward value, so the loss is the one a forward pass gives."""
   stats = stats_inputs(cfg) if cfg.log.quant_stats_every else None
+  mesh = active_mesh()
+  if pipeline.stages(mesh) > 1:
+    replicas = replica_axes(cfg, mesh, target_platform())
+    metrics, _ = pipelined.grads(state, batch, stats, step_key(cfg.seed, state.step), graphdef=graphdef, cfg=cfg,
+                                 policy=cfg.remat.preset, mesh=mesh, batch_shards=batch_shards, replicas=replicas,
+                                 param_specs=replica_specs(cfg, mesh, replicas),
+                                 splits=replica_splits(cfg, mesh, replicas), moe_plan=moe_plan)
+    return metrics["loss"].astype(jnp.float32)
   accum, count = cfg.train.grad_accum_steps, token_count(batch[SEGMENT_IDS] > 0)
 
   def body(total, micro):
