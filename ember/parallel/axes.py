@@ -83,10 +83,10 @@ def replica_axes(rules, mesh: Mesh, parameters: Iterable[tuple[str | None, ...]]
   experts' weights along their experts aside: the MoE layers run over those axes as they are), in the order the
   batch is split over them. `parameters`: every parameter's logical axis names. `features_split_apart` False (a
   recipe whose kernels partition themselves, trainer/state.py says why) leaves none wherever the mesh also splits
-  features over an axis the batch is not split over (tensor, context)."""
+  features over an axis the batch is not split over (tensor, context; the pipeline splits layers, not features)."""
   rules = _rules(rules)
-  batch = batch_axes(rules, mesh)
-  if not features_split_apart and any(n > 1 and a not in batch for a, n in mesh.shape.items()):
+  batch, layers = batch_axes(rules, mesh), layer_axes(rules)
+  if not features_split_apart and any(n > 1 and a not in batch and a not in layers for a, n in mesh.shape.items()):
     return ()
   split = set()  # The mesh axes a parameter is split over other than as the leading axes of its experts.
   for names in parameters:

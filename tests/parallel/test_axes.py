@@ -63,6 +63,10 @@ def test_replicas_are_the_batch_axes_no_parameter_is_split_over():
   assert axes.replica_axes(_dict(settings, mlp=("data",)), mesh, params) == ()
   assert axes.replica_axes(settings.mesh.rules_dict, _mesh(data=2, tensor=4), params,
                            features_split_apart=False) == ()
+  # A pipeline splits layers, not features: such a recipe keeps its replicas beside the stages (it lost them, and
+  # with them the optimizer state's split and the once-a-step gradient reduction).
+  assert axes.replica_axes(settings.mesh.rules_dict, _mesh(pipeline=2, data=2, fsdp=2), params,
+                           features_split_apart=False) == ("data",)
 
 
 def _dict(settings, **changed):
