@@ -65,8 +65,8 @@ def test_replicas_are_the_batch_axes_no_parameter_is_split_over():
                            features_split_apart=False) == ()
   # A pipeline splits layers, not features: such a recipe keeps its replicas beside the stages (it lost them, and
   # with them the optimizer state's split and the once-a-step gradient reduction).
-  assert axes.replica_axes(settings.mesh.rules_dict, _mesh(pipeline=2, data=2, fsdp=2), params,
-                           features_split_apart=False) == ("data",)
+  staged = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("pipeline", "data", "fsdp"))
+  assert axes.replica_axes(settings.mesh.rules_dict, staged, params, features_split_apart=False) == ("data",)
 
 
 def _dict(settings, **changed):
