@@ -30,6 +30,7 @@ BLOCK = (BATCH, LENGTH, EMBED)  # A block's tokens whole on a tensor group (an M
 
 # Mesh axes, in the mesh's order (the last vary fastest: tensor and expert on the closest devices).
 MESH_AXES = ("pipeline", "data", "fsdp", "context", "tensor", "expert")
+TENSOR = "tensor"  # The mesh axis tensor parallelism splits heads and MLP units over (kept inside a host).
 PIPELINE = "pipeline"  # The mesh axis the decoder's layers are split into stages over (ember/parallel/pipeline.py).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 

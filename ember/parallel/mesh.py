@@ -23,8 +23,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from ember.errors import ConfigError, bad_key
-from ember.names import MESH_AXES
+from ember.errors import ConfigError, bad_key, warn
+from ember.names import MESH_AXES, TENSOR
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
@@ -67,8 +67,24 @@ def ici_dcn(mesh_cfg, num_devices: int) -> tuple[dict[str, int], dict[str, int]]
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
-  """Builds the mesh from a derived config's `mesh` section (no -1 left)."""
-  return Mesh(device_grid(mesh_cfg, list(devices if devices is not None else jax.devices())), MESH_AXES)
+  """Builds the mesh from a derived config's `mesh` section (no -1 left), with a warning where a tensor-parallel
+  group spans processes (hosts)."""
+  grid = device_grid(mesh_cfg, list(devices if devices is not None else jax.devices()))
+  problem = tensor_across_hosts(grid)
+  if problem:
+    warn(problem)
+  return Mesh(grid, MESH_AXES)
+
+
+def tensor_across_hosts(grid: np.ndarray) -> str | None:
+  """A warning where the device grid's tensor-parallel groups span processes (hosts), else None: a mesh set with
+  no mesh.dcn_* axis on several hosts lays the processes over its leading axes of more than one device, which
+  may be tensor's."""
+  if TENSOR not in axes_across_hosts(grid, MESH_AXES):
+    return None
+  sizes = ", ".join(f"{a}={n}" for a, n in zip(MESH_AXES, grid.shape) if n > 1)
+  return (f"mesh.tensor: its groups span processes (hosts) in this mesh ({sizes}): two collectives a layer and pass "
+          "cross the network. Split across hosts with the mesh.dcn_* axes (docs/multihost.md)")
 
 
 def device_grid(mesh_cfg, devices: list) -> np.ndarray:

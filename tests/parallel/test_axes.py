@@ -17,6 +17,7 @@ from ember.trainer.state import replica_axes
 from tests.helpers import config
 
 MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
+MESH_AXES_ALL = ("pipeline", *MESH_AXES)
 
 
 def _rules(cfg, **changed):
@@ -80,3 +81,14 @@ def test_the_axes_across_hosts_are_those_whose_lines_hold_two_processes():
   grid = np.array([[device(0), device(0)], [device(1), device(1)]], dtype=object)  # Rows are the processes.
   assert mesh_lib.axes_across_hosts(grid, ("data", "fsdp")) == {"data"}
   assert mesh_lib.axes_across_hosts(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp")) == set()
+
+
+def test_a_tensor_group_across_hosts_is_warned_about():
+  """Two processes of 8 GPUs with mesh.tensor=2, mesh.expert=8 and no dcn axis: the process-major layout puts the
+  processes along tensor, so every tensor group crosses the network; with the split on mesh.dcn_expert it does not."""
+  devices = [types.SimpleNamespace(process_index=i // 8, id=i, platform="gpu") for i in range(16)]
+  cfg = types.SimpleNamespace(**{a: 1 for a in MESH_AXES_ALL}, **{f"dcn_{a}": 1 for a in MESH_AXES_ALL})
+  crossing = mesh_lib.device_grid(types.SimpleNamespace(**{**vars(cfg), "tensor": 2, "expert": 8}), devices)
+  assert "mesh.tensor: its groups span processes" in mesh_lib.tensor_across_hosts(crossing)
+  inside = mesh_lib.device_grid(types.SimpleNamespace(**{**vars(cfg), "tensor": 2, "expert": 4}), devices[:8])
+  assert mesh_lib.tensor_across_hosts(inside) is None
