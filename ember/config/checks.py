@@ -19,7 +19,7 @@ from ember.config import defaults
 from ember.config import phases as phases_lib
 from ember.config import schema
 from ember.config.settings import Settings, section, tokenizer_vocab
-from ember.errors import ConfigError, bad_key, one_line
+from ember.errors import ConfigError, bad_key, one_line, warn
 from ember.names import EMBED, EXPERT, PIPELINE
 from ember.parallel import axes, distributed, pipeline
 from ember.quant import exclude as exclude_lib
@@ -282,6 +282,12 @@ def _validate_pipeline(s: Settings) -> None:
     bad_key(key, f"{chunks} are too many for the decoder's {m.num_blocks} blocks of {m.block_size} layer(s): "
             f"padded to {rows} rows ({rows // (stages * virtual)} a chunk), a stage would run no layer or a chunk "
             "no block (uneven stages: docs/parallelism.md)")
+  rows = pipeline.padded_blocks(m.num_blocks, stages, virtual)
+  if rows - m.num_blocks > pipeline.MAX_PADDING * m.num_blocks:
+    chunks = f"{stages} stages x {virtual} chunks" if virtual > 1 else f"{stages} stages"
+    warn(f"{key}: {chunks} pad the decoder's {m.num_blocks} blocks to {rows} rows: {rows - m.num_blocks} idle "
+         f"layers ({(rows - m.num_blocks) / m.num_blocks:.0%} of the model) run every step; a count of stages (and "
+         "chunks) that divides the blocks runs none (docs/parallelism.md, uneven stages)")
   if virtual > 1 and accum % stages:
     bad_key("train.grad_accum_steps", f"{accum} micro-batches do not form groups of the {stages} pipeline stages "
             "that interleaved 1F1B runs through each chunk in turn")

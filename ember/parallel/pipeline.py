@@ -57,6 +57,11 @@ def padded_blocks(blocks: int, num_stages: int, virtual_stages: int = 1) -> int:
   return -(-blocks // chunks) * chunks
 
 
+# The most padding rows (idle layers run every step), as a share of the blocks, a layout runs without a warning and
+# the planner plans.
+MAX_PADDING = 0.05
+
+
 def stage_without_layers(blocks: int, num_stages: int, virtual_stages: int = 1) -> bool:
   """Whether `padded_blocks`' padding leaves a stage nothing but padding rows (9 blocks in 8 stages: 16 rows, 2 a
   stage, stages 5-7 all padding), or there are more chunks than blocks: layouts the config refuses. The last

@@ -62,7 +62,6 @@ DCN_AXES = ("pipeline", "data", "fsdp", "expert")  # Sized across nodes.
 MESH = ("pipeline", "data", "fsdp", "tensor", "expert")  # The axes a layout sizes.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # The pipeline schedules planned over (ember/parallel/pipeline.py).
 MAX_VIRTUAL_STAGES = 8  # The most chunks a stage interleaved 1F1B is planned with.
-MAX_PADDING = 0.05  # The most padding rows (uneven stages: idle layers), as a share of the blocks, a plan runs.
 
 
 class NoLayoutFits(ConfigError):
@@ -170,10 +169,10 @@ def layouts(settings: Settings, target: Target) -> list[Layout]:
 
 def _schedules(stages: int, blocks: int) -> list[tuple[str, int]]:
   """(schedule, chunks a stage) planned for `stages` pipeline stages of `blocks` blocks: those whose padding rows
-  (pipeline.padded_blocks: uneven stages) are at most MAX_PADDING of the blocks, as the config allows them."""
+  (pipeline.padded_blocks: uneven stages) are at most pipeline.MAX_PADDING of the blocks, as the config allows them."""
   if stages == 1:
     return [("gpipe", 1)]
-  few = lambda v: (pipeline.padded_blocks(blocks, stages, v) - blocks <= MAX_PADDING * blocks
+  few = lambda v: (pipeline.padded_blocks(blocks, stages, v) - blocks <= pipeline.MAX_PADDING * blocks
                    and not pipeline.stage_without_layers(blocks, stages, v))
   chunks = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if few(v)]
   contiguous = [(s, 1) for s in SCHEDULES if s != "interleaved_1f1b"] if few(1) else []

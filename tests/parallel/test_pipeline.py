@@ -425,3 +425,15 @@ def test_evaluation_runs_through_the_stages(schedule, virtual):
   # No gather brings a stacked kernel's 8 layers (both stages' rows) onto a device: each stage reads its own 4.
   whole = [g for g in gathers if re.search(r"= \(?\w+\[8,", g)]
   assert gathers and not whole, whole[:2]
+
+
+def test_a_layout_mostly_of_padding_is_warned_about(capsys):
+  """9 layers in 2 stages x 4 chunks: 16 rows, 7 of them idle layers every step (the planner plans none past
+  5%); a stage count that divides the layers gets no warning."""
+  overrides = {"model.num_layers": 9, "mesh.pipeline": 2, "mesh.fsdp": 4, "mesh.data": 1, "train.batch_size": 8,
+               "train.grad_accum_steps": 2}
+  config_lib.validate(_cfg(**overrides, **{"pipeline.schedule": "interleaved_1f1b", "pipeline.virtual_stages": 4}), 8)
+  assert "2 stages x 4 chunks pad the decoder's 9 blocks to 16 rows: 7 idle layers (78% of the model)" in \
+      capsys.readouterr().err
+  config_lib.validate(_cfg(**{**overrides, "model.num_layers": 8}), 8)
+  assert "idle layers" not in capsys.readouterr().err
