@@ -84,8 +84,9 @@ def unless_non_finite(state: TrainState, new_state: TrainState, metrics: dict, g
   (ember/trainer/loop.py). The choice is an elementwise select that XLA fuses into the update's own kernels,
   which read both states already: no extra pass over the state."""
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics.get("total_loss", metrics["loss"]))  # What was derived.
-  for leaf in jax.tree.leaves(new_state.quant_state):  # Histories [H] and router biases [E]: small.
-    finite &= jnp.all(jnp.isfinite(leaf))
+  quant = jax.tree.leaves(new_state.quant_state)  # Histories [H] and router biases [E]: small; one check, one kernel.
+  if quant:
+    finite &= jnp.all(jnp.isfinite(jnp.concatenate([jnp.ravel(a).astype(jnp.float32) for a in quant])))
   kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
   return kept, dict(metrics, skipped=(~finite).astype(jnp.int32))
 
