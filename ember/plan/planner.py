@@ -66,7 +66,12 @@ MAX_VIRTUAL_STAGES = 8  # The most chunks a stage interleaved 1F1B is planned wi
 
 class NoLayoutFits(ConfigError):
   """Every compiled layout's peak exceeds the budget (the tool exits 1, as the compile tool for a step that does not
-  fit)."""
+  fit). `result`: the plan's report with `best` None, where layouts were compiled (the tool still writes it: the
+  compiles of a large model take many minutes)."""
+
+  def __init__(self, message: str, result: dict | None = None):
+    super().__init__(message)
+    self.result = result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,18 +464,19 @@ def plan(cfg: Settings, target: Target, *, budget_gb: float | None = None, top: 
     smallest = min(e.peak_bytes for e in estimates.values())
     raise NoLayoutFits(f"--budget_gb: no layout is estimated within {budget / GiB:.1f} GiB per device; the smallest "
                        f"estimate is {smallest / GiB:.1f} GiB")
+  result = {"model": cfg.model.name, "target": target.name, "recipe": cfg.quant.name,
+            "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "budget_bytes": int(budget),
+            "layouts": len(found), "within_estimate": len(promising), "best": fitting[0] if fitting else None,
+            "xla_flags": user_xla_flags(os.environ.get("XLA_FLAGS", "")),
+            "candidates": ranked + [r for r in compiled.values() if "fits" not in r]}
   if not ranked:  # Not one compiled: the budget is not the reason.
     first = next(r["error"] for r in compiled.values())
-    raise NoLayoutFits(f"--target: none of the {len(compiled)} layouts compiled; the first: {first}")
+    raise NoLayoutFits(f"--target: none of the {len(compiled)} layouts compiled; the first: {first}", result)
   if not fitting:
     smallest = min((r["peak_bytes"] for r in ranked), default=None)
     raise NoLayoutFits(f"--budget_gb: no layout compiled within {budget / GiB:.1f} GiB per device" +
-                      (f"; the smallest compiled peak is {smallest / GiB:.1f} GiB" if smallest else ""))
-  return {"model": cfg.model.name, "target": target.name, "recipe": cfg.quant.name,
-          "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "budget_bytes": int(budget),
-          "layouts": len(found), "within_estimate": len(promising), "best": fitting[0],
-          "xla_flags": user_xla_flags(os.environ.get("XLA_FLAGS", "")),
-          "candidates": ranked + [r for r in compiled.values() if "fits" not in r]}
+                       (f"; the smallest compiled peak is {smallest / GiB:.1f} GiB" if smallest else ""), result)
+  return result
 
 
 def _ranked(rows) -> list[dict]:

@@ -76,6 +76,8 @@ def main(argv: list[str]) -> int:
       result = planner.plan(cfg, target, budget_gb=args.budget_gb or None, top=args.top,
                             log=lambda s: print(s, file=sys.stderr, flush=True))
     except planner.NoLayoutFits as e:
+      if args.out and e.result is not None:  # What was compiled, for the next attempt (`best` null).
+        cli.write_json("--out", args.out, e.result)
       print(f"error: {e}", file=sys.stderr)
       return 1
     if args.out:

@@ -274,6 +274,22 @@ def test_a_budget_that_is_no_number_of_gib_is_one_line_exit_2(budget, capsys):
   assert capsys.readouterr().err.strip().startswith("error: --budget_gb: must be a finite number of GiB >= 0")
 
 
+def test_a_plan_that_fits_nothing_still_writes_what_it_compiled(tmp_path, monkeypatch, capsys):
+  """Exit 1 when no compiled layout fits, and --out holds the compiled candidates (`best` null): a large model's
+  compiles take many minutes, and the next attempt starts from their peaks."""
+  compiled = {"best": None, "candidates": [{"layout": "node fsdp=8", "fits": False, "peak_bytes": 90 * 2**30}]}
+
+  def nothing_fits(*args, **kwargs):
+    raise planner.NoLayoutFits("--budget_gb: no layout compiled within 71.2 GiB per device", compiled)
+
+  monkeypatch.setattr(planner, "plan", nothing_fits)
+  out = tmp_path / "plan.json"
+  assert tool.main(["plan", f"--config={ROOT}/configs/default.py:tiny", "--config.data.source=synthetic",
+                    "--target=h100x8", f"--out={out}"]) == 1
+  assert json.loads(out.read_text()) == compiled
+  assert capsys.readouterr().err.strip().endswith("error: --budget_gb: no layout compiled within 71.2 GiB per device")
+
+
 def test_plan_refuses_a_cpu_target(capsys):
   with pytest.raises(SystemExit) as e:
     tool.main(["plan", f"--config={ROOT}/configs/default.py:tiny", "--target=cpu"])
