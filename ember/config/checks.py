@@ -18,7 +18,7 @@ from ember import storage
 from ember.config import defaults
 from ember.config import phases as phases_lib
 from ember.config import schema
-from ember.config.settings import Settings, section, tokenizer_vocab
+from ember.config.settings import Settings, hf_tokenizer_json, section, tokenizer_vocab
 from ember.errors import ConfigError, bad_key, one_line, warn
 from ember.names import EMBED, EXPERT, PIPELINE
 from ember.parallel import axes, distributed, pipeline
@@ -111,11 +111,10 @@ def _validate_data(s: Settings) -> None:
 def _hf_tokenizer(directory: str) -> str | None:
   """The tokenizer a Hugging Face model directory ships (tokenizer.json, or SentencePiece's tokenizer.model), or
   None (no directory, or none shipped)."""
-  for name in ("tokenizer.json", "tokenizer.model"):
-    path = os.path.join(os.path.expanduser(directory), name) if directory else ""
-    if path and os.path.isfile(path):
-      return path
-  return None
+  if not directory:
+    return None
+  sentencepiece = os.path.join(os.path.expanduser(directory), "tokenizer.model")
+  return hf_tokenizer_json(directory) or (sentencepiece if os.path.isfile(sentencepiece) else None)
 
 
 def _validate_paths(s: Settings) -> None:
@@ -276,15 +275,13 @@ def _validate_pipeline(s: Settings) -> None:
       phase = "" if index == 0 else f" from step {start} (quant.schedule[{index - 1}])"
       bad_key(key, f"the decoder's layers form {len(segments)} scan segments{phase} (model.first_k_dense or "
               "layer-specific quant.exclude entries); a pipeline splits one")
+  chunks = f"{stages} stages x {virtual} chunks" if virtual > 1 else f"{stages} stages"
+  rows = pipeline.padded_blocks(m.num_blocks, stages, virtual)
   if pipeline.stage_without_layers(m.num_blocks, stages, virtual):
-    chunks = f"{stages} stages x {virtual} chunks" if virtual > 1 else f"{stages} stages"
-    rows = pipeline.padded_blocks(m.num_blocks, stages, virtual)
     bad_key(key, f"{chunks} are too many for the decoder's {m.num_blocks} blocks of {m.block_size} layer(s): "
             f"padded to {rows} rows ({rows // (stages * virtual)} a chunk), a stage would run no layer or a chunk "
             "no block (uneven stages: docs/parallelism.md)")
-  rows = pipeline.padded_blocks(m.num_blocks, stages, virtual)
   if rows - m.num_blocks > pipeline.MAX_PADDING * m.num_blocks:
-    chunks = f"{stages} stages x {virtual} chunks" if virtual > 1 else f"{stages} stages"
     warn(f"{key}: {chunks} pad the decoder's {m.num_blocks} blocks to {rows} rows: {rows - m.num_blocks} idle "
          f"layers ({(rows - m.num_blocks) / m.num_blocks:.0%} of the model) run every step; a count of stages (and "
          "chunks) that divides the blocks runs none (docs/parallelism.md, uneven stages)")

@@ -12,7 +12,7 @@ from flax import nnx
 
 from ember.config import Settings, from_saved
 from ember.errors import ConfigError
-from ember.layers.decoder import Transformer, keys_of, rows_by_layer, stacked_like
+from ember.layers.decoder import Transformer, keys_of
 from ember.layers.moe import ROUTER_BIAS
 from ember.names import PIPELINE
 from ember.parallel import sharding
@@ -61,8 +61,10 @@ def load_model(path: str, *, what: str, recipe: str | None = None, dtype: str | 
                         "does not have")
     targets["quant_state"] = held["quant_state"]
   restored = checkpointing.restore_fields(path, targets, what, checkpointing.stacked_of(trained))
-  if restack:
-    restored = {field: _restacked(tree, trained, cfg, want[field]) for field, tree in restored.items()}
+  if restack:  # Each layer's rows where this recipe stacks them, on this recipe's shardings.
+    restored = {field: jax.device_put(precision.restacked(tree, trained, cfg, want[field]),
+                                      jax.tree.map(lambda a: a.sharding, want[field]))
+                for field, tree in restored.items()}
   model: Transformer = nnx.merge(graphdef, restored["params"], restored.get("quant_state", {}))
   return cfg, mesh, model
 
@@ -76,10 +78,3 @@ def _targets(cfg: Settings, mesh) -> tuple:
       sharding.tree_shardings(specs, mesh, cfg.mesh.rules))
   return graphdef, {"params": place(abstract_params, param_specs), "quant_state": place(abstract_quant, quant_specs)}
 
-
-def _restacked(tree: dict, trained: Settings, cfg: Settings, like: dict) -> dict:
-  """`tree` (stacked as `trained` stacks the layers) stacked as `cfg` does, in the structure of `like`, on its
-  shardings."""
-  rows = rows_by_layer(tree, trained.model, trained.quant)
-  stacked = stacked_like(lambda key, _: rows[key], cfg.model, cfg.quant, like)
-  return jax.device_put(stacked, jax.tree.map(lambda a: a.sharding, like))

@@ -96,7 +96,8 @@ class Layout:
     out += [f"--config.mesh.dcn_{a}={across.get(a, 1)}" for a in DCN_AXES]
     out += [f"--config.train.grad_accum_steps={self.grad_accum_steps}", "--config.train.device_batch_size=0",
             f"--config.remat.policy={self.remat}"]
-    return out + [f"--config.pipeline.schedule={self.schedule}", f"--config.pipeline.virtual_stages={self.virtual_stages}"]
+    return out + [f"--config.pipeline.schedule={self.schedule}",
+                  f"--config.pipeline.virtual_stages={self.virtual_stages}"]
 
   def describe(self) -> str:
     """Short form for tables: "node fsdp=4 tensor=2 | nodes data=2 | accum 4 | full" (sizes of 1 left out)."""

@@ -94,10 +94,10 @@ _MIN_SCALE_INV = np.float32(2.0**-126)  # The smallest normal float: 1 / scale_i
 
 def per_tensor_scale_inv(fmt_max: float, amax: jax.Array, margin: int = 0) -> jax.Array:
   """amax x 2**margin x (1 / fmt_max), rounded up to a bfloat16 value (held in float32), at least 2**-126; 1.0 for
-  amax 0, NaN for a non-finite amax (`_scale_of_no_amax`). See the module doc for why it is exact in bfloat16. A product, not a quotient: a compiler
-  may turn a division by a constant into that product, and every one rounds the product alike. Up to
-  `_ULPS_KEPT` ulps above a bfloat16 round down to it, so |x * scale| may pass fmt_max by as many ulps, where
-  the saturating cast gives fmt_max, as rounding to nearest would."""
+  amax 0, NaN for a non-finite amax (`_scale_of_no_amax`). See the module doc for why it is exact in bfloat16. A
+  product, not a quotient: a compiler may turn a division by a constant into that product, and every one rounds
+  the product alike. Up to `_ULPS_KEPT` ulps above a bfloat16 round down to it, so |x * scale| may pass fmt_max
+  by as many ulps, where the saturating cast gives fmt_max, as rounding to nearest would."""
   ok = (amax > 0) & jnp.isfinite(amax)
   inv = jnp.where(ok, amax, 1.0).astype(jnp.float32) * jnp.float32(2.0**margin) * np.float32(1.0 / fmt_max)
   bits = jax.lax.bitcast_convert_type(inv, jnp.uint32)

@@ -51,24 +51,30 @@ class Phases:
     return f"phase {phase} (recipe {q.name}{forward})"
 
 
+def restacked(tree, old_cfg: Settings, new_cfg: Settings, like, missing=None):
+  """`tree` (a state tree stacked as `old_cfg` stacks the layers) stacked as `new_cfg` does, in the structure of
+  `like` (another `quant.exclude` groups the layers into other scan segments): each layer's row where the new
+  stacking puts that layer. A row `tree` lacks (or holds in another shape or dtype) is `missing(want)`, or an
+  error without it."""
+  rows = rows_by_layer(tree, old_cfg.model, old_cfg.quant)
+
+  def row_of(key, want):
+    kept = rows.get(key)
+    if kept is not None and kept.shape == want.shape and kept.dtype == want.dtype:
+      return kept
+    if missing is None:
+      raise ValueError(f"precision schedule: no {key} of shape {want.shape} to carry into the next phase")
+    return missing(want)
+  return stacked_like(row_of, new_cfg.model, new_cfg.quant, like)
+
+
 def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: TrainState) -> TrainState:
   """`state` (made under `old_cfg`) in the structure of `new_cfg`'s phase (`abstract`, placed by `shardings`).
   Each layer's parameters and optimizer state move to where the new phase stacks that layer (a phase whose
   `quant.exclude` differs can group the layers into other scan segments); each layer's amax history is kept where
   the new phase keeps the same one, zeros where it starts one; and everything is laid out as the new phase's
   step takes it (its optimizer state split over the replicas or not: trainer/state.py's `replica_axes`)."""
-  def regrouped(tree, like, missing=None):
-    rows = rows_by_layer(tree, old_cfg.model, old_cfg.quant)
-
-    def row_of(key, want):
-      kept = rows.get(key)
-      if kept is not None and kept.shape == want.shape and kept.dtype == want.dtype:
-        return kept
-      if missing is None:
-        raise ValueError(f"precision schedule: no {key} of shape {want.shape} to carry into the next phase")
-      return missing(want)
-    return stacked_like(row_of, new_cfg.model, new_cfg.quant, like)
-
+  regrouped = lambda tree, like, missing=None: restacked(tree, old_cfg, new_cfg, like, missing)
   params_like = lambda x: isinstance(x, dict) and "segments" in x  # A tree stacked as the parameters are.
   if old_cfg.model.segments(old_cfg.quant) == new_cfg.model.segments(new_cfg.quant):
     # The layers stacked alike: parameters and optimizer state as they are (no second copy of them at the switch).

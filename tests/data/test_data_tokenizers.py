@@ -117,7 +117,7 @@ def test_weights_from_hugging_face_need_their_own_tokenizer(tmp_path):
   (tmp_path / "config.json").write_text("{}")
   run = lambda **o: checked(config(**{"data.source": "text", "checkpoint.init_from_hf": str(tmp_path), **o}))
   with pytest.raises(ConfigError, match=r"config.data.tokenizer: 'byte' \(256 ids\) is not the tokenizer the "
-                                        r"weights of checkpoint.init_from_hf were trained with \(.*tokenizer.json, 5 ids"):
+                     r"weights of checkpoint.init_from_hf were trained with \(.*tokenizer.json, 5 ids"):
     run()
   run(**{"data.tokenizer": str(tmp_path)})  # Its own: accepted.
   run(**{"data.source": "synthetic"})  # No text read: nothing to tokenize.
