@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any, Callable, NamedTuple
 
 import grain
@@ -297,39 +298,40 @@ class Checkpointer:
 
     A step that cannot be read is renamed `<step>.corrupt` (so that the run can write that step
     again) and the one before is tried. A step that reads but does not fit this config raises, and so does a
-    restore that ran out of memory (`_is_damage`): the step is kept. When steps were moved aside and none
-    restores, it raises rather than return None: a run that started over would truncate the run's metrics.
+    read that ran out of memory or met a failing storage (`_is_damage`): the step is kept. When steps were moved
+    aside and none restores, it raises rather than return None: a run that started over would truncate the run's
+    metrics.
     """
     # Before any read: a failed read's callbacks may fire before its exception reaches this frame.
     integrity.quiet_abandoned_reads()
     for step in reversed(self.steps()):
       shardings, abstract = targets(step)
-      try:
-        self.check(step, abstract, seed=seed, what=f"checkpoint {self._step_dir(step)}", stacked=stacked)
-      except CheckpointError:
-        raise
-      except Exception as e:  # Unreadable metadata: a damaged step.
-        self._skip(step, e)
+      _, error = _attempt(lambda: self.check(step, abstract, seed=seed, what=f"checkpoint {self._step_dir(step)}",
+                                             stacked=stacked))  # Unreadable metadata: a damaged step, or storage.
+      if self._moved_aside(step, error):
         continue
-      error = None
-      try:
-        state = self.restore(step, abstract, shardings, data_it)
-      except CheckpointError:
-        raise
-      except Exception as e:  # Damaged array files, or no memory to hold them.
-        error = e
-      if all_processes_ok(error is None):
+      state, error = _attempt(lambda: self.restore(step, abstract, shardings, data_it))  # Array files, memory.
+      if not self._moved_aside(step, error):
         return state, step
-      if not all_processes_ok(error is None or _is_damage(error)):
-        if error is not None and not _is_damage(error):
-          raise error
-        raise CheckpointError(f"checkpoint {self._step_dir(step)}: another process ran out of memory restoring it")
-      self._skip(step, error or RuntimeError("another process could not restore it"))
     moved = [os.path.basename(p) for p in storage.glob(self.directory, "*.corrupt*")]
     if moved:
       raise CheckpointError(f"{self.directory}: no step restores (moved aside as damaged: {', '.join(moved)}); a "
                             "new run here would truncate this run's metrics: move them out to start over")
     return None
+
+  def _moved_aside(self, step: int, error: Exception | None) -> bool:
+    """False where every process read `step` (`error` None on each); True where it is damaged on some and every
+    process moved on past it (`_skip`); raises where a process failed for another reason (`_is_damage`), the step
+    kept."""
+    if all_processes_ok(error is None):
+      return False
+    if not all_processes_ok(error is None or _is_damage(error)):
+      if error is not None and not _is_damage(error):
+        raise error
+      raise CheckpointError(f"checkpoint {self._step_dir(step)}: another process could not read it, out of memory "
+                            "or its storage failing (not damage: the step is kept)")
+    self._skip(step, error or RuntimeError("another process could not read it"))
+    return True
 
   def _skip(self, step: int, error: Exception) -> None:
     """Moves a damaged step aside (`<step>.corrupt`, kept for inspection) so the run can write it again."""
@@ -359,12 +361,30 @@ def restore_data_position(data_dir: str, data_it: ShardedIterator) -> None:
   data_it.set_state(merged)  # Its rule decides whether the position maps onto this run's shards.
 
 
+def _attempt(read: Callable[[], object]) -> tuple[object, Exception | None]:
+  """(what `read()` returned, None), or (None, the exception it raised); a CheckpointError (a step that does not
+  fit this run) is raised, never taken for damage."""
+  try:
+    return read(), None
+  except CheckpointError:
+    raise
+  except Exception as e:
+    return None, e
+
+
+# A failed read that speaks of now, not of the step's files: this run's memory (a state that does not fit the devices
+# or the host now fits no other step either), or the storage failing or refusing (tensorstore's status codes; a
+# timeout, a reset connection, a permission). The step may be sound, and the steps before it no better read now.
+_NOT_DAMAGE_TYPES = (MemoryError, ConnectionError, TimeoutError, PermissionError, InterruptedError)
+_NOT_DAMAGE_TEXT = re.compile(r"\b(RESOURCE_EXHAUSTED|UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED|CANCELLED|UNAUTHENTICATED|"
+                              r"PERMISSION_DENIED)\b|(?i:out of memory|timed out|connection (reset|refused|aborted))")
+
+
 def _is_damage(error: Exception) -> bool:
-  """Whether a failed restore speaks of the step's files (moved aside, the one before tried), not of this run's
-  memory: a state that does not fit the devices or the host now fits no other step either, and the step is
-  sound."""
-  text = str(error)
-  return not (isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower())
+  """Whether a failed read speaks of the step's files (moved aside, the one before tried) rather than of the run's
+  memory or the storage now (the step kept, the error raised: a requeued run reads it again)."""
+  return not any(isinstance(e, _NOT_DAMAGE_TYPES) or (e is not None and _NOT_DAMAGE_TEXT.search(str(e)))
+                 for e in (error, error.__cause__, error.__context__))
 
 
 def all_processes_ok(ok: bool) -> bool:

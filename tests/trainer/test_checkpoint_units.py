@@ -93,6 +93,32 @@ def test_when_no_step_restores_the_run_does_not_start_over(tmp_path, mesh):
   assert _is_damage(ValueError("Error reading \"state/manifest.ocdbt\": unexpected end of data"))
 
 
+@pytest.mark.parametrize("error", [
+    ValueError("UNAVAILABLE: Error reading \"state/d/0\": HTTP response code: 503"),
+    ValueError("DEADLINE_EXCEEDED: Error reading \"state/manifest.ocdbt\""), ConnectionResetError(104, "reset"),
+    PermissionError(13, "Permission denied")])
+def test_a_storage_failing_now_keeps_the_step(tmp_path, mesh, monkeypatch, error):
+  """A read that fails on the storage (a timeout, an unavailable bucket, a permission), not on the step's files:
+  the step is kept and the error raised, for a requeued run to read it again. Taken for damage, the newest step
+  was renamed .corrupt and the run went back to the one before, losing the steps between."""
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2, async_save=False)
+  for step in (1, 2):
+    ckpt.save(step, _state(mesh, float(step)), None, seed=0)
+  abstract, shardings = _abstract_and_shardings(_state(mesh, 0.0))
+
+  def failing_storage(*args, **kwargs):
+    raise error
+
+  with monkeypatch.context() as m:
+    m.setattr(Checkpointer, "restore", failing_storage)
+    with pytest.raises(type(error)):
+      ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0)
+  assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1", "2"]
+  state, step = ckpt.restore_latest(lambda step: (shardings, abstract), None, seed=0)
+  assert step == 2 and float(state.params["layer"]["w"][0, 0]) == 2.0
+  ckpt.close()
+
+
 def test_resume_with_other_layers_fails_where_padding_would_hide_it(tmp_path, mesh):
   """4 layers saved, 3 resumed: a pipeline padding 3 layers to 4 rows would hold the same shapes."""
   ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2, async_save=False)
