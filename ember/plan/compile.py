@@ -68,20 +68,19 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
     cfg, mesh = prepare(cfg, target)
     options = compiler_options(target, cfg, mesh)
     cfg = auto_remat.resolve(cfg, mesh, compiler_options=options)
-    tx, schedule = make_optimizer(cfg)
     plan = step_lib.moe_plan(cfg, mesh, cfg.train.micro_batch_size)  # Traced with and reported.
-    traced = step_plan.trace_train_step(cfg, mesh, tx, schedule, cfg.remat.preset, plan)
     t0 = time.perf_counter()
-    compiled = traced.lower().compile(compiler_options=options)
+    compiled = _compile(cfg, mesh, plan, options)
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     program = hlo.Program(text)
     attention = hlo.attention(program)
     attention_note = _why_not_cudnn(cfg, mesh) if target.is_gpu and attention["kernel"] != "cudnn" else None
+    later = [_later_phase(cfg, i, mesh, options) for i in range(1, len(cfg.phases))]
   if hlo_out:
     storage.write_atomic(hlo_out, text)
   memory = compiled.memory_analysis()
-  peak = memory_peak(memory)
+  peak = max([memory_peak(memory)] + [phase["peak_bytes"] for phase in later])
   device_memory = target.device_memory_bytes
   report = {
       "target": target.name, "device_kind": target.device_kind, "num_devices": len(mesh.devices.flat),
@@ -101,19 +100,40 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
   }
   if attention_note:
     report["attention_note"] = attention_note
-  if len(cfg.phases) > 1:  # The step compiled is the first phase's; a precision schedule's others compile apart.
-    report["precision_phases"] = [[start, recipe.name] for start, recipe in cfg.phases]
   num_devices = len(mesh.devices.flat)
   per_device = work_per_device(cfg, num_devices)
   m = cost.Machine.of_mesh(mesh)  # A target's nodes are its processes, as a run's.
   report.update(cost.step_cost(program, machine=m, **per_device))
   report.update(predict.predicted_step(program, m, **per_device))
+  if later:
+    first = {"start": 0, "recipe": cfg.quant.name, "peak_bytes": memory_peak(memory),
+             "tokens_per_s_predicted": report["tokens_per_s_predicted"]}
+    report["precision_phases"] = [first] + later
   if cfg.model.num_experts:
     report["moe"] = moe_figures(plan, program)
   if pipeline.stages(mesh) > 1:
     report["pipeline"] = pipeline_figures(cfg, mesh, report)
     report["pipeline_bubble_fraction"] = report["pipeline"]["bubble_fraction"]
   return report
+
+
+def _compile(cfg: Settings, mesh, plan, options):
+  tx, schedule = make_optimizer(cfg)
+  return step_plan.trace_train_step(cfg, mesh, tx, schedule, cfg.remat.preset, plan).lower().compile(
+      compiler_options=options)
+
+
+def _later_phase(cfg: Settings, index: int, mesh, options) -> dict:
+  """Precision phase `index` of a schedule compiled as the run compiles it at its switch: its start, recipe, peak
+  and predicted throughput. The report's other figures are the first phase's; its `peak_bytes` and `fits` are
+  every phase's, since the run holds each in turn."""
+  start, recipe = cfg.phases[index]
+  phase = cfg.at_phase(index)
+  program = _compile(phase, mesh, step_lib.moe_plan(phase, mesh, phase.train.micro_batch_size), options)
+  predicted = predict.predicted_step(hlo.Program(program.as_text()), cost.Machine.of_mesh(mesh),
+                                     **work_per_device(phase, len(mesh.devices.flat)))
+  return {"start": start, "recipe": recipe.name, "peak_bytes": memory_peak(program.memory_analysis()),
+          "tokens_per_s_predicted": predicted["tokens_per_s_predicted"]}
 
 
 def pipeline_figures(cfg: Settings, mesh, report: dict) -> dict:

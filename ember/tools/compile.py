@@ -88,6 +88,11 @@ def _over_the_run_pool(r: dict) -> str:
           "XLA_PYTHON_CLIENT_MEM_FRACTION, launch/xla_flags.sh): expect an out-of-memory error")
 
 
+def _predicted(phase: dict) -> str:
+  rate = phase.get("tokens_per_s_predicted")
+  return "" if rate is None else f", {rate:,.0f} tokens/s predicted"
+
+
 def format_report(r: dict) -> str:
   gib = 2**30
   memory = "unknown" if r["device_memory_bytes"] is None else f"{r['device_memory_bytes'] / gib:.1f} GiB"
@@ -95,8 +100,9 @@ def format_report(r: dict) -> str:
   g = r["gemms"]
   attention = r["attention"] + (f" ({r['attention_note']})" if r.get("attention_note") else "")
   phases = r.get("precision_phases")
-  later = "" if not phases else ("; the precision schedule's later phases compile apart (--config.quant.* as they "
-                                 "set them): " + ", ".join(f"{name} from step {start}" for start, name in phases[1:]))
+  later = "" if not phases else ("; precision schedule (peak and fit: its largest phase's; the rest: the first's): "
+                                 + ", ".join(f"{p['recipe']} from step {p['start']} (peak {p['peak_bytes'] / gib:.2f}"
+                                             f" GiB{_predicted(p)})" for p in phases))
   return "\n".join([
       f"{r['model']} on {r['target']} ({r['num_devices']} x {r['device_kind']}), mesh {r['mesh']}, recipe "
       f"{r['recipe']}, remat {r['remat_policy']}, batch {r['batch_size']} x {r['seq_len']}{later}",

@@ -51,13 +51,20 @@ def report(target, *flags):
   return compile_report(loaded(["compile", *TINY, *flags]), target_lib.parse(target))
 
 
-def test_a_scheduled_config_reports_its_first_phase_and_names_the_others():
-  """The step compiled is phase 0's; the report says which phases the schedule switches to, and when."""
+def test_a_scheduled_config_fits_only_if_every_phase_fits():
+  """The report's figures are phase 0's; its peak and fit are every phase's, each compiled as the run compiles it
+  at its switch. Here the later phase (fp8_current, with its scales and quantization state) peaks higher than the
+  first (bf16), and its peak, the phase compiled on its own, is the report's."""
   from ember.tools.compile import format_report
-  r = report("h100x1", "--config.quant.recipe=fp8_current", "--config.quant.schedule=((0.5, {'recipe': 'bf16'}),)")
-  assert r["recipe"] == "fp8_current" and r["gemms"]["fp8"] > 0
-  assert r["precision_phases"] == [[0, "fp8_current"], [100, "bf16"]]
-  assert "later phases compile apart (--config.quant.* as they set them): bf16 from step 100" in format_report(r)
+  r = report("h100x1", "--config.quant.recipe=bf16", "--config.quant.schedule=((0.5, {'recipe': 'fp8_current'}),)")
+  alone = report("h100x1", "--config.quant.recipe=fp8_current")
+  first, later = r["precision_phases"]
+  assert r["recipe"] == "bf16" and r["gemms"]["fp8"] == 0
+  assert (first["start"], first["recipe"], later["start"], later["recipe"]) == (0, "bf16", 100, "fp8_current")
+  assert r["peak_bytes"] == later["peak_bytes"] == alone["peak_bytes"] > first["peak_bytes"]
+  assert later["tokens_per_s_predicted"] == pytest.approx(alone["tokens_per_s_predicted"])
+  text = format_report(r)
+  assert "bf16 from step 0 (peak" in text and "fp8_current from step 100 (peak" in text
 
 
 def test_a_peak_over_what_a_run_allocates_is_a_warning(monkeypatch):
