@@ -4,7 +4,7 @@
 groups, top-8 within the best 4 groups (node-limited routing), sigmoid scores with the aux-loss-free bias and a
 routed scaling of 2.5, one shared expert; one multi-token-prediction module (weight 0.3), vocab 129280.
 Megatron-Bridge trains it on 1,024 H100s (FP8, batch 8,192 x 4,096); `ember.tools.plan --target=h100x1024` picks
-ember's layout (docs/moe.md, "DeepSeek-V3")."""
+ember's layout (docs/deepseek.md, "Planning deepseek_v3 on 1,024 H100s")."""
 MODEL = dict(name="deepseek_v3", num_layers=61, d_model=7168, num_heads=128, num_kv_heads=128, d_ff=2048,
              dense_d_ff=18432, vocab_size=129280, seq_len=4096, rope_theta=10000.0, norm_eps=1e-6, q_lora_rank=1536,
              kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_experts=256,

@@ -3,7 +3,8 @@
 
 405.9B parameters with float32 master weights and Adam moments are 6.5 TB of train state. Megatron-Bridge's
 benchmark runs it on 1,024 H100s with a global batch of 1,536 sequences of 8192 (TP 8, PP 8, CP 2, 8 virtual
-stages). ember's pipeline stages must divide the 126 layers (2, 3, 6, 7, 9, 14, ...; docs/parallelism.md).
+stages). ember's pipeline stages need not divide the 126 layers: 8 stages hold 128 rows, 2 of them padding
+(docs/parallelism.md, "Uneven stages").
 Hugging Face export and import: the Llama layout (ember/hf/layout.py), as llama3_8b and llama3_70b. The published
 Llama-3.1 checkpoints carry the RoPE scaling of their 128k-token extension ("llama3"); the preset, for the
 8192-token pretraining, has none: import one with `--config.model.rope_scaling_factor=8` (docs/huggingface.md).

@@ -3,9 +3,9 @@ SwiGLU 1536 in every layer, top-8 with the chosen weights renormalised, no share
 1e6.
 
 235B parameters (22B active a token). Megatron-Bridge's benchmark trains it on 256 H100s with a global batch of
-8,192 sequences of 4,096 (TP 2, PP 8, 4 virtual stages, EP 32). ember's pipeline stages must divide the 94 layers
-(2 or 47; docs/parallelism.md). Hugging Face import and export: the Qwen3-MoE layout (ember/hf/layout.py), as
-qwen3_30b_a3b.
+8,192 sequences of 4,096 (TP 2, PP 8, 4 virtual stages, EP 32). ember's pipeline stages need not divide the 94
+layers: 8 stages hold 96 rows, 2 of them padding (docs/parallelism.md, "Uneven stages"). Hugging Face import and
+export: the Qwen3-MoE layout (ember/hf/layout.py), as qwen3_30b_a3b.
 """
 MODEL = dict(name="qwen3_235b_a22b", num_layers=94, d_model=4096, num_heads=64, num_kv_heads=4, head_dim=128,
              d_ff=1536, vocab_size=151936, seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,

@@ -4,9 +4,9 @@ shared expert, vocab 151936, RoPE base 1e6. Megatron-Bridge's benchmark trains i
 512 of 4096 tokens, EP 8) and on 8 B200s. The layouts `ember.tools.plan` picks, with
 `--config.train.grad_reduce_dtype=bfloat16`: on `--target=h100x16` EP 8 inside each node and FSDP across the two
 (`--config.mesh.fsdp=1 --config.mesh.expert=8 --config.mesh.dcn_fsdp=2`), 8 micro-batches of four sequences per
-GPU (`--config.train.grad_accum_steps=8`), remat `full`: fp8_current compiles to a 65.2 GiB peak and 13,505
-tokens/s per GPU. On `--target=b200x8`, FSDP 8, 8 micro-batches, `save_dot_except_mlp`: mxfp8 at 44,227
-tokens/s per GPU, 137.6 GiB (docs/performance.md).
+GPU (`--config.train.grad_accum_steps=8`), remat `full`. On `--target=b200x8`, FSDP 8, 8 micro-batches,
+`save_dot_except_mlp`, mxfp8. docs/performance.md ("The peers' benchmarks, one for one") has each layout's
+ceiling, predicted throughput and peak as last compiled.
 """
 MODEL = dict(name="qwen3_30b_a3b", num_layers=48, d_model=2048, num_heads=32, num_kv_heads=4, head_dim=128,
              d_ff=768, vocab_size=151936, seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,

@@ -74,7 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.router_bias_update_rate = 0.0  # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the routing
   # scores for the top-k choice only, moved by this much per optimizer step toward balanced loads (after each
   # step: bias += rate * sign(mean load - load)); 0 = off. Usually with load_balance_weight = 0 (or tiny).
-  # DeepSeek-V3's MoE (docs/moe.md, "DeepSeek-V3"). "softmax" or "sigmoid" routing scores; sigmoid weights the
+  # DeepSeek-V3's MoE (docs/deepseek.md, "DeepSeek's MoE"). "softmax" or "sigmoid" routing scores; sigmoid weights the
   # chosen experts by their scores renormalised over the k, times routed_scaling_factor.
   m.router_score = "softmax"
   m.n_group = 1  # Expert groups (contiguous experts); tokens choose their experts within the best topk_group
@@ -251,8 +251,8 @@ def get_config() -> ml_collections.ConfigDict:
   ck.local_every_steps = 0  # Save to local_dir every N steps (0 = never); a restart takes the newest of either tier.
   ck.restore_from = ""  # Start a new run from this checkpoint directory (or step directory).
   ck.params_only = False  # With restore_from: take only the parameters.
-  ck.init_from_hf = ""  # Start a new run from a Hugging Face Llama / Mixtral directory whose shapes match
-  # the model (ember/hf/): parameters only, sharded straight onto the mesh.
+  ck.init_from_hf = ""  # Start a new run from a Hugging Face Llama / Mixtral / Qwen3 / DeepSeek-V3 directory whose
+  # shapes match the model (ember/hf/): parameters only, sharded straight onto the mesh.
 
   lg = c.log = ml_collections.ConfigDict()
   lg.every_steps = 10  # Console line, metrics.jsonl and TensorBoard every N steps.

@@ -39,7 +39,7 @@ ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--co
         "--config.quant.recipe=bf16", "--config.model.dtype=float32", "--config.mesh.fsdp=4",
         "--config.log.tensorboard=false"]
 STEPS = 40
-# The module's tests share one cluster, so they belong in one pytest process (`pytest -n 2 --dist loadfile`, as
+# The module's tests share one cluster, so they belong in one pytest process (`pytest -n 2 --dist loadgroup`, as
 # .ci/run does); under plain `-n 2` each worker starts a cluster of its own, which also works.
 
 
