@@ -134,6 +134,9 @@ def validate(remat_cfg) -> None:
     unknown = [n for n in names if n not in ALL_NAMES]
     if unknown:
       raise ConfigError(f"config.remat.{key}: unknown checkpoint name {unknown[0]!r}; valid names: {', '.join(ALL_NAMES)}")
+  if remat_cfg.policy == "custom" and not (remat_cfg.save_names or remat_cfg.offload_names):
+    raise ConfigError("config.remat.policy: 'custom' with remat.save_names and remat.offload_names both empty keeps "
+                      "nothing, as 'full' does: name what to keep, or choose 'full'")
   both = [n for n in remat_cfg.save_names if n in tuple(remat_cfg.offload_names)]
   if both:
     raise ConfigError(f"config.remat.offload_names: {both[0]!r} is also in remat.save_names; a tensor is either kept "
@@ -155,7 +158,10 @@ def preset(remat_cfg, name: str | None = None) -> Preset:
 
 def jax_policy(p: Preset) -> Callable | None:
   """A `jax.checkpoint` policy that saves `p.save`, offloads `p.offload` and recomputes the rest. Whatever the
-  preset, it also saves TENSOR_AMAX (scalars), and MOE_ROUTING where it keeps any ROUTED name.
+  preset, it also saves TENSOR_AMAX (scalars), LAYER_INPUT (each layer's input: a checkpointed block of several
+  layers, `model.moe_every` > 1, would otherwise keep its first layer's alone and run the others again to reach
+  theirs; where a block is one layer, it is the block's input, kept anyway), and MOE_ROUTING where it keeps any
+  ROUTED name.
 
   Offloading lowers to `annotate_device_placement` custom calls on GPU and TPU. The CPU backend
   keeps offloaded residuals in ordinary memory (its lowering of `device_put` drops memory kinds and
@@ -163,7 +169,7 @@ def jax_policy(p: Preset) -> Callable | None:
   """
   if not p.remat:
     return None
-  save, offload = frozenset(p.save) | {TENSOR_AMAX}, frozenset(p.offload)
+  save, offload = frozenset(p.save) | {TENSOR_AMAX, LAYER_INPUT}, frozenset(p.offload)
   if (save | offload) & frozenset(ROUTED):
     save |= {MOE_ROUTING}
 

@@ -44,6 +44,7 @@ CASES = [
     (["--config.quant.recipe=fp7"], "config.quant.recipe: unknown value 'fp7'; choose one of bf16, fp8_delayed"),
     (["--config.remat.policy=custom", "--config.remat.save_names=('bogus',)"],
      "config.remat.save_names: unknown checkpoint name 'bogus'; valid names: decoder_layer_input"),
+    (["--config.remat.policy=custom"], "config.remat.policy: 'custom' with remat.save_names and remat.offload_names"),
     # Checks that used to run late (model build, data pipeline, workdir creation) or not at all.
     (["--config=configs/default.py:tiny_moe", "--config.model.moe_every=3"],
      "config.model.moe_every: model.num_layers=2 is not a multiple of moe_every=3"),

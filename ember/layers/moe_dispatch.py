@@ -57,6 +57,7 @@ from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember.parallel import axes as mesh_axes
 from ember.platform import target_platform
 from ember.quant import formats
+from ember.quant.core import SCOPE_GRADIENT
 from ember.quant.grouped import starts
 from ember.quant.quantizers import Quantizer
 from ember.quant.recipe import ACTIVATION, GRADIENT, Recipe
@@ -220,7 +221,8 @@ def _across_bwd(move, forward, backward, reduce_axes, like, ints, ct):
     primal = varying_as(jnp.zeros(shape, a.dtype), a)
     return jax.linear_transpose(lambda r: move(r, *ints), primal)(a)[0]
 
-  return _send(transpose, backward, reduce_axes, ct, ints).astype(dtype), None
+  with jax.named_scope(SCOPE_GRADIENT):  # A gradient's cast, not a forward quantize the backward runs again.
+    return _send(transpose, backward, reduce_axes, ct, ints).astype(dtype), None
 
 
 _across.defvjp(_across_fwd, _across_bwd)

@@ -129,6 +129,21 @@ def test_projection_gemm_recompute(reports, recipe):
   assert r["save_dot_except_mlp"] == 1  # Only the MLP's input projection.
 
 
+def test_a_block_of_two_layers_keeps_each_layers_input():
+  """tiny_moe with `moe_every=2`: a checkpointed block holds a dense and an MoE layer. Every policy keeps both
+  layers' inputs, as it keeps the one input of a one-layer block: `full` holds the same bytes a layer either way
+  and recomputes no GEMM a one-layer block does not (the dense layer's MLP output projection, reached only through
+  the second layer's input, ran again when the block kept its first input alone)."""
+  def report(every):
+    return analysis.layer_report(derived("tiny_moe", **{"quant.recipe": "fp8_current", "model.moe_every": every}),
+                                 {n: remat.PRESETS[n] for n in ("full", "save_quantized")}, batch=2)
+
+  one, two = report(1), report(2)
+  assert two["full"]["residual_bytes_per_layer"] == pytest.approx(one["full"]["residual_bytes_per_layer"], rel=1e-3)
+  for name in ("full", "save_quantized"):
+    assert two[name]["recomputed_gemms_per_layer"] <= one[name]["recomputed_gemms_per_layer"]
+
+
 def test_gradient_quantization_is_not_counted_as_recompute(reports):
   problem = analysis.layer_problem(derived(**{"quant.recipe": "nvfp4"}), batch=2)
   counts = {n: analysis.trace_layer(problem, remat.PRESETS[n]).backward for n in ("none", "full", "save_quantized")}
