@@ -47,7 +47,8 @@ def attention_bias(segment_ids_BxL: jax.Array, dtype):
   `context.visibility` (causality included) for the balanced layout's `segment_ids_BxL`. The decoder makes it
   once a step (Transformer.__call__) for every layer: made inside a layer, the backward pass's recompute of each
   checkpointed layer would write it again, an L x L array a layer."""
-  as_bias = lambda visible: shard(jnp.where(visible, jnp.asarray(0, dtype), jnp.asarray(MASKED, dtype)),
+  masked = max(MASKED, float(jnp.finfo(dtype).min))  # float16's range ends at -65504: -2**41 would be -inf.
+  as_bias = lambda visible: shard(jnp.where(visible, jnp.asarray(0, dtype), jnp.asarray(masked, dtype)),
                                   (BATCH, None, LENGTH, None))
   if context.context_axes():
     return tuple(as_bias(v) for v in context.visibility(segment_ids_BxL))

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from ember.config import derive
@@ -106,3 +107,13 @@ def test_kv_copies_attend_as_the_kv_heads_they_copy():
   assert viewed.shape == (d, 2 * kv, g // 2 + 2, h)
   np.testing.assert_allclose(attend(kernel), reference, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(attend(viewed), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_the_segment_bias_is_finite_in_every_compute_dtype(dtype):
+  """Another segment's keys get a finite bias (a fused kernel's block of masked keys would subtract two infinities),
+  and large enough that float32 logits give them no weight: float16 cannot hold cuDNN's -2**41 (it became -inf)."""
+  from ember.layers import attention as attention_lib
+  bias = attention_lib.attention_bias(jnp.array([[1, 1, 2, 2]]), dtype)
+  assert bias.dtype == dtype and bool(jnp.all(jnp.isfinite(bias)))
+  assert float(bias[0, 0, 2, 0]) <= -65504 and float(bias[0, 0, 0, 1]) == 0
