@@ -54,8 +54,8 @@ class Phases:
 def restacked(tree, old_cfg: Settings, new_cfg: Settings, like, missing=None):
   """`tree` (a state tree stacked as `old_cfg` stacks the layers) stacked as `new_cfg` does, in the structure of
   `like` (another `quant.exclude` groups the layers into other scan segments): each layer's row where the new
-  stacking puts that layer. A row `tree` lacks (or holds in another shape or dtype) is `missing(want)`, or an
-  error without it."""
+  stacking puts that layer. A row `tree` lacks (or holds in another shape or dtype) is `missing(key, want, kept)`
+  (`kept`: the row held, or None), or an error without it."""
   rows = rows_by_layer(tree, old_cfg.model, old_cfg.quant)
 
   def row_of(key, want):
@@ -64,16 +64,30 @@ def restacked(tree, old_cfg: Settings, new_cfg: Settings, like, missing=None):
       return kept
     if missing is None:
       raise ValueError(f"precision schedule: no {key} of shape {want.shape} to carry into the next phase")
-    return missing(want)
+    return missing(key, want, kept)
   return stacked_like(row_of, new_cfg.model, new_cfg.quant, like)
+
+
+def _history_or_zeros(key, want, kept):
+  """An amax history of another length (newest entry first: quant/quantizers.py's `update_history`) cut to its
+  newest entries or padded with zeros; any other new row of the quantization state, zeros. A switch that changes
+  only `quant.amax_history_len` keeps the scales its layers had: a zero history would scale by 1 for a step."""
+  _, path = key
+  if (kept is not None and path and path[-1] == "amax_history" and kept.dtype == want.dtype
+      and kept.shape[:-1] == want.shape[:-1]):
+    n = want.shape[-1]
+    return jnp.pad(kept[..., :n], [(0, 0)] * (kept.ndim - 1) + [(0, max(n - kept.shape[-1], 0))])
+  return jnp.zeros(want.shape, want.dtype)
 
 
 def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: TrainState) -> TrainState:
   """`state` (made under `old_cfg`) in the structure of `new_cfg`'s phase (`abstract`, placed by `shardings`).
   Each layer's parameters and optimizer state move to where the new phase stacks that layer (a phase whose
   `quant.exclude` differs can group the layers into other scan segments); each layer's amax history is kept where
-  the new phase keeps the same one, zeros where it starts one; and everything is laid out as the new phase's
-  step takes it (its optimizer state split over the replicas or not: trainer/state.py's `replica_axes`)."""
+  the new phase keeps the same one (its newest entries where the new one is shorter, padded with the empty
+  entries a history starts with where longer), zeros where it starts one; and everything is laid out as the new
+  phase's step takes it (its optimizer state split over the replicas or not: trainer/state.py's
+  `replica_axes`)."""
   regrouped = lambda tree, like, missing=None: restacked(tree, old_cfg, new_cfg, like, missing)
   params_like = lambda x: isinstance(x, dict) and "segments" in x  # A tree stacked as the parameters are.
   if old_cfg.model.segments(old_cfg.quant) == new_cfg.model.segments(new_cfg.quant):
@@ -84,6 +98,5 @@ def carry(state: TrainState, old_cfg, new_cfg, abstract: TrainState, shardings: 
     opt_state = jax.tree.map(lambda old, like: regrouped(old, like) if params_like(old) else old,
                              state.opt_state, abstract.opt_state, is_leaf=params_like)
   new = TrainState(step=state.step, params=params, opt_state=opt_state,
-                   quant_state=regrouped(state.quant_state, abstract.quant_state,
-                                         missing=lambda want: jnp.zeros(want.shape, want.dtype)))
+                   quant_state=regrouped(state.quant_state, abstract.quant_state, missing=_history_or_zeros))
   return jax.device_put(new, shardings)

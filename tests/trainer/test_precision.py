@@ -94,6 +94,28 @@ def test_histories_carry_over_where_the_next_phase_keeps_them():
   assert equal(moved[3].params, state.params) and equal(moved[3].opt_state, state.opt_state)
 
 
+def test_a_new_history_length_keeps_the_newest_entries():
+  """A switch of `quant.amax_history_len` alone: each history cut to its newest entries, or padded with zeros (the
+  entries a history starts with); before, every history restarted at zeros, and the switch's first step scaled
+  every tensor by 1 (a trained model's weights subnormal in E4M3, its gradients flushed to zero in E5M2)."""
+  phases, start = _one_device_start(**{
+      "quant.recipe": "fp8_delayed", "quant.amax_history_len": 6,
+      "quant.schedule": ((4, {"amax_history_len": 4}), (6, {"amax_history_len": 8}))})
+  state = start.state
+  with start.rules():
+    filled = jax.tree.map(lambda h: h + jnp.arange(1.0, h.shape[-1] + 1), state.quant_state)  # Newest first: 1.
+    moved = [state.__class__(state.step, state.params, state.opt_state, filled)]
+    for phase in (1, 2):
+      _, shardings, abstract = state_shardings(phases.cfg(phase), start.mesh, start.tx)
+      moved.append(precision.carry(moved[-1], phases.cfg(phase - 1), phases.cfg(phase), abstract, shardings))
+  histories = [jax.tree.leaves(m.quant_state) for m in moved]
+  assert histories[0] and len(histories[0]) == len(histories[1]) == len(histories[2])
+  for h in histories[1]:
+    np.testing.assert_array_equal(h, jnp.broadcast_to(jnp.arange(1.0, 5.0), h.shape))
+  for h in histories[2]:
+    np.testing.assert_array_equal(h, jnp.broadcast_to(jnp.asarray([1.0, 2, 3, 4, 0, 0, 0, 0]), h.shape))
+
+
 @pytest.mark.long
 def test_bf16_forward_keeps_the_recipes_backward():
   """forward="bf16": the output is the unquantized product; the gradients are the recipe's (bitwise)."""
