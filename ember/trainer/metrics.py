@@ -64,7 +64,10 @@ class MetricsWriter:
     return self._tb
 
   def truncate_after(self, step: int) -> None:
-    """Keeps only complete records with step <= `step` (atomic rewrite); TensorBoard likewise."""
+    """Keeps only complete records with step <= `step` (atomic rewrite); TensorBoard likewise; W&B's run opened,
+    a new one where `step` is 0 (a new run in this workdir), this workdir's last one where it resumes."""
+    if self._wandb is not None:
+      self._wandb.start(new_run=step == 0)
     if not self.enabled:
       return
     self._tensorboard(purge_step=step + 1)

@@ -3,6 +3,7 @@ steps, and a resumed run continues the same W&B run."""
 
 import glob
 import json
+import shutil
 import struct
 
 import pytest
@@ -59,6 +60,13 @@ def test_an_offline_run_records_the_metrics_and_a_resume_continues_it(tmp_path, 
   for r in records:
     scalars = {k: v for k, v in r.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
     assert logged[r["step"]] == pytest.approx(scalars, rel=1e-6), r["step"]
+  # A new run in the workdir (its checkpoints removed: nothing to resume) is a new W&B run: under the old id, W&B
+  # would drop its steps 1 and 2, at or below those the old run holds.
+  shutil.rmtree(workdir / "checkpoints")
+  train(checked(config("tiny", steps=2, **common)))
+  new_id = (workdir / "wandb_run_id").read_text()
+  assert new_id != run_id
+  assert sorted(_history(glob.glob(str(workdir / "wandb" / "offline-run-*" / f"run-{new_id}.wandb"))[0])) == [1, 2]
 
 
 def test_wandb_without_the_package_is_a_config_error(monkeypatch):
@@ -79,5 +87,7 @@ def test_wandb_that_cannot_start_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.delenv(var, raising=False)
   monkeypatch.setenv("HOME", str(tmp_path))  # No ~/.netrc holding a key.
   monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+  import wandb
+  wandb.teardown()  # An offline run earlier in this process leaves W&B's process-wide settings offline.
   with pytest.raises(ConfigError, match=r"^config.log.wandb_project: W&B did not start \(.*\); run `wandb login`"):
-    WandbRun(project="p", entity="", name="", workdir=str(tmp_path / "run"), config={})
+    WandbRun(project="p", entity="", name="", workdir=str(tmp_path / "run"), config={}).start(new_run=True)
