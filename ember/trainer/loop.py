@@ -122,9 +122,9 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
       # Long: a step that compiles, and the steps up to the first logged one (its first all-gathers, the
       # straggler probe's compile).
       if compiles or step < first + cfg.log.every_steps:
-        run.watchdog.expect(f"step {step + 1}", run.deadlines.long(), Deadlines.LONG_KEY)
+        run.watchdog.expect(f"step {step + 1}", *run.deadlines.long())
       else:
-        run.watchdog.expect(f"step {step + 1}", run.deadlines.step())
+        run.watchdog.expect(f"step {step + 1}", *run.deadlines.step())
       entered = time.time()
       _switch_phase(run, step)
       if compiles:  # The compile has its own line; a step's figures are the step's.
@@ -143,7 +143,7 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
       # The first step carries the compile: not timed.
       timed_from = timed_from or (done, time.time(), run.interval.excluded_s)
       if run.profiler.stops(done):  # Writing a trace takes its time, left out of the speed like a checkpoint's.
-        run.watchdog.expect(f"the profile's write at step {done}", run.deadlines.long(), Deadlines.LONG_KEY)
+        run.watchdog.expect(f"the profile's write at step {done}", *run.deadlines.long())
       with run.interval.left_out():
         run.profiler.after(done)
       stopping = _preempted(run, done)
@@ -159,7 +159,7 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
         waited = time.time()
         run.batch = run.next_batch()
         run.stragglers.add_input_wait(time.time() - waited)
-    run.watchdog.expect("the last checkpoint's write", run.deadlines.long(), Deadlines.LONG_KEY)
+    run.watchdog.expect("the last checkpoint's write", *run.deadlines.long())
     if done == cfg.steps and done > first:
       console(_summary(run, first, timed_from, done, time.time() - t_start))
     elif first >= cfg.steps:
@@ -258,7 +258,7 @@ class _Run:
     watch = Watchdog(process_index=jax.process_index())  # Closed last: it watches the others' closing too.
     resources.callback(watch.close)
     deadlines = Deadlines(cfg.train.step_timeout_s, cfg.train.compile_timeout_s)
-    watch.expect("the set-up (data, checkpoint restore)", deadlines.long(), Deadlines.LONG_KEY)
+    watch.expect("the set-up (data, checkpoint restore)", *deadlines.long())
     tx, schedule = make_optimizer(cfg)
     progress(f"set-up: the {cfg.data.source} data pipeline")
     batch_sharding = step_lib.batch_sharding(cfg, mesh)
@@ -299,7 +299,7 @@ class _Run:
     console(_plan(cfg, mesh, state.params))
     # Closing (the callbacks run last first, so this one first): an error's way out waits for a checkpoint write
     # in flight, which the last step's deadline was not made for.
-    resources.callback(lambda: watch.expect("closing the run", deadlines.long(), Deadlines.LONG_KEY))
+    resources.callback(lambda: watch.expect("closing the run", *deadlines.long()))
     return run
 
   def next_batch(self):
@@ -374,11 +374,11 @@ def _evaluate(run: _Run, done: int) -> None:
   cfg = run.cfg
   if not cfg.train.eval_every_steps or (done % cfg.train.eval_every_steps and done != cfg.steps):
     return
-  step_s = run.deadlines.step()  # The first evaluation compiles.
+  step_s, key = run.deadlines.step()  # The first evaluation compiles.
   if run.evaluated and step_s is not None:
-    run.watchdog.expect(f"the evaluation at step {done}", step_s * cfg.train.eval_batches)
+    run.watchdog.expect(f"the evaluation at step {done}", step_s * cfg.train.eval_batches, key)
   else:
-    run.watchdog.expect(f"the evaluation at step {done}", run.deadlines.long(), Deadlines.LONG_KEY)
+    run.watchdog.expect(f"the evaluation at step {done}", *run.deadlines.long())
   run.evaluated = True
   run.last["eval_loss"] = evaluate(cfg, run.state, run.phase.eval_fn, run.batch_sharding)
   run.metrics.write({"step": done, "eval_loss": run.last["eval_loss"]})
@@ -388,13 +388,13 @@ def _evaluate(run: _Run, done: int) -> None:
 def _checkpoint(run: _Run, done: int, stopping: bool) -> None:
   """Every `checkpoint.every_steps`, at the end, and synchronously when stopping for a preemption."""
   if run.ckpt.should_save(done, run.cfg.steps) or stopping:
-    run.watchdog.expect(f"the checkpoint of step {done}", run.deadlines.long(), Deadlines.LONG_KEY)
+    run.watchdog.expect(f"the checkpoint of step {done}", *run.deadlines.long())
     run.ckpt.save(done, run.state, run.train_it, seed=run.cfg.seed,
                   metadata={**run.meta, "quant_phase": run.phase.index}, force_sync=stopping)
     if not stopping:  # A preemption's save has its own line.
       console(f"checkpoint: step {done} to {os.path.join(run.ckpt.directory, str(done))}")
   elif run.local is not None and run.local.should_save(done):
-    run.watchdog.expect(f"the local checkpoint of step {done}", run.deadlines.long(), Deadlines.LONG_KEY)
+    run.watchdog.expect(f"the local checkpoint of step {done}", *run.deadlines.long())
     began = time.time()
     run.local.save(done, run.state, run.targets(done)[0], run.train_it)
     console(f"local checkpoint: step {done} to {os.path.join(run.local.directory, str(done))} "

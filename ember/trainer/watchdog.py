@@ -29,6 +29,7 @@ from ember import native_output
 from ember import xla_flags as xla_flags_lib
 
 HUNG_EXIT_STATUS = 75  # sysexits' EX_TEMPFAIL: "try again later"; docs/multihost.md lists every status.
+STEP_KEY, COMPILE_KEY = "train.step_timeout_s", "train.compile_timeout_s"  # What each deadline's line names.
 AUTO_MULTIPLE = 10.0
 AUTO_FLOOR_S = 120.0
 AUTO_AFTER_STEPS = 5
@@ -53,7 +54,7 @@ class Watchdog:
     self._thread = threading.Thread(target=self._watch, name="ember-watchdog", daemon=True)
     self._thread.start()
 
-  def expect(self, what: str, seconds: float | None, key: str = "train.step_timeout_s") -> None:
+  def expect(self, what: str, seconds: float | None, key: str) -> None:
     """`what` starts now and must end within `seconds` (None or <= 0: no deadline), which config `key` set."""
     with self._cond:
       self._what, self._seconds, self._key = what, seconds or 0.0, key
@@ -61,7 +62,7 @@ class Watchdog:
       self._cond.notify()
 
   def disarm(self) -> None:
-    self.expect("", None)
+    self.expect("", None, STEP_KEY)
 
   def close(self) -> None:
     with self._cond:
@@ -109,21 +110,22 @@ class Deadlines:
   def timed(self, seconds: float) -> None:
     self._times = (self._times + [seconds])[-100:]
 
-  def step(self) -> float | None:
-    """A step (or its logging) that compiles nothing."""
+  def step(self) -> tuple[float | None, str]:
+    """(seconds, the config key that set them) of a step (or its logging) that compiles nothing."""
     if self.step_timeout_s < 0:
-      return None
+      return None, STEP_KEY
     if self.step_timeout_s > 0:
-      return self.step_timeout_s
+      return self.step_timeout_s, STEP_KEY
     if len(self._times) < AUTO_AFTER_STEPS:
-      return self.compile_timeout_s
-    return max(AUTO_MULTIPLE * statistics.median(self._times), AUTO_FLOOR_S)
+      return self.compile_timeout_s, COMPILE_KEY
+    return max(AUTO_MULTIPLE * statistics.median(self._times), AUTO_FLOOR_S), STEP_KEY
 
-  LONG_KEY = "train.compile_timeout_s"
-
-  def long(self) -> float | None:
-    """A stage that may compile or write a checkpoint (its key: LONG_KEY)."""
-    return None if self.step_timeout_s < 0 else max(self.compile_timeout_s, self.step_timeout_s)
+  def long(self) -> tuple[float | None, str]:
+    """(seconds, the config key that set them) of a stage that may compile or write a checkpoint."""
+    if self.step_timeout_s < 0:
+      return None, STEP_KEY
+    return (self.compile_timeout_s, COMPILE_KEY) if self.compile_timeout_s >= self.step_timeout_s else \
+        (self.step_timeout_s, STEP_KEY)
 
 
 def xla_flags(xla_flags_value: str, step_timeout_s: float, compile_timeout_s: float) -> str:

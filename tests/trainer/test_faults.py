@@ -128,8 +128,8 @@ def test_the_watchdog_ends_the_process_past_a_deadline_with_its_stacks():
   statuses = []
   dog = watchdog_lib.Watchdog(process_index=1, out=out, exit=lambda code: (statuses.append(code), fired.set()))
   try:
-    dog.expect("step 4", 0.3)
-    dog.expect("step 5", 0.3)  # Re-armed in time: step 4's deadline is gone.
+    dog.expect("step 4", 0.3, watchdog_lib.STEP_KEY)
+    dog.expect("step 5", 0.3, watchdog_lib.STEP_KEY)  # Re-armed in time: step 4's deadline is gone.
     assert fired.wait(5)
   finally:
     dog.close()
@@ -138,7 +138,7 @@ def test_the_watchdog_ends_the_process_past_a_deadline_with_its_stacks():
   assert text.startswith("error: process 1: step 5 made no progress in 0 s (train.step_timeout_s)")
   assert "test_the_watchdog_ends_the_process_past_a_deadline_with_its_stacks" in text  # The main thread's stack.
   quiet = watchdog_lib.Watchdog(exit=lambda code: statuses.append(code))
-  quiet.expect("step 1", 0.2)
+  quiet.expect("step 1", 0.2, watchdog_lib.STEP_KEY)
   quiet.disarm()
   threading.Event().wait(0.4)
   quiet.close()
@@ -146,16 +146,20 @@ def test_the_watchdog_ends_the_process_past_a_deadline_with_its_stacks():
 
 
 def test_deadlines_follow_the_measured_steps_and_xla_timeouts_sit_past_them():
+  step, compile_ = watchdog_lib.STEP_KEY, watchdog_lib.COMPILE_KEY
   auto = watchdog_lib.Deadlines(0.0, 900.0)
-  assert auto.step() == 900.0 and auto.long() == 900.0  # Nothing timed yet: the compile's deadline.
+  # Nothing timed yet: the compile's deadline, and its key named (the line a hang prints says which key to raise).
+  assert auto.step() == (900.0, compile_) and auto.long() == (900.0, compile_)
   for seconds in (1.0, 30.0, 2.0, 3.0, 2.5):
     auto.timed(seconds)
-  assert auto.step() == 120.0  # 10 x the median (2.5 s) is under the floor.
+  assert auto.step() == (120.0, step)  # 10 x the median (2.5 s) is under the floor.
   for seconds in (20.0,) * 5:
     auto.timed(seconds)
-  assert auto.step() == 200.0  # 10 x the median of (1, 30, 2, 3, 2.5, 20 x 5) = 10 x 20.
-  assert watchdog_lib.Deadlines(45.0, 900.0).step() == 45.0
-  assert watchdog_lib.Deadlines(-1.0, 900.0).step() is None and watchdog_lib.Deadlines(-1.0, 900.0).long() is None
+  assert auto.step() == (200.0, step)  # 10 x the median of (1, 30, 2, 3, 2.5, 20 x 5) = 10 x 20.
+  assert watchdog_lib.Deadlines(45.0, 900.0).step() == (45.0, step)
+  assert watchdog_lib.Deadlines(7200.0, 3600.0).long() == (7200.0, step)  # The longer of the two, by its own key.
+  off = watchdog_lib.Deadlines(-1.0, 900.0)
+  assert off.step()[0] is None and off.long()[0] is None
   flags = watchdog_lib.xla_flags("--xla_foo=1 --xla_gpu_first_collective_call_terminate_timeout_seconds=5", 45.0,
                                  900.0)
   assert flags.split() == ["--xla_foo=1", "--xla_gpu_first_collective_call_terminate_timeout_seconds=5",
