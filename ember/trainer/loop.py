@@ -163,10 +163,20 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
     if done == cfg.steps and done > first:
       console(_summary(run, first, timed_from, done, time.time() - t_start))
     elif first >= cfg.steps:
-      console(f"finished already: the newest checkpoint in {run.ckpt.directory} is at step {first}, and the run "
-              f"trains to step {cfg.steps}; nothing to train (a larger --config.steps goes on from it)")
+      console(f"finished already: {_restored_from(run, first)} is at step {first}, and the run trains to step "
+              f"{cfg.steps}; nothing to train (a larger --config.steps goes on from it)")
   run.last["wall_time_s"] = time.time() - t_start
   return run.last
+
+
+def _restored_from(run: "_Run", first: int) -> str:
+  """Which checkpoint the state after `first` steps came from: this run's, its local tier's, or
+  checkpoint.restore_from's (a new run from another run's checkpoint)."""
+  if first in run.ckpt.steps():
+    return f"the newest checkpoint in {run.ckpt.directory}"
+  if run.local is not None and storage.exists(storage.join(run.local.directory, str(first))):
+    return f"the newest local checkpoint in {run.local.directory}"
+  return f"the checkpoint of checkpoint.restore_from ({run.cfg.checkpoint.restore_from})"
 
 
 def _wandb_run(cfg: Settings) -> WandbRun | None:

@@ -17,9 +17,10 @@ CONTRACT_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s
 
 
 def test_short_run_writes_metrics_and_tensorboard(tmp_path, capsys):
-  cfg = config("tiny", **{"workdir": str(tmp_path), "steps": 30, "log.every_steps": 10, "log.tensorboard": True,
-                          "train.eval_every_steps": 30, "train.eval_batches": 2, "train.warmup_steps": 5,
-                          "checkpoint.every_steps": 0, "quant.recipe": "fp8_current", "train.learning_rate": 3e-3})
+  keys = {"steps": 30, "log.every_steps": 10, "log.tensorboard": True, "train.eval_every_steps": 30,
+          "train.eval_batches": 2, "train.warmup_steps": 5, "checkpoint.every_steps": 0, "quant.recipe": "fp8_current",
+          "train.learning_rate": 3e-3}
+  cfg = config("tiny", **{"workdir": str(tmp_path), **keys})
   summary = train(checked(cfg))
   records = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
   train_records = [r for r in records if "loss" in r]
@@ -45,6 +46,12 @@ def test_short_run_writes_metrics_and_tensorboard(tmp_path, capsys):
   err = capsys.readouterr().err
   assert f"finished already: the newest checkpoint in {tmp_path}/checkpoints is at step 30" in err, err
   assert "finished: " not in err and len(open(os.path.join(tmp_path, "metrics.jsonl")).readlines()) == len(records)
+  # A new run in another workdir from this run's checkpoint, to a step it has passed: it names that checkpoint, not
+  # its own (empty) checkpoint directory.
+  train(checked(config("tiny", **{"workdir": f"{tmp_path}/other", "checkpoint.restore_from": f"{tmp_path}/checkpoints",
+                                  **keys})))
+  err = capsys.readouterr().err
+  assert f"finished already: the checkpoint of checkpoint.restore_from ({tmp_path}/checkpoints) is at step 30" in err
 
 
 def _moe_records(tmp_path, every: int) -> list[dict]:
