@@ -275,7 +275,7 @@ class _Run:
     train_it = data_iterator(cfg, "train", batch_sharding)
     resources.callback(train_it.close)
     metrics = MetricsWriter(cfg.workdir, tensorboard=cfg.log.tensorboard, wandb=_wandb_run(cfg))
-    resources.callback(metrics.close)
+    resources.push(lambda error_type, *_: metrics.close(failed=error_type is not None))
     preemption = distributed.Preemption().install()
     resources.callback(preemption.uninstall)
     ckpt = Checkpointer(storage.join(cfg.workdir, "checkpoints"), every_steps=cfg.checkpoint.every_steps,

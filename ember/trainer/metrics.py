@@ -93,12 +93,13 @@ class MetricsWriter:
     if self._wandb is not None:
       self._wandb.log(scalars, step)
 
-  def close(self):
+  def close(self, failed: bool = False):
+    """`failed`: the run ends on an error (W&B marks its run failed, not finished)."""
     if self._tb is not None:
       self._tb.close()
       self._tb_dir.sync()
     if self._wandb is not None:
-      self._wandb.close()
+      self._wandb.close(failed)
 
 
 def _say(msg: str, stream) -> None:

@@ -55,6 +55,6 @@ class WandbRun:
       self.start(new_run=False)
     self._run.log(scalars, step=step)
 
-  def close(self) -> None:
+  def close(self, failed: bool = False) -> None:
     if self._run is not None:
-      self._run.finish()
+      self._run.finish(exit_code=1 if failed else 0)

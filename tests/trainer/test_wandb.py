@@ -9,18 +9,18 @@ import struct
 import pytest
 from wandb.proto import wandb_internal_pb2
 
+from ember.errors import Diverged
 from ember.trainer.loop import train
 from ember.trainer.metrics import read_records
 from tests.helpers import checked, config
 
 
-def _history(path: str) -> dict[int, dict]:
-  """{step: {key: value}} of the history records in a W&B run file (the LevelDB log format W&B writes: 32 KiB
-  blocks of records, each a 7-byte header (crc, length, type: 1 full, 2 first, 3 middle, 4 last) and its bytes,
-  after a 7-byte file header)."""
+def _records(path: str) -> list:
+  """The records of a W&B run file (the LevelDB log format W&B writes: 32 KiB blocks of records, each a 7-byte
+  header (crc, length, type: 1 full, 2 first, 3 middle, 4 last) and its bytes, after a 7-byte file header)."""
   data = open(path, "rb").read()
   assert data[:4] == b":W&B"
-  pos, block, parts, out = 7, 32768, [], {}
+  pos, block, parts, out = 7, 32768, [], []
   while pos + 7 <= len(data):
     left = block - pos % block
     _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
@@ -33,10 +33,22 @@ def _history(path: str) -> dict[int, dict]:
       record = wandb_internal_pb2.Record()
       record.ParseFromString(b"".join(parts))
       parts = []
-      if record.WhichOneof("record_type") == "history":
-        items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
-        out[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
+      out.append(record)
   return out
+
+
+def _history(path: str) -> dict[int, dict]:
+  """{step: {key: value}} of the history records in a W&B run file."""
+  out = {}
+  for record in _records(path):
+    if record.WhichOneof("record_type") == "history":
+      items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+      out[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
+  return out
+
+
+def _exit_codes(path: str) -> list[int]:
+  return [r.exit.exit_code for r in _records(path) if r.WhichOneof("record_type") == "exit"]
 
 
 @pytest.mark.extended
@@ -66,7 +78,14 @@ def test_an_offline_run_records_the_metrics_and_a_resume_continues_it(tmp_path, 
   train(checked(config("tiny", steps=2, **common)))
   new_id = (workdir / "wandb_run_id").read_text()
   assert new_id != run_id
-  assert sorted(_history(glob.glob(str(workdir / "wandb" / "offline-run-*" / f"run-{new_id}.wandb"))[0])) == [1, 2]
+  new_file = glob.glob(str(workdir / "wandb" / "offline-run-*" / f"run-{new_id}.wandb"))[0]
+  assert sorted(_history(new_file)) == [1, 2] and _exit_codes(new_file) == [0]
+  # A run that fails (here: it diverges, every step's loss made NaN) ends its W&B run failed, not finished.
+  shutil.rmtree(workdir / "checkpoints")
+  with pytest.raises(Diverged):
+    train(checked(config("tiny", steps=4, **common, **{"train.max_skipped_steps": 1, "train.learning_rate": 1e30})))
+  failed_id = (workdir / "wandb_run_id").read_text()
+  assert _exit_codes(glob.glob(str(workdir / "wandb" / "offline-run-*" / f"run-{failed_id}.wandb"))[0]) == [1]
 
 
 def test_wandb_without_the_package_is_a_config_error(monkeypatch):
