@@ -147,6 +147,10 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
       with run.interval.left_out():
         run.profiler.after(done)
       stopping = _preempted(run, done)
+      if done == first + 1 and not _logs_at(run, done, stopping):
+        # The run's first step warms up (the allocator's pools, the collectives' communicators): left out of the
+        # first line's speed and ETA, as it is of the summary's.
+        run.interval.restart(at=done)
       _log(run, done, step_metrics, stopping)
       with run.interval.left_out():  # Speed and MFU are the steps': an evaluation is not training.
         _evaluate(run, done)
@@ -345,13 +349,24 @@ def _preempted(run: _Run, done: int) -> bool:
   return run.preemption.reached(done) and done < run.cfg.steps
 
 
+def _logs_at(run: _Run, done: int, stopping: bool) -> bool:
+  """Whether step `done` is logged: every `log.every_steps`, the last, a preemption's, a statistics step."""
+  cfg = run.cfg
+  return done % cfg.log.every_steps == 0 or done == cfg.steps or stopping or _health_at(run, done)
+
+
+def _health_at(run: _Run, done: int) -> bool:
+  """Whether step `done` records the recipe's quantization statistics (`log.quant_stats_every`)."""
+  return run.phase.quant_health is not None and done % run.cfg.log.quant_stats_every == 0
+
+
 def _log(run: _Run, done: int, step_metrics, stopping: bool) -> None:
   """Every `log.every_steps` (and the last, a preemption's and a statistics step): one record in
   metrics.jsonl and TensorBoard, the progress line, and the warnings of the interval."""
   cfg, phase = run.cfg, run.phase
-  health = phase.quant_health is not None and done % cfg.log.quant_stats_every == 0
-  if not (done % cfg.log.every_steps == 0 or done == cfg.steps or stopping or health):
+  if not _logs_at(run, done, stopping):
     return
+  health = _health_at(run, done)
   host = jax.device_get({k: v for k, v in step_metrics.items() if k != "quant_stats" and k not in moe_counts.KEYS})
   record = {"step": done, **{k: float(v) for k, v in host.items()}, **run.interval.take(done),
             "skipped_steps": run.skips.total}
@@ -442,8 +457,10 @@ class _Interval:
     self.cfg, self.t_last, self.step_last = cfg, time.time(), start
     self.excluded_s = 0.0  # All the time left out so far.
 
-  def restart(self) -> None:
+  def restart(self, at: int | None = None) -> None:
+    """The interval starts now (after step `at`, where given)."""
     self.t_last = time.time()
+    self.step_last = self.step_last if at is None else at
 
   def exclude(self, seconds: float) -> None:
     """Leaves `seconds` (a compile, an evaluation, a checkpoint's write) out of the interval's time and the run's
