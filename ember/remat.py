@@ -43,7 +43,10 @@ MOE_WI_0 = "moe_wi_0"
 MOE_WI_1 = "moe_wi_1"
 MOE_WO = "moe_wo"
 ROUTER_LOGITS = "router_logits"
-MOE_ROUTING = "moe_routing"  # The top-k expert choices (uint8); see ROUTED below.
+MOE_ROUTING = "moe_routing"  # The top-k expert choices (uint8), and the counts an expert exchange sends; see ROUTED.
+# The routed experts' outputs back in token order [T, k, D], what the combine weighs: its weights' gradient reads
+# them, and rebuilt they would cross the expert axis again (layers/moe.py).
+MOE_COMBINE = "moe_combine"
 # Multi-head latent attention (ember/layers/mla.py): the low-rank query and the compressed key/value latent with
 # the shared RoPE key, as their down-projections write them. Its queries, keys and values take QUERY, KEY, VALUE.
 MLA_Q_LATENT = "mla_q_latent"
@@ -57,7 +60,7 @@ MTP_PROJ = "mtp_proj"
 TENSOR_AMAX = "tensor_amax"
 
 ACTIVATION_NAMES = (LAYER_INPUT, QKV_PROJ, QUERY, KEY, VALUE, ATTENTION_INPUT, ATTENTION_CONTEXT, OUT_PROJ,
-                    ATTENTION_RESIDUAL, MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MOE_ROUTING,
+                    ATTENTION_RESIDUAL, MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO, MOE_COMBINE, ROUTER_LOGITS, MOE_ROUTING,
                     MLA_Q_LATENT, MLA_KV_LATENT, MTP_PROJ)
 
 # Quantized residuals of every projection a checkpointed block runs (ember.names.LAYER_PROJECTIONS): the operand
@@ -80,7 +83,7 @@ QUANTIZED_ACTIVATION_NAMES = tuple(n for n in QUANTIZED_NAMES if n not in QUANTI
 # Residuals laid out in MoE routing order (sorted token copies). A policy that keeps any of them also
 # keeps MOE_ROUTING: a recompute of the router need not be bitwise the forward's, and rows saved
 # in one routing order are garbage under another (layers/moe.py).
-ROUTED = (MOE_WI_0, MOE_WI_1, MOE_WO) + tuple(quantized_name(p, o) for p in ("moe_wi", "moe_wo")
+ROUTED = (MOE_WI_0, MOE_WI_1, MOE_WO, MOE_COMBINE) + tuple(quantized_name(p, o) for p in ("moe_wi", "moe_wo")
                                               for o in QUANTIZED_OPERANDS)
 ALL_NAMES = ACTIVATION_NAMES + QUANTIZED_NAMES
 
@@ -90,7 +93,8 @@ ALL_NAMES = ACTIVATION_NAMES + QUANTIZED_NAMES
 # too (q, k, v after RoPE; the residual sum the out projection's GEMM writes): a policy keeps what the backward reads
 # of the names it lists, so that form is kept instead and nothing is rotated or added again.
 MATMUL_OUTPUTS = (QKV_PROJ, QUERY, KEY, VALUE, ATTENTION_INPUT, ATTENTION_CONTEXT, OUT_PROJ, ATTENTION_RESIDUAL,
-                  MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO, ROUTER_LOGITS, MLA_Q_LATENT, MLA_KV_LATENT, MTP_PROJ)
+                  MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO, MOE_COMBINE, ROUTER_LOGITS, MLA_Q_LATENT, MLA_KV_LATENT,
+                  MTP_PROJ)
 
 
 @dataclasses.dataclass(frozen=True)

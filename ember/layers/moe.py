@@ -284,6 +284,7 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
     y_TxKxD, overflow = _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan, wire)
   aux[MOE_OVERFLOW_TOKENS] = jax.lax.psum(jnp.asarray(overflow, F32), token_axes) if token_axes else \
       jnp.asarray(overflow, F32)
+  y_TxKxD = checkpoint_name(y_TxKxD, remat.MOE_COMBINE)
   out_TxD = jnp.einsum("tk,tkd->td", weights_TxK, y_TxKxD.astype(F32)).astype(opts.dtype)
   if dispatch == moe_dispatch.ALLGATHER:
     out_TxD = jax.lax.psum_scatter(out_TxD, expert_axes, scatter_dimension=0, tiled=True)

@@ -52,8 +52,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember.remat import MOE_ROUTING
 from ember.parallel import axes as mesh_axes
 from ember.platform import target_platform
 from ember.quant import formats
@@ -256,7 +258,8 @@ def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn
   expert_PxS = jnp.where(live_PxS, _gather(expert_C[:, None], row_PxS.reshape(-1))[:, 0].reshape(n, slots)
                          % num_local, num_local)
   exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
-  recv_PxSxD, recv_expert_PxS = wire.dispatch(exchange, send_PxSxD), exchange(expert_PxS)
+  recv_PxSxD = wire.dispatch(exchange, send_PxSxD)
+  recv_expert_PxS = checkpoint_name(exchange(expert_PxS), MOE_ROUTING)  # Kept with the rows it orders.
   d = recv_PxSxD.shape[-1]
   ys, overflow = _sorted_ffn(recv_PxSxD.reshape(-1, d), recv_expert_PxS.reshape(-1), num_local, ffn)
   back_PxSxD = wire.combine(exchange, ys.reshape(n, slots, d))
@@ -294,7 +297,8 @@ def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn, wire
   sizes_PxE = sizes_E.reshape(n, num_local)
   send_P = sizes_PxE.sum(axis=1)
   me = jax.lax.axis_index(axes)
-  sent_NxP = jax.lax.all_gather(send_P, axes, tiled=False)  # [source, destination] copy counts.
+  # [source, destination] copy counts, kept with the rows they place.
+  sent_NxP = checkpoint_name(jax.lax.all_gather(send_P, axes, tiled=False), MOE_ROUTING)
   # Where each source's block starts in each destination's buffer, and how much of it fits.
   start_NxP = starts(sent_NxP, axis=0)
   fits_NxP = jnp.clip(buffer_rows - start_NxP, 0, sent_NxP)
@@ -311,7 +315,7 @@ def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn, wire
 
   recv_RxD = wire.dispatch(move(buffer_rows), xs_CxD, in_offset_P, send_fit_P, out_offset_P, recv_P)
   # The local expert of each received row: blocks by source, each sorted by local expert.
-  recv_sizes_PxE = jax.lax.all_to_all(sizes_PxE, axes, 0, 0, tiled=True)  # [source, local expert].
+  recv_sizes_PxE = checkpoint_name(jax.lax.all_to_all(sizes_PxE, axes, 0, 0, tiled=True), MOE_ROUTING)
   r = jnp.arange(buffer_rows)
   source_R = jnp.clip(jnp.searchsorted(recv_offset_P + recv_P, r, side="right"), 0, n - 1)
   within_R = r - recv_offset_P[source_R]

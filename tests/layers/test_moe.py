@@ -1,5 +1,6 @@
 """The MoE layer on one device: routing, losses, dispatch, capacity, remat residuals, FLOPs."""
 
+import collections
 import dataclasses
 
 import jax
@@ -183,14 +184,31 @@ def test_save_quantized_recomputes_no_quantize_op_in_an_moe_block(recipe):
       assert r.dtype in ("uint8", "uint4") or (r.dtype == "float32" and len(r.shape) <= 1), r
 
 
-def _backward_primitives(fn, args) -> set[str]:
-  """Primitives of the backward pass alone: the jaxpr of the vjp function (recompute included)."""
+def _backward_primitives(fn, args) -> collections.Counter:
+  """Primitives of the backward pass alone, counted: the jaxpr of the vjp function (recompute included)."""
   leaves, tree = jax.tree.flatten(args)
   fwd = lambda *leaves: jax.vjp(fn, *jax.tree.unflatten(tree, leaves))
   _, (out_shape, vjp_shape) = jax.make_jaxpr(fwd, return_shape=True)(*leaves)
   residuals, vjp_tree = jax.tree.flatten(vjp_shape)
   bwd = jax.make_jaxpr(lambda r, ct: jax.tree.unflatten(vjp_tree, r)(ct))(residuals, out_shape)
-  return {e.primitive.name for e in iter_eqns(bwd.jaxpr)}
+  return collections.Counter(e.primitive.name for e in iter_eqns(bwd.jaxpr))
+
+
+@pytest.mark.parametrize("dispatch", ["alltoall", "ragged"])
+def test_minimal_quantized_sends_nothing_again_under_expert_parallelism(dispatch):
+  """Under expert parallelism the backward pass of `minimal_quantized` exchanges what `none`'s does (the
+  gradients, there and back) and nothing more: the experts' outputs back in token order (`moe_combine`, what the
+  combine's weight gradient reads) and the exchange's counts (`moe_routing`) are kept, not sent again. They were
+  not: it ran two all-to-alls more than `none` (alltoall: the expert outputs' way back and the routing integers),
+  three and an all-gather more (ragged)."""
+  cfg = config_lib.derive(config("tiny_moe", **{"quant.recipe": "fp8_current", "mesh.data": 2, "mesh.fsdp": 1,
+                                                "mesh.expert": 4, "model.moe_dispatch": dispatch}), 8)
+  with use_rules(make_mesh(cfg.mesh), cfg.mesh.rules):
+    problem = analysis.layer_problem(cfg, batch=8)
+    counts = {name: _backward_primitives(analysis.layer_fn(problem.graphdef, remat.PRESETS[name]), problem.args)
+              for name in ("none", "minimal_quantized")}
+  moved = lambda c: (c["all_to_all"], c["ragged_all_to_all"], c["all_gather"])
+  assert moved(counts["minimal_quantized"]) == moved(counts["none"]) and counts["none"]["all_to_all"] > 0
 
 
 def test_saved_rows_come_with_their_routing():
