@@ -143,6 +143,15 @@ def sum_over_processes(values: np.ndarray) -> np.ndarray:
   return gather_over_processes(values).sum(axis=0)
 
 
+def fetched(tree):
+  """`tree`'s arrays whole on this host, as numpy: `jax.device_get`, or with several processes a gather of the
+  parts other processes hold (a collective: every process calls it at the same point)."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
 def gather_over_processes(values: np.ndarray) -> np.ndarray:
   """Every process's `values` stacked, [processes, ...] in process order (each calls it at the same point)."""
   values = np.asarray(values)

@@ -14,6 +14,7 @@ from ember.data import build_tokenizer
 from ember.platform import target_compute_capability, target_platform
 from ember.quant import gemm
 from ember.layers import moe_dispatch
+from ember.parallel import distributed
 from ember.trainer import precision, quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.metrics import console
@@ -90,7 +91,9 @@ class QuantHealth:
     self.watch = quant_stats.Watch(self.recipe.name)
 
   def record(self, done: int, stats_tree) -> dict:
-    record = quant_stats.summarize(jax.device_get(stats_tree), self.model, self.recipe)
+    """Every process calls it at the same step: the statistics of a pipelined step are split by stage, each
+    stage's on its own processes, and are gathered whole on each."""
+    record = quant_stats.summarize(distributed.fetched(stats_tree), self.model, self.recipe)
     warnings = self.watch.check(record, done)
     for w in warnings:
       console(f"warning: quantization: {w}")

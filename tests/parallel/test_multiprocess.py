@@ -122,9 +122,11 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tm
 def test_pipeline_stages_on_two_processes_train_like_one_process(tmp_path, cache):
   """`mesh.dcn_pipeline=2`: each process holds one stage of every row of the batch, so both feed the whole batch
   (the rows their devices hold, not a share of an even split over the processes) and the run takes the losses
-  of the same mesh in one process, its two stages inside it."""
+  of the same mesh in one process, its two stages inside it. The recipe's statistics, split by stage over the
+  processes, are gathered where they are logged (each process failed to fetch the other's stage)."""
   two, one = tmp_path / "two_processes", tmp_path / "one_process"
-  common = [*ARGS, *PIPELINE, "--config.steps=3", "--config.checkpoint.every_steps=0", "--config.log.tensorboard=false"]
+  common = [*ARGS, *PIPELINE, "--config.steps=3", "--config.checkpoint.every_steps=0", "--config.log.tensorboard=false",
+            "--config.quant.recipe=fp8_delayed", "--config.log.quant_stats_every=1"]
   p = subprocess.run(["launch/local.sh", "2", "2", sys.executable, "train.py", *common, "--config.mesh.dcn_pipeline=2",
                       f"--config.workdir={two}"], cwd=ROOT, env=_env(cache), capture_output=True, text=True,
                      timeout=300)
@@ -135,6 +137,9 @@ def test_pipeline_stages_on_two_processes_train_like_one_process(tmp_path, cache
   two_losses, one_losses = _losses(two), _losses(one)
   assert sorted(two_losses) == [1, 2, 3]
   assert [two_losses[s] for s in (1, 2, 3)] == pytest.approx([one_losses[s] for s in (1, 2, 3)], rel=1e-6)
+  stats = lambda workdir: [{k: v for k, v in r.items() if k.startswith("quant")}
+                           for r in map(json.loads, open(workdir / "metrics.jsonl")) if "loss" in r]
+  assert stats(two) == stats(one) and all(len(s) > 2 for s in stats(two))
 
 
 @pytest.mark.long
