@@ -243,7 +243,16 @@ class Checkpointer:
       self.manager.wait_until_finished()
 
   def steps(self) -> list[int]:
-    return sorted(self.manager.all_steps())
+    """The saved steps, as process 0 lists them (every process calls it at the same point): each lists the
+    directory on its own, and a stale listing on one (a network file system's cache just after a restart) would
+    walk the processes through different steps."""
+    steps = sorted(self.manager.all_steps())
+    if jax.process_count() == 1:
+      return steps
+    from jax.experimental import multihost_utils
+    count = int(multihost_utils.broadcast_one_to_all(np.int64(len(steps))))
+    padded = np.asarray((steps + [0] * count)[:count], np.int64)
+    return [int(s) for s in multihost_utils.broadcast_one_to_all(padded)] if count else []
 
   def custom_metadata(self, step: int) -> dict:
     """What `save` recorded with the step (config, version, mesh, precision phase); {} if unreadable."""
