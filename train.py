@@ -28,10 +28,10 @@ def main(argv: list[str]) -> int:
     from ember.plan.auto_remat import resolve
     from ember.trainer.loop import prepare, train
     settings, mesh = prepare(validate(load(argv), None))  # The config checked before the job is joined.
-    train(resolve(settings, mesh), mesh)
+    last = train(resolve(settings, mesh), mesh)
   except (EmberError, Diverged) as e:
     fail_and_exit(e)
-  return 0
+  return settings.train.preempted_exit_status if last.get("preempted") else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ A leaf module (it imports nothing of ember), so every floor can raise them witho
 Each message names the config key, flag or path at fault and the reason.
 
 Every exit status of train.py (docs/multihost.md, "When a job fails", says what to do with each):
-  0   finished, or stopped by SIGTERM after saving a checkpoint;
+  0   finished, or stopped by SIGTERM after saving a checkpoint (`train.preempted_exit_status` if set: 143 in
+      launch/jobset.yaml, since a Kubernetes Job takes 0 for done);
   1   an unexpected error (its traceback);
   2   bad input (`EmberError`): a command line, config value, data path or checkpoint; one line;
   3   diverged (`Diverged`): train.max_skipped_steps non-finite steps in a row; restarting will not help;

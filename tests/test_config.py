@@ -45,6 +45,7 @@ CASES = [
     (["--config.remat.policy=custom", "--config.remat.save_names=('bogus',)"],
      "config.remat.save_names: unknown checkpoint name 'bogus'; valid names: decoder_layer_input"),
     (["--config.remat.policy=custom"], "config.remat.policy: 'custom' with remat.save_names and remat.offload_names"),
+    (["--config.train.preempted_exit_status=256"], "config.train.preempted_exit_status: 256 is not an exit status"),
     # Checks that used to run late (model build, data pipeline, workdir creation) or not at all.
     (["--config=configs/default.py:tiny_moe", "--config.model.moe_every=3"],
      "config.model.moe_every: model.num_layers=2 is not a multiple of moe_every=3"),

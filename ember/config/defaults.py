@@ -145,6 +145,10 @@ def get_config() -> ml_collections.ConfigDict:
   t.step_timeout_s = 0.0  # A step (and its logging) that takes longer ends the job (status 75, Python stacks in
   # the log; a stopped process or a stalled collective): 0 = 10x the median step once 5 are timed, at least 120 s;
   # -1 = never.
+  # The exit status of a run stopped by SIGTERM (or Ctrl-C) once its checkpoint is saved: 0 where the scheduler
+  # requeues a preempted job itself (SLURM), non-zero where it restarts only a failed one (Kubernetes' Jobs count
+  # an exit 0 as done: launch/jobset.yaml sets 143).
+  t.preempted_exit_status = 0
   t.compile_timeout_s = 3600.0  # The same for a stage that compiles or saves a checkpoint (and steps before timing).
   t.compilation_cache_dir = ""  # JAX's persistent compilation cache: a restarted or requeued job, and a sweep's
   # runs of one program, load the compiled steps from here instead of compiling them again. A directory (or gs://

@@ -62,11 +62,14 @@ class Train:
   max_skipped_steps: int = key("int", ">=0")
   step_timeout_s: float = key("float", ">=-1")  # 0 = auto, -1 = off (ember/trainer/watchdog.py).
   compile_timeout_s: float = key("float", ">0")
+  preempted_exit_status: int = key("int", ">=0")
   compilation_cache_dir: str = key("str")  # "" = off (ember/trainer/loop.py's `prepare` turns it on).
 
   def __post_init__(self):
     if -1 < self.step_timeout_s < 0:
       bad_key("train.step_timeout_s", f"{self.step_timeout_s} is neither seconds (> 0), 0 (auto) nor -1 (off)")
+    if self.preempted_exit_status > 255:
+      bad_key("train.preempted_exit_status", f"{self.preempted_exit_status} is not an exit status (0-255)")
     if self.optimizer_state_dtype == "bfloat16":
       # A moment m <- beta m + ... rounded to bf16 (to nearest) decays by at most (1 - beta) m a step: below half
       # of bf16's rounding step (2^-8 of m, at worst) it would never decay, only grow.

@@ -158,6 +158,7 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
       if stopping:
         console(f"preempted ({run.preemption.signal}): saved a checkpoint at step {done} in {run.ckpt.directory} and "
                 "stopped")
+        run.last["preempted"] = True
         break
       if done < cfg.steps:
         waited = time.time()

@@ -171,16 +171,18 @@ def test_muon_bfloat16_state_and_router_bias_resume_bitwise(shared, tmp_path):
 # --- Preemption -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("notice", ["SIGTERM", "SIGINT"])  # A preemption notice, and Ctrl-C in a terminal.
+# A preemption notice (exiting as launch/jobset.yaml asks, 143: a Kubernetes Job takes 0 for done), and Ctrl-C in a
+# terminal (the default status, 0).
+@pytest.mark.parametrize("notice,status", [("SIGTERM", 143), ("SIGINT", 0)])
 @pytest.mark.long
-def test_sigterm_saves_synchronously_exits_zero_and_resumes(shared, tmp_path, notice):
+def test_sigterm_saves_synchronously_exits_as_asked_and_resumes(shared, tmp_path, notice, status):
   ref = losses(reference(shared, "bf16"))
   run = tmp_path / "run"
-  proc = start(shared, run, 1000)
+  proc = start(shared, run, 1000, *([f"--config.train.preempted_exit_status={status}"] if status else []))
   wait_for_step(proc, run, 3)
   proc.send_signal(getattr(signal, notice))
   _, stderr = proc.communicate(timeout=120)
-  assert proc.returncode == 0, stderr[-3000:]
+  assert proc.returncode == status, stderr[-3000:]
   assert "Traceback" not in stderr, stderr[-3000:]
   stopped = max(losses(run))
   assert stopped < 1000
