@@ -201,8 +201,10 @@ class LocalCheckpoints:
         return step
     return None
 
-  def restore(self, step: int, targets, data_it) -> tuple[object, list[int]]:
-    """(the state of `step`, the processes whose parts came from their peers); sets `data_it`'s position."""
+  def restore(self, step: int, targets) -> tuple[object, list[int], bytes | None]:
+    """(the state of `step`, the processes whose parts came from their peers, this process's data position or
+    None). The caller sets the position once every process has read its part: set on some before another
+    failed, the run resuming elsewhere would read from two positions."""
     shardings, abstract = targets(step)
     tag = layout(abstract, shardings, self.mesh, self.seed)
     step_dir = os.path.join(self.directory, str(step))
@@ -227,9 +229,8 @@ class LocalCheckpoints:
       return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
 
     state = jax.tree_util.tree_map_with_path(build, abstract, shardings)
-    if data_it is not None and DATA_KEY in parts:
-      data_it.set_state(parts[DATA_KEY].tobytes())
-    return state, [int(p) for p in np.flatnonzero(lost)]
+    position = parts[DATA_KEY].tobytes() if DATA_KEY in parts else None
+    return state, [int(p) for p in np.flatnonzero(lost)], position
 
 
 def _read(path: str) -> bytes:

@@ -514,13 +514,15 @@ def _restore_local(local, step: int, targets, train_it):
   """(state, processes restored from their peers) of local step `step`, or None where a process could not read its
   part (a damaged file): every process then resumes from the persistent tier, which checks its arrays, rather than
   fail on the same step at every restart."""
-  error, restored = None, None
+  error = None
   try:
-    restored = local.restore(step, targets, train_it)
+    state, from_peers, position = local.restore(step, targets)
   except Exception as e:  # A truncated or garbled part: its own format's errors, of many types.
     error = e
   if all_processes_ok(error is None):
-    return restored
+    if train_it is not None and position is not None:
+      train_it.set_state(position)
+    return state, from_peers
   console(f"warning: cannot restore the local checkpoint {os.path.join(local.directory, str(step))}"
           + (f" ({type(error).__name__}: {one_line(error)[:200]})" if error else " (on another process)")
           + "; resuming from the persistent tier")
