@@ -46,6 +46,12 @@ CASES = [
      "config.remat.save_names: unknown checkpoint name 'bogus'; valid names: decoder_layer_input"),
     (["--config.remat.policy=custom"], "config.remat.policy: 'custom' with remat.save_names and remat.offload_names"),
     (["--config.train.preempted_exit_status=256"], "config.train.preempted_exit_status: 256 is not an exit status"),
+    # The axis set is named, not the one left to fill (-1): it named mesh.fsdp for a tensor=3 the user wrote.
+    (["--config.mesh.tensor=3"], "config.mesh.tensor: mesh.tensor=3 (3) does not divide the 8 devices"),
+    (["--config.mesh.tensor=3", "--config.mesh.data=3"], "config.mesh: mesh.data=3 x mesh.tensor=3 (9) does not"),
+    (["--config.data.eval_fraction=1.0"], "config.data.eval_fraction"),
+    (["--config.data.mixture=(('a', 'synthetic', '', 'text', 1e400),)"], "config.data.mixture: source 'a': "
+     "the weight must be a number > 0"),
     # Checks that used to run late (model build, data pipeline, workdir creation) or not at all.
     (["--config=configs/default.py:tiny_moe", "--config.model.moe_every=3"],
      "config.model.moe_every: model.num_layers=2 is not a multiple of moe_every=3"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 import numpy as np
@@ -155,7 +156,7 @@ class Data:
   source: str = key("str", choices=DATA_SOURCES)
   path: str = key("str")
   tokenizer: str = key("str")
-  eval_fraction: float = key("float", "[0,1]")
+  eval_fraction: float = key("float", "[0,1)")
   chunk_shuffle_window: int = key("int", ">=0")
   tfds_name: str = key("str")
   tfds_data_dir: str = key("str")
@@ -207,7 +208,7 @@ def _checked_mixture(name: str, entries) -> tuple:
     missing = missing_need(source, {"path": path, "text_key": text_key})
     if missing:
       bad_key(f"data.{name}", f"source {label!r}: {source} needs {NEED_MEANING[missing]}")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
       bad_key(f"data.{name}", f"source {label!r}: the weight must be a number > 0, got {weight!r}")
   return tuple(tuple(entry) for entry in entries)
 

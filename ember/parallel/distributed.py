@@ -36,12 +36,16 @@ from ember.errors import ConfigError
 def settings(dist_cfg) -> dict | None:
   """The arguments for `jax.distributed.initialize`, {} for auto-detection, or None for one process."""
   address = dist_cfg.coordinator_address or os.environ.get("EMBER_COORDINATOR_ADDRESS", "")
-  num = dist_cfg.num_processes or int(os.environ.get("EMBER_NUM_PROCESSES", "0") or 0)
-  pid = dist_cfg.process_id if dist_cfg.process_id >= 0 else int(os.environ.get("EMBER_PROCESS_ID", "-1") or -1)
+  num = dist_cfg.num_processes or _env_int("EMBER_NUM_PROCESSES", 0)
+  pid = dist_cfg.process_id if dist_cfg.process_id >= 0 else _env_int("EMBER_PROCESS_ID", -1)
   if address or num > 1:
     if not (address and num > 0 and 0 <= pid < num):
       raise ConfigError("config.distributed: multi-process needs coordinator_address, num_processes and a "
                         f"process_id in [0, num_processes) (got {address!r}, {num}, {pid})")
+    host, _, port = address.rpartition(":")
+    if not (host and port.isdigit() and 0 < int(port) < 65536):
+      raise ConfigError(f"config.distributed.coordinator_address: {address!r} is not HOST:PORT (process 0's host "
+                        "and a free port, e.g. node001:8476)")
     return dict(coordinator_address=address, num_processes=num, process_id=pid)
   if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
     if "SLURM_STEP_NODELIST" not in os.environ:  # The allocation's, not a step's: python run outside srun.
@@ -50,6 +54,14 @@ def settings(dist_cfg) -> dict | None:
       return None
     return _slurm_local_devices()
   return None
+
+
+def _env_int(name: str, default: int) -> int:
+  value = os.environ.get(name, "")
+  try:
+    return int(value) if value else default
+  except ValueError:
+    raise ConfigError(f"{name}={value!r}: not an integer (launch/local.sh and the manifests set it)") from None
 
 
 def _slurm_local_devices() -> dict:

@@ -51,13 +51,17 @@ def ici_dcn(mesh_cfg, num_devices: int) -> tuple[dict[str, int], dict[str, int]]
       bad_key(f"mesh.{a}", f"must be an integer >= 1 or -1, got {s!r}")
   fill = [a for a, s in ici.items() if s < 0]
   if len(fill) > 1:
-    bad_key(f"mesh.{fill[1]}", "only one mesh axis may be -1")
+    bad_key(f"mesh.{fill[1]}", f"only one mesh axis may be -1 (mesh.{fill[0]} is)")
   known = math.prod(s for s in ici.values() if s > 0)
   if fill:
     if per_host % known:
       where = " per host" if hosts > 1 else ""
-      bad_key(f"mesh.{fill[0]}", f"cannot fill: {per_host} devices{where} are not divisible by the other axes' "
-            f"product {known}")
+      # The axes set, not the one left to fill: what the user wrote is what does not divide.
+      named = [a for a, s in ici.items() if s > 1]
+      set_axes = " x ".join(f"mesh.{a}={ici[a]}" for a in named)
+      bad_key(f"mesh.{named[0]}" if len(named) == 1 else "mesh",
+              f"{set_axes} ({known}) does not divide the {per_host} devices{where} (mesh.{fill[0]}=-1 takes the "
+              "rest)")
     ici[fill[0]] = per_host // known
   if math.prod(ici.values()) != per_host:
     shape = ", ".join(f"{a}={s * dcn[a]}" for a, s in ici.items())

@@ -16,6 +16,7 @@ every new token instead (the same tokens in float32, slower; bfloat16 near-ties 
 
 from __future__ import annotations
 
+import math
 import sys
 
 from ember import native_output
@@ -43,8 +44,8 @@ def main(argv: list[str]) -> int:
       raise ConfigError("--prompt / --prompt_file: give exactly one of them")
     if args.max_new_tokens < 1:
       raise ConfigError(f"--max_new_tokens: {args.max_new_tokens} must be at least 1")
-    if args.temperature < 0:
-      raise ConfigError(f"--temperature: {args.temperature} must be >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+      raise ConfigError(f"--temperature: {args.temperature} must be a number >= 0")
     if not 0 < args.top_p <= 1:
       raise ConfigError(f"--top_p: {args.top_p} must be in (0, 1]")
     if args.dtype not in ("", "float32", "bfloat16", "float16"):

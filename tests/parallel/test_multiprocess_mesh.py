@@ -146,6 +146,13 @@ def test_init_settings(monkeypatch):
   assert distributed.settings(flags) == dict(coordinator_address="host:9", num_processes=4, process_id=3)
   with pytest.raises(ConfigError, match=r"config\.distributed"):
     distributed.settings(DistCfg("host:9", 4, 4))
+  # A malformed address or count: one line naming it (JAX's own errors were tracebacks, an IndexError among them).
+  for address in ("localhost", "host:port", "host:0"):
+    with pytest.raises(ConfigError, match=rf"^config\.distributed\.coordinator_address: '{address}' is not HOST:PORT"):
+      distributed.settings(DistCfg(address, 2, 0))
+  monkeypatch.setenv("EMBER_NUM_PROCESSES", "two")
+  with pytest.raises(ConfigError, match=r"^EMBER_NUM_PROCESSES='two': not an integer"):
+    distributed.settings(DistCfg())
 
 
 def test_data_shards_follow_the_rows_a_process_holds():
