@@ -88,6 +88,16 @@ def check_out_dir(flag: str, path: str) -> None:
     raise ConfigError(f"{flag}: {problem}")
 
 
+def make_out_dir(flag: str, path: str) -> None:
+  """`check_out_dir`, then the directory made: what the check cannot know (a read-only mount, /proc, any path for
+  root, whom the permission bits do not stop) fails here, before any work, as a ConfigError naming it."""
+  check_out_dir(flag, path)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"{flag}: cannot create {path}: {e.strerror or e}") from None
+
+
 def write_json(flag: str, path: str, obj) -> None:
   """Writes `obj` as JSON; a failure (a full disk, a path gone since the check) is a ConfigError naming it."""
   from ember import storage

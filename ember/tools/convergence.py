@@ -216,7 +216,7 @@ def _parse(argv: list[str]):
     if name in variants:
       raise ConfigError(f"--variant={spec}: the name {name!r} is taken")
     variants[name] = overrides
-  cli.check_out_dir("--out", args.out)
+  cli.make_out_dir("--out", args.out)
   for name, overrides in variants.items():  # Every run's config checked before any runs.
     try:
       sweep.check(args.config, [(k, [v]) for k, v in overrides.items()], fixed, args.steps, args.out)

@@ -305,7 +305,7 @@ def _parse(argv: list[str]):
     raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
   if args.timeout is not None and not args.timeout > 0:
     raise ConfigError(f"--timeout: must be > 0 seconds, got {args.timeout:g}")
-  cli.check_out_dir("--out", args.out)
+  cli.make_out_dir("--out", args.out)
   return args, fixed
 
 

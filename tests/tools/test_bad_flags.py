@@ -25,6 +25,8 @@ CASES = [
     (sweep, [TINY, "--grid=seed=0,1", "--steps=2"], "--out: required, not given"),
     (sweep, [TINY, "--grid=seed=0,1", "--steps=2", f"--out={FILE}"], f"--out: {FILE} exists and is not a directory"),
     (sweep, [TINY, "--grid=seed=0,1", "--steps=2", "--timeout=0", "--out=o"], "--timeout: must be > 0 seconds"),
+    # Writable by the permission bits for root (any path is), and still not a place for a directory.
+    (sweep, [TINY, "--grid=seed=0,1", "--steps=2", "--out=/proc/ember_out"], "--out: cannot "),
     # Every run's config is validated before the first starts: a bad grid value or config is not a sweep of errors.
     (sweep, [TINY, "--grid=no_such=1,2", "--steps=2", "--out={tmp}"], "config.no_such: unknown config key (the run no_such=1)"),
     (sweep, [TINY, "--grid=model.num_heads=4,5", "--steps=2", "--out={tmp}"],
