@@ -289,3 +289,14 @@ def test_a_config_saved_before_a_key_existed_loads_with_its_default():
   loaded = from_saved(saved)
   assert loaded.model.norm_topk_prob is True and loaded.train.device_batch_size == 0
   assert loaded.model.router_softmax_first  # What it saved stays.
+
+
+def test_a_config_file_given_apart_from_its_flag_is_named_so():
+  """`--config FILE` (a space, not `=`): the file is an argument of its own; it was reported as an empty --config."""
+  cwd = os.getcwd()
+  os.chdir(ROOT)
+  try:
+    with pytest.raises(config_lib.ConfigError, match=r"^--config: give the file in the same argument, --config=FILE"):
+      config_lib.load(["train.py", "--config", "configs/default.py:tiny"])
+  finally:
+    os.chdir(cwd)
