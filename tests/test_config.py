@@ -300,3 +300,13 @@ def test_a_config_file_given_apart_from_its_flag_is_named_so():
       config_lib.load(["train.py", "--config", "configs/default.py:tiny"])
   finally:
     os.chdir(cwd)
+
+
+def test_a_known_key_the_config_file_lacks_is_named_so(tmp_path):
+  """A file built without ember's defaults, a key of ember's set on the command line: the file lacks it (it was
+  called an unknown key, with itself as the nearest known one)."""
+  path = tmp_path / "bare.py"
+  path.write_text("import ml_collections\n\n\ndef get_config():\n  c = ml_collections.ConfigDict()\n"
+                  "  c.steps = 3\n  return c\n")
+  with pytest.raises(config_lib.ConfigError, match=r"^config\.train\.batch_size: the config file does not define"):
+    config_lib.load(["train.py", f"--config={path}", "--config.train.batch_size=2"])

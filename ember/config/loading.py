@@ -136,7 +136,11 @@ def _explain(argv: list[str], e: Exception) -> str:
 
 
 def _unknown(flag: str) -> str:
-  """The one line for an unknown `config.KEY`, with the nearest known key."""
+  """The one line for an unknown `config.KEY`, with the nearest known key; or, for a key ember knows that the
+  config file does not hold, that."""
+  if schema.is_key(flag.removeprefix("config.")):
+    return (f"{flag}: the config file does not define this key (ember/config/defaults.py does: build the file's "
+            "config from it, as configs/default.py does)")
   return f"{flag}: unknown config key" + schema.did_you_mean(flag.removeprefix("config."))
 
 
