@@ -112,6 +112,7 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
     raise ConfigError("config.remat.policy: 'auto' must be resolved before training (ember.plan.auto_remat.resolve; "
                       "train.py does it)")
   _make_workdir(cfg.workdir)
+  _warn_of_the_warm_up(cfg)
   with contextlib.ExitStack() as resources, use_rules(mesh, cfg.mesh.rules):
     run = _Run.open(cfg, mesh, resources)
     first, timed_from, done = run.first, None, run.first
@@ -172,6 +173,16 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
               f"{cfg.steps}; nothing to train (a larger --config.steps goes on from it)")
   run.last["wall_time_s"] = time.time() - t_start
   return run.last
+
+
+def _warn_of_the_warm_up(cfg: Settings) -> None:
+  """A warm-up the run does not finish: the learning rate never reaches its peak (a large preset's warm-up kept by
+  a short run: configs/default.py's 200 steps against llama3_8b's 2,000 of warm-up)."""
+  t = cfg.train
+  if t.warmup_steps > cfg.steps > 0 and t.learning_rate > 0:
+    console(f"warning: train.warmup_steps={t.warmup_steps} is longer than the run (steps={cfg.steps}): the learning "
+            f"rate rises to {cfg.steps / t.warmup_steps:.0%} of train.learning_rate and never decays; set "
+            "--config.train.warmup_steps below steps")
 
 
 def _restored_from(run: "_Run", first: int) -> str:

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--config.model.seq_len=16",
         "--config.train.batch_size=8", "--config.data.source=synthetic", "--config.train.eval_every_steps=0",
         "--config.log.every_steps=1", "--config.checkpoint.every_steps=5", "--config.train.decay_steps=100",
+        "--config.train.warmup_steps=2",
         "--config.quant.recipe=bf16", "--config.model.dtype=float32",
         "--config.train.device_batch_size=2"]  # No data.num_shards: batches never depend on the process count; 2
 # sequences a device: one micro-batch on 4 devices, two on 2.

@@ -107,3 +107,14 @@ def test_qwen3_30b_a3b_shapes_at_reduced_size_train(tmp_path):
   train(checked(cfg))
   losses = [json.loads(line)["loss"] for line in open(tmp_path / "metrics.jsonl") if '"loss"' in line]
   assert len(losses) == 2 and losses[1] < losses[0], losses
+
+
+def test_a_warm_up_longer_than_the_run_is_warned_about(capsys):
+  """llama3_8b's 2,000 warm-up steps under configs/default.py's 200: the learning rate never reaches its peak."""
+  from ember.trainer.loop import _warn_of_the_warm_up
+  from tests.helpers import settings
+  _warn_of_the_warm_up(settings("tiny", steps=200, **{"train.warmup_steps": 2000}))
+  assert ("warning: train.warmup_steps=2000 is longer than the run (steps=200): the learning rate rises to 10% of "
+          "train.learning_rate") in capsys.readouterr().err
+  _warn_of_the_warm_up(settings("tiny", steps=200, **{"train.warmup_steps": 200}))
+  assert "warning" not in capsys.readouterr().err
