@@ -112,9 +112,9 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
     raise ConfigError("config.remat.policy: 'auto' must be resolved before training (ember.plan.auto_remat.resolve; "
                       "train.py does it)")
   _make_workdir(cfg.workdir)
-  _warn_of_the_warm_up(cfg)
   with contextlib.ExitStack() as resources, use_rules(mesh, cfg.mesh.rules):
     run = _Run.open(cfg, mesh, resources)
+    _warn_of_the_warm_up(cfg)  # Once the set-up holds: beside a set-up's error, a warning would be noise.
     first, timed_from, done = run.first, None, run.first
     last_ready = time.time()
     run.interval.restart()  # The first interval's time is its steps', not the set-up's or the first batch's.

@@ -44,7 +44,7 @@ def test_dcn_axes_multiply_the_per_host_axes(mesh, devices, total, per_host):
     (dict(fsdp=-1, dcn_fsdp=-1), 8, "config.mesh.dcn_fsdp"),
     (dict(fsdp=3, dcn_fsdp=2), 8, "config.mesh:"),
     (dict(data=-1, fsdp=-1), 8, "config.mesh.fsdp"),
-    (dict(fsdp=-1, tensor=3, dcn_fsdp=2), 8, "config.mesh.fsdp"),  # 4 per host, not divisible by 3.
+    (dict(fsdp=-1, tensor=3, dcn_fsdp=2), 8, "config.mesh.tensor"),  # 4 per host, not divisible by 3.
 ])
 def test_bad_mesh_sizes_name_the_key(mesh, devices, key):
   with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
