@@ -31,6 +31,11 @@ def test_changing_one_segment_leaves_the_other_unchanged():
   np.testing.assert_array_equal(a[0, 12:14], b[0, 12:14])  # Segment 2 before the change (causal): identical.
   moved = [i for i in range(14, 28) if not np.allclose(a[0, i], b[0, i])]
   assert moved == list(range(14, 28)), moved  # Every position from the first changed token on.
+  # The other way, which causality alone does not give: a change in segment 1 reaches no position of segment 2.
+  earlier = tokens.at[0, 3:8].set((tokens[0, 3:8] + 7) % 256)
+  c = logits(earlier)
+  np.testing.assert_array_equal(a[0, 12:28], c[0, 12:28])
+  assert not np.allclose(a[0, 3:12], c[0, 3:12])
 
 
 def test_segment_positions_restart():
