@@ -35,7 +35,7 @@ def _layer(cfg, seed=0):
     return MoE(cfg.model, recipe=cfg.quant, layer=0, rngs=nnx.Rngs(params=seed))
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [2, 1])  # k=2 first (the case run by default): top-1 cannot tell all choices counted.
 @pytest.mark.variants
 def test_load_balance_and_z_loss_match_the_formulas_on_a_hand_built_example(k):
   cfg = _cfg(**{"model.d_model": 8, "model.experts_per_token": k})

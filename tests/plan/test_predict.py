@@ -202,3 +202,20 @@ def test_fit_rates_prints_the_leave_one_out_check(capsys):
 def test_no_machine_for_cpu_devices():
   """A mesh of CPU devices has no GPU to predict for: `auto` ranks by FLOPs there."""
   assert cost.Machine.of_mesh(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))) is None
+
+
+def test_a_gemm_of_small_depth_takes_its_bytes_time():
+  """[8192, 64] x [64, 8192] in bf16: 8.6 GFLOP (about 13 us at the rate) but 136 MB through HBM (about 64 us): its
+  time is its bytes', worked out here from the spec without the rule's formula (a walk that timed every GEMM by its
+  FLOPs alone passed the square-GEMM tests)."""
+  text = "\n".join([
+      "ENTRY %main () -> bf16[8192,8192] {",
+      "  %a = bf16[8192,64]{1,0} parameter(0)",
+      "  %b = bf16[64,8192]{1,0} parameter(1)",
+      '  ROOT %g = (bf16[8192,8192]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", '
+      'backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"]}}}',
+      "}"])
+  got = predict.predict(predict.Walk(hlo.Program(text)), ONE_NODE).step_s
+  moved = 2 * (8192 * 64 + 64 * 8192 + 8192 * 8192)  # Both operands read, the output written, 2 bytes each.
+  assert got == pytest.approx(moved / (3.35e12 * 0.633) + 8e-6, rel=0.02)  # H100 SXM's 3.35 TB/s at the fit 63%.
+  assert got > 3 * 2 * 8192 * 64 * 8192 / (989e12 * 0.653)  # Far above its FLOPs' time.
