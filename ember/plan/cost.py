@@ -30,6 +30,7 @@ from ember.quant.recipe import BF16  # Attention's precision: the compute dtype'
 TOP = 5  # Largest values and collectives reported.
 TOP_MEMORY_OPS = 15  # Rows of `memory_by_op`.
 FORWARD, BACKWARD, REMAT = "fwd", "bwd", "remat"  # The passes `memory_by_op` tells apart.
+UNNAMED = "unnamed"  # A kernel XLA made with no op name (a combined gradient reduce-scatter, a copy it inserted).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +147,10 @@ def largest_values(p: hlo.Program) -> list[dict]:
 
 def pass_of(op_name: str) -> str:
   """The pass a kernel belongs to, from its op name: `remat` (a checkpointed forward run again in the backward
-  pass), `bwd` (JAX's transpose of the forward: every cotangent and custom-VJP backward rule), else `fwd`."""
+  pass), `bwd` (JAX's transpose of the forward: every cotangent and custom-VJP backward rule), `unnamed` (no op
+  name to tell by), else `fwd`."""
+  if not op_name:
+    return UNNAMED
   if hlo.RECOMPUTE_SCOPE in op_name:
     return REMAT
   return BACKWARD if "transpose(" in op_name else FORWARD

@@ -89,9 +89,9 @@ def _row_split(x_MxK, row_axes: tuple[str, ...], manual, recipe: Recipe) -> tupl
 
 
 def kernel_amax(w: jax.Array) -> jax.Array:
-  """max|w| as a kernel's quantizer takes it (`quantizers.tensor_amax`), in its name scope."""
+  """max|w| as a kernel's quantizer takes it (`quantizers.tensor_amax`), in its name scope: a parameter, finite."""
   with jax.named_scope(SCOPE_WEIGHT):
-    return tensor_amax(w)
+    return tensor_amax(w, finite=True)
 
 
 def takes_kernel_amax(recipe: Recipe, stats: bool) -> bool:
@@ -186,6 +186,8 @@ class DenseLayout:
     return q.T if self.transposed else q
 
   def quantize_kernel(self, recipe: Recipe, w, history, axis, stats, amax=None):
+    if amax is None and recipe.kernel_amax_pass and not stats:
+      amax = kernel_amax(w)  # A parameter's: finite, so no NaN test in the pass (`kernel_amax`).
     q = recipe.quantizer(WEIGHT, history).quantize(w, axis=axis, stats=stats, amax=amax)
     return q.T if self.transposed and axis == 0 and recipe.has_kernel_t else q
 

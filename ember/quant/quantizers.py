@@ -57,11 +57,13 @@ def _reduce(amax: jax.Array, reduce_axes) -> jax.Array:
   return jax.lax.pmax(amax, tuple(reduce_axes)) if reduce_axes else amax
 
 
-def tensor_amax(x: jax.Array, reduce_axes: tuple[str, ...] = ()) -> jax.Array:
+def tensor_amax(x: jax.Array, reduce_axes: tuple[str, ...] = (), *, finite: bool = False) -> jax.Array:
   """max |x| over the whole tensor, as float32; +Inf if any element is NaN (`formats.magnitude`). Taken in x's
   own dtype: abs and max are exact in every float format (and the widening after them too), so the pass reads
-  bf16 bytes, not a float32 copy."""
-  return _reduce(jnp.max(formats.magnitude(x)).astype(jnp.float32), reduce_axes)
+  bf16 bytes, not a float32 copy. `finite`: x holds no NaN by construction (a parameter: a step whose update is
+  not finite is skipped, trainer/step.py), and |x| alone is taken: the NaN test changes how XLA fuses the
+  stacked kernels' amaxes with their casts (3.7 ms of llama3_8b's fp8_current step on 8 H100s, compiled)."""
+  return _reduce(jnp.max(jnp.abs(x) if finite else formats.magnitude(x)).astype(jnp.float32), reduce_axes)
 
 
 def block_amax(x: jax.Array, axes, block) -> jax.Array:
