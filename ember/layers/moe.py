@@ -397,7 +397,7 @@ def route(x_TxD, router_DxE, opts: Options, bias_E=None):
   choice_TxE = jax.lax.stop_gradient(scores_TxE if bias_E is None else scores_TxE + bias_E)
   if opts.n_group > 1:
     choice_TxE = within_best_groups(choice_TxE, opts.n_group, opts.topk_group)
-  experts_TxK = _saved_routing(jax.lax.top_k(choice_TxE, opts.k)[1], opts.num_experts)
+  experts_TxK = moe_dispatch.saved_routing(jax.lax.top_k(choice_TxE, opts.k)[1], opts.num_experts)
   top_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
   if (opts.score == "sigmoid" or opts.softmax_first) and not opts.norm_topk:
     weights_TxK = top_TxK  # The top-k probabilities (sigmoids) as they are: DeepSeekMoE's, Qwen2-MoE's.
@@ -422,12 +422,6 @@ def within_best_groups(choice_TxE, n_group: int, topk_group: int):
   chosen_TxG = jax.lax.top_k(group_TxG, topk_group)[1]
   keep_TxG = jnp.any(jnp.arange(n_group)[None, None, :] == chosen_TxG[:, :, None], axis=1)
   return jnp.where(keep_TxG[:, :, None], grouped_TxGxS, -jnp.inf).reshape(t, e)
-
-
-def _saved_routing(experts_TxK, num_experts: int):
-  """The expert choices through the `MOE_ROUTING` name, as uint8 where they fit (1 byte a choice)."""
-  small = jnp.uint8 if num_experts <= 256 else jnp.int32
-  return checkpoint_name(experts_TxK.astype(small), remat.MOE_ROUTING).astype(jnp.int32)
 
 
 def _rank_in_group(group_N: jax.Array, num_groups: int) -> jax.Array:

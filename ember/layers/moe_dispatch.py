@@ -242,6 +242,14 @@ def _sorted_ffn(rows_RxD, expert_R, num_local: int, ffn):
   return _gather(ys, inverse), overflow
 
 
+def saved_routing(a: jax.Array, values: int | None = None) -> jax.Array:
+  """Integers the routing decided (expert choices, the counts an exchange sent) through the `MOE_ROUTING` name, as
+  uint8 where their `values` distinct values fit (1 byte each), else as they are: a policy that keeps rows in
+  routing order keeps them too (remat.ROUTED)."""
+  small = jnp.uint8 if values is not None and values <= 256 else a.dtype
+  return checkpoint_name(a.astype(small), MOE_ROUTING).astype(a.dtype)
+
+
 # ----------------------------------------------------------------------------- alltoall
 
 def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn, wire: Wire = Wire()):
@@ -259,7 +267,7 @@ def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn
                          % num_local, num_local)
   exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
   recv_PxSxD = wire.dispatch(exchange, send_PxSxD)
-  recv_expert_PxS = checkpoint_name(exchange(expert_PxS), MOE_ROUTING)  # Kept with the rows it orders.
+  recv_expert_PxS = saved_routing(exchange(expert_PxS), num_local + 1)  # Kept with the rows it orders.
   d = recv_PxSxD.shape[-1]
   ys, overflow = _sorted_ffn(recv_PxSxD.reshape(-1, d), recv_expert_PxS.reshape(-1), num_local, ffn)
   back_PxSxD = wire.combine(exchange, ys.reshape(n, slots, d))
@@ -298,7 +306,7 @@ def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn, wire
   send_P = sizes_PxE.sum(axis=1)
   me = jax.lax.axis_index(axes)
   # [source, destination] copy counts, kept with the rows they place.
-  sent_NxP = checkpoint_name(jax.lax.all_gather(send_P, axes, tiled=False), MOE_ROUTING)
+  sent_NxP = saved_routing(jax.lax.all_gather(send_P, axes, tiled=False))
   # Where each source's block starts in each destination's buffer, and how much of it fits.
   start_NxP = starts(sent_NxP, axis=0)
   fits_NxP = jnp.clip(buffer_rows - start_NxP, 0, sent_NxP)
@@ -315,7 +323,7 @@ def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn, wire
 
   recv_RxD = wire.dispatch(move(buffer_rows), xs_CxD, in_offset_P, send_fit_P, out_offset_P, recv_P)
   # The local expert of each received row: blocks by source, each sorted by local expert.
-  recv_sizes_PxE = checkpoint_name(jax.lax.all_to_all(sizes_PxE, axes, 0, 0, tiled=True), MOE_ROUTING)
+  recv_sizes_PxE = saved_routing(jax.lax.all_to_all(sizes_PxE, axes, 0, 0, tiled=True))
   r = jnp.arange(buffer_rows)
   source_R = jnp.clip(jnp.searchsorted(recv_offset_P + recv_P, r, side="right"), 0, n - 1)
   within_R = r - recv_offset_P[source_R]

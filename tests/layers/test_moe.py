@@ -239,7 +239,9 @@ def test_save_quantized_recomputes_no_quantize_op_under_expert_parallelism(dispa
     saved = analysis.trace_layer(problem, remat.PRESETS["save_quantized"])
   assert saved.backward.quantize_ops == 0 and saved.backward.gradient_quantize_ops > 0
   for r in saved.residuals:
-    assert r.name == remat.LAYER_INPUT or r.dtype in ("uint8", "uint4") or len(r.shape) <= 1, r
+    # The layer input, the low-precision copies, scalars and vectors, and the exchange's routing integers (the
+    # counts it sent, kept with the rows they place: moe_dispatch.saved_routing).
+    assert r.name == remat.LAYER_INPUT or r.dtype in ("uint8", "uint4", "int32") or len(r.shape) <= 1, r
 
 
 def test_flops_count_active_experts_only():
