@@ -16,6 +16,7 @@ are counted at the bits they take (uint4 = half a byte an element).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -181,17 +182,8 @@ def _residuals(jaxpr, used: list[bool], problem: LayerProblem) -> list[Residual]
   `saved_residuals`), keeping those the layer scan stores per block (see the module doc)."""
   res_vars = [v for v, u in zip(jaxpr.outvars[len(jaxpr.outvars) - len(used):], used) if u]
   producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-  # Saved floats pass through reduce_precision, offloaded ones through device_put: look through.
   offloaded = set()
-
-  def source(v):
-    while True:
-      e = producer.get(v)
-      if e is None or e.primitive.name not in ("reduce_precision", "device_put"):
-        return v
-      if e.primitive.name == "device_put":
-        offloaded.add(e.invars[0])
-      v = e.invars[0]
+  source = functools.partial(_source, producer=producer, offloaded=offloaded)
 
   n_x = 1
   n_state = len(jax.tree.leaves(problem.state))
@@ -211,23 +203,59 @@ def _residuals(jaxpr, used: list[bool], problem: LayerProblem) -> list[Residual]
       continue
     seen.add(v)
     e = producer.get(v)
-    fmt = None
-    if v is layer_input:
-      name = remat.LAYER_INPUT
-    elif e is not None and e.primitive.name == "name":
-      name = e.params["name"]
-      src = producer.get(e.invars[0])
-      if src is not None and src.primitive.name == "bitcast_convert_type":
-        fmt = jnp.dtype(src.invars[0].aval.dtype).name
-    elif e is not None and _named_bits(e, producer):
-      name = producer[e.invars[0]].params["name"]  # A low-precision tensor viewed back from its bits.
-    elif e is not None:
-      name = f"{e.primitive.name} ({_where(e)})"
-    else:
+    named, moved = (remat.LAYER_INPUT, None), False
+    if v is not layer_input:
+      named, moved = _named_within(e, v, producer)
+      if named is None and e is not None:
+        named = (f"{e.primitive.name} ({_where(e)})", None)
+    if named is None:
       continue  # A constant.
     aval = v.aval
-    out.append(Residual(name, str(aval.dtype), tuple(aval.shape), nbytes(aval), fmt, v in offloaded))
+    out.append(Residual(named[0], str(aval.dtype), tuple(aval.shape), nbytes(aval), named[1],
+                        v in offloaded or moved))
   return out
+
+
+def _named_within(e, v, producer, depth: int = 0) -> tuple[tuple[str, str | None] | None, bool]:
+  """(`_named`'s answer, offloaded) for output `v` of equation `e`, looking into the calls that made it: a residual
+  made inside a shard_map (an MoE layer's) or a call in it is named, and offloaded, where its body made it."""
+  named = _named(e, producer)
+  inner = None if e is None or named is not None or depth > 8 else e.params.get("jaxpr", e.params.get("call_jaxpr"))
+  if inner is None:
+    return named, False
+  inner = getattr(inner, "jaxpr", inner)
+  inner_producer = {w: q for q in inner.eqns for w in q.outvars}
+  offloaded = set()
+  w = _source(inner.outvars[e.outvars.index(v)], inner_producer, offloaded)
+  named, moved = _named_within(inner_producer.get(w), w, inner_producer, depth + 1)
+  return named, moved or w in offloaded
+
+
+def _source(v, producer, offloaded: set):
+  """Where residual `v` was made: saved floats pass through reduce_precision, offloaded ones through device_put
+  (each added to `offloaded`), looked through."""
+  while True:
+    e = producer.get(v)
+    if e is None or e.primitive.name not in ("reduce_precision", "device_put"):
+      return v
+    if e.primitive.name == "device_put":
+      offloaded.add(e.invars[0])
+    v = e.invars[0]
+
+
+def _named(e, producer) -> tuple[str, str | None] | None:
+  """(checkpoint name, the low-precision format it holds or None) of a residual made by `e`, or None: a `name`
+  equation, or a low-precision tensor viewed back from its named bits."""
+  if e is None:
+    return None
+  if e.primitive.name == "name":
+    src = producer.get(e.invars[0])
+    fmt = jnp.dtype(src.invars[0].aval.dtype).name if src is not None and \
+        src.primitive.name == "bitcast_convert_type" else None
+    return e.params["name"], fmt
+  if _named_bits(e, producer):
+    return producer[e.invars[0]].params["name"], None
+  return None
 
 
 def _named_bits(eqn, producer) -> bool:

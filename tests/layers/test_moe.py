@@ -242,6 +242,9 @@ def test_save_quantized_recomputes_no_quantize_op_under_expert_parallelism(dispa
     # The layer input, the low-precision copies, scalars and vectors, and the exchange's routing integers (the
     # counts it sent, kept with the rows they place: moe_dispatch.saved_routing).
     assert r.name == remat.LAYER_INPUT or r.dtype in ("uint8", "uint4", "int32") or len(r.shape) <= 1, r
+    # Named where the shard_map's body made them (the trace reported "shard_map (moe.py:...)" for every one).
+    assert len(r.shape) <= 1 or r.name in remat.ALL_NAMES + (remat.MOE_ROUTING,), r
+  assert {"quantized.moe_wi.x", "quantized.moe_wo.kernel"} <= {r.name for r in saved.residuals}
 
 
 def test_flops_count_active_experts_only():
