@@ -15,6 +15,7 @@ from ember.quant.dot import product
 from ember.quant.batched import product as batched_product
 from ember.quant.grouped import quantize_per_expert
 from ember.quant.recipe import ACTIVATION, GRADIENT, QUANTIZED_RECIPES, WEIGHT, Recipe, pad_to
+from tests.quant import reference as ref
 
 M, K, N, E = 40, 72, 56, 3  # Neither 72 nor 56 a multiple of 32: every operand is padded.
 # float32 accumulation over a padded K of at most 96 terms: a few ulps of the largest partial sums.
@@ -43,17 +44,42 @@ def _operands(recipe: Recipe):
   act, weight, grad = (recipe.quantizer(role, history) for role in (ACTIVATION, WEIGHT, GRADIENT))
   return {"forward": (act.quantize(x, axis=1), weight.quantize(w, axis=0), (1, 0)),
           "dgrad": (grad.quantize(g, axis=1), weight.quantize(w, axis=1), (1, 1)),
-          "wgrad": (act.quantize(x, axis=0), grad.quantize(g, axis=0), (0, 0))}
+          "wgrad": (act.quantize(x, axis=0), grad.quantize(g, axis=0), (0, 0))}, {"x": x, "w": w, "g": g}
 
 
-@pytest.mark.parametrize("recipe", QUANTIZED_RECIPES)
+# Each operand's float tensor, role and quantization axis, as `_operands` quantizes it.
+_SOURCES = {"forward": (("x", ACTIVATION, 1), ("w", WEIGHT, 0)), "dgrad": (("g", GRADIENT, 1), ("w", WEIGHT, 1)),
+            "wgrad": (("x", ACTIVATION, 0), ("g", GRADIENT, 0))}
+
+
+def _reference_f64(recipe: Recipe, t, role: str, axis: int):
+  """The operand as tests/quant/reference.py quantizes and dequantizes it on its own (numpy, no ember code), or
+  None for a recipe it does not cover here (nvfp4's tiles, transforms and stochastic rounding)."""
+  fmt = "e5m2" if role == GRADIENT and recipe.name.startswith("fp8") else "e4m3"
+  t = np.asarray(t, np.float32)
+  if recipe.name == "fp8_delayed":  # A zero history: scale 1.
+    return np.asarray(ref.fp8_delayed(t, [0.0], fmt)["deq"], np.float64)
+  if recipe.name == "fp8_current":
+    return np.asarray(ref.fp8_current(t, fmt)["deq"], np.float64)
+  if recipe.name == "mxfp8":
+    return np.asarray(ref.mxfp8(t, axis=axis)["deq"], np.float64)
+  return None
+
+
+# fp8_current first, the case run by default: fp8_delayed's zero history scales by 1, where a scale misapplied shows.
+@pytest.mark.parametrize("recipe", sorted(QUANTIZED_RECIPES, key=lambda name: name != "fp8_current"))
 @pytest.mark.variants
 def test_each_gemm_equals_the_float64_product_of_its_dequantized_operands(recipe):
+  """The reference operands come from tests/quant/reference.py where it covers the recipe: a product built on
+  ember's own `dequantize` would agree with a GEMM that shares its mistakes (a scale applied twice passed)."""
   recipe = Recipe(recipe)
-  for name, (a, b, (ca, cb)) in _operands(recipe).items():
+  operands, sources = _operands(recipe)
+  for name, (a, b, (ca, cb)) in operands.items():
     y = product(a, b, (ca, cb), jnp.float32, jnp.float32)
-    ref = np.tensordot(_f64(a), _f64(b), axes=(ca, cb))
-    assert y.shape == ref.shape and _rel(y, ref) < F32_ERROR, (name, _rel(y, ref))
+    refs = [_reference_f64(recipe, sources[key], role, axis) for key, role, axis in _SOURCES[name]]
+    ra, rb = (r if r is not None else _f64(q) for r, q in zip(refs, (a, b)))
+    ref_y = np.tensordot(ra, rb, axes=(ca, cb))
+    assert y.shape == ref_y.shape and _rel(y, ref_y) < F32_ERROR, (name, _rel(y, ref_y))
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
@@ -81,7 +107,7 @@ def test_batched_block_scaled_gemms_with_per_expert_kernels(recipe):
 def test_nvfp4_tensor_scales_on_the_output_remove_the_bf16_rounding():
   """The emulated path folded NVFP4's float32 tensor scale into bf16 operands, which rounds them; with the
   scale on the output the GEMM is exact to float32 accumulation."""
-  a, b, dims = _operands(Recipe("nvfp4"))["forward"]
+  a, b, dims = _operands(Recipe("nvfp4"))[0]["forward"]
   ref = np.tensordot(_f64(a), _f64(b), axes=dims)
   folded = jnp.dot(a.dequantize(jnp.bfloat16), b.dequantize(jnp.bfloat16), preferred_element_type=jnp.float32)
   new = product(a, b, dims, jnp.bfloat16, jnp.float32)
@@ -95,7 +121,7 @@ def test_a_bf16_result_takes_the_tensor_scale_in_bf16_a_weight_gradient_in_float
   global scale has the result's dtype); a weight gradient's, even one reduced in bf16, by the float32 product.
   The accumulator is the same GEMM with unit tensor scales."""
   unit = lambda q: dataclasses.replace(q, global_scale_inv=jnp.ones_like(q.global_scale_inv))
-  for name, (a, b, dims) in _operands(Recipe("nvfp4")).items():
+  for name, (a, b, dims) in _operands(Recipe("nvfp4"))[0].items():
     s = a.global_scale_inv * b.global_scale_inv
     assert s.astype(jnp.bfloat16).astype(jnp.float32) != s  # These scales round: the test can tell.
     acc = product(unit(a), unit(b), dims, jnp.bfloat16, jnp.float32)
