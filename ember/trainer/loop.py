@@ -499,11 +499,16 @@ class _Interval:
 
 class _Profiler:
   """A profiler trace of steps [train.profile_start_step, + train.profile_steps) into workdir/profile (written
-  locally and copied there for a gs:// workdir)."""
+  locally and copied there for a gs:// workdir); with several processes each into workdir/profile/process_<i>:
+  the profiler names its file after the host, and processes sharing one (launch/local.sh, several tasks a node)
+  wrote over each other's."""
 
   def __init__(self, cfg: Settings):
     self.start, self.stop = cfg.train.profile_start_step, cfg.train.profile_start_step + cfg.train.profile_steps
-    self.last, self.dir = cfg.steps, storage.Mirror(storage.join(cfg.workdir, "profile"))
+    where = storage.join(cfg.workdir, "profile")
+    if jax.process_count() > 1:
+      where = storage.join(where, f"process_{jax.process_index()}")
+    self.last, self.dir = cfg.steps, storage.Mirror(where)
     self.active = False
 
   def before(self, step: int) -> None:
