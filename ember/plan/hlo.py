@@ -530,9 +530,9 @@ def kernel_traffic(p: Program, i: Instruction) -> Traffic:
       if sliced is not None:  # Each slice's elements in the operand's own dtype.
         width = _BYTES.get(dtype_of(types[index]), 4)
         operands[index] = sum(width * math.prod(dims_of(u.shape)) for u in sliced)
-    for index, update, whole in in_place_updates(p, i):
+    for index, update, whole, read in in_place_updates(p, i):
       if index < len(operands):
-        operands[index] = 0.0
+        operands[index] = read
         results.append((update - whole, on_host(types[index])))  # In place: only the update is written.
   return _traffic(list(zip(operands, map(on_host, types))), results)
 
@@ -559,20 +559,33 @@ def _fusion_roots(p: Program, fusion: Instruction) -> list[Instruction]:
   return [p.by_name[n] for n in root.operands if n in p.by_name] if root.opcode == "tuple" else [root]
 
 
-def in_place_updates(p: Program, fusion: Instruction) -> list[tuple[int, float, float]]:
-  """(operand index, update bytes, whole buffer bytes) of every buffer a fusion updates in place: a root
-  `dynamic-update-slice` or `scatter` into one of its parameters."""
+def in_place_updates(p: Program, fusion: Instruction) -> list[tuple[int, float, float, float]]:
+  """(operand index, update bytes, whole buffer bytes, bytes of the buffer read) of every buffer a fusion updates
+  in place: a root `dynamic-update-slice` or `scatter` into one of its parameters (a bitcast of one too, which
+  XLA's emitter updates in place as well). A scatter that combines (a scatter-add: an embedding's gradient) reads
+  the rows it writes; one that overwrites, and a dynamic-update-slice, read none of the buffer."""
   out = []
   for r in _fusion_roots(p, fusion):
+    while r.opcode == "bitcast" and r.operands and r.operands[0] in p.by_name:
+      r = p.by_name[r.operands[0]]
     if r.opcode not in ("dynamic-update-slice", "scatter"):
       continue
     target = p.by_name.get(r.operands[0])
     while target is not None and target.opcode == "bitcast":
       target = p.by_name.get(target.operands[0])
     if target is not None and target.opcode == "parameter":
-      update = nbytes(p.type_of(r.operands[1 if r.opcode == "dynamic-update-slice" else 2]))
-      out.append((int(re.search(r"parameter\((\d+)\)", target.line).group(1)), update, nbytes(r.shape)))
+      # A scatter's operands: n buffers, their indices, n updates (one of each here).
+      update = nbytes(p.type_of(r.operands[1 if r.opcode == "dynamic-update-slice" else len(r.operands) // 2 + 1]))
+      read = update if r.opcode == "scatter" and not _overwrites(p, r) else 0.0
+      out.append((int(re.search(r"parameter\((\d+)\)", target.line).group(1)), update, nbytes(r.shape), read))
   return out
+
+
+def _overwrites(p: Program, scatter: Instruction) -> bool:
+  """Whether a scatter's combiner returns the update as it is (`x.at[i].set`), not a sum with what is there."""
+  body = p.computations.get(scatter.attribute("to_apply") or "", [])
+  root = next((b for b in body if b.line.lstrip().startswith("ROOT")), None)
+  return root is not None and root.opcode == "parameter"
 
 
 @dataclasses.dataclass(frozen=True)
