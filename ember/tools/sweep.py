@@ -44,8 +44,9 @@ from ember.errors import ArgumentParser, ConfigError, fail_and_exit
 from ember.plan.units import format_bytes
 from ember.tools import cli
 
+# A run stopped by a signal saves and exits: non-zero here, so that it is not taken for a finished one.
 DEFAULTS = {"log.every_steps": "1", "train.eval_every_steps": "0", "checkpoint.every_steps": "-1",
-            "log.tensorboard": "False"}
+            "log.tensorboard": "False", "train.preempted_exit_status": "143"}
 FIELDS = ("status", "step_time_s", "tokens_per_s", "peak_bytes", "peak_source", "final_loss", "final_eval_loss",
           "returncode", "error", "wall_time_s", "workdir")
 _OOM = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OutOfMemory|\bOOM\b")
@@ -126,10 +127,18 @@ def summarize(records: list[dict]) -> dict:
           "final_loss": train[-1]["loss"], "final_eval_loss": evals[-1] if evals else None}
 
 
-def classify(returncode: int, log_text: str) -> str:
+def classify(returncode: int, output: str) -> str:
+  """ok, oom or error from a run's exit status and what it printed (`_printed`: not the command echoed, whose
+  paths and values may hold any word). A bad config (exit 2) is an error whatever it says."""
   if returncode == 0:
     return "ok"
-  return "oom" if _OOM.search(log_text) else "error"
+  return "oom" if returncode != 2 and _OOM.search(output) else "error"
+
+
+def _printed(log_text: str) -> str:
+  """A run's log less the lines that echo its command: the log's first line and train.py's `starting (...)`."""
+  lines = log_text.splitlines()[1:]
+  return "\n".join(line for line in lines if "] ember: starting (" not in line)
 
 
 def _last_line(text: str) -> str:
@@ -158,13 +167,17 @@ def run_one(config: str, fixed: dict, overrides: dict, steps: int, out: str, tim
     except subprocess.TimeoutExpired:
       rc, timed_out = -9, True
   with open(log_path) as f:
-    text = f.read()
-  result = {"overrides": overrides, "status": classify(rc, text), "returncode": rc, "workdir": workdir,
-            "wall_time_s": time.time() - t0, "error": None}
+    text = _printed(f.read())
+  result = {"overrides": overrides, "status": "error" if timed_out else classify(rc, text), "returncode": rc,
+            "workdir": workdir, "wall_time_s": time.time() - t0, "error": None}
   if result["status"] == "ok":
-    figures = summarize(read_records(os.path.join(workdir, "metrics.jsonl")))
+    records = read_records(os.path.join(workdir, "metrics.jsonl"))
+    figures = summarize(records)
+    last = max((r["step"] for r in records if r.get("loss") is not None), default=0)
     if not figures:
       result.update(status="error", error="the run logged no training step")
+    elif last != steps:  # Stopped early, and exited 0 all the same (train.preempted_exit_status set so).
+      result.update(status="error", error=f"stopped at step {last} of {steps}")
     result.update(figures)
   else:
     result["error"] = f"timed out after {timeout:g}s" if timed_out else _last_line(text)

@@ -71,6 +71,11 @@ def test_summary_skips_the_first_interval_and_classifies_out_of_memory():
   assert sweep.classify(1, "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
                            "trying to allocate 3.2GiB") == "oom"
   assert sweep.classify(1, "ValueError: bad shape") == "error" and sweep.classify(0, "") == "ok"
+  # What the run printed, not its command: an --out named for an OOM study made every failed run `oom`.
+  log = ("python train.py --config.workdir=/runs/OOM-study/a\n[10:00:00] ember: starting (--config.workdir="
+         "/runs/OOM-study/a); loading JAX\nerror: config.mesh.data: mesh.data=3 (3) does not divide the 1 devices")
+  assert sweep.classify(2, sweep._printed(log)) == "error"
+  assert sweep.classify(1, sweep._printed(log)) == "error"
 
 
 @pytest.mark.parametrize("flags,expected", [
