@@ -51,9 +51,11 @@ def train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedul
                                     batch_shards=batch_shards, replicas=replicas,
                                     param_specs=replica_specs(cfg, mesh, replicas),
                                     splits=replica_splits(cfg, mesh, replicas), moe_plan=moe_plan)
-  elif accum == 1:
+  elif accum == 1 and not (cfg.train.shard_optimizer_state and replica_axes(cfg, mesh, target_platform())):
     (_, metrics), outs = grad_fn(state.params, state.quant_state, batch, stats, key=key)
-  else:
+  else:  # Micro-batches, or one over replicas whose optimizer state is split: its gradients are reduce-scattered
+    # onto the split (`_over_replicas`); reduced whole by the compiler, the step would all-reduce them and gather
+    # every updated parameter after.
     metrics, outs = _accumulate(loss_fn, state, batch, stats, key, accum, batch_shards, graphdef, cfg)
   grads, new_quant_state = outs[0], outs[1]
   if with_stats:

@@ -71,10 +71,10 @@ def test_a_step_with_the_state_split_is_the_step_with_it_whole(preset, recipe, m
     assert rel_error(b, a) < 1e-6, jax.tree_util.keystr(path)
 
 
-def _across_replicas(overrides: dict) -> collections.Counter:
+def _across_replicas(overrides: dict, micro: int = 4) -> collections.Counter:
   """Bytes a step moves across the replicas by kind of collective (each of 256 bytes or more, a norm's gradient:
-  not an amax, a statistic or the metrics): tiny_moe, data 2 x fsdp 2 x expert 2, 4 micro-batches."""
-  collectives, apart, _ = _compiled_collectives("tiny_moe", 4, {**MOE_MESH, **overrides})
+  not an amax, a statistic or the metrics): tiny_moe, data 2 x fsdp 2 x expert 2, `micro` micro-batches."""
+  collectives, apart, _ = _compiled_collectives("tiny_moe", micro, {**MOE_MESH, **overrides})
   moved = collections.Counter()
   for c in collectives:
     if c.groups and c.bytes >= 256 and apart(c.groups[0]) & {"data", "expert"} and c.kind != "all-to-all":
@@ -83,12 +83,15 @@ def _across_replicas(overrides: dict) -> collections.Counter:
 
 
 @pytest.mark.long
-def test_replicas_reduce_scatter_the_gradients_and_gather_the_new_parameters():
+@pytest.mark.parametrize("micro", [4, 1])
+def test_replicas_reduce_scatter_the_gradients_and_gather_the_new_parameters(micro):
   """Split: no gradient is all-reduced across the replicas; each is reduce-scattered once a step and the
   updated float32 parameters gathered back, the same bytes as the all-reduces of the state held whole (the
   experts' weights move over `data` alone). Both steps reduce-scatter and gather the MoE layers' tokens over
-  `expert` in each micro-batch alike."""
-  split, whole = _across_replicas({}), _across_replicas(WHOLE)
+  `expert` in each micro-batch alike. One micro-batch moves what four do (the reference: the state whole at four,
+  whose replicas reduce once a step too); its gradients were all-reduced whole, and the new parameters gathered
+  on top."""
+  split, whole = _across_replicas({}, micro), _across_replicas(WHOLE)
   assert split["all-reduce"] == 0, split
   reduced = whole["all-reduce"]  # The compiler may combine the step's metrics (76 bytes) into one of them.
   assert reduced > 0 and split["reduce-scatter"] - whole["reduce-scatter"] == pytest.approx(reduced, rel=1e-3)
