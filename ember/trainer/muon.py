@@ -98,9 +98,10 @@ def newton_schulz(u_RxC: jax.Array, steps: int, dtype) -> jax.Array:
 def orthogonalize(u: jax.Array, layout: MatrixLayout, steps: int, dtype) -> jax.Array:
   """Muon's update of a (stacked) kernel's momentum `u`: every matrix of `layout` orthogonalised and scaled by
   sqrt(max(1, columns / rows)), in `u`'s shape and dtype."""
-  m = _whole_matrices(layout.matrices(u))
+  matrices = layout.matrices(u)
+  m = _whole_matrices(matrices)
   _, rows, cols = m.shape
-  out = jax.vmap(lambda x: newton_schulz(x, steps, dtype))(m) * max(1.0, cols / rows) ** 0.5
+  out = jax.vmap(lambda x: newton_schulz(x, steps, dtype))(m)[:matrices.shape[0]] * max(1.0, cols / rows) ** 0.5
   return _as_kernel(layout.kernel(out, u.shape).astype(u.dtype), layout)
 
 
@@ -110,16 +111,18 @@ def _as_kernel(x: jax.Array, layout: MatrixLayout) -> jax.Array:
 
 
 def _whole_matrices(m_BxRxC: jax.Array) -> jax.Array:
-  """`m` with its matrices split over the active mesh's devices, each matrix whole on one (module doc)."""
+  """`m` with its matrices split over all the active mesh's devices, each matrix whole on one (module doc), padded
+  with zero matrices (orthogonalised to zero, sliced off after) to a multiple of the device count: a count the
+  mesh's axes did not divide (llama3_70b's 80 layers on 64 GPUs, deepseek_v3's 58 MoE layers) left every matrix on
+  every device, the whole stack gathered to each and its Newton-Schulz iterations run there."""
   mesh = sharding.active_mesh()
   if mesh is None or mesh.size == 1:
     return m_BxRxC
-  axes, size = [], 1
-  for name, n in mesh.shape.items():
-    if n > 1 and m_BxRxC.shape[0] % (size * n) == 0:
-      axes.append(name)
-      size *= n
-  return jax.lax.with_sharding_constraint(m_BxRxC, NamedSharding(mesh, P(tuple(axes) or None, None, None)))
+  axes = tuple(name for name, n in mesh.shape.items() if n > 1)
+  b = m_BxRxC.shape[0]
+  padded = -(-b // mesh.size) * mesh.size
+  m_BxRxC = jnp.pad(m_BxRxC, ((0, padded - b), (0, 0), (0, 0)))
+  return jax.lax.with_sharding_constraint(m_BxRxC, NamedSharding(mesh, P(axes, None, None)))
 
 
 def scale_by_muon(layouts: dict, *, beta: float, steps: int, ns_dtype) -> optax.GradientTransformation:

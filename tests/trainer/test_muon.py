@@ -133,3 +133,21 @@ def test_bfloat16_state_is_stored_in_bfloat16_and_updates_from_it(optimizer):
   up_full, _ = tx_full.update(grads[1], widened, params)
   for a, b in zip(jax.tree.leaves(up_half), jax.tree.leaves(up_full)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("count", [3, 8])
+def test_every_stack_of_matrices_is_split_over_the_devices_each_matrix_whole(count):
+  """fsdp 8: a stack of 3 matrices (a count the axis does not divide) is split over the 8 devices too, padded with
+  zero matrices; it was left whole on every device, the stack gathered to each and every Newton-Schulz iteration
+  run there. Its update is the one of each matrix alone."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  s = helpers.start(helpers.config("tiny", **{"model.num_layers": 3, "mesh.fsdp": 8, "train.optimizer": "muon"}), 8)
+  layout = muon.MatrixLayout(batch=(0,), rows=(1,), cols=(2,), axes=("layers", "embed", "mlp"))
+  u = jax.random.normal(jax.random.key(0), (count, 64, 128), jnp.float32)
+  with s.rules():
+    x = jax.device_put(u, NamedSharding(s.mesh, P(None, "fsdp", None)))
+    assert jax.jit(muon._whole_matrices)(x).sharding.spec[0] in ("fsdp", ("fsdp",))
+    got = jax.jit(lambda a: muon.orthogonalize(a, layout, 5, jnp.float32))(x)
+  want = np.stack([np.asarray(muon.orthogonalize(u[i:i + 1], layout, 5, jnp.float32))[0] for i in range(count)])
+  assert got.shape == u.shape
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
