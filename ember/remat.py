@@ -61,8 +61,7 @@ TENSOR_AMAX = "tensor_amax"
 
 ACTIVATION_NAMES = (LAYER_INPUT, QKV_PROJ, QUERY, KEY, VALUE, ATTENTION_INPUT, ATTENTION_CONTEXT, OUT_PROJ,
                     ATTENTION_RESIDUAL, MLP_WI, MLP_WO, MOE_WI_0, MOE_WI_1, MOE_WO, MOE_COMBINE, ROUTER_LOGITS,
-                    MOE_ROUTING,
-                    MLA_Q_LATENT, MLA_KV_LATENT, MTP_PROJ)
+                    MOE_ROUTING, MLA_Q_LATENT, MLA_KV_LATENT, MTP_PROJ)
 
 # Quantized residuals of every projection a checkpointed block runs (ember.names.LAYER_PROJECTIONS): the operand
 # copies a quantized matmul may hold (ember/quant/recipe.py says which copies a recipe makes). The LM head names
