@@ -54,11 +54,11 @@ def load(argv: list[str], flag_values: flags.FlagValues | None = None) -> ml_col
 
 def _load_file(prog: str, arg: str) -> ml_collections.ConfigDict:
   """Loads `--config=FILE[:ARG]` with no overrides; ConfigError naming the file and what is wrong with it."""
-  spec = arg.split("=", 1)[1] if "=" in arg else ""
-  path = spec.split(":", 1)[0]
   if "=" not in arg:  # `--config FILE`: the file reached argv as an argument of its own.
     raise ConfigError("--config: give the file in the same argument, --config=FILE[:ARG], e.g. "
                       "--config=configs/default.py")
+  spec = arg.split("=", 1)[1]
+  path = spec.split(":", 1)[0]
   if not path:
     raise ConfigError("--config: empty; pass --config=FILE[:ARG], e.g. --config=configs/default.py")
   if not os.path.isfile(path):

@@ -566,19 +566,23 @@ def in_place_updates(p: Program, fusion: Instruction) -> list[tuple[int, float, 
   the rows it writes; one that overwrites, and a dynamic-update-slice, read none of the buffer."""
   out = []
   for r in _fusion_roots(p, fusion):
-    while r.opcode == "bitcast" and r.operands and r.operands[0] in p.by_name:
-      r = p.by_name[r.operands[0]]
-    if r.opcode not in ("dynamic-update-slice", "scatter"):
+    r = _through_bitcasts(p, r)
+    if r is None or r.opcode not in ("dynamic-update-slice", "scatter"):
       continue
-    target = p.by_name.get(r.operands[0])
-    while target is not None and target.opcode == "bitcast":
-      target = p.by_name.get(target.operands[0])
+    target = _through_bitcasts(p, p.by_name.get(r.operands[0]))
     if target is not None and target.opcode == "parameter":
       # A scatter's operands: n buffers, their indices, n updates (one of each here).
       update = nbytes(p.type_of(r.operands[1 if r.opcode == "dynamic-update-slice" else len(r.operands) // 2 + 1]))
       read = update if r.opcode == "scatter" and not _overwrites(p, r) else 0.0
       out.append((int(re.search(r"parameter\((\d+)\)", target.line).group(1)), update, nbytes(r.shape), read))
   return out
+
+
+def _through_bitcasts(p: Program, i: Instruction | None) -> Instruction | None:
+  """The instruction a chain of bitcasts starting at `i` views (`i` itself if it is none)."""
+  while i is not None and i.opcode == "bitcast" and i.operands:
+    i = p.by_name.get(i.operands[0])
+  return i
 
 
 def _overwrites(p: Program, scatter: Instruction) -> bool:

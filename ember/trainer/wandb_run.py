@@ -24,9 +24,11 @@ ID_FILE = "wandb_run_id"
 def _run_id(workdir: str, new_run: bool) -> str:
   """This workdir's W&B run id, made and written (atomically) by its first run, and again by a new run there."""
   path = storage.join(workdir, ID_FILE)
-  if new_run:
-    storage.write_atomic(path, secrets.token_hex(4))
-  return storage.kept_id(path, 4)
+  if not new_run:
+    return storage.kept_id(path, 4)
+  run_id = secrets.token_hex(4)
+  storage.write_atomic(path, run_id)
+  return run_id
 
 
 class WandbRun:
