@@ -9,6 +9,8 @@ Every exit status of train.py (docs/multihost.md, "When a job fails", says what 
   1   an unexpected error (its traceback);
   2   bad input (`EmberError`): a command line, config value, data path or checkpoint; one line;
   3   diverged (`Diverged`): train.max_skipped_steps non-finite steps in a row; restarting will not help;
+  4   out of memory (XLA's RESOURCE_EXHAUSTED, compiling or running a step): the step does not fit; one line;
+      restarting will not help;
   75  hung (ember/trainer/watchdog.py): a stage outlived its deadline; restart from the newest checkpoint.
 """
 
@@ -43,6 +45,7 @@ class CheckpointError(EmberError):
 
 
 DIVERGED_EXIT_STATUS = 3
+OUT_OF_MEMORY_EXIT_STATUS = 4
 
 
 class Diverged(RuntimeError):
@@ -94,6 +97,19 @@ def warn(msg: str) -> None:
   """A warning line on stderr (process 0 prints; the trainer's console adds a time stamp to its own)."""
   if first_process():
     print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def out_of_memory(err: BaseException) -> str | None:
+  """The one line an out-of-memory error of XLA's (RESOURCE_EXHAUSTED) ends a run with, what it asks of the
+  allocator included; None for any other error."""
+  text = str(err)
+  at = text.find("RESOURCE_EXHAUSTED")
+  if at < 0:
+    return None
+  said = text[at:].splitlines()[0].strip().rstrip(".")
+  return (f"out of memory: {said[:300]}; the step does not fit: keep fewer residuals (remat.policy), run fewer "
+          "sequences a device at once (train.grad_accum_steps) or split the state over more devices (mesh.fsdp); "
+          "python -m ember.tools.compile --target=<gpu>x<count> states a step's peak before a launch")
 
 
 def fail_and_exit(err: BaseException) -> None:

@@ -99,6 +99,11 @@ CASES = [
     (["--config=configs/default.py:nope"], "--config: configs/default.py:nope: ValueError: unknown model preset 'nope'"),
     (["--config="], "--config: empty; pass --config=FILE[:ARG]"),
     (["--config=configs"], "--config: no such config file: configs"),
+    # Keys that were read by nothing where they were set.
+    (["--config.model.q_lora_rank=16"], "config.model.q_lora_rank: 16 is read only by multi-head latent attention"),
+    (["--config.pipeline.virtual_stages=2"], "config.pipeline.virtual_stages: 2 chunks a stage need a pipeline"),
+    (["--config.mesh.rules=(('batch', 'data'),)"],  # fsdp (-1: 8 devices) is mapped to nothing.
+     "config.mesh.fsdp: 8 devices along 'fsdp', which no entry of mesh.rules maps a logical axis to"),
 ]
 if importlib.util.find_spec("tensorflow_datasets") is None:  # The [tfds] extra is not installed here.
   CASES.append((["--config.data.source=tfds", "--config.data.tfds_name=lm1b"],
@@ -310,3 +315,13 @@ def test_a_known_key_the_config_file_lacks_is_named_so(tmp_path):
                   "  c.steps = 3\n  return c\n")
   with pytest.raises(config_lib.ConfigError, match=r"^config\.train\.batch_size: the config file does not define"):
     config_lib.load(["train.py", f"--config={path}", "--config.train.batch_size=2"])
+
+
+def test_lists_for_custom_under_a_preset_are_said_to_be_unused(capsys):
+  """A preset keeps its own names; remat.save_names written beside it is named, not silently dropped."""
+  cfg = helpers.config("tiny", **{"remat.policy": "full", "remat.save_names": ("attention_context",)})
+  config_lib.validate(cfg, num_devices=1)
+  assert "warning: remat.save_names is read only under remat.policy=custom; remat.policy='full'" in \
+      capsys.readouterr().err
+  config_lib.validate(helpers.config("tiny", **{"remat.policy": "custom", "remat.save_names": ("attention_context",)}), 1)
+  assert "warning" not in capsys.readouterr().err

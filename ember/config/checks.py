@@ -20,7 +20,7 @@ from ember.config import phases as phases_lib
 from ember.config import schema
 from ember.config.settings import Settings, hf_tokenizer_json, section, tokenizer_vocab
 from ember.errors import ConfigError, bad_key, one_line, warn
-from ember.names import EMBED, EXPERT, PIPELINE
+from ember.names import EMBED, EXPERT, MESH_AXES, PIPELINE
 from ember.parallel import axes, distributed, pipeline
 from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import Recipe
@@ -42,6 +42,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Setting
     _validate_exclude(recipe, settings.model, f"quant.schedule[{index}]: from step {start}: quant.exclude")
   _validate_data(settings)
   _validate_log(settings)
+  _validate_remat(settings)
   _validate_paths(settings)
   return settings if num_devices is None else on_devices(settings, num_devices)
 
@@ -74,6 +75,17 @@ def _validate_exclude(recipe: Recipe, model, key: str) -> None:
     exclude_lib.check_layers(recipe.selectors, model.num_layers, model.mtp_depth)
   except ValueError as e:
     bad_key(key, str(e))
+
+
+def _validate_remat(s: Settings) -> None:
+  """A preset keeps its own names: lists written for `custom` are said to be unused, not silently dropped (a
+  warning, as a sweep's file serves `custom` and the presets alike)."""
+  if s.remat.policy == "custom":
+    return
+  for key in ("save_names", "offload_names"):
+    if getattr(s.remat, key):
+      warn(f"remat.{key} is read only under remat.policy=custom; remat.policy={s.remat.policy!r} keeps its own "
+           "names (ember/remat.py)")
 
 
 def _validate_log(s: Settings) -> None:
@@ -221,6 +233,13 @@ def _validate_mesh(s: Settings) -> None:
               f"over do not divide model.{rank}={getattr(m, rank)} (latent attention's ranks are split alike)")
   if sizes[PIPELINE] > 1:
     _validate_pipeline(s)
+  elif s.pipeline.virtual_stages > 1:
+    bad_key("pipeline.virtual_stages", f"{s.pipeline.virtual_stages} chunks a stage need a pipeline "
+            "(mesh.pipeline or mesh.dcn_pipeline > 1)")
+  used = {a for mesh_axes in rules.values() for a in mesh_axes}
+  for a in (a for a in MESH_AXES if sizes[a] > 1 and a not in used):
+    bad_key(f"mesh.{a}", f"{sizes[a]} devices along {a!r}, which no entry of mesh.rules maps a logical axis to: "
+            "they would all repeat the same work")
   if m.num_experts and sizes["expert"] > 1:
     expert_axes = [a for a in rules.get(EXPERT, ()) if sizes[a] > 1]
     missing = [a for a in expert_axes if a not in batch_axes]

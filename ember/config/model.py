@@ -21,7 +21,8 @@ from ember.quant.recipe import Recipe
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTER_SCORES = ("softmax", "sigmoid")
-
+# Multi-head latent attention's sizes beside kv_lora_rank (which turns it on); read by nothing else.
+MLA_DIMS = ("q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,11 @@ class ModelConfig:
               "num_shared_experts x d_ff)")
     if self.is_mla:
       self._check_mla()
+    else:
+      for name in MLA_DIMS:
+        if getattr(self, name):
+          bad_key(f"model.{name}", f"{getattr(self, name)} is read only by multi-head latent attention, which "
+                  "model.kv_lora_rank > 0 turns on (it is 0)")
 
   def _check_routing(self):
     if not self.norm_topk_prob and not self.router_softmax_first and self.router_score == "softmax":
@@ -132,7 +138,7 @@ class ModelConfig:
               f"{self.topk_group} groups of {group}")
 
   def _check_mla(self):
-    for name in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+    for name in MLA_DIMS[1:]:
       if not getattr(self, name):
         bad_key(f"model.{name}", "multi-head latent attention (model.kv_lora_rank > 0) needs it > 0")
     if self.qk_rope_head_dim % 2:

@@ -105,6 +105,8 @@ def main(argv: list[str]) -> int:
       max_bytes = parse_size(args.max_shard_size)
     except ValueError:
       raise ConfigError(f"--max_shard_size: {args.max_shard_size!r} is not a size like 5GB or 500MB") from None
+    if max_bytes <= 0:
+      raise ConfigError(f"--max_shard_size: {args.max_shard_size!r} must be more than 0 bytes")
     cli.check_out_dir("--out", args.out)
     files = export(args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=max_bytes)
   except EmberError as e:

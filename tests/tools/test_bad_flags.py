@@ -40,6 +40,8 @@ CASES = [
     (sample, [f"--checkpoint={NOWHERE}", "--prompt=x", "--top_p=high"], "--top_p: invalid float value: 'high'"),
     (export_hf, [f"--checkpoint={NOWHERE}"], "--out: required, not given"),
     (export_hf, [f"--checkpoint={NOWHERE}", f"--out={FILE}/hf"], f"--out: cannot create {FILE}/hf"),
+    (export_hf, [f"--checkpoint={NOWHERE}", "--out=x", "--max_shard_size=0"],
+     "--max_shard_size: '0' must be more than 0 bytes"),
     (bench, [TINY, f"--out={NOWHERE}/b.json"], f"--out: cannot write {NOWHERE}/b.json: no directory"),
     (bench, [TINY, "--steps=0"], "--steps: must be at least 1, got 0"),
     (bench, [TINY, "--warmup=two"], "--warmup: invalid int value: 'two'"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import threading
 
 import jax
@@ -15,12 +17,13 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from ember.data import ShardedIterator
 from ember.data.sources import encode_record
-from ember.errors import DIVERGED_EXIT_STATUS, Diverged, fail_and_exit
+from ember.errors import DIVERGED_EXIT_STATUS, OUT_OF_MEMORY_EXIT_STATUS, Diverged, fail_and_exit
+from ember.tools import sweep
 from ember.trainer import stragglers as stragglers_lib
 from ember.trainer import watchdog as watchdog_lib
 from ember.trainer.loop import train
 from ember.trainer.step import batch_sharding, jit_train_step
-from tests.helpers import checked, config, random_batch, start
+from tests.helpers import ROOT, checked, config, random_batch, start
 
 
 def test_a_non_finite_step_leaves_the_state_as_if_its_batch_never_came():
@@ -182,3 +185,22 @@ def test_stragglers_name_the_slowest_prober_and_the_longest_input_wait():
   calm, warning = stragglers_lib.Stragglers(warn_ratio=3.0).take(gather, probe=lambda: 0.012)
   assert calm["straggler_process"] == 1 and warning is None
   assert stragglers_lib.probe_seconds(jax.local_devices()[:1]) > 0
+
+
+def test_out_of_memory_ends_train_py_with_one_line_and_status_4(tmp_path):
+  """XLA's RESOURCE_EXHAUSTED (here a real one: 256 TB asked of the CPU's allocator, past any address space) ends
+  train.py with one line that says so and what to change, exit 4; a sweep reads it as `oom`."""
+  code = ("import sys, jax, jax.numpy as jnp, train\n"
+          "from ember.trainer import loop\n"
+          "def prepare(settings):\n"
+          "  jax.jit(lambda: jnp.ones((2 ** 46,), jnp.float32))().block_until_ready()\n"
+          "loop.prepare = prepare\n"
+          "sys.exit(train.main(['train.py', '--config=configs/default.py:tiny', "
+          f"'--config.workdir={tmp_path}']))\n")
+  run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
+  assert run.returncode == OUT_OF_MEMORY_EXIT_STATUS, run.stderr
+  assert errors == [run.stderr.strip().splitlines()[-1]] and "Traceback" not in run.stderr, run.stderr
+  assert errors[0].startswith("error: out of memory: RESOURCE_EXHAUSTED: Out of memory allocating "
+                              "281474976710656 bytes; the step does not fit: keep fewer residuals (remat.policy)")
+  assert sweep.classify(run.returncode, run.stderr) == "oom"
