@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
   if first_process():  # Before the imports, on stdout (stderr is for the log): the run is seen to start at once.
     print(f"[{time.strftime('%H:%M:%S')}] ember: starting ({' '.join(argv[1:]) or 'no flags'}); loading JAX",
           flush=True)
-  from ember.errors import OUT_OF_MEMORY_EXIT_STATUS, Diverged, EmberError, fail_and_exit, out_of_memory
+  from ember.errors import Diverged, EmberError, fail_and_exit, out_of_memory_exit
   try:
     from ember.config import load, validate
     from ember.plan.auto_remat import resolve
@@ -32,10 +32,7 @@ def main(argv: list[str]) -> int:
   except (EmberError, Diverged) as e:
     fail_and_exit(e)
   except Exception as e:  # XLA's out of memory, compiling or running a step: one line, not its traceback.
-    if (line := out_of_memory(e)) is None:
-      raise
-    sys.stderr.write(f"error: {line}\n")
-    return OUT_OF_MEMORY_EXIT_STATUS
+    return out_of_memory_exit(e)
   return settings.train.preempted_exit_status if last.get("preempted") else 0
 
 

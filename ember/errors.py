@@ -100,16 +100,30 @@ def warn(msg: str) -> None:
 
 
 def out_of_memory(err: BaseException) -> str | None:
-  """The one line an out-of-memory error of XLA's (RESOURCE_EXHAUSTED) ends a run with, what it asks of the
-  allocator included; None for any other error."""
+  """The one line an out-of-memory error of XLA's (RESOURCE_EXHAUSTED from JAX's runtime) ends a run with, what
+  it asks of the allocator included; None for any other error."""
   text = str(err)
   at = text.find("RESOURCE_EXHAUSTED")
-  if at < 0:
+  # JAX's runtime error, about memory: storage libraries (tensorstore, under a checkpoint's write) use the same
+  # code for a full disk or too many open files, which no smaller step would mend.
+  runtime = any(c.__name__ in ("JaxRuntimeError", "XlaRuntimeError") for c in type(err).__mro__)
+  if at < 0 or not runtime or not re.search(r"memory|allocat", text, re.IGNORECASE) or "os_error_code" in text:
     return None
   said = text[at:].splitlines()[0].strip().rstrip(".")
   return (f"out of memory: {said[:300]}; the step does not fit: keep fewer residuals (remat.policy), run fewer "
           "sequences a device at once (train.grad_accum_steps) or split the state over more devices (mesh.fsdp); "
           "python -m ember.tools.compile --target=<gpu>x<count> states a step's peak before a launch")
+
+
+def out_of_memory_exit(err: BaseException) -> int:
+  """For a command that runs steps, in its `except Exception`: XLA's out-of-memory error said in one line on stderr,
+  OUT_OF_MEMORY_EXIT_STATUS returned; any other error raised again, its traceback kept."""
+  line = out_of_memory(err)
+  if line is None:
+    raise err
+  sys.stderr.write(f"error: {line}\n")
+  sys.stderr.flush()
+  return OUT_OF_MEMORY_EXIT_STATUS
 
 
 def fail_and_exit(err: BaseException) -> None:

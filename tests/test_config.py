@@ -325,3 +325,11 @@ def test_lists_for_custom_under_a_preset_are_said_to_be_unused(capsys):
       capsys.readouterr().err
   config_lib.validate(helpers.config("tiny", **{"remat.policy": "custom", "remat.save_names": ("attention_context",)}), 1)
   assert "warning" not in capsys.readouterr().err
+
+
+def test_a_run_saved_with_latent_sizes_and_latent_attention_off_still_loads():
+  """The refusal of latent sizes where latent attention is off is a check on load: a run saved before it
+  (sampling, export) still reads its config."""
+  saved = config_lib.validate(helpers.config("tiny"), None).to_dict()
+  saved["model"]["q_lora_rank"] = 32
+  assert config_lib.from_saved(saved).model.q_lora_rank == 32

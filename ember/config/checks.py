@@ -18,6 +18,7 @@ from ember import storage
 from ember.config import defaults
 from ember.config import phases as phases_lib
 from ember.config import schema
+from ember.config.model import MLA_DIMS
 from ember.config.settings import Settings, hf_tokenizer_json, section, tokenizer_vocab
 from ember.errors import ConfigError, bad_key, one_line, warn
 from ember.names import EMBED, EXPERT, MESH_AXES, PIPELINE
@@ -43,6 +44,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Setting
   _validate_data(settings)
   _validate_log(settings)
   _validate_remat(settings)
+  _validate_latent_sizes(settings)
   _validate_paths(settings)
   return settings if num_devices is None else on_devices(settings, num_devices)
 
@@ -75,6 +77,15 @@ def _validate_exclude(recipe: Recipe, model, key: str) -> None:
     exclude_lib.check_layers(recipe.selectors, model.num_layers, model.mtp_depth)
   except ValueError as e:
     bad_key(key, str(e))
+
+
+def _validate_latent_sizes(s: Settings) -> None:
+  """Latent attention's sizes where it is off would be read by nothing. (Checked on load, not in the model
+  section's own rules: a run saved before this rule still loads, `from_saved`.)"""
+  for name in MLA_DIMS if not s.model.is_mla else ():
+    if getattr(s.model, name):
+      bad_key(f"model.{name}", f"{getattr(s.model, name)} is read only by multi-head latent attention, which "
+              "model.kv_lora_rank > 0 turns on (it is 0)")
 
 
 def _validate_remat(s: Settings) -> None:

@@ -115,11 +115,6 @@ class ModelConfig:
               "num_shared_experts x d_ff)")
     if self.is_mla:
       self._check_mla()
-    else:
-      for name in MLA_DIMS:
-        if getattr(self, name):
-          bad_key(f"model.{name}", f"{getattr(self, name)} is read only by multi-head latent attention, which "
-                  "model.kv_lora_rank > 0 turns on (it is 0)")
 
   def _check_routing(self):
     if not self.norm_topk_prob and not self.router_softmax_first and self.router_score == "softmax":

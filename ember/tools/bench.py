@@ -40,7 +40,7 @@ from ember import native_output, storage
 from ember.config import Settings
 from ember import hardware
 from ember.data.sharded import data_iterator, global_batch
-from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit
+from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit, out_of_memory_exit
 from ember.parallel.sharding import use_rules
 from ember.platform import target_platform
 from ember.plan import cost, hlo, predict
@@ -170,6 +170,8 @@ def main(argv: list[str]) -> int:
       cli.write_json("--out", args.out, result)
   except EmberError as e:
     fail_and_exit(e)
+  except Exception as e:  # XLA's out of memory: one line, exit 4, as train.py.
+    return out_of_memory_exit(e)
   return 0
 
 

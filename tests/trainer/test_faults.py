@@ -17,7 +17,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from ember.data import ShardedIterator
 from ember.data.sources import encode_record
-from ember.errors import DIVERGED_EXIT_STATUS, OUT_OF_MEMORY_EXIT_STATUS, Diverged, fail_and_exit
+from ember.errors import DIVERGED_EXIT_STATUS, OUT_OF_MEMORY_EXIT_STATUS, Diverged, fail_and_exit, out_of_memory
 from ember.tools import sweep
 from ember.trainer import stragglers as stragglers_lib
 from ember.trainer import watchdog as watchdog_lib
@@ -204,3 +204,11 @@ def test_out_of_memory_ends_train_py_with_one_line_and_status_4(tmp_path):
   assert errors[0].startswith("error: out of memory: RESOURCE_EXHAUSTED: Out of memory allocating "
                               "281474976710656 bytes; the step does not fit: keep fewer residuals (remat.policy)")
   assert sweep.classify(run.returncode, run.stderr) == "oom"
+
+
+def test_a_storage_librarys_resource_exhausted_is_not_out_of_memory():
+  """tensorstore (a checkpoint's write) says RESOURCE_EXHAUSTED for a full disk or too many open files: that is
+  no step too large for the device, and ends as the unexpected error it is."""
+  full = ValueError("RESOURCE_EXHAUSTED: Error writing local file \"/ckpt/3/state/d/63\": No space left on device "
+                    "[os_error_code='28']")
+  assert out_of_memory(full) is None
