@@ -102,6 +102,8 @@ CASES = [
     # Keys that were read by nothing where they were set.
     (["--config.model.q_lora_rank=16"], "config.model.q_lora_rank: 16 is read only by multi-head latent attention"),
     (["--config.pipeline.virtual_stages=2"], "config.pipeline.virtual_stages: 2 chunks a stage need a pipeline"),
+    (["--config.checkpoint.local_dir=/tmp/local"],
+     "config.checkpoint.local_dir: '/tmp/local' is set, but checkpoint.local_every_steps=0 saves nothing there"),
     (["--config.mesh.rules=(('batch', 'data'),)"],  # fsdp (-1: 8 devices) is mapped to nothing.
      "config.mesh.fsdp: 8 devices along 'fsdp', which no entry of mesh.rules maps a logical axis to"),
 ]
@@ -317,14 +319,28 @@ def test_a_known_key_the_config_file_lacks_is_named_so(tmp_path):
     config_lib.load(["train.py", f"--config={path}", "--config.train.batch_size=2"])
 
 
-def test_lists_for_custom_under_a_preset_are_said_to_be_unused(capsys):
-  """A preset keeps its own names; remat.save_names written beside it is named, not silently dropped."""
-  cfg = helpers.config("tiny", **{"remat.policy": "full", "remat.save_names": ("attention_context",)})
-  config_lib.validate(cfg, num_devices=1)
-  assert "warning: remat.save_names is read only under remat.policy=custom; remat.policy='full'" in \
-      capsys.readouterr().err
-  config_lib.validate(helpers.config("tiny", **{"remat.policy": "custom", "remat.save_names": ("attention_context",)}), 1)
-  assert "warning" not in capsys.readouterr().err
+@pytest.mark.parametrize("overrides,line", [
+    ({"remat.policy": "full", "remat.save_names": ("attention_context",)},
+     "remat.save_names=('attention_context',) is read only under remat.policy=custom"),
+    ({"train.muon_momentum": 0.9}, "train.muon_momentum=0.9 is read only under train.optimizer=muon"),
+    ({"quant.recipe": "fp8_current", "quant.margin": 1}, "quant.margin=1 is read only by fp8_delayed (quant.recipe"),
+    ({"quant.recipe": "fp8_delayed", "quant.nvfp4_rht": False}, "quant.nvfp4_rht=False is read only by nvfp4"),
+    ({"remat.memory_budget_gb": 40.0}, "remat.memory_budget_gb=40.0 is read only under remat.policy=auto"),
+    ({"pipeline.schedule": "1f1b"}, "pipeline.schedule='1f1b' is read only with a pipeline"),
+    ({"quant.recipe": "bf16", "log.quant_stats_every": 10}, "log.quant_stats_every=10 is read only under a quantized"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+def test_a_key_this_run_does_not_read_is_said_to_be_unused(capsys, overrides, line):
+  """A key set away from its default where the run reads nothing of it: one warning line naming it (not an error:
+  one file serves a sweep's runs and a schedule's phases). Where the run reads it, nothing is said."""
+  config_lib.validate(helpers.config("tiny", **overrides), num_devices=1)
+  assert f"warning: {line}" in capsys.readouterr().err
+  readers = {"remat.save_names": {"remat.policy": "custom"}, "train.muon_momentum": {"train.optimizer": "muon"},
+             "quant.margin": {"quant.recipe": "fp8_delayed"}, "quant.nvfp4_rht": {"quant.recipe": "nvfp4"},
+             "remat.memory_budget_gb": {"remat.policy": "auto"}, "pipeline.schedule": {"mesh.pipeline": 2},
+             "log.quant_stats_every": {"quant.recipe": "fp8_current"}}
+  key = line.split("=")[0]
+  config_lib.validate(helpers.config("tiny", **{**overrides, **readers[key]}), num_devices=None)
+  assert key not in capsys.readouterr().err
 
 
 def test_a_run_saved_with_latent_sizes_and_latent_attention_off_still_loads():

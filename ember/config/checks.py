@@ -24,7 +24,7 @@ from ember.errors import ConfigError, bad_key, one_line, warn
 from ember.names import EMBED, EXPERT, MESH_AXES, PIPELINE
 from ember.parallel import axes, distributed, pipeline
 from ember.quant import exclude as exclude_lib
-from ember.quant.recipe import Recipe
+from ember.quant.recipe import SCHEME_OPTIONS, SCHEMES, Recipe
 
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Settings:
@@ -43,7 +43,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Setting
     _validate_exclude(recipe, settings.model, f"quant.schedule[{index}]: from step {start}: quant.exclude")
   _validate_data(settings)
   _validate_log(settings)
-  _validate_remat(settings)
+  _validate_unread(settings)
+  _validate_checkpoint(settings)
   _validate_latent_sizes(settings)
   _validate_paths(settings)
   return settings if num_devices is None else on_devices(settings, num_devices)
@@ -88,15 +89,43 @@ def _validate_latent_sizes(s: Settings) -> None:
               "model.kv_lora_rank > 0 turns on (it is 0)")
 
 
-def _validate_remat(s: Settings) -> None:
-  """A preset keeps its own names: lists written for `custom` are said to be unused, not silently dropped (a
-  warning, as a sweep's file serves `custom` and the presets alike)."""
-  if s.remat.policy == "custom":
-    return
-  for key in ("save_names", "offload_names"):
-    if getattr(s.remat, key):
-      warn(f"remat.{key} is read only under remat.policy=custom; remat.policy={s.remat.policy!r} keeps its own "
-           "names (ember/remat.py)")
+def _unread_keys(s: Settings) -> list[tuple[tuple[str, ...], bool, str]]:
+  """Keys read only under a condition: (the keys, whether this run reads them, when they are read). The one table
+  of such keys; `_validate_unread` warns of those set where they are not read."""
+  recipes = [recipe for _, recipe in s.phases]
+  read_options = {o for recipe in recipes for o in recipe.scheme.options}
+  by = lambda option: " / ".join(n for n, scheme in SCHEMES.items() if option in scheme.options)
+  stages = s.mesh.pipeline * s.mesh.dcn_pipeline  # Negative while a -1 axis is unresolved: maybe a pipeline.
+  muon = tuple(f"train.{k}" for k in defaults.get_config().train if k.startswith("muon_"))
+  return [
+      (muon, s.train.optimizer == "muon", "under train.optimizer=muon"),
+      (("remat.save_names", "remat.offload_names"), s.remat.policy == "custom",
+       "under remat.policy=custom (a preset keeps its own names)"),
+      (("remat.memory_budget_gb",), s.remat.policy == "auto", "under remat.policy=auto"),
+      (("pipeline.schedule",), stages != 1, "with a pipeline (mesh.pipeline or mesh.dcn_pipeline > 1)"),
+      (("log.quant_stats_every",), any(recipe.quantized for recipe in recipes), "under a quantized recipe"),
+      *(((f"quant.{o}",), o in read_options, f"by {by(o)} (quant.recipe or a quant.schedule phase)")
+        for o in SCHEME_OPTIONS),
+  ]
+
+
+def _validate_unread(s: Settings) -> None:
+  """A key set away from its default where this run reads nothing of it: a warning line, not an error (one config
+  file serves a sweep's runs or a schedule's phases, each reading its own keys)."""
+  reference = defaults.get_config()
+  for keys, read, when in _unread_keys(s):
+    for key in keys if not read else ():
+      section, name = key.split(".")
+      value = getattr(getattr(s, section), name)
+      if value != reference[section][name]:
+        warn(f"{key}={value!r} is read only {when}; this run does not read it")
+
+
+def _validate_checkpoint(s: Settings) -> None:
+  c = s.checkpoint
+  if c.local_dir and not c.local_every_steps:  # On load: a run saved with it still loads (`from_saved`).
+    bad_key("checkpoint.local_dir", f"{c.local_dir!r} is set, but checkpoint.local_every_steps=0 saves nothing "
+            "there: set both")
 
 
 def _validate_log(s: Settings) -> None:

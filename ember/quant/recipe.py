@@ -82,12 +82,15 @@ class Scheme:
   # The projections the format's published training recipe keeps in bf16 (`quant.exclude` syntax), where it
   # keeps some: the convergence comparison (ember/tools/convergence.py) runs the format with and without them.
   published_exclude: tuple[str, ...] | None = None
+  # The `Recipe` options (the `quant` keys) its quantizers read; the others are the other schemes'.
+  options: tuple[str, ...] = ()
 
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("bf16", None, BF16, 2.0),
     Scheme("fp8_delayed", lambda r, role, h: DelayedScaling(h, _fp8_format(role), r.margin, r.amax_compute_algo),
-           FP8, 1.0, E4M3, delayed=True, stateless="fp8_current"),
+           FP8, 1.0, E4M3, delayed=True, stateless="fp8_current",
+           options=("amax_history_len", "amax_compute_algo", "margin")),
     Scheme("fp8_current", lambda r, role, h: CurrentScaling(_fp8_format(role)), FP8, 1.0, E4M3,
            exchange_quantized=True),
     Scheme("mxfp8", lambda r, role, h: MXFP8Scaling(), MXFP8, 1 + 1 / 32, E4M3, block_size=32,
@@ -99,7 +102,8 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
            # amax) and clip a few percent where an E4M3 block scale rounds down, by design.
            health_limits=(("underflow", 0.25), ("saturated", 0.10)),
            # NVIDIA's NVFP4 pretraining recipe: the LM head and the last layers in higher precision.
-           published_exclude=("lm_head", "layers[-1:]")),
+           published_exclude=("lm_head", "layers[-1:]"),
+           options=("nvfp4_rht", "nvfp4_stochastic_rounding", "nvfp4_2d_weights", "rht_seed")),
 )}
 RECIPES = tuple(SCHEMES)  # Every `quant.recipe` value.
 UNQUANTIZED = next(n for n, s in SCHEMES.items() if s.make is None)  # The recipe that quantizes nothing.
@@ -108,6 +112,7 @@ FORWARDS = ("recipe", "bf16")  # `quant.forward`: the forward GEMMs in the recip
 WGRAD_DTYPES = ("float32", "bfloat16")
 AMAX_HISTORY_LEN = 1024  # A recipe built in code (ember/config/defaults.py's quant.amax_history_len is the same).
 QUANTIZED_RECIPES = tuple(n for n, s in SCHEMES.items() if s.make is not None)
+SCHEME_OPTIONS = tuple(dict.fromkeys(o for s in SCHEMES.values() for o in s.options))  # Options some schemes read.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,6 +216,8 @@ def _parse(argv: list[str]):
     if name in variants:
       raise ConfigError(f"--variant={spec}: the name {name!r} is taken")
     variants[name] = overrides
+  varied = {k: "--variants / --variant" for overrides in variants.values() for k in overrides}
+  sweep.refuse_fixed(fixed, {**sweep.SWEEP_KEYS, "seed": "--seeds", **varied}, "the comparison")
   cli.make_out_dir("--out", args.out)
   for name, overrides in variants.items():  # Every run's config checked before any runs.
     try:

@@ -48,6 +48,9 @@ def main(argv: list[str]) -> int:
       raise ConfigError(f"--temperature: {args.temperature} must be a number >= 0")
     if not 0 < args.top_p <= 1:
       raise ConfigError(f"--top_p: {args.top_p} must be in (0, 1]")
+    if args.top_p < 1 and args.temperature == 0:
+      raise ConfigError(f"--top_p: {args.top_p} draws from the nucleus, but --temperature=0 (the default) takes the "
+                        "most likely token: set --temperature too")
     if args.dtype not in ("", "float32", "bfloat16", "float16"):
       raise ConfigError(f"--dtype: {args.dtype!r} is not float32, bfloat16 or float16")
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompt_file)

@@ -74,6 +74,13 @@ def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
 SWEEP_KEYS = {"steps": "--steps", "workdir": "each run's is OUT/<combination>"}
 
 
+def refuse_fixed(fixed: dict[str, str], own: dict[str, str], tool: str) -> None:
+  """ConfigError for a `--config.KEY` override of a key the tool sets for each run itself (`own`: key -> what
+  sets it), which would be overwritten without a word."""
+  for key in own.keys() & fixed.keys():
+    raise ConfigError(f"--config.{key}: {tool} sets it for each run ({own[key]})")
+
+
 def combinations(grid) -> list[dict[str, str]]:
   keys = [k for k, _ in grid]
   return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in grid))]
@@ -310,10 +317,9 @@ def _parse(argv: list[str]):
   parser.add_argument("--out", required=True, help="output directory")
   parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
   args, fixed = cli.parse_with_overrides(parser, argv, "--grid, --steps, --out")
-  for key in SWEEP_KEYS.keys() & fixed.keys():
-    raise ConfigError(f"--config.{key}: the sweep's own ({SWEEP_KEYS[key]})")
   if not args.grid:
     raise ConfigError("--grid: give at least one KEY=V1,V2,...")
+  refuse_fixed(fixed, {**SWEEP_KEYS, **{k: f"--grid={k}=..." for k, _ in parse_grid(args.grid)}}, "the sweep")
   if args.steps < 1:
     raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
   if args.timeout is not None and not args.timeout > 0:

@@ -38,6 +38,8 @@ CASES = [
     (sample, ["--prompt=x"], "--checkpoint: required, not given"),
     (sample, [f"--checkpoint={NOWHERE}", "--prompt=x", "--max_new_tokens=abc"], "--max_new_tokens: invalid int value"),
     (sample, [f"--checkpoint={NOWHERE}", "--prompt=x", "--top_p=high"], "--top_p: invalid float value: 'high'"),
+    (sample, [f"--checkpoint={NOWHERE}", "--prompt=x", "--top_p=0.9"], "--top_p: 0.9 draws from the nucleus, but "
+     "--temperature=0 (the default) takes the most likely token"),
     (export_hf, [f"--checkpoint={NOWHERE}"], "--out: required, not given"),
     (export_hf, [f"--checkpoint={NOWHERE}", f"--out={FILE}/hf"], f"--out: cannot create {FILE}/hf"),
     (export_hf, [f"--checkpoint={NOWHERE}", "--out=x", "--max_shard_size=0"],

@@ -5,6 +5,7 @@ values."""
 import json
 import math
 import os
+import re
 import statistics
 
 import matplotlib.image
@@ -41,6 +42,12 @@ def test_bad_variants_are_one_line():
       "x", {"quant.recipe": "nvfp4", "quant.exclude": '("lm_head", "layers[0]")'})
   with pytest.raises(ConfigError, match="--variants: unknown 'fp7'"):
     convergence._parse([f"--config={ROOT}/configs/default.py:tiny", "--steps=2", "--out=/tmp/x", "--variants=fp7"])
+  # Overrides of what each run sets itself were overwritten without a word.
+  for flag, says in (("--config.quant.recipe=mxfp8", "(--variants / --variant)"), ("--config.seed=3", "(--seeds)"),
+                     ("--config.steps=9", "(--steps)")):
+    key = flag.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}: the comparison sets it for each run {re.escape(says)}"):
+      convergence._parse([f"--config={ROOT}/configs/default.py:tiny", "--steps=2", "--out=/tmp/x", flag])
 
 
 @pytest.mark.extended

@@ -83,7 +83,10 @@ def test_summary_skips_the_first_interval_and_classifies_out_of_memory():
     # What the sweep sets itself is no grid key or override (each run trained --steps steps, labelled otherwise).
     (["--grid=steps=3,6"], "error: --grid=steps=3,6: steps is the sweep's own (--steps)"),
     (["--grid=remat.policy=full", "--config.workdir=/tmp/w"],
-     "error: --config.workdir: the sweep's own (each run's is OUT/<combination>)")])
+     "error: --config.workdir: the sweep sets it for each run (each run's is OUT/<combination>)"),
+    # An override of a grid key was overwritten by the grid's values without a word.
+    (["--grid=remat.policy=full,minimal", "--config.remat.policy=none"],
+     "error: --config.remat.policy: the sweep sets it for each run (--grid=remat.policy=...)")])
 def test_bad_grid_exits_2(flags, expected, tmp_path, capsys):
   with pytest.raises(SystemExit) as exit_:
     sweep.main(["sweep", f"--config={ROOT}/configs/default.py:tiny", *flags, "--steps=3", f"--out={tmp_path}"])
