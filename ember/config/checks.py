@@ -97,6 +97,7 @@ def _unread_keys(s: Settings) -> list[tuple[tuple[str, ...], bool, str]]:
   by = lambda option: " / ".join(n for n, scheme in SCHEMES.items() if option in scheme.options)
   stages = s.mesh.pipeline * s.mesh.dcn_pipeline  # Negative while a -1 axis is unresolved: maybe a pipeline.
   muon = tuple(f"train.{k}" for k in defaults.get_config().train if k.startswith("muon_"))
+  own_source = None if s.data.mixture else s.data.source  # A mixture's entries replace data.source.
   return [
       (muon, s.train.optimizer == "muon", "under train.optimizer=muon"),
       (("remat.save_names", "remat.offload_names"), s.remat.policy == "custom",
@@ -104,6 +105,15 @@ def _unread_keys(s: Settings) -> list[tuple[tuple[str, ...], bool, str]]:
       (("remat.memory_budget_gb",), s.remat.policy == "auto", "under remat.policy=auto"),
       (("pipeline.schedule",), stages != 1, "with a pipeline (mesh.pipeline or mesh.dcn_pipeline > 1)"),
       (("log.quant_stats_every",), any(recipe.quantized for recipe in recipes), "under a quantized recipe"),
+      (("log.wandb_entity", "log.wandb_run_name"), bool(s.log.wandb_project), "with log.wandb_project"),
+      (("checkpoint.params_only",), bool(s.checkpoint.restore_from), "with checkpoint.restore_from"),
+      (("model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_seq_len"),
+       bool(s.model.rope_scaling_factor), "with model.rope_scaling_factor (Llama 3.1's RoPE scaling)"),
+      (("model.mtp_loss_weight",), s.model.mtp_depth > 0, "with model.mtp_depth > 0"),
+      (("data.source", "data.path"), not s.data.mixture,
+       "without data.mixture (each of its entries names its own source and path)"),
+      (("data.tfds_name", "data.tfds_data_dir", "data.tfds_text_key"), own_source == "tfds", "under data.source=tfds"),
+      (("data.hf_dataset", "data.hf_config", "data.hf_split"), own_source == "hf", "under data.source=hf"),
       *(((f"quant.{o}",), o in read_options, f"by {by(o)} (quant.recipe or a quant.schedule phase)")
         for o in SCHEME_OPTIONS),
   ]
