@@ -27,14 +27,15 @@ from ember.quant import exclude as exclude_lib
 from ember.quant.recipe import SCHEME_OPTIONS, SCHEMES, Recipe
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Settings:
+def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, *, unread: bool = True) -> Settings:
   """Checks every key before anything is built; raises ConfigError naming the first bad key. Returns the typed
   settings it built for the checks (what `derive` gives): past here only they travel.
 
   Each key against its declaration (schema), the precision schedule's phases, each section's own rules
   (building the typed sections: ember/config/settings.py), then the rules across sections here.
   `num_devices=None`: the devices are not known yet (train.py checks the config before JAX starts; a sweep
-  checks its runs before starting any); `on_devices` then resolves and checks the mesh's sizes."""
+  checks its runs before starting any); `on_devices` then resolves and checks the mesh's sizes. `unread=False`
+  leaves out the warnings of keys the run does not read (a sweep's check: each run says them in its own log)."""
   schema.check(cfg)
   _validate_phases(cfg)
   settings = derive(cfg, None)  # The sections' own rules run as they are built.
@@ -43,7 +44,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None) -> Setting
     _validate_exclude(recipe, settings.model, f"quant.schedule[{index}]: from step {start}: quant.exclude")
   _validate_data(settings)
   _validate_log(settings)
-  _validate_unread(settings)
+  if unread:
+    _validate_unread(settings)
   _validate_checkpoint(settings)
   _validate_latent_sizes(settings)
   _validate_paths(settings)
@@ -110,9 +112,8 @@ def _unread_keys(s: Settings) -> list[tuple[tuple[str, ...], bool, str]]:
       (("model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_seq_len"),
        bool(s.model.rope_scaling_factor), "with model.rope_scaling_factor (Llama 3.1's RoPE scaling)"),
       (("model.mtp_loss_weight",), s.model.mtp_depth > 0, "with model.mtp_depth > 0"),
-      (("data.source", "data.path"), not s.data.mixture,
-       "without data.mixture (each of its entries names its own source and path)"),
-      (("data.tfds_name", "data.tfds_data_dir", "data.tfds_text_key"), own_source == "tfds", "under data.source=tfds"),
+      # (data.source, data.path and data.tfds_name are read under any source: a saved data position's fingerprint.)
+      (("data.tfds_data_dir", "data.tfds_text_key"), own_source == "tfds", "under data.source=tfds"),
       (("data.hf_dataset", "data.hf_config", "data.hf_split"), own_source == "hf", "under data.source=hf"),
       *(((f"quant.{o}",), o in read_options, f"by {by(o)} (quant.recipe or a quant.schedule phase)")
         for o in SCHEME_OPTIONS),

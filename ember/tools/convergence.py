@@ -216,7 +216,8 @@ def _parse(argv: list[str]):
     if name in variants:
       raise ConfigError(f"--variant={spec}: the name {name!r} is taken")
     variants[name] = overrides
-  varied = {k: "--variants / --variant" for overrides in variants.values() for k in overrides}
+  # A key every variant sets (a key some set is the user's in the others).
+  varied = {k: "every variant" for k in set.intersection(*(set(o) for o in variants.values()))}
   sweep.refuse_fixed(fixed, {**sweep.SWEEP_KEYS, "seed": "--seeds", **varied}, "the comparison")
   cli.make_out_dir("--out", args.out)
   for name, overrides in variants.items():  # Every run's config checked before any runs.

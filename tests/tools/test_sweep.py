@@ -147,3 +147,11 @@ def test_a_sweep_with_no_run_finished_exits_1(tmp_path, monkeypatch):
   assert sweep.main(["sweep", f"--config={ROOT}/configs/default.py:tiny", "--grid=remat.policy=none,full",
                      "--steps=1", f"--out={out}", "--config.data.source=synthetic"]) == 1
   assert {r["status"] for r in json.loads((out / "results.json").read_text())["results"]} == {"error"}
+
+
+def test_the_sweeps_check_leaves_unread_keys_to_each_runs_log(tmp_path, capsys):
+  """A key some combinations do not read (quant.margin beside non-delayed recipes) is each such run's warning, in
+  its own log; the check before the runs printed it once per combination, naming none."""
+  grid = [("quant.recipe", ["bf16", "fp8_current", "fp8_delayed"])]
+  sweep.check(f"{ROOT}/configs/default.py:tiny", grid, {"quant.margin": "1"}, 2, str(tmp_path))
+  assert "warning" not in capsys.readouterr().err
