@@ -18,11 +18,12 @@ def split_config(argv: list[str]) -> tuple[list[str], list[str]]:
   return own, [argv[0]] + [a for a in argv[1:] if a.startswith("--config")]
 
 
-def settings(config_argv: list[str], *overrides: str):
+def settings(config_argv: list[str], *overrides: str, unread: bool = True):
   """The validated settings (ember.config.Settings) of the `--config*` flags `split_config` kept, with
-  `overrides` (more `--config.KEY=VALUE` flags, after the user's); the devices are resolved by the tool."""
+  `overrides` (more `--config.KEY=VALUE` flags, after the user's); the devices are resolved by the tool.
+  `unread=False`: no warnings of keys a run would not read (a tool that compares policies reads them all)."""
   from ember import config as config_lib
-  return config_lib.validate(config_lib.load([*config_argv, *overrides]), None)
+  return config_lib.validate(config_lib.load([*config_argv, *overrides]), None, unread=unread)
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -152,7 +152,7 @@ def main(argv: list[str]) -> int:
     args = _parse(own)
     if args.layer_batch < 0:
       raise ConfigError(f"--layer_batch: sequences per device, at least 1 (0: the config's), got {args.layer_batch}")
-    cfg = cli.settings(config_argv)
+    cfg = cli.settings(config_argv, unread=False)  # Its rows read each policy's keys (custom's lists too).
     target = target_lib.parse(args.target)
     with target_lib.targeting(target):
       cfg, mesh = compile_plan.prepare(cfg, target)
