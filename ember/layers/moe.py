@@ -281,7 +281,9 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
     weights_TxK = jax.lax.all_gather(weights_TxK, expert_axes, axis=0, tiled=True) if expert_axes else weights_TxK
   else:
     wire = moe_dispatch.Wire.of(opts.wi_recipe, opts.wo_recipe, token_axes)  # The expert GEMMs' amax axes.
-    y_TxKxD, overflow = _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan, wire)
+    health, stats = _measured_on_the_wire(stats, wire)
+    y_TxKxD, overflow = _exchanged_experts(x_TxD, experts_TxK, keep_TxK, functools.partial(ffn, stats=stats), plan,
+                                           wire, health)
   aux[MOE_OVERFLOW_TOKENS] = jax.lax.psum(jnp.asarray(overflow, F32), token_axes) if token_axes else \
       jnp.asarray(overflow, F32)
   y_TxKxD = checkpoint_name(y_TxKxD, remat.MOE_COMBINE)
@@ -307,9 +309,24 @@ def _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan: moe_dispatch.Pla
   return take_rows(y_RxD, sort.row_of_copy.reshape(-1), sort.copy_of_row[:, None]).reshape(-1, k, d), overflow
 
 
-def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan: moe_dispatch.Plan, wire: moe_dispatch.Wire):
-  """The copies of this token shard sent to their experts' devices and back (alltoall or ragged) over `wire`:
-  ([T, k, D] outputs, copies that overflowed the ragged receive buffer)."""
+def _measured_on_the_wire(stats, wire: moe_dispatch.Wire):
+  """(the health inputs of the wire's (dispatch, combine): wi's activation row and wo's gradient row where the wire
+  quantizes them, else None; the expert GEMMs' `stats` with a throwaway input in their place). Over a quantizing
+  wire the GEMMs see only what arrives: a value flushed to zero on the way no longer counts as nonzero there, so its
+  underflow went unmeasured; the wire measures what it quantizes, which is what the GEMM would."""
+  wi, wo = stats if stats is not None else (None, None)
+  x = wi[0] if wi is not None and wire.rows is not None else None
+  grad = wo[-1] if wo is not None and wire.grads is not None else None
+  wi = wi if x is None else (jnp.zeros_like(x), *wi[1:])
+  wo = wo if grad is None else (*wo[:-1], jnp.zeros_like(grad))
+  return (x, grad), (None if stats is None else (wi, wo))
+
+
+def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan: moe_dispatch.Plan, wire: moe_dispatch.Wire,
+                       health=(None, None)):
+  """The copies of this token shard sent to their experts' devices and back (alltoall or ragged) over `wire`
+  (`health`: its (dispatch, combine) health inputs, `_measured_on_the_wire`): ([T, k, D] outputs, copies that
+  overflowed the ragged receive buffer)."""
   t, k = experts_TxK.shape
   d = x_TxD.shape[1]
   num_experts = plan.expert_parallel * plan.num_local
@@ -318,10 +335,12 @@ def _exchanged_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan: moe_dispatch.Pla
   if plan.exchange == moe_dispatch.ALLTOALL:
     expert_C = jnp.take(experts_TxK.reshape(-1), sort.copy_of_row, mode="fill", fill_value=num_experts)
     ys_CxD, overflow = moe_dispatch.alltoall(xs_CxD, expert_C, sort.group_sizes, num_local=plan.num_local,
-                                             slots=plan.buffer, axes=plan.expert_axes, ffn=ffn, wire=wire)
+                                             slots=plan.buffer, axes=plan.expert_axes, ffn=ffn, wire=wire,
+                                             health=health)
   else:
     ys_CxD, overflow = moe_dispatch.ragged(xs_CxD, sort.group_sizes, num_local=plan.num_local,
-                                           buffer_rows=plan.buffer, axes=plan.expert_axes, ffn=ffn, wire=wire)
+                                           buffer_rows=plan.buffer, axes=plan.expert_axes, ffn=ffn, wire=wire,
+                                           health=health)
   y_TxKxD = take_rows(ys_CxD, sort.row_of_copy.reshape(-1), sort.copy_of_row[:, None]).reshape(t, k, d)
   return y_TxKxD, overflow
 

@@ -183,48 +183,60 @@ class Wire:
     size = lambda q: jnp.dtype(dtype).itemsize if q is None else q.fmt.bits / 8
     return size(self.rows), size(self.grads)
 
-  def dispatch(self, move, rows, *ints):
-    """move(rows, *ints), a linear exchange of rows towards their experts, over this wire."""
-    return across(move, self.rows, None, self.reduce_axes, rows, ints)
+  def dispatch(self, move, rows, *ints, health=None):
+    """move(rows, *ints), a linear exchange of rows towards their experts, over this wire. `health`: a [STATS]
+    input whose "gradient" is the rows' health as the wire quantized them (quant/health.py), or None."""
+    return across(move, self.rows, None, self.reduce_axes, rows, ints, health)
 
-  def combine(self, move, rows, *ints):
-    """move(rows, *ints), a linear exchange of the experts' outputs back to their tokens, over this wire."""
-    return across(move, None, self.grads, self.reduce_axes, rows, ints)
+  def combine(self, move, rows, *ints, health=None):
+    """move(rows, *ints), a linear exchange of the experts' outputs back to their tokens, over this wire.
+    `health`: a [STATS] input whose "gradient" is the health of the outputs' gradients as the wire quantized them
+    on their way back, or None."""
+    return across(move, None, self.grads, self.reduce_axes, rows, ints, health)
 
 
-def _send(move, quantizer, reduce_axes, rows, ints):
-  """move(rows, *ints), the rows sent quantized (and taken back to their dtype on arrival) if `quantizer`."""
+def _send(move, quantizer, reduce_axes, rows, ints, stats: bool = False):
+  """(move(rows, *ints), the rows sent quantized (and taken back to their dtype on arrival) if `quantizer`; their
+  health as quantized where `stats`, else None)."""
   if quantizer is None:
-    return move(rows, *ints)
-  q = quantizer.quantize(rows, axis=-1, reduce_axes=reduce_axes)
-  return formats.cast_toward_zero(move(q.data, *ints).astype(jnp.float32) * q.scale_inv, rows.dtype)
+    return move(rows, *ints), None
+  q = quantizer.quantize(rows, axis=-1, reduce_axes=reduce_axes, stats=stats)
+  return formats.cast_toward_zero(move(q.data, *ints).astype(jnp.float32) * q.scale_inv, rows.dtype), q.health
 
 
-def across(move, forward: Quantizer | None, backward: Quantizer | None, reduce_axes, rows, ints):
+def across(move, forward: Quantizer | None, backward: Quantizer | None, reduce_axes, rows, ints, health=None):
   """move(rows, *ints) for `move` linear in the rows (an exchange; `ints` its offsets and sizes), the rows sent
   in `forward`'s format and the cotangent sent back (by move's transpose) in `backward`'s; None: as they are.
-  Quantization is the identity for the gradient, as in every quantized GEMM."""
-  return _across(move, forward, backward, tuple(reduce_axes), (rows.shape, jnp.dtype(rows.dtype)), rows, tuple(ints))
+  Quantization is the identity for the gradient, as in every quantized GEMM. `health`: a [STATS] input whose
+  "gradient" is the health of what the wire quantized (the rows, or the cotangent), or None. The expert GEMM
+  measures only what arrives: a value the wire flushed to zero or clipped is no longer underflow or saturation
+  there, so where the wire quantizes, its measure is the operand's."""
+  return _across(move, forward, backward, tuple(reduce_axes), (rows.shape, jnp.dtype(rows.dtype)), rows, tuple(ints),
+                 health)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _across(move, forward, backward, reduce_axes, like, rows, ints):
-  return _send(move, forward, reduce_axes, rows, ints)
+def _across(move, forward, backward, reduce_axes, like, rows, ints, health):
+  return _send(move, forward, reduce_axes, rows, ints)[0]
 
 
-def _across_fwd(move, forward, backward, reduce_axes, like, rows, ints):
-  return _send(move, forward, reduce_axes, rows, ints), ints
+def _across_fwd(move, forward, backward, reduce_axes, like, rows, ints, health):
+  out, measured = _send(move, forward, reduce_axes, rows, ints, stats=health is not None)
+  # What the backward pass hands back as `health`'s "gradient": the rows' health, or (the cotangent's, measured
+  # there) a placeholder of its shape; None: not asked for.
+  return out, (ints, measured if measured is not None or health is None else jnp.zeros_like(health))
 
 
-def _across_bwd(move, forward, backward, reduce_axes, like, ints, ct):
-  shape, dtype = like
+def _across_bwd(move, forward, backward, reduce_axes, like, res, ct):
+  (shape, dtype), (ints, measured) = like, res
 
   def transpose(a, *ints):  # The cotangent (or its quantized data) back the way the rows came.
     primal = varying_as(jnp.zeros(shape, a.dtype), a)
     return jax.linear_transpose(lambda r: move(r, *ints), primal)(a)[0]
 
   with jax.named_scope(SCOPE_GRADIENT):  # A gradient's cast, not a forward quantize the backward runs again.
-    return _send(transpose, backward, reduce_axes, ct, ints).astype(dtype), None
+    back, measured_back = _send(transpose, backward, reduce_axes, ct, ints, stats=measured is not None)
+  return back.astype(dtype), None, measured if measured_back is None else measured_back
 
 
 _across.defvjp(_across_fwd, _across_bwd)
@@ -252,10 +264,12 @@ def saved_routing(a: jax.Array, values: int | None = None) -> jax.Array:
 
 # ----------------------------------------------------------------------------- alltoall
 
-def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn, wire: Wire = Wire()):
+def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn, wire: Wire = Wire(),
+             health=(None, None)):
   """Exchange by fixed buffers. `xs_CxD`: this device's copies sorted by global expert (`sizes_E` rows
   each; rows past their sum are not sent); returns each copy's expert output in the same order, and the
-  copies received here that the expert GEMMs' slots did not hold. The rows cross `wire`."""
+  copies received here that the expert GEMMs' slots did not hold. The rows cross `wire`; `health`: the
+  (dispatch, combine) inputs of `Wire.dispatch` / `Wire.combine`."""
   n = sizes_E.shape[0] // num_local
   send_P = sizes_E.reshape(n, num_local).sum(axis=1)
   start_P = starts(send_P)
@@ -266,11 +280,11 @@ def alltoall(xs_CxD, expert_C, sizes_E, *, num_local: int, slots: int, axes, ffn
   expert_PxS = jnp.where(live_PxS, _gather(expert_C[:, None], row_PxS.reshape(-1))[:, 0].reshape(n, slots)
                          % num_local, num_local)
   exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
-  recv_PxSxD = wire.dispatch(exchange, send_PxSxD)
+  recv_PxSxD = wire.dispatch(exchange, send_PxSxD, health=health[0])
   recv_expert_PxS = saved_routing(exchange(expert_PxS), num_local + 1)  # Kept with the rows it orders.
   d = recv_PxSxD.shape[-1]
   ys, overflow = _sorted_ffn(recv_PxSxD.reshape(-1, d), recv_expert_PxS.reshape(-1), num_local, ffn)
-  back_PxSxD = wire.combine(exchange, ys.reshape(n, slots, d))
+  back_PxSxD = wire.combine(exchange, ys.reshape(n, slots, d), health=health[1])
   # Copy c (sorted) went to destination p = the group holding it, slot c - start_P[p].
   dest_C = jnp.searchsorted(jnp.cumsum(send_P), jnp.arange(xs_CxD.shape[0]), side="right")
   slot_C = jnp.arange(xs_CxD.shape[0]) - _gather(start_P[:, None], dest_C)[:, 0]
@@ -297,10 +311,11 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
                                                unique_indices=True)
 
 
-def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn, wire: Wire = Wire()):
+def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn, wire: Wire = Wire(),
+           health=(None, None)):
   """Exchange of the copies alone. Returns (each copy's expert output in `xs_CxD`'s order, copies that
   did not fit the receiver's `buffer_rows` here (not sent, zero output) plus those received here that
-  the expert GEMMs' slots did not hold). The rows cross `wire`."""
+  the expert GEMMs' slots did not hold). The rows cross `wire`; `health` as `alltoall`'s."""
   n = sizes_E.shape[0] // num_local
   sizes_PxE = sizes_E.reshape(n, num_local)
   send_P = sizes_PxE.sum(axis=1)
@@ -321,7 +336,8 @@ def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn, wire
   def move(rows: int):
     return lambda a, *ints: ragged_all_to_all(a, jnp.zeros_like(a, shape=(rows, d)), *ints, axes=axes)
 
-  recv_RxD = wire.dispatch(move(buffer_rows), xs_CxD, in_offset_P, send_fit_P, out_offset_P, recv_P)
+  recv_RxD = wire.dispatch(move(buffer_rows), xs_CxD, in_offset_P, send_fit_P, out_offset_P, recv_P,
+                           health=health[0])
   # The local expert of each received row: blocks by source, each sorted by local expert.
   recv_sizes_PxE = saved_routing(jax.lax.all_to_all(sizes_PxE, axes, 0, 0, tiled=True))
   r = jnp.arange(buffer_rows)
@@ -333,7 +349,7 @@ def ragged(xs_CxD, sizes_E, *, num_local: int, buffer_rows: int, axes, ffn, wire
   expert_R = jnp.where(live_R, expert_R, num_local)
   ys_RxD, slot_overflow = _sorted_ffn(recv_RxD, expert_R, num_local, ffn)
   back = wire.combine(move(xs_CxD.shape[0]), ys_RxD, recv_offset_P, recv_P, _source_offsets(sent_NxP, me),
-                      send_fit_P)
+                      send_fit_P, health=health[1])
   return back, jnp.sum(send_P - send_fit_P) + slot_overflow
 
 

@@ -170,7 +170,7 @@ def test_rows_sent_quantized_quantize_again_to_the_same_operand(role):
   for rows in [x.at[3, 5].set(-3e4)] + scaled:
     for dtype in (jnp.bfloat16, jnp.float32):
       sent = quantizer.quantize(rows.astype(dtype))
-      arrived = moe_dispatch._send(lambda d: d, quantizer, (), rows.astype(dtype), ())
+      arrived, _ = moe_dispatch._send(lambda d: d, quantizer, (), rows.astype(dtype), ())
       again = quantizer.quantize(arrived)
       as_f32 = lambda q: np.asarray(q.data.astype(jnp.float32))
       np.testing.assert_array_equal(as_f32(again), as_f32(sent))

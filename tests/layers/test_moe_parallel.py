@@ -17,6 +17,7 @@ from ember.layers.moe import MoE, route
 from ember.parallel.mesh import make_mesh
 from ember.plan import hlo as hlo_lib
 from ember.plan.jaxpr import iter_eqns
+from ember.quant import health
 from ember.parallel.sharding import logical_to_spec, rules_dict, tree_shardings, use_rules
 from ember.trainer.state import build_model, logical_axes, split_model
 from ember.trainer.step import forward_loss
@@ -80,9 +81,11 @@ def test_expert_parallel_model_equals_one_device_float32():
 
 # ----------------------------------------------------------------------------- one layer, every recipe
 
-def _layer(recipe: str, num_devices: int, mesh_axes: dict, num_experts: int = 4, hlo: list | None = None):
+def _layer(recipe: str, num_devices: int, mesh_axes: dict, num_experts: int = 4, hlo: list | None = None,
+           outliers: tuple[float, float] | None = None):
   """y, aux and the gradients of sum(y * ct) + load-balance loss for one MoE layer, float32. `hlo`: a list the
-  compiled program's text is appended to."""
+  compiled program's text is appended to. `outliers`: one element of x and one of ct set to these, so that the
+  rest of each underflows its format."""
   cfg = config("tiny_moe", **{"model.dtype": "float32", "quant.recipe": recipe, "quant.amax_history_len": 4,
                               "quant.nvfp4_stochastic_rounding": False, "model.num_experts": num_experts,
                               **mesh_axes})
@@ -98,6 +101,8 @@ def _layer(recipe: str, num_devices: int, mesh_axes: dict, num_experts: int = 4,
   x = jax.random.normal(kx, (8, 16, cfg.model.d_model), jnp.float32)
   ct = jax.random.normal(kc, x.shape, jnp.float32)
   segment_ids = jnp.ones((8, 16), jnp.int32).at[:, 6:].set(2).at[:, 13:].set(0)
+  if outliers is not None:
+    x, ct = x.at[0, 0, 0].set(outliers[0]), ct.at[0, 0, 0].set(outliers[1])
 
   @jax.jit
   def run(state, x):
@@ -154,6 +159,24 @@ def _assert_layer_matches_one_device(recipe, one, sharded):
 @pytest.mark.variants
 def test_expert_parallel_layer_equals_one_device_quantized(recipe):
   _assert_layer_matches_one_device(recipe, _layer(recipe, 1, {}), _layer(recipe, 8, EP))
+
+
+@pytest.mark.parametrize("dispatch", ["ragged", "alltoall"])
+def test_health_over_a_quantizing_exchange_is_the_operands(dispatch):
+  """fp8_current sends the copies in E4M3 and their gradients back in E5M2 at the expert GEMMs' own scales, so a
+  value the wire flushes to zero arrives as a zero, which the GEMM does not count as nonzero: its underflow went
+  unseen. With one outlier in x and in the output gradient (the rest underflowing), the expert parallel layer's
+  health counts (x of wi, the gradient of wo) equal one device's, where nothing crosses a wire."""
+  stats = lambda run: {k: np.asarray(v) for k, v in _grads_by_name(run[0][0]).items() if "quant_stats" in k}
+  axes = {"log.quant_stats_every": 1, "model.moe_dispatch": dispatch}
+  one = stats(_layer("fp8_current", 1, axes, outliers=(1e7, 1e10)))
+  sharded = stats(_layer("fp8_current", 8, {**EP, **axes}, outliers=(1e7, 1e10)))
+  underflow, nonzero = health.STATS.index("underflow"), health.STATS.index("nonzero")
+  for name, row in (("wi", 0), ("wo", -1)):  # wi's activation (sent), wo's output gradient (sent back).
+    (key,) = [k for k in one if f"'{name}'" in k]
+    assert one[key][row, underflow] > 0.9 * one[key][row, nonzero] > 0, (name, one[key][row])
+    np.testing.assert_array_equal(sharded[key][row, [underflow, nonzero]], one[key][row, [underflow, nonzero]],
+                                  err_msg=name)
 
 
 @pytest.mark.long
