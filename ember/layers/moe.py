@@ -111,6 +111,7 @@ class ExpertKernel(nnx.Module):
 
 
 ROUTER_BIAS = "router_bias"  # The MoE module's attribute that holds it: its leaves' key in the train state.
+WI, WO = "moe_wi", "moe_wo"  # The expert projections' names (ember.names.LAYER_PROJECTIONS).
 
 
 class RouterBias(QuantState):
@@ -128,9 +129,9 @@ class MoE(nnx.Module):
                             out_sharding=(EMBED, None))
     common = dict(param_dtype=model.param_dtype, rngs=rngs)
     recipe_of = lambda name: recipe.for_projection(name, layer, model.num_layers)  # `quant.exclude` applied.
-    self.wi = ExpertKernel((e, d, 2, f), (EXPERT, EMBED, GATE, MLP_AXIS), name="moe_wi", recipe=recipe_of("moe_wi"),
+    self.wi = ExpertKernel((e, d, 2, f), (EXPERT, EMBED, GATE, MLP_AXIS), name=WI, recipe=recipe_of(WI),
                            init_std=model.init_std, **common)
-    self.wo = ExpertKernel((e, f, d), (EXPERT, MLP_AXIS, EMBED), name="moe_wo", recipe=recipe_of("moe_wo"),
+    self.wo = ExpertKernel((e, f, d), (EXPERT, MLP_AXIS, EMBED), name=WO, recipe=recipe_of(WO),
                            init_std=model.out_init_std, **common)
     self.shared = MLP(model, model.shared_d_ff, recipe=recipe, layer=layer, rngs=rngs,
                       names=("shared_wi", "shared_wo")) if model.shared_d_ff else None
@@ -148,7 +149,7 @@ class MoE(nnx.Module):
     without one (sampling, a layer called alone) the plan of this batch on the active mesh, whose buffers hold every
     copy (`no_overflow`). `taken`: what the step hands the shared experts' projections (layers/linear.py's `Taken`,
     by path), or None."""
-    keys = None if key is None else (projection_key(key, "moe_wi"), projection_key(key, "moe_wo"))
+    keys = None if key is None else (projection_key(key, WI), projection_key(key, WO))
     histories = (self.wi.history(), self.wo.history())
     stats = (self.wi.stats(), self.wo.stats())
     errors = (self.wi.error(), self.wo.error())
@@ -280,7 +281,7 @@ def _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histori
     y_TxKxD, overflow = _allgather_experts(x_TxD, experts_TxK, keep_TxK, ffn, plan)
     weights_TxK = jax.lax.all_gather(weights_TxK, expert_axes, axis=0, tiled=True) if expert_axes else weights_TxK
   else:
-    wire = moe_dispatch.Wire.of(opts.wi_recipe, opts.wo_recipe, token_axes)  # The expert GEMMs' amax axes.
+    wire = moe_dispatch.Wire.of(opts.wi_recipe, opts.wo_recipe, token_axes, WI)  # The expert GEMMs' amax axes.
     health, stats = _measured_on_the_wire(stats, wire)
     y_TxKxD, overflow = _exchanged_experts(x_TxD, experts_TxK, keep_TxK, functools.partial(ffn, stats=stats), plan,
                                            wire, health)
@@ -355,9 +356,9 @@ def _swiglu(xs_RxD, group_sizes_E, *, wi_ExDx2xF, wo_ExFxD, histories, keys, sta
   key_wi, key_wo = (None, None) if keys is None else keys
   common = dict(dtype=opts.dtype, reduce_axes=token_axes)
   shards = lambda dim: (dim, embed_axes) if embed_axes else None  # D: wi's K (dim 1), wo's N (dim 2).
-  wi = dict(recipe=opts.wi_recipe, name="moe_wi", history=histories[0], key=key_wi, stats=stats[0],
+  wi = dict(recipe=opts.wi_recipe, name=WI, history=histories[0], key=key_wi, stats=stats[0],
             error=errors[0], kernel_shards=shards(1), **common)
-  wo = dict(recipe=opts.wo_recipe, name="moe_wo", history=histories[1], key=key_wo, stats=stats[1],
+  wo = dict(recipe=opts.wo_recipe, name=WO, history=histories[1], key=key_wo, stats=stats[1],
             error=errors[1], kernel_shards=shards(2), **common)
   if slots is None:
     h = grouped_matmul(xs_RxD, wi_ExDx2xF.reshape(e, d_local, 2 * f), group_sizes_E, **wi).reshape(-1, 2, f)

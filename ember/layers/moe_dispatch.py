@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember import remat
 from ember.remat import MOE_ROUTING
 from ember.parallel import axes as mesh_axes
 from ember.platform import target_platform
@@ -62,7 +63,7 @@ from ember.quant import formats
 from ember.quant.core import SCOPE_GRADIENT
 from ember.quant.grouped import starts
 from ember.quant.quantizers import Quantizer
-from ember.quant.recipe import ACTIVATION, GRADIENT, Recipe
+from ember.quant.recipe import ACTIVATION, GRADIENT, X, Recipe
 from ember.quant.varying import manual_axes, varying_as
 
 AUTO, ALLGATHER, ALLTOALL, RAGGED = MOE_DISPATCHERS
@@ -171,12 +172,16 @@ class Wire:
   rows: Quantizer | None = None
   grads: Quantizer | None = None
   reduce_axes: tuple[str, ...] = ()
+  # The remat name of the copies' quantized form at the first expert GEMM: the rows' health measured here is named
+  # alike, so a policy that keeps that operand keeps its health too rather than quantizing the copies again.
+  rows_name: str | None = None
 
   @classmethod
-  def of(cls, wi: Recipe, wo: Recipe, reduce_axes: tuple[str, ...]) -> "Wire":
-    """The wire of experts whose first GEMM runs `wi` (it reads the copies) and last `wo` (its dgrad reads the
-    outputs' gradients)."""
-    return cls(wi.exchange_quantizer(ACTIVATION), wo.exchange_quantizer(GRADIENT), tuple(reduce_axes))
+  def of(cls, wi: Recipe, wo: Recipe, reduce_axes: tuple[str, ...], wi_name: str | None = None) -> "Wire":
+    """The wire of experts whose first GEMM runs `wi` (it reads the copies; `wi_name` its projection's name) and
+    last `wo` (its dgrad reads the outputs' gradients)."""
+    return cls(wi.exchange_quantizer(ACTIVATION), wo.exchange_quantizer(GRADIENT), tuple(reduce_axes),
+               None if wi_name is None else remat.quantized_name(wi_name, X))
 
   def bytes_per_element(self, dtype) -> tuple[float, float]:
     """(a copy's element on the way to its expert, its output's gradient on that same way) for copies of `dtype`."""
@@ -186,7 +191,7 @@ class Wire:
   def dispatch(self, move, rows, *ints, health=None):
     """move(rows, *ints), a linear exchange of rows towards their experts, over this wire. `health`: a [STATS]
     input whose "gradient" is the rows' health as the wire quantized them (quant/health.py), or None."""
-    return across(move, self.rows, None, self.reduce_axes, rows, ints, health)
+    return across(move, self.rows, None, self.reduce_axes, rows, ints, health, self.rows_name)
 
   def combine(self, move, rows, *ints, health=None):
     """move(rows, *ints), a linear exchange of the experts' outputs back to their tokens, over this wire.
@@ -204,30 +209,34 @@ def _send(move, quantizer, reduce_axes, rows, ints, stats: bool = False):
   return formats.cast_toward_zero(move(q.data, *ints).astype(jnp.float32) * q.scale_inv, rows.dtype), q.health
 
 
-def across(move, forward: Quantizer | None, backward: Quantizer | None, reduce_axes, rows, ints, health=None):
+def across(move, forward: Quantizer | None, backward: Quantizer | None, reduce_axes, rows, ints, health=None,
+           health_name: str | None = None):
   """move(rows, *ints) for `move` linear in the rows (an exchange; `ints` its offsets and sizes), the rows sent
   in `forward`'s format and the cotangent sent back (by move's transpose) in `backward`'s; None: as they are.
   Quantization is the identity for the gradient, as in every quantized GEMM. `health`: a [STATS] input whose
   "gradient" is the health of what the wire quantized (the rows, or the cotangent), or None. The expert GEMM
   measures only what arrives: a value the wire flushed to zero or clipped is no longer underflow or saturation
-  there, so where the wire quantizes, its measure is the operand's."""
-  return _across(move, forward, backward, tuple(reduce_axes), (rows.shape, jnp.dtype(rows.dtype)), rows, tuple(ints),
-                 health)
+  there, so where the wire quantizes, its measure is the operand's. `health_name`: the remat name the rows'
+  health is kept under (that of their quantized form)."""
+  return _across(move, forward, backward, tuple(reduce_axes), (rows.shape, jnp.dtype(rows.dtype)), health_name,
+                 rows, tuple(ints), health)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _across(move, forward, backward, reduce_axes, like, rows, ints, health):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _across(move, forward, backward, reduce_axes, like, health_name, rows, ints, health):
   return _send(move, forward, reduce_axes, rows, ints)[0]
 
 
-def _across_fwd(move, forward, backward, reduce_axes, like, rows, ints, health):
+def _across_fwd(move, forward, backward, reduce_axes, like, health_name, rows, ints, health):
   out, measured = _send(move, forward, reduce_axes, rows, ints, stats=health is not None)
+  if measured is not None and health_name:
+    measured = checkpoint_name(measured, health_name)
   # What the backward pass hands back as `health`'s "gradient": the rows' health, or (the cotangent's, measured
   # there) a placeholder of its shape; None: not asked for.
   return out, (ints, measured if measured is not None or health is None else jnp.zeros_like(health))
 
 
-def _across_bwd(move, forward, backward, reduce_axes, like, res, ct):
+def _across_bwd(move, forward, backward, reduce_axes, like, health_name, res, ct):
   (shape, dtype), (ints, measured) = like, res
 
   def transpose(a, *ints):  # The cotangent (or its quantized data) back the way the rows came.

@@ -11,6 +11,7 @@ from flax import nnx
 
 from ember import config as config_lib
 from ember import remat
+from ember.quant import health
 from ember.layers.moe import MoE, keep_mask
 from ember.names import AUX_KEYS
 from ember.parallel.mesh import make_mesh
@@ -223,17 +224,21 @@ def test_saved_rows_come_with_their_routing():
     assert ("top_k" in _backward_primitives(fn, problem.args)) == recomputes_routing, name
 
 
-@pytest.mark.parametrize("dispatch,expert_gemm,recipe", [
-    ("allgather", "ragged_dot", "nvfp4"), ("alltoall", "ragged_dot", "nvfp4"), ("ragged", "ragged_dot", "nvfp4"),
-    ("ragged", "capacity", "nvfp4"),
+@pytest.mark.parametrize("dispatch,expert_gemm,recipe,stats", [
+    ("allgather", "ragged_dot", "nvfp4", 0), ("alltoall", "ragged_dot", "nvfp4", 0),
+    ("ragged", "ragged_dot", "nvfp4", 0), ("ragged", "capacity", "nvfp4", 0),
     # FP8 rows cross the expert axis quantized: the combine's gradient is cast to E5M2 for the exchange back, a
     # gradient's cast (it was counted as a forward quantize recomputed under every policy, `none` too).
-    ("alltoall", "ragged_dot", "fp8_current")])
+    ("alltoall", "ragged_dot", "fp8_current", 0),
+    # With health statistics the wire measures the rows it quantizes: kept with their quantized copy (unnamed, the
+    # copies were quantized again to measure them).
+    ("ragged", "ragged_dot", "fp8_current", 1)])
 @pytest.mark.variants
-def test_save_quantized_recomputes_no_quantize_op_under_expert_parallelism(dispatch, expert_gemm, recipe):
+def test_save_quantized_recomputes_no_quantize_op_under_expert_parallelism(dispatch, expert_gemm, recipe, stats):
   cfg = config_lib.derive(config("tiny_moe", **{"quant.recipe": recipe, "mesh.data": 2, "mesh.fsdp": 1,
                                                 "mesh.expert": 4, "model.moe_dispatch": dispatch,
-                                                "model.moe_expert_gemm": expert_gemm}), 8)
+                                                "model.moe_expert_gemm": expert_gemm,
+                                                "log.quant_stats_every": stats}), 8)
   with use_rules(make_mesh(cfg.mesh), cfg.mesh.rules):
     problem = analysis.layer_problem(cfg, batch=8)
     saved = analysis.trace_layer(problem, remat.PRESETS["save_quantized"])
@@ -241,7 +246,9 @@ def test_save_quantized_recomputes_no_quantize_op_under_expert_parallelism(dispa
   for r in saved.residuals:
     # The layer input, the low-precision copies, scalars and vectors, and the exchange's routing integers (the
     # counts it sent, kept with the rows they place: moe_dispatch.saved_routing).
-    assert r.name == remat.LAYER_INPUT or r.dtype in ("uint8", "uint4", "int32") or len(r.shape) <= 1, r
+    # With statistics, the per-expert kernels' health rows [E, STATS] too.
+    assert r.name == remat.LAYER_INPUT or r.dtype in ("uint8", "uint4", "int32") or len(r.shape) <= 1 or \
+        (stats and r.shape[-1] == health.NUM_STATS), r
     # Named where the shard_map's body made them (the trace reported "shard_map (moe.py:...)" for every one).
     assert len(r.shape) <= 1 or r.name in remat.ALL_NAMES + (remat.MOE_ROUTING,), r
   assert {"quantized.moe_wi.x", "quantized.moe_wo.kernel"} <= {r.name for r in saved.residuals}
