@@ -121,15 +121,19 @@ def out_of_memory_exit(err: BaseException) -> int:
   line = out_of_memory(err)
   if line is None:
     raise err
-  sys.stderr.write(f"error: {line}\n")
-  sys.stderr.flush()
+  _say_error(line)
   return OUT_OF_MEMORY_EXIT_STATUS
 
 
-def fail_and_exit(err: BaseException) -> None:
-  """Prints one line and exits with status 2 (bad command line, config or input path), or 3 (`Diverged`).
-
-  The line is one write, so the lines of processes sharing a stderr (launch/local.sh) never interleave."""
-  sys.stderr.write(f"error: {one_line(err)}\n")
+def _say_error(line: str) -> None:
+  """`error: <line>` on stderr in one write, so the lines of processes sharing a stderr (launch/local.sh) never
+  interleave."""
+  sys.stderr.write(f"error: {line}\n")
   sys.stderr.flush()
+
+
+def fail_and_exit(err: BaseException) -> None:
+  """Prints one line (`_say_error`) and exits with status 2 (bad command line, config or input path), or 3
+  (`Diverged`)."""
+  _say_error(one_line(err))
   sys.exit(DIVERGED_EXIT_STATUS if isinstance(err, Diverged) else 2)

@@ -91,14 +91,14 @@ def _validate_latent_sizes(s: Settings) -> None:
               "model.kv_lora_rank > 0 turns on (it is 0)")
 
 
-def _unread_keys(s: Settings) -> list[tuple[tuple[str, ...], bool, str]]:
+def _unread_keys(s: Settings, reference: ml_collections.ConfigDict) -> list[tuple[tuple[str, ...], bool, str]]:
   """Keys read only under a condition: (the keys, whether this run reads them, when they are read). The one table
-  of such keys; `_validate_unread` warns of those set where they are not read."""
+  of such keys; `_validate_unread` warns of those set where they are not read. `reference`: the default config."""
   recipes = [recipe for _, recipe in s.phases]
   read_options = {o for recipe in recipes for o in recipe.scheme.options}
   by = lambda option: " / ".join(n for n, scheme in SCHEMES.items() if option in scheme.options)
   stages = s.mesh.pipeline * s.mesh.dcn_pipeline  # Negative while a -1 axis is unresolved: maybe a pipeline.
-  muon = tuple(f"train.{k}" for k in defaults.get_config().train if k.startswith("muon_"))
+  muon = tuple(f"train.{k}" for k in reference.train if k.startswith("muon_"))
   own_source = None if s.data.mixture else s.data.source  # A mixture's entries replace data.source.
   return [
       (muon, s.train.optimizer == "muon", "under train.optimizer=muon"),
@@ -124,7 +124,7 @@ def _validate_unread(s: Settings) -> None:
   """A key set away from its default where this run reads nothing of it: a warning line, not an error (one config
   file serves a sweep's runs or a schedule's phases, each reading its own keys)."""
   reference = defaults.get_config()
-  for keys, read, when in _unread_keys(s):
+  for keys, read, when in _unread_keys(s, reference):
     for key in keys if not read else ():
       section, name = key.split(".")
       value = getattr(getattr(s, section), name)

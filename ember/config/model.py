@@ -133,7 +133,7 @@ class ModelConfig:
               f"{self.topk_group} groups of {group}")
 
   def _check_mla(self):
-    for name in MLA_DIMS[1:]:
+    for name in MLA_DIMS[1:]:  # All but q_lora_rank, whose 0 is a full query projection.
       if not getattr(self, name):
         bad_key(f"model.{name}", "multi-head latent attention (model.kv_lora_rank > 0) needs it > 0")
     if self.qk_rope_head_dim % 2:

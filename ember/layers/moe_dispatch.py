@@ -56,7 +56,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember import remat
-from ember.remat import MOE_ROUTING
 from ember.parallel import axes as mesh_axes
 from ember.platform import target_platform
 from ember.quant import formats
@@ -264,11 +263,11 @@ def _sorted_ffn(rows_RxD, expert_R, num_local: int, ffn):
 
 
 def saved_routing(a: jax.Array, values: int | None = None) -> jax.Array:
-  """Integers the routing decided (expert choices, the counts an exchange sent) through the `MOE_ROUTING` name, as
+  """Integers the routing decided (expert choices, the counts an exchange sent) through the `remat.MOE_ROUTING` name, as
   uint8 where their `values` distinct values fit (1 byte each), else as they are: a policy that keeps rows in
   routing order keeps them too (remat.ROUTED)."""
   small = jnp.uint8 if values is not None and values <= 256 else a.dtype
-  return checkpoint_name(a.astype(small), MOE_ROUTING).astype(a.dtype)
+  return checkpoint_name(a.astype(small), remat.MOE_ROUTING).astype(a.dtype)
 
 
 # ----------------------------------------------------------------------------- alltoall

@@ -319,19 +319,19 @@ def _parse(argv: list[str]):
   args, fixed = cli.parse_with_overrides(parser, argv, "--grid, --steps, --out")
   if not args.grid:
     raise ConfigError("--grid: give at least one KEY=V1,V2,...")
-  refuse_fixed(fixed, {**SWEEP_KEYS, **{k: f"--grid={k}=..." for k, _ in parse_grid(args.grid)}}, "the sweep")
+  grid = parse_grid(args.grid)
+  refuse_fixed(fixed, {**SWEEP_KEYS, **{k: f"--grid={k}=..." for k, _ in grid}}, "the sweep")
   if args.steps < 1:
     raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
   if args.timeout is not None and not args.timeout > 0:
     raise ConfigError(f"--timeout: must be > 0 seconds, got {args.timeout:g}")
   cli.make_out_dir("--out", args.out)
-  return args, fixed
+  return args, grid, fixed
 
 
 def main(argv: list[str]) -> int:
   try:
-    args, fixed = _parse(argv[1:])
-    grid = parse_grid(args.grid)
+    args, grid, fixed = _parse(argv[1:])
     check(args.config, grid, fixed, args.steps, args.out)
     check_fresh(grid, args.out)
   except ConfigError as e:
