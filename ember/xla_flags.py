@@ -16,6 +16,11 @@ REQUIRED_XLA_FLAGS = {
     # GEMMs, FP8 ones included, to cuBLAS(Lt). With XLA's Triton GEMMs on, an H100 ran fp8_current's step with
     # no FP8 GEMM at all (the `fp8_gemms` count of ember.tools.bench was 0), slower than bf16.
     "--xla_gpu_enable_triton_gemm": "false",
+    # No two dots that share an operand merged into one. A step reads each kernel's quantized copies made once
+    # (layers/linear.py's `once_a_step`), so a 1F1B tick's forward GEMM and the remat of another micro-batch's
+    # share their kernel; merged, their rows carry two scales and XLA ran the one GEMM in bf16 (tiny, data 2 x
+    # tensor 2 x 2 stages, remat `full`: 3 of the projections' GEMMs). XLA merges up to 32 MB by default.
+    "--xla_gpu_dot_merger_threshold_mb": "0",
 }
 
 

@@ -14,17 +14,18 @@ DIV = "--xla_backend_extra_options=-nvptx-prec-divf32=2"
 
 
 def test_required_flags_are_added_once_and_a_users_own_value_wins():
-  assert xla_flags.with_required_xla_flags("") == f"{DIV} --xla_gpu_enable_triton_gemm=false"
-  assert xla_flags.with_required_xla_flags(xla_flags.with_required_xla_flags("--a=1")) == (
-      f"--a=1 {DIV} --xla_gpu_enable_triton_gemm=false")
-  mine = "--xla_gpu_enable_triton_gemm=true --xla_backend_extra_options=-nvptx-prec-divf32=1"
+  rest = "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0"
+  assert xla_flags.with_required_xla_flags("") == f"{DIV} {rest}"
+  assert xla_flags.with_required_xla_flags(xla_flags.with_required_xla_flags("--a=1")) == f"--a=1 {DIV} {rest}"
+  mine = ("--xla_gpu_enable_triton_gemm=true --xla_backend_extra_options=-nvptx-prec-divf32=1 "
+          "--xla_gpu_dot_merger_threshold_mb=32")
   assert xla_flags.with_required_xla_flags(mine) == mine
   # The user's own division option wins wherever it is; their tokens are never edited (XLA merges repeated
   # --xla_backend_extra_options into one map), quoted ones included.
   twice = "--xla_backend_extra_options=-nvptx-prec-divf32=1 --xla_backend_extra_options=-x"
-  assert xla_flags.with_required_xla_flags(twice) == f"{twice} --xla_gpu_enable_triton_gemm=false"
+  assert xla_flags.with_required_xla_flags(twice) == f"{twice} {rest}"
   quoted = '--xla_backend_extra_options="-x=1"'
-  assert xla_flags.with_required_xla_flags(quoted) == f"{quoted} {DIV} --xla_gpu_enable_triton_gemm=false"
+  assert xla_flags.with_required_xla_flags(quoted) == f"{quoted} {DIV} {rest}"
   assert xla_flags.with_required_xla_flags("/etc/xla.flags") == "/etc/xla.flags"  # A file of flags: XLA's to read.
 
 

@@ -113,9 +113,9 @@ def test_offloaded_presets_place_their_names_in_host_memory():
   # sum its GEMM writes: what the backward pass reads, so nothing is rotated or added again.
   expected = {"minimal_offloaded": {remat.ATTENTION_INPUT, remat.ATTENTION_CONTEXT, remat.ATTENTION_RESIDUAL,
                                     remat.MLP_WI},
-              "save_quantized_offloaded": {remat.quantized_name(p, o) for p in ("qkv", "out", "wi", "wo")
-                                           for o in ("x", "kernel")},
-              # The activation copies only; the weight copies stay on device.
+              # The activation copies: a per-tensor kernel's are made once a step, outside the layers' checkpoints
+              # (layers/linear.py's `once_a_step`), no residual.
+              "save_quantized_offloaded": {remat.quantized_name(p, "x") for p in ("qkv", "out", "wi", "wo")},
               "save_quantized_x_offloaded": {remat.quantized_name(p, "x") for p in ("qkv", "out", "wi", "wo")}}
   for name, names in expected.items():
     preset = remat.PRESETS[name]

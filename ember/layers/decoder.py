@@ -381,7 +381,7 @@ class Transformer(nnx.Module):
     """`__call__`, and with `targets_BxL` the multi-token-prediction modules' normed hidden states too (one [B, L,
     D] per depth, ember/layers/mtp.py; none without modules): (h, aux, [h_1, ...]). Their layers' statistics
     follow the decoder's in aux's per-layer arrays (rows num_layers, ...). `taken`: what the step hands the
-    projections (layers/linear.py's `Taken`, by path: `linear.kernel_amaxes` of this model), or None."""
+    projections (layers/linear.py's `Taken`, by path: `linear.once_a_step` of this model), or None."""
     balanced = bool(context.context_axes())  # Context parallelism: its balanced layout (parallel/context.py).
     rows = (BATCH, LENGTH)
     depths = len(self.mtp) if targets_BxL is not None else 0

@@ -53,14 +53,16 @@ class QuantState(nnx.Variable):
 @dataclasses.dataclass(frozen=True)
 class Taken:
   """What a projection is handed for one step besides its input and key (`Linear.__call__`'s `taken`): its
-  kernel's max|kernel|, taken once for the micro-batches of a step (`kernel_amaxes`), so that the kernel's quantizer
-  skips its own pass over the float32 weights (quant/dot.py's `takes_kernel_amax`); and in unrolled layers the
-  stacked kernels [L, ...] its kernel is row `index` of (`stacked_kernels`), so that its kernel cast reads the
-  layer's kernel where it lies (quant/core.py's `KernelRow`). Each module hands its children their own
-  (`handed`), keyed by their path below it; the scan over stacked layers hands each layer its row."""
+  kernel's max|kernel| and quantized copies, made once for the micro-batches of a step (`once_a_step`), so that
+  its GEMMs quantize no kernel, nor read the float32 weights for it, in each micro-batch and each remat
+  recomputation (quant/dot.py's `kernel_copies`); and in unrolled layers the stacked kernels [L, ...] its kernel is
+  row `index` of (`stacked_kernels`), so that a kernel cast of its own reads the layer's kernel where it lies
+  (quant/core.py's `KernelRow`). Each module hands its children their own (`handed`), keyed by their path below
+  it; the scan over stacked layers hands each layer its row."""
   amax: jax.Array | None = None
   stacked: jax.Array | None = None
   index: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  copies: dict | None = None  # {operand: QuantizedTensor}, `Linear.kernel_copies`.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +74,30 @@ class _FlatOutputs:
   split: tuple[int, ...]
 
 
-def kernel_amaxes(model: nnx.Module) -> dict:
-  """{path: Taken(max|kernel|)} of every projection of `model` whose recipe takes a kernel's amax in a pass of its
-  own (one amax per layer where kernels are stacked)."""
+def once_a_step(model: nnx.Module, remat: bool = True, loop: bool = True) -> dict:
+  """{path: Taken(max|kernel|, copies)} of every projection of `model` whose kernel a step quantizes once for all
+  its GEMMs (`Linear.kernel_copies`) or whose recipe takes a kernel's amax in a pass of its own (one of each per
+  layer where kernels are stacked). Made outside the gradient: the copies' only use is the GEMMs' operands, and
+  each kernel's gradient is its GEMMs' (quant/core.py). `remat`: the layers run under a remat policy (the
+  step's `policy.remat`); without, no copies: each GEMM quantizes its kernel once a micro-batch, and the forward's
+  gathered copy serves dgrad too (XLA gathers it once for both), where copies made ahead are gathered once for
+  each and read a layer's row out of the stacked ones (llama3_8b, 16 micro-batches, `none`, h100x8: 12,742
+  tokens/s/GPU predicted with them, 12,797 without). `loop`: a loop of micro-batches reads them (a pipeline's
+  ticks, gradient accumulation)."""
+  keep = jax.lax.optimization_barrier if loop else lambda taken: taken
   out = {}
   for path, m in nnx.iter_graph(model):
-    if isinstance(m, Linear) and (amax := m.kernel_amax()) is not None:
-      out[tuple(path)] = Taken(amax)
+    if isinstance(m, Linear):
+      amax = m.kernel_amax()
+      copies = m.kernel_copies(amax) if remat else None
+      if copies is not None:
+        # A barrier keeps the copies made here: XLA sinks a cast of a loop's invariant input into the loop's body
+        # (a pipeline stage's ticks, where nothing gathers the kernel first), and quantized it each tick again.
+        # Without a loop it would only keep XLA from making each copy where its layer needs it (llama3_8b,
+        # unrolled `minimal`, h100x8: 12,743 tokens/s/GPU predicted with it, 12,868 without).
+        out[tuple(path)] = keep(jax.lax.stop_gradient(Taken(amax, copies=copies)))
+      elif amax is not None:
+        out[tuple(path)] = Taken(amax)
   return out
 
 
@@ -96,11 +115,13 @@ def _for_the_compiler(spec, mesh) -> jax.sharding.NamedSharding:
 
 
 def row_taken(taken: dict | None, stacked: dict, index: int) -> dict:
-  """What each projection of stacked layer `index` is handed: its row of `taken`'s amaxes, and the stacked kernels
-  (`stacked_kernels`) with the row's index."""
+  """What each projection of stacked layer `index` is handed: its row of `taken`'s amaxes and copies, and the
+  stacked kernels (`stacked_kernels`) with the row's index."""
   taken = taken or {}
-  return {path: Taken(None if path not in taken else taken[path].amax[index], stacked.get(path),
-                      index if path in stacked else None) for path in set(taken) | set(stacked)}
+  row = lambda tree: None if tree is None else jax.tree.map(lambda a: a[index], tree)
+  return {path: Taken(row(taken[path].amax) if path in taken else None, stacked.get(path),
+                      index if path in stacked else None, row(taken[path].copies) if path in taken else None)
+          for path in set(taken) | set(stacked)}
 
 
 def handed(taken: dict | None, *names) -> dict | None:
@@ -155,11 +176,7 @@ class Linear(nnx.Module):
     stats = None if self.quant_stats is None else self.quant_stats[...]
     error = None if self.output_error is None else self.output_error[...]
     row = None
-    flat = self._flat_outputs(out_shape)
-    if flat is not None:
-      n_in = len(self.in_shape)
-      kernel = jnp.transpose(kernel.reshape(self.in_shape + flat.shape),
-                             tuple(range(n_in)) + tuple(n_in + i for i in flat.order))
+    kernel, flat = self._gemm_kernel(kernel)
     if mine.stacked is not None and flat is None and view is None:
       row = dot.KernelRow(mine.stacked.reshape(-1, k, n), mine.index)
     parallel = self._sequence_parallel_axes(lead)
@@ -170,17 +187,36 @@ class Linear(nnx.Module):
       x = sharding.place(x, sharding.logical_to_spec((BATCH, LENGTH) + self.axes[: len(self.in_shape)], rules, mesh))
       parallel = set()
     rows = lead if parallel else (-1,)
-    y = dot.quantized_matmul(x.reshape(rows + (k,)), kernel.reshape(k, n), recipe=self.recipe, name=self.name,
+    y = dot.quantized_matmul(x.reshape(rows + (k,)), kernel, recipe=self.recipe, name=self.name,
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
                              error=error, kernel_amax=mine.amax, wgrad_transposed=self._reduced_along_output(),
                              row_axes=self._row_axes() if len(lead) == 2 else (), kernel_row=row,
                              kernel_sharding=self._gemm_kernel_sharding(flat),
-                             row_sharding=self._gemm_row_sharding(parallel))
+                             row_sharding=self._gemm_row_sharding(parallel),
+                             kernel_copies=self._layer_copies(mine.copies) if view is None else None)
     if flat is None:
       return self._placed(y.reshape(lead + out_shape), parallel)
     y = self._placed(y.reshape(lead + tuple(flat.shape[i] for i in flat.order)), parallel, flat)
     back = tuple(len(lead) + flat.order.index(i) for i in range(len(flat.order)))
     return jnp.transpose(y, tuple(range(len(lead))) + back).reshape(lead + out_shape)
+
+  @staticmethod
+  def _layer_copies(copies: dict | None) -> dict | None:
+    """This layer's kernel copies made ahead (`Taken.copies`; of the kernel unviewed), as its GEMMs take them:
+    behind a barrier. Read out of the stacked copies (a scan's slice, a pipeline chunk's rows), XLA moved the GEMM's
+    dequantizing convert ahead of the slice onto the stacked FP8 copies, where its FP8 GEMM rewrite no longer
+    matched it and ran the GEMM in bf16 (tiny, data 2 x tensor 2 x 2 stages of 2 layers: 32 of 48 GEMMs)."""
+    return None if copies is None else jax.lax.optimization_barrier(copies)
+
+  def _gemm_kernel(self, kernel: jax.Array) -> "tuple[jax.Array, _FlatOutputs | None]":
+    """(the kernel [K, N] as the GEMMs read it, how its output axes were flattened: `_flat_outputs`)."""
+    out_shape = kernel.shape[len(self.in_shape):]
+    flat = self._flat_outputs(out_shape)
+    if flat is not None:
+      n_in = len(self.in_shape)
+      kernel = jnp.transpose(kernel.reshape(self.in_shape + flat.shape),
+                             tuple(range(n_in)) + tuple(n_in + i for i in flat.order))
+    return kernel.reshape(math.prod(self.in_shape), math.prod(out_shape)), flat
 
   def _gemm_kernel_sharding(self, flat: "_FlatOutputs | None"):
     """Where the flattened [K, N] kernel's GEMMs read it: the kernel's own split of its major input and output
@@ -278,6 +314,47 @@ class Linear(nnx.Module):
     over = lambda entries: {a for e in entries for a in sharding.entry_axes(e)} & batch
     n_in = len(self.in_shape)
     return bool(over(spec[n_in:])) and not over(spec[:n_in])
+
+  def kernel_copies(self, amax: jax.Array | None) -> dict | None:
+    """The kernel's quantized copies as `__call__`'s GEMMs read them (quant/dot.py's `kernel_copies`; one per layer
+    of a stacked kernel), made from `amax` (`kernel_amax`), or None where the recipe makes none ahead."""
+    if not dot.takes_kernel_copies(self.recipe, self.quant_stats is not None):
+      return None
+    history = self.amax_history[...] if self.recipe.delayed else None
+    copies = lambda kernel, amax, history: dot.kernel_copies(self._gemm_kernel(kernel)[0], recipe=self.recipe,
+                                                             history=history, amax=amax)
+    kernel = self.kernel[...]
+    lead = kernel.ndim - len(self.in_shape) - len(self.out_shape)
+    for _ in range(lead):
+      copies = jax.vmap(copies, in_axes=(0, None if amax is None else 0, None if history is None else 0))
+    copies = copies(kernel, amax, history)
+    flat = self._flat_outputs(self.out_shape)
+    for name, q in copies.items():
+      spec = None if q.block else self._copy_spec(flat, q.data.shape[lead:], transposed=q.axis == 1)
+      if spec is not None:
+        copies[name] = dataclasses.replace(q, data=sharding.place(q.data, P(*(P.UNCONSTRAINED,) * lead, *spec)))
+    return copies
+
+  def _copy_spec(self, flat: "_FlatOutputs | None", shape: tuple[int, int], transposed: bool) -> P | None:
+    """Where a per-tensor copy made ahead (`kernel_copies`: [K, N], or [N, K] `transposed`) lies: split as the
+    kernel over its two axes, but over the axes its GEMMs gather it along (FSDP's: the tokens' axes) on its
+    major axis, the last split there. An FP8 GEMM reads both operands contraction axis minor, so the forward
+    GEMM's copy is [N, K]; gathered along that minor K for every GEMM, XLA gathers along the major axis and
+    transposes after, a pass over the whole kernel each time (llama3_70b, tensor 4 x 8 stages: 1 TB a device a
+    step). None outside the rules, or where the major axis does not divide."""
+    rules, mesh, n_in = sharding.active_rules(), sharding.active_mesh(), len(self.in_shape)
+    if rules is None or mesh is None:
+      return None
+    spec = sharding.logical_to_spec((self.axes[0], self.axes[n_in + (flat.split[0] if flat else 0)]), rules, mesh)
+    k, n = (sharding.entry_axes(e) for e in sharding.without_axes(spec, manual_axes()))
+    major, minor = (n, k) if transposed else (k, n)
+    gathered = set(mesh_axes.token_axes(rules, mesh))
+    major = tuple(major) + tuple(a for a in minor if a in gathered)
+    minor = tuple(a for a in minor if a not in gathered)
+    if shape[0] % math.prod(mesh.shape[a] for a in major) or shape[1] % math.prod(mesh.shape[a] for a in minor):
+      return None
+    entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes
+    return entry(major), entry(minor)
 
   def kernel_amax(self) -> jax.Array | None:
     """max|kernel| as `__call__`'s quantizer takes it (one per layer of a stacked kernel), or None where that is

@@ -112,8 +112,10 @@ def place(x: jax.Array, spec: P) -> jax.Array:
 
 
 def without_axes(spec: P, axes) -> P:
-  """`spec` with the mesh `axes` left out of every entry."""
+  """`spec` with the mesh `axes` left out of every entry (an unconstrained entry stays one)."""
   def entry_without(entry):
+    if entry is P.UNCONSTRAINED:
+      return entry
     kept = tuple(a for a in entry_axes(entry) if a not in axes)
     return None if not kept else kept[0] if len(kept) == 1 else kept
   return P(*(entry_without(e) for e in spec))

@@ -30,6 +30,7 @@ from jax._src.interpreters import partial_eval as pe
 from ember import remat
 from ember.config import Settings
 from ember.config.model import ModelConfig
+from ember.layers import linear
 from ember.layers.decoder import Block, segments_of
 from ember.parallel import axes
 from ember.plan.jaxpr import GEMM_PRIMITIVES, is_projection_gemm, is_quantize_cast, iter_eqns, name_stack, nbytes
@@ -92,11 +93,24 @@ def layer_problem(cfg: Settings, *, batch: int | None = None) -> LayerProblem:
 
 
 def layer_fn(graphdef, preset: remat.Preset):
-  """The scan body of ember/layers/decoder.py for one block: (x, state, segment_ids, positions, key)
-  -> (y, aux, per-layer counts), under `remat.checkpoint` with the preset's policy."""
-  def body(x, state, segment_ids, positions, key):
-    return nnx.merge(graphdef, state)(x, segment_ids, positions, key)
+  """The scan body of ember/layers/decoder.py for one block: (x, state, segment_ids, positions, key, taken)
+  -> (y, aux, per-layer counts), under `remat.checkpoint` with the preset's policy; `taken`: what the step makes
+  once for the block's projections, outside every checkpoint (`layer_taken`)."""
+  def body(x, state, segment_ids, positions, key, taken):
+    return nnx.merge(graphdef, state)(x, segment_ids, positions, key, taken=taken)
   return remat.checkpoint(body, preset)
+
+
+def layer_args(problem: LayerProblem, preset: remat.Preset) -> tuple:
+  """`layer_fn`'s arguments (shapes) under `preset`: the problem's and what the step makes once (`layer_taken`)."""
+  return (*problem.args, jax.eval_shape(functools.partial(layer_taken, problem.graphdef, preset=preset),
+                                        problem.state))
+
+
+def layer_taken(graphdef, state, preset: remat.Preset) -> dict:
+  """What the step makes once for the block's projections under `preset` (layers/linear.py's `once_a_step`: the
+  kernels' amaxes and quantized copies), which the block's GEMMs read and no remat policy saves or recomputes."""
+  return linear.once_a_step(nnx.merge(graphdef, state), preset.remat)
 
 
 # ----------------------------------------------------------------------------- the backward pass
@@ -162,7 +176,8 @@ class LayerTrace:
 def trace_layer(problem: LayerProblem, preset: remat.Preset) -> LayerTrace:
   """Residuals the block's forward pass saves, and the operations of its backward pass."""
   fn = layer_fn(problem.graphdef, preset)
-  leaves, in_tree = jax.tree.flatten(problem.args)
+  args = layer_args(problem, preset)
+  leaves, in_tree = jax.tree.flatten(args)
 
   def fwd(*leaves):
     return jax.vjp(fn, *jax.tree.unflatten(in_tree, leaves))
@@ -173,13 +188,14 @@ def trace_layer(problem: LayerProblem, preset: remat.Preset) -> LayerTrace:
   # A custom VJP's residuals that its backward rule ignores (e.g. the amax of a current-scaling
   # tensor) are dropped by the scan's dead-code elimination in the real step: drop them here too.
   _, used = pe.dce_jaxpr(bwd.jaxpr, [True] * len(bwd.jaxpr.outvars))
-  residuals = _residuals(closed.jaxpr, used[:len(res_structs)], problem)
+  residuals = _residuals(closed.jaxpr, used[:len(res_structs)], problem, len(jax.tree.leaves(args[-1])))
   return LayerTrace(tuple(residuals), backward_counts(bwd.jaxpr))
 
 
-def _residuals(jaxpr, used: list[bool], problem: LayerProblem) -> list[Residual]:
+def _residuals(jaxpr, used: list[bool], problem: LayerProblem, n_taken: int) -> list[Residual]:
   """Reads the residual outputs of the jaxpr of `jax.vjp` (as `jax.ad_checkpoint` does in
-  `saved_residuals`), keeping those the layer scan stores per block (see the module doc)."""
+  `saved_residuals`), keeping those the layer scan stores per block (see the module doc); the last `n_taken`
+  inputs are what the step made once (`layer_taken`), held as the parameters are."""
   res_vars = [v for v, u in zip(jaxpr.outvars[len(jaxpr.outvars) - len(used):], used) if u]
   producer = {v: e for e in jaxpr.eqns for v in e.outvars}
   offloaded = set()
@@ -188,7 +204,7 @@ def _residuals(jaxpr, used: list[bool], problem: LayerProblem) -> list[Residual]
   n_x = 1
   n_state = len(jax.tree.leaves(problem.state))
   invars = jaxpr.invars
-  layer_input, params = invars[0], set(invars[n_x:n_x + n_state])
+  layer_input, params = invars[0], set(invars[n_x:n_x + n_state]) | set(invars[len(invars) - n_taken:])
   varying = {layer_input, *params, *invars[n_x + n_state + 2:]}  # Input, parameters, key.
   for e in jaxpr.eqns:
     if any(not isinstance(v, jax.extend.core.Literal) and v in varying for v in e.invars):

@@ -48,6 +48,7 @@ from ember.plan import auto_remat, layer
 from ember.plan.isolated import compile_report_isolated
 from ember.plan.target import Target, run_memory_fraction, targeting
 from ember.plan.units import GiB
+from ember.quant import dot
 from ember.quant.recipe import BF16  # Attention and the LM head run in the compute dtype.
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import attention_flops_per_token, forward_flops_per_token, head_flops_per_token
@@ -232,8 +233,9 @@ class Estimator:
 
   def _leaves(self, layout: Layout) -> tuple[float, float, list, tuple[str, ...], float]:
     """(train state bytes per device, parameter bytes per device, [(elements per device, sharded axes, is a
-    projection kernel, its optimizer state split over the replicas)] per parameter, the replica axes of a step of
-    micro-batches, the share of the projection kernels' elements a device holds) on the layout's mesh."""
+    projection kernel, its optimizer state split over the replicas, a dense projection's kernel)] per parameter, the
+    replica axes of a step of micro-batches, the share of the projection kernels' elements a device holds) on the
+    layout's mesh."""
     key = (layout.node, layout.dcn, self._rows(layout))  # A pipeline's padding rows are state too.
     if key not in self._state:
       cfg = layout.apply(self.settings).for_devices(self.target.count)
@@ -245,15 +247,30 @@ class Estimator:
       size = lambda a, s: math.prod(s.shard_shape(a.shape))
       state = sum(size(a, s) * a.dtype.itemsize for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
       leaves, whole_kernels = [], 0
-      for a, s, split in zip(jax.tree.leaves(abstract.params), jax.tree.leaves(shardings.params), splits, strict=True):
+      params_with_paths = jax.tree_util.tree_leaves_with_path(abstract.params)
+      for (path, a), s, split in zip(params_with_paths, jax.tree.leaves(shardings.params), splits, strict=True):
         split_over = {x for entry in s.spec for x in entry_axes(entry)}
         projection = a.ndim >= 2 and self.model.vocab_size not in a.shape
-        leaves.append((size(a, s), split_over, projection, split is not None))
+        name = jax.tree_util.keystr(path)
+        # A dense projection's kernel (layers/linear.py's `Linear`), not the routed experts' (`moe`, whose shared
+        # experts are dense), a stacked norm's scale nor the LM head.
+        dense = projection and name.endswith("kernel']") and ("moe" not in name or "shared" in name)
+        leaves.append((size(a, s), split_over, projection, split is not None, dense))
         whole_kernels += a.size if projection else 0
       params = sum(leaf[0] * 4 for leaf in leaves)
-      held = sum(n for n, _, projection, _ in leaves if projection) / max(whole_kernels, 1)
+      held = sum(n for n, _, projection, _, _ in leaves if projection) / max(whole_kernels, 1)
       self._state[key] = (state, params, leaves, replicas, held)
     return self._state[key]
+
+  def _copies(self, leaves) -> float:
+    """Bytes a device holds for the quantized kernel copies a step under a remat policy makes once
+    (layers/linear.py's `once_a_step`): its share of the dense projections' kernels, once for the forward GEMM and
+    once for dgrad (quant/dot.py's `kernel_copies`), in the recipe's per-element bytes. The routed experts' kernels
+    are quantized by their GEMMs."""
+    recipe = self.settings.quant
+    if not dot.takes_kernel_copies(recipe, False):
+      return 0.0
+    return 2 * recipe.scheme.weight_bytes * sum(n for n, _, _, _, dense in leaves if dense)
 
   def _rows(self, layout: Layout) -> int:
     """The stacked layers' rows, in layers: the model's blocks padded to the layout's stages x chunks
@@ -292,6 +309,7 @@ class Estimator:
     activations += (kept * layers / stages * block.residual_kernel_bytes + block.working_kernel_bytes) * held
     activations += kept * hidden if stages > 1 and layout.schedule == "gpipe" else 0  # Outputs kept for the loss.
     peak = state + params * (2 if layout.grad_accum_steps > 1 else 1) + activations
+    peak += self._copies(leaves) if remat.PRESETS[layout.remat].remat else 0.0
     # Compute: the model's FLOPs and the recomputed share; projections at the recipe's GEMM peak, attention and
     # the LM head at bf16's.
     recipe = cfg.quant
@@ -315,7 +333,7 @@ class Estimator:
     grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
     seconds = once = 0.0
     experts_over = set(axes.expert_axes(cfg.mesh.rules_dict))
-    for elements, split_over, projection, zero in leaves:
+    for elements, split_over, projection, zero, _ in leaves:
       weight_bytes = recipe.scheme.weight_bytes if projection else 2.0
       for a in batch_axes:
         n = mesh[a]

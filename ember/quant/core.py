@@ -102,24 +102,27 @@ class KernelRow:
 
 
 def quantized_gemm(x, w, rows, history, key, stats, *, layout: Layout, recipe: Recipe, name: str, dtype,
-                   error=None, kernel_amax=None, kernel_row: KernelRow | None = None):
+                   error=None, kernel_amax=None, kernel_row: KernelRow | None = None, kernel_copies=None):
   """x @ w in `recipe`'s format (see the module doc); `history` and `stats` are (x, kernel, grad) triples or
   None, `key` seeds stochastic rounding (nvfp4) or is None, `error` the probe's [2] input or None,
   `kernel_amax` max|w| taken by the caller (`tensor_amax`; a step of micro-batches takes it once) or None,
-  `kernel_row` w where it lies in stacked kernels (w is its row) or None."""
+  `kernel_row` w where it lies in stacked kernels (w is its row) or None. `kernel_copies`: w's quantized copies
+  ({kernel[, kernel_t]}, `quantize_kernel` of w as the GEMMs read it) made by the caller once for a step's
+  micro-batches, or None: the GEMMs read them and quantize no kernel; w's gradient is w's as ever."""
   if history is None:  # Unused outside fp8_delayed; keeps one signature.
     kernel_rows = (w.shape[0], 1) if layout.per_expert else (1,)
     history = (jnp.zeros((1,), jnp.float32), jnp.zeros(kernel_rows, jnp.float32), jnp.zeros((1,), jnp.float32))
   # Static facts the backward rule needs (residuals must be arrays).
   operand_info = (x.shape, jnp.dtype(x.dtype), jnp.dtype(w.dtype), vma_of(x), vma_of(w), layout.whole_kernel_shape(w))
   return _gemm(x, w, rows, tuple(history), key, None if stats is None else tuple(stats), error, kernel_amax,
-               kernel_row, layout, recipe, name, jnp.dtype(dtype), operand_info)
+               kernel_row, kernel_copies, layout, recipe, name, jnp.dtype(dtype), operand_info)
 
 
 def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name: str, stats: bool = False,
-                       kernel_amax=None, kernel_row: KernelRow | None = None):
-  """Every operand copy the recipe's GEMMs read, each named for remat. A sharded kernel's copies are its
-  shard's: what remat saves is the shard, gathered again where a GEMM reads it."""
+                       kernel_amax=None, kernel_row: KernelRow | None = None, kernel_copies=None):
+  """Every operand copy the recipe's GEMMs read, each named for remat (the kernel's: `kernel_copies` where the
+  caller made them). A sharded kernel's copies are its shard's: what remat saves is the shard, gathered again
+  where a GEMM reads it."""
   h_x, h_k, _ = history
   act, b, q = recipe.quantizer(ACTIVATION, h_x), recipe.block_size, {}
   with jax.named_scope(SCOPE_ACTIVATION):
@@ -133,24 +136,35 @@ def _quantize_operands(layout: Layout, x, w, rows, history, recipe: Recipe, name
       if recipe.has_x_t:
         x_rows = recipe.wgrad_transform(layout.wgrad_rows(x, rows, b), layout.row_axis)
         q[X_T] = layout.wgrad_copy(act.quantize(x_rows, axis=layout.row_axis, reduce_axes=layout.reduce_axes))
+  if kernel_copies is None:
+    q.update(quantize_kernel(layout, recipe, w, h_k, stats, kernel_amax, kernel_row))
+  q = {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
+  # Copies made ahead come from outside any remat region: nothing recomputes them, and named, a policy that
+  # keeps kernels would save each layer's a second time.
+  return q if kernel_copies is None else dict(q, **kernel_copies)
+
+
+def quantize_kernel(layout: Layout, recipe: Recipe, w, history, stats: bool = False, amax=None,
+                    kernel_row: KernelRow | None = None) -> dict:
+  """The kernel's copies the recipe's GEMMs read ({kernel[, kernel_t]}), from w padded to the block; `history` its
+  delayed-scaling amax history (or the placeholder), `amax` max|w| taken by the caller or None."""
   with jax.named_scope(SCOPE_WEIGHT):
     in_place = kernel_row is not None and kernel_row.stacked.shape[1:] == w.shape  # Not where w was padded.
-    copies = one_pass.kernel_copies(layout, recipe, w, stats, kernel_amax,
+    copies = one_pass.kernel_copies(layout, recipe, w, stats, amax,
                                     (kernel_row.stacked, kernel_row.index) if in_place else None)
     if copies is not None:
-      q.update(copies)
-    else:
-      q[KERNEL] = layout.quantize_kernel(recipe, w, h_k, 0, stats, kernel_amax)
-      if recipe.has_kernel_t:
-        q[KERNEL_T] = layout.quantize_kernel(recipe, w, h_k, 1, False, kernel_amax)
-  return {k: name_quantized(v, quantized_name(name, k)) for k, v in q.items()}
+      return copies
+    copies = {KERNEL: layout.quantize_kernel(recipe, w, history, 0, stats, amax)}
+    if recipe.has_kernel_t:
+      copies[KERNEL_T] = layout.quantize_kernel(recipe, w, history, 1, False, amax)
+    return copies
 
 
 def _forward(x, w, rows, history, layout: Layout, recipe: Recipe, name, dtype, kernel_shape, stats=False,
-             kernel_amax=None, kernel_row=None):
+             kernel_amax=None, kernel_row=None, kernel_copies=None):
   b = recipe.block_size
   xp, wp = layout.prepare(x, rows, b), layout.pad_kernel(w, b)
-  q = _quantize_operands(layout, xp, wp, rows, history, recipe, name, stats, kernel_amax, kernel_row)
+  q = _quantize_operands(layout, xp, wp, rows, history, recipe, name, stats, kernel_amax, kernel_row, kernel_copies)
   if recipe.forward_quantized:
     y = layout.forward(q[X], layout.whole(q[KERNEL]), rows, dtype)
   else:  # quant.forward = "bf16": only the backward GEMMs read the quantized copies.
@@ -172,16 +186,17 @@ def _output_error(x, w, rows, y, error, layout: Layout, recipe: Recipe, kernel_s
   return sum_to(sums, vma_of(error)).astype(error.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
-def _gemm(x, w, rows, history, key, stats, error, kernel_amax, kernel_row, layout, recipe, name, dtype, operand_info):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14))
+def _gemm(x, w, rows, history, key, stats, error, kernel_amax, kernel_row, kernel_copies, layout, recipe, name, dtype,
+          operand_info):
   return _forward(x, w, rows, history, layout, recipe, name, dtype, operand_info[-1], kernel_amax=kernel_amax,
-                  kernel_row=kernel_row)[0]
+                  kernel_row=kernel_row, kernel_copies=kernel_copies)[0]
 
 
-def _gemm_fwd(x, w, rows, history, key, stats, error, kernel_amax, kernel_row, layout, recipe, name, dtype,
-              operand_info):
+def _gemm_fwd(x, w, rows, history, key, stats, error, kernel_amax, kernel_row, kernel_copies, layout, recipe, name,
+              dtype, operand_info):
   y, q = _forward(x, w, rows, history, layout, recipe, name, dtype, operand_info[-1], stats is not None,
-                  kernel_amax, kernel_row)
+                  kernel_amax, kernel_row, kernel_copies)
   err = None if error is None else _output_error(x, w, rows, y, error, layout, recipe, operand_info[-1])
   return y, (q, rows, history, key, err)
 
@@ -230,7 +245,7 @@ def _gemm_bwd(layout: Layout, recipe: Recipe, name, dtype, operand_info, res, g)
   dw = layout.kernel_gradient(dw[tuple(slice(0, s) for s in kernel_shape)])
   dw = sum_to(dw, w_vma).astype(w_dtype)
   health = (q[X].health, q[KERNEL].health, g_rows.health) if with_stats else None
-  return dx, dw, None, new_history, None, health, err, None, None  # The stacked kernels' gradient is w's.
+  return dx, dw, None, new_history, None, health, err, None, None, None  # Stacked kernels' and copies': w's.
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)

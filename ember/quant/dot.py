@@ -19,9 +19,10 @@ import jax.numpy as jnp
 
 from ember.quant import one_pass
 from ember.quant.core import SCOPE_WEIGHT, KernelRow, quantized_gemm
+from ember.quant.core import quantize_kernel as quantized_kernel
 from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.quantizers import tensor_amax
-from ember.quant.recipe import WEIGHT, Recipe, pad_to
+from ember.quant.recipe import KERNEL, KERNEL_T, WEIGHT, Recipe, pad_to
 from ember.quant.tensor import QuantizedTensor
 from ember.quant.unquantized import unquantized_matmul
 from ember.quant.varying import shard_axes
@@ -32,7 +33,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
                      stats: jax.Array | None = None, error: jax.Array | None = None,
                      kernel_amax: jax.Array | None = None, wgrad_transposed: bool = False,
                      row_axes: tuple[str, ...] = (), kernel_row: KernelRow | None = None, kernel_sharding=None,
-                     row_sharding=None):
+                     row_sharding=None, kernel_copies: dict | None = None):
   """x @ w in `recipe`'s format; x's rows may come in several axes ([B, L, K]) where `keeps_rows(recipe)`, and y's
   then do too. `name` is the projection (names its residuals); `history` the
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
@@ -47,7 +48,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   FSDP axes gathered, `tensor` kept; layers/linear.py): a per-tensor FP8 kernel's data is gathered there itself,
   or None. `row_sharding`: where the GEMMs read the rows of x and of its gradient, kept in several axes (their
   tokens whole over the sequence-parallel axes; layers/linear.py): their FP8 data is gathered there itself, or
-  None."""
+  None. `kernel_copies`: w's quantized copies made once for a step's micro-batches (`kernel_copies`), or None."""
   dtype = jnp.dtype(dtype)
   assert x_MxK.ndim == 2 or keeps_rows(recipe), (x_MxK.shape, recipe.name)
   if not recipe.quantized:
@@ -66,7 +67,34 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
                        row_sharding=row_sharding)
   return quantized_gemm(x_MxK, w_KxN, None, triple(history), key, triple(stats), layout=layout,
                         recipe=recipe, name=name, dtype=dtype, error=error, kernel_amax=kernel_amax,
-                        kernel_row=kernel_row)
+                        kernel_row=kernel_row, kernel_copies=kernel_copies)
+
+
+def kernel_copies(w_KxN: jax.Array, *, recipe: Recipe, history: jax.Array | None = None,
+                  amax: jax.Array | None = None) -> dict:
+  """The copies of kernel w [K, N] that `quantized_matmul`'s GEMMs read, made ahead: a step quantizes each kernel
+  once for all its micro-batches and remat recomputations (the weights do not change within a step), where
+  each GEMM would quantize it again, and XLA hoists no such pass out of a loop (llama3_70b, tensor 4 x 8 stages,
+  128 micro-batches: 1.3 TB a device a step). The same values as the GEMM's own quantization, so a step's
+  numbers do not change. `history`: the kernel's delayed-scaling history [3, H] (fp8_delayed), `amax` its
+  max|w| (`kernel_amax`) or None.
+
+  A per-tensor copy comes stored both ways: transposed, [N, K], for the forward GEMM and as it is, [K, N], for
+  dgrad, each in the layout an FP8 GEMM reads (its contraction axis minor), so that neither is transposed after
+  its FSDP gather, for every GEMM again (`DenseLayout.whole` gathers either)."""
+  layout = DenseLayout(transposed=recipe.has_x_t)
+  h_k = jnp.zeros((1,), jnp.float32) if history is None else history[1]
+  copies = quantized_kernel(layout, recipe, layout.pad_kernel(w_KxN, recipe.block_size), h_k, amax=amax)
+  if recipe.block_size == 1 and KERNEL_T not in copies:
+    copies = {KERNEL: copies[KERNEL].T, KERNEL_T: copies[KERNEL]}
+  return copies
+
+
+def takes_kernel_copies(recipe: Recipe, stats: bool) -> bool:
+  """Whether a step makes a dense kernel's copies ahead (`kernel_copies`): per-tensor recipes, without health
+  statistics (which a GEMM measures on its own operands). Not yet the block-scaled ones, whose kernel casts are
+  the platform's one-pass kernels (quant/one_pass.py), not traced under the vmap over stacked layers."""
+  return recipe.quantized and recipe.block_size == 1 and not stats
 
 
 def keeps_rows(recipe: Recipe) -> bool:
@@ -195,6 +223,8 @@ class DenseLayout:
     # Gather the FP8 data itself. XLA's collective quantizer would otherwise have to move the gather of the
     # dequantized kernel ahead of its conversion, which it does only where it can prove the scale the same on
     # every device (not inside a shard_map, nor for every kernel of unrolled tensor-parallel layers).
+    if isinstance(a, QuantizedTensor) and not a.block and a.axis == 1:  # Stored transposed (`kernel_copies`).
+      return _data_at(a, _transposed(self.kernel_sharding))
     return _data_at(a, self.kernel_sharding)
 
   def gathered_rows(self, a):
@@ -233,6 +263,14 @@ def _data_at(a, sharding):
   if sharding is None or not isinstance(a, QuantizedTensor) or a.block:
     return a
   return dataclasses.replace(a, data=jax.lax.with_sharding_constraint(a.data, sharding))
+
+
+def _transposed(sharding):
+  """A 2-d array's sharding for its transpose (or None)."""
+  if sharding is None:
+    return None
+  spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[1], spec[0]))
 
 
 def _flat_rows(q: QuantizedTensor) -> QuantizedTensor:

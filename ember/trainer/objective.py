@@ -37,19 +37,19 @@ def merged_model(graphdef, params, quant_state, stats=None):
 
 def forward_loss(params, quant_state, batch, stats=None, *, graphdef, cfg: Settings, key,
                  policy: remat.Preset = remat.PRESETS["none"], count=None, micro_batches: int = 1,
-                 kernel_amaxes: dict | None = None, moe_plan=None, head_once: HeadOnce | None = None):
+                 taken: dict | None = None, moe_plan=None, head_once: HeadOnce | None = None):
   """(total loss, metrics) for one batch: next-token CE + z-loss (+ the MoE auxiliary losses of MoE models).
   `stats`: the health-statistics inputs (state.stats_inputs) when log.quant_stats_every > 0; `policy`: the
   remat preset the layers run under. `count`, `micro_batches`: the batch is one of `micro_batches` of a step
   whose weighted tokens number `count`; its CE and z-loss are divided by the step's tokens and its MoE
   auxiliary losses by `micro_batches`, so the step's losses, metrics and gradients are sums over its
-  micro-batches (`train_step`). `kernel_amaxes`: the projections' max|kernel| taken ahead (`linear.kernel_amaxes`
+  micro-batches (`train_step`). `taken`: what the step made once for the projections (`linear.once_a_step`
   of this model), or None; `moe_plan`: what the MoE layers run (trainer/step.py's `moe_plan`); `head_once`: the LM
   head as the step read it for all its micro-batches (loss.py's `read_once`), or None."""
   model = merged_model(graphdef, params, quant_state, stats)
   inputs, segment_ids, positions, targets = _batch_views(batch)
   hidden, aux, predictions = model.with_predictions(inputs, segment_ids, positions, targets, key=key, policy=policy,
-                                                    moe_plan=moe_plan, taken=kernel_amaxes)
+                                                    moe_plan=moe_plan, taken=taken)
   weights = (segment_ids > 0).astype(jnp.float32)
   head = model.head_parts()
   total, ce, z = cross_entropy(hidden, targets, weights, head, key=key, chunk_size=cfg.train.loss_chunk_size,

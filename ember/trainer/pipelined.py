@@ -136,7 +136,7 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
   stage = pipeline.stage_index()
   valid_T = (t_T >= stage) & (t_T < stage + m)  # Whether stage s has a micro-batch (t - s) at iteration t.
   quant_state = _once_per_stage(quant_state, once)
-  kernel_amaxes = linear.kernel_amaxes(merged_model(graphdef, params, quant_state, stats))  # Once a step.
+  taken_once = linear.once_a_step(merged_model(graphdef, params, quant_state, stats), policy.remat)  # Once a step.
   quant_T = pipeline.fan_out(quant_state, valid_T, jnp.maximum, pipeline.lowest)
   stats_T = None
   if stats is not None:
@@ -145,7 +145,7 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
   segment = model.segments[0]
   per_stage = len(segment.block_ids) // stages
   block_ids = jax.lax.dynamic_slice_in_dim(jnp.asarray(segment.block_ids, jnp.int32), stage * per_stage, per_stage)
-  taken = linear.handed(kernel_amaxes, "segments", 0)
+  taken = linear.handed(taken_once, "segments", 0)
   inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
 
   def iteration(carry, xs):
@@ -240,7 +240,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   slot_of = jnp.asarray(pipeline.ring_table(m, stages, virtual), jnp.int32)  # By position in the forward order.
   train = (params, quant_state, stats)
   whole = merged_model(graphdef, *train)
-  kernel_amaxes = linear.kernel_amaxes(whole)
+  taken_once = linear.once_a_step(whole, policy.remat)
   rows = len(whole.segments[0].block_ids) // (stages * virtual)  # Layers per chunk.
   all_block_ids = jnp.asarray(whole.segments[0].block_ids, jnp.int32)
   # The stage's stacked blocks, whose rows each chunk's layers read where they lie (Segment's `rows_at`).
@@ -252,7 +252,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     """Chunk v's (train state, kernel amaxes): the stage's rows v * rows .. (v + 1) * rows of the stacked layers."""
     cut = lambda a: jax.lax.dynamic_slice_in_dim(a, v * rows, rows)
     state = tuple(_map_stage_rows(cut, t) for t in train)
-    return state, {p: jax.tree.map(cut, t) if p[0] == "segments" else t for p, t in kernel_amaxes.items()}
+    return state, {p: jax.tree.map(cut, t) if p[0] == "segments" else t for p, t in taken_once.items()}
 
   def forward(state, amaxes, x, f, v, bias):
     model = merged_model(graphdef, *state)

@@ -52,11 +52,13 @@ def train_step(state: TrainState, batch, *, graphdef, cfg: Settings, tx, schedul
                                     param_specs=replica_specs(cfg, mesh, replicas),
                                     splits=replica_splits(cfg, mesh, replicas), moe_plan=moe_plan)
   elif accum == 1 and not (cfg.train.shard_optimizer_state and replica_axes(cfg, mesh, target_platform())):
-    (_, metrics), outs = grad_fn(state.params, state.quant_state, batch, stats, key=key)
+    taken = linear.once_a_step(merged_model(graphdef, state.params, state.quant_state, stats), policy.remat,
+                               loop=False)
+    (_, metrics), outs = grad_fn(state.params, state.quant_state, batch, stats, key=key, taken=taken)
   else:  # Micro-batches, or one over replicas whose optimizer state is split: its gradients are reduce-scattered
     # onto the split (`_over_replicas`); reduced whole by the compiler, the step would all-reduce them and gather
     # every updated parameter after.
-    metrics, outs = _accumulate(loss_fn, state, batch, stats, key, accum, batch_shards, graphdef, cfg)
+    metrics, outs = _accumulate(loss_fn, state, batch, stats, key, accum, batch_shards, graphdef, cfg, policy.remat)
   grads, new_quant_state = outs[0], outs[1]
   if with_stats:
     metrics = dict(metrics, quant_stats=outs[2])
@@ -119,33 +121,37 @@ def update_router_biases(old_quant_state, new_quant_state, loads_LxE, model, rec
   return jax.tree_util.tree_map_with_path(update, old_quant_state, new_quant_state)
 
 
-def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int, graphdef, cfg: Settings):
+def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch_shards: int, graphdef, cfg: Settings,
+                rematted: bool = True):
   """(metrics, (grads, quant state[, health])) of a step run as `accum` micro-batches in a scan, one
   micro-batch's activations alive at a time. Each micro-batch's losses are its share of the step's
   (`forward_loss`), so losses, counts and gradients add up; gradients are summed in float32. Delayed-scaling
   histories combine by max (every micro-batch rolls its amax into the same start-of-step history, so the
   step rolls in the largest) and health statistics by `health.combine`. Micro-batch i's stochastic rounding
   draws from `fold_in(key, i)` (folded again with a replica's index: `_over_replicas`). The kernels' amaxes
-  (per-tensor recipes) are taken once, before the scan: every micro-batch would take the same ones, and XLA
-  does not hoist that pass over the float32 weights out of the loop (114 GB a step for llama3_8b fp8_current at
-  16 micro-batches on 8 GPUs). Where the tokens are split across nodes, so is the LM head (`_reads_head_once`).
-  Over data- and expert-parallel replicas each runs the scan on its own rows and their sums are reduced once a
-  step (`_over_replicas`, over `replica_axes`). `loss_fn`: `forward_loss` with the step's settings bound."""
+  (per-tensor recipes) and their quantized copies are made once, before the scan (`linear.once_a_step`): every
+  micro-batch would make the same ones, and XLA does not hoist those passes over the float32 weights out of the
+  loop (the amaxes alone: 114 GB a step for llama3_8b fp8_current at 16 micro-batches on 8 GPUs). Where the
+  tokens are split across nodes, so is the LM head (`_reads_head_once`). Over data- and expert-parallel replicas
+  each runs the scan on its own rows and their sums are reduced once a step (`_over_replicas`, over
+  `replica_axes`). `loss_fn`: `forward_loss` with the step's settings bound; `rematted`: its layers run under a
+  remat policy (`once_a_step`)."""
   count = token_count(batch[SEGMENT_IDS] > 0)
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(accum))
   xs = (jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch), keys)
-  amaxes = linear.kernel_amaxes(merged_model(graphdef, state.params, state.quant_state, stats))
 
-  def run(params, micro, micro_key, once: HeadOnce | None = None):
+  def run(params, micro, micro_key, once: HeadOnce | None = None, taken: dict | None = None):
     """((loss, metrics), (gradients, quant state[, health statistics][, the head's shares])) of a micro-batch."""
     def loss(params_, quant_state, stats_, partial):
       return loss_fn(params_, quant_state, micro, stats_, key=micro_key, count=count, micro_batches=accum,
-                     kernel_amaxes=amaxes, head_once=None if once is None else HeadOnce(once.weight, partial))
+                     taken=taken, head_once=None if once is None else HeadOnce(once.weight, partial))
     argnums = (0, 1) + ((2,) if stats is not None else ()) + ((3,) if once is not None else ())
     return jax.value_and_grad(loss, argnums, has_aux=True)(params, state.quant_state, stats,
                                                            None if once is None else once.partial)
 
-  (_, metrics_shape), outs_shape = jax.eval_shape(run, state.params, *jax.tree.map(lambda a: a[0], xs))
+  (_, metrics_shape), outs_shape = jax.eval_shape(
+      lambda p, *x: run(p, *x, taken=linear.once_a_step(merged_model(graphdef, p, state.quant_state, stats), rematted)),
+      state.params, *jax.tree.map(lambda a: a[0], xs))
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
   init = (f32_zeros(metrics_shape), f32_zeros(outs_shape[0]), f32_zeros(outs_shape[1]))
   if stats is not None:
@@ -155,12 +161,13 @@ def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch
   replicas = () if mesh is None else replica_axes(cfg, mesh, target_platform())
 
   def scan(init, xs, params):
-    head = merged_model(graphdef, params, state.quant_state, stats).head_parts()
+    model = merged_model(graphdef, params, state.quant_state, stats)
+    head, taken = model.head_parts(), linear.once_a_step(model, rematted)
     once = read_once(head) if _reads_head_once(cfg, mesh, replicas) else None
 
     def body(carry, x):
       sums, shares = carry
-      (_, metrics), outs = run(params, *x, once=once)
+      (_, metrics), outs = run(params, *x, once=once, taken=taken)
       add = lambda acc, a: acc + a.astype(F32)
       new = (jax.tree.map(add, sums[0], metrics), jax.tree.map(add, sums[1], outs[0]),
              jax.tree.map(jnp.maximum, sums[2], outs[1]))

@@ -4,6 +4,7 @@ every quantize op out of the backward pass under `save_quantized`, and bad layou
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import re
@@ -19,7 +20,7 @@ from ember.errors import ConfigError
 from ember.names import MOE_LOAD_BALANCE_LOSS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS
 from ember.parallel import pipeline
 from ember.plan.jaxpr import is_quantize_cast, iter_eqns, name_stack
-from ember.quant.core import SCOPE_GRADIENT
+from ember.quant.core import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
 from ember.trainer.step import train_step
 
 ACCUM = 8
@@ -187,9 +188,10 @@ def test_uneven_moe_stages_log_the_models_routing_losses():
   assert rel < 1e-5, rel
 
 
-def _step_quantize_casts(policy_name: str, schedule: str) -> int:
+def _step_quantize_casts(policy_name: str, schedule: str) -> collections.Counter:
   """Casts to a low-precision format outside gradients' quantizers in a whole pipelined train step's program
-  (pipeline 4, fp8_current): the forward's, plus any the backward pass recomputes."""
+  (pipeline 4, fp8_current), by what they cast (activations, kernels): the forward's, plus any the backward pass
+  recomputes."""
   s = helpers.start(_cfg(**{"quant.recipe": "fp8_current", "mesh.pipeline": 4, "mesh.fsdp": 2, "mesh.data": 1,
                             "pipeline.schedule": schedule}), 8)
   batch = {k: jax.numpy.asarray(v) for k, v in helpers.random_batch(s.cfg).items()}
@@ -197,16 +199,21 @@ def _step_quantize_casts(policy_name: str, schedule: str) -> int:
     step = functools.partial(train_step, graphdef=s.graphdef, cfg=s.cfg, tx=s.tx, schedule=s.schedule,
                              policy=remat.PRESETS[policy_name], batch_shards=2)
     jaxpr = jax.make_jaxpr(step)(s.state, batch).jaxpr
-  return sum(1 for e in iter_eqns(jaxpr) if is_quantize_cast(e) and SCOPE_GRADIENT not in name_stack(e))
+  scope = lambda e: SCOPE_ACTIVATION if SCOPE_ACTIVATION in name_stack(e) else SCOPE_WEIGHT
+  return collections.Counter(scope(e) for e in iter_eqns(jaxpr)
+                             if is_quantize_cast(e) and SCOPE_GRADIENT not in name_stack(e))
 
 
 @pytest.mark.parametrize("schedule", ONE_EXTENDED)
 @pytest.mark.long
 def test_save_quantized_recomputes_no_quantize_op_in_a_pipelined_step(schedule):
-  """Under save_quantized the pipelined step casts exactly what it casts with no remat at all (its forward's
-  casts); under full the backward recomputes some."""
+  """Under save_quantized the pipelined step casts the activations exactly as it does with no remat at all (its
+  forward's casts); under full the backward recomputes some. Under either the kernels are cast once a step, before
+  the ticks (layers/linear.py's `once_a_step`), and nothing casts one again."""
   casts = {p: _step_quantize_casts(p, schedule) for p in ("none", "save_quantized", "full")}
-  assert casts["save_quantized"] == casts["none"] < casts["full"], casts
+  activations = {p: c[SCOPE_ACTIVATION] for p, c in casts.items()}
+  assert activations["save_quantized"] == activations["none"] < activations["full"], casts
+  assert casts["save_quantized"][SCOPE_WEIGHT] == casts["full"][SCOPE_WEIGHT] > 0, casts
 
 
 def _carried(policy_name: str, **overrides) -> list:

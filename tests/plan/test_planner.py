@@ -150,21 +150,40 @@ def test_experts_split_over_the_expert_axis_move_nothing_in_the_estimate():
 
 @needs_plugin
 def test_a_blocks_kernel_copies_are_counted_once_a_layer():
-  """tiny under fp8_current: what `save_quantized` (and no remat) keeps of a layer's quantized kernels is one E4M3
-  copy of each projection kernel (its elements in bytes, written out from the model's dimensions, and its scalars),
-  and `full` keeps none; the estimate counts them for a device's share of the layers once, not per sequence of the
-  micro-batch (deepseek_v3's 256 experts' copies, 10.5 GiB a layer, counted twice a sequence, had ruled out every
-  layout with expert parallelism across nodes)."""
-  cfg = _cfg("tiny", "--config.quant.recipe=fp8_current")
-  m = cfg.model
-  kernels = (m.d_model * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * m.d_model
-             + 3 * m.d_model * m.d_ff)
+  """tiny under nvfp4: what `save_quantized` (and no remat) keeps of a layer's quantized kernels is one E2M1 copy of
+  each projection kernel (half a byte an element, written out from the model's dimensions, and its 16 x 16 tiles'
+  scales), and `full` keeps none; the estimate counts them for a device's share of the layers once, not per
+  sequence of the micro-batch (deepseek_v3's 256 experts' copies, 10.5 GiB a layer, counted twice a sequence, had
+  ruled out every layout with expert parallelism across nodes)."""
+  cfg = _cfg("tiny", "--config.quant.recipe=nvfp4")
   with target_lib.targeting(target_lib.parse("h100x8")):
     blocks = planner._blocks(cfg, ("full", "save_quantized"))
+  kernels = _kernel_elements(cfg.model)
   assert blocks["full"].residual_kernel_bytes == 0
   for copies in (blocks["save_quantized"].residual_kernel_bytes, blocks["full"].working_kernel_bytes):
-    assert kernels <= copies < kernels + 64, (copies, kernels)
+    assert kernels / 2 <= copies < kernels / 2 + kernels / 256 + 64, (copies, kernels)
   assert blocks["save_quantized"].residual_bytes > 0
+
+
+@needs_plugin
+def test_kernels_quantized_once_a_step_are_counted_once_a_step():
+  """tiny under fp8_current, whose kernels the step quantizes once (layers/linear.py's `once_a_step`): no layer
+  keeps a kernel copy under any policy, and the estimate holds a device's share of two E4M3 copies of every
+  projection kernel for the step (written out from the model's dimensions: its 4 layers over FSDP 8)."""
+  cfg = _cfg("tiny", "--config.quant.recipe=fp8_current")
+  with target_lib.targeting(target_lib.parse("h100x8")):
+    blocks = planner._blocks(cfg, ("full", "save_quantized"))
+    estimator = planner.Estimator(cfg, target_lib.parse("h100x8"))
+  assert all(b.residual_kernel_bytes == b.working_kernel_bytes == 0 for b in blocks.values())
+  lay = planner.Layout((("fsdp", 8),), (("data", 1), ("fsdp", 1), ("expert", 1)), 1, "full")
+  copies = estimator._copies(estimator._leaves(lay)[2])
+  assert copies == 2 * _kernel_elements(cfg.model) * cfg.model.num_layers / 8
+
+
+def _kernel_elements(m) -> int:
+  """A layer's projection kernels' elements (qkv, out, wi, wo), from the model's dimensions."""
+  return (m.d_model * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * m.d_model
+          + 3 * m.d_model * m.d_ff)
 
 
 @needs_plugin

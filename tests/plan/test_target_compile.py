@@ -181,6 +181,49 @@ def test_accumulated_step_takes_each_kernel_amax_once(target, recipe, gemm, tmp_
   assert r["gemms"]["bf16"] == HEAD_GEMMS and r["gemms"][gemm] >= 3 * QUANTIZED_PROJECTIONS, r["gemms"]
 
 
+def test_accumulated_step_quantizes_each_kernel_once_and_gathers_it_as_its_gemms_read_it(tmp_path):
+  """fp8_current, 4 micro-batches, FSDP over 8, remat `full`: each dense kernel is cast to FP8 once a step, before
+  the micro-batches' loop (layers/linear.py's `once_a_step`), not in every micro-batch and remat recomputation
+  again; and no GEMM transposes a kernel's gathered FP8 copy (the forward GEMM's copy is stored [N, K] and split
+  along N: quant/dot.py's `kernel_copies`). Every projection's GEMMs (forward, its recomputation but the MLP
+  output's, whose output the backward pass does not read, dgrad, wgrad) stay FP8."""
+  path = tmp_path / "step.hlo"
+  r = compile_report(loaded(["compile", *TINY, "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=8",
+                             "--config.train.batch_size=32", "--config.train.grad_accum_steps=4",
+                             "--config.remat.policy=full", "--config.model.seq_len=32"]),  # No activation [64, 64].
+                     target_lib.parse("h100x8"), hlo_out=str(path))
+  p = hlo.Program(path.read_text())
+  casts = [k for k in hlo.memory_kernels(p) if "quantize_weight" in p.by_name[k.name].op_name]
+  assert casts and all(k.times == 1 for k in casts), [(k.name, k.times) for k in casts]
+  kernels = {(64, 128), (64, 64), (64, 256), (128, 64)}  # tiny's qkv, out, wi, wo: [K, N].
+  kernels |= {(n, k) for k, n in kernels}
+
+  def fp8_kernel_transpose(instruction) -> bool:
+    body = p.computations.get(instruction.attribute("calls") or "", [])
+    return any(i.opcode == "transpose" and i.shape.startswith("f8e4m3fn[") and
+               tuple(int(d) for d in i.shape.split("[")[1].split("]")[0].split(",")[-2:]) in kernels for i in body)
+
+  looped = [k.name for k in hlo.memory_kernels(p) if k.times > 1 and fp8_kernel_transpose(p.by_name[k.name])]
+  assert not looped, looped
+  assert r["gemms"] == census(fp8=4 * QUANTIZED_PROJECTIONS - 1, bf16=HEAD_GEMMS), r["gemms"]
+
+
+@pytest.mark.parametrize("policy", ["full", "minimal"])
+def test_pipelined_replicas_keep_every_projection_gemm_fp8(policy):
+  """tiny fp8_current, data 2 x tensor 2 x 2 stages (1F1B) of 1 and of 2 layers, 4 micro-batches: every projection
+  GEMM stays FP8 with the kernels quantized once a step. Under `full` a tick's forward GEMM and another
+  micro-batch's recomputed one share their kernel copy, and XLA merged the two into one GEMM of two scales, in bf16
+  (ember/xla_flags.py's dot-merger threshold); XLA sank the copies' cast into the ticks' loop, next to a GEMM it
+  then ran in bf16 (the barrier in layers/linear.py's `once_a_step`); and moved a GEMM's dequantizing convert
+  ahead of its layer's slice of the stage's stacked copies, the same (`Linear._layer_copies`)."""
+  for layers in (2, 4):
+    r = report("h100x8", "--config.quant.recipe=fp8_current", "--config.mesh.data=2", "--config.mesh.fsdp=1",
+               "--config.mesh.tensor=2", "--config.mesh.pipeline=2", "--config.pipeline.schedule=1f1b",
+               "--config.train.grad_accum_steps=4", "--config.train.batch_size=16",
+               f"--config.model.num_layers={layers}", f"--config.remat.policy={policy}")
+    assert r["gemms"]["bf16"] == HEAD_GEMMS and r["gemms"]["fp8"] >= 3 * layers * QUANTIZED_PROJECTIONS, r["gemms"]
+
+
 def test_block_scaled_wgrad_is_written_as_its_reduce_scatter_reads_it(tmp_path):
   """mxfp8, FSDP over 8 B200s: a weight gradient reduce-scattered along its output axis (`wo`, the attention
   output) is written by the block-scaled GEMM with that axis major, so no float32 gradient is transposed after it

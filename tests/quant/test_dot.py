@@ -11,7 +11,7 @@ from ember import remat
 from ember.config import derive
 from ember.layers.decoder import DecoderLayer
 from ember.quant.dot import quantized_matmul
-from ember.quant.recipe import Recipe
+from ember.quant.recipe import WEIGHT, Recipe
 from tests.helpers import config
 
 QUANTIZED_RECIPES = ("fp8_current", "fp8_delayed", "mxfp8", "nvfp4")
@@ -122,6 +122,37 @@ def test_delayed_history_is_the_cotangent():
   history = jnp.array([[1.0, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])
   _, (_, _, new) = _grads("fp8_delayed", x, w, g, history)
   np.testing.assert_array_equal(new, [[3.0, 1, 2, 3], [0.5, 5, 6, 7], [2.0, 9, 10, 11]])
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+def test_kernel_copies_made_ahead_are_the_gemms_own(recipe):
+  """A kernel quantized ahead (`kernel_copies`, once a step: the forward copy stored transposed) is the GEMM's own
+  quantization bit for bit, and handed to the GEMM gives its output and every gradient as the GEMM quantizing the
+  kernel itself, within float32 rounding (the forward GEMM reads the kernel transposed: another summation order);
+  and the GEMM reads those copies: handed other ones, its output and its input's gradient change."""
+  from ember.quant.dot import kernel_copies
+  r = Recipe(recipe, amax_history_len=4)
+  kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+  x, w, g = (jax.random.normal(k, s) for k, s in ((kx, (48, 64)), (kw, (64, 32)), (kg, (48, 32))))
+  history = jnp.abs(jax.random.normal(jax.random.key(1), (3, 4))) * 3 if r.delayed else None
+
+  def run(copies):
+    f = lambda x, w, h: quantized_matmul(x, w, recipe=r, name="wi", history=h, dtype=jnp.float32,
+                                         kernel_copies=copies)
+    y, vjp = jax.vjp(f, x, w, history)
+    return y, vjp(g)
+
+  copies = kernel_copies(w, recipe=r, history=history)
+  mine = r.quantizer(WEIGHT, None if history is None else history[1]).quantize(w, axis=0)
+  assert set(copies) == {"kernel", "kernel_t"}
+  np.testing.assert_array_equal(copies["kernel_t"].data, mine.data)
+  np.testing.assert_array_equal(copies["kernel"].data, mine.data.T)
+  np.testing.assert_array_equal(copies["kernel"].scale_inv, mine.scale_inv)
+  own, ahead = run(None), run(copies)
+  for a, b in zip(jax.tree.leaves(ahead), jax.tree.leaves(own), strict=True):
+    assert _rel_error(a, b) < 1e-6
+  other = run(kernel_copies(2 * w, recipe=r, history=None if history is None else 2 * history))
+  assert not np.array_equal(other[0], own[0]) and not np.array_equal(other[1][0], own[1][0])  # y and dx.
 
 
 def _count_quantized_names(jaxpr) -> int:

@@ -75,15 +75,17 @@ def test_a_step_over_replicas_equals_the_step_over_one_group(recipe):
 
 @pytest.mark.parametrize("recipe", ["fp8_current", pytest.param("fp8_delayed", marks=pytest.mark.extended)])
 @pytest.mark.long
-def test_kernel_amaxes_taken_once_a_step_change_no_bit(recipe, monkeypatch):
-  """A step of micro-batches takes each kernel's amax once, before its scan (linear.kernel_amaxes): bit for bit
-  the step whose every micro-batch takes it. fsdp 8: the amax of the sharded kernels is the global one."""
+def test_kernels_quantized_once_a_step_change_no_bit(recipe, monkeypatch):
+  """A step of micro-batches takes each kernel's amax and makes its quantized copies once, before its scan
+  (linear.once_a_step): bit for bit the step whose every micro-batch (and remat recomputation) quantizes each
+  kernel itself. fsdp 8: the amax of the sharded kernels is the global one, the copies are the shards'."""
   cfg = lambda: config("tiny", **{"quant.recipe": recipe, "train.batch_size": 16, "train.grad_accum_steps": 2})
   s = start(cfg(), 1)
-  assert len(linear.kernel_amaxes(nnx.merge(s.graphdef, s.state.params, s.state.quant_state))) == 4  # q/o/wi/wo.
+  taken = linear.once_a_step(nnx.merge(s.graphdef, s.state.params, s.state.quant_state))
+  assert len(taken) == 4 and all(t.copies for t in taken.values())  # qkv / out / wi / wo.
   batch = random_batch(cfg())
   once = one_step(cfg(), batch, 8)
-  monkeypatch.setattr(linear, "kernel_amaxes", lambda model: {})
+  monkeypatch.setattr(linear, "once_a_step", lambda model, *args, **kwargs: {})
   every = one_step(cfg(), batch, 8)
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(once)[0], jax.tree.leaves(every), strict=True):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
@@ -91,10 +93,10 @@ def test_kernel_amaxes_taken_once_a_step_change_no_bit(recipe, monkeypatch):
 
 @pytest.mark.variants
 @pytest.mark.parametrize("scan", [False, True])
-def test_every_projection_of_a_step_of_micro_batches_is_handed_its_kernel_amax(scan, monkeypatch):
+def test_every_projection_of_a_step_of_micro_batches_is_handed_its_kernel_once(scan, monkeypatch):
   """Each projection a step of micro-batches runs (latent attention's, the dense and shared experts' MLPs, the
-  multi-token-prediction module's), unrolled or scanned, quantizes with the kernel amax the step took ahead
-  (linear.Taken, handed down the model's call) rather than taking it again."""
+  multi-token-prediction module's), unrolled or scanned, reads the kernel amax and quantized copies the step made
+  ahead (linear.Taken, handed down the model's call) rather than quantizing its kernel again."""
   from ember.parallel.mesh import make_mesh
   from ember.plan.step import trace_train_step
   from ember.trainer.optimizer import make_optimizer
@@ -102,7 +104,8 @@ def test_every_projection_of_a_step_of_micro_batches_is_handed_its_kernel_amax(s
   matmul = linear.dot.quantized_matmul
 
   def recording(*args, **kwargs):
-    handed.setdefault(kwargs["name"], set()).add(kwargs["kernel_amax"] is not None)
+    handed.setdefault(kwargs["name"], set()).add(kwargs["kernel_amax"] is not None and
+                                                 kwargs["kernel_copies"] is not None)
     return matmul(*args, **kwargs)
 
   monkeypatch.setattr(linear.dot, "quantized_matmul", recording)
