@@ -2,7 +2,7 @@
 #
 #   source launch/xla_flags.sh      # then: python train.py ...
 #
-# The options ember's numerics and recipes need (cuBLAS GEMMs, IEEE float32 division) are not here:
+# The options ember's numerics and recipes need (cuBLAS GEMMs, IEEE float32 division, no merged GEMMs) are not here:
 # `import ember` adds them itself (REQUIRED_XLA_FLAGS, ember/xla_flags.py).
 #
 # Sourced by launch/slurm.sbatch and by the container command in launch/jobset.yaml. GPU-only:

@@ -195,6 +195,12 @@ class Attention(nnx.Module):
     k_BxLxKxH = apply_rope(k_BxLxKxH, positions_BxL, self.rope)
     return tuple(checkpoint_name(a, remat.ATTENTION_INPUT) for a in (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH))
 
+  def viewed_projections(self) -> tuple[str, ...]:
+    """The projections whose GEMMs read a view of the kernel under the active rules (`qkv` where kv heads are
+    copied: `kv_view`), so that a step makes no copies of the kernel itself for them (layers/linear.py's
+    `once_a_step`)."""
+    return ("qkv",) if self._kv_copies() > 1 else ()
+
   def _kv_copies(self) -> int:
     """Copies of each kv head the qkv GEMM writes: `ModelConfig.kv_copies` of the ranks the active rules split the
     kv heads over (1 outside them, and in sampling)."""

@@ -85,19 +85,24 @@ def once_a_step(model: nnx.Module, remat: bool = True, loop: bool = True) -> dic
   tokens/s/GPU predicted with them, 12,797 without). `loop`: a loop of micro-batches reads them (a pipeline's
   ticks, gradient accumulation)."""
   keep = jax.lax.optimization_barrier if loop else lambda taken: taken
+  modules = [(tuple(path), m) for path, m in nnx.iter_graph(model)]
+  # A projection whose GEMMs read a view of its kernel this step (attention's kv heads copied over more tensor
+  # ranks than they number: layers/attention.py's `viewed_projections`) quantizes the view itself.
+  viewed = {path + (name,) for path, m in modules if hasattr(m, "viewed_projections")
+            for name in m.viewed_projections()}
   out = {}
-  for path, m in nnx.iter_graph(model):
+  for path, m in modules:
     if isinstance(m, Linear):
       amax = m.kernel_amax()
-      copies = m.kernel_copies(amax) if remat else None
+      copies = m.kernel_copies(amax) if remat and path not in viewed else None
       if copies is not None:
         # A barrier keeps the copies made here: XLA sinks a cast of a loop's invariant input into the loop's body
         # (a pipeline stage's ticks, where nothing gathers the kernel first), and quantized it each tick again.
         # Without a loop it would only keep XLA from making each copy where its layer needs it (llama3_8b,
         # unrolled `minimal`, h100x8: 12,743 tokens/s/GPU predicted with it, 12,868 without).
-        out[tuple(path)] = keep(jax.lax.stop_gradient(Taken(amax, copies=copies)))
+        out[path] = keep(jax.lax.stop_gradient(Taken(amax, copies=copies)))
       elif amax is not None:
-        out[tuple(path)] = Taken(amax)
+        out[path] = Taken(amax)
   return out
 
 

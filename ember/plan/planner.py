@@ -266,9 +266,9 @@ class Estimator:
     """Bytes a device holds for the quantized kernel copies a step under a remat policy makes once
     (layers/linear.py's `once_a_step`): its share of the dense projections' kernels, once for the forward GEMM and
     once for dgrad (quant/dot.py's `kernel_copies`), in the recipe's per-element bytes. The routed experts' kernels
-    are quantized by their GEMMs."""
+    are quantized by their GEMMs; projections `quant.exclude` keeps in bf16 are counted too (an over-estimate)."""
     recipe = self.settings.quant
-    if not dot.takes_kernel_copies(recipe, False):
+    if not dot.takes_kernel_copies(recipe, bool(self.settings.log.quant_stats_every)):
       return 0.0
     return 2 * recipe.scheme.weight_bytes * sum(n for n, _, _, _, dense in leaves if dense)
 

@@ -91,10 +91,11 @@ def kernel_copies(w_KxN: jax.Array, *, recipe: Recipe, history: jax.Array | None
 
 
 def takes_kernel_copies(recipe: Recipe, stats: bool) -> bool:
-  """Whether a step makes a dense kernel's copies ahead (`kernel_copies`): per-tensor recipes, without health
-  statistics (which a GEMM measures on its own operands). Not yet the block-scaled ones, whose kernel casts are
-  the platform's one-pass kernels (quant/one_pass.py), not traced under the vmap over stacked layers."""
-  return recipe.quantized and recipe.block_size == 1 and not stats
+  """Whether a step makes a dense kernel's copies ahead (`kernel_copies`): per-tensor recipes whose forward GEMM
+  is quantized (under `quant.forward = "bf16"` it reads the kernel itself), without health statistics (which a
+  GEMM measures on its own operands). Not yet the block-scaled ones, whose kernel casts are the platform's
+  one-pass kernels (quant/one_pass.py), not traced under the vmap over stacked layers."""
+  return recipe.quantized and recipe.forward_quantized and recipe.block_size == 1 and not stats
 
 
 def keeps_rows(recipe: Recipe) -> bool:

@@ -226,8 +226,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   without the pass they lack (`pipeline.phases`), so the idle share is the schedule's own, (S - 1) / (MV + S - 1).
   A stage keeps the residuals of the forward passes whose backward has not run (`pipeline.in_flight`) in a ring of
   buffers (`pipeline.ring_slots`, each forward pass's slot from `pipeline.ring_table`): the residuals a remat policy
-  saves, on the device, or in host memory where it offloads them; the stage's parameters and kernel amaxes are
-  recognised among them and never copied, and the attention's segment bias is made again in the backward tick from
+  saves, on the device, or in host memory where it offloads them; the stage's parameters and what the step made
+  once for its projections (kernel amaxes and quantized copies) are recognised among them and never copied, and the attention's segment bias is made again in the backward tick from
   the micro-batch's segment ids rather than kept ([B, 1, L, L]: 128 MiB a sequence of 8,192 tokens, in each of the
   ring's slots).
   The LM head runs where the last stage's last chunk ends a micro-batch: each stage takes 1/S of its tokens
@@ -249,7 +249,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   unit = lambda fn, tau: fn(tau, stage, m, stages, virtual)
 
   def chunk(v):
-    """Chunk v's (train state, kernel amaxes): the stage's rows v * rows .. (v + 1) * rows of the stacked layers."""
+    """Chunk v's (train state, what the step made once for its projections: `linear.once_a_step`): the stage's rows
+    v * rows .. (v + 1) * rows of the stacked layers."""
     cut = lambda a: jax.lax.dynamic_slice_in_dim(a, v * rows, rows)
     state = tuple(_map_stage_rows(cut, t) for t in train)
     return state, {p: jax.tree.map(cut, t) if p[0] == "segments" else t for p, t in taken_once.items()}

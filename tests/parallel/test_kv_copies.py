@@ -3,12 +3,14 @@ and values (layers/attention.py `kv_view`). That such a step trains as one devic
 tests/trainer/test_mesh_equality.py's (`fsdp2_tensor4`); what it gathers, tests/plan/test_target_compile.py's."""
 
 import pytest
+from flax import nnx
 
 from ember import config as config_lib
+from ember.layers import linear
 from ember.errors import ConfigError
 from ember.tools.sample import sample
 from ember.trainer.loop import train
-from tests.helpers import checked, config
+from tests.helpers import checked, config, start
 
 
 @pytest.mark.long
@@ -41,3 +43,15 @@ def test_kv_heads_are_copied_only_where_the_ranks_outnumber_them():
                          1).model
   assert "model.num_kv_heads=4" in m.tensor_refusal(6)  # 6 splits the 12 heads, not the 4 kv heads: no copies.
   assert m.tensor_refusal(12) is None and m.kv_copies(12) == 3
+
+
+@pytest.mark.parametrize("tensor,copied", [(2, False), (4, True)])
+def test_a_step_makes_no_kernel_copies_of_a_viewed_qkv_kernel(tensor, copied):
+  """fp8_current over fsdp x tensor: a step quantizes each dense kernel once (layers/linear.py's `once_a_step`),
+  but not the qkv kernel where its kv heads are copied over the tensor ranks (tensor 4, 2 kv heads): its GEMMs
+  read a view of it, which they quantize themselves (its copies would be made and held for nothing)."""
+  s = start(config("tiny", **{"quant.recipe": "fp8_current", "mesh.fsdp": 8 // tensor, "mesh.tensor": tensor}), 8)
+  with s.rules():
+    taken = linear.once_a_step(nnx.merge(s.graphdef, s.state.params, s.state.quant_state))
+  copied_paths = {path[-1] for path, t in taken.items() if t.copies}
+  assert copied_paths == ({"out", "wi", "wo"} if copied else {"qkv", "out", "wi", "wo"}), copied_paths

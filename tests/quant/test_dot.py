@@ -155,6 +155,15 @@ def test_kernel_copies_made_ahead_are_the_gemms_own(recipe):
   assert not np.array_equal(other[0], own[0]) and not np.array_equal(other[1][0], own[1][0])  # y and dx.
 
 
+def test_kernel_copies_are_made_ahead_where_every_gemm_reads_them():
+  """Per-tensor recipes, their forward GEMM quantized, without health statistics; not bf16, block-scaled recipes,
+  `quant.forward = "bf16"` (the forward GEMM reads the kernel itself) nor statistics steps."""
+  from ember.quant.dot import takes_kernel_copies
+  made = {(name, forward, stats) for name in ("bf16", *QUANTIZED_RECIPES) for forward in ("recipe", "bf16")
+          for stats in (False, True) if takes_kernel_copies(Recipe(name, forward=forward), stats)}
+  assert made == {("fp8_current", "recipe", False), ("fp8_delayed", "recipe", False)}
+
+
 def _count_quantized_names(jaxpr) -> int:
   n = 0
   for eqn in jaxpr.eqns:
