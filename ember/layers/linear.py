@@ -99,7 +99,7 @@ def once_a_step(model: nnx.Module, remat: bool = True, loop: bool = True) -> dic
         # A barrier keeps the copies made here: XLA sinks a cast of a loop's invariant input into the loop's body
         # (a pipeline stage's ticks, where nothing gathers the kernel first), and quantized it each tick again.
         # Without a loop it would only keep XLA from making each copy where its layer needs it (llama3_8b,
-        # unrolled `minimal`, h100x8: 12,743 tokens/s/GPU predicted with it, 12,868 without).
+        # unrolled `minimal`, h100x8: 12,740 tokens/s/GPU predicted with it, 12,877 without).
         out[path] = keep(jax.lax.stop_gradient(Taken(amax, copies=copies)))
       elif amax is not None:
         out[path] = Taken(amax)
@@ -227,12 +227,17 @@ class Linear(nnx.Module):
     """Where the flattened [K, N] kernel's GEMMs read it: the kernel's own split of its major input and output
     axes, less the axes the tokens are split over (the batch's and the sequence's, over which the kernel is split
     as FSDP splits it: gathered for the GEMM) and the axes already manual; None outside the rules."""
-    rules, mesh, n_in = sharding.active_rules(), sharding.active_mesh(), len(self.in_shape)
+    rules, mesh = sharding.active_rules(), sharding.active_mesh()
     if rules is None or mesh is None:
       return None
-    spec = sharding.logical_to_spec((self.axes[0], self.axes[n_in + (flat.split[0] if flat else 0)]), rules, mesh)
-    return _for_the_compiler(sharding.without_axes(spec, set(mesh_axes.token_axes(rules, mesh)) | set(manual_axes())),
-                             mesh)
+    spec = sharding.without_axes(self._kernel_spec(flat), set(mesh_axes.token_axes(rules, mesh)) | set(manual_axes()))
+    return _for_the_compiler(spec, mesh)
+
+  def _kernel_spec(self, flat: "_FlatOutputs | None") -> P:
+    """The flattened [K, N] kernel's split under the active rules: its major input axis's and major split output
+    axis's (`_flat_outputs`)."""
+    axes = (self.axes[0], self.axes[len(self.in_shape) + (flat.split[0] if flat else 0)])
+    return sharding.logical_to_spec(axes, sharding.active_rules(), sharding.active_mesh())
 
   def _flat_outputs(self, out_shape) -> "_FlatOutputs | None":
     """How the output axes are flattened into the kernel's N, where their split over the mesh makes a plain
@@ -347,19 +352,17 @@ class Linear(nnx.Module):
     GEMM's copy is [N, K]; gathered along that minor K for every GEMM, XLA gathers along the major axis and
     transposes after, a pass over the whole kernel each time (llama3_70b, tensor 4 x 8 stages: 1 TB a device a
     step). None outside the rules, or where the major axis does not divide."""
-    rules, mesh, n_in = sharding.active_rules(), sharding.active_mesh(), len(self.in_shape)
+    rules, mesh = sharding.active_rules(), sharding.active_mesh()
     if rules is None or mesh is None:
       return None
-    spec = sharding.logical_to_spec((self.axes[0], self.axes[n_in + (flat.split[0] if flat else 0)]), rules, mesh)
-    k, n = (sharding.entry_axes(e) for e in sharding.without_axes(spec, manual_axes()))
+    k, n = (sharding.entry_axes(e) for e in sharding.without_axes(self._kernel_spec(flat), manual_axes()))
     major, minor = (n, k) if transposed else (k, n)
     gathered = set(mesh_axes.token_axes(rules, mesh))
     major = tuple(major) + tuple(a for a in minor if a in gathered)
     minor = tuple(a for a in minor if a not in gathered)
     if shape[0] % math.prod(mesh.shape[a] for a in major) or shape[1] % math.prod(mesh.shape[a] for a in minor):
       return None
-    entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes
-    return entry(major), entry(minor)
+    return sharding.spec_entry(major), sharding.spec_entry(minor)
 
   def kernel_amax(self) -> jax.Array | None:
     """max|kernel| as `__call__`'s quantizer takes it (one per layer of a stacked kernel), or None where that is

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import platform
-from ember.quant.partitioning import entry_axes
+from ember.quant.partitioning import entry_axes, spec_entry
 from ember.quant.varying import manual_axes
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -54,7 +54,7 @@ def logical_to_spec(names: Sequence[str | None], rules: dict, mesh: Mesh | None 
         continue
       used.add(a)
       axes.append(a)
-    spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    spec.append(spec_entry(axes))
   return P(*spec)
 
 
@@ -116,8 +116,7 @@ def without_axes(spec: P, axes) -> P:
   def entry_without(entry):
     if entry is P.UNCONSTRAINED:
       return entry
-    kept = tuple(a for a in entry_axes(entry) if a not in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
+    return spec_entry(a for a in entry_axes(entry) if a not in axes)
   return P(*(entry_without(e) for e in spec))
 
 

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.quant import one_pass
-from ember.quant.core import SCOPE_WEIGHT, KernelRow, quantized_gemm
-from ember.quant.core import quantize_kernel as quantized_kernel
+from ember.quant.core import SCOPE_WEIGHT, KernelRow, quantize_kernel, quantized_gemm
 from ember.quant.gemm import block_scaled_dot, output_dtype
 from ember.quant.quantizers import tensor_amax
 from ember.quant.recipe import KERNEL, KERNEL_T, WEIGHT, Recipe, pad_to
@@ -84,7 +83,7 @@ def kernel_copies(w_KxN: jax.Array, *, recipe: Recipe, history: jax.Array | None
   its FSDP gather, for every GEMM again (`DenseLayout.whole` gathers either)."""
   layout = DenseLayout(transposed=recipe.has_x_t)
   h_k = jnp.zeros((1,), jnp.float32) if history is None else history[1]
-  copies = quantized_kernel(layout, recipe, layout.pad_kernel(w_KxN, recipe.block_size), h_k, amax=amax)
+  copies = quantize_kernel(layout, recipe, layout.pad_kernel(w_KxN, recipe.block_size), h_k, amax=amax)
   if recipe.block_size == 1 and KERNEL_T not in copies:
     copies = {KERNEL: copies[KERNEL].T, KERNEL_T: copies[KERNEL]}
   return copies

@@ -42,6 +42,12 @@ def entry_axes(entry) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def spec_entry(axes) -> str | tuple[str, ...] | None:
+  """The PartitionSpec entry that names `axes` (`entry_axes`' inverse): None for none, an axis, or a tuple."""
+  axes = tuple(axes)
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def collectives(mesh: Mesh) -> bool:
   """Whether a rule handed `mesh` may reduce over its axes: not over a replica group's own mesh."""
   return not any(a.startswith(_GROUP_AXIS) for a in mesh.axis_names)
