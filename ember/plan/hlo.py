@@ -531,8 +531,11 @@ def kernel_traffic(p: Program, i: Instruction) -> Traffic:
         width = _BYTES.get(dtype_of(types[index]), 4)
         operands[index] = sum(width * math.prod(dims_of(u.shape)) for u in sliced)
     for index, update, whole, read in in_place_updates(p, i):
-      if index < len(operands):
-        operands[index] = read
+      if index < len(operands):  # What it reads of the buffer: a combining scatter's rows, and any slice read back
+        # (a bounds-checked update's select reads the slot it overwrites).
+        back = [u for u in users.get(params.get(index), []) if u.opcode in ("dynamic-slice", "slice")]
+        width = _BYTES.get(dtype_of(types[index]), 4)
+        operands[index] = read + sum(width * math.prod(dims_of(u.shape)) for u in back)
         results.append((update - whole, on_host(types[index])))  # In place: only the update is written.
   return _traffic(list(zip(operands, map(on_host, types))), results)
 

@@ -335,7 +335,9 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
       f, v_f, has_f = unit(pipeline.forward_unit, tau)
       y, a, kept = run_forward(received, f, v_f)
       slot = jnp.where(has_f, slot_of[pipeline.forward_index(f, v_f, stages, virtual)], slots)  # The spare: slots.
-      ring = [buf.at[slot].set(r) for buf, r in zip(ring, kept)]
+      # A dynamic update, not `.at[slot].set`: a scatter drops an out-of-range update, which XLA lowers as a
+      # select that reads the slot back (a third of the write's traffic again); `slot` is always in range.
+      ring = [jax.lax.dynamic_update_index_in_dim(buf, r, slot, 0) for buf, r in zip(ring, kept)]
       aux = {k: _add_rows(acc, take(has_f, a[k]).astype(F32), v_f) if k.endswith(BY_LAYER)
              else acc + take(has_f, a[k]).astype(F32) for k, acc in aux.items()}
       received = pipeline.to_next_stage(take(has_f, y), stages, ring=ring_order)
