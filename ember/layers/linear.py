@@ -16,10 +16,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ember.names import BATCH, BLOCK, LENGTH, PROJECTIONS, RESIDUAL, RNG_STREAMS
+from ember.names import BATCH, BLOCK, LENGTH, LM_HEAD, PROJECTIONS, RESIDUAL, RNG_STREAMS
 from ember.parallel import axes as mesh_axes, sharding
 from ember.quant import dot, health
 from ember.quant.recipe import Recipe
+from ember.quant.tensor import QuantizedTensor
 from ember.quant.varying import manual_axes
 
 
@@ -75,15 +76,15 @@ class _FlatOutputs:
 
 
 def once_a_step(model: nnx.Module, remat: bool = True, loop: bool = True) -> dict:
-  """{path: Taken(max|kernel|, copies)} of every projection of `model` whose kernel a step quantizes once for all
-  its GEMMs (`Linear.kernel_copies`) or whose recipe takes a kernel's amax in a pass of its own (one of each per
-  layer where kernels are stacked). Made outside the gradient: the copies' only use is the GEMMs' operands, and
-  each kernel's gradient is its GEMMs' (quant/core.py). `remat`: the layers run under a remat policy (the
-  step's `policy.remat`); without, no copies: each GEMM quantizes its kernel once a micro-batch, and the forward's
-  gathered copy serves dgrad too (XLA gathers it once for both), where copies made ahead are gathered once for
-  each and read a layer's row out of the stacked ones (llama3_8b, 16 micro-batches, `none`, h100x8: 12,742
-  tokens/s/GPU predicted with them, 12,797 without). `loop`: a loop of micro-batches reads them (a pipeline's
-  ticks, gradient accumulation)."""
+  """{path: Taken(max|kernel|, copies)} of every projection of `model` whose kernel a step quantizes (or, in an
+  unquantized recipe under a `loop`, casts) once for all its GEMMs (`Linear.kernel_copies`) or whose recipe takes a
+  kernel's amax in a pass of its own (one of each per layer where kernels are stacked). Made outside the gradient: the
+  copies' only use is the GEMMs' operands, and each kernel's gradient is its GEMMs' (quant/core.py). `remat`: the
+  layers run under a remat policy (the step's `policy.remat`); without, no copies: each GEMM quantizes its kernel once
+  a micro-batch, and the forward's gathered copy serves dgrad too (XLA gathers it once for both), where copies made
+  ahead are gathered once for each and read a layer's row out of the stacked ones (llama3_8b, 16 micro-batches,
+  `none`, h100x8: 12,742 tokens/s/GPU predicted with them, 12,797 without). `loop`: a loop of micro-batches reads them
+  (a pipeline's ticks, gradient accumulation)."""
   keep = jax.lax.optimization_barrier if loop else lambda taken: taken
   modules = [(tuple(path), m) for path, m in nnx.iter_graph(model)]
   # A projection whose GEMMs read a view of its kernel this step (attention's kv heads copied over more tensor
@@ -92,9 +93,9 @@ def once_a_step(model: nnx.Module, remat: bool = True, loop: bool = True) -> dic
             for name in m.viewed_projections()}
   out = {}
   for path, m in modules:
-    if isinstance(m, Linear):
+    if isinstance(m, Linear) and m.name != LM_HEAD:  # The head's GEMMs are the loss's, which reads its weight itself.
       amax = m.kernel_amax()
-      copies = m.kernel_copies(amax) if remat and path not in viewed else None
+      copies = m.kernel_copies(amax, loop) if remat and path not in viewed else None
       if copies is not None:
         # A barrier keeps the copies made here: XLA sinks a cast of a loop's invariant input into the loop's body
         # (a pipeline stage's ticks, where nothing gathers the kernel first), and quantized it each tick again.
@@ -325,14 +326,15 @@ class Linear(nnx.Module):
     n_in = len(self.in_shape)
     return bool(over(spec[n_in:])) and not over(spec[:n_in])
 
-  def kernel_copies(self, amax: jax.Array | None) -> dict | None:
+  def kernel_copies(self, amax: jax.Array | None, loop: bool = True) -> dict | None:
     """The kernel's quantized copies as `__call__`'s GEMMs read them (quant/dot.py's `kernel_copies`; one per layer
-    of a stacked kernel), made from `amax` (`kernel_amax`), or None where the recipe makes none ahead."""
-    if not dot.takes_kernel_copies(self.recipe, self.quant_stats is not None):
+    of a stacked kernel), made from `amax` (`kernel_amax`), or None where the recipe makes none ahead (`loop`: a
+    loop of micro-batches reads them, `once_a_step`)."""
+    if not dot.takes_kernel_copies(self.recipe, self.quant_stats is not None, loop):
       return None
     history = self.amax_history[...] if self.recipe.delayed else None
     copies = lambda kernel, amax, history: dot.kernel_copies(self._gemm_kernel(kernel)[0], recipe=self.recipe,
-                                                             history=history, amax=amax)
+                                                             history=history, amax=amax, dtype=self.dtype)
     kernel = self.kernel[...]
     lead = kernel.ndim - len(self.in_shape) - len(self.out_shape)
     for _ in range(lead):
@@ -340,6 +342,10 @@ class Linear(nnx.Module):
     copies = copies(kernel, amax, history)
     flat = self._flat_outputs(self.out_shape)
     for name, q in copies.items():
+      if not isinstance(q, QuantizedTensor):  # An unquantized recipe's cast, [K, N].
+        spec = self._copy_spec(flat, q.shape[lead:], transposed=False)
+        copies[name] = q if spec is None else sharding.place(q, P(*(P.UNCONSTRAINED,) * lead, *spec))
+        continue
       spec = None if q.block else self._copy_spec(flat, q.data.shape[lead:], transposed=q.axis == 1)
       if spec is not None:
         copies[name] = dataclasses.replace(q, data=sharding.place(q.data, P(*(P.UNCONSTRAINED,) * lead, *spec)))

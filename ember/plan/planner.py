@@ -262,15 +262,18 @@ class Estimator:
       self._state[key] = (state, params, leaves, replicas, held)
     return self._state[key]
 
-  def _copies(self, leaves) -> float:
-    """Bytes a device holds for the quantized kernel copies a step under a remat policy makes once
-    (layers/linear.py's `once_a_step`): its share of the dense projections' kernels, once for the forward GEMM and
-    once for dgrad (quant/dot.py's `kernel_copies`), in the recipe's per-element bytes. The routed experts' kernels
-    are quantized by their GEMMs; projections `quant.exclude` keeps in bf16 are counted too (an over-estimate)."""
+  def _copies(self, leaves, layout: Layout) -> float:
+    """Bytes a device holds for the kernel copies a step under a remat policy makes once (layers/linear.py's
+    `once_a_step`): its share of the dense projections' kernels, once for the forward GEMM and once for dgrad
+    (quant/dot.py's `kernel_copies`; one cast for an unquantized recipe), in the recipe's per-element bytes. The
+    routed experts' kernels are quantized by their GEMMs; projections `quant.exclude` keeps in bf16 are counted
+    as the recipe's (an over-estimate)."""
     recipe = self.settings.quant
-    if not dot.takes_kernel_copies(recipe, bool(self.settings.log.quant_stats_every)):
+    loop = layout.grad_accum_steps > 1 or layout.mesh()["pipeline"] > 1  # A loop of micro-batches reads them.
+    if not dot.takes_kernel_copies(recipe, bool(self.settings.log.quant_stats_every), loop):
       return 0.0
-    return 2 * recipe.scheme.weight_bytes * sum(n for n, _, _, _, dense in leaves if dense)
+    return dot.kernel_copy_count(recipe) * recipe.scheme.weight_bytes * sum(n for n, _, _, _, dense in leaves
+                                                                           if dense)
 
   def _rows(self, layout: Layout) -> int:
     """The stacked layers' rows, in layers: the model's blocks padded to the layout's stages x chunks
@@ -309,7 +312,7 @@ class Estimator:
     activations += (kept * layers / stages * block.residual_kernel_bytes + block.working_kernel_bytes) * held
     activations += kept * hidden if stages > 1 and layout.schedule == "gpipe" else 0  # Outputs kept for the loss.
     peak = state + params * (2 if layout.grad_accum_steps > 1 else 1) + activations
-    peak += self._copies(leaves) if remat.PRESETS[layout.remat].remat else 0.0
+    peak += self._copies(leaves, layout) if remat.PRESETS[layout.remat].remat else 0.0
     # Compute: the model's FLOPs and the recomputed share; projections at the recipe's GEMM peak, attention and
     # the LM head at bf16's.
     recipe = cfg.quant

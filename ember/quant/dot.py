@@ -13,6 +13,7 @@ Delayed scaling: a projection's histories are one [3 (x, kernel, grad), H] array
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from ember.quant.quantizers import tensor_amax
 from ember.quant.recipe import KERNEL, KERNEL_T, WEIGHT, Recipe, pad_to
 from ember.quant.tensor import QuantizedTensor
 from ember.quant.unquantized import unquantized_matmul
-from ember.quant.varying import shard_axes
+from ember.quant.varying import shard_axes, sum_to, vma_of
 
 
 def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name: str,
@@ -51,9 +52,11 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   dtype = jnp.dtype(dtype)
   assert x_MxK.ndim == 2 or keeps_rows(recipe), (x_MxK.shape, recipe.name)
   if not recipe.quantized:
-    # The kernel cast here: its gradient is rounded to the compute dtype, as autodiff of a bf16 dot rounds it.
-    return unquantized_matmul(_contract, x_MxK, w_KxN.astype(dtype), dtype=dtype,
-                              wgrad_dtype=recipe.wgrad_out(w_KxN.dtype))
+    # The kernel cast here, or read from the cast made ahead: its gradient is rounded to the compute dtype, as
+    # autodiff of a bf16 dot rounds it.
+    w = w_KxN.astype(dtype) if kernel_copies is None else _read_as(w_KxN.dtype, vma_of(w_KxN), w_KxN,
+                                                                   kernel_copies[KERNEL])
+    return unquantized_matmul(_contract, x_MxK, w, dtype=dtype, wgrad_dtype=recipe.wgrad_out(w_KxN.dtype))
   # The [3, H] and [3, S] arrays as (x, kernel, grad) rows; autodiff stacks their cotangents back.
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
   # Inside a step's data-parallel shard_map (trainer/step.py) x and its gradient hold one replica's rows: their
@@ -70,7 +73,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
 
 
 def kernel_copies(w_KxN: jax.Array, *, recipe: Recipe, history: jax.Array | None = None,
-                  amax: jax.Array | None = None) -> dict:
+                  amax: jax.Array | None = None, dtype=jnp.bfloat16) -> dict:
   """The copies of kernel w [K, N] that `quantized_matmul`'s GEMMs read, made ahead: a step quantizes each kernel
   once for all its micro-batches and remat recomputations (the weights do not change within a step), where
   each GEMM would quantize it again, and XLA hoists no such pass out of a loop (llama3_70b, tensor 4 x 8 stages,
@@ -80,7 +83,11 @@ def kernel_copies(w_KxN: jax.Array, *, recipe: Recipe, history: jax.Array | None
 
   A per-tensor copy comes stored both ways: transposed, [N, K], for the forward GEMM and as it is, [K, N], for
   dgrad, each in the layout an FP8 GEMM reads (its contraction axis minor), so that neither is transposed after
-  its FSDP gather, for every GEMM again (`DenseLayout.whole` gathers either)."""
+  its FSDP gather, for every GEMM again (`DenseLayout.whole` gathers either). An unquantized recipe's one copy is
+  the kernel cast to the compute `dtype`, [K, N], which all three GEMMs read (the float32 weights were cast for
+  every pass again: llama3_70b in bf16, tensor 4 x 8 stages, 128 micro-batches: 1.7 TB a device a step)."""
+  if not recipe.quantized:
+    return {KERNEL: w_KxN.astype(dtype)}
   layout = DenseLayout(transposed=recipe.has_x_t)
   h_k = jnp.zeros((1,), jnp.float32) if history is None else history[1]
   copies = quantize_kernel(layout, recipe, layout.pad_kernel(w_KxN, recipe.block_size), h_k, amax=amax)
@@ -89,12 +96,41 @@ def kernel_copies(w_KxN: jax.Array, *, recipe: Recipe, history: jax.Array | None
   return copies
 
 
-def takes_kernel_copies(recipe: Recipe, stats: bool) -> bool:
+def takes_kernel_copies(recipe: Recipe, stats: bool, loop: bool = True) -> bool:
   """Whether a step makes a dense kernel's copies ahead (`kernel_copies`): per-tensor recipes whose forward GEMM
   is quantized (under `quant.forward = "bf16"` it reads the kernel itself), without health statistics (which a
-  GEMM measures on its own operands). Not yet the block-scaled ones, whose kernel casts are the platform's
-  one-pass kernels (quant/one_pass.py), not traced under the vmap over stacked layers."""
-  return recipe.quantized and recipe.forward_quantized and recipe.block_size == 1 and not stats
+  GEMM measures on its own operands); unquantized ones (the cast to the compute dtype) where a `loop` of
+  micro-batches reads them (a pipeline's ticks, gradient accumulation). A cast is a pass of its own only once a
+  micro-batch: one micro-batch cast its kernels for the forward pass and again for the remat, and reading the
+  copies costs as much where each layer slices its row out of the stacked ones (llama3_8b bf16, `full` scanned,
+  h100x8: 611.1 ms floor with them, 611.0 without). Not yet the block-scaled recipes, whose kernel casts are the
+  platform's one-pass kernels (quant/one_pass.py), not traced under the vmap over stacked layers."""
+  if not recipe.quantized:
+    return loop
+  return recipe.forward_quantized and recipe.block_size == 1 and not stats
+
+
+def kernel_copy_count(recipe: Recipe) -> int:
+  """How many copies of a kernel `kernel_copies` makes: an unquantized recipe's one cast, a per-tensor recipe's
+  two layouts."""
+  return 1 if not recipe.quantized else 2
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _read_as(w_dtype, w_vma, w, copy):
+  """`copy` (w cast ahead, `kernel_copies`) where the GEMM reads w: its cotangent goes to w, in w's dtype."""
+  return copy
+
+
+def _read_as_fwd(w_dtype, w_vma, w, copy):
+  return copy, None
+
+
+def _read_as_bwd(w_dtype, w_vma, _, g):
+  return sum_to(g, w_vma).astype(w_dtype), None
+
+
+_read_as.defvjp(_read_as_fwd, _read_as_bwd)
 
 
 def keeps_rows(recipe: Recipe) -> bool:

@@ -156,12 +156,44 @@ def test_kernel_copies_made_ahead_are_the_gemms_own(recipe):
 
 
 def test_kernel_copies_are_made_ahead_where_every_gemm_reads_them():
-  """Per-tensor recipes, their forward GEMM quantized, without health statistics; not bf16, block-scaled recipes,
-  `quant.forward = "bf16"` (the forward GEMM reads the kernel itself) nor statistics steps."""
+  """bf16 (its cast, where a loop of micro-batches reads it), and per-tensor recipes, their forward GEMM
+  quantized, without health statistics; not block-scaled recipes, `quant.forward = "bf16"` (the forward GEMM reads
+  the kernel itself) nor statistics steps."""
   from ember.quant.dot import takes_kernel_copies
   made = {(name, forward, stats) for name in ("bf16", *QUANTIZED_RECIPES) for forward in ("recipe", "bf16")
           for stats in (False, True) if takes_kernel_copies(Recipe(name, forward=forward), stats)}
-  assert made == {("fp8_current", "recipe", False), ("fp8_delayed", "recipe", False)}
+  bf16 = {("bf16", forward, stats) for forward in ("recipe", "bf16") for stats in (False, True)}
+  assert made == bf16 | {("fp8_current", "recipe", False), ("fp8_delayed", "recipe", False)}
+  # One micro-batch (no loop reads the copies): a cast made ahead saves nothing; a quantization still does.
+  assert not takes_kernel_copies(Recipe("bf16"), False, loop=False)
+  assert takes_kernel_copies(Recipe("fp8_current"), False, loop=False)
+
+
+def test_a_bf16_kernel_cast_ahead_gives_the_gemms_own_output_and_gradients():
+  """An unquantized recipe's copy (`kernel_copies`: the float32 kernel cast to the compute dtype once a step) gives
+  the GEMM's output and both gradients bit for bit, the kernel's in its own dtype, rounded to the compute dtype as
+  the cast's transpose rounds it; and the GEMM reads the copy: handed another one, its output and x's gradient
+  change while the kernel's stays the same (it depends on x and the output's gradient only)."""
+  from ember.quant.dot import kernel_copies
+  r = Recipe("bf16")
+  kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+  x, w = jax.random.normal(kx, (48, 64), jnp.bfloat16), jax.random.normal(kw, (64, 32))
+  g = jax.random.normal(kg, (48, 32), jnp.bfloat16)
+
+  def run(copies):
+    f = lambda x, w: quantized_matmul(x, w, recipe=r, name="wi", dtype=jnp.bfloat16, kernel_copies=copies)
+    y, vjp = jax.vjp(f, x, w)
+    return y, vjp(g)
+
+  copies = kernel_copies(w, recipe=r, dtype=jnp.bfloat16)
+  assert set(copies) == {"kernel"} and copies["kernel"].dtype == jnp.bfloat16
+  own, ahead = run(None), run(copies)
+  assert ahead[1][1].dtype == w.dtype
+  for a, b in zip(jax.tree.leaves(ahead), jax.tree.leaves(own), strict=True):
+    np.testing.assert_array_equal(a, b)
+  other = run(kernel_copies(2 * w, recipe=r, dtype=jnp.bfloat16))
+  assert not np.array_equal(other[0], own[0]) and not np.array_equal(other[1][0], own[1][0])  # y and dx.
+  np.testing.assert_array_equal(other[1][1], own[1][1])
 
 
 def _count_quantized_names(jaxpr) -> int:

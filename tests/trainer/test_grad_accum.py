@@ -73,12 +73,13 @@ def test_a_step_over_replicas_equals_the_step_over_one_group(recipe):
     assert rel_error(b, a) < 1e-6, jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", pytest.param("fp8_delayed", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("recipe", ["fp8_current", "bf16", pytest.param("fp8_delayed", marks=pytest.mark.extended)])
 @pytest.mark.long
 def test_kernels_quantized_once_a_step_change_no_bit(recipe, monkeypatch):
-  """A step of micro-batches takes each kernel's amax and makes its quantized copies once, before its scan
-  (linear.once_a_step): bit for bit the step whose every micro-batch (and remat recomputation) quantizes each
-  kernel itself. fsdp 8: the amax of the sharded kernels is the global one, the copies are the shards'."""
+  """A step of micro-batches takes each kernel's amax and makes its quantized copies (bf16: its cast) once, before
+  its scan (linear.once_a_step): bit for bit the step whose every micro-batch (and remat recomputation) quantizes
+  or casts each kernel itself. fsdp 8: the amax of the sharded kernels is the global one, the copies are the
+  shards'. The LM head's GEMMs are the loss's: it is handed nothing."""
   cfg = lambda: config("tiny", **{"quant.recipe": recipe, "train.batch_size": 16, "train.grad_accum_steps": 2})
   s = start(cfg(), 1)
   taken = linear.once_a_step(nnx.merge(s.graphdef, s.state.params, s.state.quant_state))
