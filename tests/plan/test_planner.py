@@ -169,15 +169,23 @@ def test_a_blocks_kernel_copies_are_counted_once_a_layer():
 def test_kernels_quantized_once_a_step_are_counted_once_a_step():
   """tiny under fp8_current, whose kernels a step under a remat policy quantizes once (layers/linear.py's
   `once_a_step`): no layer keeps a kernel copy, and the estimate holds a device's share of two E4M3 copies of every
-  projection kernel for the step (written out from the model's dimensions: its layers over FSDP 8)."""
+  projection kernel for the step (written out from the model's dimensions: its layers over FSDP 8); under bf16, one
+  bf16 cast (two bytes an element) where micro-batches loop, none for one."""
   cfg = _cfg("tiny", "--config.quant.recipe=fp8_current")
   with target_lib.targeting(target_lib.parse("h100x8")):
     blocks = planner._blocks(cfg, ("full", "save_quantized"))
     estimator = planner.Estimator(cfg, target_lib.parse("h100x8"))
   assert blocks["full"].residual_kernel_bytes == blocks["save_quantized"].residual_kernel_bytes == 0
   lay = planner.Layout((("fsdp", 8),), (("data", 1), ("fsdp", 1), ("expert", 1)), 1, "full")
-  copies = estimator._copies(estimator._leaves(lay)[2])
+  copies = estimator._copies(estimator._leaves(lay)[2], lay)
   assert copies == 2 * _kernel_elements(cfg.model) * cfg.model.num_layers / 8
+  # bf16 casts its kernels once a step where a loop of micro-batches reads them: one bf16 copy, and none without.
+  cfg = _cfg("tiny", "--config.quant.recipe=bf16")
+  estimator = planner.Estimator(cfg, target_lib.parse("h100x8"))
+  looped = planner.Layout((("fsdp", 8),), (("data", 1), ("fsdp", 1), ("expert", 1)), 2, "full")
+  assert estimator._copies(estimator._leaves(lay)[2], lay) == 0
+  assert estimator._copies(estimator._leaves(looped)[2], looped) == (
+      2 * _kernel_elements(cfg.model) * cfg.model.num_layers / 8)
 
 
 def _kernel_elements(m) -> int:
