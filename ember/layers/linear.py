@@ -63,7 +63,7 @@ class Taken:
   amax: jax.Array | None = None
   stacked: jax.Array | None = None
   index: int | None = dataclasses.field(default=None, metadata=dict(static=True))
-  copies: dict | None = None  # {operand: QuantizedTensor}, `Linear.kernel_copies`.
+  copies: dict | None = None  # {operand: QuantizedTensor, or an unquantized recipe's cast}, `Linear.kernel_copies`.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,17 +342,17 @@ class Linear(nnx.Module):
     copies = copies(kernel, amax, history)
     flat = self._flat_outputs(self.out_shape)
     for name, q in copies.items():
-      if not isinstance(q, QuantizedTensor):  # An unquantized recipe's cast, [K, N].
-        spec = self._copy_spec(flat, q.shape[lead:], transposed=False)
-        copies[name] = q if spec is None else sharding.place(q, P(*(P.UNCONSTRAINED,) * lead, *spec))
-        continue
-      spec = None if q.block else self._copy_spec(flat, q.data.shape[lead:], transposed=q.axis == 1)
+      quantized = isinstance(q, QuantizedTensor)  # Else an unquantized recipe's cast, [K, N].
+      data = q.data if quantized else q
+      spec = None if quantized and q.block else self._copy_spec(flat, data.shape[lead:],
+                                                                transposed=quantized and q.axis == 1)
       if spec is not None:
-        copies[name] = dataclasses.replace(q, data=sharding.place(q.data, P(*(P.UNCONSTRAINED,) * lead, *spec)))
+        placed = sharding.place(data, P(*(P.UNCONSTRAINED,) * lead, *spec))
+        copies[name] = dataclasses.replace(q, data=placed) if quantized else placed
     return copies
 
   def _copy_spec(self, flat: "_FlatOutputs | None", shape: tuple[int, int], transposed: bool) -> P | None:
-    """Where a per-tensor copy made ahead (`kernel_copies`: [K, N], or [N, K] `transposed`) lies: split as the
+    """Where a copy made ahead (`kernel_copies`: [K, N], or [N, K] `transposed`) lies: split as the
     kernel over its two axes, but over the axes its GEMMs gather it along (FSDP's: the tokens' axes) on its
     major axis, the last split there. An FP8 GEMM reads both operands contraction axis minor, so the forward
     GEMM's copy is [N, K]; gathered along that minor K for every GEMM, XLA gathers along the major axis and

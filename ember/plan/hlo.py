@@ -525,17 +525,18 @@ def kernel_traffic(p: Program, i: Instruction) -> Traffic:
         out += sliced
       return out
 
+    def sliced_bytes(index, slices):  # Each slice's elements in operand `index`'s own dtype.
+      return _BYTES.get(dtype_of(types[index]), 4) * sum(math.prod(dims_of(u.shape)) for u in slices)
+
     for index, name in params.items():
       sliced = reads(name) if index < len(operands) else None
-      if sliced is not None:  # Each slice's elements in the operand's own dtype.
-        width = _BYTES.get(dtype_of(types[index]), 4)
-        operands[index] = sum(width * math.prod(dims_of(u.shape)) for u in sliced)
+      if sliced is not None:
+        operands[index] = sliced_bytes(index, sliced)
     for index, update, whole, read in in_place_updates(p, i):
       if index < len(operands):  # What it reads of the buffer: a combining scatter's rows, and any slice read back
         # (a bounds-checked update's select reads the slot it overwrites).
         back = [u for u in users.get(params.get(index), []) if u.opcode in ("dynamic-slice", "slice")]
-        width = _BYTES.get(dtype_of(types[index]), 4)
-        operands[index] = read + sum(width * math.prod(dims_of(u.shape)) for u in back)
+        operands[index] = read + sliced_bytes(index, back)
         results.append((update - whole, on_host(types[index])))  # In place: only the update is written.
   return _traffic(list(zip(operands, map(on_host, types))), results)
 
