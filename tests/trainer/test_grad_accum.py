@@ -66,6 +66,9 @@ def test_a_step_over_replicas_equals_the_step_over_one_group(recipe):
   its own."""
   overrides = {"model.dtype": "float32", "quant.recipe": recipe, "quant.nvfp4_stochastic_rounding": False,
                "train.batch_size": 32, "train.grad_accum_steps": 4}
+  if recipe == "nvfp4":  # XLA's CPU backend cannot lower E2M1 residuals saved in the replicas' loop ("invalid
+    # bitcast i8 to i4" from LLVM); tests/test_remat.py keeps them elsewhere. What is checked here is the reduction.
+    overrides["remat.policy"] = "full"
   batch = random_batch(config("tiny", **overrides))
   replicas = one_step(config("tiny", **overrides, **MESH), batch, 8)
   one_group = one_step(config("tiny", **overrides, **{"mesh.data": 1, "mesh.fsdp": 8}), batch, 8)
