@@ -26,7 +26,7 @@ from ember.parallel.sharding import use_rules  # noqa: E402
 from ember.trainer.optimizer import make_optimizer  # noqa: E402
 from ember.trainer.state import TrainState, create_train_state  # noqa: E402
 from ember.trainer.step import batch_sharding, jit_train_step  # noqa: E402
-from tests.xla_cpu import cpu_xla_flags
+from tests.xla_cpu import cpu_xla_flags, step_options
 
 
 def config(preset: str = "tiny", **overrides):
@@ -122,9 +122,11 @@ def run_steps(cfg, batches, num_devices: int, policy_name: str | None = None):
   sharding = batch_sharding(s.cfg, s.mesh)
   with s.rules():
     step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, policy=policy, donate=False)
-    state, out = s.state, []
+    state, out, compiled = s.state, [], None
     for batch in batches:
-      state, metrics = step(state, {k: jax.device_put(v, sharding) for k, v in batch.items()})
+      batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
+      compiled = compiled or step.lower(state, batch).compile(compiler_options=step_options(s.cfg))
+      state, metrics = compiled(state, batch)
       out.append(jax.device_get(metrics))
   return out, jax.device_get(state)
 
@@ -141,7 +143,8 @@ def one_step(cfg, batch, num_devices: int):
   sharding = batch_sharding(s.cfg, s.mesh)
   with s.rules():
     step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
-    new_state, metrics = step(s.state, {k: jax.device_put(v, sharding) for k, v in batch.items()})
+    batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    new_state, metrics = step.lower(s.state, batch).compile(compiler_options=step_options(s.cfg))(s.state, batch)
   return jax.device_get((metrics, new_state))
 
 

@@ -96,17 +96,19 @@ def test_overflow_warnings_name_the_layers_and_steps():
 @pytest.mark.extended
 def test_qwen3_30b_a3b_shapes_at_reduced_size_train(tmp_path):
   """The qwen3_30b_a3b preset (QK-norm, head_dim apart from d_model / heads, top-8 of many experts, renormalised)
-  shrunk to CPU size trains with 2 micro-batches a step, and its loss falls."""
+  shrunk to CPU size trains with 2 micro-batches a step, and its loss falls: the last three steps' mean below the
+  first three's (about ln 256) by a clear margin. (Two single steps late in the run compare within the batches'
+  noise: step 12's loss came out above step 6's.)"""
   small = {"model.num_layers": 2, "model.d_model": 64, "model.num_heads": 4, "model.num_kv_heads": 2,
            "model.head_dim": 32, "model.d_ff": 32, "model.num_experts": 16, "model.vocab_size": 256,
            "model.seq_len": 32, "train.batch_size": 16, "train.grad_accum_steps": 2, "train.warmup_steps": 2,
            "train.learning_rate": 3e-3}
-  cfg = config("qwen3_30b_a3b", **{"workdir": str(tmp_path), "steps": 12, "log.every_steps": 6,
+  cfg = config("qwen3_30b_a3b", **{"workdir": str(tmp_path), "steps": 12, "log.every_steps": 1,
                                    "checkpoint.every_steps": 0, "quant.recipe": "fp8_current", **small})
   assert cfg.model.qk_norm and cfg.model.experts_per_token == 8 and cfg.model.router_softmax_first
   train(checked(cfg))
   losses = [json.loads(line)["loss"] for line in open(tmp_path / "metrics.jsonl") if '"loss"' in line]
-  assert len(losses) == 2 and losses[1] < losses[0], losses
+  assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
 
 
 def test_a_warm_up_longer_than_the_run_is_warned_about(capsys):
