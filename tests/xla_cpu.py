@@ -22,6 +22,7 @@ def step_options(cfg) -> dict:
   with the cast, emit an LLVM bitcast from i8 to i4 that LLVM's verifier rejects)."""
   return EXACT_FP4_CASTS if any(recipe.name == "nvfp4" for _, recipe in cfg.phases) else {}
 
+
 # The programs compiled for described GPUs (tests/plan) are read, never run: ptxas, a third of their compile, skips
 # its optimisations (the HLO, the buffers and the time floor do not depend on them).
 FAST_GPU_CODEGEN = "--xla_gpu_disable_gpuasm_optimizations=true"

@@ -255,8 +255,9 @@ def test_evaluation_runs_the_steps_micro_batches(preset):
   tokens = np.sum(parts["segment_ids"] > 0, axis=(1, 2))
   losses = [run(alone, s_alone, {k: v[i] for k, v in parts.items()}) for i in range(accum)]
   want = float(np.sum(np.asarray(losses) * tokens) / np.sum(tokens))
-  assert rel_error(run(stepped, s_stepped, batch), want) < 1e-6, (run(stepped, s_stepped, batch), losses)
-  assert rel_error(run(stepped, s_stepped, batch), run(whole, s_whole, batch)) < 1e-4  # FP8 roundings apart.
+  got = run(stepped, s_stepped, batch)
+  assert rel_error(got, want) < 1e-6, (got, losses)
+  assert rel_error(got, run(whole, s_whole, batch)) < 1e-4  # FP8 roundings apart.
   assert stepped.memory_analysis().temp_size_in_bytes < whole.memory_analysis().temp_size_in_bytes
 
 
