@@ -150,7 +150,8 @@ def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch
                                                            None if once is None else once.partial)
 
   (_, metrics_shape), outs_shape = jax.eval_shape(
-      lambda p, *x: run(p, *x, taken=linear.once_a_step(merged_model(graphdef, p, state.quant_state, stats), rematted)),
+      lambda p, *x: run(p, *x, taken=linear.once_a_step(merged_model(graphdef, p, state.quant_state, stats), rematted,
+                                                        loop=accum > 1)),
       state.params, *jax.tree.map(lambda a: a[0], xs))
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
   init = (f32_zeros(metrics_shape), f32_zeros(outs_shape[0]), f32_zeros(outs_shape[1]))
@@ -162,7 +163,9 @@ def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch
 
   def scan(init, xs, params):
     model = merged_model(graphdef, params, state.quant_state, stats)
-    head, taken = model.head_parts(), linear.once_a_step(model, rematted)
+    # One micro-batch (over replicas whose optimizer state is split) is no loop: an unquantized kernel is cast where
+    # its GEMMs read it, as in the step without micro-batches (quant/dot.py's `takes_kernel_copies`).
+    head, taken = model.head_parts(), linear.once_a_step(model, rematted, loop=accum > 1)
     once = read_once(head) if _reads_head_once(cfg, mesh, replicas) else None
 
     def body(carry, x):
