@@ -24,7 +24,7 @@ from ember.plan import hlo as hlo_plan
 from ember.plan import step as step_plan
 from ember.trainer.state import step_key
 from tests.helpers import ROOT, config, start
-from tests.xla_cpu import EXACT_FP4_CASTS
+from tests.xla_cpu import recipe_options
 
 RECIPES = ("bf16", "fp8_current", "fp8_delayed", "mxfp8", "nvfp4")
 # Cheaper CPU code generation; the HLO passes (and so the numerics being compared) are unchanged.
@@ -81,7 +81,7 @@ def test_every_preset_gives_the_gradients_of_none(recipe):
       return jax.grad(loss, argnums=(0, 1))(x, state)
     return {name: for_preset(p) for name, p in presets.items()}
 
-  options = {**FAST_COMPILE, **(EXACT_FP4_CASTS if recipe == "nvfp4" else {})}  # tests/xla_cpu.py's `step_options`.
+  options = {**FAST_COMPILE, **recipe_options((recipe,))}
   out = jax.jit(grads).lower(x, state).compile(compiler_options=options)(x, state)
   ref = jax.tree_util.tree_flatten_with_path(out["none"])[0]
   for path, leaf in ref:

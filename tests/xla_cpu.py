@@ -15,12 +15,17 @@ FAST_CPU_CODEGEN = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expen
 EXACT_FP4_CASTS = {"xla_cpu_use_fusion_emitters": True}
 
 
+def recipe_options(recipes) -> dict:
+  """The per-compile options of a program running `recipes` (names): with E2M1 data (nvfp4), the fusion emitters,
+  which round its casts once as the GPU compiler does, and which lower the bitcasts between E2M1 and uint4 that name
+  its residuals for a remat policy (the elemental emitters, fusing such a bitcast with the cast, emit an LLVM
+  bitcast from i8 to i4 that LLVM's verifier rejects)."""
+  return EXACT_FP4_CASTS if "nvfp4" in set(recipes) else {}
+
+
 def step_options(cfg) -> dict:
-  """The per-compile options of a train or eval step of settings `cfg`: with E2M1 data in any precision phase
-  (nvfp4), the fusion emitters, which round its casts once as the GPU compiler does, and which lower the bitcasts
-  between E2M1 and uint4 that name its residuals for a remat policy (the elemental emitters, fusing such a bitcast
-  with the cast, emit an LLVM bitcast from i8 to i4 that LLVM's verifier rejects)."""
-  return EXACT_FP4_CASTS if any(recipe.name == "nvfp4" for _, recipe in cfg.phases) else {}
+  """`recipe_options` of a step of settings `cfg`: its precision phases' recipes."""
+  return recipe_options(recipe.name for _, recipe in cfg.phases)
 
 
 # The programs compiled for described GPUs (tests/plan) are read, never run: ptxas, a third of their compile, skips
