@@ -525,6 +525,12 @@ def kernel_traffic(p: Program, i: Instruction) -> Traffic:
         out += sliced
       return out
 
+    def viewed_by(name):  # The users of a fused value and of every bitcast of it (the same buffer, viewed).
+      out = []
+      for u in users.get(name, []):
+        out += viewed_by(u.name) if u.opcode == "bitcast" else [u]
+      return out
+
     def sliced_bytes(index, slices):  # Each slice's elements in operand `index`'s own dtype.
       return _BYTES.get(dtype_of(types[index]), 4) * sum(math.prod(dims_of(u.shape)) for u in slices)
 
@@ -535,7 +541,7 @@ def kernel_traffic(p: Program, i: Instruction) -> Traffic:
     for index, update, whole, read in in_place_updates(p, i):
       if index < len(operands):  # What it reads of the buffer: a combining scatter's rows, and any slice read back
         # (a bounds-checked update's select reads the slot it overwrites).
-        back = [u for u in users.get(params.get(index), []) if u.opcode in ("dynamic-slice", "slice")]
+        back = [u for u in viewed_by(params.get(index)) if u.opcode in ("dynamic-slice", "slice")]
         operands[index] = read + sliced_bytes(index, back)
         results.append((update - whole, on_host(types[index])))  # In place: only the update is written.
   return _traffic(list(zip(operands, map(on_host, types))), results)

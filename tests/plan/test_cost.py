@@ -121,7 +121,8 @@ def test_a_scatter_add_reads_the_rows_it_writes_and_a_bitcast_update_is_in_place
   """An embedding's gradient scattered with add into a [1000, 64] buffer in place: it reads and writes the 10
   updated rows (and reads the updates and indices), never the whole buffer; an overwriting scatter reads none of
   the buffer; a dynamic-update-slice behind a bitcast root is in place too (XLA's emitter follows the bitcast); one
-  that adds to the slot it overwrites reads that slot too."""
+  that adds to the slot it overwrites reads that slot too, read through a bitcast of the buffer or not (the
+  pipelined step's gradient accumulators, laid out transposed)."""
   text = """%add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
   %y = f32[] parameter(1)
@@ -166,6 +167,18 @@ def test_a_scatter_add_reads_the_rows_it_writes_and_a_bitcast_update_is_in_place
   ROOT %dus = f32[16,64,64]{2,1,0} dynamic-update-slice(%q0, %sum, %q2, %c, %c)
 }
 
+%fused_accumulate_viewed (q0: f32[16,64,64], q1: f32[1,64,64], q2: s32[]) -> f32[16,64,64] {
+  %q0 = f32[16,64,64]{2,1,0} parameter(0)
+  %q1 = f32[1,64,64]{2,1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  %flat = f32[16,4096]{1,0} bitcast(%q0)
+  %cur = f32[1,4096]{1,0} dynamic-slice(%flat, %q2, %c), dynamic_slice_sizes={1,4096}
+  %tile = f32[1,64,64]{2,1,0} bitcast(%cur)
+  %sum = f32[1,64,64]{2,1,0} add(%tile, %q1)
+  ROOT %dus = f32[16,64,64]{2,1,0} dynamic-update-slice(%q0, %sum, %q2, %c, %c)
+}
+
 ENTRY %main (t: f32[1000,64], i: s32[10,1], u: f32[10,64], a: f32[16,64,64], v: f32[1,64,64], j: s32[]) -> f32[1000,64] {
   %t = f32[1000,64]{1,0} parameter(0)
   %i = s32[10,1]{1,0} parameter(1)
@@ -177,6 +190,7 @@ ENTRY %main (t: f32[1000,64], i: s32[10,1], u: f32[10,64], a: f32[16,64,64], v: 
   %set = f32[1000,64]{1,0} fusion(%summed, %i, %u), kind=kLoop, calls=%fused_set
   %moved = f32[16,4096]{1,0} fusion(%a, %v, %j), kind=kLoop, calls=%fused_dus
   %accumulated = f32[16,64,64]{2,1,0} fusion(%a, %v, %j), kind=kLoop, calls=%fused_accumulate
+  %viewed = f32[16,64,64]{2,1,0} fusion(%a, %v, %j), kind=kLoop, calls=%fused_accumulate_viewed
   ROOT %r = f32[1000,64]{1,0} copy(%set)
 }"""
   traffic = {k.name: k.bytes for k in hlo.memory_kernels(hlo.Program(text))}
@@ -185,6 +199,7 @@ ENTRY %main (t: f32[1000,64], i: s32[10,1], u: f32[10,64], a: f32[16,64,64], v: 
   assert traffic["set"] == indices + rows + rows
   assert traffic["moved"] == tile + 4 + tile
   assert traffic["accumulated"] == tile + tile + 4 + tile  # The slot read back, the update, the slot written.
+  assert traffic["viewed"] == traffic["accumulated"]  # The slot read back through a view of the buffer too.
 
 
 def test_slices_read_through_elementwise_ops_and_a_stacked_row_count_only_what_is_read():
