@@ -17,6 +17,11 @@ HEADS = "heads"
 KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 MLP = "mlp"
+# The MLP's hidden units as the down projection reads them (its kernel's leading axis): split over `tensor` as `mlp`
+# is, and over the axes that shard the parameters (FSDP's, `embed`'s otherwise). A kernel split along its leading
+# axis is gathered and has its gradient reduce-scattered with no transpose; split along `embed`, its last, the
+# step copied each layer's float32 gradient and optimizer moments into the other layout once more.
+MLP_IN = "mlp_in"
 VOCAB = "vocab"
 EXPERT = "expert"
 LAYERS = "layers"
@@ -24,7 +29,7 @@ NORM = "norm"
 QKV = "qkv"  # The (q groups, k, v) axis of the fused QKV kernel.
 GATE = "gate"  # The (gate, up) axis of the fused SwiGLU kernel.
 LOGICAL_AXES = (BATCH, LENGTH, RESIDUAL_LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, NORM, QKV,
-                GATE)
+                GATE, MLP_IN)
 RESIDUAL = (BATCH, RESIDUAL_LENGTH, EMBED)  # The residual stream's axes (ember/layers/decoder.py).
 BLOCK = (BATCH, LENGTH, EMBED)  # A block's tokens whole on a tensor group (an MoE block's input; Linear.block_output).
 

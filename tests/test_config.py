@@ -104,6 +104,8 @@ CASES = [
     (["--config.pipeline.virtual_stages=2"], "config.pipeline.virtual_stages: 2 chunks a stage need a pipeline"),
     (["--config.checkpoint.local_dir=/tmp/local"],
      "config.checkpoint.local_dir: '/tmp/local' is set, but checkpoint.local_every_steps=0 saves nothing there"),
+    (["--config.model.d_ff=100"],  # The down projection is split along its 100 units over fsdp (8 devices).
+     "config.mesh.fsdp: the fsdp=8 devices a down projection's input is split over do not divide its 100 MLP units"),
     (["--config.mesh.rules=(('batch', 'data'),)"],  # fsdp (-1: 8 devices) is mapped to nothing.
      "config.mesh.fsdp: 8 devices along 'fsdp', which no entry of mesh.rules maps a logical axis to"),
 ]

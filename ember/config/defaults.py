@@ -232,6 +232,7 @@ def get_config() -> ml_collections.ConfigDict:
       ("kv_heads", "tensor"),
       ("head_dim", None),
       ("mlp", "tensor"),
+      ("mlp_in", ("tensor", "fsdp", "context")),  # The down projection's input: ember/names.py.
       ("vocab", "tensor"),
       ("expert", "expert"),
       ("layers", "pipeline"),  # Each pipeline stage holds its own layers.

@@ -26,6 +26,7 @@ from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES,
 from ember.parallel import axes as axes_lib
 from ember.parallel import mesh as mesh_lib
 from ember.parallel import pipeline as pipeline_lib
+from ember.parallel import sharding as sharding_lib
 from ember.quant.recipe import WGRAD_DTYPES, Recipe
 
 
@@ -126,7 +127,7 @@ class Mesh:
 
   @property
   def rules_dict(self) -> dict[str, tuple[str, ...]]:
-    return dict(self.rules)
+    return sharding_lib.rules_dict(self.rules)
 
   def sizes(self) -> dict[str, int]:
     """{axis: size of the whole mesh along it} (per-host size times hosts); no -1 left."""

@@ -10,7 +10,7 @@ from ember import remat
 from ember.layers.linear import Linear, handed
 from ember.config.model import ModelConfig
 from ember.quant.recipe import Recipe
-from ember.names import BATCH, EMBED, GATE, LENGTH, MLP as MLP_AXIS
+from ember.names import BATCH, EMBED, GATE, LENGTH, MLP as MLP_AXIS, MLP_IN
 from ember.parallel.sharding import shard
 
 
@@ -22,7 +22,8 @@ class MLP(nnx.Module):
     common = dict(dtype=model.dtype, param_dtype=model.param_dtype, rngs=rngs)
     self.wi = Linear((model.d_model,), (2, d_ff), (EMBED, GATE, MLP_AXIS), name=wi, recipe=recipe_of(wi),
                      init_std=model.init_std, **common)
-    self.wo = Linear((d_ff,), (model.d_model,), (MLP_AXIS, EMBED), name=wo, recipe=recipe_of(wo),
+    # FSDP splits wo along its input (MLP_IN takes the mesh axes `embed` would: the first logical axis wins).
+    self.wo = Linear((d_ff,), (model.d_model,), (MLP_IN, EMBED), name=wo, recipe=recipe_of(wo),
                      init_std=model.out_init_std, **common)
 
   def __call__(self, x_BxLxD, key=None, taken=None):

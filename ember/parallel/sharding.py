@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import platform
+from ember.names import EMBED, MLP, MLP_IN
 from ember.quant.partitioning import entry_axes, spec_entry
 from ember.quant.varying import manual_axes
 
@@ -26,7 +27,8 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, dict] | None] = contextvars.ContextV
 
 
 def rules_dict(rules) -> dict[str, tuple[str, ...]]:
-  """Normalises the config's rules table to {logical: (mesh axes...)}."""
+  """Normalises the config's rules table to {logical: (mesh axes...)}. A table written before `mlp_in` (the down
+  projection's input) splits it as the default table does: over `mlp`'s axes, then `embed`'s."""
   out = {}
   for logical, mesh_axes in rules:
     if mesh_axes is None:
@@ -35,6 +37,8 @@ def rules_dict(rules) -> dict[str, tuple[str, ...]]:
       out[logical] = (mesh_axes,)
     else:
       out[logical] = tuple(mesh_axes)
+  if MLP_IN not in out:
+    out[MLP_IN] = out.get(MLP, ()) + out.get(EMBED, ())
   return out
 
 

@@ -14,7 +14,8 @@ from ember.parallel import axes
 from ember.parallel import mesh as mesh_lib
 from ember.plan.layer import per_device_batch, sequence_shards
 from ember.trainer.state import replica_axes
-from tests.helpers import config
+from ember.parallel.sharding import rules_dict
+from tests.helpers import config, start
 
 MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 MESH_AXES_ALL = ("pipeline", *MESH_AXES)
@@ -37,6 +38,18 @@ def test_the_default_rules():
   assert axes.batch_axes(rules, mesh) == ("data", "fsdp")  # Axes of one device left out.
   assert axes.token_axes(rules, mesh) == ("data", "fsdp", "context")
   assert axes.shards(axes.token_axes(rules, mesh), dict(mesh.shape)) == 8
+
+
+def test_fsdp_splits_each_kernel_along_its_leading_axis():
+  """The gate/up kernel [embed, 2, mlp] along embed, the down projection [mlp, embed] along mlp (the `mlp_in`
+  rule), each in its own leading axis; a rules table written without `mlp_in` splits wo as the default does."""
+  s = start(config("tiny"), 8)
+  specs = {jax.tree_util.keystr(path): leaf.sharding.spec for path, leaf in
+           jax.tree_util.tree_flatten_with_path(s.state.params)[0] if "mlp" in jax.tree_util.keystr(path)}
+  wi, wo = (next(v for k, v in specs.items() if f"'{name}'" in k and "kernel" in k) for name in ("wi", "wo"))
+  assert tuple(wi)[1:] == ("fsdp", None, None) and tuple(wo)[1:] == ("fsdp", None)  # After the stacked layers' axis.
+  old = tuple(r for r in config("tiny").mesh.rules if r[0] != "mlp_in")
+  assert rules_dict(old)["mlp_in"] == ("tensor", "fsdp", "context") == rules_dict(config("tiny").mesh.rules)["mlp_in"]
 
 
 def test_a_batch_rule_without_fsdp_is_what_validation_and_the_planner_count():
