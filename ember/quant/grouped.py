@@ -210,11 +210,13 @@ class RaggedLayout(ExpertLayout):
 
   def forward(self, x, w, group_sizes_E, dtype):
     x = x.dequantize(dtype) if isinstance(x, QuantizedTensor) else x.astype(dtype)
-    return jax.lax.ragged_dot(x, dequantize_experts(w, dtype), group_sizes_E, preferred_element_type=jnp.float32)
+    return jax.lax.ragged_dot(x, dequantize_experts(w, dtype), group_sizes_E,
+                              preferred_element_type=output_dtype(dtype)).astype(dtype)
 
   def dgrad(self, g, w, group_sizes_E, dtype, out):
     w_ExNxK = jnp.swapaxes(dequantize_experts(w, dtype), 1, 2)
-    return jax.lax.ragged_dot(g.dequantize(dtype), w_ExNxK, group_sizes_E, preferred_element_type=jnp.float32)
+    return jax.lax.ragged_dot(g.dequantize(dtype), w_ExNxK, group_sizes_E,
+                              preferred_element_type=output_dtype(out)).astype(out)
 
   def wgrad(self, x, g, group_sizes_E, block, dtype, out):
     sizes = group_sizes_E if block is None else padded_sizes(group_sizes_E, block)

@@ -19,7 +19,7 @@ from ember.plan import target as target_lib
 from ember.plan import compile as compile_plan
 from ember.plan import step as step_plan
 from ember.plan.compile import compile_report
-from ember.names import STACKED_ROW_SCOPE
+from ember.names import EXPERT_GEMM_SCOPE, STACKED_ROW_SCOPE
 from ember.quant import fused, fused_nvfp4
 from ember.quant.gemm import CUDNN_BLOCK_SCALED_GEMM
 from ember.trainer.optimizer import make_optimizer
@@ -755,6 +755,20 @@ def test_quantized_gemms_write_the_dtype_their_consumer_reads(target, recipe, ge
                                 if i.opcode == "custom-call" and i.attribute("custom_call_target") == gemm)
   projections = QUANTIZED_PROJECTIONS + (recipe == "bf16")  # bf16 GEMMs: the layers' and the LM head's.
   assert written == {"bf16": 2 * projections, "f32": projections}, written
+
+
+def test_expert_gemms_in_the_ragged_layout_write_the_dtype_their_consumer_reads(tmp_path):
+  """tiny_moe's experts with their rows sorted by expert (`ragged_dot`) on one H100, fp8_current: the forward and
+  dgrad GEMMs of both expert kernels write bf16, as a dense projection's do; the wgrad GEMMs the float32 weight
+  gradient. (They wrote float32 for a cast to read back: Mixtral in its hybrid layout, 912 -> 826 GB a step.)"""
+  path = tmp_path / "step.hlo"
+  compile_report(loaded(["compile", f"--config={ROOT}/configs/default.py:tiny_moe", "--config.data.source=synthetic",
+                         "--config.quant.recipe=fp8_current", "--config.remat.policy=none",
+                         "--config.model.moe_expert_gemm=ragged_dot"]), target_lib.parse("h100x1"), hlo_out=str(path))
+  written = collections.Counter(hlo.dtype_of(i.shape) for i in hlo.Program(path.read_text()).instructions
+                                if i.opcode == "custom-call" and EXPERT_GEMM_SCOPE in i.op_name
+                                and (i.attribute("custom_call_target") or "").startswith("__cublas"))
+  assert written == {"bf16": 4, "f32": 2}, written
 
 
 def test_mxfp8_operands_are_quantized_in_one_pass(tmp_path):
