@@ -98,7 +98,7 @@ class CapacityLayout(ExpertLayout):
   def forward(self, x, w, rows, dtype):
     if isinstance(x, QuantizedTensor):
       return product(x, w, FORWARD, dtype, dtype)
-    return _dot(x.astype(dtype), w, FORWARD)
+    return _dot(x.astype(dtype), w, FORWARD, dtype)
 
   def dgrad(self, g, w, rows, dtype, out):
     return product(g, w, DGRAD, dtype, out)

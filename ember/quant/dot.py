@@ -272,7 +272,7 @@ class DenseLayout:
   def forward(self, x, w, rows, dtype):
     if isinstance(x, QuantizedTensor):
       return product(self.gathered_rows(x), w, (self.x_axis, w.axis), dtype, dtype)
-    return jnp.dot(x.astype(dtype), w, preferred_element_type=jnp.float32)
+    return jnp.dot(x.astype(dtype), w, preferred_element_type=output_dtype(dtype)).astype(dtype)
 
   def dgrad(self, g, w, rows, dtype, out):
     return product(self.gathered_rows(g), w, (self.x_axis, 1), dtype, out)

@@ -742,18 +742,21 @@ def test_moe_expert_gemms_do_the_routed_work_in_fp8():
   assert sent["f8e4m3fn"] == sent["f8e5m2"] > 0 and sent["bf16"] >= 4 * sent["f8e4m3fn"], sent
 
 
-@pytest.mark.parametrize("target,recipe,gemm", [("h100x1", "fp8_current", "__cublas$lt$matmul$f8"),
-                                                 ("b200x1", "mxfp8", "__cudnn$blockScaledDot"),
-                                                 ("h100x1", "bf16", "__cublas$lt$matmul")])
-def test_quantized_gemms_write_the_dtype_their_consumer_reads(target, recipe, gemm, tmp_path):
+@pytest.mark.parametrize("target,recipe,forward,gemms", [
+    ("h100x1", "fp8_current", "recipe", ("__cublas$lt$matmul$f8",)),
+    ("b200x1", "mxfp8", "recipe", ("__cudnn$blockScaledDot",)),
+    ("h100x1", "bf16", "recipe", ("__cublas$lt$matmul",)),
+    # The forward GEMMs in bf16, dgrad and wgrad in FP8 (a precision schedule's last phase): all of them counted.
+    ("h100x1", "fp8_current", "bf16", ("__cublas$lt$matmul", "__cublas$lt$matmul$f8"))])
+def test_quantized_gemms_write_the_dtype_their_consumer_reads(target, recipe, forward, gemms, tmp_path):
   """Forward and dgrad GEMMs feed bf16 math and write bf16, quantized or not; wgrad GEMMs write the float32 weight
   gradient. None writes a float32 result for another kernel to read back and cast."""
   path = tmp_path / "step.hlo"
-  compile_report(loaded(["compile", *TINY, f"--config.quant.recipe={recipe}", "--config.remat.policy=none"]),
-                 target_lib.parse(target), hlo_out=str(path))
+  compile_report(loaded(["compile", *TINY, f"--config.quant.recipe={recipe}", f"--config.quant.forward={forward}",
+                         "--config.remat.policy=none"]), target_lib.parse(target), hlo_out=str(path))
   written = collections.Counter(hlo.dtype_of(i.shape) for i in hlo.Program(path.read_text()).instructions
-                                if i.opcode == "custom-call" and i.attribute("custom_call_target") == gemm)
-  projections = QUANTIZED_PROJECTIONS + (recipe == "bf16")  # bf16 GEMMs: the layers' and the LM head's.
+                                if i.opcode == "custom-call" and i.attribute("custom_call_target") in gemms)
+  projections = QUANTIZED_PROJECTIONS + (len(gemms) > 1 or recipe == "bf16")  # With the LM head's bf16 GEMMs.
   assert written == {"bf16": 2 * projections, "f32": projections}, written
 
 
