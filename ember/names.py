@@ -18,9 +18,9 @@ KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 MLP = "mlp"
 # The MLP's hidden units as the down projection reads them (its kernel's leading axis): split over `tensor` as `mlp`
-# is, and over the axes that shard the parameters (FSDP's, `embed`'s otherwise). A kernel split along its leading
-# axis is gathered and has its gradient reduce-scattered with no transpose; split along `embed`, its last, the
-# step copied each layer's float32 gradient and optimizer moments into the other layout once more.
+# is, and over the axes that shard the parameters (those `embed` would otherwise take in that kernel). A kernel split
+# along its leading axis is gathered and has its gradient reduce-scattered with no transpose; split along `embed`,
+# its last, the step copied each layer's float32 gradient and optimizer moments into the other layout once more.
 MLP_IN = "mlp_in"
 VOCAB = "vocab"
 EXPERT = "expert"
