@@ -279,12 +279,12 @@ def _validate_mesh(s: Settings) -> None:
     bad_key(f"mesh.{embed[0]}", f"the {'*'.join(embed)}={embed_shards} devices every weight's embed axis is split "
             f"over do not divide model.d_model={m.d_model}")
   down = [a for a in rules.get(MLP_IN, ()) if sizes[a] > 1]  # The down projections' input (ember/names.py).
-  dense = any(not m.is_moe_layer(i) for i in range(m.num_layers))
-  for name, units in (("dense_d_ff" if m.dense_d_ff else "d_ff", m.dense_width if dense else 0),
-                      ("shared_expert_d_ff", m.shared_d_ff)):
-    if units and units % axes.shards(down, sizes):
-      bad_key(f"mesh.{down[-1]}", f"the {'*'.join(down)}={axes.shards(down, sizes)} devices a down projection's input "
-              f"is split over do not divide its {units} MLP units (model.{name})")
+  down_shards = axes.shards(down, sizes)
+  dense_width = m.dense_width if m.num_moe_layers < m.num_layers else 0
+  for name, units in (("dense_d_ff" if m.dense_d_ff else "d_ff", dense_width), ("shared_expert_d_ff", m.shared_d_ff)):
+    if units % down_shards:
+      bad_key(f"mesh.{down[-1]}", f"the {'*'.join(down)}={down_shards} devices a down projection's input is split "
+              f"over do not divide its {units} MLP units (model.{name})")
   for rank in ("q_lora_rank", "kv_lora_rank") if m.is_mla else ():
     if getattr(m, rank) % embed_shards:
       bad_key(f"mesh.{embed[0]}", f"the {'*'.join(embed)}={embed_shards} devices the weights' embed axis is split "

@@ -12,9 +12,9 @@ from ember import config as config_lib
 from ember.errors import ConfigError
 from ember.parallel import axes
 from ember.parallel import mesh as mesh_lib
+from ember.parallel.sharding import rules_dict
 from ember.plan.layer import per_device_batch, sequence_shards
 from ember.trainer.state import replica_axes
-from ember.parallel.sharding import rules_dict
 from tests.helpers import config, start
 
 MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
