@@ -13,10 +13,12 @@
 # re-check them when upgrading.
 #
 # EMBER_LOOP_PIPELINING=0 leaves out the four loop-pipelining flags below (collectives moved into the previous
-# loop iteration, double-buffered loops). They speed up FSDP over scanned layers and slow down a pipeline-parallel
-# step: compiled for described H100s, llama3_8b's scanned steps are predicted 2.4-2.8% faster with them, a
-# llama3_70b layout on 64 GPUs with 1F1B over 4 stages 16% slower with 11 GiB more at its peak (docs/performance.md,
-# "XLA's scheduling flags"), and the planner's llama3_70b layout (8 stages, interleaved) 80.97 GiB against 63.90. Plan with the flags you launch with: ember.tools.plan and
+# loop iteration, double-buffered loops). They speed up FSDP over scanned layers: compiled for described H100s,
+# llama3_8b's scanned steps are predicted 2.4-2.8% faster with them. Where they cost a step, its compile switches
+# them off whatever this file says (ember/xla_flags.py, `loop_pipelining_off`): all four for pipeline stages (a
+# llama3_70b layout on 64 GPUs with 1F1B over 4 stages was 16% slower with 11 GiB more at its peak), and the
+# pipelined all-gather for layers run one after another, where it had XLA run each micro-batch's forward GEMMs
+# twice (docs/performance.md, "XLA's scheduling flags"). Plan with the flags you launch with: ember.tools.plan and
 # ember.tools.compile compile under the XLA_FLAGS they are given.
 
 ember_xla_flags=(

@@ -55,7 +55,6 @@ from ember.trainer.state import create_train_state, state_around, state_sharding
 from ember.trainer.stragglers import Stragglers
 from ember.trainer.wandb_run import WandbRun
 from ember.trainer.watchdog import Deadlines, Watchdog, xla_flags
-from ember.xla_flags import pipeline_flags_warning
 
 
 def prepare(settings: Settings) -> tuple[Settings, Mesh]:
@@ -71,10 +70,6 @@ def prepare(settings: Settings) -> tuple[Settings, Mesh]:
     console("warning: float32 division on this GPU is not IEEE-rounded (JAX started its backend before ember was "
             "imported, without ember's XLA_FLAGS): quantization scales may differ from docs/quantization.md's rules "
             "by an ulp; import ember first, or set XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2")
-  stages = cfg.mesh.sizes()["pipeline"]
-  if platform.target_platform() == "gpu" and (warning := pipeline_flags_warning(os.environ.get("XLA_FLAGS", ""),
-                                                                               stages)):
-    console(warning)
   return cfg, make_mesh(cfg.mesh)
 
 

@@ -6,7 +6,10 @@ runs this file there). Without it every test here skips with that one reason."""
 import collections
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import matplotlib.image
@@ -849,6 +852,22 @@ def test_mxfp8_one_pass_runs_where_each_device_quantizes_whole_blocks(tmp_path):
     kernels = [i for i in hlo.Program(path.read_text()).instructions
                if i.opcode == "custom-call" and "triton" in (i.attribute("custom_call_target") or "")]
     assert len(kernels) == kernels_wanted and all(fused.SCOPE in i.op_name for i in kernels), (d_model, kernels)
+
+
+def test_a_pipelined_all_gather_in_xla_flags_runs_no_forward_twice(tmp_path):
+  """launch/xla_flags.sh's pipelined all-gather, on layers run one after another in a loop of micro-batches: XLA
+  ran each micro-batch's forward GEMMs twice (tiny, 2 micro-batches, fp8_current, `minimal`: 1.19x the model's
+  FLOPs). The step's compile switches it off (xla_flags.loop_pipelining_off) whatever XLA_FLAGS says, and the
+  report lists the option. XLA reads XLA_FLAGS once a process: the compile runs in a process of its own."""
+  out = tmp_path / "report.json"
+  env = {**os.environ, "XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=true"}
+  subprocess.run([sys.executable, "-m", "ember.tools.compile", *TINY, "--config.train.batch_size=16",
+                  "--config.train.grad_accum_steps=2", "--config.model.scan_layers=false",
+                  "--config.quant.recipe=fp8_current", "--config.remat.policy=minimal", "--target=h100x8",
+                  f"--out={out}"], cwd=ROOT, env=env, check=True, capture_output=True)
+  r = json.loads(out.read_text())
+  assert r["executed_over_model"] == pytest.approx(1.0, abs=0.005), r["executed_over_model"]
+  assert r["xla_flags"]["compiler_options"]["xla_gpu_enable_pipelined_all_gather"] is False
 
 
 def test_a_compile_schedules_under_a_runs_memory_limit(monkeypatch):
