@@ -69,13 +69,24 @@ def loop_pipelining_off(scanned_layers: bool, stages: int) -> dict[str, bool]:
   (docs/performance.md, "XLA's scheduling flags, layout by layout"):
   - pipeline stages: all four slow the step and raise its peak (llama3_70b's planned layout: 80.97 GiB, not 63.90);
   - layers one after another (not scanned): a pipelined all-gather has XLA run each micro-batch's forward GEMMs
-    twice (llama3_8b fp8_current at 16 micro-batches of 8 on 8 H100s: 1.68x the model's FLOPs, 88.5 GiB, not 51.5);
+    twice (llama3_8b's preset at 16 micro-batches of 8 on 8 H100s, under the file: 1.66x the model's FLOPs and
+    97.49 GiB, not 1.00x and 51.73 GiB);
   - scanned layers in one stage: they take 2.4-2.8% off the step (a layer's gathers overlap the layer before)."""
   if stages > 1:
     return {flag.removeprefix("--"): False for flag in LOOP_PIPELINING}
   if not scanned_layers:
     return {LOOP_PIPELINING[0].removeprefix("--"): False}
   return {}
+
+
+def loop_pipelining_note(xla_flags: str, scanned_layers: bool, stages: int) -> str | None:
+  """The line a run prints where its step switches off flags `xla_flags` (an XLA_FLAGS value) turns on
+  (`loop_pipelining_off`), or None."""
+  off = [f"--{o}" for o in loop_pipelining_off(scanned_layers, stages) if xla_flag_value(xla_flags, f"--{o}") == "true"]
+  if not off:
+    return None
+  why = f"{stages} pipeline stages" if stages > 1 else "layers run one after another (model.scan_layers=false)"
+  return f"note: the train step compiles with {', '.join(off)} off, whatever XLA_FLAGS says: they slow {why}"
 
 
 def require() -> None:

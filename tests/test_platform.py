@@ -45,7 +45,7 @@ def test_the_cpu_divides_exactly():
 def test_the_loop_pipelining_flags_a_step_can_switch_off_are_those_the_launch_file_sets():
   """launch/xla_flags.sh's own XLA_FLAGS (read from the script, loop pipelining on and off) name each flag
   `xla_flags.loop_pipelining_off` may switch off, and only under EMBER_LOOP_PIPELINING=1: a flag renamed in one
-  place and not the other would leave a step compiled with what slows it."""
+  place and not the other would leave a step compiled with what slows it. A run says which it switched off."""
   script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "xla_flags.sh")
 
   def sourced(pipelining: str) -> str:
@@ -59,6 +59,15 @@ def test_the_loop_pipelining_flags_a_step_can_switch_off_are_those_the_launch_fi
     assert xla_flags.xla_flag_value(sourced("1"), f"--{option}") == "true"
     assert xla_flags.xla_flag_value(sourced("0"), f"--{option}") is None
   assert xla_flags.loop_pipelining_off(scanned_layers=True, stages=1) == {}
+  # What a run prints where it switches the file's flags off, and only there.
+  assert xla_flags.loop_pipelining_note(sourced("1"), scanned_layers=False, stages=1) == (
+      "note: the train step compiles with --xla_gpu_enable_pipelined_all_gather off, whatever XLA_FLAGS says: they "
+      "slow layers run one after another (model.scan_layers=false)")
+  note = xla_flags.loop_pipelining_note(sourced("1"), scanned_layers=True, stages=4)
+  assert all(f"{flag} " in note or f"{flag}," in note for flag in xla_flags.LOOP_PIPELINING)
+  assert "they slow 4 pipeline stages" in note
+  assert xla_flags.loop_pipelining_note(sourced("0"), scanned_layers=False, stages=4) is None
+  assert xla_flags.loop_pipelining_note(sourced("1"), scanned_layers=True, stages=1) is None
 
 
 def test_warnings_are_process_zeros_whichever_launcher_started_it(monkeypatch, capsys):

@@ -55,6 +55,7 @@ from ember.trainer.state import create_train_state, state_around, state_sharding
 from ember.trainer.stragglers import Stragglers
 from ember.trainer.wandb_run import WandbRun
 from ember.trainer.watchdog import Deadlines, Watchdog, xla_flags
+from ember.xla_flags import loop_pipelining_note
 
 
 def prepare(settings: Settings) -> tuple[Settings, Mesh]:
@@ -70,6 +71,9 @@ def prepare(settings: Settings) -> tuple[Settings, Mesh]:
     console("warning: float32 division on this GPU is not IEEE-rounded (JAX started its backend before ember was "
             "imported, without ember's XLA_FLAGS): quantization scales may differ from docs/quantization.md's rules "
             "by an ulp; import ember first, or set XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2")
+  note = loop_pipelining_note(os.environ.get("XLA_FLAGS", ""), cfg.model.scan_layers, cfg.mesh.sizes()["pipeline"])
+  if platform.target_platform() == "gpu" and note:
+    console(note)
   return cfg, make_mesh(cfg.mesh)
 
 
