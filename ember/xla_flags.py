@@ -1,6 +1,7 @@
 """The XLA options ember's numerics and recipes rely on (`REQUIRED_XLA_FLAGS`), and the one rule for adding flags to
 XLA_FLAGS: `import ember` adds these before JAX starts a backend (platform.divides_exactly checks on a device that
-they took effect). Standard library only: importing it does not import JAX.
+they took effect). Also the launch file's loop-pipelining flags a train step switches off where they cost it
+(`loop_pipelining_off`). Standard library only: importing it does not import JAX.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def loop_pipelining_note(xla_flags: str, scanned_layers: bool, stages: int) -> s
   off = [f"--{o}" for o in loop_pipelining_off(scanned_layers, stages) if xla_flag_value(xla_flags, f"--{o}") == "true"]
   if not off:
     return None
-  why = f"{stages} pipeline stages" if stages > 1 else "layers run one after another (model.scan_layers=false)"
-  return f"note: the train step compiles with {', '.join(off)} off, whatever XLA_FLAGS says: they slow {why}"
+  why = f"over {stages} pipeline stages" if stages > 1 else "of layers run one after another, model.scan_layers=false"
+  return f"note: the train step compiles with {', '.join(off)} off, whatever XLA_FLAGS says (they slow a step {why})"
 
 
 def require() -> None:

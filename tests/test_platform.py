@@ -61,11 +61,11 @@ def test_the_loop_pipelining_flags_a_step_can_switch_off_are_those_the_launch_fi
   assert xla_flags.loop_pipelining_off(scanned_layers=True, stages=1) == {}
   # What a run prints where it switches the file's flags off, and only there.
   assert xla_flags.loop_pipelining_note(sourced("1"), scanned_layers=False, stages=1) == (
-      "note: the train step compiles with --xla_gpu_enable_pipelined_all_gather off, whatever XLA_FLAGS says: they "
-      "slow layers run one after another (model.scan_layers=false)")
+      "note: the train step compiles with --xla_gpu_enable_pipelined_all_gather off, whatever XLA_FLAGS says (they "
+      "slow a step of layers run one after another, model.scan_layers=false)")
   note = xla_flags.loop_pipelining_note(sourced("1"), scanned_layers=True, stages=4)
   assert all(f"{flag} " in note or f"{flag}," in note for flag in xla_flags.LOOP_PIPELINING)
-  assert "they slow 4 pipeline stages" in note
+  assert "(they slow a step over 4 pipeline stages)" in note
   assert xla_flags.loop_pipelining_note(sourced("0"), scanned_layers=False, stages=4) is None
   assert xla_flags.loop_pipelining_note(sourced("1"), scanned_layers=True, stages=1) is None
 
