@@ -32,7 +32,6 @@ from ember.plan.target import COMPILER_OPTIONS, Target, run_memory_fraction, sch
 from ember.plan.units import GiB
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import host_bytes, memory_peak, work_per_device
-from ember.xla_flags import loop_pipelining_off
 
 ESTIMATE_NOTE = ("XLA's memory estimate for the compiled program: no autotuning on a compile-only target and "
                  "cuDNN workspaces unknown; the XLA options used are in xla_flags")
@@ -52,11 +51,11 @@ def prepare(cfg: Settings, target: Target) -> tuple[Settings, Mesh]:
 
 def compiler_options(target: Target, cfg: Settings, mesh) -> dict | None:
   """The options a compile of the step of `cfg` on `mesh` for `target` takes: COMPILER_OPTIONS, the scheduler's
-  memory limit of a run (target.scheduler_memory_options), and the loop-pipelining flags its jit switches off
-  (xla_flags.loop_pipelining_off: listed so that the report names them); None for the local devices."""
+  memory limit of a run (target.scheduler_memory_options), and those its jit takes (step.step_compiler_options:
+  listed so that the report names them); None for the local devices."""
   if not target.is_gpu:
     return None
-  options = dict(COMPILER_OPTIONS) | loop_pipelining_off(cfg.model.scan_layers, pipeline.stages(mesh))
+  options = dict(COMPILER_OPTIONS) | step_lib.step_compiler_options(cfg, mesh)
   if target.device_memory_bytes:
     tx, _ = make_optimizer(cfg)
     options.update(scheduler_memory_options(target.device_memory_bytes, step_plan.live_bytes(cfg, mesh, tx)))

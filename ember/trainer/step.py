@@ -262,16 +262,21 @@ def jit_train_step(cfg: Settings, mesh: Mesh, graphdef, tx, schedule, shardings,
   """`train_step` jitted the one way the loop, the tools and the tests run it: state in and out on
   its shardings, the batch on `batch_sharding`, the old state donated. The remat preset is chosen here:
   `policy`, or the config's (`remat.policy`, resolved; the plan tools pass each preset they compare); and
-  the MoE plan of one micro-batch: `plan`, where the caller decided it to log or report it too, or `moe_plan`. On
-  GPUs the compile switches off the loop-pipelining flags that cost this step (xla_flags.loop_pipelining_off)."""
+  the MoE plan of one micro-batch: `plan`, where the caller decided it to log or report it too, or `moe_plan`. It
+  compiles with `step_compiler_options`."""
   policy = cfg.remat.preset if policy is None else policy
   plan = moe_plan(cfg, mesh, cfg.train.micro_batch_size) if plan is None else plan
   rows = batch_sharding(cfg, mesh)
   step = functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy,
                            batch_shards=batch_shards(cfg, mesh), moe_plan=plan)
-  options = loop_pipelining_off(cfg.model.scan_layers, pipeline.stages(mesh)) if target_platform() == "gpu" else {}
   return jax.jit(step, in_shardings=(shardings, rows), out_shardings=(shardings, None),
-                 donate_argnums=0 if donate else (), compiler_options=options or None)
+                 donate_argnums=0 if donate else (), compiler_options=step_compiler_options(cfg, mesh) or None)
+
+
+def step_compiler_options(cfg: Settings, mesh: Mesh) -> dict[str, bool]:
+  """The XLA options `jit_train_step` compiles the step of `cfg` on `mesh` with: on GPUs, the loop-pipelining flags
+  that cost this step switched off (xla_flags.loop_pipelining_off); none elsewhere."""
+  return loop_pipelining_off(cfg.model.scan_layers, pipeline.stages(mesh)) if target_platform() == "gpu" else {}
 
 
 def eval_step(state: TrainState, batch, *, graphdef, cfg: Settings, batch_shards: int,
