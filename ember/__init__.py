@@ -7,6 +7,8 @@ Floors, from the bottom up; each imports only itself and the floors listed befor
                                 files (local or gs://)
   remat                         checkpoint names and remat presets
   quant                         pure-JAX quantization (formats, quantizers, the recipe table, VJPs)
+  program                       a compiled step read: its kernels and traffic, roofline, predicted step, and
+                                its compile with the scheduler told those predicted times
   parallel                      mesh, logical sharding rules, multi-process set-up
   config                        the config package: its defaults, load, validate, the typed sections
   layers, data, hf              the NNX model; the Grain input pipeline; the Hugging Face format

@@ -97,7 +97,7 @@ BLOCK_SCALED_GEMM_SCOPE = "block_scaled_gemm"
 HADAMARD_SCOPE = "random_hadamard_transform"
 # The name scope around a kernel that reads one row of its largest operand, stacked [L, ...] (a layer's kernel where
 # it lies among stacked kernels, ember/quant/fused_nvfp4.py), with L filled in: the compile report counts that
-# row's bytes of the operand, not all L (ember/plan/hlo.py).
+# row's bytes of the operand, not all L (ember/program/hlo.py).
 STACKED_ROW_SCOPE = "reads_one_row_of_{}"
 AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS, MOE_OVERFLOW_TOKENS,
             MOE_SEQ_BALANCE_LOSS)

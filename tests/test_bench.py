@@ -22,7 +22,7 @@ def test_gemm_counts_reads_cublas_fp8_calls():
 
 
 def test_the_floor_of_the_timed_program_on_the_gpu_it_ran_on():
-  """The compile report's floor (ember.plan.cost) of the HLO bench timed, with the peaks of the GPU named by its
+  """The compile report's floor (ember.program.cost) of the HLO bench timed, with the peaks of the GPU named by its
   device_kind and that GPU's HBM bandwidth, per device of the step; nulls for a device ember has no facts for."""
   from ember import hardware
   from ember.config import derive

@@ -20,7 +20,7 @@ from ember import config as config_lib
 from ember import remat
 from ember.layers.decoder import Segment
 from ember.plan import layer as layer_plan
-from ember.plan import hlo as hlo_plan
+from ember.program import hlo as hlo_plan
 from ember.plan import step as step_plan
 from ember.trainer.state import step_key
 from tests.helpers import ROOT, config, start

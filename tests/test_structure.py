@@ -19,6 +19,7 @@ FLOORS = [
      "ember.platform", "ember.storage"),
     ("ember.remat",),
     ("ember.quant",),
+    ("ember.program",),
     ("ember.parallel",),
     ("ember.config",),
     ("ember.layers", "ember.data", "ember.hf"),

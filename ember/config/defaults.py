@@ -131,6 +131,9 @@ def get_config() -> ml_collections.ConfigDict:
   t.grad_reduce_dtype = "float32"  # The dtype each weight gradient leaves its GEMM in, and so the dtype it is
   # reduced in across data-parallel / FSDP devices: "bfloat16" halves those bytes (the GEMM still sums in
   # float32; micro-batch accumulation and the optimizer stay float32).
+  t.schedule_by_prediction = True  # On GPUs ember/hardware/ has rates for: compile the step a second time with XLA's
+  # scheduler told each kernel's and collective's predicted time, so that it overlaps the collectives it left
+  # waiting (ember/program/schedule.py; about twice the compile time). False: XLA's own estimates, one compile.
   t.loss_chunk_size = 1024  # Live logits of the cross-entropy: about this many tokens' full-vocab logits per row
   # (each device's share of the sequence is cut into ceil(its length / loss_chunk_size) token chunks, a count that
   # divides it; ember/trainer/loss.py); 0 = all at once.

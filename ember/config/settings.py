@@ -55,6 +55,7 @@ class Train:
   grad_accum_steps: int = key("int", ">=1")
   device_batch_size: int = key("int", ">=0")  # > 0: grad_accum_steps follows from it and the mesh (`_accumulation`).
   grad_reduce_dtype: str = key("str", choices=WGRAD_DTYPES)
+  schedule_by_prediction: bool = key("bool")  # ember/program/schedule.py.
   loss_chunk_size: int = key("int", ">=0")
   z_loss_weight: float = key("float", ">=0")
   eval_every_steps: int = key("int", ">=0")

@@ -5,7 +5,7 @@ its row of `rates.toml` (what its kernels reach in practice: fractions of those 
 each with its source's range).
 
 Each GPU is read once into a `Gpu` (`gpu(name)`): the spec's figures, the facts row and the rates. The compile
-targets (ember/plan/target.py) and the roofline read it, the predicted step (ember/plan/predict.py) its rates;
+targets (ember/plan/target.py) and the roofline read it, the predicted step (ember/program/predict.py) its rates;
 a run's MFU (ember/trainer/perf.py) reads the peaks.
 """
 
@@ -24,7 +24,7 @@ GPUS = tuple(sorted(f[: -len(".txtpb")] for f in os.listdir(_DIR) if f.endswith(
 @dataclasses.dataclass(frozen=True)
 class DeviceFacts:
   name: str  # The facts.toml row: "h100", "b200", ...
-  tflops: dict[str, float]  # Dense peak per GEMM precision (ember/plan/hlo.py's PRECISIONS).
+  tflops: dict[str, float]  # Dense peak per GEMM precision (ember/program/hlo.py's PRECISIONS).
   nvlink_gb_s: float
   nic_gb_s: float
   host_gb_s: float  # The link to host memory, one direction.

@@ -2,7 +2,7 @@
 
 For each candidate preset the real train step is traced and compiled ahead of time on abstract
 sharded inputs (nothing is allocated): XLA's memory analysis gives the peak bytes per device, the
-compiled program's predicted step (ember/plan/predict.py: on GPUs ember/hardware/ knows, a run's or a
+compiled program's predicted step (ember/program/predict.py: on GPUs ember/hardware/ knows, a run's or a
 described target's) the cost; elsewhere the traced step's FLOPs (forward, recompute, backward, update;
 ember/plan/step.py), since everything but the recomputation is the same. Candidates whose peak exceeds
 `remat.memory_budget_gb` (GiB, 2**30 bytes, per device) are dropped; of the rest the one predicted

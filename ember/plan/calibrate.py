@@ -2,7 +2,7 @@
 
 A measured row (benchmarks/measured/<gpu>/steps.toml) is a program as it was timed: its optimised HLO and its
 median measured step. The rates marked `fit = true` in ember/hardware/rates.toml are chosen, each within its
-source's range, to minimise the squared log error of the predicted steps (ember/plan/predict.py); the others stay
+source's range, to minimise the squared log error of the predicted steps (ember/program/predict.py); the others stay
 at their values. Leave-one-out: each row predicted with the rates fit on the others, the honest error of a
 prediction for a program the fit has not seen.
 """
@@ -17,7 +17,7 @@ import tomllib
 
 from ember import hardware
 from ember.errors import ConfigError
-from ember.plan import cost, hlo, predict
+from ember.program import cost, hlo, predict
 
 MEASURED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                             "benchmarks", "measured")

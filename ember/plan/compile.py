@@ -1,8 +1,8 @@
 """Compile the train step a config would run for a target, without running it, and report what the
 compiled program does: memory against the target's, the GEMM census, the attention kernel, the
-collectives, the compile time, what it costs (ember/plan/cost.py: executed FLOPs by precision against
+collectives, the compile time, what it costs (ember/program/cost.py: executed FLOPs by precision against
 the model's, the largest values and collectives, the time floor on the target) and the predicted step
-(ember/plan/predict.py: `predicted_step_s`, `tokens_per_s_predicted`, `mfu_predicted`, `time_by_op`).
+(ember/program/predict.py: `predicted_step_s`, `tokens_per_s_predicted`, `mfu_predicted`, `time_by_op`).
 
 The step is the loop's own (ember/trainer/step.py, jitted the loop's way) on the config's mesh built
 from the target's devices, with the remat policy resolved as the loop would (`auto` chooses under the
@@ -24,12 +24,14 @@ from ember.config import Settings
 from ember.layers import moe_dispatch
 from ember.parallel import axes, pipeline
 from ember.parallel.mesh import make_mesh
-from ember.plan import auto_remat, cost, hlo, predict
+from ember.plan import auto_remat
 from ember.plan import step as step_plan
-from ember.trainer import step as step_lib
 from ember.plan.layer import per_device_batch, sequence_shards
 from ember.plan.target import COMPILER_OPTIONS, Target, run_memory_fraction, scheduler_memory_options, targeting
 from ember.plan.units import GiB
+from ember.program import cost, hlo, predict
+from ember.program.schedule import compile_scheduled, rescheduled
+from ember.trainer import step as step_lib
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import host_bytes, memory_peak, work_per_device
 
@@ -95,7 +97,9 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
       "attention_kernels": {"forward": attention["forward"], "backward": attention["backward"]},
       "collectives": hlo.collectives(program), "remat_policy": cfg.remat.policy, "recipe": cfg.quant.name,
       "compile_s": round(compile_s, 2), "xla_flags": {"compiler_options": options or {},
-                                                     "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
+                                                     "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+                                                     "scheduled_by_prediction": rescheduled(
+                                                         options, mesh, cfg.train.schedule_by_prediction)},
       "mesh": {k: int(v) for k, v in mesh.shape.items()}, "model": cfg.model.name,
       "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "memory_note": ESTIMATE_NOTE,
   }
@@ -120,8 +124,8 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
 
 def _compile(cfg: Settings, mesh, plan, options):
   tx, schedule = make_optimizer(cfg)
-  return step_plan.trace_train_step(cfg, mesh, tx, schedule, cfg.remat.preset, plan).lower().compile(
-      compiler_options=options)
+  lowered = step_plan.trace_train_step(cfg, mesh, tx, schedule, cfg.remat.preset, plan).lower()
+  return compile_scheduled(lowered, options, mesh, cfg.train.schedule_by_prediction)
 
 
 def _later_phase(cfg: Settings, index: int, mesh, options) -> dict:

@@ -22,7 +22,7 @@ the fastest by estimate of each split of a node in turn (`select`). One whose co
 compiled again with a smaller micro-batch (where there is none, under remat `full`), up to `SMALLER_MICRO_BATCHES`
 times. The winner so far is followed by the next fastest by estimate of its split (`_runner_up`), and the winner
 then compiled once more with no remat (`none`), the preset whose estimate is least trustworthy (`_without_remat`).
-The compiled layouts are ranked by their predicted step (`tokens_per_s_predicted`, ember/plan/predict.py: the
+The compiled layouts are ranked by their predicted step (`tokens_per_s_predicted`, ember/program/predict.py: the
 scheduled program at the GPU's achievable rates, exposed collectives included) among those whose compiled peak is
 within the budget: the winner is never a layout that does not fit, and never predicted slower than another layout
 compiled. Each row keeps its roofline ceiling beside the prediction.

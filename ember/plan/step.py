@@ -3,7 +3,7 @@
 `trace_train_step` traces the real step (ember/trainer/step.py, jitted as the loop jits it) without
 allocating anything; `step_figures` reads its FLOPs off the jaxpr (scan trip counts applied), XLA's peak
 bytes per device off the compiled program and, on GPUs ember/hardware/ knows, the program's predicted step
-(ember/plan/predict.py).
+(ember/program/predict.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from ember import remat
 from ember.config import Settings
 from ember.names import BATCH_KEYS
 from ember.parallel.sharding import use_rules
-from ember.plan import hlo, predict
-from ember.plan.cost import Machine
 from ember.plan.jaxpr import jaxpr_flops
+from ember.program import hlo, predict
+from ember.program.cost import Machine
+from ember.program.schedule import compile_scheduled
 from ember.trainer.perf import compiled_peak_bytes, host_bytes
 from ember.trainer.state import state_shardings
 from ember.trainer.step import batch_sharding, jit_train_step
@@ -64,7 +65,7 @@ class StepFigures:
   peak_bytes: int | None  # Per device: XLA's memory analysis of the compiled step (None: not compiled).
   xla_flops: float | None  # XLA's cost_analysis() of the compiled per-device program (loop bodies once).
   host_bytes: int | None = None  # Per device: host memory the compiled program uses (offloaded residuals).
-  predicted_s: float | None = None  # The compiled step's predicted time (ember/plan/predict.py) on GPUs it knows.
+  predicted_s: float | None = None  # The compiled step's predicted time (ember/program/predict.py) on GPUs it knows.
 
 
 def step_figures(cfg: Settings, mesh, tx, schedule, preset: remat.Preset, *, compile: bool = True,
@@ -75,7 +76,7 @@ def step_figures(cfg: Settings, mesh, tx, schedule, preset: remat.Preset, *, com
   flops = jaxpr_flops(traced.jaxpr.jaxpr)
   if not compile:
     return StepFigures(flops, None, None)
-  compiled = traced.lower().compile(compiler_options=compiler_options)
+  compiled = compile_scheduled(traced.lower(), compiler_options, mesh, cfg.train.schedule_by_prediction)
   try:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -56,7 +56,7 @@ NATIVE, SCALED_DOT, EMULATED = "native", "scaled_dot", "emulated"
 BLACKWELL = (10, 0)  # The first compute capability with block-scaled tensor cores.
 ADA = (8, 9)  # The first compute capability with FP8 tensor cores.
 F32 = jnp.float32
-# The library calls XLA compiles a GEMM on the low-precision tensor cores to (read by ember/plan/hlo.py too).
+# The library calls XLA compiles a GEMM on the low-precision tensor cores to (read by ember/program/hlo.py too).
 CUBLAS_FP8_GEMM = "__cublas$lt$matmul$f8"  # cuBLASLt's FP8 GEMM: per-tensor FP8 (quant/dot.py's pattern).
 CUDNN_BLOCK_SCALED_GEMM = "__cudnn$blockScaledDot"  # cuDNN's block-scaled GEMM: MXFP8 / NVFP4 on `NATIVE`.
 BLOCK_SCALED_DOT_CALL = "__op$block_scaled_dot"  # XLA's call that its GPU compiler turns into cuDNN's.

@@ -52,7 +52,7 @@ def _fp8_format(role: str):
 
 
 # The tensor-core precisions a GEMM runs in, as hardware/facts.toml rates them and the HLO reader
-# (ember/plan/hlo.py) tells them apart: a scheme's `precision`, bf16 (unquantized GEMMs, attention) and f32
+# (ember/program/hlo.py) tells them apart: a scheme's `precision`, bf16 (unquantized GEMMs, attention) and f32
 # (TF32, XLA's default for float32 GEMMs).
 FP8, MXFP8, NVFP4, BF16, F32 = "fp8", "mxfp8", "nvfp4", "bf16", "f32"
 

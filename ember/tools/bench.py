@@ -14,9 +14,9 @@ figures the step returned (0 unless log.quant_stats_every).
 Synthetic data, so input reading never limits the figure.
 
 On a GPU ember knows (ember/hardware/) and within one process, the JSON also holds the compile report's time floor
-for the very program it timed (`ember.plan.cost` on its optimised HLO and that GPU's peaks and bandwidths):
+for the very program it timed (`ember.program.cost` on its optimised HLO and that GPU's peaks and bandwidths):
 `time_floor_s`, `time_floor_parts_s`, `mfu_ceiling`, and `step_over_floor`, the measured step over that floor:
-how far the real kernels are from the roofline; and the predicted step of that program (ember/plan/predict.py at
+how far the real kernels are from the roofline; and the predicted step of that program (ember/program/predict.py at
 the GPU's rates in ember/hardware/rates.toml): `predicted_step_s`, `mfu_predicted` and `step_over_predicted`,
 the measured step over the prediction. Elsewhere these are null.
 
@@ -43,8 +43,9 @@ from ember.data.sharded import data_iterator, global_batch
 from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit, out_of_memory_exit
 from ember.parallel.sharding import use_rules
 from ember.platform import target_platform
-from ember.plan import cost, hlo, predict
 from ember.plan.auto_remat import resolve
+from ember.program import cost, hlo, predict
+from ember.program.schedule import compile_scheduled
 from ember.tools import cli
 from ember.trainer import quant_stats
 from ember.trainer import step as step_lib
@@ -55,7 +56,7 @@ from ember.trainer.perf import Throughput, peak_bytes, work_per_device
 from ember.trainer.state import create_train_state
 
 def gemm_counts(program: str | hlo.Program) -> dict[str, object]:
-  """The compiled step's GEMMs by precision and its attention kernel (ember/plan/hlo.py's rules);
+  """The compiled step's GEMMs by precision and its attention kernel (ember/program/hlo.py's rules);
   `fp8_gemms` > 0 on a GPU shows that FP8 matmuls reached cuBLASLt's FP8 kernels."""
   p = program if isinstance(program, hlo.Program) else hlo.Program(program)
   return {**{f"{precision}_gemms": n for precision, n in hlo.gemm_census(p).items()},
@@ -100,7 +101,7 @@ def run(cfg: Settings, *, steps: int, warmup: int, hlo_out: str | None = None) -
     finally:
       it.close()
     t0 = time.time()
-    compiled = step_fn.lower(state, batch).compile()
+    compiled = compile_scheduled(step_fn.lower(state, batch), None, mesh, cfg.train.schedule_by_prediction)
     compile_s = time.time() - t0
     text = compiled.as_text()
     if hlo_out:

@@ -1,6 +1,6 @@
 """A markdown table of compile reports (`python -m ember.tools.compile ... --out=FILE.json`), one row each:
 what the compiled step executes against the model's FLOPs, its time floor, its MFU and tokens/s ceilings, its
-predicted step and tokens/s (ember/plan/predict.py; "n/a" in a report from before it) and its peak memory on the
+predicted step and tokens/s (ember/program/predict.py; "n/a" in a report from before it) and its peak memory on the
 target; then, for reports of MoE models, one row each on their expert GEMMs: the
 layout the layer ran (ember/layers/moe_dispatch.py), the rows each device's expert GEMMs hold and their executed
 FLOPs by precision, read from the HLO.

@@ -22,7 +22,8 @@ def _rates(values: dict[str, float]) -> str:
 
 
 def report(gpu: str, directory: str = "") -> str:
-  from ember.plan import calibrate, predict
+  from ember.plan import calibrate
+  from ember.program import predict
   rows = calibrate.load(gpu, directory)
   m = calibrate.machine(gpu)
   fitted = calibrate.fit(rows, m)

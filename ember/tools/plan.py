@@ -4,7 +4,7 @@ remat preset, by compiling the most promising ones for the target (ember/plan/pl
   python -m ember.tools.plan --config=configs/default.py:llama3_70b --config.quant.recipe=fp8_current \
       --target=h100x64 [--budget_gb=72] [--top=6] [--out=plan.json]
 
-Prints one line per compiled layout, a table ranked by the predicted tokens/s (ember/plan/predict.py), with the
+Prints one line per compiled layout, a table ranked by the predicted tokens/s (ember/program/predict.py), with the
 roofline ceiling beside it, and the winner's flags
 (append them to the training command). `--budget_gb`: per-device memory the compiled peak must stay within
 (default: the GPU's memory less 10%). Exits 0 with a winner, 1 when no compiled layout fits the budget, 2 for

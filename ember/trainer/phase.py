@@ -12,6 +12,7 @@ import jax
 from ember.config import Settings
 from ember.data import build_tokenizer
 from ember.platform import target_compute_capability, target_platform
+from ember.program.schedule import compile_scheduled
 from ember.quant import gemm
 from ember.layers import moe_dispatch
 from ember.parallel import distributed
@@ -27,7 +28,7 @@ def compile_step(step_fn, state, batch, cfg: Settings, mesh, plan: moe_dispatch.
   MoE plan it was jitted with)."""
   console("compiling the train step")
   t0 = time.time()
-  compiled = step_fn.lower(state, batch).compile()
+  compiled = compile_scheduled(step_fn.lower(state, batch), None, mesh, cfg.train.schedule_by_prediction)
   peak = compiled_peak_bytes(compiled)
   memory = "no memory analysis" if peak is None else f"compiled peak {peak / 2**30:.2f} GiB/device"
   moe = ""

@@ -15,7 +15,7 @@ from ember import remat
 from ember.layers import moe_dispatch
 from ember.layers.moe import MoE, route
 from ember.parallel.mesh import make_mesh
-from ember.plan import hlo as hlo_lib
+from ember.program import hlo as hlo_lib
 from ember.plan.jaxpr import iter_eqns
 from ember.quant import health
 from ember.parallel.sharding import logical_to_spec, rules_dict, tree_shardings, use_rules

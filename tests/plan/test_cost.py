@@ -1,4 +1,4 @@
-"""What a compiled step costs (ember/plan/cost.py, ember/plan/hlo.py): programs whose work is known by hand,
+"""What a compiled step costs (ember/program/cost.py, ember/program/hlo.py): programs whose work is known by hand,
 compiled for the CPU and for described GPUs, and the report's executed, recompute and attention FLOPs and
 time floor against the hand counts."""
 
@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ember import hardware
-from ember.plan import cost, hlo
+from ember.program import cost, hlo
 from ember.plan import target as target_lib
 
 needs_plugin = pytest.mark.skipif(not target_lib.plugin_available(),

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ember.plan import hlo
+from ember.program import hlo
 
 TEXT = """HloModule m
 

@@ -1,14 +1,16 @@
-"""The predicted step (ember/plan/predict.py) against hand-computed schedules, and the H100's rates against ember's
+"""The predicted step (ember/program/predict.py) against hand-computed schedules, and the H100's rates against ember's
 own measured steps (ember/plan/calibrate.py, benchmarks/measured/h100/)."""
 
 import math
+import re
 
 import jax
 import numpy as np
 import pytest
 
 from ember import hardware
-from ember.plan import calibrate, cost, hlo, predict
+from ember.plan import calibrate
+from ember.program import cost, hlo, predict
 from ember.tools import fit_rates
 
 H100 = hardware.gpu("h100")
@@ -76,6 +78,19 @@ def test_an_all_gather_is_hidden_behind_the_gemm_scheduled_between_its_start_and
   assert predict.predict(predict.Walk(_program(reduce)), ONE_NODE).step_s == pytest.approx(
       _collective_seconds(2, 8192 * 8192 * 2) + gemm)
 
+
+
+def test_the_latency_profile_gives_each_kernel_and_collective_its_predicted_time():
+  # XLA reads costs by instruction name, in microseconds; an asynchronous collective's under its start.
+  gather = [f"  %ag = (bf16[8192,8192]{{1,0}}, bf16[65536,8192]{{1,0}}) all-gather-start(%x), {_GROUPS}, "
+            'dimensions={0}', _GEMM.format(name="g", a="x", b="y"), "  %agd = bf16[65536,8192]{1,0} all-gather-done(%ag)",
+            f"  %ar = bf16[8192,8192]{{1,0}} all-reduce(%x), {_GROUPS}, to_apply=%add"]
+  profile = predict.latency_profile(predict.Walk(_program(gather, loop=3)), ONE_NODE)
+  costs = dict(re.findall(r'costs \{ name: "([^"]+)" cost_us: ([0-9.]+) \}', profile))
+  assert set(costs) == {"g", "ag", "ar"}, profile
+  assert float(costs["g"]) == pytest.approx(_gemm_seconds(8192, 8192, 8192) * 1e6, abs=1e-3)  # Once, not 3 times.
+  assert float(costs["ag"]) == pytest.approx(_collective_seconds(1, 65536 * 8192 * 2) * 1e6, abs=1e-3)
+  assert float(costs["ar"]) == pytest.approx(_collective_seconds(2, 8192 * 8192 * 2) * 1e6, abs=1e-3)
 
 
 def test_a_wait_is_charged_to_the_collective_that_holds_the_network():

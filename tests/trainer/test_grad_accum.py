@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from ember.layers import linear
 from ember.names import MESH_AXES
 from ember.trainer.loop import train
-from ember.plan import hlo
+from ember.program import hlo
 from ember.trainer import step as step_lib
 from ember.trainer.step import micro_batches
 from tests.helpers import checked, compiled_text, config, one_step, random_batch, rel_error, settings, start

@@ -4,11 +4,11 @@ remat recompute) against the model's, where its bytes are, and a time floor.
 The time floor is a roofline, a bound and not a prediction:
   * compute: each GEMM at its precision's dense peak, each cuDNN attention call at the bf16 peak; a kernel
     takes the larger of that and its own bytes at HBM bandwidth;
-  * memory: every other kernel's bytes read and written (ember/plan/hlo.py's rule) at HBM bandwidth;
+  * memory: every other kernel's bytes read and written (ember/program/hlo.py's rule) at HBM bandwidth;
   * collectives: the bytes each device sends, by the NCCL bus-bandwidth convention (all-gather,
     reduce-scatter, all-to-all: (n - 1) / n of what a device holds; all-reduce: 2 (n - 1) / n; a permute:
     all of it), at NVLink bandwidth when every replica group lies inside a node, else at the network's;
-  * host: the bytes of the host transfers (ember/plan/hlo.py: a policy's offloaded residuals), the larger
+  * host: the bytes of the host transfers (ember/program/hlo.py: a policy's offloaded residuals), the larger
     direction, at the bandwidth of the GPU's link to the host.
 `time_floor_s` overlaps collectives and host transfers with compute + memory (the largest of the three);
 `time_serial_s` adds all four. Peaks and link bandwidths are ember/hardware/facts.toml's; HBM bandwidth is the
@@ -24,7 +24,7 @@ import dataclasses
 from ember import hardware
 from ember.hardware import DeviceFacts, Rates
 from ember.names import EXPERT_GEMM_SCOPE, HADAMARD_SCOPE
-from ember.plan import hlo
+from ember.program import hlo
 from ember.quant.recipe import BF16  # Attention's precision: the compute dtype's.
 
 TOP = 5  # Largest values and collectives reported.

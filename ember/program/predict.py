@@ -7,7 +7,7 @@ The rules, in one place (the rates are the GPU's row of ember/hardware/rates.tom
     `tile_m` x `tile_n` tiles runs in waves of one tile per SM; the useful fraction of the tiles x waves it
     occupies is what a small or ragged GEMM loses;
   * a cuDNN attention call: its FLOPs at `attention_forward` / `attention_backward` x the bf16 peak, or its bytes;
-  * every other kernel: its bytes (ember/plan/hlo.py's rule) at `hbm` x the HBM bandwidth, or those it reads or
+  * every other kernel: its bytes (ember/program/hlo.py's rule) at `hbm` x the HBM bandwidth, or those it reads or
     writes in host memory itself at `host` x the host link's bandwidth, whichever takes longer;
   * every kernel adds `launch_s`;
   * a collective takes `collective_latency_s` plus the bytes it sends (the roofline's bus-bandwidth rule) at
@@ -16,7 +16,7 @@ The rules, in one place (the rates are the GPU's row of ember/hardware/rates.tom
     behind the kernels scheduled before its done; whatever is left when the done is reached is exposed: the
     step waits. A synchronous one is exposed whole. A wait is charged to whatever holds the link while the step
     waits: a small collective queued behind a large one shows the large one's time as the large one's, not its own;
-  * a host transfer (ember/plan/hlo.py: a policy's offloaded residuals) takes its bytes at `host` x the
+  * a host transfer (ember/program/hlo.py: a policy's offloaded residuals) takes its bytes at `host` x the
     bandwidth of the link to the host, each direction a link of its own that its transfers share one at a
     time, hidden or exposed as a collective is;
   * a loop body is walked once and counted its trip count times; a called computation is walked in place; a
@@ -38,7 +38,7 @@ import math
 import numpy as np
 
 from ember.hardware import Rates
-from ember.plan import cost, hlo
+from ember.program import cost, hlo
 from ember.quant.recipe import BF16  # Attention's precision: the compute dtype's.
 
 GEMM, ATTENTION_FORWARD, ATTENTION_BACKWARD, MEMORY = range(4)
@@ -86,6 +86,7 @@ class Walk:
     rows, self.events = [], {}
     self.collectives: list[hlo.Collective] = []
     self.host_transfers: list[hlo.HostTransfer] = []
+    self.transfer_names: dict[tuple[bool, int], str] = {}  # (host, index) -> the instruction that starts it.
     self._waves: dict[tuple[int, int, int], np.ndarray] = {}  # Wave efficiencies by (tile_m, tile_n, SMs).
     for comp in (c for c in p.computations if c in p.kernel_computations):
       events: list = []
@@ -109,6 +110,7 @@ class Walk:
     self.output = [r[5] for r in rows]
     self.labels = [(r[6], r[7]) for r in rows]  # (op, pass)
     self.host_bytes = np.array([r[8] for r in rows], dtype=np.float64)  # Over the host link's busier direction.
+    self.names = [r[9] for r in rows]  # Each kernel's instruction.
 
   def _event(self, p: hlo.Program, i: hlo.Instruction, rows: list):
     """The event an instruction is, or the index of the kernel row it adds, or None."""
@@ -128,25 +130,27 @@ class Walk:
     if transfer is not None:
       self.host_transfers.append(transfer)
       index = len(self.host_transfers) - 1
+      self.transfer_names[(True, index)] = i.name
       return _Start(index, i.name, host=True) if i.opcode.endswith("-start") else _Sync(index, host=True)
     collective = hlo.collective_of(p, i)
     if collective is not None:
       self.collectives.append(collective)
       index = len(self.collectives) - 1
+      self.transfer_names[(False, index)] = i.name
       return _Start(index, i.name) if i.opcode.endswith("-start") else _Sync(index)
     label = (cost.op_of(i.op_name) if i.op_name else f"({i.opcode})", cost.pass_of(i.op_name))
     gemm = hlo.gemm_of(p, i)
     if gemm is not None:
-      rows.append((GEMM, gemm.precision, gemm.flops, gemm.bytes, gemm.times, gemm.output_dims, *label, 0.0))
+      rows.append((GEMM, gemm.precision, gemm.flops, gemm.bytes, gemm.times, gemm.output_dims, *label, 0.0, i.name))
       return len(rows) - 1
     call = hlo.attention_of(p, i)
     if call is not None:
       kind = ATTENTION_BACKWARD if call.backward else ATTENTION_FORWARD
-      rows.append((kind, BF16, call.flops, call.bytes, call.times, (), "attention", label[1], 0.0))
+      rows.append((kind, BF16, call.flops, call.bytes, call.times, (), "attention", label[1], 0.0, i.name))
       return len(rows) - 1
     if hlo.is_memory_kernel(i):
       traffic = hlo.kernel_traffic(p, i)
-      rows.append((MEMORY, "", 0.0, traffic.device, p.times(i), (), *label, traffic.host))
+      rows.append((MEMORY, "", 0.0, traffic.device, p.times(i), (), *label, traffic.host, i.name))
       return len(rows) - 1
     return None
 
@@ -223,7 +227,7 @@ def predict(walk: Walk, machine: cost.Machine, rates: Rates | None = None) -> Pr
   kernel_s = walk.kernel_seconds(machine, rates)
   cumulative = np.concatenate([[0.0], np.cumsum(kernel_s)])
   collective_s = np.array([_collective_seconds(c, machine, rates) for c in walk.collectives])
-  host_s = np.array([t.bytes / (machine.facts.host_gb_s * 1e9 * rates["host"]) for t in walk.host_transfers])
+  host_s = np.array([_host_seconds(t, machine, rates) for t in walk.host_transfers])
   exposed, host_exposed = np.zeros(len(walk.collectives)), np.zeros(len(walk.host_transfers))
   durations: dict[str, float] = {}
 
@@ -276,12 +280,30 @@ def predict(walk: Walk, machine: cost.Machine, rates: Rates | None = None) -> Pr
   return Prediction(run(walk.program.entry), kernel_s, collective_s, exposed, host_s, host_exposed)
 
 
+def _host_seconds(t: hlo.HostTransfer, machine: cost.Machine, rates: Rates) -> float:
+  return t.bytes / (machine.facts.host_gb_s * 1e9 * rates["host"])
+
+
 def _collective_seconds(c: hlo.Collective, machine: cost.Machine, rates: Rates) -> float:
   sent, crosses = cost.bytes_sent(c, machine)
   if sent <= 0:
     return 0.0
   return rates["collective_latency_s"] + sent / (cost.link_bytes_per_s(machine, crosses) * rates["nic" if crosses
                                                                                                   else "nvlink"])
+
+
+def latency_profile(walk: Walk, machine: cost.Machine) -> str:
+  """The time of each kernel and transfer of a walked program on `machine`, as predicted, in the form XLA's
+  latency-hiding scheduler reads a measured profile (a text `ProfiledInstructionsProto`: the cost of each
+  instruction by name, in microseconds; an asynchronous transfer's under the instruction that starts it). A kernel
+  inside a loop is timed per execution, as the scheduler weighs it."""
+  rates = machine.rates
+  timed = list(zip(walk.names, walk.kernel_seconds(machine, rates)))
+  timed += [(walk.transfer_names[(False, k)], _collective_seconds(c, machine, rates))
+            for k, c in enumerate(walk.collectives)]
+  timed += [(walk.transfer_names[(True, k)], _host_seconds(t, machine, rates))
+            for k, t in enumerate(walk.host_transfers)]
+  return "".join(f'costs {{ name: "{name}" cost_us: {seconds * 1e6:.3f} }}\n' for name, seconds in timed)
 
 
 def time_by_op(walk: Walk, prediction: Prediction) -> list[dict]:

@@ -1,0 +1,62 @@
+"""The train step compiled with XLA's latency-hiding scheduler told what each of its kernels and collectives takes.
+
+The scheduler places each asynchronous collective's start and done by its own estimate of the collective and of
+the kernels it could hide behind (on GPUs, XLA's speed-of-light model). Timed at ember's rates (predict.py: fit to
+measured steps), its schedules leave collectives waiting that it thought hidden: llama3_8b's preset at
+Megatron-Bridge's batch on `h100x8` (16 micro-batches) waited 0.37 s a step on reduce-scatters each started a
+kernel or two before its done.
+
+XLA also takes those estimates from a profile: a `ProfiledInstructionsProto`, the cost of each instruction by name,
+the file JAX's profile-guided scheduling writes from a measured run. `compile_scheduled` compiles the step, writes
+the predicted time of each of its kernels and transfers as that profile (predict.latency_profile), and compiles the
+step again with it. The second compile sees the same program up to the scheduler, so every name matches, and the
+profile of its result is the same one: once is enough. Compiled for described H100s this takes 2.2-2.7% off
+the predicted step (docs/performance.md, "The scheduler told ember's costs"); the compile takes about twice as long.
+
+It is done where ember has the GPU's rates (ember/hardware/) and `train.schedule_by_prediction` is on, by every
+compile of the step (the run, the bench, the compile report, the planner), so what is predicted is what runs. A
+profile the user gives XLA (a measured one, `--xla_gpu_pgle_profile_file_or_directory_path`) is left to rule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+from ember import storage
+from ember.program import cost, hlo, predict
+from ember.xla_flags import xla_flag_value
+
+PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"  # The DebugOptions field XLA reads a profile from.
+
+
+def compile_scheduled(lowered, compiler_options: dict | None, mesh, by_prediction: bool = True):
+  """`lowered` (a lowered jit on `mesh`) compiled with `compiler_options`; on GPUs ember/hardware/ has rates for,
+  where `by_prediction` (train.schedule_by_prediction), compiled again with the scheduler told the first program's
+  predicted times (module doc)."""
+  compiled = lowered.compile(compiler_options=compiler_options)
+  if not rescheduled(compiler_options, mesh, by_prediction):
+    return compiled
+  profile = predict.latency_profile(predict.Walk(hlo.Program(compiled.as_text())), cost.Machine.of_mesh(mesh))
+  return lowered.compile(compiler_options={**(compiler_options or {}), PROFILE_OPTION: profile_file(profile)})
+
+
+def rescheduled(compiler_options: dict | None, mesh, by_prediction: bool = True) -> bool:
+  """Whether `compile_scheduled` compiles a second time: on GPUs ember/hardware/ has rates for, `by_prediction`,
+  and no profile given (in the compile's options or in XLA_FLAGS)."""
+  machine = cost.Machine.of_mesh(mesh) if by_prediction else None
+  given = ((compiler_options or {}).get(PROFILE_OPTION)
+           or xla_flag_value(os.environ.get("XLA_FLAGS", ""), "--" + PROFILE_OPTION))
+  return machine is not None and machine.rates is not None and not given
+
+
+def profile_file(profile: str) -> str:
+  """A file holding `profile`, named by its content: the same program gets the same path in every process and run,
+  so the path in the compile options keeps JAX's compilation cache key. XLA reads a profile by its `.pbtxt` suffix."""
+  digest = hashlib.sha256(profile.encode()).hexdigest()[:24]
+  path = os.path.join(tempfile.gettempdir(), "ember-schedules", f"{digest}.pbtxt")
+  if not os.path.exists(path):
+    storage.makedirs(os.path.dirname(path))
+    storage.write_atomic(path, profile)
+  return path
