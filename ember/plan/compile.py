@@ -30,7 +30,7 @@ from ember.plan.layer import per_device_batch, sequence_shards
 from ember.plan.target import COMPILER_OPTIONS, Target, run_memory_fraction, scheduler_memory_options, targeting
 from ember.plan.units import GiB
 from ember.program import cost, hlo, predict
-from ember.program.schedule import compile_scheduled, rescheduled
+from ember.program.schedule import Scheduled, compile_scheduled
 from ember.trainer import step as step_lib
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import host_bytes, memory_peak, work_per_device
@@ -73,7 +73,8 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
     cfg = auto_remat.resolve(cfg, mesh, compiler_options=options)
     plan = step_lib.moe_plan(cfg, mesh, cfg.train.micro_batch_size)  # Traced with and reported.
     t0 = time.perf_counter()
-    compiled = _compile(cfg, mesh, plan, options)
+    scheduled = _compile(cfg, mesh, plan, options)
+    compiled = scheduled.compiled
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     program = hlo.Program(text)
@@ -98,8 +99,10 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
       "collectives": hlo.collectives(program), "remat_policy": cfg.remat.policy, "recipe": cfg.quant.name,
       "compile_s": round(compile_s, 2), "xla_flags": {"compiler_options": options or {},
                                                      "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-                                                     "scheduled_by_prediction": rescheduled(
-                                                         options, mesh, cfg.train.schedule_by_prediction)},
+                                                     # Kept the schedule told the predicted times: (XLA's,
+                                                     # that one) predicted, where both were compiled.
+                                                     "scheduled_by_prediction": scheduled.by_prediction,
+                                                     "schedules_predicted_s": scheduled.predicted_s},
       "mesh": {k: int(v) for k, v in mesh.shape.items()}, "model": cfg.model.name,
       "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "memory_note": ESTIMATE_NOTE,
   }
@@ -122,7 +125,7 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
   return report
 
 
-def _compile(cfg: Settings, mesh, plan, options):
+def _compile(cfg: Settings, mesh, plan, options) -> Scheduled:
   tx, schedule = make_optimizer(cfg)
   lowered = step_plan.trace_train_step(cfg, mesh, tx, schedule, cfg.remat.preset, plan).lower()
   return compile_scheduled(lowered, options, mesh, cfg.train.schedule_by_prediction)
@@ -134,7 +137,7 @@ def _later_phase(cfg: Settings, index: int, mesh, options) -> dict:
   every phase's, since the run holds each in turn."""
   start, recipe = cfg.phases[index]
   phase = cfg.at_phase(index)
-  program = _compile(phase, mesh, step_lib.moe_plan(phase, mesh, phase.train.micro_batch_size), options)
+  program = _compile(phase, mesh, step_lib.moe_plan(phase, mesh, phase.train.micro_batch_size), options).compiled
   predicted = predict.predicted_step(hlo.Program(program.as_text()), cost.Machine.of_mesh(mesh),
                                      **work_per_device(phase, len(mesh.devices.flat)))
   return {"start": start, "recipe": recipe.name, "peak_bytes": memory_peak(program.memory_analysis()),

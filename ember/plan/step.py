@@ -76,7 +76,7 @@ def step_figures(cfg: Settings, mesh, tx, schedule, preset: remat.Preset, *, com
   flops = jaxpr_flops(traced.jaxpr.jaxpr)
   if not compile:
     return StepFigures(flops, None, None)
-  compiled = compile_scheduled(traced.lower(), compiler_options, mesh, cfg.train.schedule_by_prediction)
+  compiled = compile_scheduled(traced.lower(), compiler_options, mesh, cfg.train.schedule_by_prediction).compiled
   try:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -101,7 +101,7 @@ def run(cfg: Settings, *, steps: int, warmup: int, hlo_out: str | None = None) -
     finally:
       it.close()
     t0 = time.time()
-    compiled = compile_scheduled(step_fn.lower(state, batch), None, mesh, cfg.train.schedule_by_prediction)
+    compiled = compile_scheduled(step_fn.lower(state, batch), None, mesh, cfg.train.schedule_by_prediction).compiled
     compile_s = time.time() - t0
     text = compiled.as_text()
     if hlo_out:

@@ -28,7 +28,8 @@ def compile_step(step_fn, state, batch, cfg: Settings, mesh, plan: moe_dispatch.
   MoE plan it was jitted with)."""
   console("compiling the train step")
   t0 = time.time()
-  compiled = compile_scheduled(step_fn.lower(state, batch), None, mesh, cfg.train.schedule_by_prediction)
+  scheduled = compile_scheduled(step_fn.lower(state, batch), None, mesh, cfg.train.schedule_by_prediction)
+  compiled = scheduled.compiled
   peak = compiled_peak_bytes(compiled)
   memory = "no memory analysis" if peak is None else f"compiled peak {peak / 2**30:.2f} GiB/device"
   moe = ""
@@ -38,8 +39,13 @@ def compile_step(step_fn, state, batch, cfg: Settings, mesh, plan: moe_dispatch.
   if cfg.data.source != "synthetic":  # The first batch is read by now: the data and its tokenizer work.
     console(f"tokenizer {cfg.data.tokenizer}: vocabulary {build_tokenizer(cfg.data).vocab_size} "
             f"(model.vocab_size {cfg.model.vocab_size})")
+  schedule = ""
+  if scheduled.predicted_s:
+    xla, told = scheduled.predicted_s
+    kept = "told the predicted times" if scheduled.by_prediction else "XLA's estimates"
+    schedule = f", scheduled by {kept} (predicted {xla:.3f} s a step by XLA's estimates, {told:.3f} s told the times)"
   console(f"compiled the train step in {time.time() - t0:.1f}s ({memory}; remat {cfg.remat.policy}, "
-          f"recipe {cfg.quant.name}, mesh {dict(mesh.shape)}{moe})")
+          f"recipe {cfg.quant.name}, mesh {dict(mesh.shape)}{moe}{schedule})")
   missing = missing_tensor_core_gemm(cfg, compiled.as_text) if target_platform() == "gpu" else None
   if missing:
     console(f"warning: recipe {cfg.quant.name}: the compiled step has no {missing} call, so its GEMMs run in "

@@ -21,6 +21,9 @@ def test_the_scheduler_told_the_predicted_times_hides_more_of_the_collectives():
   once = compile_report(loaded(["compile", *TINY, "--config.train.schedule_by_prediction=false"]), target)
   twice = compile_report(loaded(["compile", *TINY]), target)
   assert (once["xla_flags"]["scheduled_by_prediction"], twice["xla_flags"]["scheduled_by_prediction"]) == (False, True)
+  assert once["xla_flags"]["schedules_predicted_s"] is None
+  xla, told = twice["xla_flags"]["schedules_predicted_s"]
+  assert xla == pytest.approx(once["predicted_step_s"]) and told == pytest.approx(twice["predicted_step_s"])
   assert twice["predicted_step_s"] < 0.95 * once["predicted_step_s"]
   exposed = [sum(r["seconds"] for r in report["time_by_op"] if r["kind"] == "collective" and r["exposed"])
              for report in (once, twice)]
@@ -33,14 +36,14 @@ def test_a_profile_of_the_users_own_is_left_to_rule(monkeypatch):
   target = target_lib.parse("h100x8")
   with target_lib.targeting(target):
     _, mesh = prepare(cfg, target)
-    assert schedule.rescheduled(None, mesh)
-    assert not schedule.rescheduled(None, mesh, by_prediction=False)
-    assert not schedule.rescheduled({schedule.PROFILE_OPTION: "/measured/profile.pbtxt"}, mesh)
+    assert schedule.compiles_twice(None, mesh)
+    assert not schedule.compiles_twice(None, mesh, by_prediction=False)
+    assert not schedule.compiles_twice({schedule.PROFILE_OPTION: "/measured/profile.pbtxt"}, mesh)
     monkeypatch.setenv("XLA_FLAGS", f"--{schedule.PROFILE_OPTION}=/measured/profile.pbtxt")
-    assert not schedule.rescheduled(None, mesh)
+    assert not schedule.compiles_twice(None, mesh)
   cpu = jax.sharding.Mesh(jax.devices("cpu")[:1], ("fsdp",))
   monkeypatch.delenv("XLA_FLAGS")
-  assert not schedule.rescheduled(None, cpu)  # No GPU rates: one compile.
+  assert not schedule.compiles_twice(None, cpu)  # No GPU rates: one compile.
 
 
 def test_the_profile_file_is_named_by_its_content():
