@@ -44,7 +44,7 @@ class Scheduled:
   @property
   def by_prediction(self) -> bool:
     """Whether the program kept is the one scheduled by the predicted times."""
-    return self.predicted_s is not None and self.predicted_s[1] <= self.predicted_s[0]
+    return self.predicted_s is not None and bool(self.predicted_s[1] <= self.predicted_s[0])
 
 
 def compile_scheduled(lowered, compiler_options: dict | None, mesh, by_prediction: bool = True) -> Scheduled:
@@ -58,8 +58,8 @@ def compile_scheduled(lowered, compiler_options: dict | None, mesh, by_predictio
   walk = predict.Walk(hlo.Program(compiled.as_text()))
   profile = predict.latency_profile(walk, machine)
   again = lowered.compile(compiler_options={**(compiler_options or {}), PROFILE_OPTION: profile_file(profile)})
-  steps = (predict.predict(walk, machine).step_s,
-           predict.predict(predict.Walk(hlo.Program(again.as_text())), machine).step_s)
+  steps = (float(predict.predict(walk, machine).step_s),
+           float(predict.predict(predict.Walk(hlo.Program(again.as_text())), machine).step_s))
   return Scheduled(again if steps[1] <= steps[0] else compiled, steps)
 
 

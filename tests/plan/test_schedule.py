@@ -1,5 +1,7 @@
 """The step compiled a second time with XLA's scheduler told ember's predicted times (ember/program/schedule.py)."""
 
+import json
+
 import jax
 import pytest
 
@@ -29,6 +31,7 @@ def test_the_scheduler_told_the_predicted_times_hides_more_of_the_collectives():
              for report in (once, twice)]
   assert exposed[1] < exposed[0]
   assert twice["executed_flops"] == once["executed_flops"] and twice["gemms"] == once["gemms"]  # The same program.
+  assert json.loads(json.dumps(twice))["xla_flags"]["schedules_predicted_s"] == [xla, told]  # The tool's JSON.
 
 
 def test_a_profile_of_the_users_own_is_left_to_rule(monkeypatch):
