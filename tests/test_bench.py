@@ -66,6 +66,7 @@ def test_bench_runs_a_tiny_config(tmp_path, capsys):
   assert result["bf16_gemms"] > 0 and result["fp8_gemms"] == 0  # CPU: dequantized bf16 dots, no cuBLASLt.
   assert result["time_floor_s"] is None and result["step_over_floor"] is None  # No GPU facts for a CPU.
   assert result["predicted_step_s"] is None and result["step_over_predicted"] is None
+  assert result["schedules_predicted_s"] is None and result["scheduled_by_prediction"] is False  # Compiled once.
   assert result["missing_tensor_core_gemm"] is None
   # The reported step time is the median of the steps it measured (--steps=3 after the warmup).
   times, stats_times = result["step_times_s"], result["quant_stats_step_times_s"]

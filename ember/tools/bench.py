@@ -18,7 +18,10 @@ for the very program it timed (`ember.program.cost` on its optimised HLO and tha
 `time_floor_s`, `time_floor_parts_s`, `mfu_ceiling`, and `step_over_floor`, the measured step over that floor:
 how far the real kernels are from the roofline; and the predicted step of that program (ember/program/predict.py at
 the GPU's rates in ember/hardware/rates.toml): `predicted_step_s`, `mfu_predicted` and `step_over_predicted`,
-the measured step over the prediction. Elsewhere these are null.
+the measured step over the prediction. The step timed is the one the run compiles (ember/program/schedule.py):
+`schedules_predicted_s` holds the predictions of XLA's schedule and of the one told the predicted times, and
+`scheduled_by_prediction` says whether the latter is the program timed (so that a GPU can tell whether it pays:
+time it again with `--config.train.schedule_by_prediction=false`). Elsewhere these are null (false).
 
 `--quant_stats` measures the step twice, without and with the quantization health statistics
 (`log.quant_stats_every`, ember/quant/health.py), and adds the second program's step times, their
@@ -101,7 +104,8 @@ def run(cfg: Settings, *, steps: int, warmup: int, hlo_out: str | None = None) -
     finally:
       it.close()
     t0 = time.time()
-    compiled = compile_scheduled(step_fn.lower(state, batch), None, mesh, cfg.train.schedule_by_prediction).compiled
+    scheduled = compile_scheduled(step_fn.lower(state, batch), None, mesh, cfg.train.schedule_by_prediction)
+    compiled = scheduled.compiled
     compile_s = time.time() - t0
     text = compiled.as_text()
     if hlo_out:
@@ -129,6 +133,9 @@ def run(cfg: Settings, *, steps: int, warmup: int, hlo_out: str | None = None) -
       **measured_floor(program, cfg, jax.devices()[0].device_kind, jax.device_count(), perf.step_time_s),
       # On a GPU, the tensor-core GEMM call the recipe should reach and the program lacks (trainer/phase.py).
       "missing_tensor_core_gemm": missing_tensor_core_gemm(cfg, lambda: text) if target_platform() == "gpu" else None,
+      # On a GPU ember has rates for: the predicted steps of XLA's schedule and of the one told the predicted times,
+      # and whether the program timed is the latter (ember/program/schedule.py).
+      "schedules_predicted_s": scheduled.predicted_s, "scheduled_by_prediction": scheduled.by_prediction,
   }
 
 
