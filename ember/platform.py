@@ -4,9 +4,9 @@ devices the traced program is partitioned over (`traced_device_count`: a kernel 
 checks that its operands split evenly, quant/fused.py).
 
 A compile for a described GPU cluster traces on the CPU backend, so JAX's default backend is not the
-answer: `on_platform` names the platform outright (ember/plan/target.py), `on_devices` takes it from a
+answer: `on_platform` names the platform outright (ember/plan/target.py), `on_device` takes it from a
 mesh's devices (compile-only devices of a described GPU included; `parallel.sharding.use_rules` enters
-it), and JAX's default device answers otherwise. An outright `on_platform` wins over any `on_devices`
+it), and JAX's default device answers otherwise. An outright `on_platform` wins over any `on_device`
 inside it.
 
 `divides_exactly` checks on a device that the XLA options ember's numerics rely on (ember/xla_flags.py) took
@@ -42,7 +42,7 @@ def on_platform(platform: str, compute_capability: tuple[int, int] | None = None
   return _set((_normalized(platform), compute_capability, True))
 
 
-def on_devices(device):
+def on_device(device):
   """Traces inside the block as for `device`'s platform, unless an `on_platform` block already named one."""
   current = _TARGET.get()
   if current is not None and current[2]:

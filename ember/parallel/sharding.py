@@ -72,7 +72,7 @@ def use_rules(mesh: Mesh, rules):
   as the platform and device count traced for (ember/platform.py)."""
   token = _ACTIVE.set((mesh, rules_dict(rules)))
   try:
-    with platform.on_devices(mesh.devices.flat[0]), platform.over_devices(mesh.size):
+    with platform.on_device(mesh.devices.flat[0]), platform.over_devices(mesh.size):
       yield
   finally:
     _ACTIVE.reset(token)

@@ -21,7 +21,7 @@ from ember.layers.decoder import Transformer
 from ember.layers.linear import QuantState, QuantStats
 from ember.names import KV_HEADS
 from ember.parallel import axes, sharding
-from ember.platform import on_devices, target_platform
+from ember.platform import on_device, target_platform
 
 
 @jax.tree_util.register_dataclass
@@ -146,7 +146,7 @@ def update_shardings(cfg: Settings, mesh: Mesh, platform: str | None = None):
   step compiles for (default: the one the step traces for on `mesh`'s devices, as parallel/sharding.py's
   `use_rules` sets it)."""
   if platform is None:
-    with on_devices(mesh.devices.flat[0]):
+    with on_device(mesh.devices.flat[0]):
       platform = target_platform()
   replicas = replica_axes(cfg, mesh, platform)
   param_sh = sharding.tree_shardings(logical_axes(cfg)[1], mesh, cfg.mesh.rules)
