@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from ember.config import phases as config_phases
-from ember import remat
+from ember import remat, storage
 from ember.errors import DataError, bad_key, one_line
 from ember.keys import declared, key
 from ember.config.model import ModelConfig
@@ -366,13 +366,18 @@ class Settings:
     padded_vocab = -(-tokenizer_vocab(data.tokenizer) // 128) * 128
     model = section(ModelConfig, m, head_dim=m.head_dim or m.d_model // m.num_heads,
                     vocab_size=m.vocab_size or padded_vocab)
-    train = section(Train, cfg.train, decay_steps=cfg.train.decay_steps or max(cfg.steps - cfg.train.warmup_steps, 1))
+    # The run's directories made absolute once, here (`~` expanded, a URL as given, "" still off): every file of the
+    # run (checkpoints, metrics, TensorBoard, the local tier, the compilation cache) is then under the directory it
+    # was named by where the run started, and every reader of the settings is handed a path it can use as it is.
+    directory = lambda path: path and storage.absolute(path)
+    train = section(Train, cfg.train, decay_steps=cfg.train.decay_steps or max(cfg.steps - cfg.train.warmup_steps, 1),
+                    compilation_cache_dir=directory(cfg.train.compilation_cache_dir))
     phases = tuple((start, quant if start == 0 else recipe(phase.quant))
                    for start, phase in config_phases.precision_phases(cfg))
-    # `~` expanded once, here: every file of the run (checkpoints, metrics, TensorBoard) is then under one directory.
-    settings = cls(workdir=os.path.expanduser(cfg.workdir), seed=cfg.seed, steps=cfg.steps, model=model, train=train,
+    settings = cls(workdir=directory(cfg.workdir), seed=cfg.seed, steps=cfg.steps, model=model, train=train,
                    quant=quant, remat=section(Remat, cfg.remat), data=data, mesh=section(Mesh, cfg.mesh),
-                   pipeline=section(Pipeline, cfg.pipeline), checkpoint=section(Checkpoint, cfg.checkpoint),
+                   pipeline=section(Pipeline, cfg.pipeline),
+                   checkpoint=section(Checkpoint, cfg.checkpoint, local_dir=directory(cfg.checkpoint.local_dir)),
                    log=section(Log, cfg.log), distributed=section(Distributed, cfg.distributed), phases=phases,
                    schedule=_plain(cfg.quant.schedule))
     return settings if num_devices is None else settings.for_devices(num_devices)

@@ -219,7 +219,9 @@ def _manager(directory: str, options: ocp.CheckpointManagerOptions, *, partial_s
 
 class Checkpointer:
   def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True):
-    self.directory = storage.absolute(directory)
+    """`directory`: an absolute path or a URL, as Orbax takes it (the settings' workdir is one: config/settings.py
+    resolves it)."""
+    self.directory = directory
     self.every_steps = every_steps
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                                            cleanup_tmp_directories=True)

@@ -130,7 +130,7 @@ class LocalCheckpoints:
   def __init__(self, directory: str, every_steps: int, mesh: Mesh, seed: int, workdir: str):
     """The run's steps go to a directory of their own under `directory`, `run-<id>` (`run_id(workdir)`): runs that
     share a node's disk neither resume from nor prune each other's steps."""
-    base = storage.absolute(directory.replace("{process}", str(jax.process_index())))  # A local path (validated).
+    base = directory.replace("{process}", str(jax.process_index()))  # An absolute local path (validated).
     self.directory = os.path.join(base, "run-" + run_id(workdir))
     self.every_steps, self.mesh, self.seed = every_steps, mesh, seed
     self.process, self.count = jax.process_index(), jax.process_count()

@@ -63,7 +63,7 @@ def prepare(settings: Settings) -> tuple[Settings, Mesh]:
   the mesh: (settings, mesh)."""
   _set_collective_timeouts(settings.train)
   if settings.train.compilation_cache_dir:  # Before anything compiles (the auto remat policy's candidates too).
-    jax.config.update("jax_compilation_cache_dir", storage.absolute(settings.train.compilation_cache_dir))
+    jax.config.update("jax_compilation_cache_dir", settings.train.compilation_cache_dir)
   distributed.initialize(settings.distributed)
   cfg = config_lib.on_devices(settings, jax.device_count())
   device = jax.local_devices()[0]
@@ -95,7 +95,7 @@ def _make_workdir(workdir: str) -> None:
   try:
     storage.makedirs(workdir)
   except OSError as e:
-    raise ConfigError(f"config.workdir: cannot create {storage.absolute(workdir)}: {e.strerror or e}") from None
+    raise ConfigError(f"config.workdir: cannot create {workdir}: {e.strerror or e}") from None
 
 
 def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
@@ -223,7 +223,7 @@ def _plan(cfg: Settings, mesh, params) -> str:
           f"{jax.device_count()} {jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), mesh "
           + (" x ".join(f"{k} {v}" for k, v in axes.items()) or "of one device") + "\n"
           f"  precision: recipe {cfg.quant.name}, remat {cfg.remat.policy}, optimizer {t.optimizer}; "
-          f"training to step {cfg.steps} in {storage.absolute(cfg.workdir)}")
+          f"training to step {cfg.steps} in {cfg.workdir}")
 
 
 def _summary(run: _Run, first: int, timed_from: tuple[int, float, float], done: int, wall_s: float) -> str:
@@ -241,7 +241,7 @@ def _summary(run: _Run, first: int, timed_from: tuple[int, float, float], done: 
     speed = f"; {perf.tokens_per_s:,.0f} tokens/s{mfu} over steps {timed_first + 1}-{done}"
   losses = ", ".join(f"{k} {run.last[k]:.4f}" for k in ("loss", "eval_loss") if k in run.last)
   return (f"finished: {done - first} steps ({first + 1}-{done}), {tokens:,} tokens in {format_eta(wall_s)}{speed}; "
-          f"{losses}; metrics {storage.join(storage.absolute(cfg.workdir), 'metrics.jsonl')}, checkpoints "
+          f"{losses}; metrics {storage.join(cfg.workdir, 'metrics.jsonl')}, checkpoints "
           f"{run.ckpt.directory}")
 
 

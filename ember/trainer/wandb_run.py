@@ -36,7 +36,7 @@ class WandbRun:
   knows whether it resumed (MetricsWriter.truncate_after)."""
 
   def __init__(self, *, project: str, entity: str, name: str, workdir: str, config: dict):
-    self._args = dict(project=project, entity=entity or None, name=name or os.path.basename(storage.absolute(workdir)),
+    self._args = dict(project=project, entity=entity or None, name=name or os.path.basename(workdir),
                       config=config)
     self._workdir = workdir
     self._run = None
