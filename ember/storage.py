@@ -56,8 +56,8 @@ def _epath(path: str):
 
 
 def absolute(path: str) -> str:
-  """A local path made absolute (~ expanded); a URL (any scheme, one ember does not write to too: validation names
-  it) as given, less a trailing slash."""
+  """A local path made absolute (~ expanded); a URL (any `scheme://`, supported or not: validation names one that
+  is not) as given, less a trailing slash."""
   path = str(path)
   return path.rstrip("/") if "://" in path else os.path.abspath(os.path.expanduser(path))
 

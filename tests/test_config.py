@@ -289,6 +289,19 @@ def test_a_workdir_under_home_is_one_directory(monkeypatch, tmp_path):
   assert s.workdir == str(tmp_path / "run")
 
 
+def test_the_run_directories_are_absolute_where_the_settings_are_made(monkeypatch, tmp_path):
+  """Relative directories are resolved once, against the directory the run starts in: the loop, the checkpointers,
+  the compilation cache and W&B then take them as they are (Orbax takes no relative path)."""
+  monkeypatch.chdir(tmp_path)
+  s = config_lib.validate(helpers.config(**{"workdir": "run", "train.compilation_cache_dir": "cache",
+                                            "checkpoint.local_dir": "local-{process}",
+                                            "checkpoint.local_every_steps": 2}), None)
+  assert (s.workdir, s.train.compilation_cache_dir, s.checkpoint.local_dir) == (
+      str(tmp_path / "run"), str(tmp_path / "cache"), str(tmp_path / "local-{process}"))
+  assert config_lib.validate(helpers.config(**{"workdir": "run", "train.compilation_cache_dir": ""}),
+                             None).train.compilation_cache_dir == ""  # Off stays off.
+
+
 def test_a_config_saved_before_a_key_existed_loads_with_its_default():
   """A checkpoint's config (sampling, export, the precision probe read it back) saved by an older ember lacks the
   keys added since: each takes its default, the behaviour that run had, instead of a KeyError."""
