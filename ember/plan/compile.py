@@ -100,9 +100,11 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
       "compile_s": round(compile_s, 2), "xla_flags": {"compiler_options": options or {},
                                                      "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
                                                      # Kept the schedule told the predicted times: (XLA's,
-                                                     # that one) predicted, where both were compiled.
+                                                     # that one) predicted, where both were compiled; what
+                                                     # the first one waits on transfers, where predicted.
                                                      "scheduled_by_prediction": scheduled.by_prediction,
-                                                     "schedules_predicted_s": scheduled.predicted_s},
+                                                     "schedules_predicted_s": scheduled.predicted_s,
+                                                     "schedule_waits_s": scheduled.waits_s},
       "mesh": {k: int(v) for k, v in mesh.shape.items()}, "model": cfg.model.name,
       "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len, "memory_note": ESTIMATE_NOTE,
   }

@@ -280,6 +280,16 @@ def predict(walk: Walk, machine: cost.Machine, rates: Rates | None = None) -> Pr
   return Prediction(run(walk.program.entry), kernel_s, collective_s, exposed, host_s, host_exposed)
 
 
+def waits_s(walk: Walk, machine: cost.Machine, prediction: Prediction | None = None) -> float:
+  """What the predicted step of a walked program waits on its transfers (collectives, copies to and from the
+  host): its time less that of its kernels alone, transfers taking none. Another schedule of the same kernels can
+  win back no more. `prediction`: `predict(walk, machine)`, where already made."""
+  prediction = prediction or predict(walk, machine)
+  free = machine.rates.with_values({"collective_latency_s": 0.0, "nvlink": math.inf, "nic": math.inf,
+                                    "host": math.inf})
+  return max(prediction.step_s - predict(walk, machine, free).step_s, 0.0)
+
+
 def _host_seconds(t: hlo.HostTransfer, machine: cost.Machine, rates: Rates) -> float:
   return t.bytes / (machine.facts.host_gb_s * 1e9 * rates["host"])
 

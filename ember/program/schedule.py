@@ -13,7 +13,9 @@ step again with it. The second compile sees the same program up to the scheduler
 profile of its result is the same one: once is enough. The scheduler stays a heuristic, told the times or not, so
 the program predicted faster of the two is kept. Compiled for described H100s this takes up to 3.5% off the
 predicted step (docs/performance.md, "The scheduler told the predicted times"); the compile takes about twice as
-long.
+long. Another schedule of the same kernels can win back at most what the first one waits on its transfers
+(predict.waits_s), so where that is under `WORTH_A_SECOND_COMPILE` of the step (one GPU: nothing) the step is
+compiled once.
 
 It is done where ember has the GPU's rates (ember/hardware/) and `train.schedule_by_prediction` is on, by every
 compile of the step (the run, the bench, the compile report, the planner), so what is predicted is what runs. A
@@ -32,6 +34,9 @@ from ember.program import cost, hlo, predict
 from ember.xla_flags import xla_flag_value
 
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"  # The DebugOptions field XLA reads a profile from.
+# The share of the first program's predicted step that its waits on transfers must reach for a second compile:
+# what a second schedule could win at best, against a compile as long as the first.
+WORTH_A_SECOND_COMPILE = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Scheduled:
   """A compiled step, and the predicted steps of the two schedules where both were compiled."""
   compiled: Any  # jax.stages.Compiled.
   predicted_s: tuple[float, float] | None = None  # (XLA's estimates, told the predicted times).
+  waits_s: float | None = None  # What the first program's predicted step waits on transfers; None: not predicted.
 
   @property
   def by_prediction(self) -> bool:
@@ -47,19 +53,23 @@ class Scheduled:
 
 
 def compile_scheduled(lowered, compiler_options: dict | None, mesh, by_prediction: bool = True) -> Scheduled:
-  """`lowered` (a lowered jit on `mesh`) compiled with `compiler_options`; where `compiles_twice`, compiled again
-  with the scheduler told the first program's predicted times (module doc), and the program predicted faster kept:
-  the scheduler's heuristics can place a collective worse even when told the times."""
+  """`lowered` (a lowered jit on `mesh`) compiled with `compiler_options`; where `compiles_twice` and the first
+  program waits enough on its transfers to be worth it, compiled again with the scheduler told the first program's
+  predicted times (module doc), and the program predicted faster kept: the scheduler's heuristics can place a
+  collective worse even when told the times."""
   compiled = lowered.compile(compiler_options=compiler_options)
   if not compiles_twice(compiler_options, mesh, by_prediction):
     return Scheduled(compiled)
   machine = cost.Machine.of_mesh(mesh)
   walk = predict.Walk(hlo.Program(compiled.as_text()))
+  first = predict.predict(walk, machine)
+  waits = float(predict.waits_s(walk, machine, first))
+  if waits <= WORTH_A_SECOND_COMPILE * first.step_s:
+    return Scheduled(compiled, waits_s=waits)
   profile = predict.latency_profile(walk, machine)
   again = lowered.compile(compiler_options={**(compiler_options or {}), PROFILE_OPTION: profile_file(profile)})
-  steps = (float(predict.predict(walk, machine).step_s),
-           float(predict.predict(predict.Walk(hlo.Program(again.as_text())), machine).step_s))
-  return Scheduled(again if steps[1] <= steps[0] else compiled, steps)
+  steps = (float(first.step_s), float(predict.predict(predict.Walk(hlo.Program(again.as_text())), machine).step_s))
+  return Scheduled(again if steps[1] <= steps[0] else compiled, steps, waits)
 
 
 def compiles_twice(compiler_options: dict | None, mesh, by_prediction: bool = True) -> bool:

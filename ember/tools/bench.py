@@ -21,7 +21,9 @@ the GPU's rates in ember/hardware/rates.toml): `predicted_step_s`, `mfu_predicte
 the measured step over the prediction. The step timed is the one the run compiles (ember/program/schedule.py):
 `schedules_predicted_s` holds the predictions of XLA's schedule and of the one told the predicted times, and
 `scheduled_by_prediction` says whether the latter is the program timed (so that a GPU can tell whether it pays:
-time it again with `--config.train.schedule_by_prediction=false`). Elsewhere these are null (false).
+time it again with `--config.train.schedule_by_prediction=false`); `schedule_waits_s` is what XLA's schedule waits
+on its transfers, predicted (under half a percent of the step, the step is compiled once and the first two are
+null). Elsewhere these are null (false).
 
 `--quant_stats` measures the step twice, without and with the quantization health statistics
 (`log.quant_stats_every`, ember/quant/health.py), and adds the second program's step times, their
@@ -134,8 +136,9 @@ def run(cfg: Settings, *, steps: int, warmup: int, hlo_out: str | None = None) -
       # On a GPU, the tensor-core GEMM call the recipe should reach and the program lacks (trainer/phase.py).
       "missing_tensor_core_gemm": missing_tensor_core_gemm(cfg, lambda: text) if target_platform() == "gpu" else None,
       # On a GPU ember has rates for: the predicted steps of XLA's schedule and of the one told the predicted times,
-      # and whether the program timed is the latter (ember/program/schedule.py).
+      # whether the program timed is the latter, and what XLA's waits on transfers (ember/program/schedule.py).
       "schedules_predicted_s": scheduled.predicted_s, "scheduled_by_prediction": scheduled.by_prediction,
+      "schedule_waits_s": scheduled.waits_s,
   }
 
 

@@ -44,6 +44,9 @@ def compile_step(step_fn, state, batch, cfg: Settings, mesh, plan: moe_dispatch.
     xla, told = scheduled.predicted_s
     kept = "told the predicted times" if scheduled.by_prediction else "XLA's estimates"
     schedule = f", scheduled by {kept} (predicted {xla:.3f} s a step by XLA's estimates, {told:.3f} s told the times)"
+  elif scheduled.waits_s is not None:
+    schedule = (f", scheduled by XLA's estimates (predicted to wait {scheduled.waits_s * 1e3:.1f} ms a step on "
+                "transfers: not worth a second compile)")
   console(f"compiled the train step in {time.time() - t0:.1f}s ({memory}; remat {cfg.remat.policy}, "
           f"recipe {cfg.quant.name}, mesh {dict(mesh.shape)}{moe}{schedule})")
   missing = missing_tensor_core_gemm(cfg, compiled.as_text) if target_platform() == "gpu" else None

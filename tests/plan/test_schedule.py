@@ -32,6 +32,18 @@ def test_the_scheduler_told_the_predicted_times_hides_more_of_the_collectives():
   assert exposed[1] < exposed[0]
   assert twice["executed_flops"] == once["executed_flops"] and twice["gemms"] == once["gemms"]  # The same program.
   assert json.loads(json.dumps(twice))["xla_flags"]["schedules_predicted_s"] == [xla, told]  # The tool's JSON.
+  # What XLA's program waits on transfers, taken as its step less its kernels alone, is what the walk charged to
+  # each exposed collective of that program (the report compiled once).
+  assert twice["xla_flags"]["schedule_waits_s"] == pytest.approx(exposed[0], rel=1e-6)
+
+
+def test_a_step_that_waits_on_nothing_compiles_once():
+  # One GPU has no collectives: no schedule can win anything, so the second compile is not made.
+  report = compile_report(loaded(["compile", *TINY]), target_lib.parse("h100x1"))
+  flags = report["xla_flags"]
+  assert (flags["scheduled_by_prediction"], flags["schedules_predicted_s"], flags["schedule_waits_s"]) == (
+      False, None, 0.0)
+  assert report["predicted_step_s"] > 0
 
 
 def test_a_profile_of_the_users_own_is_left_to_rule(monkeypatch):
