@@ -64,16 +64,17 @@ def compiler_options(target: Target, cfg: Settings, mesh) -> dict | None:
   return options
 
 
-def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
+def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "", beat_s: float | None = None) -> dict:
   """The contract report (ember.tools.compile's JSON) for validated settings on `target`; `hlo_out`: a file
-  for the optimised HLO text."""
+  for the optimised HLO text; `beat_s`: a predicted step to beat (the planner's best so far), below which no
+  schedule of this step's kernels could bring it compiles it once (ember/program/schedule.py)."""
   with targeting(target):
     cfg, mesh = prepare(cfg, target)
     options = compiler_options(target, cfg, mesh)
     cfg = auto_remat.resolve(cfg, mesh, compiler_options=options)
     plan = step_lib.moe_plan(cfg, mesh, cfg.train.micro_batch_size)  # Traced with and reported.
     t0 = time.perf_counter()
-    scheduled = _compile(cfg, mesh, plan, options)
+    scheduled = _compile(cfg, mesh, plan, options, beat_s)
     compiled = scheduled.compiled
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
@@ -127,10 +128,10 @@ def compile_report(cfg: Settings, target: Target, *, hlo_out: str = "") -> dict:
   return report
 
 
-def _compile(cfg: Settings, mesh, plan, options) -> Scheduled:
+def _compile(cfg: Settings, mesh, plan, options, beat_s: float | None = None) -> Scheduled:
   tx, schedule = make_optimizer(cfg)
   lowered = step_plan.trace_train_step(cfg, mesh, tx, schedule, cfg.remat.preset, plan).lower()
-  return compile_scheduled(lowered, options, mesh, cfg.train.schedule_by_prediction)
+  return compile_scheduled(lowered, options, mesh, cfg.train.schedule_by_prediction, beat_s)
 
 
 def _later_phase(cfg: Settings, index: int, mesh, options) -> dict:

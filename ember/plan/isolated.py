@@ -30,12 +30,14 @@ class CompileFailed(EmberError):
   """A compile that failed or killed its process, with the reason in one line."""
 
 
-def compile_report_isolated(cfg: Settings, target, *, timeout_s: float | None = None) -> dict:
-  """plan/compile.py's `compile_report(cfg, target)`, computed in a child process; CompileFailed if it fails."""
+def compile_report_isolated(cfg: Settings, target, *, timeout_s: float | None = None,
+                            beat_s: float | None = None) -> dict:
+  """plan/compile.py's `compile_report(cfg, target, beat_s=beat_s)`, computed in a child process; CompileFailed if
+  it fails."""
   with tempfile.TemporaryDirectory(prefix="ember-compile-") as d:
     given, report = os.path.join(d, "in.pkl"), os.path.join(d, "out.json")
     with open(given, "wb") as f:
-      pickle.dump((cfg, target.name), f)
+      pickle.dump((cfg, target.name, beat_s), f)
     try:
       proc = subprocess.run([sys.executable, "-m", "ember.plan.isolated", given, report], capture_output=True,
                             text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
@@ -75,11 +77,11 @@ def _telling_line(stderr: str) -> str:
 def _main(argv: list[str]) -> int:
   given, report = argv[1], argv[2]
   with open(given, "rb") as f:
-    cfg, target_name = pickle.load(f)
+    cfg, target_name, beat_s = pickle.load(f)
   from ember.plan import target as target_lib
   from ember.plan.compile import compile_report
   try:
-    result = compile_report(cfg, target_lib.parse(target_name))
+    result = compile_report(cfg, target_lib.parse(target_name), beat_s=beat_s)
   except EmberError as e:
     with open(report, "w") as f:
       json.dump({"error": one_line(e)}, f)

@@ -25,7 +25,10 @@ then compiled once more with no remat (`none`), the preset whose estimate is lea
 The compiled layouts are ranked by their predicted step (`tokens_per_s_predicted`, ember/program/predict.py: the
 scheduled program at the GPU's achievable rates, exposed collectives included) among those whose compiled peak is
 within the budget: the winner is never a layout that does not fit, and never predicted slower than another layout
-compiled. Each row keeps its roofline ceiling beside the prediction.
+compiled. Each row keeps its roofline ceiling beside the prediction. A candidate is compiled a second time with the
+scheduler told its predicted times (ember/program/schedule.py) only where that could still make it beat the best
+fitting step so far: its kernels alone take longer than that step otherwise, and its row holds the prediction of XLA's
+own schedule.
 """
 
 from __future__ import annotations
@@ -449,8 +452,10 @@ def plan(cfg: Settings, target: Target, *, budget_gb: float | None = None, top: 
       f"{budget / GiB:.1f} GiB; compiling {len(chosen)}, the fastest by estimate of each split of a node")
   def compile_one(lay: Layout) -> dict:
     row = _row(lay, estimates[lay], tokens)
+    # The best fitting step so far: a candidate no schedule of whose kernels could beat it is compiled once.
+    best_s = min((r["predicted_step_s"] for r in compiled.values() if r.get("fits")), default=None)
     try:
-      r = compile_report_isolated(lay.apply(cfg), target)
+      r = compile_report_isolated(lay.apply(cfg), target, beat_s=best_s)
     except EmberError as e:
       row.update(error=one_line(e))
       log(f"plan: {lay.describe()}: {one_line(e)}")

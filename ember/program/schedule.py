@@ -52,11 +52,13 @@ class Scheduled:
     return self.predicted_s is not None and bool(self.predicted_s[1] <= self.predicted_s[0])
 
 
-def compile_scheduled(lowered, compiler_options: dict | None, mesh, by_prediction: bool = True) -> Scheduled:
+def compile_scheduled(lowered, compiler_options: dict | None, mesh, by_prediction: bool = True,
+                      beat_s: float | None = None) -> Scheduled:
   """`lowered` (a lowered jit on `mesh`) compiled with `compiler_options`; where `compiles_twice` and the first
   program waits enough on its transfers to be worth it, compiled again with the scheduler told the first program's
   predicted times (module doc), and the program predicted faster kept: the scheduler's heuristics can place a
-  collective worse even when told the times."""
+  collective worse even when told the times. `beat_s`: a predicted step the caller already has (the planner's best
+  so far), or None: a program that no schedule could make faster than it is compiled once."""
   compiled = lowered.compile(compiler_options=compiler_options)
   if not compiles_twice(compiler_options, mesh, by_prediction):
     return Scheduled(compiled)
@@ -64,7 +66,7 @@ def compile_scheduled(lowered, compiler_options: dict | None, mesh, by_predictio
   walk = predict.Walk(hlo.Program(compiled.as_text()))
   first = predict.predict(walk, machine)
   waits = float(predict.waits_s(walk, machine, first))
-  if waits <= WORTH_A_SECOND_COMPILE * first.step_s:
+  if waits <= WORTH_A_SECOND_COMPILE * first.step_s or (beat_s is not None and first.step_s - waits >= beat_s):
     return Scheduled(compiled, waits_s=waits)
   profile = predict.latency_profile(walk, machine)
   again = lowered.compile(compiler_options={**(compiler_options or {}), PROFILE_OPTION: profile_file(profile)})

@@ -35,6 +35,13 @@ def test_the_scheduler_told_the_predicted_times_hides_more_of_the_collectives():
   # What XLA's program waits on transfers, taken as its step less its kernels alone, is what the walk charged to
   # each exposed collective of that program (the report compiled once).
   assert twice["xla_flags"]["schedule_waits_s"] == pytest.approx(exposed[0], rel=1e-6)
+  # A step to beat that no schedule of these kernels reaches (the planner's best so far): compiled once, XLA's own.
+  kernels_alone = once["predicted_step_s"] - exposed[0]
+  beaten = compile_report(loaded(["compile", *TINY]), target, beat_s=0.999 * kernels_alone)
+  assert beaten["xla_flags"]["schedules_predicted_s"] is None
+  assert beaten["predicted_step_s"] == pytest.approx(once["predicted_step_s"])
+  assert compile_report(loaded(["compile", *TINY]), target, beat_s=1.001 * kernels_alone)["xla_flags"][
+      "schedules_predicted_s"] is not None  # One it could still beat: compiled twice.
 
 
 def test_a_step_that_waits_on_nothing_compiles_once():
