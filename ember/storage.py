@@ -100,12 +100,13 @@ def kept_id(path: str, nbytes: int) -> str:
 
 
 def write_bytes(path: str, data: bytes) -> None:
-  """`path` holds `data` (a bucket's object replaced whole; a local file replaced by rename)."""
+  """`path` holds `data` (a bucket's object replaced whole; a local file replaced by rename, from a file named for
+  this writer alone: processes that write the same path at once never share a half-written one)."""
   if is_remote(path):
     _epath(path).write_bytes(data)
     return
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
+  tmp = f"{path}.{secrets.token_hex(6)}.tmp"  # Created new ("x"), with the permissions the umask gives any file.
+  with open(tmp, "xb") as f:
     f.write(data)
     f.flush()
     os.fsync(f.fileno())

@@ -78,8 +78,8 @@ class _Sync:  # A synchronous transfer.
 class Walk:
   """A program's kernels, collectives and host transfers in scheduled order, read once: the kernel table (one row
   per kernel instruction: its class, precision, FLOPs and bytes per execution, executions per step, op and pass,
-  bytes over the host link, name), the instructions that start its transfers, and each computation's events. `predict` times it for a GPU's rates; a fit times it
-  many times."""
+  bytes over the host link, name), the instructions that start its transfers, and each computation's events.
+  `predict` times it for a GPU's rates; a fit times it many times."""
 
   def __init__(self, p: hlo.Program):
     self.program = p

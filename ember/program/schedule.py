@@ -30,6 +30,7 @@ import os
 import tempfile
 from typing import Any
 
+from ember import storage
 from ember.program import cost, hlo, predict
 from ember.xla_flags import xla_flag_value
 
@@ -87,12 +88,8 @@ def profile_file(profile: str) -> str:
   """A file holding `profile`, named by its content: the same program gets the same path in every process and run,
   so the path in the compile options keeps JAX's compilation cache key. XLA reads a profile by its `.pbtxt` suffix."""
   digest = hashlib.sha256(profile.encode()).hexdigest()[:24]
-  folder = os.path.join(tempfile.gettempdir(), "ember-schedules")
-  path = os.path.join(folder, f"{digest}.pbtxt")
-  if not os.path.exists(path):  # Written under a name of its own, then renamed: processes of a node may race here.
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-      f.write(profile)
-    os.replace(tmp, path)
+  path = os.path.join(tempfile.gettempdir(), "ember-schedules", f"{digest}.pbtxt")
+  if not os.path.exists(path):  # Processes of a node may write it at once: each writes a whole file and renames it.
+    storage.makedirs(os.path.dirname(path))
+    storage.write_atomic(path, profile)
   return path
