@@ -16,6 +16,7 @@ TensorStore paths for local files and gs:// only.
 
 from __future__ import annotations
 
+import contextlib
 import glob as _glob
 import os
 import secrets
@@ -105,12 +106,26 @@ def write_bytes(path: str, data: bytes) -> None:
   if is_remote(path):
     _epath(path).write_bytes(data)
     return
-  tmp = f"{path}.{secrets.token_hex(6)}.tmp"  # Created new ("x"), with the permissions the umask gives any file.
-  with open(tmp, "xb") as f:
+  with local_file_replaced(path) as f:
     f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def local_file_replaced(path: str):
+  """A binary file to write that becomes the local file `path` whole when the block ends: written under a name of its
+  own beside it (created new, with the permissions the umask gives any file; writers of one path at once never share
+  it), on disk, then renamed over `path`. An error in the block leaves `path` as it was and removes the partial file;
+  a kill leaves it as it was and the partial file beside it."""
+  tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+  try:
+    with open(tmp, "xb") as f:
+      yield f
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def append_line(path: str, line: str) -> None:

@@ -19,6 +19,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from ember import storage
 from ember.errors import CheckpointError
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -29,7 +30,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def write_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
-  """Writes `tensors` (name -> array) to `path` atomically (a temporary file renamed when complete)."""
+  """Writes `tensors` (name -> array) to the local file `path` atomically (storage.local_file_replaced)."""
   header, offset = {}, 0
   if metadata:
     header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -39,13 +40,11 @@ def write_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, st
     offset += size
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # Tensor data starts 8-byte aligned.
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
+  with storage.local_file_replaced(path) as f:
     f.write(struct.pack("<Q", len(blob)))
     f.write(blob)
     for array in tensors.values():
       f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
-  os.replace(tmp, path)
 
 
 def write_dir(directory: str, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[str]:
@@ -67,8 +66,7 @@ def write_dir(directory: str, tensors: dict[str, np.ndarray], max_shard_bytes: i
     write_file(os.path.join(directory, name), shard, {"format": "pt"})
   index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
            "weight_map": {t: name for name, shard in zip(names, shards) for t in shard}}
-  with open(os.path.join(directory, INDEX_FILE), "w") as f:
-    json.dump(index, f, indent=2)
+  storage.write_atomic(os.path.join(directory, INDEX_FILE), json.dumps(index, indent=2))
   return names + [INDEX_FILE]
 
 
