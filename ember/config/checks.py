@@ -365,11 +365,11 @@ def _validate_pipeline(s: Settings) -> None:
   if virtual > 1 and accum % stages:
     bad_key("train.grad_accum_steps", f"{accum} micro-batches do not form groups of the {stages} pipeline stages "
             "that interleaved 1F1B runs through each chunk in turn")
-  if axes.shards(axes.sequence_axes(s.mesh.rules_dict), s.mesh.sizes()) > 1:
-    bad_key(key, "context parallelism (mesh.context) does not run in a pipeline yet")
-  if s.pipeline.schedule != "gpipe" and m.seq_len % stages:
-    bad_key("model.seq_len", f"{m.seq_len} positions do not split over the {stages} stages that share the LM head "
-            "under 1F1B")
+  context = axes.shards(axes.sequence_axes(s.mesh.rules_dict), s.mesh.sizes())
+  if s.pipeline.schedule != "gpipe" and m.seq_len % (stages * context):
+    over = f"the {stages} stages that share the LM head under 1F1B" + (f", on each of {context} context devices"
+                                                                        if context > 1 else "")
+    bad_key("model.seq_len", f"{m.seq_len} positions do not split over {over}")
   if m.mtp_depth:
     bad_key(key, "multi-token prediction (model.mtp_depth) does not run in a pipeline yet")
   if accum % stages and s.pipeline.schedule == "gpipe":

@@ -62,17 +62,19 @@ def _on_shards(fn, names: Sequence, *arrays) -> tuple:
 
 
 def balance(arrays: Sequence[jax.Array], names: Sequence) -> tuple[jax.Array, ...]:
-  """[B, L, ...] arrays (logical axes `names`) from the contiguous layout into the balanced one."""
+  """Arrays of logical axes `names` ([B, L, ...], or [M, B, L]: a step's micro-batches) from the contiguous layout
+  into the balanced one, along their LENGTH axis."""
   axes = context_axes()
   first, second = _moves(_devices(axes))
+  length = list(names).index(LENGTH)
 
   def shard(*xs):
     even = jax.lax.axis_index(axes) % 2 == 0  # An even device's early chunk came first; an odd one's second.
     out = []
     for x in xs:
-      c = x.shape[1] // 2
-      a, b = jax.lax.ppermute(x[:, :c], axes, first), jax.lax.ppermute(x[:, c:], axes, second)
-      out.append(jnp.concatenate([jnp.where(even, a, b), jnp.where(even, b, a)], axis=1))
+      early, late = jnp.split(x, 2, axis=length)
+      a, b = jax.lax.ppermute(early, axes, first), jax.lax.ppermute(late, axes, second)
+      out.append(jnp.concatenate([jnp.where(even, a, b), jnp.where(even, b, a)], axis=length))
     return tuple(out)
 
   return _on_shards(shard, names, *arrays)

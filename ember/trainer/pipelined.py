@@ -11,6 +11,10 @@ are on every stage, and stage 0 embeds each micro-batch as it enters. Two schedu
 - 1F1B (`_one_f_one_b`): the gradients are taken inside, one micro-batch at a time, the last stage's loss in the
   tick of its forward pass.
 
+Under context parallelism the micro-batches enter the balanced layout once, before the loop, and stay in it: the
+stages hand each other balanced hidden states, and the head's losses and the embedding's gradient are sums over
+tokens in any order (ember/parallel/context.py).
+
 Either way the losses, MoE sums and per-layer statistics are summed (per-layer arrays gathered) over the stages,
 and the step's terms are those of the micro-batch loop (objective.step_terms): a pipelined step logs and trains as
 the same step on one device does.
@@ -33,7 +37,7 @@ from ember.layers.decoder import TABLE, keys_of
 from ember.layers.embed import add_token_gradients
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
                          MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS, VOCAB)
-from ember.parallel import axes, pipeline
+from ember.parallel import axes, context, pipeline
 from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant import health
 from ember.quant.varying import cotangent_once, shard_axes
@@ -67,6 +71,8 @@ def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Pr
   accum = cfg.train.grad_accum_steps
   count = token_count(batch[SEGMENT_IDS] > 0)
   micro = jax.tree.map(lambda a: micro_batches(a, accum, batch_shards), batch)
+  if context.context_axes():  # Context parallelism: every micro-batch in the balanced layout, end to end (below).
+    micro = dict(zip(micro, context.balance(tuple(micro.values()), (None, BATCH, LENGTH))))
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(accum))
   specs = lambda tree: jax.tree_util.tree_map_with_path(lambda path, _: stage_spec(path), tree)
   with_stats = stats is not None

@@ -107,6 +107,17 @@ def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(re
   _assert_same_training(recipe, one, piped, rel)
 
 
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.long
+def test_stages_with_context_parallelism_inside_train_like_one_device(schedule, virtual):
+  """pipeline 2 x context 2 x fsdp 2: each sequence split over two devices of a stage in the balanced layout, the
+  micro-batches put in it once and the losses taken in it (ember/trainer/pipelined.py), float32, 5 steps: one
+  device's losses and parameters."""
+  one, piped, rel = _compare("tiny", "bf16", {"pipeline": 2, "context": 2, "fsdp": 2}, schedule=schedule,
+                             virtual=virtual)
+  _assert_same_training("bf16", one, piped, rel)
+
+
 @pytest.mark.long
 def test_tied_embeddings_train_like_one_device():
   """A tied head: the table's gradient from the lookups (added on stage 0 as each micro-batch's first chunk ends its
@@ -375,7 +386,9 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
      "config.mesh.pipeline: 4 stages x 2 chunks are too many"),
     ({"mesh.pipeline": 2, "mesh.fsdp": 4, "pipeline.schedule": "interleaved_1f1b", "pipeline.virtual_stages": 2,
       "train.grad_accum_steps": 3, "train.batch_size": 24}, "config.train.grad_accum_steps: 3"),
-    ({"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.context": 2}, "config.mesh.pipeline: context parallelism"),
+    ({"mesh.pipeline": 4, "mesh.fsdp": 1, "mesh.context": 2, "pipeline.schedule": "1f1b", "model.seq_len": 12},
+     "config.model.seq_len: 12 positions do not split over the 4 stages that share the LM head under 1F1B, on each "
+     "of 2 context devices"),
     ({"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "quant.recipe": "fp8_current",
       "quant.exclude": ("layers[0]",)},
      "config.mesh.pipeline: the decoder's layers form 2 scan segments"),
