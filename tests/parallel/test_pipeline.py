@@ -107,15 +107,20 @@ def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(re
   _assert_same_training(recipe, one, piped, rel)
 
 
-@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("preset,recipe,schedule,virtual,inside", [
+    ("tiny", "bf16", "gpipe", 1, {"fsdp": 2}),
+    ("tiny", "bf16", "1f1b", 1, {"fsdp": 2}),
+    ("tiny", "bf16", "interleaved_1f1b", 2, {"tensor": 2}),
+    pytest.param("tiny", "fp8_current", "1f1b", 1, {"fsdp": 2}, marks=pytest.mark.extended),
+    pytest.param("tiny_moe", "bf16", "1f1b", 1, {"expert": 2}, marks=pytest.mark.extended)])
 @pytest.mark.long
-def test_stages_with_context_parallelism_inside_train_like_one_device(schedule, virtual):
-  """pipeline 2 x context 2 x fsdp 2: each sequence split over two devices of a stage in the balanced layout, the
-  micro-batches put in it once and the losses taken in it (ember/trainer/pipelined.py), float32, 5 steps: one
-  device's losses and parameters."""
-  one, piped, rel = _compare("tiny", "bf16", {"pipeline": 2, "context": 2, "fsdp": 2}, schedule=schedule,
+def test_stages_with_context_parallelism_inside_train_like_one_device(preset, recipe, schedule, virtual, inside):
+  """pipeline 2 x context 2 x (fsdp, tensor or expert) 2: each sequence split over two devices of a stage in the
+  balanced layout, the micro-batches put in it once and the losses taken in it (ember/trainer/pipelined.py),
+  float32, 5 steps: one device's losses and parameters."""
+  one, piped, rel = _compare(preset, recipe, {"pipeline": 2, "context": 2, **inside}, schedule=schedule,
                              virtual=virtual)
-  _assert_same_training("bf16", one, piped, rel)
+  _assert_same_training(recipe, one, piped, rel)
 
 
 @pytest.mark.long
