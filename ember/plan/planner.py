@@ -1,12 +1,15 @@
 """The layout planner: which mesh, micro-batch and remat preset to run a config with on a target.
 
-A layout is the mesh inside a node (`pipeline`, `fsdp`, `tensor`, `expert`; their product is the node's GPUs), the
-mesh across nodes (`dcn_pipeline`, `dcn_data`, `dcn_fsdp`, `dcn_expert`; their product is the node count), the micro-batch
-(`train.grad_accum_steps`) and the remat preset. `layouts` lists every one that applies to the model: tensor
+A layout is the mesh inside a node (`pipeline`, `fsdp`, `context`, `tensor`, `expert`; their product is the node's
+GPUs), the mesh across nodes (`dcn_pipeline`, `dcn_data`, `dcn_fsdp`, `dcn_expert`; their product is the node count),
+the micro-batch (`train.grad_accum_steps`) and the remat preset. `layouts` lists every one that applies to the model: tensor
 sizes that divide the heads, expert sizes that divide the experts, batch shards that divide the batch, every
 micro-batch size, every preset without host offloading (offloading is for when no layout fits; name one in
 the config to plan with it). `data` inside a node is never proposed: FSDP over NVLink moves the same bytes
-and holds less.
+and holds less. Context parallelism (each sequence split over `context` devices of a node, docs/long_context.md) is
+planned where no layout of whole sequences is estimated within the budget, or where the config sets `mesh.context`:
+its layouts hold each device's share of a sequence and run 3/2 of causal attention's work, and each layer gathers
+its keys and values over the context devices.
 
 Compiling a layout takes seconds to a minute, so each is first *estimated* (`estimate`) from what can be counted
 without compiling: the train state each device holds (its shardings, exact), the activations the preset keeps (one
@@ -61,9 +64,9 @@ from ember.xla_flags import user_xla_flags
 ESTIMATE_SLACK = 1.15  # A layout is compiled if its estimated peak is within the budget times this.
 TOP = 6  # Layouts chosen for compiling by default.
 SMALLER_MICRO_BATCHES = 2  # Retries of a chosen layout whose compiled peak is over the budget, micro-batch halved.
-NODE_AXES = ("pipeline", "fsdp", "tensor", "expert")  # Sized inside a node.
+NODE_AXES = ("pipeline", "fsdp", "context", "tensor", "expert")  # Sized inside a node.
 DCN_AXES = ("pipeline", "data", "fsdp", "expert")  # Sized across nodes.
-MESH = ("pipeline", "data", "fsdp", "tensor", "expert")  # The axes a layout sizes.
+MESH = ("pipeline", "data", "fsdp", "context", "tensor", "expert")  # The axes a layout sizes.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # The pipeline schedules planned over (ember/parallel/pipeline.py).
 MAX_VIRTUAL_STAGES = 8  # The most chunks a stage interleaved 1F1B is planned with.
 
@@ -141,20 +144,20 @@ def presets(cfg: Settings) -> tuple[str, ...]:
   return tuple(n for n in auto_remat.candidates(cfg) if not remat.PRESETS[n].offload)
 
 
-def layouts(settings: Settings, target: Target) -> list[Layout]:
-  """Every layout of the settings' model on the target (see the module doc); each passes config.on_devices."""
-  if settings.mesh.context != 1:
-    raise ConfigError("config.mesh.context: the planner lays out whole sequences; compile a context-parallel "
-                      "layout with ember.tools.compile (docs/long_context.md)")
+def layouts(settings: Settings, target: Target, context: bool = False) -> list[Layout]:
+  """Every layout of the settings' model on the target (see the module doc); each passes config.on_devices. With
+  `context`, only those that split each sequence over `context` devices inside a node (context parallelism,
+  docs/long_context.md): `plan` asks for them where whole sequences do not fit."""
   m = settings.model
   batch_axes = axes.batch_axes(settings.mesh.rules_dict)
   per_node, nodes = target.per_node, target.nodes
   out = []
-  splits = [(p, t, e) for p, t, e, _ in _factorizations(per_node, 4) if (p == 1 or nodes == 1)
-            and m.tensor_refusal(t) is None
+  splits = [(p, t, e, c) for p, t, e, c, _ in _factorizations(per_node, 5) if (p == 1 or nodes == 1)
+            and m.tensor_refusal(t) is None and (c > 1) == context
             and (e == 1 or (m.num_experts and m.num_experts % e == 0))]  # A pipeline inside a node on one node only.
-  for pipe, tensor, expert in splits:
-    node = (("pipeline", pipe), ("fsdp", per_node // pipe // tensor // expert), ("tensor", tensor), ("expert", expert))
+  for pipe, tensor, expert, ctx in splits:
+    node = (("pipeline", pipe), ("fsdp", per_node // pipe // tensor // expert // ctx), ("context", ctx),
+            ("tensor", tensor), ("expert", expert))
     for dp, dd, df, de in _factorizations(nodes, 4):
       if de > 1 and (not m.num_experts or m.num_experts % (expert * de)):
         continue
@@ -307,10 +310,11 @@ class Estimator:
     # Memory: the state, the float32 gradient (and the accumulator of a multi-micro-batch step), the kept
     # activations of every layer and one layer's whole working set, split over `tensor` where heads and MLP
     # units are.
-    tensor = mesh["tensor"]
+    tensor, context = mesh["tensor"], mesh["context"]
     layers = self._rows(layout)  # The layers run: a pipeline's padding rows run as layers do.
-    hidden = micro * m.seq_len * m.d_model * m.dtype.itemsize  # One micro-batch's hidden states on a device.
-    activations = micro * (kept * layers / stages * block.residual_bytes + 2 * block.working_bytes) / tensor
+    # One micro-batch's hidden states on a device (context parallelism: its share of each sequence).
+    hidden = micro * m.seq_len * m.d_model * m.dtype.itemsize / context
+    activations = micro * (kept * layers / stages * block.residual_bytes + 2 * block.working_bytes) / tensor / context
     # Kernel copies: a device's share of the layers' parameters, whatever the micro-batch.
     activations += (kept * layers / stages * block.residual_kernel_bytes + block.working_kernel_bytes) * held
     activations += kept * hidden if stages > 1 and layout.schedule == "gpipe" else 0  # Outputs kept for the loss.
@@ -324,6 +328,8 @@ class Estimator:
     projections = forward_flops_per_token(m) - attention - head
     padded = layers / m.num_layers
     projections, attention = projections * padded, attention * padded
+    if context > 1:  # The balanced layout's queries meet 3/2 of the keys causal attention needs (parallel/context.py).
+      attention *= 1.5
     again = 1 + block.recompute_fraction
     compute = 3 * tokens_per_device * iterations / layout.grad_accum_steps * (
         projections * again / self.facts.peak_flops(recipe.precision)
@@ -339,9 +345,10 @@ class Estimator:
     grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
     seconds = once = 0.0
     experts_over = set(axes.expert_axes(cfg.mesh.rules_dict))
+    sequence_axes = axes.sequence_axes(cfg.mesh.rules_dict)  # Weights split over them are gathered as over FSDP's.
     for elements, split_over, projection, zero, _ in leaves:
       weight_bytes = recipe.scheme.weight_bytes if projection else 2.0
-      for a in batch_axes:
+      for a in (*batch_axes, *sequence_axes):
         n = mesh[a]
         if n == 1 or a in split_over & experts_over:  # Each device runs its own experts: nothing moves.
           continue
@@ -366,6 +373,9 @@ class Estimator:
       per_element = (passes - 1) * (rows + back) + (grads + back)
       moved = tokens * m.experts_per_token * m.d_model * per_element * (experts - 1) / experts * moe_layers
       seconds += moved / self._bandwidth(layout, "expert")
+    if context > 1:  # Each layer gathers its keys and values over the context devices, and scatters their gradients.
+      moved = (passes + 1) * micro * m.seq_len * _kv_per_token(m) * m.dtype.itemsize * (context - 1) / context
+      seconds += moved * layers / tensor / self._bandwidth(layout, "context")
     if tensor > 1:  # Two activation all-reduces per layer and pass.
       moved = 2 * passes * 2 * tokens * m.d_model * 2 * (tensor - 1) / tensor * layers
       seconds += moved / (self.facts.nvlink_gb_s * 1e9)
@@ -374,6 +384,12 @@ class Estimator:
       transfers = pipeline.stage_transfers(accum, stages, layout.schedule, virtual)
       network += transfers * hidden / self._bandwidth(layout, "pipeline")
     return Estimate(max(compute, network), compute, network, peak)
+
+
+def _kv_per_token(m) -> int:
+  """A token's key and value elements in one layer, as attention reads them (MLA's expanded per head)."""
+  heads = m.num_heads if m.is_mla else m.num_kv_heads
+  return heads * (m.qk_head_dim + (m.v_head_dim if m.is_mla else m.head_dim))
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -433,23 +449,18 @@ def select(promising: list[Layout], estimates: dict[Layout, Estimate], top: int)
 
 def plan(cfg: Settings, target: Target, *, budget_gb: float | None = None, top: int = TOP,
          log=print) -> dict:
-  """Estimates every layout, compiles the `top` most promising within the budget, ranks them (module doc).
-  Raises NoLayoutFits if no compiled layout fits."""
+  """Estimates every layout, compiles the `top` most promising within the budget, ranks them (module doc): layouts
+  of whole sequences (and context-parallel ones where the config sets `mesh.context`), then, where none of those
+  compiled within the budget, context-parallel ones. Raises NoLayoutFits if no compiled layout fits."""
   if not target.is_gpu:
     raise ConfigError(f"--target: the planner needs a GPU target (e.g. h100x8), got {target.name}")
   budget = budget_bytes(target, budget_gb)
   tokens = cfg.train.batch_size * cfg.model.seq_len / target.count
   with targeting(target):
-    found = layouts(cfg, target)
-    if not found:
-      raise ConfigError(f"--target: no layout of {cfg.model.name} divides batch {cfg.train.batch_size} over "
-                        f"{target.count} GPUs")
     estimator = Estimator(cfg, target)
-    estimates = {lay: estimator.estimate(lay) for lay in found}
-  promising = [lay for lay in found if estimates[lay].peak_bytes <= budget * ESTIMATE_SLACK]
-  chosen = select(promising, estimates, top)
-  log(f"plan: {len(found)} layouts of {cfg.model.name} on {target.name}, {len(promising)} estimated within "
-      f"{budget / GiB:.1f} GiB; compiling {len(chosen)}, the fastest by estimate of each split of a node")
+  rounds = [(False, True)] if cfg.mesh.context > 1 else [(False,), (True,)]
+  found, estimates, promising, compiled = [], {}, [], {}
+
   def compile_one(lay: Layout) -> dict:
     row = _row(lay, estimates[lay], tokens)
     # The best fitting step so far: a candidate no schedule of whose kernels could beat it is compiled once.
@@ -469,24 +480,40 @@ def plan(cfg: Settings, target: Target, *, budget_gb: float | None = None, top: 
         f"ceiling), peak {row['peak_bytes'] / GiB:6.1f} GiB{'' if row['fits'] else ' (over budget)'}: {lay.describe()}")
     return row
 
-  compiled: dict[Layout, dict] = {}
-  for lay in chosen:
-    compiled[lay] = row = compile_one(lay)
-    for _ in range(SMALLER_MICRO_BATCHES):  # Over the budget: half the micro-batch (or remat full).
-      if row.get("fits", True) or (lay := _halved(lay, found)) is None or lay in compiled:
-        break
-      compiled[lay] = row = compile_one(lay)
-  ranked = _ranked(compiled.values())
-  fitting = [r for r in ranked if r["fits"]]
-  # Two more compiles, each from the winner so far: its split's runner-up, then the winner with no remat.
-  for follow_up in (lambda lay: _runner_up(lay, compiled, promising, estimates),
-                    lambda lay: _without_remat(lay, compiled, found)):
-    if not fitting:
+  fitting = []
+  for contexts in rounds:
+    if fitting:
       break
-    if (extra := follow_up(next(lay for lay, row in compiled.items() if row is fitting[0]))) is not None:
-      compiled[extra] = compile_one(extra)
-      ranked = _ranked(compiled.values())
-      fitting = [r for r in ranked if r["fits"]]
+    with targeting(target):
+      more = [lay for context in contexts for lay in layouts(cfg, target, context)]
+      estimates.update({lay: estimator.estimate(lay) for lay in more})
+    found += more
+    hopeful = [lay for lay in more if estimates[lay].peak_bytes <= budget * ESTIMATE_SLACK]
+    promising += hopeful
+    chosen = select(hopeful, estimates, top)
+    kind = "context-parallel layouts" if contexts == (True,) else "layouts"
+    log(f"plan: {len(more)} {kind} of {cfg.model.name} on {target.name}, {len(hopeful)} estimated within "
+        f"{budget / GiB:.1f} GiB; compiling {len(chosen)}, the fastest by estimate of each split of a node")
+    for lay in chosen:
+      compiled[lay] = row = compile_one(lay)
+      for _ in range(SMALLER_MICRO_BATCHES):  # Over the budget: half the micro-batch (or remat full).
+        if row.get("fits", True) or (lay := _halved(lay, found)) is None or lay in compiled:
+          break
+        compiled[lay] = row = compile_one(lay)
+    ranked = _ranked(compiled.values())
+    fitting = [r for r in ranked if r["fits"]]
+    # Two more compiles, each from the winner so far: its split's runner-up, then the winner with no remat.
+    for follow_up in (lambda lay: _runner_up(lay, compiled, promising, estimates),
+                      lambda lay: _without_remat(lay, compiled, found)):
+      if not fitting:
+        break
+      if (extra := follow_up(next(lay for lay, row in compiled.items() if row is fitting[0]))) is not None:
+        compiled[extra] = compile_one(extra)
+        ranked = _ranked(compiled.values())
+        fitting = [r for r in ranked if r["fits"]]
+  if not found:
+    raise ConfigError(f"--target: no layout of {cfg.model.name} divides batch {cfg.train.batch_size} over "
+                      f"{target.count} GPUs")
   if not compiled:
     smallest = min(e.peak_bytes for e in estimates.values())
     raise NoLayoutFits(f"--budget_gb: no layout is estimated within {budget / GiB:.1f} GiB per device; the smallest "

@@ -54,7 +54,7 @@ def test_layouts_follow_the_model_and_the_cluster():
   # The flags say the whole layout, and read back as it.
   lay = found[-1]
   back = config_lib.load(["plan", f"--config={ROOT}/configs/default.py:tiny_moe", *lay.flags()])
-  assert {a: back.mesh[a] for a in ("pipeline", "data", "fsdp", "tensor", "expert")} == {"data": 1, **dict(lay.node)}
+  assert {a: back.mesh[a] for a in planner.MESH} == {"data": 1, **dict(lay.node)}
   assert {a: back.mesh[f"dcn_{a}"] for a in ("pipeline", "data", "fsdp", "expert")} == dict(lay.dcn)
   assert (back.train.grad_accum_steps, back.remat.policy) == (lay.grad_accum_steps, lay.remat)
 
@@ -324,10 +324,25 @@ def test_plan_refuses_a_cpu_target(capsys):
   assert "--target: the planner needs a GPU target" in capsys.readouterr().err
 
 
-def test_plan_refuses_context_parallelism(capsys):
-  """The planner lays out whole sequences: a config with `mesh.context` set is a one-line error, exit 2."""
-  with pytest.raises(SystemExit) as e:
-    tool.main(["plan", f"--config={ROOT}/configs/default.py:tiny", "--config.data.source=synthetic",
-               "--config.mesh.context=2", "--target=h100x8"])
-  assert e.value.code == 2
-  assert "config.mesh.context: the planner lays out whole sequences" in capsys.readouterr().err
+def test_context_layouts_split_each_sequence_inside_a_node():
+  """Context-parallel layouts (`layouts(context=True)`, which `plan` adds where whole sequences do not fit): each
+  splits every sequence over 2 to 8 devices of a node, none splits it where `context=False`, and together they are
+  every split of a node. A context layout's estimate holds each device's share of its sequences: FSDP 4 x context 2
+  holds the activations of FSDP 8 (as many tokens a device), and runs more (parallel/context.py)."""
+  cfg = _cfg("tiny", "--config.model.seq_len=4096")
+  target = target_lib.parse("h100x8")
+  whole, split = planner.layouts(cfg, target), planner.layouts(cfg, target, context=True)
+  assert {lay.mesh()["context"] for lay in whole} == {1}
+  assert {lay.mesh()["context"] for lay in split} == {2, 4, 8}
+  node_splits = lambda found: {tuple(n for a, n in lay.node if a != "fsdp") for lay in found}
+  assert not node_splits(whole) & node_splits(split)
+  estimator = planner.Estimator(cfg, target)
+  plain = next(lay for lay in whole if dict(lay.node)["fsdp"] == 8 and lay.remat == "full"
+               and lay.grad_accum_steps == 1)
+  context = planner.Layout((("pipeline", 1), ("fsdp", 4), ("context", 2), ("tensor", 1), ("expert", 1)), plain.dcn,
+                           1, "full")
+  assert context in split
+  a, b = estimator.estimate(plain), estimator.estimate(context)
+  assert b.peak_bytes == pytest.approx(a.peak_bytes, rel=1e-6)  # Twice the sequences, half of each; state / 8.
+  assert b.compute_s > a.compute_s  # Attention's balanced layout: 3/2 of the causal work.
+  assert b.network_s > a.network_s  # Its keys and values gathered in every layer.
