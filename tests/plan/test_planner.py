@@ -317,6 +317,28 @@ def test_a_plan_that_fits_nothing_still_writes_what_it_compiled(tmp_path, monkey
   assert capsys.readouterr().err.strip().endswith("error: --budget_gb: no layout compiled within 71.2 GiB per device")
 
 
+@needs_plugin
+def test_plan_turns_to_context_parallelism_where_whole_sequences_do_not_fit(monkeypatch):
+  """Where no layout of whole sequences compiles within the budget, the plan compiles context-parallel ones and picks
+  among them; the compile here is a stand-in whose peak is over the budget for whole sequences alone (the
+  planner's rounds are under test, not XLA)."""
+  compiled = []
+
+  def report(settings, target, beat_s=None):
+    context = settings.mesh.context
+    compiled.append(context)
+    return dict(tokens_per_s_predicted=1000.0 * context, mfu_predicted=0.1, predicted_step_s=1.0 / context,
+                time_by_op=[], tokens_per_s_ceiling=2000.0, mfu_ceiling=0.2, time_floor_s=0.5,
+                time_floor_parts_s={}, peak_bytes=(90 if context == 1 else 10) * 2**30)
+
+  monkeypatch.setattr(planner, "compile_report_isolated", report)
+  result = planner.plan(_cfg("tiny", "--config.model.seq_len=4096"), target_lib.parse("h100x8"), budget_gb=50,
+                        top=2, log=lambda *_: None)
+  first = compiled.index(next(c for c in compiled if c > 1))
+  assert first > 0 and set(compiled[:first]) == {1} and 1 not in compiled[first:]
+  assert result["best"]["mesh"]["context"] > 1 and result["best"]["fits"]
+
+
 def test_plan_refuses_a_cpu_target(capsys):
   with pytest.raises(SystemExit) as e:
     tool.main(["plan", f"--config={ROOT}/configs/default.py:tiny", "--target=cpu"])
