@@ -317,9 +317,10 @@ class Estimator:
     activations = micro * (kept * layers / stages * block.residual_bytes + 2 * block.working_bytes) / tensor / context
     # The attention's segment bias, made once a micro-batch for every layer (layers/attention.py `attention_bias`) and
     # split over no axis of a sequence's tokens but `context`: [L, L] a sequence whole, the balanced layout's early
-    # [L / 2c, L / 2] and late [L / 2c, L] halves a device under context parallelism (131,072 tokens: 32 GiB whole).
+    # [L / 2c, L / 2] and late [L / 2c, L] halves a device under context parallelism (131,072 tokens: 32 GiB whole);
+    # and its gradient, as large, which cuDNN's attention writes in each layer's backward pass (docs/long_context.md).
     pairs = m.seq_len ** 2 * (0.75 / context if context > 1 else 1.0)
-    activations += micro * pairs * m.dtype.itemsize
+    activations += 2 * micro * pairs * m.dtype.itemsize
     # Kernel copies: a device's share of the layers' parameters, whatever the micro-batch.
     activations += (kept * layers / stages * block.residual_kernel_bytes + block.working_kernel_bytes) * held
     activations += kept * hidden if stages > 1 and layout.schedule == "gpipe" else 0  # Outputs kept for the loss.
