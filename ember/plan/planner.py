@@ -2,8 +2,8 @@
 
 A layout is the mesh inside a node (`pipeline`, `fsdp`, `context`, `tensor`, `expert`; their product is the node's
 GPUs), the mesh across nodes (`dcn_pipeline`, `dcn_data`, `dcn_fsdp`, `dcn_expert`; their product is the node count),
-the micro-batch (`train.grad_accum_steps`) and the remat preset. `layouts` lists every one that applies to the model: tensor
-sizes that divide the heads, expert sizes that divide the experts, batch shards that divide the batch, every
+the micro-batch (`train.grad_accum_steps`) and the remat preset. `layouts` lists every one that applies to the model:
+tensor sizes that divide the heads, expert sizes that divide the experts, batch shards that divide the batch, every
 micro-batch size, every preset without host offloading (offloading is for when no layout fits; name one in
 the config to plan with it). `data` inside a node is never proposed: FSDP over NVLink moves the same bytes
 and holds less. Context parallelism (each sequence split over `context` devices of a node, docs/long_context.md) is
@@ -309,7 +309,7 @@ class Estimator:
               else pipeline.ring_slots(accum, stages, virtual)) / virtual
     # Memory: the state, the float32 gradient (and the accumulator of a multi-micro-batch step), the kept
     # activations of every layer and one layer's whole working set, split over `tensor` where heads and MLP
-    # units are.
+    # units are and over `context` (each device's share of the sequence).
     tensor, context = mesh["tensor"], mesh["context"]
     layers = self._rows(layout)  # The layers run: a pipeline's padding rows run as layers do.
     # One micro-batch's hidden states on a device (context parallelism: its share of each sequence).
