@@ -346,6 +346,7 @@ def test_plan_refuses_a_cpu_target(capsys):
   assert "--target: the planner needs a GPU target" in capsys.readouterr().err
 
 
+@needs_plugin
 def test_context_layouts_split_each_sequence_inside_a_node():
   """Context-parallel layouts (`layouts(context=True)`, which `plan` adds where whole sequences do not fit): each
   splits every sequence over 2 to 8 devices of a node, none splits it where `context=False`, and together they are
