@@ -7,7 +7,7 @@ tensor sizes that divide the heads, expert sizes that divide the experts, batch 
 micro-batch size, every preset without host offloading (offloading is for when no layout fits; name one in
 the config to plan with it). `data` inside a node is never proposed: FSDP over NVLink moves the same bytes
 and holds less. Context parallelism (each sequence split over `context` devices of a node, docs/long_context.md) is
-planned where no layout of whole sequences is estimated within the budget, or where the config sets `mesh.context`:
+planned where no layout of whole sequences compiles within the budget, or where the config sets `mesh.context`:
 its layouts hold each device's share of a sequence and run 3/2 of causal attention's work, and each layer gathers
 its keys and values over the context devices.
 
