@@ -25,11 +25,14 @@ MLP_IN = "mlp_in"
 VOCAB = "vocab"
 EXPERT = "expert"
 LAYERS = "layers"
+# The stacked layers of a scan segment that a pipeline does not split into stages (ModelConfig.staged_segment): the
+# few layers before or after the staged run, which the first or the last stage runs whole.
+EDGE_LAYERS = "edge_layers"
 NORM = "norm"
 QKV = "qkv"  # The (q groups, k, v) axis of the fused QKV kernel.
 GATE = "gate"  # The (gate, up) axis of the fused SwiGLU kernel.
-LOGICAL_AXES = (BATCH, LENGTH, RESIDUAL_LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, NORM, QKV,
-                GATE, MLP_IN)
+LOGICAL_AXES = (BATCH, LENGTH, RESIDUAL_LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS,
+                EDGE_LAYERS, NORM, QKV, GATE, MLP_IN)
 RESIDUAL = (BATCH, RESIDUAL_LENGTH, EMBED)  # The residual stream's axes (ember/layers/decoder.py).
 BLOCK = (BATCH, LENGTH, EMBED)  # A block's tokens whole on a tensor group (an MoE block's input; Linear.block_output).
 

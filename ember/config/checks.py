@@ -346,22 +346,26 @@ def _validate_pipeline(s: Settings) -> None:
   if virtual > 1 and s.pipeline.schedule != "interleaved_1f1b":
     bad_key("pipeline.virtual_stages", f"{virtual} chunks a stage need pipeline.schedule=interleaved_1f1b, not "
             f"{s.pipeline.schedule!r}")
+  chunks = f"{stages} stages x {virtual} chunks" if virtual > 1 else f"{stages} stages"
+  warned = set()
   for index, (start, recipe) in enumerate(s.phases):  # Each precision phase groups the layers by its own recipe.
     segments = m.segments(recipe)
+    blocks = len(segments[m.staged_segment(recipe)])  # The run of layers split into stages; the others run whole.
+    of = f"the decoder's {blocks} blocks of {m.block_size} layer(s)"
     if len(segments) > 1:
-      phase = "" if index == 0 else f" from step {start} (quant.schedule[{index - 1}])"
-      bad_key(key, f"the decoder's layers form {len(segments)} scan segments{phase} (model.first_k_dense or "
-              "layer-specific quant.exclude entries); a pipeline splits one")
-  chunks = f"{stages} stages x {virtual} chunks" if virtual > 1 else f"{stages} stages"
-  rows = pipeline.padded_blocks(m.num_blocks, stages, virtual)
-  if pipeline.stage_without_layers(m.num_blocks, stages, virtual):
-    bad_key(key, f"{chunks} are too many for the decoder's {m.num_blocks} blocks of {m.block_size} layer(s): "
-            f"padded to {rows} rows ({rows // (stages * virtual)} a chunk), a stage would run no layer or a chunk "
-            "no block (uneven stages: docs/parallelism.md)")
-  if rows - m.num_blocks > pipeline.MAX_PADDING * m.num_blocks:
-    warn(f"{key}: {chunks} pad the decoder's {m.num_blocks} blocks to {rows} rows: {rows - m.num_blocks} idle "
-         f"layers ({(rows - m.num_blocks) / m.num_blocks:.0%} of the model) run every step; a count of stages (and "
-         "chunks) that divides the blocks runs none (docs/parallelism.md, uneven stages)")
+      phase = "" if index == 0 else f" from step {start}"
+      of = (f"the {blocks} blocks of {m.block_size} layer(s) in the longest of the decoder's {len(segments)} scan "
+            f"segments{phase} (the others run whole on the first or the last stage)")
+    rows = pipeline.padded_blocks(blocks, stages, virtual)
+    if pipeline.stage_without_layers(blocks, stages, virtual):
+      bad_key(key, f"{chunks} are too many for {of}: padded to {rows} rows ({rows // (stages * virtual)} a chunk), a "
+              "stage would run no layer or a chunk no block (uneven stages: docs/parallelism.md)")
+    idle = rows - blocks
+    if idle > pipeline.MAX_PADDING * m.num_blocks and blocks not in warned:
+      warned.add(blocks)
+      warn(f"{key}: {chunks} pad {of} to {rows} rows: {idle} idle layers ({idle / m.num_blocks:.0%} of the model) run "
+           "every step; a count of stages (and chunks) that divides the blocks runs none (docs/parallelism.md, "
+           "uneven stages)")
   if virtual > 1 and accum % stages:
     bad_key("train.grad_accum_steps", f"{accum} micro-batches do not form groups of the {stages} pipeline stages "
             "that interleaved 1F1B runs through each chunk in turn")

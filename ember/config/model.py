@@ -263,3 +263,11 @@ class ModelConfig:
       else:
         groups.append([b])
     return groups
+
+  def staged_segment(self, recipe: Recipe) -> int:
+    """The scan segment (of `segments(recipe)`) a pipeline splits into stages: the longest, the last of equals. The
+    segments before it run on the first stage ahead of its layers (`first_k_dense` layers, a `quant.exclude` of
+    the first layers), those after it on the last stage after them (an exclude of the last layers), each on every
+    stage's parameters (ember/trainer/pipelined.py)."""
+    lengths = [len(s) for s in self.segments(recipe)]
+    return max(range(len(lengths)), key=lambda i: (lengths[i], i))

@@ -395,12 +395,14 @@ class Settings:
 
   @property
   def stacked_blocks(self) -> int:
-    """The rows of the decoder's stacked layers: the model's blocks, padded under a pipeline to a multiple of its
-    stages x chunks (ember/parallel/pipeline.py, `padded_blocks`)."""
+    """The rows of the decoder's stacked layers, all its segments': the model's blocks and, under a pipeline, the
+    padding rows that make the staged segment's (ModelConfig.staged_segment) a multiple of the stages x chunks
+    (ember/parallel/pipeline.py, `padded_blocks`)."""
     stages = self.mesh.sizes()[PIPELINE]
     if stages <= 1:
       return self.model.num_blocks
-    return pipeline_lib.padded_blocks(self.model.num_blocks, stages, self.pipeline.virtual_stages)
+    staged = len(self.model.segments(self.quant)[self.model.staged_segment(self.quant)])
+    return self.model.num_blocks + pipeline_lib.padded_blocks(staged, stages, self.pipeline.virtual_stages) - staged
 
   # --- Views --------------------------------------------------------------------------------------------
 

@@ -35,8 +35,8 @@ from ember.layers.mlp import MLP
 from ember.layers.moe import MoE
 from ember.layers.norm import RMSNorm
 from ember.config.model import ModelConfig
-from ember.names import (AUX_KEYS, BATCH, BLOCK, BY_LAYER, EMBED, LAYERS, LENGTH, LM_HEAD, MOE_EXPERT_LOADS,
-                         MOE_LAYER_COUNTS, RESIDUAL, VOCAB)
+from ember.names import (AUX_KEYS, BATCH, BLOCK, BY_LAYER, EDGE_LAYERS, EMBED, LAYERS, LENGTH, LM_HEAD,
+                         MOE_EXPERT_LOADS, MOE_LAYER_COUNTS, RESIDUAL, VOCAB)
 from ember.parallel import context
 from ember.parallel.sharding import shard
 from ember.quant import dot
@@ -157,16 +157,19 @@ class Segment(nnx.Module):
   """Blocks `block_ids` stacked along a leading `layers` axis, run by one scan (`model.scan_layers`) or one after
   another."""
 
-  def __init__(self, model: ModelConfig, recipe: Recipe, block_ids: Sequence[int], rngs: nnx.Rngs):
+  def __init__(self, model: ModelConfig, recipe: Recipe, block_ids: Sequence[int], rngs: nnx.Rngs,
+               staged: bool = True):
     """`block_ids` past the model's blocks are a pipeline's padding rows (parallel/pipeline.py, `padded_blocks`):
-    their parameters are zeros, and their aux terms and per-layer values are dropped."""
+    their parameters are zeros, and their aux terms and per-layer values are dropped. `staged`: the segment a
+    pipeline splits into stages (its rows along `layers`), else one the first or last stage runs whole (along
+    `edge_layers`; ModelConfig.staged_segment)."""
     self.block_ids = tuple(block_ids)
     self.scan = model.scan_layers
     self.real_blocks = sum(b < model.num_blocks for b in self.block_ids)
     first = self.block_ids[0] * model.block_size
 
     @nnx.split_rngs(splits=len(self.block_ids))
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS if staged else EDGE_LAYERS})
     def make(rngs):
       return Block(model, recipe, first, rngs)
 
@@ -346,12 +349,13 @@ class Transformer(nnx.Module):
 
   def __init__(self, model: ModelConfig, recipe: Recipe, rngs: nnx.Rngs, blocks: int | None = None):
     """`recipe`: the precision phase's (Settings.quant); each projection runs it with `quant.exclude` applied.
-    `blocks`: the stacked layers' rows (Settings.stacked_blocks), the last segment's padded to them."""
+    `blocks`: the stacked layers' rows (Settings.stacked_blocks), the staged segment's (ModelConfig.staged_segment)
+    padded to them."""
     self.embed = Embed(model.vocab_size, model.d_model, init_std=model.init_std, dtype=model.dtype,
                        param_dtype=model.param_dtype, rngs=rngs)
-    segments = list(segments_of(model, recipe))
-    segments[-1] = segments[-1] + list(range(model.num_blocks, blocks or model.num_blocks))
-    self.segments = nnx.List([Segment(model, recipe, ids, rngs) for ids in segments])
+    segments, staged = list(segments_of(model, recipe)), model.staged_segment(recipe)
+    segments[staged] = segments[staged] + list(range(model.num_blocks, blocks or model.num_blocks))
+    self.segments = nnx.List([Segment(model, recipe, ids, rngs, staged=i == staged) for i, ids in enumerate(segments)])
     self.num_blocks, self.num_experts = model.num_blocks, model.num_experts
     self.mtp = nnx.List([mtp_lib.PredictionModule(model, recipe, k, rngs, make_layer=DecoderLayer)
                          for k in range(1, model.mtp_depth + 1)])

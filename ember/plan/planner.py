@@ -161,7 +161,7 @@ def layouts(settings: Settings, target: Target, context: bool = False) -> list[L
     for dp, dd, df, de in _factorizations(nodes, 4):
       if de > 1 and (not m.num_experts or m.num_experts % (expert * de)):
         continue
-      schedules = _schedules(pipe * dp, m.num_blocks)
+      schedules = _schedules(pipe * dp, _staged_blocks(settings))
       if not schedules:  # Too much padding for these stages (uneven stages).
         continue
       dcn = (("pipeline", dp), ("data", dd), ("fsdp", df), ("expert", de))
@@ -178,6 +178,12 @@ def layouts(settings: Settings, target: Target, context: bool = False) -> list[L
               continue
             out.append(candidate)
   return out
+
+
+def _staged_blocks(settings: Settings) -> int:
+  """The blocks of the scan segment a pipeline splits into stages (ModelConfig.staged_segment)."""
+  m = settings.model
+  return len(m.segments(settings.quant)[m.staged_segment(settings.quant)])
 
 
 def _schedules(stages: int, blocks: int) -> list[tuple[str, int]]:
@@ -282,10 +288,18 @@ class Estimator:
                                                                            if dense)
 
   def _rows(self, layout: Layout) -> int:
-    """The stacked layers' rows, in layers: the model's blocks padded to the layout's stages x chunks
-    (pipeline.padded_blocks; none without a pipeline, whose layouts have one stage of one chunk)."""
-    blocks = pipeline.padded_blocks(self.model.num_blocks, layout.mesh()["pipeline"], layout.virtual_stages)
-    return blocks * self.model.block_size
+    """The layers the busiest stage runs, times the stages: the model's blocks, the staged segment's padded to the
+    layout's stages x chunks (pipeline.padded_blocks; none without a pipeline, whose layouts have one stage of one
+    chunk), and the other segments' blocks, which the first and the last stage run beside their share
+    (ModelConfig.staged_segment) and every stage waits for."""
+    stages, m = layout.mesh()["pipeline"], self.model
+    staged = _staged_blocks(self.settings)
+    blocks = pipeline.padded_blocks(staged, stages, layout.virtual_stages)
+    if stages > 1:
+      segments, at = m.segments(self.settings.quant), m.staged_segment(self.settings.quant)
+      edges = max(sum(map(len, segments[:at])), sum(map(len, segments[at + 1:])))
+      blocks += stages * edges
+    return blocks * m.block_size
 
   def _bandwidth(self, layout: Layout, axis: str) -> float:
     crosses = dict(layout.dcn).get(axis, 1) > 1

@@ -116,8 +116,8 @@ def _leaves_by_name(tree) -> dict[str, Any]:
 
 class Stacked(NamedTuple):
   """The decoder's stacked layers as a checkpoint's shapes show them: the model's `layers` (model.num_layers), the
-  index of its last scan segment and that segment's `rows` without padding. A pipeline pads the last segment's
-  rows alone (parallel/pipeline.py, `padded_blocks`)."""
+  index of the scan segment a pipeline splits into stages and that segment's `rows` without padding. A pipeline pads
+  that segment's rows alone (ModelConfig.staged_segment; parallel/pipeline.py, `padded_blocks`)."""
   layers: int
   segment: int
   rows: int
@@ -125,14 +125,14 @@ class Stacked(NamedTuple):
 
 def stacked_of(cfg: Settings) -> Stacked:
   """The config's `Stacked`."""
-  segments = cfg.model.segments(cfg.quant)
-  return Stacked(cfg.model.num_layers, len(segments) - 1, len(segments[-1]))
+  staged = cfg.model.staged_segment(cfg.quant)
+  return Stacked(cfg.model.num_layers, staged, len(cfg.model.segments(cfg.quant)[staged]))
 
 
 def check_shapes(saved, expected, what: str, kind: str = "array", padding: Stacked | None = None) -> None:
   """Raises CheckpointError naming the first array whose shape (or presence) differs, parameters first.
-  `padding`: the checkpoint holds this config's layers (`_padding`), so a leaf of the last segment may differ in
-  its rows alone, both counts at least the segment's own: by a pipeline's padding rows, which the restore
+  `padding`: the checkpoint holds this config's layers (`_padding`), so a leaf of the staged segment may differ
+  in its rows alone, both counts at least the segment's own: by a pipeline's padding rows, which the restore
   truncates or zero-pads."""
   if isinstance(saved, dict) and isinstance(expected, dict) and "params" in saved and "params" in expected:
     check_shapes(saved["params"], expected["params"], what, "parameter", padding)
@@ -153,7 +153,7 @@ def check_shapes(saved, expected, what: str, kind: str = "array", padding: Stack
 
 
 def _padded_apart(name: str, saved: tuple, expected: tuple, stacked: Stacked) -> bool:
-  """Whether leaf `name` of the last segment differs from its expected shape by padding rows alone."""
+  """Whether leaf `name` of the staged segment differs from its expected shape by padding rows alone."""
   parts = name.split("/")
   if "segments" not in parts or parts[parts.index("segments") + 1] != str(stacked.segment):
     return False

@@ -33,11 +33,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ember.layers.decoder import keys_of
-from ember.names import EMBED, EXPERT, LAYERS, LM_HEAD
+from ember.names import EDGE_LAYERS, EMBED, EXPERT, LAYERS, LM_HEAD
 from ember.parallel import sharding
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
-BATCH_AXES = (LAYERS, EXPERT)  # Axes of a stacked kernel that hold separate matrices.
+BATCH_AXES = (LAYERS, EDGE_LAYERS, EXPERT)  # Axes of a stacked kernel that hold separate matrices.
 
 
 @dataclasses.dataclass(frozen=True)

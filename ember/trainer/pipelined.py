@@ -2,8 +2,11 @@
 flowing through them (the schedules, their bubbles and transfers: ember/parallel/pipeline.py).
 
 Everything runs in one `shard_map` manual over `pipeline`. Inside, each stage holds its rows of the stacked
-layers (parameters, delayed-scaling histories, health-statistics inputs); the embedding, final norm and LM head
-are on every stage, and stage 0 embeds each micro-batch as it enters. Two schedules:
+layers of the staged scan segment (parameters, delayed-scaling histories, health-statistics inputs); the
+embedding, final norm and LM head are on every stage, and stage 0 embeds each micro-batch as it enters. A decoder of
+several scan segments (ModelConfig.staged_segment: `first_k_dense` layers, a layer-specific `quant.exclude`)
+splits its longest into the stages; the segments before it run on stage 0 ahead of its first chunk, those after it
+on the last stage after its last, each from parameters on every stage (`_run_stage`). Two schedules:
 
 - GPipe (`_loss`): the forward loop and the loss; the gradient is taken outside the map, so the backward pass is
   the loop's transpose (every transfer reversed). The last stage's outputs are spread over all stages after the
@@ -33,7 +36,7 @@ from ember import remat
 from ember.config import Settings
 from ember.layers import linear
 from ember.layers.attention import attention_bias
-from ember.layers.decoder import TABLE, keys_of
+from ember.layers.decoder import TABLE, keys_of, zero_aux
 from ember.layers.embed import add_token_gradients
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
                          MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS, VOCAB)
@@ -50,10 +53,57 @@ F32 = jnp.float32
 ACTIVATION = (BATCH, LENGTH, EMBED)  # A micro-batch's hidden states between stages.
 
 
-def stage_spec(path) -> P:
-  """A state leaf's PartitionSpec over `pipeline`: the stacked layers' rows are split into the stages (the
-  `layers` rule), every other leaf is on every stage."""
-  return P(PIPELINE) if path[0].key == "segments" else P()
+# Prefixes of the per-layer values (`BY_LAYER`) of the segments before and after the staged one (`_run_stage`).
+FRONT, BACK = "front:", "back:"
+
+
+def stage_spec(path, staged: int) -> P:
+  """A state leaf's PartitionSpec over `pipeline`: the rows of the staged segment's stacked layers
+  (ModelConfig.staged_segment) are split into the stages (the `layers` rule), every other leaf is on every stage."""
+  return P(PIPELINE) if _in_layers(path) and path[1].key == staged else P()
+
+
+def _in_layers(path) -> bool:
+  """Whether a state leaf belongs to the decoder's stacked layers (any scan segment's)."""
+  return path[0].key == "segments"
+
+
+def _staged_rows(key: str) -> bool:
+  """Whether aux value `key` holds the staged segment's per-layer values (rows split into the stages)."""
+  return key.endswith(BY_LAYER) and not key.startswith((FRONT, BACK))
+
+
+def _run_stage(model, staged: int, x, segment_ids, positions, key, policy: remat.Preset, bias, *, first, last,
+               moe_plan=None, taken=None, **rows):
+  """A stage's pass over a micro-batch: the segments before the staged one where `first` (stage 0's first chunk),
+  the stage's rows of the staged segment (`rows`: Segment's `block_ids` and `rows_at`), the segments after it
+  where `last` (the last stage's last chunk). (y, aux: the MoE sums and the per-layer values, the staged rows' under
+  `BY_LAYER` keys and the others' under FRONT and BACK ones, zeros where they did not run.) The segments off the
+  stages run under a `cond`: a stage that has none of them skips their work."""
+  def segments(indices, x_):
+    aux, per_layer = zero_aux(), []
+    for i in indices:
+      x_, a, counts = model.segments[i](x_, segment_ids, positions, key, policy, bias, moe_plan=moe_plan,
+                                        taken=linear.handed(taken, "segments", i))
+      aux = jax.tree.map(jnp.add, aux, a)
+      per_layer.append(counts)
+    return x_, aux, {k: jnp.concatenate([c[k] for c in per_layer]) for k in per_layer[0]}
+
+  def edge(indices, on, x_, prefix):
+    if not indices:
+      return x_, {}
+    shapes = jax.eval_shape(functools.partial(segments, indices), x_)
+    skip = lambda a: (a, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1:]))
+    x_, a, per_layer = jax.lax.cond(on, functools.partial(segments, indices), skip, x_)
+    return x_, {**a, **{prefix + k + BY_LAYER: v for k, v in per_layer.items()}}
+
+  x, front = edge(range(staged), first, x, FRONT)
+  y, a, per_layer = model.segments[staged](x, segment_ids, positions, key, policy, bias, moe_plan=moe_plan,
+                                           taken=linear.handed(taken, "segments", staged), **rows)
+  y, back = edge(range(staged + 1, len(model.segments)), last, y, BACK)
+  sums = {k: sum(part[k] for part in (a, front, back) if k in part) for k in AUX_KEYS}
+  return y, {**sums, **{k + BY_LAYER: v for k, v in per_layer.items()},
+             **{k: v for part in (front, back) for k, v in part.items() if k not in AUX_KEYS}}
 
 
 def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Preset, mesh: Mesh, batch_shards: int,
@@ -74,7 +124,8 @@ def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Pr
   if context.context_axes():  # Context parallelism: every micro-batch in the balanced layout, end to end (below).
     micro = dict(zip(micro, context.balance(tuple(micro.values()), (None, BATCH, LENGTH))))
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(accum))
-  specs = lambda tree: jax.tree_util.tree_map_with_path(lambda path, _: stage_spec(path), tree)
+  staged = cfg.model.staged_segment(cfg.quant)
+  specs = lambda tree: jax.tree_util.tree_map_with_path(lambda path, _: stage_spec(path, staged), tree)
   with_stats = stats is not None
   trees = (state.params, state.quant_state) + ((stats,) if with_stats else ())
   param_in = specs(state.params)
@@ -99,7 +150,7 @@ def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Pr
                    stages=stages, once=once, moe_plan=moe_plan)
     # Interleaved chunks: each stage's chunks moved to it for the schedule, the results moved back.
     chunks = lambda inverse: lambda tree: _map_stage_rows(
-        lambda a: pipeline.to_chunks(a, stages, virtual, inverse=inverse), tree)
+        lambda a: pipeline.to_chunks(a, stages, virtual, inverse=inverse), tree, staged)
     params, quant_state, stats_ = map(chunks(False), (params, quant_state, stats_))
     metrics, *outs = _one_f_one_b(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg,
                                   policy=policy, stages=stages, virtual=virtual, moe_plan=moe_plan)
@@ -126,10 +177,11 @@ def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Pr
 
 def _once_per_stage(tree, once: tuple[str, ...]):
   """A tree whose leaves' "cotangents" are global values (histories, statistics): passed back once over the
-  replicas and, for the leaves on every stage, the stages (`once`: pipeline first) rather than summed
-  (varying.cotangent_once)."""
+  replicas and, for the leaves outside the layers (on every stage, each stage's the same), the stages (`once`:
+  pipeline first) rather than summed (varying.cotangent_once). A layer's is summed over the stages: its own
+  stage's, or for a segment off the stages the one stage's that ran it, the others' zeros."""
   def one(path, a):
-    over = once if stage_spec(path) == P() else once[1:]
+    over = once[1:] if _in_layers(path) else once
     return cotangent_once(a, over) if over else a
   return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -148,11 +200,16 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
   if stats is not None:
     stats_T = pipeline.fan_out(_once_per_stage(stats, once), valid_T, health.combine, health.combine_identity)
   model = merged_model(graphdef, params, quant_state, stats)
-  segment = model.segments[0]
+  staged = cfg.model.staged_segment(cfg.quant)
+  segment = model.segments[staged]
   per_stage = len(segment.block_ids) // stages
   block_ids = jax.lax.dynamic_slice_in_dim(jnp.asarray(segment.block_ids, jnp.int32), stage * per_stage, per_stage)
-  taken = linear.handed(taken_once, "segments", 0)
   inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
+
+  def run(layers, x, segs, i, key):
+    return _run_stage(layers, staged, x, segs, positions[i], key, policy, attention_bias(segs, x.dtype),
+                      first=stage == 0, last=stage == stages - 1, moe_plan=moe_plan, taken=taken_once,
+                      block_ids=block_ids)
 
   def iteration(carry, xs):
     received, aux = carry
@@ -161,21 +218,15 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
     i = jnp.clip(t - stage, 0, m - 1)
     x = jnp.where(stage == 0, layers.embed(inputs[i]), received)
     segs = jnp.where(valid, segment_ids[i], 0)  # Nothing to run: padding, which the layers map to zeros.
-    y, a, per_layer = layers.segments[0](x, segs, positions[i], keys[i], policy, attention_bias(segs, x.dtype),
-                                         block_ids=block_ids, moe_plan=moe_plan, taken=taken)
+    y, a = run(layers, x, segs, i, keys[i])
     keep = lambda v: jnp.where(valid, v, jnp.zeros_like(v))
     y = shard(keep(y), ACTIVATION)
-    aux = jax.tree.map(lambda acc, v: acc + keep(v).astype(F32), aux,
-                       {**a, **{k + BY_LAYER: v for k, v in per_layer.items()}})
+    aux = jax.tree.map(lambda acc, v: acc + keep(v).astype(F32), aux, a)
     return (pipeline.to_next_stage(y, stages), aux), y
 
   x0 = jax.eval_shape(model.embed, inputs[0])
-  _, a0, l0 = jax.eval_shape(lambda x: segment(x, segment_ids[0], positions[0], None, policy,
-                                               attention_bias(segment_ids[0], x.dtype), block_ids=block_ids,
-                                               moe_plan=moe_plan),
-                             x0)
-  zeros = lambda s: jnp.zeros(s.shape, F32)
-  aux0 = {**jax.tree.map(zeros, a0), **{k + BY_LAYER: zeros(v) for k, v in l0.items()}}
+  _, a0 = jax.eval_shape(lambda x: run(model, x, segment_ids[0], 0, None), x0)
+  aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, F32), a0)
   (_, aux), ys = jax.lax.scan(iteration, (jnp.zeros(x0.shape, x0.dtype), aux0), (t_T, quant_T, stats_T, valid_T))
   # The last stage's outputs are those of its iterations S - 1, ..., S + M - 2: micro-batches 0, ..., M - 1.
   outputs = shard(ys[stages - 1:], (None, *ACTIVATION))
@@ -208,14 +259,17 @@ def _head_losses(model, hidden_NxBxLxD, micro, keys, count, aux, cfg: Settings, 
 
 def _terms_over_stages(losses, aux: dict, cfg: Settings, micro_batches: int, stages: int, virtual: int = 1):
   """The step's (total loss, metrics) from each stage's sums: its (loss, ce, z) summed over the stages and the
-  replicas, and its layers' aux: MoE sums summed over the stages, per-layer arrays gathered in layer order (the
-  padding rows' dropped). Each MoE statistic is a total over every token shard already, the replicas' included
+  replicas, and its layers' aux: MoE sums summed over the stages, per-layer arrays in layer order (the staged
+  segment's gathered from the stages, its padding rows' dropped, between those of the segments before and after it,
+  which one stage ran). Each MoE statistic is a total over every token shard already, the replicas' included
   (layers/moe.py `aux_losses`): summed over the replicas again it would count each of their tokens R times."""
   total, ce, z = jax.lax.psum(losses, (PIPELINE, *sorted(shard_axes())))
-  layers = cfg.model.num_layers
-  by_layer = {k: pipeline.from_pipeline_order(jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True), stages,
-                                              virtual)[:layers]
-              for k, v in aux.items() if k.endswith(BY_LAYER)}
+  m = cfg.model
+  layers = len(m.segments(cfg.quant)[m.staged_segment(cfg.quant)]) * m.block_size
+  edge = lambda prefix, k: [jax.lax.psum(aux[prefix + k], PIPELINE)] if prefix + k in aux else []
+  by_layer = {k: jnp.concatenate(edge(FRONT, k) + [pipeline.from_pipeline_order(
+      jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True), stages, virtual)[:layers]] + edge(BACK, k))
+              for k, v in aux.items() if _staged_rows(k)}
   sums = {k: jax.lax.psum(aux[k], PIPELINE) for k in AUX_KEYS}
   return step_terms(total, ce, z, {**sums, **by_layer}, cfg, micro_batches, replicas_summed_after=False)
 
@@ -247,10 +301,11 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   train = (params, quant_state, stats)
   whole = merged_model(graphdef, *train)
   taken_once = linear.once_a_step(whole, policy.remat)
-  rows = len(whole.segments[0].block_ids) // (stages * virtual)  # Layers per chunk.
-  all_block_ids = jnp.asarray(whole.segments[0].block_ids, jnp.int32)
+  staged = cfg.model.staged_segment(cfg.quant)
+  rows = len(whole.segments[staged].block_ids) // (stages * virtual)  # Layers per chunk.
+  all_block_ids = jnp.asarray(whole.segments[staged].block_ids, jnp.int32)
   # The stage's stacked blocks, whose rows each chunk's layers read where they lie (Segment's `rows_at`).
-  stage_blocks = nnx.split(whole.segments[0].blocks)[1]
+  stage_blocks = nnx.split(whole.segments[staged].blocks)[1]
   inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
   unit = lambda fn, tau: fn(tau, stage, m, stages, virtual)
 
@@ -258,16 +313,20 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     """Chunk v's (train state, what the step made once for its projections: `linear.once_a_step`): the stage's rows
     v * rows .. (v + 1) * rows of the stacked layers."""
     cut = lambda a: jax.lax.dynamic_slice_in_dim(a, v * rows, rows)
-    state = tuple(_map_stage_rows(cut, t) for t in train)
-    return state, {p: jax.tree.map(cut, t) if p[0] == "segments" else t for p, t in taken_once.items()}
+    state = tuple(_map_stage_rows(cut, t, staged) for t in train)
+    return state, {p: jax.tree.map(cut, t) if p[:2] == ("segments", staged) else t for p, t in taken_once.items()}
 
   def forward(state, amaxes, x, f, v, bias):
     model = merged_model(graphdef, *state)
     block_ids = jax.lax.dynamic_slice_in_dim(all_block_ids, (v * stages + stage) * rows, rows)
-    y, a, per_layer = model.segments[0](x, segment_ids[f], positions[f], keys[f], policy, bias, block_ids=block_ids,
-                                        moe_plan=moe_plan, taken=linear.handed(amaxes, "segments", 0),
-                                        rows_at=(stage_blocks, v * rows))
-    return shard(y, ACTIVATION), {**a, **{k + BY_LAYER: v_ for k, v_ in per_layer.items()}}
+    y, a = _run_stage(model, staged, x, segment_ids[f], positions[f], keys[f], policy, bias, first=edge_runs(v)[0],
+                      last=edge_runs(v)[1], moe_plan=moe_plan, taken=amaxes, block_ids=block_ids,
+                      rows_at=(stage_blocks, v * rows))
+    return shard(y, ACTIVATION), a
+
+  def edge_runs(v):
+    """Whether chunk v of this stage runs the segments before the staged one, and those after it."""
+    return (stage == 0) & (v == 0), last & (v == virtual - 1)
 
   def run_forward(x, f, v):
     """The forward pass of micro-batch f through chunk v: (y, aux, the VJP's leaves kept in the ring). The VJP's
@@ -278,7 +337,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     # added into the table's rows where the chunk's backward pass ends (`_with_embedding_gradient`).
     x = jnp.where((stage == 0) & (v == 0), lookup(inputs[f]), x)
     bias = attention_bias(segment_ids[f], x.dtype)
-    rows_only = tuple(map(_stage_leaves, state))  # Differentiated: the chunk's rows, not the leaves on every stage.
+    # Differentiated: the chunk's rows and the segments off the stages, not the leaves outside the layers.
+    rows_only = tuple(map(_layer_leaves, state))
     (y, aux), vjp = jax.vjp(lambda t, x_: forward(_filled(t, state), amaxes, x_, f, v, bias), rows_only, x)
     leaves, treedef = jax.tree.flatten(vjp)
     sources = {}
@@ -309,7 +369,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   _, aux_like, shapes = jax.eval_shape(run_forward, x_zero, index, index)
   # Offloaded residuals' slots lie in host memory, as the policy put them.
   ring0 = [_ring(pipeline.ring_slots(m, stages, virtual), s, space) for s, space in zip(shapes, structure["spaces"])]
-  stage_rows = lambda k, a: (virtual * a.shape[0], *a.shape[1:]) if k.endswith(BY_LAYER) else a.shape
+  stage_rows = lambda k, a: (virtual * a.shape[0], *a.shape[1:]) if _staged_rows(k) else a.shape
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
   acc0 = (f32_zeros(params), jax.tree.map(lambda a: pipeline.lowest(a.shape), quant_state),
           None if stats is None else jax.tree.map(lambda a: health.combine_identity(a.shape), stats),
@@ -344,7 +404,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
       # A dynamic update, not `.at[slot].set`: a scatter drops an out-of-range update, which XLA lowers as a
       # select that reads the slot back (a third of the write's traffic again); `slot` is always in range.
       ring = [jax.lax.dynamic_update_index_in_dim(buf, r, slot, 0) for buf, r in zip(ring, kept)]
-      aux = {k: _add_rows(acc, take(has_f, a[k]).astype(F32), v_f) if k.endswith(BY_LAYER)
+      aux = {k: _add_rows(acc, take(has_f, a[k]).astype(F32), v_f) if _staged_rows(k)
              else acc + take(has_f, a[k]).astype(F32) for k, acc in aux.items()}
       received = pipeline.to_next_stage(take(has_f, y), stages, ring=ring_order)
     if head:  # The LM head of the micro-batch the last stage's last chunk ends, where one does.
@@ -369,10 +429,11 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
                                                        for i in structure["fixed"]])
       dy = returned if dy_head is None else jnp.where(last & (v_b == virtual - 1), dy_head, returned)
       d_state, dx = vjp((dy, aux_cotangent))
-      grads = _add_stage_rows(grads, d_state[0], v_b, has_b, lambda acc, d: acc + d.astype(F32))
-      quant = _add_stage_rows(quant, d_state[1], v_b, has_b, lambda acc, d: jnp.maximum(acc, d.astype(F32)))
+      ran = (has_b, *(has_b & e for e in edge_runs(v_b)))  # The chunk's rows; the segments before and after them.
+      grads = _add_stage_rows(grads, d_state[0], v_b, ran, lambda acc, d: acc + d.astype(F32), staged)
+      quant = _add_stage_rows(quant, d_state[1], v_b, ran, lambda acc, d: jnp.maximum(acc, d.astype(F32)), staged)
       if stat is not None:
-        stat = _add_stage_rows(stat, d_state[2], v_b, has_b, lambda acc, d: health.combine(acc, d.astype(F32)))
+        stat = _add_stage_rows(stat, d_state[2], v_b, ran, lambda acc, d: health.combine(acc, d.astype(F32)), staged)
       first = has_b & (stage == 0) & (v_b == 0)  # dx: the gradient of micro-batch b's embedding.
       grads = _with_embedding_gradient(grads, inputs[b], dx, first)
       returned = take(has_b, dx)
@@ -414,9 +475,9 @@ def _ring(slots: int, like, space):
   return zeros if space == jax.memory.Space.Device else jax.device_put(zeros, space)
 
 
-def _map_stage_rows(fn, tree):
-  """`fn` on a tree's stacked-layer leaves (those split into the stages), the others as they are."""
-  return jax.tree_util.tree_map_with_path(lambda path, a: fn(a) if stage_spec(path) != P() else a, tree)
+def _map_stage_rows(fn, tree, staged: int):
+  """`fn` on a tree's leaves split into the stages (the staged segment's stacked layers), the others as they are."""
+  return jax.tree_util.tree_map_with_path(lambda path, a: fn(a) if stage_spec(path, staged) != P() else a, tree)
 
 
 def _add_rows(acc, d, v):
@@ -425,21 +486,25 @@ def _add_rows(acc, d, v):
   return jax.lax.dynamic_update_slice_in_dim(acc, jax.lax.dynamic_slice_in_dim(acc, v * n, n) + d, v * n, 0)
 
 
-def _add_stage_rows(acc_tree, d_tree, v, on, combine):
-  """A backward pass's chunk-v cotangents (`_stage_leaves`') combined into chunk v's rows of the stage's
-  accumulators where `on`."""
+def _add_stage_rows(acc_tree, d_tree, v, ran, combine, staged: int):
+  """A backward pass's chunk-v cotangents (`_layer_leaves`') combined into the stage's accumulators: the staged
+  segment's into chunk v's rows where `ran[0]`, a segment's before it whole where `ran[1]` and after it where
+  `ran[2]` (the passes that ran them, `_run_stage`)."""
   def one(path, acc, d):
     if d is None:
       return acc
+    if stage_spec(path, staged) == P():
+      return jnp.where(ran[1 if path[1].key < staged else 2], combine(acc, d), acc)
     n = d.shape[0]
     cur = jax.lax.dynamic_slice_in_dim(acc, v * n, n)
-    return jax.lax.dynamic_update_slice_in_dim(acc, jnp.where(on, combine(cur, d), cur), v * n, 0)
+    return jax.lax.dynamic_update_slice_in_dim(acc, jnp.where(ran[0], combine(cur, d), cur), v * n, 0)
   return jax.tree_util.tree_map_with_path(one, acc_tree, d_tree, is_leaf=lambda x: x is None)
 
 
-def _stage_leaves(tree):
-  """`tree` with only its stacked-layer leaves (each stage's own rows), the others None."""
-  return jax.tree_util.tree_map_with_path(lambda path, a: a if stage_spec(path) != P() else None, tree)
+def _layer_leaves(tree):
+  """`tree` with only the decoder's stacked-layer leaves (the stage's own rows of the staged segment, and the
+  segments off the stages), the others None."""
+  return jax.tree_util.tree_map_with_path(lambda path, a: a if _in_layers(path) else None, tree)
 
 
 def _filled(part, whole):
@@ -460,16 +525,16 @@ def _with_embedding_gradient(grads, tokens_BxL, dx_BxLxD, on):
 
 
 def _shared_leaves(tree):
-  """`tree` with its stacked-layer leaves (each stage's own rows) as None: the leaves on every stage, which the
-  LM head reads (embedding, final norm, head)."""
-  return jax.tree_util.tree_map_with_path(lambda path, a: a if stage_spec(path) == P() else None, tree)
+  """`tree` with its stacked-layer leaves as None: the leaves outside the layers, on every stage, which the LM head
+  reads (embedding, final norm, head)."""
+  return jax.tree_util.tree_map_with_path(lambda path, a: None if _in_layers(path) else a, tree)
 
 
 def _combine_shared(acc_tree, d_tree, on, combine):
   """The head's cotangents (`_shared_leaves`' gradients, histories, statistics) combined into the leaves on every
   stage where `on` (None cotangents leave theirs as they are)."""
   def one(path, acc, d):
-    if stage_spec(path) != P() or d is None:
+    if _in_layers(path) or d is None:
       return acc
     return jnp.where(on, combine(acc, d.astype(F32)), acc)
   return jax.tree_util.tree_map_with_path(one, acc_tree, d_tree, is_leaf=lambda x: x is None)
@@ -519,16 +584,18 @@ def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, sta
 
 def _gathered(params, quant_state, stats, grads, quant, stat, aux, losses, cfg: Settings, m: int, stages: int,
               virtual: int):
-  """The 1F1B loop's sums over the stages: each stage's rows of the stacked layers stay its own; the leaves on every
-  stage (embedding, final norm, head) sum their gradients over the stages and combine the statistics of the
-  stages that ran them. (metrics, gradients, quant state, statistics)."""
+  """The 1F1B loop's sums over the stages: each stage's rows of the staged segment stay its own; the leaves on every
+  stage (embedding, final norm, head, the segments off the stages) sum their gradients over the stages and combine
+  the statistics of the stages that ran them. (metrics, gradients, quant state, statistics)."""
+  staged = cfg.model.staged_segment(cfg.quant)
+
   def over_stages(path, g, like, combine):
-    return g.astype(like.dtype) if stage_spec(path) != P() else combine(g).astype(like.dtype)
+    return g.astype(like.dtype) if stage_spec(path, staged) != P() else combine(g).astype(like.dtype)
   grads = jax.tree_util.tree_map_with_path(
       lambda path, g, p: over_stages(path, g, p, lambda v: jax.lax.psum(v, PIPELINE)), grads, params)
   unused = lambda new, old: jnp.where(jnp.isfinite(new), new, old.astype(new.dtype))  # No micro-batch used it.
   quant = jax.tree_util.tree_map_with_path(
-      lambda path, q, old: over_stages(path, unused(q, old), old, lambda v: jax.lax.pmax(v, PIPELINE)), quant,
+      lambda path, q, old: unused(over_stages(path, q, old, lambda v: jax.lax.pmax(v, PIPELINE)), old), quant,
       quant_state)
   if stat is not None:
     def combined(v):

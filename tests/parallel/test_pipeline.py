@@ -192,6 +192,31 @@ def test_uneven_stages_train_like_one_device(recipe, mesh, schedule, virtual, la
   _assert_same_training(recipe, one, piped, rel)
 
 
+@pytest.mark.parametrize("preset,recipe,mesh,schedule,virtual,overrides", [
+    # The LM head and layers 0 and 6 in bf16 (as NVFP4's published recipe keeps the last): three scan segments, the
+    # middle one's five layers in the stages (a padding row after them), layer 0 on stage 0 ahead of its first,
+    # layer 6 on stage 1 after its last.
+    ("tiny", "fp8_current", {"pipeline": 2, "fsdp": 2}, "1f1b", 1,
+     {"model.num_layers": 7, "quant.exclude": ("lm_head", "layers[0]", "layers[-1:]")}),
+    # The quantized layers off the stages (their amax histories a "gradient" of one stage), the bf16 run staged.
+    pytest.param("tiny", "fp8_delayed", {"pipeline": 2, "fsdp": 2}, "gpipe", 1,
+                 {"model.num_layers": 6, "quant.exclude": ("layers[1:5]",)}, marks=pytest.mark.extended),
+    pytest.param("tiny", "fp8_current", {"pipeline": 2, "fsdp": 2, "tensor": 2}, "interleaved_1f1b", 2,
+                 {"model.num_layers": 5, "quant.exclude": ("lm_head", "layers[0]")}, marks=pytest.mark.extended),
+    # DeepSeek's dense first layer on stage 0, its MoE layers (3 in 2 stages: a padding row) with experts over 2.
+    ("deepseek_tiny", "bf16", {"pipeline": 2, "expert": 2}, "1f1b", 1, {"model.mtp_depth": 0}),
+])
+@pytest.mark.long
+def test_segments_off_the_stages_train_like_one_device(preset, recipe, mesh, schedule, virtual, overrides):
+  """A decoder of several scan segments: its longest split into the stages, the others run whole on the first or
+  the last stage (ModelConfig.staged_segment); one device's losses and parameters, per-layer MoE statistics
+  included."""
+  logged = ("loss", MOE_ROUTED_TOKENS) if preset == "deepseek_tiny" else ("loss",)
+  one, piped, rel = _compare(preset, recipe, mesh, batch_size=32, schedule=schedule, virtual=virtual, logged=logged,
+                             **overrides)
+  _assert_same_training(recipe, one, piped, rel)
+
+
 @pytest.mark.long
 def test_uneven_moe_stages_log_the_models_routing_losses():
   """tiny_moe, 3 layers in 2 stages: the padding row routes too (zero scores, to zero experts), but its
@@ -394,12 +419,13 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
     ({"mesh.pipeline": 4, "mesh.fsdp": 1, "mesh.context": 2, "pipeline.schedule": "1f1b", "model.seq_len": 12},
      "config.model.seq_len: 12 positions do not split over the 4 stages that share the LM head under 1F1B, on each "
      "of 2 context devices"),
-    ({"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "quant.recipe": "fp8_current",
-      "quant.exclude": ("layers[0]",)},
-     "config.mesh.pipeline: the decoder's layers form 2 scan segments"),
+    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "quant.recipe": "fp8_current", "quant.exclude": ("layers[0]",)},
+     "config.mesh.pipeline: 4 stages are too many for the 3 blocks of 1 layer(s) in the longest of the decoder's 2 "
+     "scan segments (the others run whole on the first or the last stage): padded to 4 rows"),
     ({"mesh.pipeline": 4, "mesh.fsdp": 2, "quant.recipe": "bf16", "quant.exclude": ("lm_head", "layers[0]"),
       "quant.schedule": ((5, {"recipe": "fp8_current"}),)},  # One segment under bf16; fp8 splits layer 0 off.
-     "config.mesh.pipeline: the decoder's layers form 2 scan segments from step 5 (quant.schedule[0])"),
+     "config.mesh.pipeline: 4 stages are too many for the 3 blocks of 1 layer(s) in the longest of the decoder's 2 "
+     "scan segments from step 5"),
 ])
 def test_bad_pipeline_layouts_name_the_key(overrides, key):
   with pytest.raises(ConfigError) as e:
