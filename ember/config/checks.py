@@ -351,14 +351,14 @@ def _validate_pipeline(s: Settings) -> None:
   for index, (start, recipe) in enumerate(s.phases):  # Each precision phase groups the layers by its own recipe.
     segments = m.segments(recipe)
     blocks = len(segments[m.staged_segment(recipe)])  # The run of layers split into stages; the others run whole.
-    of = f"the decoder's {blocks} blocks of {m.block_size} layer(s)"
+    of, sized = f"the decoder's {blocks} blocks", f"the decoder's {blocks} blocks of {m.block_size} layer(s)"
     if len(segments) > 1:
       phase = "" if index == 0 else f" from step {start}"
-      of = (f"the {blocks} blocks of {m.block_size} layer(s) in the longest of the decoder's {len(segments)} scan "
-            f"segments{phase} (the others run whole on the first or the last stage)")
+      of = sized = (f"the {blocks} blocks of {m.block_size} layer(s) in the longest of the decoder's {len(segments)} "
+                    f"scan segments{phase} (the others run whole on the first or the last stage)")
     rows = pipeline.padded_blocks(blocks, stages, virtual)
     if pipeline.stage_without_layers(blocks, stages, virtual):
-      bad_key(key, f"{chunks} are too many for {of}: padded to {rows} rows ({rows // (stages * virtual)} a chunk), a "
+      bad_key(key, f"{chunks} are too many for {sized}: padded to {rows} rows ({rows // (stages * virtual)} a chunk), a "
               "stage would run no layer or a chunk no block (uneven stages: docs/parallelism.md)")
     idle = rows - blocks
     if idle > pipeline.MAX_PADDING * m.num_blocks and blocks not in warned:

@@ -293,13 +293,10 @@ class Estimator:
     chunk), and the other segments' blocks, which the first and the last stage run beside their share
     (ModelConfig.staged_segment) and every stage waits for."""
     stages, m = layout.mesh()["pipeline"], self.model
-    staged = _staged_blocks(self.settings)
-    blocks = pipeline.padded_blocks(staged, stages, layout.virtual_stages)
-    if stages > 1:
-      segments, at = m.segments(self.settings.quant), m.staged_segment(self.settings.quant)
-      edges = max(sum(map(len, segments[:at])), sum(map(len, segments[at + 1:])))
-      blocks += stages * edges
-    return blocks * m.block_size
+    segments, at = m.segments(self.settings.quant), m.staged_segment(self.settings.quant)
+    front, back = sum(map(len, segments[:at])), sum(map(len, segments[at + 1:]))
+    blocks = pipeline.padded_blocks(len(segments[at]), stages, layout.virtual_stages)
+    return (blocks + (stages * max(front, back) if stages > 1 else front + back)) * m.block_size
 
   def _bandwidth(self, layout: Layout, axis: str) -> float:
     crosses = dict(layout.dcn).get(axis, 1) > 1

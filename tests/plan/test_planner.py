@@ -134,6 +134,21 @@ def test_select_takes_the_fewest_micro_batches_where_estimates_tie():
 
 
 @needs_plugin
+def test_the_layers_off_the_stages_count_on_the_busiest_stage():
+  """deepseek_tiny with 5 layers, its first dense: two scan segments, the 4 MoE layers split into 2 stages and the
+  dense one run beside stage 0's pair (ModelConfig.staged_segment). The estimate runs 3 layers a stage, 6 over the
+  two stages; one stage of the whole 5 without a pipeline."""
+  target = target_lib.parse("h100x2")
+  node = lambda stages: (("pipeline", stages), ("fsdp", 2 // stages), ("tensor", 1), ("expert", 1))
+  dcn = (("pipeline", 1), ("data", 1), ("fsdp", 1), ("expert", 1))
+  with target_lib.targeting(target):
+    estimator = planner.Estimator(_cfg("deepseek_tiny", "--config.model.mtp_depth=0", "--config.model.num_layers=5",
+                                       "--config.train.batch_size=4"), target)
+    assert estimator._rows(planner.Layout(node(2), dcn, 2, "full", "1f1b")) == 6
+    assert estimator._rows(planner.Layout(node(1), dcn, 2, "full")) == 5
+
+
+@needs_plugin
 def test_experts_split_over_the_expert_axis_move_nothing_in_the_estimate():
   """tiny_moe on 4 GPUs, its batch split over `expert` alone: each device runs its own experts, so the estimate's
   collectives (the routed rows' exchange, the other weights' gradients) are the same whatever the experts' width.
