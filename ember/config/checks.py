@@ -374,8 +374,11 @@ def _validate_pipeline(s: Settings) -> None:
     over = f"the {stages} stages that share the LM head under 1F1B" + (f", on each of {context} context devices"
                                                                         if context > 1 else "")
     bad_key("model.seq_len", f"{m.seq_len} positions do not split over {over}")
-  if m.mtp_depth:
-    bad_key(key, "multi-token prediction (model.mtp_depth) does not run in a pipeline yet")
+  if m.mtp_depth and s.pipeline.schedule == "gpipe":
+    bad_key("pipeline.schedule", "multi-token prediction (model.mtp_depth) runs in a pipeline under the 1F1B "
+            "schedules ('1f1b', 'interleaved_1f1b'), not 'gpipe'")
+  if m.mtp_depth and context > 1:
+    bad_key(key, "multi-token prediction (model.mtp_depth) does not run with context parallelism in a pipeline")
   if accum % stages and s.pipeline.schedule == "gpipe":
     bad_key("train.grad_accum_steps", f"{accum} micro-batches do not split over the {stages} pipeline stages (the "
             "loss runs on each stage's share of them)")

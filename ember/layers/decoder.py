@@ -402,17 +402,31 @@ class Transformer(nnx.Module):
                              taken=handed(taken, "segments", i))
       aux = jax.tree.map(jnp.add, aux, a)
       per_layer.append(counts)
-    predictions, hidden = [], x
-    for k, tokens_k in enumerate(ahead):
-      hidden, h_k, a = self._predict(k, hidden, self.embed(tokens_k), segment_ids_BxL, positions_BxL, key, policy,
-                                     bias, moe_plan, handed(taken, "mtp", k))
-      aux = jax.tree.map(jnp.add, aux, {name: a[name] for name in AUX_KEYS})
-      per_layer.append({name: a[name][None] for name in per_layer[0]})
-      predictions.append(context.unbalance(h_k, (BATCH, LENGTH, EMBED)) if balanced else h_k)
+    predictions = []
+    if ahead:
+      predictions, a, counts = self.predictions(x, [self.embed(t) for t in ahead], segment_ids_BxL, positions_BxL,
+                                                key, policy, bias, moe_plan, taken)
+      aux = jax.tree.map(jnp.add, aux, a)
+      per_layer.append({k: counts[k] for k in per_layer[0]})
+      predictions = [context.unbalance(h_k, (BATCH, LENGTH, EMBED)) for h_k in predictions] if balanced else predictions
     for k in per_layer[0]:  # Segments are consecutive runs of layers, in order (then the prediction modules').
       aux[k + BY_LAYER] = jnp.concatenate([counts[k] for counts in per_layer])
     h_BxLxD = self.final_norm(x)
     return (context.unbalance(h_BxLxD, (BATCH, LENGTH, EMBED)) if balanced else h_BxLxD), aux, predictions
+
+  def predictions(self, hidden, embedded: list, segment_ids, positions, key, policy: remat.Preset, bias,
+                  moe_plan=None, taken=None):
+    """The multi-token-prediction modules in their chain from the decoder's last hidden states (before the final
+    norm), depth k embedding `embedded[k - 1]` (the tokens of mtp.depth_inputs): (one normed [B, L, D] hidden state
+    a depth, their layers' MoE sums, their per-layer values [depths]). `taken`: the model's (by path from it)."""
+    outs, aux, per_layer = [], zero_aux(), []
+    for k, embedded_k in enumerate(embedded):
+      hidden, h_k, a = self._predict(k, hidden, embedded_k, segment_ids, positions, key, policy, bias, moe_plan,
+                                     handed(taken, "mtp", k))
+      aux = jax.tree.map(jnp.add, aux, {name: a[name] for name in AUX_KEYS})
+      per_layer.append({name: a[name] for name in (*MOE_LAYER_COUNTS, MOE_EXPERT_LOADS) if name in a})
+      outs.append(h_k)
+    return outs, aux, {name: jnp.stack([p[name] for p in per_layer]) for name in per_layer[0]}
 
   def _predict(self, k: int, hidden, embedded, segment_ids, positions, key, policy: remat.Preset, bias, moe_plan,
                taken):

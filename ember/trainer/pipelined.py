@@ -38,6 +38,7 @@ from ember.layers import linear
 from ember.layers.attention import attention_bias
 from ember.layers.decoder import TABLE, keys_of, zero_aux
 from ember.layers.embed import add_token_gradients
+from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
                          MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS, VOCAB)
 from ember.parallel import axes, context, pipeline
@@ -45,7 +46,7 @@ from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, 
 from ember.quant import health
 from ember.quant.varying import cotangent_once, shard_axes
 from ember.trainer.loss import HeadOnce, cross_entropy, read_once, token_count, with_head_gradient
-from ember.trainer.objective import (merged_model, micro_batches, replica_part, replicas_first, step_terms,
+from ember.trainer.objective import (MTP_KEY, merged_model, micro_batches, replica_part, replicas_first, step_terms,
                                     summed_over_replicas)
 from ember.trainer.state import split_over_replicas
 
@@ -53,8 +54,9 @@ F32 = jnp.float32
 ACTIVATION = (BATCH, LENGTH, EMBED)  # A micro-batch's hidden states between stages.
 
 
-# Prefixes of the per-layer values (`BY_LAYER`) of the segments before and after the staged one (`_run_stage`).
-FRONT, BACK = "front:", "back:"
+# Prefixes of the per-layer values (`BY_LAYER`) of the segments before and after the staged one (`_run_stage`),
+# and of the multi-token-prediction modules' layers (`_prediction_share`).
+FRONT, BACK, AHEAD = "front:", "back:", "ahead:"
 
 
 def stage_spec(path, staged: int) -> P:
@@ -70,7 +72,7 @@ def _in_layers(path) -> bool:
 
 def _staged_rows(key: str) -> bool:
   """Whether aux value `key` holds the staged segment's per-layer values (rows split into the stages)."""
-  return key.endswith(BY_LAYER) and not key.startswith((FRONT, BACK))
+  return key.endswith(BY_LAYER) and not key.startswith((FRONT, BACK, AHEAD))
 
 
 def _run_stage(model, staged: int, x, segment_ids, positions, key, policy: remat.Preset, bias, *, first, last,
@@ -263,15 +265,15 @@ def _terms_over_stages(losses, aux: dict, cfg: Settings, micro_batches: int, sta
   segment's gathered from the stages, its padding rows' dropped, between those of the segments before and after it,
   which one stage ran). Each MoE statistic is a total over every token shard already, the replicas' included
   (layers/moe.py `aux_losses`): summed over the replicas again it would count each of their tokens R times."""
-  total, ce, z = jax.lax.psum(losses, (PIPELINE, *sorted(shard_axes())))
+  total, ce, z, *ahead = jax.lax.psum(losses, (PIPELINE, *sorted(shard_axes())))  # `ahead`: [mtp_loss] or [].
   m = cfg.model
   layers = len(m.segments(cfg.quant)[m.staged_segment(cfg.quant)]) * m.block_size
   edge = lambda prefix, k: [jax.lax.psum(aux[prefix + k], PIPELINE)] if prefix + k in aux else []
   by_layer = {k: jnp.concatenate(edge(FRONT, k) + [pipeline.from_pipeline_order(
-      jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True), stages, virtual)[:layers]] + edge(BACK, k))
+      jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True), stages, virtual)[:layers]] + edge(BACK, k) + edge(AHEAD, k))
               for k, v in aux.items() if _staged_rows(k)}
   sums = {k: jax.lax.psum(aux[k], PIPELINE) for k in AUX_KEYS}
-  return step_terms(total, ce, z, {**sums, **by_layer}, cfg, micro_batches, replicas_summed_after=False)
+  return step_terms(total, ce, z, {**sums, **by_layer}, cfg, micro_batches, *ahead, replicas_summed_after=False)
 
 
 def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Settings, policy: remat.Preset,
@@ -373,7 +375,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
   acc0 = (f32_zeros(params), jax.tree.map(lambda a: pipeline.lowest(a.shape), quant_state),
           None if stats is None else jax.tree.map(lambda a: health.combine_identity(a.shape), stats),
-          {k: jnp.zeros(stage_rows(k, a), F32) for k, a in aux_like.items()}, jnp.zeros((3,), F32),
+          {k: jnp.zeros(stage_rows(k, a), F32) for k, a in aux_like.items()},
+          jnp.zeros((4 if cfg.model.mtp_depth else 3,), F32),
           None if once is None else jnp.zeros_like(once.partial))
 
   # The MoE auxiliary losses' share of the step's loss (objective.step_terms): their cotangents in every backward pass.
@@ -391,6 +394,44 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   # collectives wait for it. So at the top where `tensor` splits nothing (docs/parallelism.md, "Schedules and their
   # bubbles": llama3_70b's planner layout +1.2% predicted, Bridge's tensor 4 layout -3% had it been sent there).
   send_next_tick = active_mesh().shape["tensor"] == 1
+  depths = cfg.model.mtp_depth
+
+  def predict_ahead(state, y, f, on):
+    """Multi-token prediction (layers/mtp.py) on micro-batch f's last hidden states `y` (the last stage's; the
+    others run the modules on padding, which routes nothing, in the same time): ([mtp_loss] of this stage's share
+    of the heads' tokens, the modules' aux, each depth's head's cotangents for `state`'s leaves (`_head_share`),
+    the modules', the gradient of `y`, the head's weight-gradient shares (`once`), [(tokens, gradient) of each
+    depth's embedding]). Its modules and LM heads run where the main head does, each depth's head on every stage's
+    share of its tokens."""
+    segs = jnp.where(last & on, segment_ids[f], 0)
+    tokens = [mtp_inputs(micro[TARGETS][f], segs, k)[0] for k in range(1, depths + 1)]
+    embedded = [lookup(t) for t in tokens]  # Looked up outside the VJP, as stage 0's (`_with_embedding_gradient`).
+    bias = attention_bias(segs, y.dtype)
+
+    def modules(leaves, y_, embedded_):
+      model = merged_model(graphdef, *_filled(leaves, state))
+      hs, sums, per_layer = model.predictions(y_, embedded_, segs, positions[f], keys[f], policy, bias, moe_plan,
+                                              taken_once)
+      return hs, {**sums, **{AHEAD + k + BY_LAYER: v for k, v in per_layer.items()}}
+
+    (hs, a), vjp = jax.vjp(modules, tuple(map(_prediction_leaves, state)), y, embedded)
+    losses, d_heads, d_hs, d_shares = [], [], [], 0.0
+    for k, h_k in enumerate(hs, start=1):
+      (loss_k, _), d_head_k, dh_k, shares_k = _head_share(
+          state, h_k, f, graphdef=graphdef, micro=micro, keys=keys, count=count, cfg=cfg, stages=stages, once=once,
+          head_param=head_parts.param, on=on, ahead=k, seed=cfg.model.mtp_loss_weight / depths)
+      losses.append(loss_k)
+      d_heads.append(d_head_k)
+      d_hs.append(dh_k)
+      if once is not None:
+        d_shares = d_shares + shares_k
+    d_leaves, dy, d_embedded = vjp((d_hs, {k: aux_cotangent.get(k, jnp.zeros_like(v)) for k, v in a.items()}))
+    return [sum(losses) / depths], a, d_heads, d_leaves, dy, d_shares, list(zip(tokens, d_embedded))
+
+  if depths:  # The modules' per-layer values, summed over the head ticks as the chunks' are over theirs.
+    ahead_like = jax.eval_shape(lambda: predict_ahead(chunk(0)[0], x_zero, 0, jnp.bool_(True))[1])
+    acc0 = (*acc0[:3], {**acc0[3], **{k: jnp.zeros(a.shape, F32) for k, a in ahead_like.items() if k not in acc0[3]}},
+            *acc0[4:])
 
   def tick(carry, tau, *, forwards: bool, backwards: bool, head: bool):
     received, returned, ring, (grads, quant, stat, aux, losses, shares) = carry
@@ -404,7 +445,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
       # A dynamic update, not `.at[slot].set`: a scatter drops an out-of-range update, which XLA lowers as a
       # select that reads the slot back (a third of the write's traffic again); `slot` is always in range.
       ring = [jax.lax.dynamic_update_index_in_dim(buf, r, slot, 0) for buf, r in zip(ring, kept)]
-      aux = {k: _add_rows(acc, take(has_f, a[k]).astype(F32), v_f) if _staged_rows(k)
+      aux = {k: acc if k not in a else _add_rows(acc, take(has_f, a[k]).astype(F32), v_f) if _staged_rows(k)
              else acc + take(has_f, a[k]).astype(F32) for k, acc in aux.items()}
       received = pipeline.to_next_stage(take(has_f, y), stages, ring=ring_order)
     if head:  # The LM head of the micro-batch the last stage's last chunk ends, where one does.
@@ -419,7 +460,26 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
       quant = _combine_shared(quant, d_head[1], at_head, jnp.maximum)
       if stat is not None:
         stat = _combine_shared(stat, d_head[2], at_head, health.combine)
-      losses = losses + take(at_head, jnp.stack([total, *parts]).astype(F32))
+      ahead = []
+      if depths:  # Multi-token prediction on the micro-batch's last hidden states, its gradient added to theirs.
+        ahead, a, d_heads, d_ahead, dy_ahead, d_shares, embedded = predict_ahead(chunk(v_f)[0], y, f_last, at_head)
+        dy_head = dy_head + dy_ahead
+        if once is not None:
+          shares = shares + d_shares
+        for d in d_heads:  # Each depth's head, on every stage's share of its tokens.
+          grads = _combine_shared(grads, d[0], at_head, jnp.add)
+          quant = _combine_shared(quant, d[1], at_head, jnp.maximum)
+          if stat is not None:
+            stat = _combine_shared(stat, d[2], at_head, health.combine)
+        on_last = at_head & last  # The stage whose hidden states the modules ran on.
+        grads = _combine_shared(grads, d_ahead[0], on_last, jnp.add)
+        for tokens_k, d_k in embedded:  # The modules' embeddings' gradients, into the table's rows.
+          grads = _with_embedding_gradient(grads, tokens_k, d_k, on_last)
+        quant = _combine_shared(quant, d_ahead[1], on_last, jnp.maximum)
+        if stat is not None:
+          stat = _combine_shared(stat, d_ahead[2], on_last, health.combine)
+        aux = {k: acc + take(on_last, a[k]).astype(F32) if k in a else acc for k, acc in aux.items()}
+      losses = losses + take(at_head, jnp.stack([total, *parts, *ahead]).astype(F32))
     if backwards:
       b, v_b, has_b = unit(pipeline.backward_unit, tau)
       slot = slot_of[pipeline.forward_index(b, v_b, stages, virtual)]
@@ -501,6 +561,11 @@ def _add_stage_rows(acc_tree, d_tree, v, ran, combine, staged: int):
   return jax.tree_util.tree_map_with_path(one, acc_tree, d_tree, is_leaf=lambda x: x is None)
 
 
+def _prediction_leaves(tree):
+  """`tree` with only the multi-token-prediction modules' leaves (on every stage), the others None."""
+  return jax.tree_util.tree_map_with_path(lambda path, a: a if path[0].key == "mtp" else None, tree)
+
+
 def _layer_leaves(tree):
   """`tree` with only the decoder's stacked-layer leaves (the stage's own rows of the staged segment, and the
   segments off the stages), the others None."""
@@ -525,9 +590,10 @@ def _with_embedding_gradient(grads, tokens_BxL, dx_BxLxD, on):
 
 
 def _shared_leaves(tree):
-  """`tree` with its stacked-layer leaves as None: the leaves outside the layers, on every stage, which the LM head
-  reads (embedding, final norm, head)."""
-  return jax.tree_util.tree_map_with_path(lambda path, a: None if _in_layers(path) else a, tree)
+  """`tree` with its stacked-layer and multi-token-prediction leaves as None: the leaves the LM head reads, on every
+  stage (embedding, final norm, head)."""
+  return jax.tree_util.tree_map_with_path(lambda path, a: None if _in_layers(path) or path[0].key == "mtp" else a,
+                                          tree)
 
 
 def _combine_shared(acc_tree, d_tree, on, combine):
@@ -541,7 +607,7 @@ def _combine_shared(acc_tree, d_tree, on, combine):
 
 
 def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, stages: int, once: HeadOnce | None,
-                head_param: tuple[str, ...], on):
+                head_param: tuple[str, ...], on, ahead: int = 0, seed: float = 1.0):
   """The LM head and loss of 1/S of the tokens of micro-batch f, whose hidden states `y` the last stage holds,
   on each stage: ((loss, (ce, z)) of the share, their cotangents for `state`'s leaves on every stage
   (`_shared_leaves`; None for the stacked layers', which the head does not read), the gradient of the whole `y` on
@@ -549,7 +615,9 @@ def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, sta
   weight's own cotangent, at `head_param`, then None), else None). The last stage's `y` is reduce-scattered over
   the stages along its length and the share's gradient all-gathered back: two transfers of an activation's size
   instead of S - 1 stages idling in the head. Where not `on` (no micro-batch ends here) every token weighs zero,
-  so the shares' gradient is zero and adds to the step's as it is."""
+  so the shares' gradient is zero and adds to the step's as it is. `ahead` > 0: `y` is multi-token prediction's
+  depth `ahead` (normed already; its targets, weights and rounding key as objective.forward_loss takes them), its
+  loss's cotangent `seed` (its weight in the step's loss)."""
   spec = logical_to_spec(ACTIVATION, active_rules(), active_mesh())
   token_spec = P(*spec[:2])
   on_stages = lambda fn, specs, out: shard_map(fn, mesh=active_mesh(), in_specs=specs, out_specs=out)
@@ -559,22 +627,25 @@ def _head_share(state, y, f, *, graphdef, micro, keys, count, cfg: Settings, sta
     return jax.lax.dynamic_slice_in_dim(a, pipeline.stage_index() * n, n, axis=1)
 
   y_share = on_stages(lambda a: pipeline.from_last_stage(a, stages, axis=1), (spec,), spec)(y)
-  t_share, s_share = on_stages(lambda t, s_: (share(t), share(s_)), (token_spec, token_spec),
-                               (token_spec, token_spec))(micro[TARGETS][f], micro[SEGMENT_IDS][f])
-
-  weights = ((s_share > 0) & on).astype(F32)
+  targets, weights, key = micro[TARGETS][f], (micro[SEGMENT_IDS][f] > 0).astype(F32), keys[f]
+  if ahead:
+    _, targets, weights = mtp_inputs(targets, micro[SEGMENT_IDS][f], ahead)
+    key = jax.random.fold_in(key, MTP_KEY + ahead)
+  t_share, w_share = on_stages(lambda t, w: (share(t), share(w)), (token_spec, token_spec),
+                               (token_spec, token_spec))(targets, weights)
+  w_share = jnp.where(on, w_share, 0.0)
 
   def head(shared, h, partial):
     model = merged_model(graphdef, *_filled(shared, state))
-    total, ce, z = cross_entropy(model.final_norm(h), t_share, weights, model.head_parts(), key=keys[f],
+    total, ce, z = cross_entropy(h if ahead else model.final_norm(h), t_share, w_share, model.head_parts(), key=key,
                                  chunk_size=cfg.train.loss_chunk_size, count=count,
-                                 z_loss_weight=cfg.train.z_loss_weight,
+                                 z_loss_weight=0.0 if ahead else cfg.train.z_loss_weight,
                                  once=None if once is None else HeadOnce(once.weight, partial))
     return total, (ce, z)
 
   total, vjp, parts = jax.vjp(head, tuple(map(_shared_leaves, state)), y_share,
                               None if once is None else once.partial, has_aux=True)
-  d_state, dy_share, d_shares = vjp(jnp.ones((), F32))
+  d_state, dy_share, d_shares = vjp(jnp.full((), seed, F32))
   if once is not None:  # The weight's gradient is in the shares; its own cotangent is zeros.
     d_state = tuple(jax.tree_util.tree_map_with_path(lambda path, d: None if keys_of(path) == head_param else d,
                                                      tree, is_leaf=lambda x: x is None) for tree in d_state)

@@ -203,15 +203,18 @@ def test_uneven_stages_train_like_one_device(recipe, mesh, schedule, virtual, la
                  {"model.num_layers": 6, "quant.exclude": ("layers[1:5]",)}, marks=pytest.mark.extended),
     pytest.param("tiny", "fp8_current", {"pipeline": 2, "fsdp": 2, "tensor": 2}, "interleaved_1f1b", 2,
                  {"model.num_layers": 5, "quant.exclude": ("lm_head", "layers[0]")}, marks=pytest.mark.extended),
-    # DeepSeek's dense first layer on stage 0, its MoE layers (3 in 2 stages: a padding row) with experts over 2.
-    ("deepseek_tiny", "bf16", {"pipeline": 2, "expert": 2}, "1f1b", 1, {"model.mtp_depth": 0}),
+    # DeepSeek's dense first layer on stage 0, its MoE layers (3 in 2 stages: a padding row) with experts over 2,
+    # and its multi-token-prediction module where the LM head runs.
+    ("deepseek_tiny", "bf16", {"pipeline": 2, "expert": 2}, "1f1b", 1, {}),
+    pytest.param("deepseek_tiny", "fp8_current", {"pipeline": 2, "expert": 2}, "interleaved_1f1b", 2,
+                 {"model.num_layers": 5, "quant.exclude": ("lm_head",)}, marks=pytest.mark.extended),
 ])
 @pytest.mark.long
 def test_segments_off_the_stages_train_like_one_device(preset, recipe, mesh, schedule, virtual, overrides):
   """A decoder of several scan segments: its longest split into the stages, the others run whole on the first or
-  the last stage (ModelConfig.staged_segment); one device's losses and parameters, per-layer MoE statistics
-  included."""
-  logged = ("loss", MOE_ROUTED_TOKENS) if preset == "deepseek_tiny" else ("loss",)
+  the last stage (ModelConfig.staged_segment); one device's losses and parameters, per-layer MoE statistics and
+  the multi-token-prediction loss included."""
+  logged = ("loss", "mtp_loss", MOE_ROUTED_TOKENS) if preset == "deepseek_tiny" else ("loss",)
   one, piped, rel = _compare(preset, recipe, mesh, batch_size=32, schedule=schedule, virtual=virtual, logged=logged,
                              **overrides)
   _assert_same_training(recipe, one, piped, rel)
@@ -422,6 +425,9 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
     ({"mesh.pipeline": 4, "mesh.fsdp": 2, "quant.recipe": "fp8_current", "quant.exclude": ("layers[0]",)},
      "config.mesh.pipeline: 4 stages are too many for the 3 blocks of 1 layer(s) in the longest of the decoder's 2 "
      "scan segments (the others run whole on the first or the last stage): padded to 4 rows"),
+    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "model.mtp_depth": 1}, "config.pipeline.schedule: multi-token prediction"),
+    ({"mesh.pipeline": 4, "mesh.fsdp": 1, "mesh.context": 2, "model.mtp_depth": 1, "pipeline.schedule": "1f1b"},
+     "config.mesh.pipeline: multi-token prediction (model.mtp_depth) does not run with context parallelism"),
     ({"mesh.pipeline": 4, "mesh.fsdp": 2, "quant.recipe": "bf16", "quant.exclude": ("lm_head", "layers[0]"),
       "quant.schedule": ((5, {"recipe": "fp8_current"}),)},  # One segment under bf16; fp8 splits layer 0 off.
      "config.mesh.pipeline: 4 stages are too many for the 3 blocks of 1 layer(s) in the longest of the decoder's 2 "
