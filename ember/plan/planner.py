@@ -291,12 +291,15 @@ class Estimator:
     """The layers the busiest stage runs, times the stages: the model's blocks, the staged segment's padded to the
     layout's stages x chunks (pipeline.padded_blocks; none without a pipeline, whose layouts have one stage of one
     chunk), and the other segments' blocks, which the first and the last stage run beside their share
-    (ModelConfig.staged_segment) and every stage waits for."""
+    (ModelConfig.staged_segment) and every stage waits for, as it waits for the multi-token-prediction modules'
+    layers beside the LM head (trainer/pipelined.py)."""
     stages, m = layout.mesh()["pipeline"], self.model
     segments, at = m.segments(self.settings.quant), m.staged_segment(self.settings.quant)
     front, back = sum(map(len, segments[:at])), sum(map(len, segments[at + 1:]))
     blocks = pipeline.padded_blocks(len(segments[at]), stages, layout.virtual_stages)
-    return (blocks + (stages * max(front, back) if stages > 1 else front + back)) * m.block_size
+    if stages == 1:
+      return (blocks + front + back) * m.block_size
+    return (blocks + stages * max(front, back + m.mtp_depth / m.block_size)) * m.block_size
 
   def _bandwidth(self, layout: Layout, axis: str) -> float:
     crosses = dict(layout.dcn).get(axis, 1) > 1
