@@ -358,8 +358,8 @@ def _validate_pipeline(s: Settings) -> None:
                     f"scan segments{phase} (the others run whole on the first or the last stage)")
     rows = pipeline.padded_blocks(blocks, stages, virtual)
     if pipeline.stage_without_layers(blocks, stages, virtual):
-      bad_key(key, f"{chunks} are too many for {sized}: padded to {rows} rows ({rows // (stages * virtual)} a chunk), a "
-              "stage would run no layer or a chunk no block (uneven stages: docs/parallelism.md)")
+      bad_key(key, f"{chunks} are too many for {sized}: padded to {rows} rows ({rows // (stages * virtual)} a chunk), "
+              "a stage would run no layer or a chunk no block (uneven stages: docs/parallelism.md)")
     idle = rows - blocks
     if idle > pipeline.MAX_PADDING * m.num_blocks and blocks not in warned:
       warned.add(blocks)

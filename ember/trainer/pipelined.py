@@ -12,7 +12,7 @@ on the last stage after its last, each from parameters on every stage (`_run_sta
   the loop's transpose (every transfer reversed). The last stage's outputs are spread over all stages after the
   loop (`from_last_stage`), so the head and the chunked loss run on 1 / S of the micro-batches each.
 - 1F1B (`_one_f_one_b`): the gradients are taken inside, one micro-batch at a time, the last stage's loss in the
-  tick of its forward pass.
+  tick of its forward pass, with the multi-token-prediction modules' where a model has them (`predict_ahead`).
 
 Under context parallelism the micro-batches enter the balanced layout once, before the loop, and stay in it: the
 stages hand each other balanced hidden states, and the head's losses and the embedding's gradient are sums over
