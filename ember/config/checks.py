@@ -350,17 +350,17 @@ def _validate_pipeline(s: Settings) -> None:
   warned = set()
   for index, (start, recipe) in enumerate(s.phases):  # Each precision phase groups the layers by its own recipe.
     segments = m.segments(recipe)
-    blocks = len(segments[m.staged_segment(recipe)])  # The run of layers split into stages; the others run whole.
+    front, blocks, _ = m.pipeline_blocks(recipe)  # The run of layers split into stages; the others run whole.
     of, sized = f"the decoder's {blocks} blocks", f"the decoder's {blocks} blocks of {m.block_size} layer(s)"
     if len(segments) > 1:
       phase = "" if index == 0 else f" from step {start}"
       of = sized = (f"the {blocks} blocks of {m.block_size} layer(s) in the longest of the decoder's {len(segments)} "
                     f"scan segments{phase} (the others run whole on the first or the last stage)")
-    rows = pipeline.padded_blocks(blocks, stages, virtual)
-    if pipeline.stage_without_layers(blocks, stages, virtual):
+    rows = pipeline.staged_rows(front, blocks, stages, virtual)
+    if pipeline.stage_without_layers(front + blocks, stages, virtual):
       bad_key(key, f"{chunks} are too many for {sized}: padded to {rows} rows ({rows // (stages * virtual)} a chunk), "
               "a stage would run no layer or a chunk no block (uneven stages: docs/parallelism.md)")
-    idle = rows - blocks
+    idle = rows - blocks - front
     if idle > pipeline.MAX_PADDING * m.num_blocks and blocks not in warned:
       warned.add(blocks)
       warn(f"{key}: {chunks} pad {of} to {rows} rows: {idle} idle layers ({idle / m.num_blocks:.0%} of the model) run "

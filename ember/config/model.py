@@ -271,3 +271,9 @@ class ModelConfig:
     stage's parameters (ember/trainer/pipelined.py)."""
     lengths = [len(s) for s in self.segments(recipe)]
     return max(range(len(lengths)), key=lambda i: (lengths[i], i))
+
+  def pipeline_blocks(self, recipe: Recipe) -> tuple[int, int, int]:
+    """(blocks before the staged segment, its own, after it): what a pipeline's first stage runs ahead of the
+    staged segment's rows, the rows, and what its last stage runs after them (`staged_segment`)."""
+    segments, at = self.segments(recipe), self.staged_segment(recipe)
+    return sum(map(len, segments[:at])), len(segments[at]), sum(map(len, segments[at + 1:]))

@@ -396,13 +396,12 @@ class Settings:
   @property
   def stacked_blocks(self) -> int:
     """The rows of the decoder's stacked layers, all its segments': the model's blocks and, under a pipeline, the
-    padding rows that make the staged segment's (ModelConfig.staged_segment) a multiple of the stages x chunks
-    (ember/parallel/pipeline.py, `padded_blocks`)."""
+    staged segment's padding rows (ModelConfig.staged_segment; ember/parallel/pipeline.py, `staged_rows`)."""
     stages = self.mesh.sizes()[PIPELINE]
     if stages <= 1:
       return self.model.num_blocks
-    staged = len(self.model.segments(self.quant)[self.model.staged_segment(self.quant)])
-    return self.model.num_blocks + pipeline_lib.padded_blocks(staged, stages, self.pipeline.virtual_stages) - staged
+    front, staged, _ = self.model.pipeline_blocks(self.quant)
+    return self.model.num_blocks + pipeline_lib.staged_rows(front, staged, stages, self.pipeline.virtual_stages) - staged
 
   # --- Views --------------------------------------------------------------------------------------------
 

@@ -179,7 +179,7 @@ class Segment(nnx.Module):
       nnx.update(self.blocks, jax.tree.map(lambda a: a.at[self.real_blocks:].set(0), params))
 
   def __call__(self, x, segment_ids, positions, key, policy: remat.Preset, bias=None, block_ids=None, moe_plan=None,
-               taken=None, rows_at=None):
+               taken=None, rows_at=None, skip_padding: bool = False):
     """(x, aux summed over the segment's layers, the block's per-layer values for each of its layers). `bias`:
     the attention's segment bias (Transformer.__call__): an input of every checkpointed block, never recomputed.
     `block_ids`: the blocks whose rows the stacked state holds (int32 [rows]; a pipeline stage's share of them,
@@ -188,7 +188,8 @@ class Segment(nnx.Module):
     `rows_at`: (stacked, first): the segment's state is rows first, first + 1, ... of `stacked` (a state of the
     same blocks with more rows: a pipeline stage's, whose chunk this segment runs); scanned, each block reads its
     row there (`_row_where_it_lies`), so no copy of the rows is made for the scan, and its gradient goes to the
-    state's row."""
+    state's row. `skip_padding`: a padding row's block is not run at all (a `cond`), where a pipeline's stage runs
+    other layers in its place (parallel/pipeline.py, `staged_rows`)."""
     graphdef, state = nnx.split(self.blocks)
     ids = jnp.asarray(self.block_ids, jnp.int32) if block_ids is None else block_ids
     taken = handed(taken, "blocks") or {}
@@ -200,8 +201,13 @@ class Segment(nnx.Module):
       if index is not None:  # Unrolled: (stacked state, this block's rows); see _row_where_it_lies.
         block_state = jax.tree.map(lambda s, r: _row_where_it_lies(s, r, index), *block_state)
       block_key = None if key is None else jax.random.fold_in(key, block_id)
-      y, a, per_layer = nnx.merge(graphdef, block_state)(x, segment_ids, positions, block_key, bias, moe_plan,
-                                                         block_taken)
+      run = lambda state_, x_: nnx.merge(graphdef, state_)(x_, segment_ids, positions, block_key, bias, moe_plan,
+                                                           block_taken)
+      if padded and skip_padding:
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, block_state, x)[1:])
+        y, a, per_layer = jax.lax.cond(block_id < num_blocks, run, lambda _, x_: (x_, *zeros), block_state, x)
+      else:
+        y, a, per_layer = run(block_state, x)
       if padded:  # A padding row is the identity; its MoE losses (of routing zeros) are not the model's.
         a = jax.tree.map(lambda v: jnp.where(block_id < num_blocks, v, jnp.zeros_like(v)), a)
       return (y, jax.tree.map(jnp.add, aux, a)), per_layer

@@ -62,6 +62,29 @@ def padded_blocks(blocks: int, num_stages: int, virtual_stages: int = 1) -> int:
 MAX_PADDING = 0.05
 
 
+def staged_rows(front: int, blocks: int, num_stages: int, virtual_stages: int = 1) -> int:
+  """The stacked rows of the segment a pipeline splits into stages (ModelConfig.staged_segment): its `blocks` and
+  the `front` blocks of the segments that stage 0 runs ahead of it, padded to a multiple of the stages x chunks
+  (`padded_blocks`). The rows are held in the model's order, padding last; a step rolls them forward by `front`
+  (`roll_rows`), so that stage 0's first chunk starts with `front` padding rows, which it skips as it runs the
+  blocks ahead of them: every stage's ticks run as many layers."""
+  return padded_blocks(front + blocks, num_stages, virtual_stages)
+
+
+def roll_rows(rows: jax.Array, front: int, num_stages: int, inverse: bool = False) -> jax.Array:
+  """Inside the map over `pipeline`: this stage's rows of the staged segment [k, ...] (its contiguous shard in the
+  model's order) rolled forward by `front` over the stages (`staged_rows`): the previous stage's last `front` rows
+  ahead of its own first k - front, the last stage's (padding) reaching stage 0. One `ppermute` of `front` rows;
+  `inverse`: back (the gradients, on their way back)."""
+  if not front:
+    return rows
+  ring = [(s, (s + 1) % num_stages) for s in range(num_stages)]
+  if inverse:
+    back = jax.lax.ppermute(rows[:front], PIPELINE, [(d, s) for s, d in ring])
+    return jnp.concatenate([rows[front:], back])
+  return jnp.concatenate([jax.lax.ppermute(rows[-front:], PIPELINE, ring), rows[:-front]])
+
+
 def stage_without_layers(blocks: int, num_stages: int, virtual_stages: int = 1) -> bool:
   """Whether `padded_blocks`' padding leaves a stage nothing but padding rows (9 blocks in 8 stages: 16 rows, 2 a
   stage, stages 5-7 all padding), or there are more chunks than blocks: layouts the config refuses. The last

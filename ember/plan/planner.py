@@ -181,9 +181,10 @@ def layouts(settings: Settings, target: Target, context: bool = False) -> list[L
 
 
 def _staged_blocks(settings: Settings) -> int:
-  """The blocks of the scan segment a pipeline splits into stages (ModelConfig.staged_segment)."""
-  m = settings.model
-  return len(m.segments(settings.quant)[m.staged_segment(settings.quant)])
+  """The blocks a pipeline's stages run as rows of the staged segment (ModelConfig.staged_segment): its own and those
+  stage 0 runs ahead of them in place of as many padding rows (pipeline.staged_rows)."""
+  front, staged, _ = settings.model.pipeline_blocks(settings.quant)
+  return front + staged
 
 
 def _schedules(stages: int, blocks: int) -> list[tuple[str, int]]:
@@ -288,18 +289,17 @@ class Estimator:
                                                                            if dense)
 
   def _rows(self, layout: Layout) -> int:
-    """The layers the busiest stage runs, times the stages: the model's blocks, the staged segment's padded to the
-    layout's stages x chunks (pipeline.padded_blocks; none without a pipeline, whose layouts have one stage of one
-    chunk), and the other segments' blocks, which the first and the last stage run beside their share
-    (ModelConfig.staged_segment) and every stage waits for, as it waits for the multi-token-prediction modules'
-    layers beside the LM head (trainer/pipelined.py)."""
+    """The layers the busiest stage runs, times the stages: the model's blocks, the staged segment's rows padded to
+    the layout's stages x chunks (pipeline.staged_rows; none without a pipeline, whose layouts have one stage of one
+    chunk), stage 0 running the segments before them in place of as many padding rows, and the segments after
+    them, which the last stage runs beside its rows and every stage waits for, as it waits for the
+    multi-token-prediction modules' layers beside the LM head (ModelConfig.pipeline_blocks; trainer/pipelined.py)."""
     stages, m = layout.mesh()["pipeline"], self.model
-    segments, at = m.segments(self.settings.quant), m.staged_segment(self.settings.quant)
-    front, back = sum(map(len, segments[:at])), sum(map(len, segments[at + 1:]))
-    blocks = pipeline.padded_blocks(len(segments[at]), stages, layout.virtual_stages)
+    front, staged, back = m.pipeline_blocks(self.settings.quant)
     if stages == 1:
-      return (blocks + front + back) * m.block_size
-    return (blocks + stages * max(front, back + m.mtp_depth / m.block_size)) * m.block_size
+      return m.num_blocks * m.block_size
+    rows = pipeline.staged_rows(front, staged, stages, layout.virtual_stages)
+    return (rows + stages * (back + m.mtp_depth / m.block_size)) * m.block_size
 
   def _bandwidth(self, layout: Layout, axis: str) -> float:
     crosses = dict(layout.dcn).get(axis, 1) > 1

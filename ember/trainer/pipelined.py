@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -70,6 +71,12 @@ def _in_layers(path) -> bool:
   return path[0].key == "segments"
 
 
+def _rolled_ids(block_ids, cfg: Settings) -> jax.Array:
+  """The staged segment's block ids in the order the stages run its rows: rolled forward past the blocks stage 0 runs
+  ahead of them (pipeline.staged_rows), padding rows' first."""
+  return jnp.asarray(np.roll(np.asarray(block_ids), cfg.model.pipeline_blocks(cfg.quant)[0]), jnp.int32)
+
+
 def _staged_rows(key: str) -> bool:
   """Whether aux value `key` holds the staged segment's per-layer values (rows split into the stages)."""
   return key.endswith(BY_LAYER) and not key.startswith((FRONT, BACK, AHEAD))
@@ -100,8 +107,10 @@ def _run_stage(model, staged: int, x, segment_ids, positions, key, policy: remat
     return x_, {**a, **{prefix + k + BY_LAYER: v for k, v in per_layer.items()}}
 
   x, front = edge(range(staged), first, x, FRONT)
+  # Where segments run off the stages, their stages skip the padding rows that stand in for them.
   y, a, per_layer = model.segments[staged](x, segment_ids, positions, key, policy, bias, moe_plan=moe_plan,
-                                           taken=linear.handed(taken, "segments", staged), **rows)
+                                           taken=linear.handed(taken, "segments", staged),
+                                           skip_padding=len(model.segments) > 1, **rows)
   y, back = edge(range(staged + 1, len(model.segments)), last, y, BACK)
   sums = {k: sum(part[k] for part in (a, front, back) if k in part) for k in AUX_KEYS}
   return y, {**sums, **{k + BY_LAYER: v for k, v in per_layer.items()},
@@ -142,12 +151,17 @@ def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Pr
 
   run = _loss if cfg.pipeline.schedule == "gpipe" else _one_f_one_b
   stages, virtual = pipeline.stages(mesh), cfg.pipeline.virtual_stages
+  front = cfg.model.pipeline_blocks(cfg.quant)[0]
+  # The staged segment's rows rolled forward past the blocks stage 0 runs ahead of them (pipeline.staged_rows).
+  rolled = lambda inverse: lambda tree: _map_stage_rows(
+      lambda a: pipeline.roll_rows(a, front, stages, inverse=inverse), tree, staged)
 
   def body(params, quant_state, *rest):
     stats_, (micro_, keys_, count_) = (rest[0] if with_stats else None), rest[-3:]
     if replicas:
       keys_ = jax.vmap(lambda k: jax.random.fold_in(k, jax.lax.axis_index(replicas)))(keys_)
-    if run is _loss:
+    params, quant_state, stats_ = map(rolled(False), (params, quant_state, stats_))
+    if run is _loss:  # Autodiff rolls the gradients back.
       return _loss(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg, policy=policy,
                    stages=stages, once=once, moe_plan=moe_plan)
     # Interleaved chunks: each stage's chunks moved to it for the schedule, the results moved back.
@@ -156,7 +170,7 @@ def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Pr
     params, quant_state, stats_ = map(chunks(False), (params, quant_state, stats_))
     metrics, *outs = _one_f_one_b(params, quant_state, stats_, micro_, keys_, count_, graphdef=graphdef, cfg=cfg,
                                   policy=policy, stages=stages, virtual=virtual, moe_plan=moe_plan)
-    outs = tuple(map(chunks(True), outs))
+    outs = tuple(map(lambda tree: rolled(True)(chunks(True)(tree)), outs))
     outs = (summed_over_replicas(outs[0], replicas, param_specs, reduce_dtype, splits), *outs[1:])
     return metrics, outs if with_stats else outs[:2]
 
@@ -205,7 +219,7 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
   staged = cfg.model.staged_segment(cfg.quant)
   segment = model.segments[staged]
   per_stage = len(segment.block_ids) // stages
-  block_ids = jax.lax.dynamic_slice_in_dim(jnp.asarray(segment.block_ids, jnp.int32), stage * per_stage, per_stage)
+  block_ids = jax.lax.dynamic_slice_in_dim(_rolled_ids(segment.block_ids, cfg), stage * per_stage, per_stage)
   inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
 
   def run(layers, x, segs, i, key):
@@ -267,10 +281,11 @@ def _terms_over_stages(losses, aux: dict, cfg: Settings, micro_batches: int, sta
   (layers/moe.py `aux_losses`): summed over the replicas again it would count each of their tokens R times."""
   total, ce, z, *ahead = jax.lax.psum(losses, (PIPELINE, *sorted(shard_axes())))  # `ahead`: [mtp_loss] or [].
   m = cfg.model
-  layers = len(m.segments(cfg.quant)[m.staged_segment(cfg.quant)]) * m.block_size
+  front, staged, _ = m.pipeline_blocks(cfg.quant)
   edge = lambda prefix, k: [jax.lax.psum(aux[prefix + k], PIPELINE)] if prefix + k in aux else []
-  by_layer = {k: jnp.concatenate(edge(FRONT, k) + [pipeline.from_pipeline_order(
-      jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True), stages, virtual)[:layers]] + edge(BACK, k) + edge(AHEAD, k))
+  rows = lambda v: jnp.roll(pipeline.from_pipeline_order(jax.lax.all_gather(v, PIPELINE, axis=0, tiled=True), stages,
+                                                         virtual), -front * m.block_size, axis=0)
+  by_layer = {k: jnp.concatenate(edge(FRONT, k) + [rows(v)[:staged * m.block_size]] + edge(BACK, k) + edge(AHEAD, k))
               for k, v in aux.items() if _staged_rows(k)}
   sums = {k: jax.lax.psum(aux[k], PIPELINE) for k in AUX_KEYS}
   return step_terms(total, ce, z, {**sums, **by_layer}, cfg, micro_batches, *ahead, replicas_summed_after=False)
@@ -305,7 +320,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   taken_once = linear.once_a_step(whole, policy.remat)
   staged = cfg.model.staged_segment(cfg.quant)
   rows = len(whole.segments[staged].block_ids) // (stages * virtual)  # Layers per chunk.
-  all_block_ids = jnp.asarray(whole.segments[staged].block_ids, jnp.int32)
+  all_block_ids = _rolled_ids(whole.segments[staged].block_ids, cfg)
   # The stage's stacked blocks, whose rows each chunk's layers read where they lie (Segment's `rows_at`).
   stage_blocks = nnx.split(whole.segments[staged].blocks)[1]
   inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]

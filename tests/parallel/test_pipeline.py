@@ -422,14 +422,14 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
     ({"mesh.pipeline": 4, "mesh.fsdp": 1, "mesh.context": 2, "pipeline.schedule": "1f1b", "model.seq_len": 12},
      "config.model.seq_len: 12 positions do not split over the 4 stages that share the LM head under 1F1B, on each "
      "of 2 context devices"),
-    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "quant.recipe": "fp8_current", "quant.exclude": ("layers[0]",)},
+    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "quant.recipe": "fp8_current", "quant.exclude": ("layers[-1:]",)},
      "config.mesh.pipeline: 4 stages are too many for the 3 blocks of 1 layer(s) in the longest of the decoder's 2 "
      "scan segments (the others run whole on the first or the last stage): padded to 4 rows"),
     ({"mesh.pipeline": 4, "mesh.fsdp": 2, "model.mtp_depth": 1}, "config.pipeline.schedule: multi-token prediction"),
     ({"mesh.pipeline": 4, "mesh.fsdp": 1, "mesh.context": 2, "model.mtp_depth": 1, "pipeline.schedule": "1f1b"},
      "config.mesh.pipeline: multi-token prediction (model.mtp_depth) does not run with context parallelism"),
-    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "quant.recipe": "bf16", "quant.exclude": ("lm_head", "layers[0]"),
-      "quant.schedule": ((5, {"recipe": "fp8_current"}),)},  # One segment under bf16; fp8 splits layer 0 off.
+    ({"mesh.pipeline": 4, "mesh.fsdp": 2, "quant.recipe": "bf16", "quant.exclude": ("lm_head", "layers[-1:]"),
+      "quant.schedule": ((5, {"recipe": "fp8_current"}),)},  # One segment under bf16; fp8 splits layer 3 off.
      "config.mesh.pipeline: 4 stages are too many for the 3 blocks of 1 layer(s) in the longest of the decoder's 2 "
      "scan segments from step 5"),
 ])
