@@ -357,6 +357,9 @@ def _validate_pipeline(s: Settings) -> None:
       of = sized = (f"the {blocks} blocks of {m.block_size} layer(s) in the longest of the decoder's {len(segments)} "
                     f"scan segments{phase} (the others run whole on the first or the last stage)")
     rows = pipeline.staged_rows(front, blocks, stages, virtual)
+    if front > rows // stages:  # Stage 0 runs them in place of padding rows, each stage's last come to the next.
+      bad_key(key, f"stage 0 runs the {front} blocks before {of} in place of as many padding rows, more than the "
+              f"{rows // stages} rows a stage holds (uneven stages: docs/parallelism.md); fewer stages hold more")
     if pipeline.stage_without_layers(front + blocks, stages, virtual):
       bad_key(key, f"{chunks} are too many for {sized}: padded to {rows} rows ({rows // (stages * virtual)} a chunk), "
               "a stage would run no layer or a chunk no block (uneven stages: docs/parallelism.md)")

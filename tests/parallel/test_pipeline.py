@@ -425,6 +425,9 @@ def test_schedule_runs_each_pass_once_in_order(micro, stages, virtual):
     ({"mesh.pipeline": 4, "mesh.fsdp": 2, "quant.recipe": "fp8_current", "quant.exclude": ("layers[-1:]",)},
      "config.mesh.pipeline: 4 stages are too many for the 3 blocks of 1 layer(s) in the longest of the decoder's 2 "
      "scan segments (the others run whole on the first or the last stage): padded to 4 rows"),
+    ({"mesh.pipeline": 8, "mesh.fsdp": 1, "model.num_layers": 10, "quant.recipe": "fp8_current",
+      "quant.exclude": ("layers[0:3]",)},  # 3 + 7 blocks in 8 stages: 16 rows, 2 a stage.
+     "config.mesh.pipeline: stage 0 runs the 3 blocks before the 7 blocks of 1 layer(s) in the longest"),
     ({"mesh.pipeline": 4, "mesh.fsdp": 2, "model.mtp_depth": 1}, "config.pipeline.schedule: multi-token prediction"),
     ({"mesh.pipeline": 4, "mesh.fsdp": 1, "mesh.context": 2, "model.mtp_depth": 1, "pipeline.schedule": "1f1b"},
      "config.mesh.pipeline: multi-token prediction (model.mtp_depth) does not run with context parallelism"),
