@@ -47,6 +47,13 @@ def zero_aux() -> dict[str, jax.Array]:
   return {k: jnp.zeros((), jnp.float32) for k in AUX_KEYS}
 
 
+def run_where(on, fn: Callable, x, *rest):
+  """fn(x, *rest) -> (y, *outs) where `on`, else (x, zeros like outs), the work not run at all (a `cond`): a
+  pipeline stage's padding row, or the segments that another stage runs (ember/trainer/pipelined.py)."""
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, x, *rest)[1:])
+  return jax.lax.cond(on, fn, lambda x_, *_: (x_, *zeros), x, *rest)
+
+
 class DecoderLayer(nnx.Module):
   def __init__(self, model: ModelConfig, recipe: Recipe, index: int, rngs: nnx.Rngs):
     norm = dict(eps=model.norm_eps, dtype=model.dtype, param_dtype=model.param_dtype)
@@ -201,13 +208,12 @@ class Segment(nnx.Module):
       if index is not None:  # Unrolled: (stacked state, this block's rows); see _row_where_it_lies.
         block_state = jax.tree.map(lambda s, r: _row_where_it_lies(s, r, index), *block_state)
       block_key = None if key is None else jax.random.fold_in(key, block_id)
-      run = lambda state_, x_: nnx.merge(graphdef, state_)(x_, segment_ids, positions, block_key, bias, moe_plan,
+      run = lambda x_, state_: nnx.merge(graphdef, state_)(x_, segment_ids, positions, block_key, bias, moe_plan,
                                                            block_taken)
       if padded and skip_padding:
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, block_state, x)[1:])
-        y, a, per_layer = jax.lax.cond(block_id < num_blocks, run, lambda _, x_: (x_, *zeros), block_state, x)
+        y, a, per_layer = run_where(block_id < num_blocks, run, x, block_state)
       else:
-        y, a, per_layer = run(block_state, x)
+        y, a, per_layer = run(x, block_state)
       if padded:  # A padding row is the identity; its MoE losses (of routing zeros) are not the model's.
         a = jax.tree.map(lambda v: jnp.where(block_id < num_blocks, v, jnp.zeros_like(v)), a)
       return (y, jax.tree.map(jnp.add, aux, a)), per_layer
@@ -401,13 +407,10 @@ class Transformer(nnx.Module):
       tokens_BxL, segment_ids_BxL, positions_BxL, *ahead = context.balance(
           (tokens_BxL, segment_ids_BxL, positions_BxL, *ahead), rows)
     x = self.embed(tokens_BxL)
-    aux, per_layer = zero_aux(), []
     bias = attention_bias(segment_ids_BxL, x.dtype)  # Once for every layer of every segment.
-    for i, segment in enumerate(self.segments):
-      x, a, counts = segment(x, segment_ids_BxL, positions_BxL, key, policy, bias, moe_plan=moe_plan,
-                             taken=handed(taken, "segments", i))
-      aux = jax.tree.map(jnp.add, aux, a)
-      per_layer.append(counts)
+    x, aux, counts = self.run_segments(range(len(self.segments)), x, segment_ids_BxL, positions_BxL, key, policy, bias,
+                                       moe_plan, taken)
+    per_layer = [counts]
     predictions = []
     if ahead:
       predictions, a, counts = self.predictions(x, [self.embed(t) for t in ahead], segment_ids_BxL, positions_BxL,
@@ -419,6 +422,18 @@ class Transformer(nnx.Module):
       aux[k + BY_LAYER] = jnp.concatenate([counts[k] for counts in per_layer])
     h_BxLxD = self.final_norm(x)
     return (context.unbalance(h_BxLxD, (BATCH, LENGTH, EMBED)) if balanced else h_BxLxD), aux, predictions
+
+  def run_segments(self, indices, x, segment_ids, positions, key, policy: remat.Preset, bias, moe_plan=None,
+                   taken=None):
+    """Scan segments `indices` (consecutive, in order) on `x`: (their output, their layers' MoE sums, their per-layer
+    values in layer order). `taken`: the model's (by path from it)."""
+    aux, per_layer = zero_aux(), []
+    for i in indices:
+      x, a, counts = self.segments[i](x, segment_ids, positions, key, policy, bias, moe_plan=moe_plan,
+                                      taken=handed(taken, "segments", i))
+      aux = jax.tree.map(jnp.add, aux, a)
+      per_layer.append(counts)
+    return x, aux, {k: jnp.concatenate([c[k] for c in per_layer]) for k in per_layer[0]}
 
   def predictions(self, hidden, embedded: list, segment_ids, positions, key, policy: remat.Preset, bias,
                   moe_plan=None, taken=None):

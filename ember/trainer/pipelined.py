@@ -37,7 +37,7 @@ from ember import remat
 from ember.config import Settings
 from ember.layers import linear
 from ember.layers.attention import attention_bias
-from ember.layers.decoder import TABLE, keys_of, zero_aux
+from ember.layers.decoder import TABLE, keys_of, run_where
 from ember.layers.embed import add_token_gradients
 from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
@@ -89,21 +89,11 @@ def _run_stage(model, staged: int, x, segment_ids, positions, key, policy: remat
   where `last` (the last stage's last chunk). (y, aux: the MoE sums and the per-layer values, the staged rows' under
   `BY_LAYER` keys and the others' under FRONT and BACK ones, zeros where they did not run.) The segments off the
   stages run under a `cond`: a stage that has none of them skips their work."""
-  def segments(indices, x_):
-    aux, per_layer = zero_aux(), []
-    for i in indices:
-      x_, a, counts = model.segments[i](x_, segment_ids, positions, key, policy, bias, moe_plan=moe_plan,
-                                        taken=linear.handed(taken, "segments", i))
-      aux = jax.tree.map(jnp.add, aux, a)
-      per_layer.append(counts)
-    return x_, aux, {k: jnp.concatenate([c[k] for c in per_layer]) for k in per_layer[0]}
-
   def edge(indices, on, x_, prefix):
     if not indices:
       return x_, {}
-    shapes = jax.eval_shape(functools.partial(segments, indices), x_)
-    skip = lambda a: (a, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1:]))
-    x_, a, per_layer = jax.lax.cond(on, functools.partial(segments, indices), skip, x_)
+    x_, a, per_layer = run_where(on, lambda h: model.run_segments(indices, h, segment_ids, positions, key, policy,
+                                                                  bias, moe_plan, taken), x_)
     return x_, {**a, **{prefix + k + BY_LAYER: v for k, v in per_layer.items()}}
 
   x, front = edge(range(staged), first, x, FRONT)
