@@ -269,11 +269,16 @@ class ModelConfig:
     segments before it run on the first stage ahead of its layers (`first_k_dense` layers, a `quant.exclude` of
     the first layers), those after it on the last stage after them (an exclude of the last layers), each on every
     stage's parameters (ember/trainer/pipelined.py)."""
-    lengths = [len(s) for s in self.segments(recipe)]
-    return max(range(len(lengths)), key=lambda i: (lengths[i], i))
+    return self.scan_segments(recipe)[1]
+
+  def scan_segments(self, recipe: Recipe) -> tuple[list[list[int]], int]:
+    """(`segments(recipe)`, `staged_segment(recipe)`): both from one pass over the layers."""
+    segments = self.segments(recipe)
+    lengths = [len(s) for s in segments]
+    return segments, len(lengths) - 1 - lengths[::-1].index(max(lengths))
 
   def pipeline_blocks(self, recipe: Recipe) -> tuple[int, int, int]:
     """(blocks before the staged segment, its own, after it): what a pipeline's first stage runs ahead of the
     staged segment's rows, the rows, and what its last stage runs after them (`staged_segment`)."""
-    segments, at = self.segments(recipe), self.staged_segment(recipe)
+    segments, at = self.scan_segments(recipe)
     return sum(map(len, segments[:at])), len(segments[at]), sum(map(len, segments[at + 1:]))

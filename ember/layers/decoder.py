@@ -365,7 +365,7 @@ class Transformer(nnx.Module):
     padded to them."""
     self.embed = Embed(model.vocab_size, model.d_model, init_std=model.init_std, dtype=model.dtype,
                        param_dtype=model.param_dtype, rngs=rngs)
-    segments, staged = list(segments_of(model, recipe)), model.staged_segment(recipe)
+    segments, staged = model.scan_segments(recipe)
     segments[staged] = segments[staged] + list(range(model.num_blocks, blocks or model.num_blocks))
     self.segments = nnx.List([Segment(model, recipe, ids, rngs, staged=i == staged) for i, ids in enumerate(segments)])
     self.num_blocks, self.num_experts = model.num_blocks, model.num_experts
