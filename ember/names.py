@@ -102,6 +102,10 @@ HADAMARD_SCOPE = "random_hadamard_transform"
 # it lies among stacked kernels, ember/quant/fused_nvfp4.py), with L filled in: the compile report counts that
 # row's bytes of the operand, not all L (ember/program/hlo.py).
 STACKED_ROW_SCOPE = "reads_one_row_of_{}"
+# The name scope around a `cond` whose branches run on some of its executions only, with how many of how many filled
+# in (a pipeline's segments off the stages, ember/trainer/pipelined.py: on M of a pass's MV + S - 1 ticks, one
+# stage's): the compile report counts them that share of the conditional's runs (ember/program/hlo.py).
+RUNS_OF_SCOPE = "branch_runs_{}_of_{}"
 AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS, MOE_OVERFLOW_TOKENS,
             MOE_SEQ_BALANCE_LOSS)
 

@@ -23,6 +23,9 @@ Rules, in one place:
     its input; ragged-all-to-all: the smaller of its operand and its output buffer, a bound on what the
     routing moves; the rest: the operand), times the trip count of every loop around it (XLA records
     `known_trip_count` on the while ops of a scan), so `collectives` is bytes per device per step.
+  * a conditional's branches run as often as the conditional, except under ember's `RUNS_OF_SCOPE` (a pipeline's
+    segments off the stages, on M of a pass's ticks): that share of its runs, and what they call in proportion.
+    Where two such conditionals run on different stages (the first stage's, the last's), both are counted.
   * a host transfer is a copy (`copy-start` / `copy-done`, or a plain `copy`) whose source or destination lies in
     host memory (`S(5)`: a remat policy's offloaded residuals): its bytes, once a direction, over the GPU's link
     to the host; a copy from host memory to host memory goes over it both ways. An asynchronous fusion
@@ -47,7 +50,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-from ember.names import EMULATED_GEMM_SCOPE, STACKED_ROW_SCOPE
+from ember.names import EMULATED_GEMM_SCOPE, RUNS_OF_SCOPE, STACKED_ROW_SCOPE
 from ember.quant import recipe as recipe_lib
 from ember.quant.formats import hlo_type
 from ember.quant.gemm import CUBLAS_FP8_GEMM, CUDNN_BLOCK_SCALED_GEMM
@@ -72,6 +75,7 @@ _FUSIONS = ("fusion", "fusion-start")
 _ELEMENTWISE_UNARY = ("abs", "convert", "negate", "exponential", "log", "sqrt", "rsqrt", "tanh", "logistic",
                       "sign", "floor", "ceil", "round-nearest-even", "copy")
 _STACKED_ROW = re.compile(STACKED_ROW_SCOPE.replace("{}", r"(\d+)"))
+_RUNS_OF = re.compile(RUNS_OF_SCOPE.replace("{}", r"(\d+)"))
 RECOMPUTE_SCOPE = "rematted_computation"  # JAX's name scope for a checkpointed forward run again.
 # Instructions that launch no kernel of their own (control flow, aliases, bookkeeping, async halves whose
 # work is counted elsewhere) and move no bytes in the memory term.
@@ -145,7 +149,7 @@ class Program:
     i = self.by_name.get(name)
     return i.shape if i else ""
 
-  def times(self, i: Instruction) -> int:
+  def times(self, i: Instruction) -> float:
     """How many times an instruction runs per execution of the program (loop trip counts applied)."""
     return self.trips.get(i.computation, 1)
 
@@ -227,8 +231,9 @@ def nbytes(shape: str) -> float:
   return sum(_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in _SHAPE.findall(shape))
 
 
-def loop_multipliers(instrs: list[Instruction]) -> dict[str, int]:
-  """{computation: how many times it runs per execution of the program} for loop bodies (others: 1)."""
+def loop_multipliers(instrs: list[Instruction]) -> dict[str, float]:
+  """{computation: how many times it runs per execution of the program} for loop bodies and the branches that run
+  on a share of their conditional's runs (others: 1)."""
   calls = collections.defaultdict(set)
   by_name = {i.name: i for i in instrs}
   roots = {i.computation: i for i in instrs if i.line.lstrip().startswith("ROOT ")}
@@ -237,7 +242,7 @@ def loop_multipliers(instrs: list[Instruction]) -> dict[str, int]:
     calls[i.computation].update(callees(i.line))
     if i.opcode == "while":
       loops.append((i.computation, i.attribute("body"), trip_count(i, by_name, roots)))
-  factor: dict[str, int] = {}
+  factor: dict[str, float] = {}
 
   def mark(comp, n, seen):
     if comp in seen:
@@ -249,7 +254,23 @@ def loop_multipliers(instrs: list[Instruction]) -> dict[str, int]:
 
   for _, body, n in loops:
     mark(body, n, set())
+  for i in instrs:  # A conditional that runs its branches on a stated share of its runs: them, and what they call.
+    share = _RUNS_OF.search(i.op_name) if i.opcode == "conditional" else None
+    if share and int(share.group(1)) < int(share.group(2)):
+      seen = set()
+      for branch in callees(i.line, "|".join(BRANCHES)):
+        scale(branch, int(share.group(1)) / int(share.group(2)), calls, factor, seen)
   return factor
+
+
+def scale(comp: str, share: float, calls: dict[str, set[str]], factor: dict[str, float], seen: set[str]):
+  """`comp` and what it calls run `share` of the times they were counted."""
+  if comp in seen:
+    return
+  seen.add(comp)
+  factor[comp] = factor.get(comp, 1) * share
+  for c in calls.get(comp, ()):
+    scale(c, share, calls, factor, seen)
 
 
 def trip_count(loop: Instruction, by_name: dict[str, Instruction], roots: dict[str, Instruction]) -> int:

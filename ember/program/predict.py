@@ -20,7 +20,8 @@ The rules, in one place (the rates are the GPU's row of ember/hardware/rates.tom
     bandwidth of the link to the host, each direction a link of its own that its transfers share one at a
     time, hidden or exposed as a collective is;
   * a loop body is walked once and counted its trip count times; a called computation is walked in place; a
-    conditional takes its longest branch.
+    conditional takes its longest branch, in the share of its runs that its branches run (ember/program/hlo.py:
+    a pipeline's segments off the stages run once a micro-batch, not every tick).
 The step is the compute stream's time at the end of the entry computation. What it leaves out: kernels running
 concurrently on other streams, NCCL kernels slowing the GEMMs they overlap, the host's own work, and L2 reuse.
 
@@ -54,7 +55,7 @@ class _Span:  # Kernels [start, stop) of the program's table, run one after anot
 @dataclasses.dataclass(frozen=True)
 class _Call:  # A computation run `times` times in place (a loop body, a loop condition, a call).
   computations: tuple[str, ...]  # More than one: a conditional's branches, the longest taken.
-  times: int = 1
+  times: float = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,14 +117,15 @@ class Walk:
     """The event an instruction is, or the index of the kernel row it adds, or None."""
     if i.opcode == "while":  # Its condition as often as hlo.Program.times counts it (once), its body trips times.
       body, condition = i.attribute("body"), i.attribute("condition")
-      trips = p.trips.get(body, 1) // max(p.times(i), 1)
+      trips = round(p.trips.get(body, 1) / max(p.times(i), 1))
       return [_Call((c,), n) for c, n in ((condition, 1), (body, trips)) if c in p.computations]
     if i.opcode in ("call", "async-start"):
       callee = i.attribute("to_apply" if i.opcode == "call" else "calls")
       return _Call((callee,)) if callee in p.computations else None
-    if i.opcode == "conditional":
+    if i.opcode == "conditional":  # Its branches on the iterations they run (hlo.loop_multipliers: all, or fewer).
       branches = tuple(c for c in hlo.callees(i.line, "|".join(hlo.BRANCHES)) if c in p.computations)
-      return _Call(branches) if branches else None
+      runs = max((p.trips.get(c, 1) for c in branches), default=1) / max(p.times(i), 1)
+      return _Call(branches, min(runs, 1.0)) if branches else None
     if i.opcode.endswith("-done"):  # (Ignored where it ends no transfer: a fusion-done of device memory.)
       return _Done(i.operands[0]) if i.operands else None
     transfer = hlo.host_transfer_of(p, i)

@@ -41,7 +41,7 @@ from ember.layers.decoder import TABLE, keys_of, run_where
 from ember.layers.embed import add_token_gradients
 from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
-                         MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, SEGMENT_IDS, TARGETS, VOCAB)
+                         MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, RUNS_OF_SCOPE, SEGMENT_IDS, TARGETS, VOCAB)
 from ember.parallel import axes, context, pipeline
 from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant import health
@@ -83,17 +83,20 @@ def _staged_rows(key: str) -> bool:
 
 
 def _run_stage(model, staged: int, x, segment_ids, positions, key, policy: remat.Preset, bias, *, first, last,
-               moe_plan=None, taken=None, **rows):
-  """A stage's pass over a micro-batch: the segments before the staged one where `first` (stage 0's first chunk),
-  the stage's rows of the staged segment (`rows`: Segment's `block_ids` and `rows_at`), the segments after it
-  where `last` (the last stage's last chunk). (y, aux: the MoE sums and the per-layer values, the staged rows' under
-  `BY_LAYER` keys and the others' under FRONT and BACK ones, zeros where they did not run.) The segments off the
-  stages run under a `cond`: a stage that has none of them skips their work."""
+               runs: tuple[int, int], moe_plan=None, taken=None, **rows):
+  """A stage's pass over a micro-batch: the segments before the staged one where `first` (stage 0's first chunk,
+  on a micro-batch), the stage's rows of the staged segment (`rows`: Segment's `block_ids` and `rows_at`), the
+  segments after it where `last` (the last stage's last chunk, on a micro-batch). (y, aux: the MoE sums and the
+  per-layer values, the staged rows' under `BY_LAYER` keys and the others' under FRONT and BACK ones, zeros where
+  they did not run.) The segments off the stages run under a `cond`: a stage that has none of them skips their
+  work, and the stage that has them runs them on `runs` = (M, of a pass's ticks) of its passes, which the
+  `cond`'s name scope tells the compile report (RUNS_OF_SCOPE)."""
   def edge(indices, on, x_, prefix):
     if not indices:
       return x_, {}
-    x_, a, per_layer = run_where(on, lambda h: model.run_segments(indices, h, segment_ids, positions, key, policy,
-                                                                  bias, moe_plan, taken), x_)
+    with jax.named_scope(RUNS_OF_SCOPE.format(*runs)):
+      x_, a, per_layer = run_where(on, lambda h: model.run_segments(indices, h, segment_ids, positions, key, policy,
+                                                                    bias, moe_plan, taken), x_)
     return x_, {**a, **{prefix + k + BY_LAYER: v for k, v in per_layer.items()}}
 
   x, front = edge(range(staged), first, x, FRONT)
@@ -212,10 +215,10 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
   block_ids = jax.lax.dynamic_slice_in_dim(_rolled_ids(segment.block_ids, cfg), stage * per_stage, per_stage)
   inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
 
-  def run(layers, x, segs, i, key):
+  def run(layers, x, segs, i, key, valid):
     return _run_stage(layers, staged, x, segs, positions[i], key, policy, attention_bias(segs, x.dtype),
-                      first=stage == 0, last=stage == stages - 1, moe_plan=moe_plan, taken=taken_once,
-                      block_ids=block_ids)
+                      first=(stage == 0) & valid, last=(stage == stages - 1) & valid, runs=(m, len(t_T)),
+                      moe_plan=moe_plan, taken=taken_once, block_ids=block_ids)
 
   def iteration(carry, xs):
     received, aux = carry
@@ -224,14 +227,14 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
     i = jnp.clip(t - stage, 0, m - 1)
     x = jnp.where(stage == 0, layers.embed(inputs[i]), received)
     segs = jnp.where(valid, segment_ids[i], 0)  # Nothing to run: padding, which the layers map to zeros.
-    y, a = run(layers, x, segs, i, keys[i])
+    y, a = run(layers, x, segs, i, keys[i], valid)
     keep = lambda v: jnp.where(valid, v, jnp.zeros_like(v))
     y = shard(keep(y), ACTIVATION)
     aux = jax.tree.map(lambda acc, v: acc + keep(v).astype(F32), aux, a)
     return (pipeline.to_next_stage(y, stages), aux), y
 
   x0 = jax.eval_shape(model.embed, inputs[0])
-  _, a0 = jax.eval_shape(lambda x: run(model, x, segment_ids[0], 0, None), x0)
+  _, a0 = jax.eval_shape(lambda x: run(model, x, segment_ids[0], 0, None, True), x0)
   aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, F32), a0)
   (_, aux), ys = jax.lax.scan(iteration, (jnp.zeros(x0.shape, x0.dtype), aux0), (t_T, quant_T, stats_T, valid_T))
   # The last stage's outputs are those of its iterations S - 1, ..., S + M - 2: micro-batches 0, ..., M - 1.
@@ -323,11 +326,13 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     state = tuple(_map_stage_rows(cut, t, staged) for t in train)
     return state, {p: jax.tree.map(cut, t) if p[:2] == ("segments", staged) else t for p, t in taken_once.items()}
 
-  def forward(state, amaxes, x, f, v, bias):
+  def forward(state, amaxes, x, f, v, has, bias):
     model = merged_model(graphdef, *state)
     block_ids = jax.lax.dynamic_slice_in_dim(all_block_ids, (v * stages + stage) * rows, rows)
-    y, a = _run_stage(model, staged, x, segment_ids[f], positions[f], keys[f], policy, bias, first=edge_runs(v)[0],
-                      last=edge_runs(v)[1], moe_plan=moe_plan, taken=amaxes, block_ids=block_ids,
+    first, last_ = (has & e for e in edge_runs(v))
+    y, a = _run_stage(model, staged, x, segment_ids[f], positions[f], keys[f], policy, bias, first=first,
+                      last=last_, runs=(m, pipeline.iterations(m * virtual, stages)), moe_plan=moe_plan,
+                      taken=amaxes, block_ids=block_ids,
                       rows_at=(stage_blocks, v * rows))
     return shard(y, ACTIVATION), a
 
@@ -335,8 +340,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     """Whether chunk v of this stage runs the segments before the staged one, and those after it."""
     return (stage == 0) & (v == 0), last & (v == virtual - 1)
 
-  def run_forward(x, f, v):
-    """The forward pass of micro-batch f through chunk v: (y, aux, the VJP's leaves kept in the ring). The VJP's
+  def run_forward(x, f, v, has):
+    """The forward pass of micro-batch f through chunk v (`has`: whether the tick has one): (y, aux, the VJP's leaves kept in the ring). The VJP's
     structure and, for each of its leaves, the index of the chunk's state or kernel amax it is (None: kept) go to
     `structure`, the same at every tick (a backward-only tick has no forward pass to read them from)."""
     state, amaxes = chunk(v)
@@ -346,7 +351,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     bias = attention_bias(segment_ids[f], x.dtype)
     # Differentiated: the chunk's rows and the segments off the stages, not the leaves outside the layers.
     rows_only = tuple(map(_layer_leaves, state))
-    (y, aux), vjp = jax.vjp(lambda t, x_: forward(_filled(t, state), amaxes, x_, f, v, bias), rows_only, x)
+    (y, aux), vjp = jax.vjp(lambda t, x_: forward(_filled(t, state), amaxes, x_, f, v, has, bias), rows_only, x)
     leaves, treedef = jax.tree.flatten(vjp)
     sources = {}
     for i, a in enumerate(jax.tree.leaves((state, amaxes, stage_blocks, bias))):
@@ -373,7 +378,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   x_zero = jnp.zeros(x_like.shape, x_like.dtype)
   structure = {}
   index = jax.ShapeDtypeStruct((), jnp.int32)
-  _, aux_like, shapes = jax.eval_shape(run_forward, x_zero, index, index)
+  _, aux_like, shapes = jax.eval_shape(run_forward, x_zero, index, index, jax.ShapeDtypeStruct((), jnp.bool_))
   # Offloaded residuals' slots lie in host memory, as the policy put them.
   ring0 = [_ring(pipeline.ring_slots(m, stages, virtual), s, space) for s, space in zip(shapes, structure["spaces"])]
   stage_rows = lambda k, a: (virtual * a.shape[0], *a.shape[1:]) if _staged_rows(k) else a.shape
@@ -445,7 +450,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
       returned = pipeline.to_previous_stage(returned, stages, ring=ring_order)
     if forwards:
       f, v_f, has_f = unit(pipeline.forward_unit, tau)
-      y, a, kept = run_forward(received, f, v_f)
+      y, a, kept = run_forward(received, f, v_f, has_f)
       slot = jnp.where(has_f, slot_of[pipeline.forward_index(f, v_f, stages, virtual)], slots)  # The spare: slots.
       # A dynamic update, not `.at[slot].set`: a scatter drops an out-of-range update, which XLA lowers as a
       # select that reads the slot back (a third of the write's traffic again); `slot` is always in range.

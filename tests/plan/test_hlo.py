@@ -81,6 +81,46 @@ ENTRY %main (x: f32[8]) -> f32[8] {
   assert hlo.collectives(text)["reduce-scatter"] == 3 * 5 * 8 * 4
 
 
+def test_a_conditional_named_with_its_runs_counts_its_branches_that_many_times():
+  """A pipeline's segments off the stages run under a conditional in every tick of the loop, but their branch only
+  on 4 of its 10 runs (RUNS_OF_SCOPE): the branch, and the loop inside it, count 4 runs a step, not 10; an
+  unnamed conditional's branches run as often as it does."""
+  text = """HloModule m
+
+%inner (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %g = f32[8]{0} get-tuple-element(%p), index=1
+  ROOT %rs = f32[1]{0} reduce-scatter(%g), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+}
+
+%taken (a: f32[8]) -> f32[8] {
+  %a = (s32[], f32[8]{0}) parameter(0)
+  ROOT %layers = (s32[], f32[8]{0}) while(%a), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"3"}}
+}
+
+%skipped (b: f32[8]) -> f32[8] {
+  ROOT %b = f32[8]{0} parameter(0)
+}
+
+%tick (q: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %q = (s32[], f32[8]{0}) parameter(0)
+  %on = pred[] parameter(1)
+  %ag = f32[64]{0} all-gather(%q), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %edge = f32[8]{0} conditional(%on, %q, %q), true_computation=%taken, false_computation=%skipped, metadata={op_name="jit(step)/transpose(jvp(branch_runs_4_of_10))/cond"}
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = (s32[], f32[8]{0}) parameter(0)
+  ROOT %ticks = (s32[], f32[8]{0}) while(%x), condition=%cond, body=%tick, backend_config={"known_trip_count":{"n":"10"}}
+}
+"""
+  got = hlo.collectives(text)
+  assert got["reduce-scatter"] == 4 * 3 * 8 * 4  # 4 runs of the branch, its loop's 3 trips each.
+  assert got["all-gather"] == 10 * 64 * 4  # Outside the branch: every tick.
+  unnamed = text.replace("branch_runs_4_of_10", "stage")
+  assert hlo.collectives(unnamed)["reduce-scatter"] == 10 * 3 * 8 * 4
+
+
 def test_a_loop_without_a_recorded_trip_count_is_read_off_its_condition_and_body():
   """XLA's collective pipeliner peels loops and drops their `known_trip_count`: the count is then read from the
   induction variable's start (through copies), the fused compare's bound and the fused add's step."""

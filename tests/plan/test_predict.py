@@ -127,6 +127,34 @@ def test_a_loop_body_counts_its_trips_and_time_by_op_sums_to_the_step():
   assert gemm["op"] == "dot_general" and gemm["seconds"] == pytest.approx(4 * _gemm_seconds(8192, 8192, 8192))
 
 
+def test_a_conditional_named_with_its_runs_takes_its_branch_that_many_times():
+  """A pipeline's segments off the stages (RUNS_OF_SCOPE: 4 of 10 runs) under a conditional in a loop of 10
+  ticks: the step is 10 ticks' GEMMs and 4 of the branch's, and time_by_op says the same."""
+  gemm = _GEMM.format(name="g", a="x", b="y")
+  text = "\n".join([
+      "%taken (a: bf16[8192,8192]) -> bf16[8192,8192] {", "  %x = bf16[8192,8192]{1,0} parameter(0)",
+      "  %y = bf16[8192,8192]{1,0} parameter(1)", _GEMM.format(name="f", a="x", b="y"),
+      "  ROOT %fo = bf16[8192,8192]{1,0} get-tuple-element(%f), index=0", "}",
+      "%skipped (a: bf16[8192,8192]) -> bf16[8192,8192] {", "  ROOT %a = bf16[8192,8192]{1,0} parameter(0)", "}",
+      "%body (p: (bf16[8192,8192], bf16[8192,8192])) -> (bf16[8192,8192], bf16[8192,8192]) {",
+      "  %p = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) parameter(0)",
+      "  %x = bf16[8192,8192]{1,0} get-tuple-element(%p), index=0",
+      "  %y = bf16[8192,8192]{1,0} get-tuple-element(%p), index=1", "  %on = pred[] parameter(1)", gemm,
+      "  %e = bf16[8192,8192]{1,0} conditional(%on, %x, %x), true_computation=%taken, false_computation=%skipped, "
+      'metadata={op_name="jit(step)/branch_runs_4_of_10/cond"}',
+      "  ROOT %t = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) tuple(%e, %y)", "}",
+      "%cond (p: (bf16[8192,8192], bf16[8192,8192])) -> pred[] {",
+      "  %p = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) parameter(0)", "  ROOT %c = pred[] constant(true)", "}",
+      "ENTRY %main () -> bf16[8192,8192] {", "  %x = bf16[8192,8192]{1,0} parameter(0)",
+      "  %y = bf16[8192,8192]{1,0} parameter(1)", "  %init = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) tuple(%x, %y)",
+      "  ROOT %w = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) while(%init), condition=%cond, body=%body, "
+      'backend_config={"known_trip_count":{"n":"10"}}', "}"])
+  walk = predict.Walk(hlo.Program(text))
+  got = predict.predict(walk, ONE_NODE)
+  assert got.step_s == pytest.approx(14 * _gemm_seconds(8192, 8192, 8192))
+  assert sum(r["seconds"] for r in predict.time_by_op(walk, got) if r["exposed"]) == pytest.approx(got.step_s)
+
+
 def _host_seconds(nbytes: float) -> float:
   """A copy to or from pinned host memory: its bytes at the host link x the rate."""
   return nbytes / (H100.facts.host_gb_s * 1e9 * RATES["host"])
