@@ -106,6 +106,10 @@ STACKED_ROW_SCOPE = "reads_one_row_of_{}"
 # in (a pipeline's segments off the stages, ember/trainer/pipelined.py: on M of a pass's MV + S - 1 ticks, one
 # stage's): the compile report counts them that share of the conditional's runs (ember/program/hlo.py).
 RUNS_OF_SCOPE = "branch_runs_{}_of_{}"
+# The name scope around a pipeline tick's backward work that autodiff does not name (1F1B takes each chunk's VJP by
+# hand and adds its cotangents into the stage's accumulators, ember/trainer/pipelined.py): the compile report counts
+# it in the backward pass, as JAX's `transpose(` names say of autodiff's (ember/program/cost.py, `pass_of`).
+BACKWARD_SCOPE = "backward_tick"
 AUX_KEYS = (MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS, MOE_DROPPED_TOKENS, MOE_ROUTED_TOKENS, MOE_OVERFLOW_TOKENS,
             MOE_SEQ_BALANCE_LOSS)
 

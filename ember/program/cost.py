@@ -23,7 +23,7 @@ import dataclasses
 
 from ember import hardware
 from ember.hardware import DeviceFacts, Rates
-from ember.names import EXPERT_GEMM_SCOPE, HADAMARD_SCOPE
+from ember.names import BACKWARD_SCOPE, EXPERT_GEMM_SCOPE, HADAMARD_SCOPE
 from ember.program import hlo
 from ember.quant.recipe import BF16  # Attention's precision: the compute dtype's.
 
@@ -147,13 +147,13 @@ def largest_values(p: hlo.Program) -> list[dict]:
 
 def pass_of(op_name: str) -> str:
   """The pass a kernel belongs to, from its op name: `remat` (a checkpointed forward run again in the backward
-  pass), `bwd` (JAX's transpose of the forward: every cotangent and custom-VJP backward rule), `unnamed` (no op
-  name to tell by), else `fwd`."""
+  pass), `bwd` (JAX's transpose of the forward: every cotangent and custom-VJP backward rule; and a pipeline
+  tick's backward work around the VJP it takes, BACKWARD_SCOPE), `unnamed` (no op name to tell by), else `fwd`."""
   if not op_name:
     return UNNAMED
   if hlo.RECOMPUTE_SCOPE in op_name:
     return REMAT
-  return BACKWARD if "transpose(" in op_name else FORWARD
+  return BACKWARD if "transpose(" in op_name or BACKWARD_SCOPE in op_name else FORWARD
 
 
 # Primitives that only wrap a kernel (a Pallas kernel inside a custom partitioning): named by the scope around them.

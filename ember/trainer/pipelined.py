@@ -40,8 +40,9 @@ from ember.layers.attention import attention_bias
 from ember.layers.decoder import TABLE, keys_of, run_where
 from ember.layers.embed import add_token_gradients
 from ember.layers.mtp import depth_inputs as mtp_inputs
-from ember.names import (AUX_KEYS, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS, MOE_ROUTER_Z_LOSS,
-                         MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, RUNS_OF_SCOPE, SEGMENT_IDS, TARGETS, VOCAB)
+from ember.names import (AUX_KEYS, BACKWARD_SCOPE, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS,
+                         MOE_ROUTER_Z_LOSS, MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, RUNS_OF_SCOPE, SEGMENT_IDS,
+                         TARGETS, VOCAB)
 from ember.parallel import axes, context, pipeline
 from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant import health
@@ -491,24 +492,26 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
         aux = {k: acc + take(on_last, a[k]).astype(F32) if k in a else acc for k, acc in aux.items()}
       losses = losses + take(at_head, jnp.stack([total, *parts, *ahead]).astype(F32))
     if backwards:
-      b, v_b, has_b = unit(pipeline.backward_unit, tau)
-      slot = slot_of[pipeline.forward_index(b, v_b, stages, virtual)]
-      sources = jax.tree.leaves((*chunk(v_b), stage_blocks, attention_bias(segment_ids[b], x_zero.dtype)))
-      kept = iter(buf[slot] for buf in ring)
-      vjp = jax.tree.unflatten(structure["treedef"], [next(kept) if i is None else sources[i]
-                                                       for i in structure["fixed"]])
-      dy = returned if dy_head is None else jnp.where(last & (v_b == virtual - 1), dy_head, returned)
-      d_state, dx = vjp((dy, aux_cotangent))
-      ran = (has_b, *(has_b & e for e in edge_runs(v_b)))  # The chunk's rows; the segments before and after them.
-      grads = _add_stage_rows(grads, d_state[0], v_b, ran, lambda acc, d: acc + d.astype(F32), staged)
-      quant = _add_stage_rows(quant, d_state[1], v_b, ran, lambda acc, d: jnp.maximum(acc, d.astype(F32)), staged)
-      if stat is not None:
-        stat = _add_stage_rows(stat, d_state[2], v_b, ran, lambda acc, d: health.combine(acc, d.astype(F32)), staged)
-      first = has_b & (stage == 0) & (v_b == 0)  # dx: the gradient of micro-batch b's embedding.
-      grads = _with_embedding_gradient(grads, inputs[b], dx, first)
-      returned = take(has_b, dx)
-      if not send_next_tick:
-        returned = pipeline.to_previous_stage(returned, stages, ring=ring_order)
+      # Outside the VJP too (the cotangents' accumulation), named as the backward pass's for the compile report.
+      with jax.named_scope(BACKWARD_SCOPE):
+        b, v_b, has_b = unit(pipeline.backward_unit, tau)
+        slot = slot_of[pipeline.forward_index(b, v_b, stages, virtual)]
+        sources = jax.tree.leaves((*chunk(v_b), stage_blocks, attention_bias(segment_ids[b], x_zero.dtype)))
+        kept = iter(buf[slot] for buf in ring)
+        vjp = jax.tree.unflatten(structure["treedef"], [next(kept) if i is None else sources[i]
+                                                         for i in structure["fixed"]])
+        dy = returned if dy_head is None else jnp.where(last & (v_b == virtual - 1), dy_head, returned)
+        d_state, dx = vjp((dy, aux_cotangent))
+        ran = (has_b, *(has_b & e for e in edge_runs(v_b)))  # The chunk's rows; the segments before and after them.
+        grads = _add_stage_rows(grads, d_state[0], v_b, ran, lambda acc, d: acc + d.astype(F32), staged)
+        quant = _add_stage_rows(quant, d_state[1], v_b, ran, lambda acc, d: jnp.maximum(acc, d.astype(F32)), staged)
+        if stat is not None:
+          stat = _add_stage_rows(stat, d_state[2], v_b, ran, lambda acc, d: health.combine(acc, d.astype(F32)), staged)
+        first = has_b & (stage == 0) & (v_b == 0)  # dx: the gradient of micro-batch b's embedding.
+        grads = _with_embedding_gradient(grads, inputs[b], dx, first)
+        returned = take(has_b, dx)
+        if not send_next_tick:
+          returned = pipeline.to_previous_stage(returned, stages, ring=ring_order)
     return (received, returned, ring, (grads, quant, stat, aux, losses, shares)), None
 
   def ticks(carry, start, length, **passes):

@@ -312,25 +312,29 @@ def test_ragged_dot_expanded_by_the_gpu_compiler_shows_as_eight_times_the_work()
 
 
 def test_memory_by_op_groups_the_memory_term_by_op_and_pass():
-  """A hand-written program: two forward kernels of one op, one backward, one recomputed; the rows add up to the
-  memory term, largest first, and name each op by its last part and its pass."""
+  """A hand-written program: two forward kernels of one op, one backward, one recomputed, one of a pipeline tick's
+  backward work outside autodiff (BACKWARD_SCOPE); the rows add up to the memory term, largest first, and name each
+  op by its last part and its pass."""
   op = lambda name: f'metadata={{op_name="jit(f)/{name}"}}'
   text = f"""HloModule m
 
-ENTRY %main (a: f32[1024], b: f32[256]) -> (f32[1024], f32[1024], f32[256], f32[256]) {{
+ENTRY %main (a: f32[1024], b: f32[256], d: f32[512]) -> (f32[1024], f32[1024], f32[256], f32[256]) {{
   %a = f32[1024]{{0}} parameter(0)
   %b = f32[256]{{0}} parameter(1)
+  %d = f32[512]{{0}} parameter(2)
+  %w = f32[512]{{0}} log(%d), {op("shard_map/while/body/backward_tick/dynamic_update_slice")}
   %x = f32[1024]{{0}} negate(%a), {op("jvp()/quantize/convert_element_type")}
   %y = f32[1024]{{0}} abs(%a), {op("jvp()/quantize/convert_element_type")}
   %z = f32[256]{{0}} exponential(%b), {op("transpose(jvp())/quantize/reduce_max")}
   %r = f32[256]{{0}} sine(%b), {op("transpose(jvp())/checkpoint/rematted_computation/sin")}
   %c = f32[256]{{0}} cosine(%b)
-  ROOT %t = (f32[1024]{{0}}, f32[1024]{{0}}, f32[256]{{0}}, f32[256]{{0}}, f32[256]{{0}}) tuple(%x, %y, %z, %r, %c)
+  ROOT %t = (f32[1024]{{0}}, f32[1024]{{0}}, f32[256]{{0}}, f32[256]{{0}}, f32[256]{{0}}, f32[512]{{0}}) tuple(%x, %y, %z, %r, %c, %w)
 }}"""
   p = hlo.Program(text)
   rows = cost.memory_by_op(p)
   # A kernel with no op name (XLA's own: a combined gradient reduce-scatter, a copy) is of no pass it can name.
   assert rows == [{"op": "convert_element_type", "pass": "fwd", "bytes": 2 * 2 * 1024 * 4},
+                  {"op": "dynamic_update_slice", "pass": "bwd", "bytes": 2 * 512 * 4},
                   {"op": "reduce_max", "pass": "bwd", "bytes": 2 * 256 * 4},
                   {"op": "sin", "pass": "remat", "bytes": 2 * 256 * 4},
                   {"op": "(cosine)", "pass": "unnamed", "bytes": 2 * 256 * 4}]
