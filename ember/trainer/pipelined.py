@@ -85,13 +85,13 @@ def _staged_rows(key: str) -> bool:
 
 def _run_stage(model, staged: int, x, segment_ids, positions, key, policy: remat.Preset, bias, *, first, last,
                runs: tuple[int, int], moe_plan=None, taken=None, **rows):
-  """A stage's pass over a micro-batch: the segments before the staged one where `first` (stage 0's first chunk,
-  on a micro-batch), the stage's rows of the staged segment (`rows`: Segment's `block_ids` and `rows_at`), the
-  segments after it where `last` (the last stage's last chunk, on a micro-batch). (y, aux: the MoE sums and the
-  per-layer values, the staged rows' under `BY_LAYER` keys and the others' under FRONT and BACK ones, zeros where
-  they did not run.) The segments off the stages run under a `cond`: a stage that has none of them skips their
-  work, and the stage that has them runs them on `runs` = (M, of a pass's ticks) of its passes, which the
-  `cond`'s name scope tells the compile report (RUNS_OF_SCOPE)."""
+  """A stage's pass over a micro-batch: the segments before the staged one where `first` (stage 0's first chunk),
+  the stage's rows of the staged segment (`rows`: Segment's `block_ids` and `rows_at`), the segments after it
+  where `last` (the last stage's last chunk). (y, aux: the MoE sums and the per-layer values, the staged rows' under
+  `BY_LAYER` keys and the others' under FRONT and BACK ones, zeros where they did not run.) The segments off the
+  stages run under a `cond`: a stage that has none of them skips their work, and the stage that has them runs them
+  in `runs` = (R, of N) of its passes (1F1B: on a micro-batch's ticks only), which the `cond`'s name scope tells
+  the compile report (RUNS_OF_SCOPE)."""
   def edge(indices, on, x_, prefix):
     if not indices:
       return x_, {}
@@ -216,10 +216,12 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
   block_ids = jax.lax.dynamic_slice_in_dim(_rolled_ids(segment.block_ids, cfg), stage * per_stage, per_stage)
   inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
 
-  def run(layers, x, segs, i, key, valid):
+  def run(layers, x, segs, i, key):
+    # The segments off the stages run in every iteration of their stage, a micro-batch's or not (its result is
+    # dropped after): a predicate that varied by iteration made this program slower and 2 GiB larger.
     return _run_stage(layers, staged, x, segs, positions[i], key, policy, attention_bias(segs, x.dtype),
-                      first=(stage == 0) & valid, last=(stage == stages - 1) & valid, runs=(m, len(t_T)),
-                      moe_plan=moe_plan, taken=taken_once, block_ids=block_ids)
+                      first=stage == 0, last=stage == stages - 1, runs=(len(t_T), len(t_T)), moe_plan=moe_plan,
+                      taken=taken_once, block_ids=block_ids)
 
   def iteration(carry, xs):
     received, aux = carry
@@ -228,14 +230,14 @@ def _loss(params, quant_state, stats, micro, keys, count, *, graphdef, cfg: Sett
     i = jnp.clip(t - stage, 0, m - 1)
     x = jnp.where(stage == 0, layers.embed(inputs[i]), received)
     segs = jnp.where(valid, segment_ids[i], 0)  # Nothing to run: padding, which the layers map to zeros.
-    y, a = run(layers, x, segs, i, keys[i], valid)
+    y, a = run(layers, x, segs, i, keys[i])
     keep = lambda v: jnp.where(valid, v, jnp.zeros_like(v))
     y = shard(keep(y), ACTIVATION)
     aux = jax.tree.map(lambda acc, v: acc + keep(v).astype(F32), aux, a)
     return (pipeline.to_next_stage(y, stages), aux), y
 
   x0 = jax.eval_shape(model.embed, inputs[0])
-  _, a0 = jax.eval_shape(lambda x: run(model, x, segment_ids[0], 0, None, True), x0)
+  _, a0 = jax.eval_shape(lambda x: run(model, x, segment_ids[0], 0, None), x0)
   aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, F32), a0)
   (_, aux), ys = jax.lax.scan(iteration, (jnp.zeros(x0.shape, x0.dtype), aux0), (t_T, quant_T, stats_T, valid_T))
   # The last stage's outputs are those of its iterations S - 1, ..., S + M - 2: micro-batches 0, ..., M - 1.
