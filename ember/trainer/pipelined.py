@@ -344,9 +344,10 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     return (stage == 0) & (v == 0), last & (v == virtual - 1)
 
   def run_forward(x, f, v, has):
-    """The forward pass of micro-batch f through chunk v (`has`: whether the tick has one): (y, aux, the VJP's leaves kept in the ring). The VJP's
-    structure and, for each of its leaves, the index of the chunk's state or kernel amax it is (None: kept) go to
-    `structure`, the same at every tick (a backward-only tick has no forward pass to read them from)."""
+    """The forward pass of micro-batch f through chunk v (`has`: whether the tick has one): (y, aux, the VJP's
+    leaves kept in the ring). The VJP's structure and, for each of its leaves, the index of the chunk's state or
+    kernel amax it is (None: kept) go to `structure`, the same at every tick (a backward-only tick has no forward
+    pass to read them from)."""
     state, amaxes = chunk(v)
     # Stage 0's first chunk starts from the embedding, looked up outside the VJP: its gradient is the input's,
     # added into the table's rows where the chunk's backward pass ends (`_with_embedding_gradient`).

@@ -146,7 +146,8 @@ def test_a_conditional_named_with_its_runs_takes_its_branch_that_many_times():
       "%cond (p: (bf16[8192,8192], bf16[8192,8192])) -> pred[] {",
       "  %p = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) parameter(0)", "  ROOT %c = pred[] constant(true)", "}",
       "ENTRY %main () -> bf16[8192,8192] {", "  %x = bf16[8192,8192]{1,0} parameter(0)",
-      "  %y = bf16[8192,8192]{1,0} parameter(1)", "  %init = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) tuple(%x, %y)",
+      "  %y = bf16[8192,8192]{1,0} parameter(1)",
+      "  %init = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) tuple(%x, %y)",
       "  ROOT %w = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) while(%init), condition=%cond, body=%body, "
       'backend_config={"known_trip_count":{"n":"10"}}', "}"])
   walk = predict.Walk(hlo.Program(text))
