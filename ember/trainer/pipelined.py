@@ -350,8 +350,10 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     pass to read them from)."""
     state, amaxes = chunk(v)
     # Stage 0's first chunk starts from the embedding, looked up outside the VJP: its gradient is the input's,
-    # added into the table's rows where the chunk's backward pass ends (`_with_embedding_gradient`).
-    x = jnp.where((stage == 0) & (v == 0), lookup(inputs[f]), x)
+    # added into the table's rows where the chunk's backward pass ends (`_with_embedding_gradient`). Looked up on
+    # the micro-batches' ticks alone, under a `cond` (the other stages and ticks skip the lookup and its exchange).
+    with jax.named_scope(RUNS_OF_SCOPE.format(m, pipeline.iterations(m * virtual, stages))):
+      x = jax.lax.cond(has & (stage == 0) & (v == 0), lambda x_: lookup(inputs[f]).astype(x_.dtype), lambda x_: x_, x)
     bias = attention_bias(segment_ids[f], x.dtype)
     # Differentiated: the chunk's rows and the segments off the stages, not the leaves outside the layers.
     rows_only = tuple(map(_layer_leaves, state))
@@ -597,7 +599,9 @@ def _with_embedding_gradient(grads, tokens_BxL, dx_BxLxD, on):
   """`grads` with the gradient of one micro-batch's embedding lookup added to the table's, where `on` (stage 0, as
   the backward pass of a micro-batch's first chunk ends): each token's gradient into its row, in the table's own
   layout and in float32 (layers/embed.py's `add_token_gradients`). Kept instead for a transpose after the loop, the
-  step's input gradients were [M, B, L, D] on every stage (4 GiB a device on llama3_70b's planner layout)."""
+  step's input gradients were [M, B, L, D] on every stage (4 GiB a device on llama3_70b's planner layout). Masked,
+  not under a `cond` as the lookup is: a `cond` in the backward tick kept XLA from overlapping the tick's
+  collectives across it (Bridge's llama3_70b layout, docs/parallelism.md: 0.4 s a step later predicted)."""
   def add(path, g):
     if keys_of(path) != TABLE:
       return g
