@@ -321,6 +321,9 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
   stage_blocks = nnx.split(whole.segments[staged].blocks)[1]
   inputs, segment_ids, positions = micro[INPUTS], micro[SEGMENT_IDS], micro[POSITIONS]
   unit = lambda fn, tau: fn(tau, stage, m, stages, virtual)
+  # Stage 0's and the last stage's own work runs in M of each pass's MV + S - 1 ticks: the share the compile report
+  # is told for the `cond`s around it (RUNS_OF_SCOPE).
+  edge_share = (m, pipeline.iterations(m * virtual, stages))
 
   def chunk(v):
     """Chunk v's (train state, what the step made once for its projections: `linear.once_a_step`): the stage's rows
@@ -334,8 +337,7 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     block_ids = jax.lax.dynamic_slice_in_dim(all_block_ids, (v * stages + stage) * rows, rows)
     first, last_ = (has & e for e in edge_runs(v))
     y, a = _run_stage(model, staged, x, segment_ids[f], positions[f], keys[f], policy, bias, first=first,
-                      last=last_, runs=(m, pipeline.iterations(m * virtual, stages)), moe_plan=moe_plan,
-                      taken=amaxes, block_ids=block_ids,
+                      last=last_, runs=edge_share, moe_plan=moe_plan, taken=amaxes, block_ids=block_ids,
                       rows_at=(stage_blocks, v * rows))
     return shard(y, ACTIVATION), a
 
@@ -352,8 +354,8 @@ def _one_f_one_b(params, quant_state, stats, micro, keys, count, *, graphdef, cf
     # Stage 0's first chunk starts from the embedding, looked up outside the VJP: its gradient is the input's,
     # added into the table's rows where the chunk's backward pass ends (`_with_embedding_gradient`). Looked up on
     # the micro-batches' ticks alone, under a `cond` (the other stages and ticks skip the lookup and its exchange).
-    with jax.named_scope(RUNS_OF_SCOPE.format(m, pipeline.iterations(m * virtual, stages))):
-      x = jax.lax.cond(has & (stage == 0) & (v == 0), lambda x_: lookup(inputs[f]).astype(x_.dtype), lambda x_: x_, x)
+    with jax.named_scope(RUNS_OF_SCOPE.format(*edge_share)):
+      x = jax.lax.cond(has & (stage == 0) & (v == 0), lambda _: lookup(inputs[f]), lambda x_: x_, x)
     bias = attention_bias(segment_ids[f], x.dtype)
     # Differentiated: the chunk's rows and the segments off the stages, not the leaves outside the layers.
     rows_only = tuple(map(_layer_leaves, state))
