@@ -3,7 +3,7 @@
 128 value dims a head), the first 3 layers dense (SwiGLU 18432), the other 58 MoE: 256 routed experts of 2048 in 8
 groups, top-8 within the best 4 groups (node-limited routing), sigmoid scores with the aux-loss-free bias and a
 routed scaling of 2.5, one shared expert; one multi-token-prediction module (weight 0.3), vocab 129280; weights
-drawn with std 0.006, the report's (section 4.2; ember scales the output projections' by depth on top).
+drawn with std 0.006, the report's (section 4.2; ember's rule then scales the output projections' std by depth).
 Megatron-Bridge trains it on 1,024 H100s (FP8, batch 8,192 x 4,096); `ember.tools.plan --target=h100x1024` picks
 ember's layout (docs/deepseek.md, "Planning deepseek_v3 on 1,024 H100s")."""
 MODEL = dict(name="deepseek_v3", num_layers=61, d_model=7168, num_heads=128, num_kv_heads=128, d_ff=2048,
