@@ -70,6 +70,14 @@ def test_the_loop_pipelining_flags_a_step_can_switch_off_are_those_the_launch_fi
   assert xla_flags.loop_pipelining_note(sourced("1"), scanned_layers=True, stages=1) is None
 
 
+def test_a_steps_default_options_yield_to_xla_flags():
+  """xla_flags.STEP_DEFAULTS go into a step's compile unless XLA_FLAGS sets the option, either way."""
+  option = "xla_gpu_enable_dus_accumulator_zero_init_elimination"
+  assert xla_flags.step_defaults("") == xla_flags.STEP_DEFAULTS and xla_flags.STEP_DEFAULTS[option] is True
+  assert xla_flags.step_defaults(f"--xla_gpu_enable_latency_hiding_scheduler=true --{option}=false") == {}
+  assert option in xla_flags.step_defaults(f"--{option}_not=false")
+
+
 def test_warnings_are_process_zeros_whichever_launcher_started_it(monkeypatch, capsys):
   """Under SLURM (no EMBER_PROCESS_ID) only task 0 warns; once the job is joined JAX's index decides."""
   from ember import errors

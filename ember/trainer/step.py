@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ from ember.trainer.objective import (forward_loss, merged_model, micro_batches, 
                                      replicas_first, summed_over_replicas)
 from ember.trainer.state import (TrainState, replica_axes, replica_specs, replica_splits, split_over_replicas,
                                  stats_inputs, step_key)
-from ember.xla_flags import loop_pipelining_off
+from ember.xla_flags import loop_pipelining_off, step_defaults
 
 F32 = jnp.float32
 
@@ -274,9 +275,13 @@ def jit_train_step(cfg: Settings, mesh: Mesh, graphdef, tx, schedule, shardings,
 
 
 def step_compiler_options(cfg: Settings, mesh: Mesh) -> dict[str, bool]:
-  """The XLA options `jit_train_step` compiles the step of `cfg` on `mesh` with: on GPUs, the loop-pipelining flags
-  that cost this step switched off (xla_flags.loop_pipelining_off); none elsewhere."""
-  return loop_pipelining_off(cfg.model.scan_layers, pipeline.stages(mesh)) if target_platform() == "gpu" else {}
+  """The XLA options `jit_train_step` compiles the step of `cfg` on `mesh` with: on GPUs, ember's defaults that
+  XLA_FLAGS leaves unset (xla_flags.step_defaults) and the loop-pipelining flags that cost this step switched off
+  (xla_flags.loop_pipelining_off); none elsewhere."""
+  if target_platform() != "gpu":
+    return {}
+  return step_defaults(os.environ.get("XLA_FLAGS", "")) | loop_pipelining_off(cfg.model.scan_layers,
+                                                                                pipeline.stages(mesh))
 
 
 def eval_step(state: TrainState, batch, *, graphdef, cfg: Settings, batch_shards: int,

@@ -901,3 +901,19 @@ def test_a_compile_schedules_under_a_runs_memory_limit(monkeypatch):
   assert live == r["argument_bytes"], (live, r["argument_bytes"])
   assert r["xla_flags"]["compiler_options"]["xla_gpu_memory_limit_slop_factor"] == \
       target_lib.scheduler_memory_options(target.device_memory_bytes, live)["xla_gpu_memory_limit_slop_factor"]
+
+
+def test_a_scans_stacked_outputs_are_allocated_not_zeroed(tmp_path):
+  """Scanned layers under `full` stack each layer's input for the backward pass, and each weight's gradient, a slot
+  an iteration, every slot written before it is read. The step compiles with xla_flags.STEP_DEFAULTS, under which
+  XLA allocates those buffers unwritten (an `AllocateBuffer`, no kernel) rather than zeroing them first; the report
+  lists the option."""
+  path = tmp_path / "step.hlo"
+  cfg = loaded(["compile", *TINY, "--config.remat.policy=full", "--config.mesh.fsdp=8"])
+  r = compile_report(cfg, target_lib.parse("h100x8"), hlo_out=str(path))
+  assert r["xla_flags"]["compiler_options"]["xla_gpu_enable_dus_accumulator_zero_init_elimination"] is True
+  layers = cfg.model.num_layers
+  allocated = [i.shape for i in hlo.Program(path.read_text()).instructions
+               if i.opcode == "custom-call" and i.attribute("custom_call_target") == "AllocateBuffer"]
+  assert any(s.startswith(f"bf16[{layers},") for s in allocated), allocated  # The layers' saved inputs.
+  assert any(s.startswith(f"f32[{layers},") for s in allocated), allocated  # Their weights' gradients.
