@@ -10,13 +10,14 @@ it), and JAX's default device answers otherwise. An outright `on_platform` wins 
 inside it.
 
 `divides_exactly` checks on a device that the XLA options ember's numerics rely on (ember/xla_flags.py) took
-effect.
+effect; `knows_compile_option` whether this JAX's XLA has an option at all.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import jax
 import numpy as np
@@ -96,3 +97,18 @@ def divides_exactly(device) -> bool:
   a, b = np.random.default_rng(0).uniform(0.1, 10.0, (2, 4096)).astype(np.float32)
   got = jax.jit(lambda x, y: x / y)(jax.device_put(a, device), jax.device_put(b, device))
   return bool(np.array_equal(np.asarray(got), a / b))
+
+
+@functools.cache
+def knows_compile_option(option: str, value) -> bool:
+  """Whether this JAX's XLA takes the compile option `option` (set to `value`): a jit handed an option its XLA
+  does not have fails to compile ("No such compile option"), and ember's step defaults (xla_flags.STEP_DEFAULTS)
+  are newer than some JAX releases ember installs with. Asked by compiling the identity on the default backend:
+  every XLA backend reads the same table of options."""
+  try:
+    jax.jit(lambda x: x, compiler_options={option: value}).lower(np.float32(0)).compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "No such compile option" in str(e):
+      return False
+    raise
+  return True

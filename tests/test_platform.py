@@ -76,6 +76,9 @@ def test_a_steps_default_options_yield_to_xla_flags():
   assert xla_flags.step_defaults("") == xla_flags.STEP_DEFAULTS and xla_flags.STEP_DEFAULTS[option] is True
   assert xla_flags.step_defaults(f"--xla_gpu_enable_latency_hiding_scheduler=true --{option}=false") == {}
   assert option in xla_flags.step_defaults(f"--{option}_not=false")
+  # And a step asks whether its XLA has the option before taking it: an older one fails the compile over it.
+  assert platform.knows_compile_option(option, True)
+  assert not platform.knows_compile_option("xla_gpu_an_option_no_xla_has", True)
 
 
 def test_warnings_are_process_zeros_whichever_launcher_started_it(monkeypatch, capsys):

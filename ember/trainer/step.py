@@ -20,7 +20,7 @@ from ember.parallel import axes as axes_lib
 from ember.parallel import mesh as mesh_lib
 from ember.parallel import pipeline
 from ember.parallel.sharding import active_mesh, active_rules
-from ember.platform import target_platform
+from ember.platform import knows_compile_option, target_platform
 from ember.quant import health
 from ember.trainer.loss import HeadOnce, read_once, token_count, with_head_gradient
 from ember.trainer.optimizer import learning_rate_schedule
@@ -280,8 +280,9 @@ def step_compiler_options(cfg: Settings, mesh: Mesh) -> dict[str, bool]:
   (xla_flags.loop_pipelining_off); none elsewhere."""
   if target_platform() != "gpu":
     return {}
-  return step_defaults(os.environ.get("XLA_FLAGS", "")) | loop_pipelining_off(cfg.model.scan_layers,
-                                                                                pipeline.stages(mesh))
+  defaults = {option: value for option, value in step_defaults(os.environ.get("XLA_FLAGS", "")).items()
+              if knows_compile_option(option, value)}  # An older XLA than the option's: left out.
+  return defaults | loop_pipelining_off(cfg.model.scan_layers, pipeline.stages(mesh))
 
 
 def eval_step(state: TrainState, batch, *, graphdef, cfg: Settings, batch_shards: int,
