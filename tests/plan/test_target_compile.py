@@ -589,6 +589,23 @@ def test_unrolled_layers_read_their_parameters_where_they_lie():
   assert not [x for x in r["memory_by_op"] if x["op"] == "unstack"], r["memory_by_op"]
 
 
+def test_a_current_scaling_amax_reads_the_tensor_where_it_lies(tmp_path):
+  """tiny, 4 layers unrolled, fp8_current under llama3_8b's `minimal_quantized`, h100x8. An amax taken over the
+  whole tensor at once had XLA write |x| out (a `select_n`, NaN as Inf) for each activation the backward pass
+  recomputes, and reduce that copy; taken row by row first (quant/quantizers.py, `tensor_amax`) the reduction
+  reads the tensor itself. No kernel under `quantize_activation` writes a tensor-sized |x|."""
+  path = tmp_path / "step.hlo"
+  compile_report(loaded(["compile", *TINY, "--config.model.num_layers=4", "--config.model.scan_layers=false",
+                         "--config.quant.recipe=fp8_current", "--config.remat.policy=minimal_quantized",
+                         "--config.train.batch_size=8"]), target_lib.parse("h100x8"), hlo_out=str(path))
+  p = hlo.Program(path.read_text())
+  kernels = [p.by_name[k.name] for k in hlo.memory_kernels(p)]
+  assert [i for i in kernels if "quantize_activation" in i.op_name]  # The census sees the amax passes at all.
+  magnitudes = [i.shape for i in kernels if "quantize_activation" in i.op_name and i.op_name.endswith("select_n")
+                and not re.match(r"\w+\[\]", i.shape)]
+  assert not magnitudes, magnitudes
+
+
 def test_a_delayed_scaling_gradient_is_cast_once_and_transposed_in_fp8(tmp_path):
   """fp8_delayed: a gradient is quantized once, row-major for dgrad, the amax taken in the same kernel; wgrad's copy,
   contracting the rows, is that E5M2 data transposed (quant/core.py). Left to itself XLA casts the bf16 gradient
