@@ -589,21 +589,41 @@ def test_unrolled_layers_read_their_parameters_where_they_lie():
   assert not [x for x in r["memory_by_op"] if x["op"] == "unstack"], r["memory_by_op"]
 
 
-def test_a_current_scaling_amax_reads_the_tensor_where_it_lies(tmp_path):
-  """tiny, 4 layers unrolled, fp8_current under llama3_8b's `minimal_quantized`, h100x8. An amax taken over the
-  whole tensor at once had XLA write |x| out (a `select_n`, NaN as Inf) for each activation the backward pass
-  recomputes, and reduce that copy; taken row by row first (quant/quantizers.py, `tensor_amax`) the reduction
-  reads the tensor itself. No kernel under `quantize_activation` writes a tensor-sized |x|."""
-  path = tmp_path / "step.hlo"
-  compile_report(loaded(["compile", *TINY, "--config.model.num_layers=4", "--config.model.scan_layers=false",
-                         "--config.quant.recipe=fp8_current", "--config.remat.policy=minimal_quantized",
-                         "--config.train.batch_size=8"]), target_lib.parse("h100x8"), hlo_out=str(path))
-  p = hlo.Program(path.read_text())
+@pytest.fixture(scope="module")
+def preset_like_program(tmp_path_factory):
+  """tiny, 4 layers unrolled, fp8_current under llama3_8b's `minimal_quantized`, batch 8, compiled for h100x8: the
+  optimised program (hlo.Program) and its tokens x d_model activation shape."""
+  path = tmp_path_factory.mktemp("preset_like") / "step.hlo"
+  cfg = loaded(["compile", *TINY, "--config.model.num_layers=4", "--config.model.scan_layers=false",
+                "--config.quant.recipe=fp8_current", "--config.remat.policy=minimal_quantized",
+                "--config.train.batch_size=8"])
+  compile_report(cfg, target_lib.parse("h100x8"), hlo_out=str(path))
+  tokens = cfg.train.batch_size * cfg.model.seq_len // 8
+  return hlo.Program(path.read_text()), f"bf16[{tokens},{cfg.model.d_model}]"
+
+
+def test_a_current_scaling_amax_reads_the_tensor_where_it_lies(preset_like_program):
+  """An amax taken over the whole tensor at once had XLA write |x| out (a `select_n`, NaN as Inf) for each
+  activation the backward pass recomputes, and reduce that copy; taken row by row first (quant/quantizers.py,
+  `tensor_amax`) the reduction reads the tensor itself. No kernel under `quantize_activation` writes a
+  tensor-sized |x|."""
+  p, _ = preset_like_program
   kernels = [p.by_name[k.name] for k in hlo.memory_kernels(p)]
   assert [i for i in kernels if "quantize_activation" in i.op_name]  # The census sees the amax passes at all.
   magnitudes = [i.shape for i in kernels if "quantize_activation" in i.op_name and i.op_name.endswith("select_n")
                 and not re.match(r"\w+\[\]", i.shape)]
   assert not magnitudes, magnitudes
+
+
+def test_the_residual_adds_copy_no_residual(preset_like_program):
+  """The residual adds run in the epilogues of the GEMMs that make the other summand; the residual itself is still
+  read after (the backward pass keeps it). Given the residual as a bitcast made for the GEMM, XLA wrote the sum over
+  it in place and copied the residual first, every add; given one [tokens, D] value with two readers
+  (layers/decoder.py, `_residual_rows`), the GEMM writes the sum out of place: no activation-sized copy."""
+  p, activation = preset_like_program
+  copies = [k.name for k in hlo.memory_kernels(p)
+            if p.by_name[k.name].opcode == "copy" and p.by_name[k.name].shape.startswith(activation + "{")]
+  assert not copies, copies
 
 
 def test_a_delayed_scaling_gradient_is_cast_once_and_transposed_in_fp8(tmp_path):
