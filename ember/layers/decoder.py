@@ -38,7 +38,7 @@ from ember.config.model import ModelConfig
 from ember.names import (AUX_KEYS, BATCH, BLOCK, BY_LAYER, EDGE_LAYERS, EMBED, LAYERS, LENGTH, LM_HEAD,
                          MOE_EXPERT_LOADS, MOE_LAYER_COUNTS, RESIDUAL, VOCAB)
 from ember.parallel import context
-from ember.parallel.sharding import shard
+from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard
 from ember.quant import dot
 from ember.quant.recipe import Recipe
 
@@ -74,18 +74,18 @@ class DecoderLayer(nnx.Module):
     # The attention and MLP projections take their input on the residual stream's split (a sequence-parallel
     # share of the tokens) and gather it where their GEMMs read it, after quantizing under the per-tensor recipes
     # (layers/linear.py's `_sequence_parallel_axes`); an MoE block's routing takes its tokens whole on a tensor group.
-    x_TxD = _residual_rows(x_BxLxD)
-    a_BxLxD = self.attn(_unflatten(self.attn_norm(x_TxD), x_BxLxD), segment_ids_BxL, positions_BxL, key, bias,
+    x_rows = _residual_rows(x_BxLxD)
+    a_BxLxD = self.attn(self.attn_norm(x_rows).reshape(x_BxLxD.shape), segment_ids_BxL, positions_BxL, key, bias,
                         handed(taken, "attn"))
-    h_BxLxD = shard(_unflatten(x_TxD + _flatten(a_BxLxD), x_BxLxD), RESIDUAL)
+    h_BxLxD = shard((x_rows + a_BxLxD.reshape(x_rows.shape)).reshape(x_BxLxD.shape), RESIDUAL)
     h_BxLxD = checkpoint_name(h_BxLxD, remat.ATTENTION_RESIDUAL)
-    h_TxD = _residual_rows(h_BxLxD)
-    normed_BxLxD = _unflatten(self.mlp_norm(h_TxD), h_BxLxD)
+    h_rows = _residual_rows(h_BxLxD)
+    normed_BxLxD = self.mlp_norm(h_rows).reshape(h_BxLxD.shape)
     if self.is_moe:
       y_BxLxD, aux = self.moe(shard(normed_BxLxD, BLOCK), segment_ids_BxL, key, moe_plan, handed(taken, "moe"))
     else:
       y_BxLxD, aux = self.mlp(normed_BxLxD, key, handed(taken, "mlp")), zero_aux()
-    return shard(_unflatten(h_TxD + _flatten(y_BxLxD), h_BxLxD), RESIDUAL), aux
+    return shard((h_rows + y_BxLxD.reshape(h_rows.shape)).reshape(h_BxLxD.shape), RESIDUAL), aux
 
   def decode(self, x_BxTxD, positions_BxT, cache, valid_BxT):
     """The layer on T new tokens per row with a KV cache (Attention.decode); returns (y, cache). Tokens
@@ -99,23 +99,20 @@ class DecoderLayer(nnx.Module):
     return h_BxTxD + y_BxTxD, cache
 
 
-def _flatten(t_BxLxD: jax.Array) -> jax.Array:
-  return t_BxLxD.reshape(-1, t_BxLxD.shape[-1])
-
-
-def _unflatten(t_TxD: jax.Array, like_BxLxD: jax.Array) -> jax.Array:
-  return t_TxD.reshape(like_BxLxD.shape)
-
-
 def _residual_rows(x_BxLxD: jax.Array) -> jax.Array:
-  """The residual stream as [tokens, D] rows, one value behind an optimization barrier that both its norm and the
-  residual add read. Why: XLA adds the residual in the epilogue of the GEMM that makes the other summand
+  """What the residual add and its norm read: the residual stream as [tokens, D] rows, one value behind an
+  optimization barrier. Why: XLA adds the residual in the epilogue of the GEMM that makes the other summand
   (cuBLASLt's C operand). For a [B, L, D] add it first bitcasts the residual to the GEMM's 2-D shape, and that
   fresh bitcast, read once, made it write the sum over the residual in place; the residual is still read after
   (the backward pass keeps it), so XLA copied it every add: 2 x 64 MiB a layer on llama3_8b at 8,192 tokens a GPU.
   Given one 2-D value with two readers, cuBLASLt writes the sum out of place and nothing is copied (llama3_8b's
-  preset at Bridge's batch on 8 H100s: predicted 9.98 -> 9.93 s; docs/performance.md)."""
-  return jax.lax.optimization_barrier(_flatten(x_BxLxD))
+  preset at Bridge's batch on 8 H100s: predicted 9.98 -> 9.93 s; docs/performance.md). Where the residual's length
+  is split (sequence or context parallel) it stays [B, L, D]: rows of several sequences would not keep that split,
+  and GSPMD would gather them."""
+  rules = active_rules()
+  if rules is not None and logical_to_spec(RESIDUAL, rules, active_mesh())[1] is not None:
+    return x_BxLxD
+  return jax.lax.optimization_barrier(x_BxLxD.reshape(-1, x_BxLxD.shape[-1]))
 
 
 class Block(nnx.Module):
