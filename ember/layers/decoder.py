@@ -79,7 +79,8 @@ class DecoderLayer(nnx.Module):
                         handed(taken, "attn"))
     h_BxLxD = shard((x_rows + a_BxLxD.reshape(x_rows.shape)).reshape(x_BxLxD.shape), RESIDUAL)
     h_BxLxD = checkpoint_name(h_BxLxD, remat.ATTENTION_RESIDUAL)
-    h_rows = _residual_rows(h_BxLxD)
+    # An MoE block's output is its combine's, not a GEMM's: no epilogue to keep from writing in place.
+    h_rows = h_BxLxD if self.is_moe else _residual_rows(h_BxLxD)
     normed_BxLxD = self.mlp_norm(h_rows).reshape(h_BxLxD.shape)
     if self.is_moe:
       y_BxLxD, aux = self.moe(shard(normed_BxLxD, BLOCK), segment_ids_BxL, key, moe_plan, handed(taken, "moe"))
