@@ -167,17 +167,21 @@ class Linear(nnx.Module):
         if recipe.quantized and recipe.stats else None
     self.output_error = output_error_input(recipe)
 
-  def __call__(self, x: jax.Array, key: jax.Array | None = None, taken: dict | None = None, view=None) -> jax.Array:
+  def __call__(self, x: jax.Array, key: jax.Array | None = None, taken: dict | None = None, view=None,
+               prologue=None) -> jax.Array:
     """`taken`: what the step hands this projection ({(): Taken}, `handed` by its module), or None. `view`: a
     function of the kernel giving the one the GEMMs read instead, of the same rank and logical axes and of other
-    output sizes (attention's replicated kv heads, layers/attention.py `kv_view`), laid out by those axes; or None."""
+    output sizes (attention's replicated kv heads, layers/attention.py `kv_view`), laid out by those axes; or None.
+    `prologue`: x is the source of what the GEMMs read, `prologue.forward(x)` (quant/dot.py; the MLP's SwiGLU on
+    its gate/up pair, layers/glu.py), made first where x's rows are not flattened; or None."""
     mine = (taken or {}).get((), Taken())
     kernel = self.kernel[...]
     if view is not None:
       kernel = sharding.shard(view(kernel), self.axes)
     out_shape = kernel.shape[len(self.in_shape):]
     k, n = math.prod(self.in_shape), math.prod(out_shape)
-    lead = x.shape[: x.ndim - len(self.in_shape)]
+    read = x.shape if prologue is None else jax.eval_shape(prologue.forward, x).shape
+    lead = read[: len(read) - len(self.in_shape)]
     history = self.amax_history[...] if self.recipe.delayed else None
     stats = None if self.quant_stats is None else self.quant_stats[...]
     error = None if self.output_error is None else self.output_error[...]
@@ -186,6 +190,8 @@ class Linear(nnx.Module):
     if mine.stacked is not None and flat is None and view is None:
       row = dot.KernelRow(mine.stacked.reshape(-1, k, n), mine.index)
     parallel = self._sequence_parallel_axes(lead)
+    if prologue is not None and parallel:
+      x, prologue = prologue.forward(x), None
     if parallel and not dot.keeps_rows(self.recipe):
       # Flattened rows: the tokens gathered first, in x's dtype, where the block's input lies (a device's share of
       # several sequences is no block of the flattened rows).
@@ -193,13 +199,15 @@ class Linear(nnx.Module):
       x = sharding.place(x, sharding.logical_to_spec((BATCH, LENGTH) + self.axes[: len(self.in_shape)], rules, mesh))
       parallel = set()
     rows = lead if parallel else (-1,)
-    y = dot.quantized_matmul(x.reshape(rows + (k,)), kernel, recipe=self.recipe, name=self.name,
+    x = x.reshape(rows + ((k,) if prologue is None else x.shape[len(lead):]))
+    y = dot.quantized_matmul(x, kernel, recipe=self.recipe, name=self.name,
                              history=history, key=projection_key(key, self.name), dtype=self.dtype, stats=stats,
                              error=error, kernel_amax=mine.amax, wgrad_transposed=self._reduced_along_output(),
                              row_axes=self._row_axes() if len(lead) == 2 else (), kernel_row=row,
                              kernel_sharding=self._gemm_kernel_sharding(flat),
                              row_sharding=self._gemm_row_sharding(parallel),
-                             kernel_copies=self._layer_copies(mine.copies) if view is None else None)
+                             kernel_copies=self._layer_copies(mine.copies) if view is None else None,
+                             prologue=prologue)
     if flat is None:
       return self._placed(y.reshape(lead + out_shape), parallel)
     y = self._placed(y.reshape(lead + tuple(flat.shape[i] for i in flat.order)), parallel, flat)

@@ -7,6 +7,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
+from ember.layers.glu import SwiGLU
 from ember.layers.linear import Linear, handed
 from ember.config.model import ModelConfig
 from ember.quant.recipe import Recipe
@@ -31,7 +32,10 @@ class MLP(nnx.Module):
     # The projection's output is saved whole (remat.MLP_WI): saved apart, each half would be a copy of it.
     h_BxLx2xF = self.wi(x_BxLxD, key, handed(taken, "wi"))
     h_BxLx2xF = checkpoint_name(shard(h_BxLx2xF, (BATCH, LENGTH, GATE, MLP_AXIS)), remat.MLP_WI)
-    gate_BxLxF = shard(h_BxLx2xF[:, :, 0], (BATCH, LENGTH, MLP_AXIS))
-    up_BxLxF = shard(h_BxLx2xF[:, :, 1], (BATCH, LENGTH, MLP_AXIS))
-    y_BxLxD = self.wo(jax.nn.silu(gate_BxLxF) * up_BxLxF, key, handed(taken, "wo"))
+    if self.wo.recipe.quantized:  # The down projection quantizes the product: made here, as it lies.
+      gate_BxLxF = shard(h_BxLx2xF[:, :, 0], (BATCH, LENGTH, MLP_AXIS))
+      up_BxLxF = shard(h_BxLx2xF[:, :, 1], (BATCH, LENGTH, MLP_AXIS))
+      y_BxLxD = self.wo(jax.nn.silu(gate_BxLxF) * up_BxLxF, key, handed(taken, "wo"))
+    else:  # Its bf16 GEMM makes the product, and in the backward pass the pair's gradient with it (layers/glu.py).
+      y_BxLxD = self.wo(h_BxLx2xF, key, handed(taken, "wo"), prologue=SwiGLU())
     return checkpoint_name(shard(y_BxLxD, self.wo.block_output()), remat.MLP_WO)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ember.layers import norm_kernel
 from ember.names import NORM
 
 
@@ -13,6 +14,12 @@ class RMSNorm(nnx.Module):
     self.eps, self.dtype = eps, dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+    return norm_kernel.reference(x, self.scale[...], self.eps, self.dtype)
+
+  def residual(self, x: jax.Array, *, read_quantized: bool) -> tuple[jax.Array, jax.Array]:
+    """(x, the norm of x) for the residual stream, whose later reads' gradient then joins the norm's: in one
+    kernel each way where layers/norm_kernel.py's kernels run, else `__call__`. `read_quantized`: a quantizer
+    reads the norm (its forward pass is then XLA's, fused into the quantizer's)."""
+    if norm_kernel.runs(x):
+      return norm_kernel.rms_norm_rows(x, self.scale[...], self.eps, jnp.dtype(self.dtype), not read_quantized)
+    return x, self(x)

@@ -33,7 +33,7 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
                      stats: jax.Array | None = None, error: jax.Array | None = None,
                      kernel_amax: jax.Array | None = None, wgrad_transposed: bool = False,
                      row_axes: tuple[str, ...] = (), kernel_row: KernelRow | None = None, kernel_sharding=None,
-                     row_sharding=None, kernel_copies: dict | None = None):
+                     row_sharding=None, kernel_copies: dict | None = None, prologue=None):
   """x @ w in `recipe`'s format; x's rows may come in several axes ([B, L, K]) where `keeps_rows(recipe)`, and y's
   then do too. `name` is the projection (names its residuals); `history` the
   delayed-scaling amax histories (fp8_delayed only); `key` seeds stochastic rounding (nvfp4).
@@ -48,15 +48,20 @@ def quantized_matmul(x_MxK: jax.Array, w_KxN: jax.Array, *, recipe: Recipe, name
   FSDP axes gathered, `tensor` kept; layers/linear.py): a per-tensor FP8 kernel's data is gathered there itself,
   or None. `row_sharding`: where the GEMMs read the rows of x and of its gradient, kept in several axes (their
   tokens whole over the sequence-parallel axes; layers/linear.py): their FP8 data is gathered there itself, or
-  None. `kernel_copies`: w's quantized copies made once for a step's micro-batches (`kernel_copies`), or None."""
+  None. `kernel_copies`: w's quantized copies made once for a step's micro-batches (`kernel_copies`), or None.
+  `prologue`: x is its source and the GEMMs read `prologue.forward(x)`; an unquantized GEMM makes it in its VJP
+  (quant/unquantized.py), a quantized one first."""
   dtype = jnp.dtype(dtype)
-  assert x_MxK.ndim == 2 or keeps_rows(recipe), (x_MxK.shape, recipe.name)
+  if prologue is not None and recipe.quantized:
+    x_MxK, prologue = prologue.forward(x_MxK), None
+  assert x_MxK.ndim == 2 or keeps_rows(recipe) or prologue is not None, (x_MxK.shape, recipe.name)
   if not recipe.quantized:
     # The kernel cast here, or read from the cast made ahead: its gradient is rounded to the compute dtype, as
     # autodiff of a bf16 dot rounds it.
     w = w_KxN.astype(dtype) if kernel_copies is None else _read_as(w_KxN.dtype, vma_of(w_KxN), w_KxN,
                                                                    kernel_copies[KERNEL])
-    return unquantized_matmul(_contract, x_MxK, w, dtype=dtype, wgrad_dtype=recipe.wgrad_out(w_KxN.dtype))
+    return unquantized_matmul(_contract, x_MxK, w, dtype=dtype, wgrad_dtype=recipe.wgrad_out(w_KxN.dtype),
+                              prologue=prologue)
   # The [3, H] and [3, S] arrays as (x, kernel, grad) rows; autodiff stacks their cotangents back.
   triple = lambda a: None if a is None else (a[0], a[1], a[2])
   # Inside a step's data-parallel shard_map (trainer/step.py) x and its gradient hold one replica's rows: their

@@ -72,9 +72,10 @@ def block_sharded_axes(mesh, shape, block: int) -> tuple:
   """A 2-d operand's (rows, columns) mesh axes, each kept only where its shards hold whole blocks (a partition
   rule's propagation may split blocks unevenly on small tensors; such a dimension is gathered first)."""
   spec = tuple(shape.sharding.spec) + (None,) * (2 - len(shape.sharding.spec))
-  return tuple(s if _whole_blocks(s, n, mesh, block) else None for s, n in zip(spec, shape.shape))
+  return tuple(s if whole_blocks(s, n, mesh, block) else None for s, n in zip(spec, shape.shape))
 
 
-def _whole_blocks(entry, size: int, mesh, block: int) -> bool:
+def whole_blocks(entry, size: int, mesh, block: int) -> bool:
+  """Whether a dimension of `size` split over the mesh axes of PartitionSpec `entry` leaves each shard whole blocks."""
   shards = math.prod(mesh.shape[a] for a in partitioning.entry_axes(entry))
   return size % shards == 0 and (size // shards) % block == 0

@@ -14,6 +14,9 @@ wgrad writes `wgrad_dtype` (Recipe.wgrad_out): the weight's own (float32: under 
 f32 sum, before any rounding) or bfloat16 (the reduction in bf16). Inside `shard_map` a kernel may be
 replicated over axes its rows vary over: its gradient is summed over them (`varying.sum_to`), as shard_map's
 transpose of the implicit broadcast would, since a custom VJP must return a cotangent of its primal's type.
+
+A `prologue` makes x from the operand handed in (the MLP's gate/up pair: layers/glu.py's SwiGLU) inside the VJP,
+so that the backward pass makes x again for wgrad in the same kernel as the source's gradient, after dgrad.
 """
 
 from __future__ import annotations
@@ -34,19 +37,23 @@ Contract = Callable[[jax.Array, jax.Array, "jax.Array | None", Pass, jnp.dtype],
 
 
 def unquantized_matmul(contract: Contract, x: jax.Array, w: jax.Array, groups: jax.Array | None = None, *,
-                       dtype, wgrad_dtype, out_dtype=None) -> jax.Array:
+                       dtype, wgrad_dtype, out_dtype=None, prologue=None) -> jax.Array:
   """x @ w in `dtype` (the compute dtype) as `contract` lays it out, written in `out_dtype` (default `dtype`).
   w comes in its own dtype and is cast to `dtype` inside; its gradient leaves in w's dtype (the LM head hands
-  its float32 parameter, whose gradient is then not rounded to the compute dtype)."""
+  its float32 parameter, whose gradient is then not rounded to the compute dtype). `prologue`: the GEMM reads
+  `prologue.forward(x)`, and the backward pass asks `prologue.backward(x, its gradient)` for (it again, x's
+  gradient) (module doc); None: the GEMM reads x."""
   dtype = jnp.dtype(dtype)
-  types = (jnp.dtype(out_dtype or dtype), jnp.dtype(wgrad_dtype), jnp.dtype(w.dtype), vma_of(x), vma_of(w))
+  types = (jnp.dtype(out_dtype or dtype), jnp.dtype(wgrad_dtype), jnp.dtype(w.dtype), vma_of(x), vma_of(w),
+           prologue)
   return _matmul(contract, types, x.astype(dtype), w, groups)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _matmul(contract, types, x, w, groups):
-  out = types[0]
-  return contract(x, w.astype(x.dtype), groups, "forward", output_dtype(out)).astype(out)
+  out, prologue = types[0], types[5]
+  a = x if prologue is None else prologue.forward(x)
+  return contract(a, w.astype(x.dtype), groups, "forward", output_dtype(out)).astype(out)
 
 
 def _matmul_fwd(contract, types, x, w, groups):
@@ -55,11 +62,14 @@ def _matmul_fwd(contract, types, x, w, groups):
 
 
 def _matmul_bwd(contract, types, res, g):
-  _, wgrad_dtype, w_dtype, x_vma, w_vma = types
+  _, wgrad_dtype, w_dtype, x_vma, w_vma, prologue = types
   x, w, groups = res
   g = g.astype(x.dtype)
   dx = contract(g, w, groups, "dgrad", output_dtype(x.dtype))
-  dw = contract(x, g, groups, "wgrad", output_dtype(wgrad_dtype)).astype(wgrad_dtype)
+  a = x
+  if prologue is not None:
+    a, dx = prologue.backward(x, dx.astype(x.dtype))
+  dw = contract(a, g, groups, "wgrad", output_dtype(wgrad_dtype)).astype(wgrad_dtype)
   return sum_to(dx, x_vma).astype(x.dtype), sum_to(dw, w_vma).astype(w_dtype), None
 
 

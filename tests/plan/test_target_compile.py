@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from ember import remat
+from ember.layers import glu, norm_kernel
 from ember.program import cost, hlo
 from ember.plan import target as target_lib
 from ember.plan import compile as compile_plan
@@ -626,6 +627,19 @@ def test_the_residual_adds_copy_no_residual(preset_like_program):
   assert not copies, copies
 
 
+def test_the_residual_norms_take_their_gradient_in_one_pass(preset_like_program):
+  """Each layer's two residual norms take their backward pass in one kernel (layers/norm_kernel.py), the gradient of
+  the residual's other reads added there: it reads x, dy and dh and writes dx, four activations' bytes and the
+  scale's partial sums. Left to XLA the backward pass read the rows twice more (a row reduction, then the
+  gradient). Under fp8_current quantizers read the norms, so their forward pass stays XLA's (no kernel there)."""
+  p, activation = preset_like_program
+  norms = [p.by_name[k.name] for k in hlo.memory_kernels(p) if norm_kernel.SCOPE in p.by_name[k.name].op_name]
+  assert norms and all("transpose(" in i.op_name for i in norms), [i.op_name for i in norms]
+  assert len(norms) == 2 * 4, len(norms)
+  for i in norms:
+    assert 4 * hlo.nbytes(activation) <= hlo.kernel_traffic(p, i).device <= 4.25 * hlo.nbytes(activation)
+
+
 def test_a_delayed_scaling_gradient_is_cast_once_and_transposed_in_fp8(tmp_path):
   """fp8_delayed: a gradient is quantized once, row-major for dgrad, the amax taken in the same kernel; wgrad's copy,
   contracting the rows, is that E5M2 data transposed (quant/core.py). Left to itself XLA casts the bf16 gradient
@@ -824,9 +838,9 @@ def test_mxfp8_operands_are_quantized_in_one_pass(tmp_path):
     path = tmp_path / f"{target}.hlo"
     compile_report(loaded(["compile", *TINY, "--config.quant.recipe=mxfp8", "--config.remat.policy=none"]),
                    target_lib.parse(target), hlo_out=str(path))
-    kernels = [i for i in hlo.Program(path.read_text()).instructions
-               if i.opcode == "custom-call" and "triton" in (i.attribute("custom_call_target") or "")]
-    assert len(kernels) == 3 * QUANTIZED_PROJECTIONS and all(fused.SCOPE in i.op_name for i in kernels), target
+    kernels = [i for i in hlo.Program(path.read_text()).instructions if i.opcode == "custom-call"
+               and "triton" in (i.attribute("custom_call_target") or "") and fused.SCOPE in i.op_name]
+    assert len(kernels) == 3 * QUANTIZED_PROJECTIONS, target
 
 
 @pytest.mark.parametrize("recipe,scope", [pytest.param("mxfp8", fused.SCOPE, marks=pytest.mark.extended), ("nvfp4", fused_nvfp4.SCOPE)])
@@ -889,9 +903,9 @@ def test_mxfp8_one_pass_runs_where_each_device_quantizes_whole_blocks(tmp_path):
                                      "--config.train.batch_size=16", f"--config.model.d_model={d_model}",
                                      f"--config.model.d_ff={2 * d_model}"]),
                    target_lib.parse("h100x8"), hlo_out=str(path))
-    kernels = [i for i in hlo.Program(path.read_text()).instructions
-               if i.opcode == "custom-call" and "triton" in (i.attribute("custom_call_target") or "")]
-    assert len(kernels) == kernels_wanted and all(fused.SCOPE in i.op_name for i in kernels), (d_model, kernels)
+    kernels = [i for i in hlo.Program(path.read_text()).instructions if i.opcode == "custom-call"
+               and "triton" in (i.attribute("custom_call_target") or "") and fused.SCOPE in i.op_name]
+    assert len(kernels) == kernels_wanted, (d_model, kernels)
 
 
 def test_a_pipelined_all_gather_in_xla_flags_runs_no_forward_twice(tmp_path):
@@ -940,17 +954,37 @@ def test_a_compile_schedules_under_a_runs_memory_limit(monkeypatch):
       target_lib.scheduler_memory_options(target.device_memory_bytes, live)["xla_gpu_memory_limit_slop_factor"]
 
 
-def test_a_scans_stacked_outputs_are_allocated_not_zeroed(tmp_path):
+@pytest.fixture(scope="module")
+def bf16_full_program(tmp_path_factory):
+  """tiny (bf16, scanned) under `full`, FSDP over h100x8: (its config, report, optimised program)."""
+  path = tmp_path_factory.mktemp("bf16_full") / "step.hlo"
+  cfg = loaded(["compile", *TINY, "--config.quant.recipe=bf16", "--config.remat.policy=full", "--config.mesh.fsdp=8"])
+  r = compile_report(cfg, target_lib.parse("h100x8"), hlo_out=str(path))
+  return cfg, r, hlo.Program(path.read_text())
+
+
+def test_a_scans_stacked_outputs_are_allocated_not_zeroed(bf16_full_program):
   """Scanned layers under `full` stack each layer's input for the backward pass, and each weight's gradient, a slot
   an iteration, every slot written before it is read. The step compiles with xla_flags.STEP_DEFAULTS, under which
   XLA allocates those buffers unwritten (an `AllocateBuffer`, no kernel) rather than zeroing them first; the report
   lists the option."""
-  path = tmp_path / "step.hlo"
-  cfg = loaded(["compile", *TINY, "--config.remat.policy=full", "--config.mesh.fsdp=8"])
-  r = compile_report(cfg, target_lib.parse("h100x8"), hlo_out=str(path))
+  cfg, r, p = bf16_full_program
   assert r["xla_flags"]["compiler_options"]["xla_gpu_enable_dus_accumulator_zero_init_elimination"] is True
   layers = cfg.model.num_layers
-  allocated = [i.shape for i in hlo.Program(path.read_text()).instructions
+  allocated = [i.shape for i in p.instructions
                if i.opcode == "custom-call" and i.attribute("custom_call_target") == "AllocateBuffer"]
   assert any(s.startswith(f"bf16[{layers},") for s in allocated), allocated  # The layers' saved inputs.
   assert any(s.startswith(f"f32[{layers},") for s in allocated), allocated  # Their weights' gradients.
+
+
+def test_bf16_norms_and_swiglu_move_each_row_the_fewest_times(bf16_full_program):
+  """Under bf16 the residual norms run in their kernels both ways (layers/norm_kernel.py: forward, recompute and
+  backward, two a layer), and the MLP's backward pass makes silu(gate) * up again in the kernel that writes the
+  gate/up pair's gradient (layers/glu.py): the recompute of `full` runs no multiply of its own."""
+  cfg, _, p = bf16_full_program
+  kernels = [(p.by_name[k.name].op_name, k.times) for k in hlo.memory_kernels(p)]
+  runs = collections.Counter(scope for name, times in kernels for scope in (glu.SCOPE, norm_kernel.SCOPE)
+                             if scope in name for _ in range(times))
+  assert runs == {glu.SCOPE: cfg.model.num_layers, norm_kernel.SCOPE: 2 * 3 * cfg.model.num_layers}, runs
+  recomputed = [name for name, _ in kernels if "rematted_computation" in name and name.endswith("/mul")]
+  assert not recomputed, recomputed
