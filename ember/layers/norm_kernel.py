@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ember.platform import target_platform
 from ember.quant import kernels, partitioning
 
-CHUNK = 4  # Rows a kernel step holds in registers.
+CHUNK = 1  # Rows a kernel step holds in registers: one row of D a step (D / 128 values a thread an array).
 ROWS = 32  # Rows a backward program walks, summing the scale's gradient: its partials are f32[tokens / 32, D].
 _MAX_WIDTH = 16384
 SCOPE = "rms_norm_kernel"  # The kernels' name scope: their row in the compile report's `memory_by_op`.
