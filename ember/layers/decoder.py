@@ -61,7 +61,9 @@ class DecoderLayer(nnx.Module):
     self.attn = (LatentAttention if model.is_mla else Attention)(model, recipe=recipe, layer=index, rngs=rngs)
     self.mlp_norm = RMSNorm(model.d_model, **norm)
     self.is_moe = model.is_moe_layer(index)
-    self.quantized = recipe.quantized  # Whether quantizers read the norms (RMSNorm.residual).
+    # Whether XLA's quantizer kernels read the norms (RMSNorm.residual): a per-tensor recipe's; a block-scaled
+    # one's are Pallas kernels (quant/fused.py), which no norm is fused into.
+    self.norm_into_quantizer = recipe.quantized and recipe.block_size == 1
     if self.is_moe:
       self.moe = MoE(model, recipe=recipe, layer=index, rngs=rngs)
     else:
@@ -75,14 +77,14 @@ class DecoderLayer(nnx.Module):
     # The attention and MLP projections take their input on the residual stream's split (a sequence-parallel
     # share of the tokens) and gather it where their GEMMs read it, after quantizing under the per-tensor recipes
     # (layers/linear.py's `_sequence_parallel_axes`); an MoE block's routing takes its tokens whole on a tensor group.
-    x_rows, normed_rows = self.attn_norm.residual(_residual_rows(x_BxLxD), read_quantized=self.quantized)
+    x_rows, normed_rows = self.attn_norm.residual(_residual_rows(x_BxLxD), into_quantizer=self.norm_into_quantizer)
     a_BxLxD = self.attn(normed_rows.reshape(x_BxLxD.shape), segment_ids_BxL, positions_BxL, key, bias,
                         handed(taken, "attn"))
     h_BxLxD = shard((x_rows + a_BxLxD.reshape(x_rows.shape)).reshape(x_BxLxD.shape), RESIDUAL)
     h_BxLxD = checkpoint_name(h_BxLxD, remat.ATTENTION_RESIDUAL)
     # An MoE block's output is its combine's, not a GEMM's: no epilogue to keep from writing in place.
     h_rows, normed_rows = self.mlp_norm.residual(h_BxLxD if self.is_moe else _residual_rows(h_BxLxD),
-                                                    read_quantized=self.quantized)
+                                                    into_quantizer=self.norm_into_quantizer)
     normed_BxLxD = normed_rows.reshape(h_BxLxD.shape)
     if self.is_moe:
       y_BxLxD, aux = self.moe(shard(normed_BxLxD, BLOCK), segment_ids_BxL, key, moe_plan, handed(taken, "moe"))

@@ -1,7 +1,7 @@
 """SwiGLU, the MLP's activation, as a prologue of the down projection's GEMM: its backward pass in one kernel.
 
 The backward pass of a layer's MLP reads the gate/up pair twice: once to make silu(gate) * up again (what the down
-projection's weight gradient reads, unless a remat policy kept it, which none does: `minimal` keeps the pair), and
+projection's weight gradient reads, which no policy but `none` keeps: `minimal` keeps the pair), and
 once more for the pair's gradient from the activation's. XLA runs them as two kernels (one writes [rows, F], the
 other [rows, 2, F]: no shared loop). `SwiGLU` is handed to the down projection's bf16 GEMM
 (quant/unquantized.py's `prologue`), whose backward pass computes the activation's gradient first (dgrad needs only
@@ -9,10 +9,11 @@ the output's gradient and the weight), then calls `backward`: one kernel reading
 and writing both the activation (for wgrad) and the pair's gradient. On llama3_8b (h100x8, bf16) that is one read
 of [rows, 2, F] less per layer a step: 15 GB (docs/performance.md).
 
-Numerics: the activation as the forward pass makes it (float32 inside, rounded once to the activation dtype); the
-derivative of silu(g) = g sigmoid(g) is sigmoid(g) (1 + g (1 - sigmoid(g))), in float32. Off a GPU, or where the
-kernel does not tile the shapes, `backward` is autodiff of `forward` (tests/layers/test_glu.py runs the kernel in
-interpret mode on the CPU against it).
+Numerics: the kernel computes in float32 and rounds each output once to the activation dtype; the derivative of
+silu(g) = g sigmoid(g) is sigmoid(g) (1 + g (1 - sigmoid(g))). `forward` is XLA's, which may round silu(g) before
+the multiply: the product wgrad reads may then be a bf16 step from the one the forward GEMM read. Off a GPU, or
+where the kernel does not tile the shapes, `backward` is autodiff of `forward` (tests/layers/test_glu.py runs the
+kernel in interpret mode on the CPU against a float64 derivative).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class SwiGLU:
 
   def backward(self, pair: jax.Array, d_product: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(the product again, the pair's gradient) from one read of the pair and of the product's gradient."""
-    if self.interpret or (self.interpret is None and _runs(pair)):
+    if self.interpret or (self.interpret is None and target_platform() == "gpu" and _runs(pair)):
       with jax.named_scope(SCOPE):
         return _backward(pair, d_product.astype(pair.dtype), bool(self.interpret))
     product, vjp = jax.vjp(self.forward, pair)
@@ -53,10 +54,12 @@ class SwiGLU:
 
 
 def _runs(pair: jax.Array) -> bool:
-  """On a GPU, for a [rows, 2, F] pair whose rows and F divide among the devices in whole tiles."""
-  return (target_platform() == "gpu" and pair.ndim == 3 and pair.shape[1] == 2
-          and kernels.splits_evenly(pair.shape[:1], _ROW_TILES[-1])
-          and pair.shape[2] % _COLUMN_TILES[-1] == 0)
+  """For a [rows, 2, F] pair whose rows divide among the devices in whole tiles, and F into whole tiles."""
+  return _tiles(pair.shape) and kernels.splits_evenly(pair.shape[:1], _ROW_TILES[-1])
+
+
+def _tiles(shape) -> bool:
+  return len(shape) == 3 and shape[1] == 2 and shape[0] % _ROW_TILES[-1] == 0 and shape[2] % _COLUMN_TILES[-1] == 0
 
 
 def _kernel(pair_ref, d_ref, product_ref, d_pair_ref):
@@ -71,6 +74,9 @@ def _kernel(pair_ref, d_ref, product_ref, d_pair_ref):
 
 
 def _call(pair, d, interpret):
+  if not _tiles(pair.shape):
+    raise ValueError(f"SwiGLU's backward kernel: a [rows, 2, F] pair of whole ({_ROW_TILES[-1]}, 2, "
+                     f"{_COLUMN_TILES[-1]}) tiles, got {pair.shape}")
   rows, _, width = pair.shape
   tr, tf = kernels.tile(rows, _ROW_TILES), kernels.tile(width, _COLUMN_TILES)
   pair_block = pl.BlockSpec((tr, 2, tf), lambda i, j: (i, 0, j))

@@ -173,7 +173,8 @@ class Linear(nnx.Module):
     function of the kernel giving the one the GEMMs read instead, of the same rank and logical axes and of other
     output sizes (attention's replicated kv heads, layers/attention.py `kv_view`), laid out by those axes; or None.
     `prologue`: x is the source of what the GEMMs read, `prologue.forward(x)` (quant/dot.py; the MLP's SwiGLU on
-    its gate/up pair, layers/glu.py), made first where x's rows are not flattened; or None."""
+    its gate/up pair, layers/glu.py), made here first under sequence parallelism (where x's rows are placed before
+    they are flattened); or None."""
     mine = (taken or {}).get((), Taken())
     kernel = self.kernel[...]
     if view is not None:

@@ -16,10 +16,10 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     return norm_kernel.reference(x, self.scale[...], self.eps, self.dtype)
 
-  def residual(self, x: jax.Array, *, read_quantized: bool) -> tuple[jax.Array, jax.Array]:
+  def residual(self, x: jax.Array, *, into_quantizer: bool) -> tuple[jax.Array, jax.Array]:
     """(x, the norm of x) for the residual stream, whose later reads' gradient then joins the norm's: in one
-    kernel each way where layers/norm_kernel.py's kernels run, else `__call__`. `read_quantized`: a quantizer
-    reads the norm (its forward pass is then XLA's, fused into the quantizer's)."""
+    kernel each way where layers/norm_kernel.py's kernels run, else `__call__`. `into_quantizer`: XLA's quantizer
+    kernels read the norm (a per-tensor recipe's), and its forward pass is then XLA's, fused into them."""
     if norm_kernel.runs(x):
-      return norm_kernel.rms_norm_rows(x, self.scale[...], self.eps, jnp.dtype(self.dtype), not read_quantized)
+      return norm_kernel.rms_norm_rows(x, self.scale[...], self.eps, jnp.dtype(self.dtype), not into_quantizer)
     return x, self(x)

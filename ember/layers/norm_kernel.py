@@ -19,7 +19,9 @@ interpret mode on the CPU against autodiff of the reference).
 Where it runs (`runs`): on a GPU, 2-d rows whose width is a power of two (Triton's blocks) and whose rows divide
 among the devices in whole programs. Lowered with Pallas' Triton backend (a `__gpu$xla.gpu.triton` custom call the
 compile report counts by its bytes); `custom_partitioning` runs it on each device's rows, the width gathered
-whole where it is split.
+whole where it is split. A program holds one row of D at a time, D / 1024 warps (D / 128 float32 values a thread
+an array). Not yet timed on a GPU: the backward pass runs rows / 32 programs, few where a device holds few rows
+(1,024 rows are 32 programs on 132 SMs); more programs would write more of the scale's partial sums.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ember.platform import target_platform
 from ember.quant import kernels, partitioning
 
-CHUNK = 1  # Rows a kernel step holds in registers: one row of D a step (D / 128 values a thread an array).
+CHUNK = 1  # Rows a kernel step holds in registers.
 ROWS = 32  # Rows a backward program walks, summing the scale's gradient: its partials are f32[tokens / 32, D].
 _MAX_WIDTH = 16384
 SCOPE = "rms_norm_kernel"  # The kernels' name scope: their row in the compile report's `memory_by_op`.
@@ -43,10 +45,22 @@ SCOPE = "rms_norm_kernel"  # The kernels' name scope: their row in the compile r
 
 def runs(x: jax.Array) -> bool:
   """Whether `rms_norm_rows` runs the kernels on `x` (see the module doc)."""
-  if target_platform() != "gpu" or x.ndim != 2:
-    return False
-  width = x.shape[1]
-  return width & (width - 1) == 0 and width <= _MAX_WIDTH and kernels.splits_evenly(x.shape[:1], ROWS)
+  return target_platform() == "gpu" and tiles(x.shape) and kernels.splits_evenly(x.shape[:1], ROWS)
+
+
+def tiles(shape) -> bool:
+  """Whether the kernels tile rows of `shape` on one device: 2-d, whole backward programs, a power-of-two width."""
+  return len(shape) == 2 and shape[0] % ROWS == 0 and shape[1] & (shape[1] - 1) == 0 and shape[1] <= _MAX_WIDTH
+
+
+def _check(x):
+  if not tiles(x.shape):
+    raise ValueError(f"rms_norm_rows: rows of a power-of-two width up to {_MAX_WIDTH}, a multiple of {ROWS} of them, "
+                     f"got {x.shape}")
+
+
+def _warps(width: int) -> int:
+  return min(max(width // 1024, 4), 16)
 
 
 def reference(x, scale, eps: float, dtype):
@@ -115,15 +129,17 @@ def _backward_kernel(x_ref, scale_ref, dy_ref, dh_ref, dx_ref, partial_ref, *, e
 
 
 def _forward_call(x, scale, eps, dtype, interpret):
+  _check(x)
   rows, width = x.shape
   return kernels.pallas(
       functools.partial(_forward_kernel, eps=eps), (rows // CHUNK,),
       [pl.BlockSpec((CHUNK, width), lambda i: (i, 0)), pl.BlockSpec((width,), lambda i: (0,))],
       pl.BlockSpec((CHUNK, width), lambda i: (i, 0)), jax.ShapeDtypeStruct((rows, width), dtype),
-      interpret)(x, scale)
+      interpret, _warps(width))(x, scale)
 
 
 def _backward_call(x, scale, dy, dh, eps, interpret):
+  _check(x)
   rows, width = x.shape
   row_block = pl.BlockSpec((ROWS, width), lambda i: (i, 0))
   return kernels.pallas(
@@ -131,7 +147,7 @@ def _backward_call(x, scale, dy, dh, eps, interpret):
       [row_block, pl.BlockSpec((width,), lambda i: (0,)), row_block, row_block],
       [row_block, pl.BlockSpec((1, width), lambda i: (i, 0))],
       [jax.ShapeDtypeStruct((rows, width), x.dtype), jax.ShapeDtypeStruct((rows // ROWS, width), jnp.float32)],
-      interpret)(x, scale, dy, dh)
+      interpret, _warps(width))(x, scale, dy, dh)
 
 
 # --- Each device its rows (custom_partitioning) ------------------------------------------------------------

@@ -44,12 +44,13 @@ def round_like(v, dtype):
   return jnp.where(jnp.isnan(v), v, jax.lax.bitcast_convert_type(bits, jnp.float32))
 
 
-def pallas(kernel, grid, in_specs, out_specs, out_shape, interpret: bool):
-  """`pl.pallas_call` lowered through Triton (4 warps, one stage: each tile is read once) or interpreted."""
+def pallas(kernel, grid, in_specs, out_specs, out_shape, interpret: bool, num_warps: int = 4):
+  """`pl.pallas_call` lowered through Triton (`num_warps` warps, one stage: each tile is read once) or
+  interpreted."""
   params = {}
   if not interpret:
     from jax.experimental.pallas import triton as pallas_triton  # pylint: disable=g-import-not-at-top
-    params["compiler_params"] = pallas_triton.CompilerParams(num_warps=4, num_stages=1)
+    params["compiler_params"] = pallas_triton.CompilerParams(num_warps=num_warps, num_stages=1)
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                         interpret=interpret, **params)
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ember.layers import glu
 from ember.layers.glu import SwiGLU
 from ember.quant import dot
 from ember.quant.recipe import Recipe
@@ -78,3 +79,12 @@ def test_the_gemm_with_the_prologue_equals_the_product_handed_to_it(interpret):
   np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
   for got, want in zip(vjp(dy), want_vjp(dy)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_takes_whole_tiles_only():
+  pair = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  assert glu._runs(pair(64, 2, 384))  # pylint: disable=protected-access
+  assert not glu._runs(pair(60, 2, 384))  # pylint: disable=protected-access  # Rows not whole tiles of 8.
+  assert not glu._runs(pair(64, 2, 200))  # pylint: disable=protected-access  # F not whole tiles of 128.
+  with pytest.raises(ValueError, match=r"got \(64, 2, 200\)"):
+    SwiGLU(interpret=True).backward(jnp.zeros((64, 2, 200)), jnp.zeros((64, 200)))

@@ -79,5 +79,13 @@ def test_sharded_rows_equal_one_device():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-def test_runs_only_on_a_gpu_for_rows_it_tiles():
-  assert not norm_kernel.runs(jnp.zeros((64, 128)))  # This machine's CPU.
+def test_runs_only_on_a_gpu_for_rows_it_tiles(monkeypatch):
+  rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  assert not norm_kernel.runs(rows(64, 128))  # This machine's CPU.
+  monkeypatch.setattr(norm_kernel, "target_platform", lambda: "gpu")
+  assert norm_kernel.runs(rows(64, 128))
+  assert not norm_kernel.runs(rows(48, 128))  # Not whole backward programs of 32 rows.
+  assert not norm_kernel.runs(rows(64, 96))  # Not a power-of-two width.
+  assert not norm_kernel.runs(rows(2, 32, 128))  # Not 2-d rows.
+  with pytest.raises(ValueError, match=r"rms_norm_rows: .* got \(48, 128\)"):
+    norm_kernel.rms_norm_rows(jnp.zeros((48, 128)), jnp.ones((128,)), EPS, jnp.float32, True, True)

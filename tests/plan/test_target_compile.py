@@ -967,7 +967,7 @@ def test_a_scans_stacked_outputs_are_allocated_not_zeroed(bf16_full_program):
   """Scanned layers under `full` stack each layer's input for the backward pass, and each weight's gradient, a slot
   an iteration, every slot written before it is read. The step compiles with xla_flags.STEP_DEFAULTS, under which
   XLA allocates those buffers unwritten (an `AllocateBuffer`, no kernel) rather than zeroing them first; the report
-  lists the option."""
+  lists the option. (Compiled under bf16: the recipe does not change what the scan stacks.)"""
   cfg, r, p = bf16_full_program
   assert r["xla_flags"]["compiler_options"]["xla_gpu_enable_dus_accumulator_zero_init_elimination"] is True
   layers = cfg.model.num_layers
