@@ -1,10 +1,10 @@
 """RMSNorm over residual rows in one pass each way: Pallas kernels for the norm that reads the residual stream.
 
-Written by XLA, a layer's norm of its residual rows [tokens, D] moves each row five times more than it must: the
-forward pass reads it twice (the mean square, then the normalize and cast), and the backward pass twice more (the
-row dot product of the gradient with x, then the gradient itself) before adding the residual's own gradient: XLA
-does not put a row reduction and the elementwise work that reads its result in one kernel. These kernels hold a few
-rows in registers and do both:
+Written by XLA, a layer's norm of its residual rows [tokens, D] reads each row more often than its arithmetic needs:
+the forward pass twice (the mean square, then the normalize and cast), and the backward pass twice more (the row
+dot product of the gradient with x, then the gradient itself, the residual's own gradient added there): XLA does
+not put a row reduction and the elementwise work that reads its result in one kernel. These kernels hold a row in
+registers and do both:
   forward    read x, write y = x * rsqrt(mean(x**2) + eps) * scale (in the activation dtype);
   backward   read x, dy and dh, write dx = dh + the norm's gradient, and per program the scale's partial gradient.
 The backward pass takes the mean square again from the x it reads (no saved statistics: nothing for a remat
@@ -14,7 +14,8 @@ On llama3_8b (h100x8, bf16, `full`, scanned) that is 4 of 9 row-passes a norm, 6
 
 Numerics: the reference's formula in float32 in the same order (`RMSNorm.__call__`); the sums run in the kernel's
 order, so a result may differ from XLA's in the last bit (tests/layers/test_norm_kernel.py runs the kernels in
-interpret mode on the CPU against autodiff of the reference).
+interpret mode on the CPU against a float64 derivative worked by hand, and in bf16 against autodiff of the
+reference).
 
 Where it runs (`runs`): on a GPU, 2-d rows whose width is a power of two (Triton's blocks) and whose rows divide
 among the devices in whole programs. Lowered with Pallas' Triton backend (a `__gpu$xla.gpu.triton` custom call the
