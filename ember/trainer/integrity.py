@@ -11,7 +11,8 @@ fingerprints differ is a damaged checkpoint (`DamagedCheckpoint`), handled as an
 A restore that fails part-way leaves reads in flight: when TensorStore completes one, its callback finds Orbax's
 event loop closed, and Orbax's read coroutines that will never be awaited fail when they are collected (the
 step's directory has been moved aside). Python reports each as an unraisable error with its traceback, dozens
-of them after the one warning line. `quiet_abandoned_reads` drops exactly those; it is installed before the first
+of them after the one warning line, and asyncio logs each read task whose TensorStore error no one retrieved
+("Task exception was never retrieved", when the task is collected). `quiet_abandoned_reads` drops exactly those; it is installed before the first
 restore, not after a failure, because a TensorStore thread may run a callback of the failed read before the
 exception reaches the code that would install it (an intermittent traceback otherwise)."""
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 import sys
 import threading
@@ -90,11 +92,20 @@ def _is_abandoned_read(unraisable) -> bool:
   return orbax_read or _closed_loop(unraisable.exc_value, unraisable.exc_traceback)
 
 
+def _unretrieved_read(record: logging.LogRecord) -> bool:
+  """asyncio's log line for a collected task whose TensorStore error no one retrieved (TensorStore's errors, and
+  only they, end with the spec of the store they failed on)."""
+  error = record.exc_info[1] if record.exc_info else None
+  return (str(record.msg).startswith("Task exception was never retrieved") and error is not None
+          and "tensorstore_spec=" in str(error))
+
+
 @functools.cache
 def quiet_abandoned_reads() -> None:
   """From now on, drop the 'Event loop is closed' errors of a failed restore's reads (module doc), whether Python
-  reports them as unraisable or as a thread's uncaught exception; every other error still reaches the previous
-  hook. Harmless where no restore fails: a healthy restore leaves no read behind."""
+  reports them as unraisable or as a thread's uncaught exception, and asyncio's log lines for their unretrieved
+  TensorStore errors; every other error still reaches the previous hook or the log. Harmless where no restore
+  fails: a healthy restore leaves no read behind."""
   previous, previous_thread = sys.unraisablehook, threading.excepthook
 
   def hook(unraisable):
@@ -106,3 +117,4 @@ def quiet_abandoned_reads() -> None:
       previous_thread(args)
 
   sys.unraisablehook, threading.excepthook = hook, thread_hook
+  logging.getLogger("asyncio").addFilter(lambda record: not _unretrieved_read(record))

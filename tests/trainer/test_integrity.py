@@ -54,8 +54,9 @@ def test_any_change_changes_the_fingerprint(change):
 
 
 _ABANDONED_READS = """
-import asyncio, sys, threading
+import asyncio, gc, logging, sys, threading
 from ember.trainer import integrity
+logging.basicConfig()
 
 loop = asyncio.new_event_loop()
 loop.close()
@@ -73,20 +74,33 @@ def unraisable():
     sys.unraisablehook(type("U", (), {"exc_type": type(e), "exc_value": e, "exc_traceback": e.__traceback__,
                                       "err_msg": None, "object": None})())
 
+def unretrieved(error):
+  async def read():
+    raise error
+  running = asyncio.new_event_loop()
+  task = running.create_task(read())
+  running.run_until_complete(asyncio.sleep(0.01))
+  running.close()
+  del task
+  gc.collect()
+
 run(lambda: loop.call_soon_threadsafe(print))
 unraisable()
+unretrieved(ValueError('DATA_LOSS: Error reading "x/.zarray" [tensorstore_spec=\\'{}\\']'))
 print("quiet so far", file=sys.stderr, flush=True)
+unretrieved(ValueError("not a read"))
 run(lambda: 1 / 0)
 """
 
 
 def test_abandoned_reads_are_quiet_and_other_errors_are_not():
   """After `quiet_abandoned_reads`, a callback that finds its event loop closed (as a failed restore's pending
-  reads do) prints nothing, from a thread or as an unraisable error; any other error in a thread still does.
+  reads do) prints nothing, from a thread or as an unraisable error, nor does a collected task whose TensorStore
+  error no one retrieved; any other error in a thread or a task still does.
   In a process of its own: pytest replaces the thread hook while a test runs."""
   import subprocess
   import sys
   from tests.helpers import ROOT
   p = subprocess.run([sys.executable, "-c", _ABANDONED_READS], cwd=ROOT, capture_output=True, text=True, timeout=120)
   quiet, _, rest = p.stderr.partition("quiet so far\n")
-  assert quiet == "" and "ZeroDivisionError" in rest, p.stderr
+  assert quiet == "" and "ZeroDivisionError" in rest and "ValueError: not a read" in rest, p.stderr
