@@ -4,6 +4,7 @@ Needs JAX's CUDA plugin (launch/install_compile_plugin.sh; .ci/run installs it i
 runs this file there). Without it every test here skips with that one reason."""
 
 import collections
+import functools
 import json
 import math
 import os
@@ -215,7 +216,8 @@ def test_accumulated_step_quantizes_each_kernel_once_and_gathers_it_as_its_gemms
   assert r["gemms"] == census(fp8=4 * QUANTIZED_PROJECTIONS - 1, bf16=HEAD_GEMMS), r["gemms"]
 
 
-@pytest.mark.parametrize("policy", ["full", "minimal"])
+# `full` is the policy whose recomputed GEMMs XLA merged and cast apart (below); `minimal` an extended case.
+@pytest.mark.parametrize("policy", ["full", pytest.param("minimal", marks=pytest.mark.extended)])
 def test_pipelined_replicas_keep_every_projection_gemm_fp8(policy):
   """tiny fp8_current, data 2 x tensor 2 x 2 stages (1F1B) of 1 and of 2 layers, 4 micro-batches: every projection
   GEMM stays FP8 with the kernels quantized once a step. Under `full` a tick's forward GEMM and another
@@ -603,6 +605,7 @@ def preset_like_program(tmp_path_factory):
   return hlo.Program(path.read_text()), f"bf16[{tokens},{cfg.model.d_model}]"
 
 
+@pytest.mark.xdist_group("preset_like_program")
 def test_a_current_scaling_amax_reads_the_tensor_where_it_lies(preset_like_program):
   """An amax taken over the whole tensor at once had XLA write |x| out (a `select_n`, NaN as Inf) for each
   activation the backward pass recomputes, and reduce that copy; taken row by row first (quant/quantizers.py,
@@ -616,6 +619,7 @@ def test_a_current_scaling_amax_reads_the_tensor_where_it_lies(preset_like_progr
   assert not magnitudes, magnitudes
 
 
+@pytest.mark.xdist_group("preset_like_program")
 def test_the_residual_adds_copy_no_residual(preset_like_program):
   """The residual adds run in the epilogues of the GEMMs that make the other summand; the residual itself is still
   read after (the backward pass keeps it). Given the residual as a bitcast made for the GEMM, XLA wrote the sum over
@@ -627,6 +631,7 @@ def test_the_residual_adds_copy_no_residual(preset_like_program):
   assert not copies, copies
 
 
+@pytest.mark.xdist_group("preset_like_program")
 def test_the_residual_norms_take_their_gradient_in_one_pass(preset_like_program):
   """Each layer's two residual norms take their backward pass in one kernel (layers/norm_kernel.py), the gradient of
   the residual's other reads added there: it reads x, dy and dh and writes dx, four activations' bytes and the
@@ -687,15 +692,25 @@ def test_a_target_mesh_is_its_gpus_in_nodes():
   assert machine.node_of_partition == (0,) * 8 + (1,) * 8
 
 
+# moe_64x6 with expert parallelism over 8 GPUs, batch 8 x 2048, fp8_current; the GPU defaults (ragged exchange,
+# capacity layout) or another dispatcher. The ragged program serves both tests below (one compile, not two).
+MOE_EP8 = [f"--config={ROOT}/configs/default.py:moe_64x6", "--config.data.source=synthetic",
+           "--config.train.batch_size=8", "--config.model.seq_len=2048", "--config.mesh.fsdp=1",
+           "--config.mesh.expert=8", "--config.quant.recipe=fp8_current"]
+
+
+@functools.cache  # Not a module fixture: an xdist worker may tear one down between the tests of its group.
+def moe_ep8_ragged() -> dict:
+  return compile_report(loaded(["compile", *MOE_EP8]), target_lib.parse("h100x8"))
+
+
+@pytest.mark.xdist_group("moe_ep8_ragged")
 def test_ragged_dispatch_compiles_for_eight_gpus_and_moves_less():
   """moe_64x6 with expert parallelism over 8 GPUs: `ragged` compiles to XLA's ragged-all-to-all and
   exchanges fewer bytes than `allgather`."""
-  flags = [f"--config={ROOT}/configs/default.py:moe_64x6", "--config.data.source=synthetic",
-           "--config.model.num_layers=2", "--config.train.batch_size=8", "--config.mesh.fsdp=1",
-           "--config.mesh.expert=8", "--config.remat.policy=save_quantized"]
-  reports = {d: compile_report(loaded(["compile", *flags, f"--config.model.moe_dispatch={d}"]),
-                               target_lib.parse("h100x8")) for d in ("allgather", "ragged")}
-  ag, rg = reports["allgather"], reports["ragged"]
+  ag = compile_report(loaded(["compile", *MOE_EP8, "--config.model.moe_dispatch=allgather"]),
+                      target_lib.parse("h100x8"))
+  rg = moe_ep8_ragged()
   assert rg["moe"]["dispatch"] == "ragged" and rg["collectives"].get("ragged-all-to-all", 0) > 0
   assert "ragged-all-to-all" not in ag["collectives"]
   moved = lambda r: sum(v for k, v in r["collectives"].items() if k in ("all-gather", "reduce-scatter",
@@ -775,16 +790,13 @@ def test_every_recipe_compiles_for_eight_b200s(recipe):
   assert r["time_floor_s"] > 0 and 0 < r["mfu_ceiling"] <= 1
 
 
+@pytest.mark.xdist_group("moe_ep8_ragged")
 def test_moe_expert_gemms_do_the_routed_work_in_fp8():
   """moe_64x6, EP 8, batch 8 x 2048, fp8_current, the GPU defaults (ragged exchange, capacity layout): the
   step executes at most 1.3x the model's FLOPs, the expert GEMMs run in FP8, no value holds a copy of the
   token rows per local expert, the peak stays under the 56.5 GiB of the ragged_dot layout, and the copies
   cross the exchange in E4M3 and their outputs' gradients in E5M2."""
-  flags = [f"--config={ROOT}/configs/default.py:moe_64x6", "--config.data.source=synthetic",
-           "--config.train.batch_size=8", "--config.model.seq_len=2048", "--config.mesh.fsdp=1",
-           "--config.mesh.expert=8", "--config.quant.recipe=fp8_current"]
-  cfg = loaded(["compile", *flags])
-  r = compile_report(cfg, target_lib.parse("h100x8"))
+  r = moe_ep8_ragged()
   moe = r["moe"]
   assert (moe["dispatch"], moe["expert_gemm"]) == ("ragged", "capacity")
   assert r["executed_over_model"] <= 1.3, r["executed_over_model"]
@@ -963,6 +975,7 @@ def bf16_full_program(tmp_path_factory):
   return cfg, r, hlo.Program(path.read_text())
 
 
+@pytest.mark.xdist_group("bf16_full_program")
 def test_a_scans_stacked_outputs_are_allocated_not_zeroed(bf16_full_program):
   """Scanned layers under `full` stack each layer's input for the backward pass, and each weight's gradient, a slot
   an iteration, every slot written before it is read. The step compiles with xla_flags.STEP_DEFAULTS, under which
@@ -977,6 +990,7 @@ def test_a_scans_stacked_outputs_are_allocated_not_zeroed(bf16_full_program):
   assert any(s.startswith(f"f32[{layers},") for s in allocated), allocated  # Their weights' gradients.
 
 
+@pytest.mark.xdist_group("bf16_full_program")
 def test_bf16_norms_and_swiglu_move_each_row_the_fewest_times(bf16_full_program):
   """Under bf16 the residual norms run in their kernels both ways (layers/norm_kernel.py: forward, recompute and
   backward, two a layer), and the MLP's backward pass makes silu(gate) * up again in the kernel that writes the
