@@ -12,9 +12,10 @@ A restore that fails part-way leaves reads in flight: when TensorStore completes
 event loop closed, and Orbax's read coroutines that will never be awaited fail when they are collected (the
 step's directory has been moved aside). Python reports each as an unraisable error with its traceback, dozens
 of them after the one warning line, and asyncio logs each read task whose TensorStore error no one retrieved
-("Task exception was never retrieved", when the task is collected). `quiet_abandoned_reads` drops exactly those; it is installed before the first
-restore, not after a failure, because a TensorStore thread may run a callback of the failed read before the
-exception reaches the code that would install it (an intermittent traceback otherwise)."""
+("Task exception was never retrieved", when the task is collected). `quiet_abandoned_reads` drops exactly those;
+it is installed before the first restore, not after a failure, because a TensorStore thread may run a callback of
+the failed read before the exception reaches the code that would install it (an intermittent traceback
+otherwise)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ Needs JAX's CUDA plugin (launch/install_compile_plugin.sh; .ci/run installs it i
 runs this file there). Without it every test here skips with that one reason."""
 
 import collections
-import functools
 import json
 import math
 import os
@@ -699,18 +698,18 @@ MOE_EP8 = [f"--config={ROOT}/configs/default.py:moe_64x6", "--config.data.source
            "--config.mesh.expert=8", "--config.quant.recipe=fp8_current"]
 
 
-@functools.cache  # Not a module fixture: an xdist worker may tear one down between the tests of its group.
+@pytest.fixture(scope="module")
 def moe_ep8_ragged() -> dict:
   return compile_report(loaded(["compile", *MOE_EP8]), target_lib.parse("h100x8"))
 
 
 @pytest.mark.xdist_group("moe_ep8_ragged")
-def test_ragged_dispatch_compiles_for_eight_gpus_and_moves_less():
+def test_ragged_dispatch_compiles_for_eight_gpus_and_moves_less(moe_ep8_ragged):
   """moe_64x6 with expert parallelism over 8 GPUs: `ragged` compiles to XLA's ragged-all-to-all and
   exchanges fewer bytes than `allgather`."""
   ag = compile_report(loaded(["compile", *MOE_EP8, "--config.model.moe_dispatch=allgather"]),
                       target_lib.parse("h100x8"))
-  rg = moe_ep8_ragged()
+  rg = moe_ep8_ragged
   assert rg["moe"]["dispatch"] == "ragged" and rg["collectives"].get("ragged-all-to-all", 0) > 0
   assert "ragged-all-to-all" not in ag["collectives"]
   moved = lambda r: sum(v for k, v in r["collectives"].items() if k in ("all-gather", "reduce-scatter",
@@ -791,12 +790,12 @@ def test_every_recipe_compiles_for_eight_b200s(recipe):
 
 
 @pytest.mark.xdist_group("moe_ep8_ragged")
-def test_moe_expert_gemms_do_the_routed_work_in_fp8():
+def test_moe_expert_gemms_do_the_routed_work_in_fp8(moe_ep8_ragged):
   """moe_64x6, EP 8, batch 8 x 2048, fp8_current, the GPU defaults (ragged exchange, capacity layout): the
   step executes at most 1.3x the model's FLOPs, the expert GEMMs run in FP8, no value holds a copy of the
   token rows per local expert, the peak stays under the 56.5 GiB of the ragged_dot layout, and the copies
   cross the exchange in E4M3 and their outputs' gradients in E5M2."""
-  r = moe_ep8_ragged()
+  r = moe_ep8_ragged
   moe = r["moe"]
   assert (moe["dispatch"], moe["expert_gemm"]) == ("ragged", "capacity")
   assert r["executed_over_model"] <= 1.3, r["executed_over_model"]
