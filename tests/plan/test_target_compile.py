@@ -35,9 +35,10 @@ pytestmark = pytest.mark.skipif(not target_lib.plugin_available(),
                                 reason="JAX's CUDA plugin is not installed (launch/install_compile_plugin.sh)")
 
 # These tests read what the compiled program does, not how it is scheduled: one compile each, not the second one that
-# tells the scheduler ember's predicted times (tests/plan/test_schedule.py checks that one).
-TINY = [f"--config={ROOT}/configs/default.py:tiny", "--config.data.source=synthetic",
-        "--config.train.schedule_by_prediction=false"]
+# tells the scheduler ember's predicted times (tests/plan/test_schedule.py checks that one). Every compile here
+# carries ONCE: a step that waits on its collectives would otherwise compile twice.
+ONCE = "--config.train.schedule_by_prediction=false"
+TINY = [f"--config={ROOT}/configs/default.py:tiny", "--config.data.source=synthetic", ONCE]
 # The tiny model's scan body is one layer with 4 quantized projections (qkv, out, wi, wo); the LM head
 # is excluded (bf16): its forward, dgrad and wgrad are the 3 bf16 GEMMs of every census below.
 QUANTIZED_PROJECTIONS, HEAD_GEMMS = 4, 3
@@ -309,7 +310,7 @@ def test_block_scaled_replicas_compile(mesh, tmp_path):
   the tensor pairs. (Each replica holds the whole optimizer state here: the sums are all-reduces.)"""
   path = tmp_path / "step.hlo"
   r = compile_report(loaded(["compile", f"--config={ROOT}/configs/default.py:tiny_moe",
-                             "--config.data.source=synthetic", "--config.quant.recipe=mxfp8",
+                             "--config.data.source=synthetic", "--config.quant.recipe=mxfp8", ONCE,
                              *(f"--config.mesh.{k}={v}" for k, v in mesh.items()),
                              "--config.train.batch_size=16", "--config.train.grad_accum_steps=2",
                              "--config.train.shard_optimizer_state=False"]),
@@ -426,7 +427,7 @@ def test_bfloat16_optimizer_state_lowers_llama3_8b_peak(program):
   """llama3_8b, fp8_current, h100x8: AdamW's two moments of 8B parameters in bf16 instead of float32 save 2 bytes
   a parameter a moment over 8 GPUs, about 3.7 GiB of the compiled peak."""
   flags = ["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
-           "--config.quant.recipe=fp8_current", "--config.train.batch_size=8", *program]
+           "--config.quant.recipe=fp8_current", "--config.train.batch_size=8", ONCE, *program]
   peak = {d: compile_report(loaded([*flags, f"--config.train.optimizer_state_dtype={d}"]),
                             target_lib.parse("h100x8"))["peak_bytes"] for d in ("float32", "bfloat16")}
   assert peak["float32"] - peak["bfloat16"] >= 3.5 * 2**30, peak
@@ -437,7 +438,8 @@ def test_fsdp_expert_kernels_are_gathered_in_fp8(tmp_path):
   as FP8 (quantized on their shard), never as float32; only the float32 router is gathered in float32."""
   path = tmp_path / "step.hlo"
   compile_report(loaded(["compile", f"--config={ROOT}/configs/default.py:tiny_moe", "--config.data.source=synthetic",
-                                   "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=8", "--config.train.batch_size=8"]),
+                         "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=8", "--config.train.batch_size=8",
+                         ONCE]),
                  target_lib.parse("h100x8"), hlo_out=str(path))
   gathered = collections.Counter()
   for c in hlo.collective_ops(path.read_text()):
@@ -490,7 +492,7 @@ def test_offloaded_residuals_live_on_the_host():
 @BOTH_PROGRAMS
 def test_compile_tool_exit_codes(program, tmp_path, capsys):
   llama = [f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
-           "--config.quant.recipe=fp8_current", "--target=h100x8", *program]
+           "--config.quant.recipe=fp8_current", "--target=h100x8", ONCE, *program]
   out = tmp_path / "fits.json"
   assert tool.main(["compile", *llama, "--config.train.batch_size=8", "--config.remat.policy=save_quantized",
                     f"--out={out}", f"--plot={out.with_suffix('.png')}"]) == 0
@@ -553,7 +555,7 @@ def test_long_context_fits_only_with_context_parallelism(program, tmp_path, caps
   GPU, batch 8) the tool says the step does not fit and exits 1."""
   llama = [f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
            "--config.quant.recipe=fp8_current", "--config.model.seq_len=131072", "--config.remat.policy=full",
-           "--target=h100x8", *program]
+           "--target=h100x8", ONCE, *program]
   out = tmp_path / "context.json"
   assert tool.main(["compile", *llama, "--config.mesh.context=8", "--config.train.batch_size=1",
                     f"--out={out}"]) == 0
@@ -674,7 +676,8 @@ def test_auto_chooses_under_the_target_memory(capsys):
   candidate's step is predicted for the target's GPUs (what `auto` ranks by)."""
   cfg = loaded(["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
                          "--config.quant.recipe=fp8_current", "--config.train.batch_size=8",
-                         "--config.remat.policy=auto", "--config.remat.auto_candidates=('none', 'full')", *SCANNED])
+                         "--config.remat.policy=auto", "--config.remat.auto_candidates=('none', 'full')", ONCE,
+                         *SCANNED])
   r = compile_report(cfg, target_lib.parse("h100x8"))
   assert r["remat_policy"] == "full" and r["fits"]
   lines = [line for line in capsys.readouterr().err.splitlines() if "remat auto: " in line and "/step" in line]
@@ -695,7 +698,7 @@ def test_a_target_mesh_is_its_gpus_in_nodes():
 # capacity layout) or another dispatcher. The ragged program serves both tests below (one compile, not two).
 MOE_EP8 = [f"--config={ROOT}/configs/default.py:moe_64x6", "--config.data.source=synthetic",
            "--config.train.batch_size=8", "--config.model.seq_len=2048", "--config.mesh.fsdp=1",
-           "--config.mesh.expert=8", "--config.quant.recipe=fp8_current"]
+           "--config.mesh.expert=8", "--config.quant.recipe=fp8_current", ONCE]
 
 
 @pytest.fixture(scope="module")
@@ -758,7 +761,7 @@ def test_llama3_8b_block_scaled_compiles_for_eight_b200s(recipe, tmp_path):
   out = tmp_path / "llama.json"
   assert tool.main(["compile", f"--config={ROOT}/configs/default.py:llama3_8b", "--config.data.source=synthetic",
                     "--config.train.batch_size=8", f"--config.quant.recipe={recipe}", "--target=b200x8",
-                    *SCANNED, f"--out={out}"]) == 0
+                    ONCE, *SCANNED, f"--out={out}"]) == 0
   gemms = json.loads(out.read_text())["gemms"]
   assert gemms[recipe] >= 3 * QUANTIZED_PROJECTIONS and gemms["bf16"] == 6 and gemms["emulated"] == 0, gemms
 
@@ -770,7 +773,8 @@ def test_moe_expert_gemms_are_block_scaled_on_b200(recipe):
   transforms' f32 GEMMs on the wgrad operands are not expert GEMMs)."""
   flags = [f"--config={ROOT}/configs/default.py:moe_64x6", "--config.data.source=synthetic",
            "--config.model.num_layers=2", "--config.train.batch_size=8", "--config.mesh.fsdp=1",
-           "--config.mesh.expert=8", "--config.remat.policy=save_quantized", f"--config.quant.recipe={recipe}"]
+           "--config.mesh.expert=8", "--config.remat.policy=save_quantized", f"--config.quant.recipe={recipe}",
+           ONCE]
   r = compile_report(loaded(["compile", *flags]), target_lib.parse("b200x8"))
   flops = r["moe"]["expert_gemm_flops"]
   assert r["moe"]["expert_gemm"] == "capacity" and r["gemms"]["emulated"] == 0, r["gemms"]
