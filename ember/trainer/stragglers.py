@@ -33,15 +33,23 @@ def _probe_fn(size: int, repeats: int, dtype):
   return jax.jit(run)
 
 
+_warm: set = set()  # The devices the probe has run on: compiled for them, and warm.
+
+
 def probe_seconds(devices=None) -> float:
-  """The slowest of this process's devices' times for the probe (each timed alone, after a warm-up run)."""
+  """The slowest of this process's devices' times for the probe, each timed alone. A device's first probe runs it
+  once untimed (its compile); later ones time their first run: between two log steps the device ran the train
+  steps, so it is as warm as a warm-up would make it, and a second run at every log step would double the probe's
+  cost (a tenth of a second a log step on CPU devices)."""
   devices = jax.local_devices() if devices is None else devices
   slowest = 0.0
   for device in devices:
     size, repeats, dtype = PROBE["gpu" if device.platform in ("gpu", "cuda", "rocm") else "cpu"]
-    x = jax.device_put(jnp.full((size, size), 1.0 / size, dtype), device)
+    x = jnp.full((size, size), 1.0 / size, dtype, device=device)
     fn = _probe_fn(size, repeats, dtype)
-    fn(x).block_until_ready()  # Compiled (once per device) and warm.
+    if device not in _warm:
+      fn(x).block_until_ready()
+      _warm.add(device)
     t0 = time.perf_counter()
     fn(x).block_until_ready()
     slowest = max(slowest, time.perf_counter() - t0)

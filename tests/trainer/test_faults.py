@@ -187,6 +187,20 @@ def test_stragglers_name_the_slowest_prober_and_the_longest_input_wait():
   assert stragglers_lib.probe_seconds(jax.local_devices()[:1]) > 0
 
 
+def test_the_probe_runs_twice_on_a_device_the_first_time_and_once_after(monkeypatch):
+  """A device's first probe compiles it (an untimed run first); at every later log step one timed run."""
+  runs = []
+  probe = stragglers_lib._probe_fn
+  monkeypatch.setattr(stragglers_lib, "_warm", set())
+  monkeypatch.setattr(stragglers_lib, "_probe_fn", lambda *a: lambda x: runs.append(x.device) or probe(*a)(x))
+  devices = jax.local_devices()[:2]
+  stragglers_lib.probe_seconds(devices)
+  assert runs == [devices[0], devices[0], devices[1], devices[1]]
+  runs.clear()
+  stragglers_lib.probe_seconds(devices)
+  assert runs == devices
+
+
 def test_out_of_memory_ends_train_py_with_one_line_and_status_4(tmp_path):
   """XLA's RESOURCE_EXHAUSTED (here a real one: 256 TB asked of the CPU's allocator, past any address space) ends
   train.py with one line that says so and what to change, exit 4; a sweep reads it as `oom`."""
