@@ -57,7 +57,7 @@ from ember.trainer import step as step_lib
 from ember.trainer.loop import prepare
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.phase import missing_tensor_core_gemm
-from ember.trainer.perf import Throughput, peak_bytes, work_per_device
+from ember.trainer.perf import Throughput, compiled_peak_bytes, peak_bytes, work_per_device
 from ember.trainer.state import create_train_state
 
 def gemm_counts(program: str | hlo.Program) -> dict[str, object]:
@@ -120,7 +120,7 @@ def run(cfg: Settings, *, steps: int, warmup: int, hlo_out: str | None = None) -
       if i >= warmup:
         times.append(time.perf_counter() - t)
   perf = Throughput.of(cfg, statistics.median(times), jax.device_count(), jax.devices()[0].device_kind)
-  memory, source = peak_bytes(compiled)
+  memory, source = peak_bytes(compiled_peak_bytes(compiled))
   program = hlo.Program(text)  # Parsed once for the GEMM counts and the floor.
   # The quant/... health figures the measured step returned (0 without log.quant_stats_every).
   health = (len(quant_stats.summarize(jax.device_get(metrics["quant_stats"]), cfg.model, cfg.quant))

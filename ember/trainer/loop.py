@@ -389,8 +389,7 @@ def _log(run: _Run, done: int, step_metrics, stopping: bool) -> None:
       console(f"warning: {warning}")
   moe, moe_warnings = run.moe.take(done, phase.plan)
   record.update(moe)
-  with run.interval.left_out():  # Without device statistics (a CPU) it reads the compiled program's, ~9 ms.
-    record["peak_bytes"], record["peak_source"] = peak_bytes(phase.compiled)
+  record["peak_bytes"], record["peak_source"] = peak_bytes(phase.compiled_peak)
   if len(cfg.phases) > 1:
     record["quant_phase"] = phase.index
   if health:

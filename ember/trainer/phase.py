@@ -72,7 +72,7 @@ class Phase:
   def __init__(self, phases: precision.Phases, index: int, mesh, tx, schedule, batch_sharding):
     self.phases, self.index, self.cfg = phases, index, phases.cfg(index)
     self.mesh, self.tx, self.schedule, self.batch_sharding = mesh, tx, schedule, batch_sharding
-    self.compiled = self.eval_fn = self.quant_health = self.plan = None
+    self.compiled = self.compiled_peak = self.eval_fn = self.quant_health = self.plan = None
 
   def enter(self, index: int, state, batch, step: int):
     """(the phase `index` compiled, `state` moved into its structure) before `step` (the loop's)."""
@@ -86,6 +86,7 @@ class Phase:
     plan = phase.plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.micro_batch_size)
     step_fn = step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings, plan=plan)
     phase.compiled = compile_step(step_fn, state, batch, cfg, self.mesh, plan)
+    phase.compiled_peak = compiled_peak_bytes(phase.compiled)  # Read once: each log step's record has it.
     phase.eval_fn = step_lib.jit_eval_step(cfg, self.mesh, graphdef, shardings, plan)
     phase.quant_health = QuantHealth(cfg) if cfg.log.quant_stats_every else None
     return phase, state
