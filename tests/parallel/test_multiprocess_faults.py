@@ -24,11 +24,14 @@ ARGS = ["--config=configs/default.py:tiny", "--config.model.num_layers=1", "--co
 
 
 class Throttle:
-  """Slows a process on purpose, as a throttled device or a starved host would be: stopped three quarters of the
-  time (SIGSTOP / SIGCONT in a thread). Unlike a CPU hog pinned beside it, it slows the process as much on a machine
-  whose other CPU is busy with another test worker as on an idle one."""
+  """Slows a process on purpose, as a throttled device or a starved host would be: stopped five sixths of the time
+  (SIGSTOP / SIGCONT in a thread). Unlike a CPU hog pinned beside it, it slows the process as much on a machine
+  whose other CPU is busy with another test worker as on an idle one. Its running spells (5 ms) are shorter than
+  the probe it slows (a CPU device's: about 15 ms on an idle core), so that every probe spans several: with spells
+  of 20 ms (stopped 60 ms) a probe could run whole in one and read barely slower (a ratio under 1.5 failed the test
+  once in a whole suite; the least of 4 runs beside a busy core was 2.7, against 3.6 now)."""
 
-  def __init__(self, pid: int, on_s: float = 0.02, off_s: float = 0.06):
+  def __init__(self, pid: int, on_s: float = 0.005, off_s: float = 0.025):
     self.pid, self.on_s, self.off_s = pid, on_s, off_s
     self.done = threading.Event()
     self.thread = threading.Thread(target=self._run, daemon=True)
