@@ -24,8 +24,8 @@ from ember.trainer.state import state_shardings
 
 
 def compile_step(step_fn, state, batch, cfg: Settings, mesh, plan: moe_dispatch.Plan | None = None):
-  """The train step compiled ahead of time for these arguments (logged with its memory estimate and `plan`, the
-  MoE plan it was jitted with)."""
+  """(the train step compiled ahead of time for these arguments, its compiled peak estimate or None), logged with
+  that estimate and `plan`, the MoE plan it was jitted with."""
   console("compiling the train step")
   t0 = time.time()
   scheduled = compile_scheduled(step_fn.lower(state, batch), None, mesh, cfg.train.schedule_by_prediction)
@@ -54,7 +54,7 @@ def compile_step(step_fn, state, batch, cfg: Settings, mesh, plan: moe_dispatch.
     console(f"warning: recipe {cfg.quant.name}: the compiled step has no {missing} call, so its GEMMs run in "
             "another precision (XLA chose other kernels: check XLA_FLAGS against ember/xla_flags.py's "
             "REQUIRED_XLA_FLAGS)")
-  return compiled
+  return compiled, peak
 
 
 def missing_tensor_core_gemm(cfg: Settings, hlo_text, compute_capability=None) -> str | None:
@@ -85,8 +85,8 @@ class Phase:
     # Decided once: jitted with, logged, and named by the overflow warnings.
     plan = phase.plan = step_lib.moe_plan(cfg, self.mesh, cfg.train.micro_batch_size)
     step_fn = step_lib.jit_train_step(cfg, self.mesh, graphdef, self.tx, self.schedule, shardings, plan=plan)
-    phase.compiled = compile_step(step_fn, state, batch, cfg, self.mesh, plan)
-    phase.compiled_peak = compiled_peak_bytes(phase.compiled)  # Read once: each log step's record has it.
+    # The peak read once, here: each log step's record has it (a CPU's memory analysis takes tens of ms).
+    phase.compiled, phase.compiled_peak = compile_step(step_fn, state, batch, cfg, self.mesh, plan)
     phase.eval_fn = step_lib.jit_eval_step(cfg, self.mesh, graphdef, shardings, plan)
     phase.quant_health = QuantHealth(cfg) if cfg.log.quant_stats_every else None
     return phase, state
