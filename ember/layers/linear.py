@@ -64,6 +64,7 @@ class Taken:
   stacked: jax.Array | None = None
   index: int | None = dataclasses.field(default=None, metadata=dict(static=True))
   copies: dict | None = None  # {operand: QuantizedTensor, or an unquantized recipe's cast}, `Linear.kernel_copies`.
+  rows: tuple | None = None  # Stacked layers' rows cut apart ahead of a loop (`cut_rows`): each row's Taken.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +121,28 @@ def _for_the_compiler(spec, mesh) -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh() if manual_axes() else mesh, spec)
 
 
-def row_taken(taken: dict | None, stacked: dict, index: int) -> dict:
-  """What each projection of stacked layer `index` is handed: its row of `taken`'s amaxes and copies, and the
-  stacked kernels (`stacked_kernels`) with the row's index."""
-  taken = taken or {}
+def cut_rows(taken: Taken) -> Taken:
+  """`taken` of stacked layers with its amaxes and copies cut into each layer's row (`Taken.rows`), here: ahead of a
+  loop of micro-batches, once a step rather than in every micro-batch (decoder.py's `rows_cut_ahead`)."""
+  leaves = jax.tree.leaves((taken.amax, taken.copies))
+  if not leaves:
+    return taken
+  return Taken(rows=tuple(_row(taken, index) for index in range(leaves[0].shape[0])))
+
+
+def _row(taken: Taken, index: int) -> Taken:
+  if taken.rows is not None:
+    return taken.rows[index]
   row = lambda tree: None if tree is None else jax.tree.map(lambda a: a[index], tree)
-  return {path: Taken(row(taken[path].amax) if path in taken else None, stacked.get(path),
-                      index if path in stacked else None, row(taken[path].copies) if path in taken else None)
+  return Taken(row(taken.amax), copies=row(taken.copies))
+
+
+def row_taken(taken: dict | None, stacked: dict, index: int) -> dict:
+  """What each projection of stacked layer `index` is handed: its row of `taken`'s amaxes and copies (cut here, or
+  ahead: `cut_rows`), and the stacked kernels (`stacked_kernels`) with the row's index."""
+  taken = taken or {}
+  return {path: dataclasses.replace(_row(taken.get(path, Taken()), index), stacked=stacked.get(path),
+                                    index=index if path in stacked else None)
           for path in set(taken) | set(stacked)}
 
 

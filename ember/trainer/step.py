@@ -14,7 +14,7 @@ from ember import remat
 from ember.config import Settings
 from ember.names import BY_LAYER, MOE_EXPERT_LOADS, MOE_LOAD_MAX_OVER_MEAN, SEGMENT_IDS
 from ember.layers import linear, moe_dispatch
-from ember.layers.decoder import keys_of, padded_rows, stacked_layers, zero_padding_rows
+from ember.layers.decoder import keys_of, padded_rows, rows_cut_ahead, stacked_layers, zero_padding_rows
 from ember.layers.moe import ROUTER_BIAS
 from ember.parallel import axes as axes_lib
 from ember.parallel import mesh as mesh_lib
@@ -168,6 +168,7 @@ def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch
     # One micro-batch (over replicas whose optimizer state is split) is no loop: an unquantized kernel is cast where
     # its GEMMs read it, as in the step without micro-batches (quant/dot.py's `takes_kernel_copies`).
     head, taken = model.head_parts(), linear.once_a_step(model, rematted, loop=accum > 1)
+    taken = rows_cut_ahead(model, taken) if accum > 1 else taken
     once = read_once(head) if _reads_head_once(cfg, mesh, replicas) else None
 
     def body(carry, x):

@@ -216,6 +216,32 @@ def test_accumulated_step_quantizes_each_kernel_once_and_gathers_it_as_its_gemms
   assert r["gemms"] == census(fp8=4 * QUANTIZED_PROJECTIONS - 1, bf16=HEAD_GEMMS), r["gemms"]
 
 
+def test_unrolled_layers_take_their_rows_of_the_kernel_copies_once_a_step(tmp_path):
+  """fp8_current, 3 unrolled layers, 4 micro-batches on FSDP 8: each layer's row of the kernels' amaxes, scales and
+  FP8 shards made once a step is cut out of the stacked ones once, ahead of the micro-batches' loop
+  (decoder.py's `rows_cut_ahead`): no kernel of the loop only cuts a row out of a stacked [layers, ...] value (the
+  norms' rows are read where they lie, inside the kernels that read them)."""
+  path, layers = tmp_path / "step.hlo", 3
+  compile_report(loaded(["compile", *TINY, "--config.quant.recipe=fp8_current", "--config.mesh.fsdp=8",
+                         "--config.train.batch_size=32", "--config.train.grad_accum_steps=4",
+                         "--config.model.scan_layers=false", f"--config.model.num_layers={layers}"]),
+                 target_lib.parse("h100x8"), hlo_out=str(path))
+  p = hlo.Program(path.read_text())
+
+  def copies(shape: str) -> bool:  # The layers' stacked FP8 kernel shards, or their amaxes or scales [layers].
+    dims = hlo.dims_of(shape)
+    return dims[:1] == [layers] and (len(dims) == 1 or hlo.dtype_of(shape).startswith("f8"))
+
+  def cuts_a_row(kernel) -> bool:  # A kernel that only cuts rows out of such stacks.
+    body = {i.name: i for i in p.computations.get(p.by_name[kernel.name].attribute("calls") or "", [])}
+    rows = [i for i in body.values() if i.opcode == "slice" and i.operands[0] in body and
+            copies(body[i.operands[0]].shape)]
+    return bool(rows) and {i.opcode for i in body.values()} <= {"slice", "parameter", "tuple", "bitcast", "reshape"}
+
+  rows = [k for k in hlo.memory_kernels(p) if cuts_a_row(k)]
+  assert rows and all(k.times == 1 for k in rows), [(k.name, k.times) for k in rows if k.times > 1]
+
+
 # `full` is the policy whose recomputed GEMMs XLA merged and cast apart (below); `minimal` an extended case.
 @pytest.mark.parametrize("policy", ["full", pytest.param("minimal", marks=pytest.mark.extended)])
 def test_pipelined_replicas_keep_every_projection_gemm_fp8(policy):
