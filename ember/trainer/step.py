@@ -167,8 +167,9 @@ def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch
     model = merged_model(graphdef, params, state.quant_state, stats)
     # One micro-batch (over replicas whose optimizer state is split) is no loop: an unquantized kernel is cast where
     # its GEMMs read it, as in the step without micro-batches (quant/dot.py's `takes_kernel_copies`).
-    head, taken = model.head_parts(), linear.once_a_step(model, rematted, loop=accum > 1)
-    taken = rows_cut_ahead(model, taken) if accum > 1 else taken
+    loop = accum > 1
+    head, taken = model.head_parts(), linear.once_a_step(model, rematted, loop=loop)
+    taken = rows_cut_ahead(model, taken) if loop else taken
     once = read_once(head) if _reads_head_once(cfg, mesh, replicas) else None
 
     def body(carry, x):
