@@ -42,7 +42,7 @@ TENSOR = "tensor"  # The mesh axis tensor parallelism splits heads and MLP units
 PIPELINE = "pipeline"  # The mesh axis the decoder's layers are split into stages over (ember/parallel/pipeline.py).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
-# --- A batch: int32 [batch, length] arrays under these keys (ember/data/packing.py builds them). ---
+# --- A batch: int32 [batch, length] arrays under these keys (ember/data/pipeline.py builds them). ---
 INPUTS = "inputs"
 TARGETS = "targets"
 SEGMENT_IDS = "segment_ids"  # 0 = padding; packed documents are 1, 2, ...

@@ -23,9 +23,10 @@ from ember import config as config_lib  # noqa: E402
 from ember import remat  # noqa: E402
 from ember.parallel.mesh import make_mesh  # noqa: E402
 from ember.parallel.sharding import use_rules  # noqa: E402
+from ember.parallel.sharding import batch_sharding
 from ember.trainer.optimizer import make_optimizer  # noqa: E402
 from ember.trainer.state import TrainState, create_train_state  # noqa: E402
-from ember.trainer.step import batch_sharding, jit_train_step  # noqa: E402
+from ember.trainer.step import jit_train_step  # noqa: E402
 from tests.xla_cpu import cpu_xla_flags, step_options
 
 
@@ -119,7 +120,7 @@ def run_steps(cfg, batches, num_devices: int, policy_name: str | None = None):
   the step."""
   s = start(cfg, num_devices)
   policy = remat.preset(s.cfg.remat, policy_name)
-  sharding = batch_sharding(s.cfg, s.mesh)
+  sharding = batch_sharding(s.cfg.mesh.rules_dict, s.mesh)
   with s.rules():
     step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, policy=policy, donate=False)
     state, out, compiled = s.state, [], None
@@ -140,7 +141,7 @@ def one_step(cfg, batch, num_devices: int):
   """(metrics, new state), on the host, of one train step of `cfg` on the first `num_devices` devices, jitted as the
   trainer jits it (its state not donated)."""
   s = start(cfg, num_devices)
-  sharding = batch_sharding(s.cfg, s.mesh)
+  sharding = batch_sharding(s.cfg.mesh.rules_dict, s.mesh)
   with s.rules():
     step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
     batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
@@ -152,7 +153,7 @@ def compiled_text(cfg, num_devices: int) -> tuple[str, Start]:
   """(the optimised HLO of `cfg`'s train step compiled as the trainer jits it for its first `num_devices` devices,
   on a batch laid out as the trainer lays it out; the `Start` it was compiled from)."""
   s = start(cfg, num_devices)
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding(s.cfg, s.mesh))
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding(s.cfg.mesh.rules_dict, s.mesh))
            for k, v in random_batch(cfg).items()}
   with s.rules():
     step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)

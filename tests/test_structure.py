@@ -188,7 +188,7 @@ def test_only_the_config_package_reads_config_trees():
 
 def test_the_checker_sees_what_it_must():
   """The walkers above find function-level imports, upward imports and comparisons (a self-check)."""
-  assert "ember.trainer.step" in GRAPH["ember.trainer.loop"]
+  assert "ember.trainer.step" in GRAPH["ember.trainer.phase"]
   assert _COMPARISON.search('if recipe.name == "nvfp4":') and _COMPARISON.search("x in ('mxfp8', 'nvfp4')")
   assert not _COMPARISON.search('recipe = "nvfp4"')
   spelled = 'def f(r):\n  """Runs nvfp4."""\n  return {"bf16": 2, "x": "the mxfp8 GEMM", "y": "emulated in bf16"}\n'

@@ -22,9 +22,8 @@ from ember.config.model import MLA_DIMS
 from ember.config.settings import Settings, hf_tokenizer_json, section, tokenizer_vocab
 from ember.errors import ConfigError, bad_key, one_line, warn
 from ember.names import EMBED, EXPERT, MESH_AXES, MLP_IN, PIPELINE
-from ember.parallel import axes, distributed, pipeline
-from ember.quant import exclude as exclude_lib
-from ember.quant.recipe import SCHEME_OPTIONS, SCHEMES, Recipe
+from ember.parallel import distributed, pipeline, sharding
+from ember.quant.recipe import SCHEME_OPTIONS, SCHEMES, Recipe, check_excluded_layers
 
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None, *, unread: bool = True) -> Settings:
@@ -75,9 +74,9 @@ def _validate_phases(cfg) -> None:
 
 
 def _validate_exclude(recipe: Recipe, model, key: str) -> None:
-  """The selectors as the recipe parsed them (quant/exclude.py), against the model's layers."""
+  """The selectors as the recipe parsed them (quant/recipe.py's `parse_exclude`), against the model's layers."""
   try:
-    exclude_lib.check_layers(recipe.selectors, model.num_layers, model.mtp_depth)
+    check_excluded_layers(recipe.selectors, model.num_layers, model.mtp_depth)
   except ValueError as e:
     bad_key(key, str(e))
 
@@ -155,7 +154,7 @@ def _validate_data(s: Settings) -> None:
     for name, source, path, _, _ in getattr(d, key):
       if path and source != "synthetic" and not glob.glob(os.path.expanduser(path), recursive=True):
         bad_key(f"data.{key}", f"source {name!r}: no file matches {path!r}")
-  # Raises naming the key; which shards a process reads is decided on the mesh (data/sharded.py).
+  # Raises naming the key; which shards a process reads is decided on the mesh (data/pipeline.py).
   distributed.data_shards(d.num_shards, s.train.batch_size)
   # The tokenizer's ids reach the model wherever a source other than synthetic data is read: training reads the
   # mixture's sources (or data.source), evaluation the eval mixture's (or training's).
@@ -255,9 +254,9 @@ def _bucket_problem(url: str) -> str | None:
 def _validate_mesh(s: Settings) -> None:
   """The mesh (its sizes resolved) against the batch and the model."""
   sizes, rules, m = s.mesh.sizes(), s.mesh.rules_dict, s.model
-  batch_axes = axes.batch_axes(rules)  # The mesh axes the batch is split over, as the rules say.
+  batch_axes = sharding.batch_axes(rules)  # The mesh axes the batch is split over, as the rules say.
   split = "*".join(batch_axes) or "1"
-  batch_shards = axes.shards(batch_axes, sizes)
+  batch_shards = sharding.shards(batch_axes, sizes)
   batch = s.train.batch_size
   if batch % batch_shards:
     bad_key("train.batch_size", f"{batch} is not divisible by the data-parallel size {split}={batch_shards}")
@@ -265,7 +264,7 @@ def _validate_mesh(s: Settings) -> None:
   if (batch // batch_shards) % accum:
     bad_key("train.grad_accum_steps", f"{accum} does not divide the sequences each device holds: train.batch_size="
           f"{batch} / {split}={batch_shards} = {batch // batch_shards}")
-  context = axes.shards(axes.sequence_axes(rules), sizes)
+  context = sharding.shards(sharding.sequence_axes(rules), sizes)
   if context > 1 and m.seq_len % (2 * context):  # The balanced layout's 2 chunks a device (parallel/context.py).
     bad_key("mesh.context", f"the 2 x {context} chunks of a sequence split over {context} devices do not divide "
             f"model.seq_len={m.seq_len}")
@@ -274,12 +273,12 @@ def _validate_mesh(s: Settings) -> None:
   if m.num_experts and m.num_experts % sizes["expert"]:
     bad_key("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={m.num_experts}")
   embed = [a for a in rules.get(EMBED, ()) if sizes[a] > 1]  # Latent attention's ranks are sharded as `embed`.
-  embed_shards = axes.shards(embed, sizes)
+  embed_shards = sharding.shards(embed, sizes)
   if m.d_model % embed_shards:
     bad_key(f"mesh.{embed[0]}", f"the {'*'.join(embed)}={embed_shards} devices every weight's embed axis is split "
             f"over do not divide model.d_model={m.d_model}")
   down = [a for a in rules.get(MLP_IN, ()) if sizes[a] > 1]  # The down projections' input (ember/names.py).
-  down_shards = axes.shards(down, sizes)
+  down_shards = sharding.shards(down, sizes)
   dense_width = m.dense_width if m.num_moe_layers < m.num_layers else 0
   for name, units in (("dense_d_ff" if m.dense_d_ff else "d_ff", dense_width), ("shared_expert_d_ff", m.shared_d_ff)):
     if units % down_shards:
@@ -337,10 +336,10 @@ def _validate_pipeline(s: Settings) -> None:
   """A pipelined mesh against the model and the step (ember/parallel/pipeline.py)."""
   stages, m, accum = s.mesh.sizes()[PIPELINE], s.model, s.train.grad_accum_steps
   key = "mesh.pipeline" if s.mesh.pipeline > 1 else "mesh.dcn_pipeline"
-  if axes.layer_axes(s.mesh.rules_dict) != (PIPELINE,):
+  if sharding.layer_axes(s.mesh.rules_dict) != (PIPELINE,):
     bad_key("mesh.rules", f"a pipeline needs the stacked layers split over it alone ('layers' -> 'pipeline'), got "
-            f"{axes.layer_axes(s.mesh.rules_dict)}")
-  if PIPELINE in axes.batch_axes(s.mesh.rules_dict) or PIPELINE in axes.sequence_axes(s.mesh.rules_dict):
+            f"{sharding.layer_axes(s.mesh.rules_dict)}")
+  if PIPELINE in sharding.batch_axes(s.mesh.rules_dict) or PIPELINE in sharding.sequence_axes(s.mesh.rules_dict):
     bad_key("mesh.rules", "the pipeline axis splits the layers; the batch and the sequence cannot be split over it")
   virtual = s.pipeline.virtual_stages
   if virtual > 1 and s.pipeline.schedule != "interleaved_1f1b":
@@ -372,7 +371,7 @@ def _validate_pipeline(s: Settings) -> None:
   if virtual > 1 and accum % stages:
     bad_key("train.grad_accum_steps", f"{accum} micro-batches do not form groups of the {stages} pipeline stages "
             "that interleaved 1F1B runs through each chunk in turn")
-  context = axes.shards(axes.sequence_axes(s.mesh.rules_dict), s.mesh.sizes())
+  context = sharding.shards(sharding.sequence_axes(s.mesh.rules_dict), s.mesh.sizes())
   if s.pipeline.schedule != "gpipe" and m.seq_len % (stages * context):
     over = f"the {stages} stages that share the LM head under 1F1B" + (f", on each of {context} context devices"
                                                                         if context > 1 else "")

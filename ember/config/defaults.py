@@ -111,7 +111,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.decay_norms_and_embeddings = False  # Apply weight decay to norm scales and embeddings too.
   t.grad_clip_norm = 1.0  # Clip by global norm; 0 = off.
   t.optimizer = "adamw"  # "adamw", or "muon": Muon on the projection kernels, AdamW (the keys above) on
-  # embeddings, norms, the router and the LM head (ember/trainer/muon.py).
+  # embeddings, norms, the router and the LM head (ember/trainer/optimizer.py).
   t.muon_learning_rate = 0.02  # muon: peak learning rate of the kernels (same warm-up and decay shape).
   t.muon_weight_decay = 0.0  # muon: decoupled weight decay of the kernels.
   t.muon_momentum = 0.95  # muon: momentum coefficient (Nesterov).
@@ -161,7 +161,7 @@ def get_config() -> ml_collections.ConfigDict:
   q.recipe = UNQUANTIZED  # bf16 (no quantization) | fp8_delayed | fp8_current | mxfp8 | nvfp4.
   q.exclude = ("lm_head",)  # Projections kept in bf16: a kind ("lm_head", "wo"), layers ("layers[0]",
   # "layers[-2:]": the last two; "mtp": the multi-token-prediction modules) or both ("layers[0:4].qkv"). Grammar:
-  # ember/quant/exclude.py.
+  # ember/quant/recipe.py.
   q.amax_history_len = 1024  # fp8_delayed: amax history length.
   q.amax_compute_algo = "max"  # fp8_delayed: "max" or "most_recent" of the history.
   q.margin = 0  # fp8_delayed: scale_inv = amax * 2**margin / fp8_max (rounded up to a bfloat16: docs/quantization.md).
@@ -272,7 +272,7 @@ def get_config() -> ml_collections.ConfigDict:
   lg.wandb_entity = ""  # The W&B team or user ("" = the logged-in default).
   lg.wandb_run_name = ""  # The W&B run's name ("" = the workdir's last folder).
   lg.straggler_ratio = 1.3  # Several processes: warn when the slowest process's devices run a fixed GEMM probe this
-  # many times slower than the median's (ember/trainer/stragglers.py); straggler_* keys in metrics.jsonl.
+  # many times slower than the median's (ember/trainer/watchdog.py); straggler_* keys in metrics.jsonl.
   lg.quant_stats_every = 0  # Quantization health (amax, scale, saturation, underflow, staleness per projection
   # and role; ember/quant/health.py) every N steps, with warnings past its thresholds; 0 = off (the step is
   # compiled without them).

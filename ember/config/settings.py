@@ -16,14 +16,14 @@ import os
 
 import numpy as np
 
-from ember.config import phases as config_phases
 from ember import remat, storage
+from ember.config import phases as config_phases
+from ember.config.model import ModelConfig
 from ember.errors import DataError, bad_key, one_line
 from ember.keys import declared, key
-from ember.config.model import ModelConfig
 from ember.names import (DATA_SOURCES, LOGICAL_AXES, MESH_AXES, MIXABLE_SOURCES, OPTIMIZERS, PIPELINE,
                          PIPELINE_SCHEDULES, SOURCE_NEEDS, STATE_DTYPES)
-from ember.parallel import axes as axes_lib
+
 from ember.parallel import mesh as mesh_lib
 from ember.parallel import pipeline as pipeline_lib
 from ember.parallel import sharding as sharding_lib
@@ -299,7 +299,7 @@ def tokenizer_vocab(name: str) -> int:
 def _accumulation(train: Train, mesh: Mesh) -> int:
   """The micro-batches a step runs for each device to hold `train.device_batch_size` sequences in each: the global
   batch stays `train.batch_size` on any mesh, so a job restarted on fewer devices runs more micro-batches."""
-  shards = axes_lib.shards(axes_lib.batch_axes(mesh.rules_dict), mesh.sizes())
+  shards = sharding_lib.shards(sharding_lib.batch_axes(mesh.rules_dict), mesh.sizes())
   per_device, rest = divmod(train.batch_size, shards)
   if rest:
     bad_key("train.batch_size", f"{train.batch_size} is not divisible by the {shards} data-parallel devices")

@@ -6,10 +6,9 @@
     state = it.get_state()   # JSON-serialisable; it.set_state(state) resumes exactly
 """
 
-from ember.data.pipeline import make_dataset, make_iterator
-from ember.data.sharded import ShardedIterator
-from ember.errors import DataError
+from ember.data.pipeline import ShardedIterator, make_dataset, make_iterator
 from ember.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, build_tokenizer
+from ember.errors import DataError
 
 __all__ = [
     "ByteTokenizer",

@@ -17,18 +17,18 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ember import remat
+from ember.config.model import ModelConfig
 from ember.errors import one_line
 from ember.layers.linear import Linear, handed
 from ember.layers.norm import RMSNorm
 from ember.layers.rope import Rope, apply_rope
-from ember.config.model import ModelConfig
 from ember.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, QKV
 from ember.parallel import context
-from ember.parallel import axes as mesh_axes, sharding
+from ember.parallel import sharding
 from ember.parallel.sharding import shard
 from ember.platform import target_platform
-from ember.quant.varying import manual_axes
 from ember.quant.recipe import Recipe
+from ember.quant.varying import manual_axes
 
 
 def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
@@ -207,7 +207,7 @@ class Attention(nnx.Module):
     rules, mesh = sharding.active_rules(), sharding.active_mesh()
     if rules is None or mesh is None:
       return 1
-    return self.model.kv_copies(mesh_axes.shards(set(rules.get(KV_HEADS, ())) - manual_axes(), mesh.shape))
+    return self.model.kv_copies(sharding.shards(set(rules.get(KV_HEADS, ())) - manual_axes(), mesh.shape))
 
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, key=None, bias=None, taken=None):
     """`bias`: `attention_bias(segment_ids_BxL)` if the caller made it already (the decoder does, once a step);

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ember.names import BATCH, BLOCK, LENGTH, LM_HEAD, PROJECTIONS, RESIDUAL, RNG_STREAMS
-from ember.parallel import axes as mesh_axes, sharding
+from ember.parallel import sharding
 from ember.quant import dot, health
 from ember.quant.recipe import Recipe
 from ember.quant.tensor import QuantizedTensor
@@ -256,7 +256,7 @@ class Linear(nnx.Module):
     rules, mesh = sharding.active_rules(), sharding.active_mesh()
     if rules is None or mesh is None:
       return None
-    spec = sharding.without_axes(self._kernel_spec(flat), set(mesh_axes.token_axes(rules, mesh)) | set(manual_axes()))
+    spec = sharding.without_axes(self._kernel_spec(flat), set(sharding.token_axes(rules, mesh)) | set(manual_axes()))
     return _for_the_compiler(spec, mesh)
 
   def _kernel_spec(self, flat: "_FlatOutputs | None") -> P:
@@ -304,7 +304,7 @@ class Linear(nnx.Module):
     rules, mesh = sharding.active_rules(), sharding.active_mesh()
     if rules is None or mesh is None or len(lead) != 2:
       return set()
-    return mesh_axes.sequence_parallel_axes(rules, mesh) - set(manual_axes())
+    return sharding.sequence_parallel_axes(rules, mesh) - set(manual_axes())
 
   def _gemm_row_sharding(self, parallel: set[str]):
     """Where the GEMMs read the rows of x and of its gradient, kept as [batch, length, features]: their tokens whole
@@ -312,7 +312,7 @@ class Linear(nnx.Module):
     if not parallel:
       return None
     mesh = sharding.active_mesh()
-    batch, length = sharding.without_axes(mesh_axes.token_spec(sharding.active_rules(), mesh), set(manual_axes()))
+    batch, length = sharding.without_axes(sharding.token_spec(sharding.active_rules(), mesh), set(manual_axes()))
     return _for_the_compiler(P(batch, length, P.UNCONSTRAINED), mesh)
 
   def _placed(self, y, parallel: set[str], flat: "_FlatOutputs | None" = None):
@@ -328,7 +328,7 @@ class Linear(nnx.Module):
       out = P(*(out[i] for i in flat.split), *(None,) * (len(flat.order) - len(flat.split)))
     if all(e is None for e in out):
       return y
-    return sharding.place(y, P(*mesh_axes.token_spec(rules, mesh), *out))
+    return sharding.place(y, P(*sharding.token_spec(rules, mesh), *out))
 
   def _row_axes(self) -> tuple[str, ...]:
     """The mesh axes the rows of x [batch, length, ...] are split over under the active rules, in their order;
@@ -388,7 +388,7 @@ class Linear(nnx.Module):
       return None
     k, n = (sharding.entry_axes(e) for e in sharding.without_axes(self._kernel_spec(flat), manual_axes()))
     major, minor = (n, k) if transposed else (k, n)
-    gathered = set(mesh_axes.token_axes(rules, mesh))
+    gathered = set(sharding.token_axes(rules, mesh))
     major = tuple(major) + tuple(a for a in minor if a in gathered)
     minor = tuple(a for a in minor if a not in gathered)
     if shape[0] % math.prod(mesh.shape[a] for a in major) or shape[1] % math.prod(mesh.shape[a] for a in minor):

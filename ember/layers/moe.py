@@ -40,14 +40,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from ember import remat
-from ember.layers.linear import QuantState, QuantStats, handed, output_error_input, projection_key
-from ember.layers import moe_dispatch
-from ember.layers.mlp import MLP
 from ember.config.model import ModelConfig
+from ember.layers import moe_dispatch
+from ember.layers.linear import QuantState, QuantStats, handed, output_error_input, projection_key
+from ember.layers.mlp import MLP
 from ember.names import (BATCH, BLOCK, EMBED, EXPERT, GATE, LENGTH, MLP as MLP_AXIS, MOE_DROPPED_TOKENS,
                          MOE_EXPERT_LOADS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS,
                          MOE_SEQ_BALANCE_LOSS, PROJECTIONS)
-from ember.parallel import axes as axes_lib, sharding
+from ember.parallel import sharding
 from ember.quant import health
 from ember.quant.batched import batched_matmul
 from ember.quant.grouped import grouped_matmul, starts
@@ -176,7 +176,7 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
     return _experts(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, histories, keys, stats, bias_E,
                     errors, opts=opts, plan=plan, token_axes=())
   x_spec = sharding.logical_to_spec((BATCH, LENGTH, None), rules, mesh)
-  token_axes = axes_lib.token_axes(rules, mesh)
+  token_axes = sharding.token_axes(rules, mesh)
   e_spec = sharding.logical_to_spec((EXPERT,), rules, mesh)[0]
   expert_axes = plan.expert_axes
   if not set(expert_axes) <= set(token_axes):
@@ -189,7 +189,7 @@ def moe_ffn(x_BxLxD, segment_ids_BxL, router_DxE, wi_ExDx2xF, wo_ExFxD, historie
   d_spec = _embed_shards(wi_ExDx2xF.shape[1], opts, mesh, rules, expert_axes)
   body = functools.partial(_experts, opts=opts, plan=plan, token_axes=token_axes,
                            embed_axes=sharding.entry_axes(d_spec),
-                           sequence_axes=tuple(a for a in axes_lib.sequence_axes(rules) if mesh.shape[a] > 1))
+                           sequence_axes=tuple(a for a in sharding.sequence_axes(rules) if mesh.shape[a] > 1))
   outer = manual_axes()
   if outer:  # Inside a step's shard_map over its replicas (trainer/step.py): this one does not check replication.
     body = _global_cotangents_once(body, tuple(a for a in mesh.axis_names if a not in outer),

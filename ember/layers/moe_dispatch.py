@@ -54,9 +54,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
 from ember import remat
-from ember.parallel import axes as mesh_axes
+from ember.names import MOE_DISPATCHERS, MOE_EXPERT_GEMMS
+from ember.parallel import sharding
 from ember.platform import target_platform
 from ember.quant import formats
 from ember.quant.core import SCOPE_GRADIENT
@@ -114,12 +114,12 @@ def plan(model, mesh, rules: dict, *, batch: tuple[int, int], platform: str | No
   (sampling: a prompt's tokens are far from balanced, and no step counts what a buffer would drop)."""
   e, k = model.num_experts, model.experts_per_token
   sharded = mesh is not None and mesh.size > 1
-  axes = mesh_axes.expert_axes(rules, mesh) if sharded else ()
+  axes = sharding.expert_axes(rules, mesh) if sharded else ()
   n = math.prod(mesh.shape[a] for a in axes)
   token_shards = 1
   if sharded:
     local = manual_axes()  # Inside shard_map `batch` is already one shard's along these.
-    token_shards = math.prod(mesh.shape[a] for a in mesh_axes.token_axes(rules, mesh) if a not in local)
+    token_shards = math.prod(mesh.shape[a] for a in sharding.token_axes(rules, mesh) if a not in local)
   t = batch[0] * batch[1] // token_shards
   num_local = e // n
   exchange, gemm = choose(model.moe_dispatch, model.moe_expert_gemm, expert_parallel=n, num_local=num_local,

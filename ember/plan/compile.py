@@ -22,7 +22,7 @@ from ember import config as config_lib
 from ember import storage
 from ember.config import Settings
 from ember.layers import moe_dispatch
-from ember.parallel import axes, pipeline
+from ember.parallel import pipeline, sharding
 from ember.parallel.mesh import make_mesh
 from ember.plan import auto_remat
 from ember.plan import step as step_plan
@@ -158,7 +158,7 @@ def pipeline_figures(cfg: Settings, mesh, report: dict) -> dict:
   stages, micro, virtual = pipeline.stages(mesh), cfg.train.grad_accum_steps, cfg.pipeline.virtual_stages
   schedule = cfg.pipeline.schedule
   m = cfg.model
-  batch_shards = axes.shards(axes.token_axes(cfg.mesh.rules_dict, mesh), dict(mesh.shape))
+  batch_shards = sharding.shards(sharding.token_axes(cfg.mesh.rules_dict, mesh), dict(mesh.shape))
   activation = cfg.train.micro_batch_size * m.seq_len * m.d_model * jnp.dtype(m.dtype).itemsize / batch_shards
   fraction = pipeline.bubble_fraction(micro, stages, schedule, virtual)
   floor = report.get("time_floor_s")

@@ -32,7 +32,7 @@ from ember.config import Settings
 from ember.config.model import ModelConfig
 from ember.layers import linear
 from ember.layers.decoder import Block, segments_of
-from ember.parallel import axes
+from ember.parallel import sharding
 from ember.plan.jaxpr import GEMM_PRIMITIVES, is_projection_gemm, is_quantize_cast, iter_eqns, name_stack, nbytes
 from ember.quant.core import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
 from ember.quant.recipe import Recipe
@@ -64,13 +64,13 @@ def _axis_size(cfg: Settings, mesh, axis: str) -> int:
 def per_device_batch(cfg: Settings, mesh=None) -> int:
   """Sequences per device of one micro-batch (train.grad_accum_steps; at least 1), along the batch's mesh
   axes (`_axis_size`)."""
-  shards = axes.shards(axes.batch_axes(cfg.mesh.rules_dict), lambda a: _axis_size(cfg, mesh, a))
+  shards = sharding.shards(sharding.batch_axes(cfg.mesh.rules_dict), lambda a: _axis_size(cfg, mesh, a))
   return max(cfg.train.batch_size // shards // cfg.train.grad_accum_steps, 1)
 
 
 def sequence_shards(cfg: Settings, mesh=None) -> int:
   """The devices each sequence is split over (context parallelism: the mesh axes `length` maps to)."""
-  return axes.shards(axes.sequence_axes(cfg.mesh.rules_dict), lambda a: _axis_size(cfg, mesh, a))
+  return sharding.shards(sharding.sequence_axes(cfg.mesh.rules_dict), lambda a: _axis_size(cfg, mesh, a))
 
 
 def representative_block(model: ModelConfig, recipe: Recipe) -> int:

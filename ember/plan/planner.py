@@ -43,11 +43,11 @@ import os
 import jax
 
 from ember import config as config_lib
-from ember.config import Settings
 from ember import remat
+from ember.config import Settings
 from ember.errors import ConfigError, EmberError, one_line
 from ember.layers import moe_dispatch
-from ember.parallel import axes, pipeline
+from ember.parallel import pipeline, sharding
 from ember.parallel.mesh import make_mesh
 from ember.parallel.sharding import entry_axes
 from ember.plan import auto_remat, layer
@@ -149,7 +149,7 @@ def layouts(settings: Settings, target: Target, context: bool = False) -> list[L
   `context`, only those that split each sequence over `context` devices inside a node (context parallelism,
   docs/long_context.md): `plan` asks for them where whole sequences do not fit."""
   m = settings.model
-  batch_axes = axes.batch_axes(settings.mesh.rules_dict)
+  batch_axes = sharding.batch_axes(settings.mesh.rules_dict)
   per_node, nodes = target.per_node, target.nodes
   out = []
   splits = [(p, t, e, c) for p, t, e, c, _ in _factorizations(per_node, 5) if (p == 1 or nodes == 1)
@@ -165,7 +165,7 @@ def layouts(settings: Settings, target: Target, context: bool = False) -> list[L
       if not schedules:  # Too much padding for these stages (uneven stages).
         continue
       dcn = (("pipeline", dp), ("data", dd), ("fsdp", df), ("expert", de))
-      shards = axes.shards(batch_axes, Layout(node, dcn, 1, "").mesh())
+      shards = sharding.shards(batch_axes, Layout(node, dcn, 1, "").mesh())
       if settings.train.batch_size % shards:
         continue
       for accum in _divisors(settings.train.batch_size // shards):
@@ -309,8 +309,8 @@ class Estimator:
     cfg, m, block = self.settings, self.model, self.blocks[layout.remat]
     mesh = layout.mesh()
     n_devices = self.target.count
-    batch_axes = axes.batch_axes(cfg.mesh.rules_dict)
-    micro = cfg.train.batch_size // axes.shards(batch_axes, mesh) // layout.grad_accum_steps
+    batch_axes = sharding.batch_axes(cfg.mesh.rules_dict)
+    micro = cfg.train.batch_size // sharding.shards(batch_axes, mesh) // layout.grad_accum_steps
     state, params, leaves, replicas, held = self._leaves(layout)
     # A pipeline (parallel/pipeline.py): each stage runs its share of the layers for every micro-batch and idles
     # its bubble, and keeps what the schedule's forward passes save until their backward passes.
@@ -364,8 +364,8 @@ class Estimator:
     param_bytes = m.param_dtype.itemsize
     grad_bytes = 2.0 if recipe.wgrad_dtype == "bfloat16" else 4.0
     seconds = once = 0.0
-    experts_over = set(axes.expert_axes(cfg.mesh.rules_dict))
-    sequence_axes = axes.sequence_axes(cfg.mesh.rules_dict)  # Weights split over them are gathered as over FSDP's.
+    experts_over = set(sharding.expert_axes(cfg.mesh.rules_dict))
+    sequence_axes = sharding.sequence_axes(cfg.mesh.rules_dict)  # Weights split over them are gathered as over FSDP's.
     for elements, split_over, projection, zero, _ in leaves:
       weight_bytes = recipe.scheme.weight_bytes if projection else 2.0
       for a in (*batch_axes, *sequence_axes):

@@ -29,12 +29,12 @@ import numpy as np
 from flax import nnx
 
 from ember.config import Settings
-from ember.data.sharded import data_iterator
+from ember.data.pipeline import data_iterator
 from ember.layers.decoder import rows_by_layer, stacked_like, tree_leaves, within_layer
 from ember.names import INPUTS, LM_HEAD, POSITIONS, SEGMENT_IDS
 from ember.quant import quantize
 from ember.quant.recipe import UNQUANTIZED
-from ember.trainer import muon
+from ember.trainer import optimizer
 from ember.trainer.loss import num_chunks, strided_chunks
 from ember.trainer.state import abstract_init, logical_axes, stats_inputs, step_key
 from ember.trainer.step import forward_loss
@@ -175,8 +175,8 @@ def _head_error_fn(settings: Settings):
 
 def weight_error(kernel, axes: tuple, recipe: str) -> float:
   """|Q(W) - W| / |W| for one layer's kernel with logical `axes`, quantized as a weight with blocks along its
-  inputs (its matrices as Muon sees them: ember/trainer/muon.py)."""
-  m = np.asarray(muon.MatrixLayout.of(axes).matrices(jnp.asarray(kernel, jnp.float32)))
+  inputs (its matrices as Muon sees them: ember/trainer/optimizer.py)."""
+  m = np.asarray(optimizer.MatrixLayout.of(axes).matrices(jnp.asarray(kernel, jnp.float32)))
   q = np.asarray(quantize(jnp.asarray(m), recipe, "weight", axis=1).dequantize(jnp.float32))
   return float(np.linalg.norm(q - m) / max(np.linalg.norm(m), 1e-30))
 

@@ -18,19 +18,19 @@ from jax.sharding import NamedSharding
 from ember import remat
 from ember.config import Settings
 from ember.names import BATCH_KEYS
-from ember.parallel.sharding import use_rules
+from ember.parallel.sharding import batch_sharding, use_rules
 from ember.plan.jaxpr import jaxpr_flops
 from ember.program import hlo, predict
 from ember.program.cost import Machine
 from ember.program.schedule import compile_scheduled
 from ember.trainer.perf import compiled_peak_bytes, host_bytes
 from ember.trainer.state import state_shardings
-from ember.trainer.step import batch_sharding, jit_train_step
+from ember.trainer.step import jit_train_step
 
 
 def abstract_batch(cfg: Settings, mesh) -> tuple[dict, NamedSharding]:
   """A global batch as shapes on its sharding (nothing allocated)."""
-  sharding = batch_sharding(cfg, mesh)
+  sharding = batch_sharding(cfg.mesh.rules_dict, mesh)
   shape = (cfg.train.batch_size, cfg.model.seq_len)
   return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}, sharding
 

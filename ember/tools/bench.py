@@ -42,13 +42,13 @@ import jax
 import numpy as np
 
 from ember import native_output, storage
-from ember.config import Settings
 from ember import hardware
-from ember.data.sharded import data_iterator, global_batch
+from ember.config import Settings
+from ember.data.pipeline import data_iterator, global_batch
 from ember.errors import ArgumentParser, ConfigError, EmberError, fail_and_exit, out_of_memory_exit
-from ember.parallel.sharding import use_rules
-from ember.platform import target_platform
+from ember.parallel.sharding import batch_sharding, use_rules
 from ember.plan.auto_remat import resolve
+from ember.platform import target_platform
 from ember.program import cost, hlo, predict
 from ember.program.schedule import compile_scheduled
 from ember.tools import cli
@@ -56,8 +56,8 @@ from ember.trainer import quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.loop import prepare
 from ember.trainer.optimizer import make_optimizer
-from ember.trainer.phase import missing_tensor_core_gemm
 from ember.trainer.perf import Throughput, compiled_peak_bytes, peak_bytes, work_per_device
+from ember.trainer.phase import missing_tensor_core_gemm
 from ember.trainer.state import create_train_state
 
 def gemm_counts(program: str | hlo.Program) -> dict[str, object]:
@@ -99,7 +99,7 @@ def run(cfg: Settings, *, steps: int, warmup: int, hlo_out: str | None = None) -
   with use_rules(mesh, cfg.mesh.rules):
     graphdef, state, shardings = create_train_state(cfg, mesh, tx)
     step_fn = step_lib.jit_train_step(cfg, mesh, graphdef, tx, schedule, shardings)
-    sharding = step_lib.batch_sharding(cfg, mesh)
+    sharding = batch_sharding(cfg.mesh.rules_dict, mesh)
     it = data_iterator(cfg, "train", sharding)
     try:
       batch = global_batch(next(it), sharding, cfg.train.batch_size)

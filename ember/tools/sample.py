@@ -87,7 +87,7 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
   from ember.errors import ConfigError
   from ember.inference.checkpoint import load_model
   from ember.inference.generate import cache_bytes_per_token, generate
-  from ember.parallel import axes
+  from ember.parallel import sharding
   from ember.parallel.sharding import use_rules
   from ember.quant.recipe import UNQUANTIZED
 
@@ -98,7 +98,7 @@ def sample(checkpoint: str, prompts: list[str], *, max_new_tokens: int, temperat
   empty = next((i for i, e in enumerate(encoded) if len(e) == 0), None)
   if empty is not None:
     raise ConfigError(f"--prompt: prompt {empty} encodes to no tokens")
-  batch_shards = axes.shards(axes.batch_axes(cfg.mesh.rules_dict, mesh), dict(mesh.shape))
+  batch_shards = sharding.shards(sharding.batch_axes(cfg.mesh.rules_dict, mesh), dict(mesh.shape))
   m = cfg.model
   per_token = cache_bytes_per_token(model)
   what = (f"(kv_lora_rank {m.kv_lora_rank} + qk_rope_head_dim {m.qk_rope_head_dim})" if m.is_mla else

@@ -6,7 +6,7 @@ measured). A step whose loss or gradients are not finite changes nothing (step.u
 counts it (`skipped_steps`) and ends the run after train.max_skipped_steps in a row, so the loop's step (batches
 consumed, the checkpoints' step) runs ahead of `state.step` (updates applied) by the steps skipped. Each stage has
 a deadline (ember/trainer/watchdog.py): a hung job ends itself. With several processes each one's speed is
-compared with the others' at every log step (ember/trainer/stragglers.py). SIGTERM (a preemption notice; with several processes JAX's preemption service agrees on the step) ends
+compared with the others' at every log step (ember/trainer/watchdog.py). SIGTERM (a preemption notice; with several processes JAX's preemption service agrees on the step) ends
 the loop after the step the device is running with a synchronous checkpoint, and the process exits 0. Every
 resource (data iterators and their threads, the checkpoint manager, writers) is closed on the way
 out, error or not, so a failed run ends with its one error line and nothing else.
@@ -31,30 +31,25 @@ from jax.sharding import Mesh
 
 import ember
 from ember import config as config_lib
-from ember.config import Settings
 from ember import platform, storage
+from ember.config import Settings
 from ember.data import records
-from ember.data.sharded import data_iterator, global_batch, source_shares
+from ember.data.pipeline import data_iterator, global_batch, source_shares
 from ember.errors import ConfigError, Diverged, one_line
 from ember.hf import load as hf_load
 from ember.layers.decoder import keys_of, stacked_layers
 from ember.names import RECORD_SOURCES, SEGMENT_IDS
-from ember.parallel import distributed
+from ember.parallel import distributed, sharding
 from ember.parallel.mesh import make_mesh
-from ember.parallel.sharding import use_rules
-from ember.trainer import moe_counts, precision
-from ember.trainer import step as step_lib
-from ember.trainer.checkpointing import Checkpointer, all_processes_ok, restore_from, stacked_of
-from ember.trainer.local_checkpoints import LocalCheckpoints
-from ember.trainer.metrics import MetricsWriter, console, format_count, format_eta, progress, progress_line
-from ember.trainer.moe_counts import MoeCounts
+from ember.trainer import precision
+from ember.trainer.checkpointing import Checkpointer, LocalCheckpoints, all_processes_ok, restore_from, stacked_of
+from ember.trainer.metrics import (MOE_KEYS, MetricsWriter, MoeCounts, WandbRun, console, format_count, format_eta,
+                                  progress, progress_line)
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.perf import Throughput, peak_bytes
 from ember.trainer.phase import Phase
 from ember.trainer.state import create_train_state, state_around, state_shardings
-from ember.trainer.stragglers import Stragglers
-from ember.trainer.wandb_run import WandbRun
-from ember.trainer.watchdog import Deadlines, Watchdog, xla_flags
+from ember.trainer.watchdog import Deadlines, Stragglers, Watchdog, xla_flags
 from ember.xla_flags import loop_pipelining_note
 
 
@@ -111,7 +106,7 @@ def train(cfg: Settings, mesh: Mesh | None = None) -> dict:
     raise ConfigError("config.remat.policy: 'auto' must be resolved before training (ember.plan.auto_remat.resolve; "
                       "train.py does it)")
   _make_workdir(cfg.workdir)
-  with contextlib.ExitStack() as resources, use_rules(mesh, cfg.mesh.rules):
+  with contextlib.ExitStack() as resources, sharding.use_rules(mesh, cfg.mesh.rules):
     run = _Run.open(cfg, mesh, resources)
     _warn_of_the_warm_up(cfg)  # Once the set-up holds: beside a set-up's error, a warning would be noise.
     first, timed_from, done = run.first, None, run.first
@@ -286,7 +281,7 @@ class _Run:
     watch.expect("the set-up (data, checkpoint restore)", *deadlines.long())
     tx, schedule = make_optimizer(cfg)
     progress(f"set-up: the {cfg.data.source} data pipeline")
-    batch_sharding = step_lib.batch_sharding(cfg, mesh)
+    batch_sharding = sharding.batch_sharding(cfg.mesh.rules_dict, mesh)
     train_it = data_iterator(cfg, "train", batch_sharding)
     resources.callback(train_it.close)
     metrics = MetricsWriter(cfg.workdir, tensorboard=cfg.log.tensorboard, wandb=_wandb_run(cfg))
@@ -312,7 +307,7 @@ class _Run:
     shares = source_shares(cfg)
     run = cls(cfg=cfg, mesh=mesh, train_it=train_it, metrics=metrics, preemption=preemption, ckpt=ckpt, local=local,
               targets=targets,
-              phases=phases, phase=Phase(phases, phases.state_phase(first), mesh, tx, schedule, batch_sharding),
+              phases=phases, phase=Phase(phases, phases.state_phase(first), mesh, tx, schedule),
               state=state, batch=None, batch_sharding=batch_sharding, shares=shares,
               meta={"config": cfg.to_dict(), "ember_version": ember.__version__, "mesh": dict(mesh.shape),
                     "process_count": jax.process_count()},
@@ -378,7 +373,7 @@ def _log(run: _Run, done: int, step_metrics, stopping: bool) -> None:
   if not _logs_at(run, done, stopping):
     return
   health = _health_at(run, done)
-  host = jax.device_get({k: v for k, v in step_metrics.items() if k != "quant_stats" and k not in moe_counts.KEYS})
+  host = jax.device_get({k: v for k, v in step_metrics.items() if k != "quant_stats" and k not in MOE_KEYS})
   record = {"step": done, **{k: float(v) for k, v in host.items()}, **run.interval.take(done),
             "skipped_steps": run.skips.total}
   if jax.process_count() > 1:

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from ember.layers.decoder import Head, keys_of
 from ember.names import BATCH, EMBED, LENGTH, LM_HEAD, VOCAB
-from ember.parallel import axes as axes_lib
+from ember.parallel import sharding
 from ember.parallel.sharding import (active_mesh, active_rules, entry_axes, logical_to_spec, place, shard, shard_map,
                                      without_axes)
 from ember.quant.varying import manual_axes
@@ -182,7 +182,7 @@ def _token_spec() -> P:
   mesh = active_mesh()
   if mesh is None:
     return P()
-  return without_axes(axes_lib.token_spec(active_rules(), mesh), manual_axes())
+  return without_axes(sharding.token_spec(active_rules(), mesh), manual_axes())
 
 
 def _run(plan: _Plan, h_BxLxD, w_DxV, targets_BxL, weights_BxL, count, key, grads: bool):

@@ -17,7 +17,7 @@ from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.names import (BATCH, BY_LAYER, INPUTS, LENGTH, MOE_DROPPED_TOKENS, MOE_EXPERT_LOADS,
                          MOE_LAYER_COUNTS, MOE_LOAD_BALANCE_LOSS, MOE_OVERFLOW_TOKENS, MOE_ROUTED_TOKENS,
                          MOE_ROUTER_Z_LOSS, MOE_SEQ_BALANCE_LOSS, POSITIONS, SEGMENT_IDS, TARGETS)
-from ember.parallel import axes
+from ember.parallel import sharding
 from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant.varying import first_along, shard_axes
 from ember.trainer.loss import HeadOnce, cross_entropy, token_count
@@ -144,7 +144,7 @@ def summed_over_replicas(grads, replicas: tuple[str, ...], param_specs, reduce_d
   split there, trainer/state.py's `replica_splits`), so each replica keeps its piece. Once a step, by the
   micro-batch loop (trainer/step.py) and the pipeline (trainer/pipelined.py)."""
   def reduce(g, spec, split=None):
-    over = axes.not_splitting(spec, replicas)
+    over = sharding.not_splitting(spec, replicas)
     if not over:
       return g
     if split is None:

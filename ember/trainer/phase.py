@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import time
 
-import jax
-
 from ember.config import Settings
 from ember.data import build_tokenizer
+from ember.layers import moe_dispatch
+from ember.parallel import distributed
 from ember.platform import target_compute_capability, target_platform
 from ember.program.schedule import compile_scheduled
 from ember.quant import gemm
-from ember.layers import moe_dispatch
-from ember.parallel import distributed
 from ember.trainer import precision, quant_stats
 from ember.trainer import step as step_lib
 from ember.trainer.metrics import console
@@ -69,14 +67,14 @@ class Phase:
   """One precision phase (ember/trainer/precision.py): its config, compiled train step and eval step, and
   quantization-health watch. `enter` moves the state into another phase and compiles that one."""
 
-  def __init__(self, phases: precision.Phases, index: int, mesh, tx, schedule, batch_sharding):
+  def __init__(self, phases: precision.Phases, index: int, mesh, tx, schedule):
     self.phases, self.index, self.cfg = phases, index, phases.cfg(index)
-    self.mesh, self.tx, self.schedule, self.batch_sharding = mesh, tx, schedule, batch_sharding
+    self.mesh, self.tx, self.schedule = mesh, tx, schedule
     self.compiled = self.compiled_peak = self.eval_fn = self.quant_health = self.plan = None
 
   def enter(self, index: int, state, batch, step: int):
     """(the phase `index` compiled, `state` moved into its structure) before `step` (the loop's)."""
-    phase = Phase(self.phases, index, self.mesh, self.tx, self.schedule, self.batch_sharding)
+    phase = Phase(self.phases, index, self.mesh, self.tx, self.schedule)
     cfg = phase.cfg
     graphdef, shardings, abstract = state_shardings(cfg, self.mesh, self.tx)
     if index != self.index:

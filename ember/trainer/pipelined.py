@@ -43,7 +43,7 @@ from ember.layers.mtp import depth_inputs as mtp_inputs
 from ember.names import (AUX_KEYS, BACKWARD_SCOPE, BATCH, BY_LAYER, EMBED, INPUTS, LENGTH, MOE_LOAD_BALANCE_LOSS,
                          MOE_ROUTER_Z_LOSS, MOE_SEQ_BALANCE_LOSS, PIPELINE, POSITIONS, RUNS_OF_SCOPE, SEGMENT_IDS,
                          TARGETS, VOCAB)
-from ember.parallel import axes, context, pipeline
+from ember.parallel import context, pipeline, sharding
 from ember.parallel.sharding import active_mesh, active_rules, logical_to_spec, shard, shard_map
 from ember.quant import health
 from ember.quant.varying import cotangent_once, shard_axes
@@ -135,7 +135,7 @@ def grads(state, batch, stats, key, *, graphdef, cfg: Settings, policy: remat.Pr
   trees = (state.params, state.quant_state) + ((stats,) if with_stats else ())
   param_in = specs(state.params)
   if replicas:
-    micro = jax.tree.map(lambda a: replicas_first(a, mesh, axes.batch_axes(active_rules(), mesh), replicas), micro)
+    micro = jax.tree.map(lambda a: replicas_first(a, mesh, sharding.batch_axes(active_rules(), mesh), replicas), micro)
     param_in = jax.tree.map(lambda stage, rep: P(stage[0] if stage else None, *rep[1:]) if stage else rep,
                             param_in, param_specs, is_leaf=lambda x: isinstance(x, P))
   in_specs = (param_in,) + tuple(specs(t) for t in trees[1:]) + (P(None, replicas) if replicas else P(), P(), P())

@@ -20,7 +20,7 @@ from ember.config import Settings
 from ember.layers.decoder import Transformer
 from ember.layers.linear import QuantState, QuantStats
 from ember.names import KV_HEADS
-from ember.parallel import axes, sharding
+from ember.parallel import sharding
 from ember.platform import on_device, target_platform
 
 
@@ -67,7 +67,7 @@ def _kv_heads_held_whole(cfg: Settings, specs):
   """The parameters' logical specs with the kv heads held whole where they are fewer than the ranks the rules
   split them over (`ModelConfig.kv_copies` > 1): each rank's attention then reads copies of its group's key and
   value weights (layers/attention.py `kv_view`)."""
-  ranks = axes.shards(cfg.mesh.rules_dict.get(KV_HEADS, ()), cfg.mesh.sizes())
+  ranks = sharding.shards(cfg.mesh.rules_dict.get(KV_HEADS, ()), cfg.mesh.sizes())
   if cfg.model.kv_copies(ranks) == 1:
     return specs
   return jax.tree.map(lambda spec: P(*(None if name == KV_HEADS else name for name in spec)), specs,
@@ -92,7 +92,7 @@ def _match_opt_shardings(abstract_opt, param_shardings, mesh: Mesh):
 def replica_axes(cfg: Settings, mesh: Mesh, platform: str) -> tuple[str, ...]:
   """The mesh axes whose devices run a step's micro-batches as replicas, each on its own rows, and reduce their
   gradients across one another once a step (trainer/step.py's `_over_replicas`) rather than per micro-batch:
-  parallel/axes.py's `replica_axes` for this config's parameters. The step, the optimizer state's split and the
+  parallel/sharding.py's `replica_axes` for this config's parameters. The step, the optimizer state's split and the
   planner's estimate all ask.
 
   None for a recipe whose kernels partition themselves (`Recipe.custom_partitioned`: MXFP8 and NVFP4 on a GPU)
@@ -100,7 +100,7 @@ def replica_axes(cfg: Settings, mesh: Mesh, platform: str) -> tuple[str, ...]:
   is not split over: tensor, context). Inside the replicas' shard_map their partition rules cannot sum a split
   contraction (quant/partitioning.py): a row-parallel GEMM would gather its operands instead."""
   parameters = jax.tree.leaves(logical_axes(cfg)[1], is_leaf=lambda x: isinstance(x, P))
-  return axes.replica_axes(cfg.mesh.rules_dict, mesh, parameters,
+  return sharding.replica_axes(cfg.mesh.rules_dict, mesh, parameters,
                            features_split_apart=not cfg.quant.custom_partitioned(platform))
 
 
@@ -121,7 +121,7 @@ class ReplicaSplit:
 
 
 def replica_splits(cfg: Settings, mesh: Mesh, replicas: tuple[str, ...]):
-  """Each parameter's `ReplicaSplit` (train.shard_optimizer_state; the dimension: parallel/axes.py's
+  """Each parameter's `ReplicaSplit` (train.shard_optimizer_state; the dimension: parallel/sharding.py's
   `replica_split`), or None. All None with the key off or no replicas: each replica then holds the whole state."""
   shardings = sharding.tree_shardings(logical_axes(cfg)[1], mesh, cfg.mesh.rules)
   abstract = abstract_init(cfg)[0]
@@ -129,15 +129,15 @@ def replica_splits(cfg: Settings, mesh: Mesh, replicas: tuple[str, ...]):
     return jax.tree.map(lambda _: None, abstract)
 
   def split(a, s):
-    over = axes.not_splitting(s.spec, replicas)
-    dim = axes.replica_split(a.shape, s.spec, over, mesh)
+    over = sharding.not_splitting(s.spec, replicas)
+    dim = sharding.replica_split(a.shape, s.spec, over, mesh)
     return None if dim is None else ReplicaSplit(dim, s.spec, over)
   return jax.tree.map(split, abstract, shardings)
 
 
 def split_over_replicas(spec: P, ndim: int, split: ReplicaSplit | None) -> P:
   """`spec` with its `split`'s replica axes added to the split's dimension (unchanged for None)."""
-  return spec if split is None else axes.with_split(spec, ndim, split.dim, split.over)
+  return spec if split is None else sharding.with_split(spec, ndim, split.dim, split.over)
 
 
 def update_shardings(cfg: Settings, mesh: Mesh, platform: str | None = None):

@@ -8,25 +8,24 @@ import os
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from ember import remat
 from ember.config import Settings
-from ember.names import BY_LAYER, MOE_EXPERT_LOADS, MOE_LOAD_MAX_OVER_MEAN, SEGMENT_IDS
 from ember.layers import linear, moe_dispatch
 from ember.layers.decoder import keys_of, padded_rows, rows_cut_ahead, stacked_layers, zero_padding_rows
 from ember.layers.moe import ROUTER_BIAS
-from ember.parallel import axes as axes_lib
+from ember.names import BY_LAYER, MOE_EXPERT_LOADS, MOE_LOAD_MAX_OVER_MEAN, SEGMENT_IDS
 from ember.parallel import mesh as mesh_lib
-from ember.parallel import pipeline
+from ember.parallel import pipeline, sharding
 from ember.parallel.sharding import active_mesh, active_rules
 from ember.platform import knows_compile_option, target_platform
 from ember.quant import health
-from ember.trainer.loss import HeadOnce, read_once, token_count, with_head_gradient
-from ember.trainer.optimizer import learning_rate_schedule
 from ember.trainer import pipelined
+from ember.trainer.loss import HeadOnce, read_once, token_count, with_head_gradient
 from ember.trainer.objective import (forward_loss, merged_model, micro_batches, replica_part,  # noqa: F401
                                      replicas_first, summed_over_replicas)
+from ember.trainer.optimizer import learning_rate_schedule
 from ember.trainer.state import (TrainState, replica_axes, replica_specs, replica_splits, split_over_replicas,
                                  stats_inputs, step_key)
 from ember.xla_flags import loop_pipelining_off, step_defaults
@@ -208,7 +207,7 @@ def _reads_head_once(cfg: Settings, mesh: Mesh | None, replicas: tuple[str, ...]
   if mesh is None:
     return False
   across = mesh_lib.axes_across_hosts(mesh.devices, mesh.axis_names)
-  return any(a in across for a in axes_lib.token_axes(cfg.mesh.rules_dict) if a not in replicas)
+  return any(a in across for a in sharding.token_axes(cfg.mesh.rules_dict) if a not in replicas)
 
 
 def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], param_specs, splits, reduce_dtype):
@@ -232,7 +231,7 @@ def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], pa
     grads = summed_over_replicas(grads, axes, param_specs, reduce_dtype, splits)
     return (jax.lax.psum(metrics, axes), grads, *same)
 
-  batch = axes_lib.batch_axes(active_rules(), mesh)
+  batch = sharding.batch_axes(active_rules(), mesh)
   rows = jax.tree.map(lambda a: replicas_first(a, mesh, batch, axes), xs[0])
   specs = lambda grads: (P(), grads, *(P(),) * (len(init) - 2))
   grad_specs = jax.tree.map(lambda p, spec, split: split_over_replicas(spec, p.ndim, split), params, param_specs,
@@ -243,11 +242,6 @@ def _over_replicas(scan, init, xs, params, mesh: Mesh, axes: tuple[str, ...], pa
   manual = set(axes) | {a for a, n in mesh.shape.items() if n == 1}
   return jax.shard_map(per_replica, mesh=mesh, in_specs=(specs(param_specs), (P(None, axes), P()), param_specs),
                        out_specs=specs(grad_specs), axis_names=manual, check_vma=False)(init, (rows, xs[1]), params)
-
-
-def batch_sharding(cfg: Settings, mesh: Mesh) -> NamedSharding:
-  """Where a global batch [batch, length] lives: the `batch` logical axis over its mesh axes."""
-  return NamedSharding(mesh, axes_lib.token_spec(cfg.mesh.rules_dict, mesh))
 
 
 def moe_plan(cfg: Settings, mesh: Mesh, batch_size: int) -> moe_dispatch.Plan | None:
@@ -269,7 +263,7 @@ def jit_train_step(cfg: Settings, mesh: Mesh, graphdef, tx, schedule, shardings,
   compiles with `step_compiler_options`."""
   policy = cfg.remat.preset if policy is None else policy
   plan = moe_plan(cfg, mesh, cfg.train.micro_batch_size) if plan is None else plan
-  rows = batch_sharding(cfg, mesh)
+  rows = sharding.batch_sharding(cfg.mesh.rules_dict, mesh)
   step = functools.partial(train_step, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule, policy=policy,
                            batch_shards=batch_shards(cfg, mesh), moe_plan=plan)
   return jax.jit(step, in_shardings=(shardings, rows), out_shardings=(shardings, None),
@@ -321,11 +315,11 @@ def jit_eval_step(cfg: Settings, mesh: Mesh, graphdef, shardings, plan: moe_disp
   """`eval_step` jitted the one way the loop and the tests run it: on the step's micro-batches and MoE plan."""
   plan = moe_plan(cfg, mesh, cfg.train.micro_batch_size) if plan is None else plan
   step = functools.partial(eval_step, graphdef=graphdef, cfg=cfg, batch_shards=batch_shards(cfg, mesh), moe_plan=plan)
-  return jax.jit(step, in_shardings=(shardings, batch_sharding(cfg, mesh)))
+  return jax.jit(step, in_shardings=(shardings, sharding.batch_sharding(cfg.mesh.rules_dict, mesh)))
 
 
 def batch_shards(cfg: Settings, mesh: Mesh) -> int:
   """How many blocks of rows the batch is split into over the devices (its sharding's)."""
-  rows = batch_sharding(cfg, mesh)
+  rows = sharding.batch_sharding(cfg.mesh.rules_dict, mesh)
   return cfg.train.batch_size // rows.shard_shape((cfg.train.batch_size, cfg.model.seq_len))[0]
 

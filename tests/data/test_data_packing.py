@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from ember.data import make_iterator
-from ember.data.packing import chunk_document
+from ember.data.pipeline import chunk_document
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 5, 8, 9, 10, 17, 40])

@@ -20,7 +20,7 @@ from flax import nnx
 
 from ember import config as config_lib
 from ember.data import train_tokenizer
-from ember.data.sharded import data_iterator
+from ember.data.pipeline import data_iterator
 from ember.data.tokenizers import SentencePieceTokenizer, build_tokenizer
 from ember.errors import CheckpointError
 from ember.hf import layout, load, safetensors, tokenizer

@@ -1,11 +1,7 @@
 """DeepSeek-V3-class models (the deepseek_tiny preset): latent attention, grouped sigmoid routing, shared experts,
 multi-token prediction. Hugging Face equality is in tests/hf/test_hf.py (its "deepseek" kind)."""
 
-import dataclasses
 import itertools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +14,13 @@ from ember import remat
 from ember.layers import moe as moe_lib
 from ember.layers import moe_dispatch
 from ember.layers.moe import Options, route
+from ember.parallel.sharding import batch_sharding
 from ember.plan import layer as analysis
-from ember.trainer.checkpointing import Checkpointer
+from ember.quant.recipe import Recipe
 from ember.trainer.loop import train
 from ember.trainer.metrics import read_records
 from ember.trainer.perf import forward_flops_per_token
-from ember.trainer.step import batch_sharding, forward_loss, moe_plan
-from ember.quant.recipe import Recipe
+from ember.trainer.step import forward_loss, moe_plan
 from tests import helpers
 
 PRESET = "deepseek_tiny"
@@ -116,7 +112,7 @@ def test_the_preset_routes_within_its_groups_on_eight_devices(monkeypatch):
                             "mesh.expert": 4}), 8)
   cfg, m = s.cfg, s.cfg.model
   batch = helpers.random_batch(cfg, seed=3)
-  sharding = batch_sharding(cfg, s.mesh)
+  sharding = batch_sharding(cfg.mesh.rules_dict, s.mesh)
   with s.rules():
     batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
     plan = moe_plan(cfg, s.mesh, 8)

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ember.data.sharded import data_iterator, global_batch
+from ember.data.pipeline import data_iterator, global_batch
 from ember.layers.moe import Options, route
+from ember.parallel.sharding import batch_sharding
 from ember.quant.recipe import Recipe
 from ember.trainer import step as step_lib
 from tests import helpers
@@ -66,7 +67,7 @@ def _imbalance(rate: float, steps: int = 80) -> float:
   try:
     with s.rules():
       for _ in range(steps):
-        state, metrics = step(state, global_batch(next(batches), step_lib.batch_sharding(s.cfg, s.mesh),
+        state, metrics = step(state, global_batch(next(batches), batch_sharding(s.cfg.mesh.rules_dict, s.mesh),
                                                   s.cfg.train.batch_size))
         seen.append(float(metrics["moe_load_max_over_mean"]))
   finally:
@@ -94,7 +95,7 @@ def test_the_same_biases_and_losses_under_expert_parallelism():
     state, losses = s.state, []
     with s.rules():
       for b in batches:
-        state, metrics = step(state, {k: jax.device_put(v, step_lib.batch_sharding(s.cfg, s.mesh)) for k, v in b.items()})
+        state, metrics = step(state, {k: jax.device_put(v, batch_sharding(s.cfg.mesh.rules_dict, s.mesh)) for k, v in b.items()})
         losses.append(float(metrics["loss"]))
     return losses, np.asarray(state.quant_state["segments"][0]["blocks"]["layers"][0]["moe"]["router_bias"])
 

@@ -1,4 +1,4 @@
-"""Which mesh axes do what (ember/parallel/axes.py): read from `mesh.rules`, so a config that changes the rules
+"""Which mesh axes do what (ember/parallel/sharding.py): read from `mesh.rules`, so a config that changes the rules
 changes what validation, the step and the planner count."""
 
 import types
@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 
 from ember import config as config_lib
 from ember.errors import ConfigError
-from ember.parallel import axes
+from ember.parallel import sharding
 from ember.parallel import mesh as mesh_lib
 from ember.parallel.sharding import rules_dict
 from ember.plan.layer import per_device_batch, sequence_shards
@@ -32,12 +32,12 @@ def _mesh(**sizes) -> Mesh:
 
 def test_the_default_rules():
   rules = config_lib.derive(config("tiny"), 8).mesh.rules_dict
-  assert axes.batch_axes(rules) == ("data", "fsdp", "expert")
-  assert axes.sequence_axes(rules) == ("context",) and axes.layer_axes(rules) == ("pipeline",)
+  assert sharding.batch_axes(rules) == ("data", "fsdp", "expert")
+  assert sharding.sequence_axes(rules) == ("context",) and sharding.layer_axes(rules) == ("pipeline",)
   mesh = _mesh(data=2, fsdp=2, context=2)
-  assert axes.batch_axes(rules, mesh) == ("data", "fsdp")  # Axes of one device left out.
-  assert axes.token_axes(rules, mesh) == ("data", "fsdp", "context")
-  assert axes.shards(axes.token_axes(rules, mesh), dict(mesh.shape)) == 8
+  assert sharding.batch_axes(rules, mesh) == ("data", "fsdp")  # Axes of one device left out.
+  assert sharding.token_axes(rules, mesh) == ("data", "fsdp", "context")
+  assert sharding.shards(sharding.token_axes(rules, mesh), dict(mesh.shape)) == 8
 
 
 def test_fsdp_splits_each_kernel_along_its_leading_axis():
@@ -57,7 +57,7 @@ def test_a_batch_rule_without_fsdp_is_what_validation_and_the_planner_count():
   cfg = config("tiny", **{"train.batch_size": 4, "mesh.fsdp": 2, "mesh.data": 4})
   cfg.mesh.rules = _rules(cfg, batch=("data",))
   settings = config_lib.validate(cfg, 8)
-  assert axes.batch_axes(settings.mesh.rules_dict) == ("data",)
+  assert sharding.batch_axes(settings.mesh.rules_dict) == ("data",)
   assert per_device_batch(settings) == 1 and sequence_shards(settings) == 1
   cfg.train.batch_size = 6  # Divisible by data*fsdp? No; by data alone? No: named as the rules have it.
   with pytest.raises(ConfigError, match=r"6 is not divisible by the data-parallel size data=4"):
@@ -72,15 +72,15 @@ def test_replicas_are_the_batch_axes_no_parameter_is_split_over():
   mesh = _mesh(data=2, fsdp=4)
   assert replica_axes(settings, mesh, "cpu") == ("data",)
   params = [("embed", "mlp"), ("vocab", "embed")]
-  assert axes.replica_axes(settings.mesh.rules_dict, mesh, params) == ("data",)
+  assert sharding.replica_axes(settings.mesh.rules_dict, mesh, params) == ("data",)
   # A parameter split over `data` makes it no replica axis; a recipe that partitions itself has none beside tensor.
-  assert axes.replica_axes(_dict(settings, mlp=("data",)), mesh, params) == ()
-  assert axes.replica_axes(settings.mesh.rules_dict, _mesh(data=2, tensor=4), params,
+  assert sharding.replica_axes(_dict(settings, mlp=("data",)), mesh, params) == ()
+  assert sharding.replica_axes(settings.mesh.rules_dict, _mesh(data=2, tensor=4), params,
                            features_split_apart=False) == ()
   # A pipeline splits layers, not features: such a recipe keeps its replicas beside the stages (it lost them, and
   # with them the optimizer state's split and the once-a-step gradient reduction).
   staged = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("pipeline", "data", "fsdp"))
-  assert axes.replica_axes(settings.mesh.rules_dict, staged, params, features_split_apart=False) == ("data",)
+  assert sharding.replica_axes(settings.mesh.rules_dict, staged, params, features_split_apart=False) == ("data",)
 
 
 def _dict(settings, **changed):

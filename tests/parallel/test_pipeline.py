@@ -19,6 +19,7 @@ from ember import remat
 from ember.errors import ConfigError
 from ember.names import MOE_LOAD_BALANCE_LOSS, MOE_ROUTED_TOKENS, MOE_ROUTER_Z_LOSS
 from ember.parallel import pipeline
+from ember.parallel.sharding import batch_sharding
 from ember.plan.jaxpr import is_quantize_cast, iter_eqns, name_stack
 from ember.quant.core import SCOPE_ACTIVATION, SCOPE_GRADIENT, SCOPE_WEIGHT
 from ember.trainer.step import train_step
@@ -476,7 +477,7 @@ def test_evaluation_runs_through_the_stages(schedule, virtual):
                                                             "pipeline.virtual_stages": virtual})):
     s = helpers.start(_cfg(**overrides, **extra), devices)
     with s.rules():
-      rows = jax.device_put(batch, step_lib.batch_sharding(s.cfg, s.mesh))
+      rows = jax.device_put(batch, batch_sharding(s.cfg.mesh.rules_dict, s.mesh))
       compiled = step_lib.jit_eval_step(s.cfg, s.mesh, s.graphdef, s.shardings).lower(s.state, rows).compile()
       losses.append(float(compiled(s.state, rows)))
       if name == "piped":

@@ -3,8 +3,7 @@
 import pytest
 
 from ember.names import LAYER_PROJECTIONS
-from ember.quant import exclude
-from ember.quant.recipe import Recipe
+from ember.quant.recipe import Recipe, check_excluded_layers, parse_exclude
 
 LAYERS = 12
 
@@ -61,16 +60,16 @@ def test_bf16_recipe_ignores_exclusions_and_others_keep_their_options():
 ])
 def test_malformed_entries_are_errors(entry, message):
   with pytest.raises(ValueError, match=message):
-    exclude.parse(entry)
+    parse_exclude(entry)
   with pytest.raises(ValueError, match=message):
     Recipe("fp8_current", exclude=(entry,))
 
 
 def test_single_layer_out_of_range():
-  selectors = (exclude.parse("layers[12]"),)
+  selectors = (parse_exclude("layers[12]"),)
   with pytest.raises(ValueError, match="layer 12 is outside a model of 12 layers"):
-    exclude.check_layers(selectors, LAYERS)
-  exclude.check_layers((exclude.parse("layers[-12]"), exclude.parse("layers[-20:]")), LAYERS)
+    check_excluded_layers(selectors, LAYERS)
+  check_excluded_layers((parse_exclude("layers[-12]"), parse_exclude("layers[-20:]")), LAYERS)
 
 
 def test_mtp_entries_select_the_prediction_modules_and_layer_ranges_do_not():
@@ -81,6 +80,6 @@ def test_mtp_entries_select_the_prediction_modules_and_layer_ranges_do_not():
   assert [p for p in LAYER_PROJECTIONS if bf16("mtp.wo", p, LAYERS)] == ["wo"] and not bf16("mtp.wo", "wo", 0)
   assert not any(bf16(e, p, LAYERS) for e in ("layers[-1:]", "layers[:]", "layers[-1]") for p in LAYER_PROJECTIONS)
   assert bf16("wo", "wo", LAYERS)  # A kind is every layer's, the module's too.
-  exclude.check_layers((exclude.parse("mtp"),), LAYERS, mtp_depth=1)
+  check_excluded_layers((parse_exclude("mtp"),), LAYERS, mtp_depth=1)
   with pytest.raises(ValueError, match=r"'mtp.wo': the model has no multi-token-prediction modules"):
-    exclude.check_layers((exclude.parse("mtp.wo"),), LAYERS)
+    check_excluded_layers((parse_exclude("mtp.wo"),), LAYERS)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ember.data.sharded import data_iterator
+from ember.data.pipeline import data_iterator
 from ember.inference.checkpoint import load_model
 from ember.layers.decoder import rows_by_layer, stacked_like
 from ember.plan import probe as probe_lib

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ember.config import defaults
 from ember.data import ShardedIterator, make_iterator
-from ember.data.sharded import data_fingerprint
+from ember.data.pipeline import data_fingerprint
 from ember.errors import CheckpointError
 from ember.trainer.checkpointing import (
     Checkpointer, Stacked, _is_damage, check_shapes, restore_data_position, restore_from)
@@ -265,7 +265,7 @@ def test_files_added_under_the_glob_are_other_data(tmp_path):
   (tmp_path / "c.txt").write_text("document c, longer\n" * 20)
   assert data_fingerprint(d, "train") != after[0]
   # A position saved before fingerprints held the files: compared on its keys, it resumes.
-  from ember.data.sharded import _same_data
+  from ember.data.pipeline import _same_data
   older = json.dumps({k: v for k, v in json.loads(after[0]).items() if k != "files"})
   assert _same_data(older, data_fingerprint(d, "train")) and not _same_data(after[0], data_fingerprint(d, "train"))
 

@@ -18,11 +18,11 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from ember.data import ShardedIterator
 from ember.data.sources import encode_record
 from ember.errors import DIVERGED_EXIT_STATUS, OUT_OF_MEMORY_EXIT_STATUS, Diverged, fail_and_exit, out_of_memory
+from ember.parallel.sharding import batch_sharding
 from ember.tools import sweep
-from ember.trainer import stragglers as stragglers_lib
 from ember.trainer import watchdog as watchdog_lib
 from ember.trainer.loop import train
-from ember.trainer.step import batch_sharding, jit_train_step
+from ember.trainer.step import jit_train_step
 from tests.helpers import ROOT, checked, config, random_batch, start
 
 
@@ -32,7 +32,7 @@ def test_a_non_finite_step_leaves_the_state_as_if_its_batch_never_came():
   s = start(config("tiny", **{"model.dtype": "float32", "quant.recipe": "fp8_delayed"}), 1)
   good = [random_batch(s.cfg, seed=i) for i in (1, 2)]
   bad = dict(good[0], inputs=np.full_like(good[0]["inputs"], 1 << 30))
-  sharding = batch_sharding(s.cfg, s.mesh)
+  sharding = batch_sharding(s.cfg.mesh.rules_dict, s.mesh)
   put = lambda b: {k: jax.device_put(v, sharding) for k, v in b.items()}
   with s.rules():
     step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
@@ -173,7 +173,7 @@ def test_deadlines_follow_the_measured_steps_and_xla_timeouts_sit_past_them():
 
 def test_stragglers_name_the_slowest_prober_and_the_longest_input_wait():
   gather = lambda mine: np.stack([[0.010, 0.001], [0.025, 0.000], [0.011, 0.004], mine])
-  s = stragglers_lib.Stragglers(warn_ratio=1.3)
+  s = watchdog_lib.Stragglers(warn_ratio=1.3)
   s.add_input_wait(0.002)
   s.add_input_wait(0.004)
   record, warning = s.take(gather, probe=lambda: 0.012)
@@ -182,22 +182,22 @@ def test_stragglers_name_the_slowest_prober_and_the_longest_input_wait():
   assert record["median_probe_s"] == 0.011 and record["straggler_ratio"] == pytest.approx(0.025 / 0.011)
   assert record["input_wait_process"] == 2 and record["input_wait_s"] == 0.004
   assert warning.startswith("process 1 is a straggler")
-  calm, warning = stragglers_lib.Stragglers(warn_ratio=3.0).take(gather, probe=lambda: 0.012)
+  calm, warning = watchdog_lib.Stragglers(warn_ratio=3.0).take(gather, probe=lambda: 0.012)
   assert calm["straggler_process"] == 1 and warning is None
-  assert stragglers_lib.probe_seconds(jax.local_devices()[:1]) > 0
+  assert watchdog_lib.probe_seconds(jax.local_devices()[:1]) > 0
 
 
 def test_the_probe_runs_twice_on_a_device_the_first_time_and_once_after(monkeypatch):
   """A device's first probe compiles it (an untimed run first); at every later log step one timed run."""
   runs = []
-  probe = stragglers_lib._probe_fn
-  monkeypatch.setattr(stragglers_lib, "_warm", set())
-  monkeypatch.setattr(stragglers_lib, "_probe_fn", lambda *a: lambda x: runs.append(x.device) or probe(*a)(x))
+  probe = watchdog_lib._probe_fn
+  monkeypatch.setattr(watchdog_lib, "_warm", set())
+  monkeypatch.setattr(watchdog_lib, "_probe_fn", lambda *a: lambda x: runs.append(x.device) or probe(*a)(x))
   devices = jax.local_devices()[:2]
-  stragglers_lib.probe_seconds(devices)
+  watchdog_lib.probe_seconds(devices)
   assert runs == [devices[0], devices[0], devices[1], devices[1]]
   runs.clear()
-  stragglers_lib.probe_seconds(devices)
+  watchdog_lib.probe_seconds(devices)
   assert runs == devices
 
 

@@ -12,9 +12,10 @@ from jax.sharding import Mesh
 
 from ember.layers import linear
 from ember.names import MESH_AXES
-from ember.trainer.loop import train
+from ember.parallel.sharding import batch_sharding
 from ember.program import hlo
 from ember.trainer import step as step_lib
+from ember.trainer.loop import train
 from ember.trainer.step import micro_batches
 from tests.helpers import checked, compiled_text, config, one_step, random_batch, rel_error, settings, start
 
@@ -238,13 +239,13 @@ def test_evaluation_runs_the_steps_micro_batches(preset):
   def evaluate(rows_per_batch: int, steps: int):
     """(the compiled eval step of batches of `rows_per_batch` in `steps` micro-batches, its start)."""
     s = start(config(preset, **{**overrides, "train.batch_size": rows_per_batch, "train.grad_accum_steps": steps}), 8)
-    example = jax.device_put({k: v[:rows_per_batch] for k, v in batch.items()}, step_lib.batch_sharding(s.cfg, s.mesh))
+    example = jax.device_put({k: v[:rows_per_batch] for k, v in batch.items()}, batch_sharding(s.cfg.mesh.rules_dict, s.mesh))
     with s.rules():
       return step_lib.jit_eval_step(s.cfg, s.mesh, s.graphdef, s.shardings).lower(s.state, example).compile(), s
 
   def run(compiled, s, rows):
     with s.rules():
-      return float(compiled(s.state, jax.device_put(rows, step_lib.batch_sharding(s.cfg, s.mesh))))
+      return float(compiled(s.state, jax.device_put(rows, batch_sharding(s.cfg.mesh.rules_dict, s.mesh))))
 
   whole, s_whole = evaluate(32, 1)
   stepped, s_stepped = evaluate(32, accum)

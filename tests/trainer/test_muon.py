@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ember.trainer import muon
+from ember.trainer import optimizer
 from ember.trainer.optimizer import make_optimizer
 from ember.trainer.state import logical_axes
 from tests import helpers
@@ -34,17 +34,17 @@ def test_one_matrix_equals_numpy_newton_schulz(shape):
   """ember's [in, out] kernel layout is PyTorch's [out, in] transposed: the update must be NumPy's on the
   transpose, transposed back."""
   u = np.random.default_rng(0).normal(size=shape).astype(np.float32)
-  layout = muon.MatrixLayout(batch=(), rows=(0,), cols=(1,))
-  got = np.asarray(muon.orthogonalize(jnp.asarray(u), layout, 5, jnp.float32))
+  layout = optimizer.MatrixLayout(batch=(), rows=(0,), cols=(1,))
+  got = np.asarray(optimizer.orthogonalize(jnp.asarray(u), layout, 5, jnp.float32))
   np.testing.assert_allclose(got, _numpy_newton_schulz(u.T).T, rtol=2e-4, atol=2e-5)
 
 
 def test_stacked_kernels_are_separate_matrices():
   """A [layers, experts, in, gate, out] kernel: each (layer, expert) is one [in, gate * out] matrix."""
   u = np.random.default_rng(1).normal(size=(2, 3, 16, 2, 8)).astype(np.float32)
-  layout = muon.matrix_layout(("moe", "wi", "kernel"), ("layers", "expert", "embed", "gate", "mlp"))
-  assert layout == muon.MatrixLayout(batch=(0, 1), rows=(2,), cols=(3, 4))
-  got = np.asarray(muon.orthogonalize(jnp.asarray(u), layout, 5, jnp.float32))
+  layout = optimizer.matrix_layout(("moe", "wi", "kernel"), ("layers", "expert", "embed", "gate", "mlp"))
+  assert layout == optimizer.MatrixLayout(batch=(0, 1), rows=(2,), cols=(3, 4))
+  got = np.asarray(optimizer.orthogonalize(jnp.asarray(u), layout, 5, jnp.float32))
   for i in range(2):
     for j in range(3):
       want = _numpy_newton_schulz(u[i, j].reshape(16, 16).T).T.reshape(16, 2, 8)
@@ -57,17 +57,17 @@ def test_muon_takes_the_projection_kernels_and_adamw_the_rest():
   flat = jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda a: isinstance(a, tuple))[0]
   kinds = {}
   for path, spec in flat:
-    keys = muon.keys_of(path)
+    keys = optimizer.keys_of(path)
     name = "/".join(str(k) for k in keys if not isinstance(k, int))
-    kinds[name] = muon.matrix_layout(keys, tuple(spec))
+    kinds[name] = optimizer.matrix_layout(keys, tuple(spec))
   on = {name for name, layout in kinds.items() if layout is not None}
   layers = "segments/blocks/layers/"
   assert on == {layers + p for p in ("attn/qkv/kernel", "attn/out/kernel", "mlp/wi/kernel", "mlp/wo/kernel",
                                      "moe/wi/kernel", "moe/wo/kernel", "moe/shared/wi/kernel",
                                      "moe/shared/wo/kernel")}
   # The attention output reads the heads and writes the residual stream.
-  assert kinds[layers + "attn/out/kernel"] == muon.MatrixLayout(batch=(0,), rows=(1, 2), cols=(3,))
-  assert kinds[layers + "attn/qkv/kernel"] == muon.MatrixLayout(batch=(0,), rows=(1,), cols=(2, 3, 4))
+  assert kinds[layers + "attn/out/kernel"] == optimizer.MatrixLayout(batch=(0,), rows=(1, 2), cols=(3,))
+  assert kinds[layers + "attn/qkv/kernel"] == optimizer.MatrixLayout(batch=(0,), rows=(1,), cols=(2, 3, 4))
 
 
 @pytest.mark.long
@@ -112,12 +112,12 @@ def test_muon_trains_alike_on_one_device_and_under_fsdp_and_expert_parallelism()
   np.testing.assert_allclose(expert, one, rtol=1e-5)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("name", ["adamw", pytest.param("muon", marks=pytest.mark.extended)])
 @pytest.mark.long
-def test_bfloat16_state_is_stored_in_bfloat16_and_updates_from_it(optimizer):
+def test_bfloat16_state_is_stored_in_bfloat16_and_updates_from_it(name):
   """Every floating leaf of the optimizer state is bfloat16; a step from a state equals the float32 optimizer's
   step from that state read up to float32."""
-  over = {"train.optimizer": optimizer, "train.warmup_steps": 0}
+  over = {"train.optimizer": name, "train.warmup_steps": 0}
   half = helpers.settings("tiny", **over, **{"train.optimizer_state_dtype": "bfloat16"})
   full = helpers.settings("tiny", **over)
   (tx_half, _), (tx_full, _) = make_optimizer(half), make_optimizer(full)
@@ -142,12 +142,12 @@ def test_every_stack_of_matrices_is_split_over_the_devices_each_matrix_whole(cou
   run there. Its update is the one of each matrix alone."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   s = helpers.start(helpers.config("tiny", **{"model.num_layers": 3, "mesh.fsdp": 8, "train.optimizer": "muon"}), 8)
-  layout = muon.MatrixLayout(batch=(0,), rows=(1,), cols=(2,), axes=("layers", "embed", "mlp"))
+  layout = optimizer.MatrixLayout(batch=(0,), rows=(1,), cols=(2,), axes=("layers", "embed", "mlp"))
   u = jax.random.normal(jax.random.key(0), (count, 64, 128), jnp.float32)
   with s.rules():
     x = jax.device_put(u, NamedSharding(s.mesh, P(None, "fsdp", None)))
-    assert jax.jit(muon._whole_matrices)(x).sharding.spec[0] in ("fsdp", ("fsdp",))
-    got = jax.jit(lambda a: muon.orthogonalize(a, layout, 5, jnp.float32))(x)
-  want = np.stack([np.asarray(muon.orthogonalize(u[i:i + 1], layout, 5, jnp.float32))[0] for i in range(count)])
+    assert jax.jit(optimizer._whole_matrices)(x).sharding.spec[0] in ("fsdp", ("fsdp",))
+    got = jax.jit(lambda a: optimizer.orthogonalize(a, layout, 5, jnp.float32))(x)
+  want = np.stack([np.asarray(optimizer.orthogonalize(u[i:i + 1], layout, 5, jnp.float32))[0] for i in range(count)])
   assert got.shape == u.shape
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)

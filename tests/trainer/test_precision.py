@@ -9,13 +9,14 @@ import pytest
 from ember import config as config_lib
 from ember.errors import ConfigError
 from ember.layers.decoder import layer_slots
+from ember.parallel.sharding import batch_sharding
 from ember.quant import dot
 from ember.quant.recipe import Recipe
 from ember.trainer import precision
 from ember.trainer.checkpointing import Checkpointer
 from ember.trainer.loop import _check_phase
 from ember.trainer.state import state_shardings
-from ember.trainer.step import batch_sharding, jit_train_step
+from ember.trainer.step import jit_train_step
 from tests import helpers
 
 
@@ -69,7 +70,7 @@ def test_muon_kernels_stay_muon_when_a_phase_regroups_the_segments():
     moved = precision.carry(start.state, phases.cfg(0), cfg, abstract, shardings)
     step = jit_train_step(cfg, start.mesh, graphdef, start.tx, start.schedule, shardings, donate=False)
     batch = helpers.random_batch(helpers.config(**{"model.num_layers": 4}))
-    _, metrics = step(moved, {k: jax.device_put(v, batch_sharding(cfg, start.mesh)) for k, v in batch.items()})
+    _, metrics = step(moved, {k: jax.device_put(v, batch_sharding(cfg.mesh.rules_dict, start.mesh)) for k, v in batch.items()})
   assert jnp.isfinite(metrics["loss"])
 
 
@@ -163,7 +164,7 @@ def test_each_layer_follows_itself_when_exclude_regroups_the_segments():
     moved = precision.carry(state, phases.cfg(0), cfg, abstract, shardings)
     step = jit_train_step(cfg, start.mesh, graphdef, start.tx, start.schedule, shardings, donate=False)
     batch = helpers.random_batch(helpers.config(**{"model.num_layers": 4}))
-    _, metrics = step(moved, {k: jax.device_put(v, batch_sharding(cfg, start.mesh)) for k, v in batch.items()})
+    _, metrics = step(moved, {k: jax.device_put(v, batch_sharding(cfg.mesh.rules_dict, start.mesh)) for k, v in batch.items()})
   assert len(moved.quant_state["segments"]) == 1 and len(moved.params["segments"]) == 1
 
   def layer_of(tree) -> list[float]:

@@ -10,12 +10,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ember.parallel.sharding import batch_sharding
 from ember.quant import health
 from ember.quant.quantizers import CurrentScaling, DelayedScaling
 from ember.trainer import quant_stats
 from ember.trainer.loop import train
 from ember.trainer.phase import QuantHealth
-from ember.trainer.step import batch_sharding, jit_train_step
+from ember.trainer.step import jit_train_step
 from tests import helpers
 from tests.trainer.test_metrics import _events
 
@@ -54,7 +55,7 @@ def _forced_step(recipe: str = "fp8_delayed"):
   cfg = s.cfg
   with s.rules():
     step = jit_train_step(cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
-    batch = jax.device_put(helpers.random_batch(cfg), batch_sharding(cfg, s.mesh))
+    batch = jax.device_put(helpers.random_batch(cfg), batch_sharding(cfg.mesh.rules_dict, s.mesh))
     state, _ = step(s.state, batch)  # Histories of real amaxes.
     quant_state = jax.tree.map(lambda a: a, state.quant_state)
     layers = quant_state["segments"][0]["blocks"]["layers"][0]
@@ -119,7 +120,7 @@ def test_stats_off_traces_no_statistic(recipe, experts, monkeypatch):
         **{"quant.recipe": recipe, "model.num_experts": experts, "log.quant_stats_every": every})
     with s.rules():
       step = jit_train_step(s.cfg, s.mesh, s.graphdef, s.tx, s.schedule, s.shardings, donate=False)
-      batch = jax.device_put(helpers.random_batch(s.cfg), batch_sharding(s.cfg, s.mesh))
+      batch = jax.device_put(helpers.random_batch(s.cfg), batch_sharding(s.cfg.mesh.rules_dict, s.mesh))
       _, metrics = jax.eval_shape(step, s.state, batch)
     state = s.state
     counted[every] = (len(calls), "quant_stats" in metrics,

@@ -10,7 +10,7 @@ import pytest
 
 from ember.layers import moe_dispatch
 from ember.trainer.loop import train
-from ember.trainer.moe_counts import MoeCounts
+from ember.trainer.metrics import MoeCounts
 from tests.helpers import checked, config
 
 CONTRACT_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}

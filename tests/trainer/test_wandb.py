@@ -101,7 +101,7 @@ def test_wandb_without_the_package_is_a_config_error(monkeypatch):
 def test_wandb_that_cannot_start_is_a_config_error(tmp_path, monkeypatch):
   """Online without an API key: one line naming the key and the way out, not W&B's traceback."""
   from ember.errors import ConfigError
-  from ember.trainer.wandb_run import WandbRun
+  from ember.trainer.metrics import WandbRun
   for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_SILENT"):
     monkeypatch.delenv(var, raising=False)
   monkeypatch.setenv("HOME", str(tmp_path))  # No ~/.netrc holding a key.
