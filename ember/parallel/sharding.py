@@ -7,7 +7,8 @@ mentions a mesh: outside `use_rules(...)` every `shard` call is a no-op, so a la
 on one device, in a test, or inside `shard_map`.
 
 Which mesh axes do what, read from the same rules: validation, the step, the loss, the MoE layer, the planner and
-the compile report ask these functions instead of naming axes themselves, so a rule changed in a config (or a new mesh axis) reaches all of them:
+the compile report ask these functions instead of naming axes themselves, so a rule changed in a config (or a new
+mesh axis) reaches all of them:
 
   batch_axes      the mesh axes the batch is split over: the `batch` rule (data, fsdp, expert by default)
   sequence_axes   the mesh axes each sequence is split over: the `length` rule (context parallelism)

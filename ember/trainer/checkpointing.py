@@ -666,8 +666,8 @@ class LocalCheckpoints:
   """Save and restore of the local tier (the module's docstring)."""
 
   def __init__(self, directory: str, every_steps: int, mesh: Mesh, seed: int, workdir: str):
-    """The run's steps go to a directory of their own under `directory`, `run-<id>` (`_local_run_id(workdir)`): runs that
-    share a node's disk neither resume from nor prune each other's steps."""
+    """The run's steps go to a directory of their own under `directory`, `run-<id>` (`_local_run_id(workdir)`):
+    runs that share a node's disk neither resume from nor prune each other's steps."""
     base = directory.replace("{process}", str(jax.process_index()))  # An absolute local path (validated).
     self.directory = os.path.join(base, "run-" + _local_run_id(workdir))
     self.every_steps, self.mesh, self.seed = every_steps, mesh, seed

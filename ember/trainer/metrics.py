@@ -6,13 +6,14 @@ rewritten whole in a bucket), so a crash leaves at most a torn *last* line; `tru
 rewrites the file atomically without it and without records past the restored step, so the file never holds a
 step twice or a gap.
 
-Weights & Biases (`WandbRun`): every metrics record also logged to a W&B run (`log.wandb_project`). The run's id is kept in the workdir (`wandb_run_id`), so a resumed run continues the same W&B run rather than
-starting a second one; a new run in that workdir (no checkpoint restored: metrics.jsonl starts over) starts a new
-W&B run under a new id, since W&B would drop every step of it up to the last one the earlier run logged. W&B
-refuses a step at or below one it already holds: records a crash logged past the restored step are not rewritten
-there (metrics.jsonl is the record of truth; it is truncated to the restored step). W&B's own environment
-applies: WANDB_MODE=offline writes the run under the workdir's `wandb/` for a later `wandb sync` (W&B's own files
-are local: for a gs:// workdir, under ./wandb or WANDB_DIR).
+Weights & Biases (`WandbRun`): every metrics record also logged to a W&B run (`log.wandb_project`). The run's id is
+kept in the workdir (`wandb_run_id`), so a resumed run continues the same W&B run rather than starting a second one;
+a new run in that workdir (no checkpoint restored: metrics.jsonl starts over) starts a new W&B run under a new id,
+since W&B would drop every step of it up to the last one the earlier run logged. W&B refuses a step at or below one
+it already holds: records a crash logged past the restored step are not rewritten there (metrics.jsonl is the record
+of truth; it is truncated to the restored step). W&B's own environment applies: WANDB_MODE=offline writes the run
+under the workdir's `wandb/` for a later `wandb sync` (W&B's own files are local: for a gs:// workdir, under ./wandb
+or WANDB_DIR).
 
 MoE token counts over a log interval (`MoeCounts`): the train step returns each step's dropped, routed and overflowed
 copies (overall and per layer); the loop adds them up on the device every step, and a logged step's record

@@ -1,12 +1,12 @@
 """Hangs end the job, stragglers are named.
 
-Hangs: a deadline on each stage of the training loop, and what happens past it.
-A stopped or dead process stalls every other one in its next collective, and nothing raises: the job would hold
-its nodes forever. The loop tells the `Watchdog` what it starts and how long that may take (`expect`); past the
-deadline the watchdog's thread writes one line naming the stage and the stall, then every thread's Python stack
-(faulthandler), to stderr (the process's log), and ends the process with `HUNG_EXIT_STATUS` without running exit
-handlers (they would wait on the same stalled collective). SLURM (a `--requeue` or retry loop) or a JobSet then
-restarts the job, which resumes from its newest checkpoint (docs/multihost.md, "When a job fails").
+Hangs: a deadline on each stage of the training loop, and what happens past it. A stopped or dead process stalls
+every other one in its next collective, and nothing raises: the job would hold its nodes forever. The loop tells the
+`Watchdog` what it starts and how long that may take (`expect`); past the deadline the watchdog's thread writes one
+line naming the stage and the stall, then every thread's Python stack (faulthandler), to stderr (the process's log),
+and ends the process with `HUNG_EXIT_STATUS` without running exit handlers (they would wait on the same stalled
+collective). SLURM (a `--requeue` or retry loop) or a JobSet then restarts the job, which resumes from its newest
+checkpoint (docs/multihost.md, "When a job fails").
 
 How long a stage may take (`Deadlines`): `train.step_timeout_s` for a step and its logging once set; by default
 (0) `AUTO_MULTIPLE` x the median of the steps timed so far, at least `AUTO_FLOOR_S`, once `AUTO_AFTER_STEPS`
@@ -15,16 +15,17 @@ a checkpoint, and every step before the timing starts, gets `train.compile_timeo
 timeouts on GPUs (`xla_flags`) are set a margin past the watchdog's, so that the watchdog, which names the step,
 speaks first.
 
-Stragglers: which process holds the others back, and by how much. Every process runs the same step and meets the others in its collectives, so every process measures the same step
-time: a slow one makes the others wait inside the step, where no timer of theirs can tell who was late. So each
-process measures its own speed apart from the step, at every log step: a fixed GEMM probe on each of its devices,
-timed alone (`probe_seconds`: its slowest device; a throttled GPU, a loaded host CPU or a slow launch path all show
-here), and the time it waited for its input pipeline's batches over the interval. The processes gather both (one
-small all-gather) and the record names the slowest prober (`straggler_process`), its probe time
-(`straggler_probe_s`), the median of the others' (`median_probe_s`), their ratio (`straggler_ratio`: the median of
-the others, so that with two processes a process at half speed reads 2), and the process that waited
-longest for its input (`input_wait_process`, `input_wait_s` per step). A ratio past `log.straggler_ratio` prints a
-warning line naming the process. One process: nothing to compare, no keys.
+Stragglers: which process holds the others back, and by how much. Every process runs the same step and meets the
+others in its collectives, so every process measures the same step time: a slow one makes the others wait inside the
+step, where no timer of theirs can tell who was late. So each process measures its own speed apart from the step, at
+every log step: a fixed GEMM probe on each of its devices, timed alone (`probe_seconds`: its slowest device; a
+throttled GPU, a loaded host CPU or a slow launch path all show here), and the time it waited for its input
+pipeline's batches over the interval. The processes gather both (one small all-gather) and the record names the
+slowest prober (`straggler_process`), its probe time (`straggler_probe_s`), the median of the others'
+(`median_probe_s`), their ratio (`straggler_ratio`: the median of the others, so that with two processes a process
+at half speed reads 2), and the process that waited longest for its input (`input_wait_process`, `input_wait_s` per
+step). A ratio past `log.straggler_ratio` prints a warning line naming the process. One process: nothing to compare,
+no keys.
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ def test_the_same_biases_and_losses_under_expert_parallelism():
     state, losses = s.state, []
     with s.rules():
       for b in batches:
-        state, metrics = step(state, {k: jax.device_put(v, batch_sharding(s.cfg.mesh.rules_dict, s.mesh)) for k, v in b.items()})
+        sharding = batch_sharding(s.cfg.mesh.rules_dict, s.mesh)
+        state, metrics = step(state, {k: jax.device_put(v, sharding) for k, v in b.items()})
         losses.append(float(metrics["loss"]))
     return losses, np.asarray(state.quant_state["segments"][0]["blocks"]["layers"][0]["moe"]["router_bias"])
 

@@ -239,7 +239,8 @@ def test_evaluation_runs_the_steps_micro_batches(preset):
   def evaluate(rows_per_batch: int, steps: int):
     """(the compiled eval step of batches of `rows_per_batch` in `steps` micro-batches, its start)."""
     s = start(config(preset, **{**overrides, "train.batch_size": rows_per_batch, "train.grad_accum_steps": steps}), 8)
-    example = jax.device_put({k: v[:rows_per_batch] for k, v in batch.items()}, batch_sharding(s.cfg.mesh.rules_dict, s.mesh))
+    sharding = batch_sharding(s.cfg.mesh.rules_dict, s.mesh)
+    example = jax.device_put({k: v[:rows_per_batch] for k, v in batch.items()}, sharding)
     with s.rules():
       return step_lib.jit_eval_step(s.cfg, s.mesh, s.graphdef, s.shardings).lower(s.state, example).compile(), s
 

@@ -70,7 +70,8 @@ def test_muon_kernels_stay_muon_when_a_phase_regroups_the_segments():
     moved = precision.carry(start.state, phases.cfg(0), cfg, abstract, shardings)
     step = jit_train_step(cfg, start.mesh, graphdef, start.tx, start.schedule, shardings, donate=False)
     batch = helpers.random_batch(helpers.config(**{"model.num_layers": 4}))
-    _, metrics = step(moved, {k: jax.device_put(v, batch_sharding(cfg.mesh.rules_dict, start.mesh)) for k, v in batch.items()})
+    sharding = batch_sharding(cfg.mesh.rules_dict, start.mesh)
+    _, metrics = step(moved, {k: jax.device_put(v, sharding) for k, v in batch.items()})
   assert jnp.isfinite(metrics["loss"])
 
 
@@ -164,7 +165,8 @@ def test_each_layer_follows_itself_when_exclude_regroups_the_segments():
     moved = precision.carry(state, phases.cfg(0), cfg, abstract, shardings)
     step = jit_train_step(cfg, start.mesh, graphdef, start.tx, start.schedule, shardings, donate=False)
     batch = helpers.random_batch(helpers.config(**{"model.num_layers": 4}))
-    _, metrics = step(moved, {k: jax.device_put(v, batch_sharding(cfg.mesh.rules_dict, start.mesh)) for k, v in batch.items()})
+    sharding = batch_sharding(cfg.mesh.rules_dict, start.mesh)
+    _, metrics = step(moved, {k: jax.device_put(v, sharding) for k, v in batch.items()})
   assert len(moved.quant_state["segments"]) == 1 and len(moved.params["segments"]) == 1
 
   def layer_of(tree) -> list[float]:
