@@ -20,6 +20,7 @@ import functools
 from typing import Callable, Sequence
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -47,11 +48,23 @@ def zero_aux() -> dict[str, jax.Array]:
   return {k: jnp.zeros((), jnp.float32) for k in AUX_KEYS}
 
 
+def traced_once(fn: Callable, *args) -> tuple[Callable, object]:
+  """(a function computing fn(*args) from fn's jaxpr, the shapes of fn's outputs), fn traced once. Where a program
+  needs an output's shape before it calls fn (a carry, a `cond`'s other branch), `jax.eval_shape` would trace fn a
+  second time: for a stage of layers and its backward, a third of a step's lowering. The jaxpr's operations are
+  bound again as they are, their names (remat names, name stacks) included."""
+  closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+  tree = jax.tree.structure(shapes)
+  return (lambda *args_: jax.tree.unflatten(tree, jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(args_))),
+          shapes)
+
+
 def run_where(on, fn: Callable, x, *rest):
   """fn(x, *rest) -> (y, *outs) where `on`, else (x, zeros like outs), the work not run at all (a `cond`): a
   pipeline stage's padding row, or the segments that another stage runs (ember/trainer/pipelined.py)."""
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, x, *rest)[1:])
-  return jax.lax.cond(on, fn, lambda x_, *_: (x_, *zeros), x, *rest)
+  run, shapes = traced_once(fn, x, *rest)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1:])
+  return jax.lax.cond(on, run, lambda x_, *_: (x_, *zeros), x, *rest)
 
 
 class DecoderLayer(nnx.Module):

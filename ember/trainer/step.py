@@ -150,10 +150,17 @@ def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch
     return jax.value_and_grad(loss, argnums, has_aux=True)(params, state.quant_state, stats,
                                                            None if once is None else once.partial)
 
-  (_, metrics_shape), outs_shape = jax.eval_shape(
-      lambda p, *x: run(p, *x, taken=linear.once_a_step(merged_model(graphdef, p, state.quant_state, stats), rematted,
-                                                        loop=accum > 1)),
-      state.params, *jax.tree.map(lambda a: a[0], xs))
+  # The scan's carry is shaped like a micro-batch's outputs: its metrics from the forward alone (tracing the
+  # backward too, once more than the scan traces it, took about 40% of a step's lowering), its gradients like what
+  # they are taken of (JAX gives a real input's gradient the input's shape and dtype).
+  def forward(params, micro, micro_key):
+    taken = linear.once_a_step(merged_model(graphdef, params, state.quant_state, stats), rematted, loop=accum > 1)
+    return loss_fn(params, state.quant_state, micro, stats, key=micro_key, count=count, micro_batches=accum,
+                   taken=taken)
+
+  _, metrics_shape = jax.eval_shape(forward, state.params, *jax.tree.map(lambda a: a[0], xs))
+  outs_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                            (state.params, state.quant_state) + (() if stats is None else (stats,)))
   f32_zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree)
   init = (f32_zeros(metrics_shape), f32_zeros(outs_shape[0]), f32_zeros(outs_shape[1]))
   if stats is not None:
