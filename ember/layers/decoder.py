@@ -50,9 +50,8 @@ def zero_aux() -> dict[str, jax.Array]:
 
 def traced_once(fn: Callable, *args) -> tuple[Callable, object]:
   """(a function computing fn(*args) from fn's jaxpr, the shapes of fn's outputs), fn traced once. Where a program
-  needs an output's shape before it calls fn (a carry, a `cond`'s other branch), `jax.eval_shape` would trace fn a
-  second time: for a stage of layers and its backward, a third of a step's lowering. The jaxpr's operations are
-  bound again as they are, their names (remat names, name stacks) included."""
+  needs an output's shape before it calls fn (a `cond`'s other branch), `jax.eval_shape` would trace fn a second
+  time. The jaxpr's operations are bound again as they are, their names (remat names, name stacks) included."""
   closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
   tree = jax.tree.structure(shapes)
   return (lambda *args_: jax.tree.unflatten(tree, jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(args_))),

@@ -151,7 +151,7 @@ def _accumulate(loss_fn, state: TrainState, batch, stats, key, accum: int, batch
                                                            None if once is None else once.partial)
 
   # The scan's carry is shaped like a micro-batch's outputs: its metrics from the forward alone (tracing the
-  # backward too, once more than the scan traces it, took about 40% of a step's lowering), its gradients like what
+  # backward too, once more than the scan traces it, took 30-40% of a step's lowering), its gradients like what
   # they are taken of (JAX gives a real input's gradient the input's shape and dtype).
   def forward(params, micro, micro_key):
     taken = linear.once_a_step(merged_model(graphdef, params, state.quant_state, stats), rematted, loop=accum > 1)
