@@ -7,7 +7,6 @@ A bad flag, config value or input path exits with status 2 and one line on stder
 every exit status.
 """
 
-import gc
 import sys
 import time
 
@@ -28,12 +27,8 @@ def main(argv: list[str]) -> int:
     from ember.config import load, validate
     from ember.plan.auto_remat import resolve
     from ember.trainer.loop import prepare, train
-    # Tracing a step makes millions of short-lived objects, few of them in cycles, while Python's collector ran
-    # every 700 allocations and, now and then, over every object the imports made: a fifth of a step's lowering
-    # (CPU time). The imports' objects are set aside (they live as long as the process anyway) and the youngest
-    # generation is collected less often.
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
+    from ember import collect_for_tracing
+    collect_for_tracing()
     settings, mesh = prepare(validate(load(argv), None))  # The config checked before the job is joined.
     last = train(resolve(settings, mesh), mesh)
   except (EmberError, Diverged) as e:

@@ -1,7 +1,6 @@
 """Test set-up: 8 virtual CPU devices, set before JAX is imported anywhere; one compilation cache per session;
 the long cases (`@pytest.mark.long`, and every case but the first of a test marked `@pytest.mark.variants`) only
 with `--long`, the extended ones (`@pytest.mark.extended`) only with `--extended`."""
-import gc
 import importlib.util
 import os
 import shutil
@@ -41,10 +40,11 @@ if _TARGET_SUITE:
   os.environ["XLA_FLAGS"] += f" --xla_gpu_kernel_cache_file={os.environ[_KERNELS]}/{_worker}.bin"
 
 
-# The collector as train.py sets it (the tests trace hundreds of steps in this process): about a fifth less CPU
-# time in each lowering.
-gc.freeze()
-gc.set_threshold(50_000, 20, 100)
+# The collector as train.py sets it (the tests trace hundreds of steps in this process); imported here, after the
+# XLA options above, as every test module imports ember.
+from ember import collect_for_tracing  # noqa: E402
+
+collect_for_tracing()
 
 
 def pytest_unconfigure(config):
