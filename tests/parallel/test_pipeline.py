@@ -28,8 +28,10 @@ ACCUM = 8
 
 
 def _cfg(preset="tiny", **overrides):
-  return helpers.config(preset, **{"model.dtype": "float32", "model.num_layers": 4, "train.batch_size": 16,
-                                   "train.grad_accum_steps": ACCUM, "train.warmup_steps": 1,
+  # 32 positions, half the presets': the CPU steps' run time is linear in them, and a sequence still splits over the
+  # 4 stages that share the LM head and over 2 context devices each.
+  return helpers.config(preset, **{"model.dtype": "float32", "model.num_layers": 4, "model.seq_len": 32,
+                                   "train.batch_size": 16, "train.grad_accum_steps": ACCUM, "train.warmup_steps": 1,
                                    "train.learning_rate": 1e-3, **overrides})
 
 
@@ -77,7 +79,7 @@ SCHEDULES = ["gpipe", "1f1b"]
 ONE_EXTENDED = [pytest.param("gpipe", marks=pytest.mark.extended), "1f1b"]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ONE_EXTENDED)
 @pytest.mark.parametrize("recipe", ["bf16", pytest.param("fp8_current", marks=pytest.mark.extended)])
 @pytest.mark.long
 def test_four_stages_train_like_one_device(recipe, schedule):
@@ -109,7 +111,7 @@ def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(re
 
 
 @pytest.mark.parametrize("preset,recipe,schedule,virtual,inside", [
-    ("tiny", "bf16", "gpipe", 1, {"fsdp": 2}),
+    pytest.param("tiny", "bf16", "gpipe", 1, {"fsdp": 2}, marks=pytest.mark.extended),
     ("tiny", "bf16", "1f1b", 1, {"fsdp": 2}),
     ("tiny", "bf16", "interleaved_1f1b", 2, {"tensor": 2}),
     pytest.param("tiny", "fp8_current", "1f1b", 1, {"fsdp": 2}, marks=pytest.mark.extended),
