@@ -105,7 +105,7 @@ def _assert_same_training(recipe, one, piped, rel):
 def test_interleaved_stages_with_fsdp_and_tensor_inside_train_like_one_device(recipe):
   """pipeline 2 x fsdp 2 x tensor 2, interleaved 1F1B with 2 chunks a stage (layers 0 and 2 on stage 0, 1 and 3
   on stage 1), 8 micro-batches, float32, 5 steps: one device's losses and parameters."""
-  one, piped, rel = _compare("tiny", recipe, {"pipeline": 2, "fsdp": 2, "tensor": 2}, batch_size=32,
+  one, piped, rel = _compare("tiny", recipe, {"pipeline": 2, "fsdp": 2, "tensor": 2},
                              schedule="interleaved_1f1b", virtual=2)
   _assert_same_training(recipe, one, piped, rel)
 
@@ -190,8 +190,9 @@ def test_moe_stages_with_expert_parallelism_inside_train_like_one_device(schedul
 def test_uneven_stages_train_like_one_device(recipe, mesh, schedule, virtual, layers):
   """3 layers in 2 stages: the stacked rows padded to 4 with a zero row, the identity, which stays zero (`_compare`
   checks it); 5 layers in 2 stages x 2 chunks: 8 rows, stage 1's second chunk all padding."""
-  one, piped, rel = _compare("tiny", recipe, mesh, batch_size=32, schedule=schedule, virtual=virtual,
-                             **{"model.num_layers": layers})
+  # A row a device in each micro-batch.
+  one, piped, rel = _compare("tiny", recipe, mesh, batch_size=ACCUM * mesh["fsdp"], schedule=schedule,
+                             virtual=virtual, **{"model.num_layers": layers})
   _assert_same_training(recipe, one, piped, rel)
 
 
@@ -218,7 +219,7 @@ def test_segments_off_the_stages_train_like_one_device(preset, recipe, mesh, sch
   the last stage (ModelConfig.staged_segment); one device's losses and parameters, per-layer MoE statistics and
   the multi-token-prediction loss included."""
   logged = ("loss", "mtp_loss", MOE_ROUTED_TOKENS) if preset == "deepseek_tiny" else ("loss",)
-  one, piped, rel = _compare(preset, recipe, mesh, batch_size=32, schedule=schedule, virtual=virtual, logged=logged,
+  one, piped, rel = _compare(preset, recipe, mesh, schedule=schedule, virtual=virtual, logged=logged,
                              **overrides)
   _assert_same_training(recipe, one, piped, rel)
 
